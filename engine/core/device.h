@@ -1,0 +1,175 @@
+// Devices: where compute runs.
+//
+// A Device gives streams (ordered queues of work), events (points in a stream that
+// other streams and the host can wait for), a budgeted allocator (a hard cap: an
+// allocation past it fails with a Status naming the request and the high-water mark),
+// asynchronous copies and kernel launches.
+//
+// - CpuDevice: "device memory" is host memory counted against the budget; each stream
+//   has its own worker thread, so copies on a copy stream really overlap compute on a
+//   compute stream; compute kernels fan out through an Executor (oneTBB arena).
+// - CudaDevice: real CUDA streams and events and a caching allocator under the budget.
+//
+// Errors raised by asynchronous work are kept by the stream and returned by the next
+// synchronize() / Event::synchronize(); they are never lost and never crash.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "engine/core/executor.h"
+#include "engine/core/status.h"
+
+namespace strata {
+
+enum class DeviceKind : uint8_t { kCpu, kCuda };
+std::string_view device_kind_name(DeviceKind kind);  // "cpu" | "cuda"
+StatusOr<DeviceKind> parse_device_kind(std::string_view text);
+
+// Direction of a copy, seen from the device.
+enum class CopyKind : uint8_t {
+  kHostToDevice,
+  kDeviceToHost,
+  kDeviceToDevice,
+  kHostToHost,
+};
+std::string_view copy_kind_name(CopyKind kind);
+
+struct MemoryStats {
+  size_t budget_bytes = 0;        // the hard cap
+  size_t in_use_bytes = 0;        // bytes held by live DeviceBuffers
+  size_t reserved_bytes = 0;      // bytes the allocator holds from the system (>= in_use for a caching allocator)
+  size_t high_water_bytes = 0;    // the most reserved_bytes ever reached (what counts against the budget)
+  uint64_t allocation_count = 0;  // successful allocations
+  uint64_t failed_allocations = 0;// allocations refused for the budget or by the system
+};
+
+class Device;
+class Stream;
+
+// Move-only owner of one allocation on a device; the destructor gives it back.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  ~DeviceBuffer() { reset(); }
+
+  void* data() const { return data_; }
+  template <class T>
+  T* as() const { return static_cast<T*>(data_); }
+  size_t size() const { return bytes_; }
+  bool empty() const { return data_ == nullptr; }
+  Device* device() const { return device_; }
+  // Returns the memory to the device now.
+  void reset() noexcept;
+
+ private:
+  friend class Device;
+  DeviceBuffer(Device* device, void* data, size_t bytes) : device_(device), data_(data), bytes_(bytes) {}
+  Device* device_ = nullptr;
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// A point in a stream's work. Record on one stream, wait on others or on the host.
+class Event {
+ public:
+  virtual ~Event() = default;
+  // Blocks until the work recorded before this event has finished. An event never
+  // recorded is complete. Returns the first error of the recording stream's work.
+  virtual Status synchronize() = 0;
+  // True when the recorded work has finished (non-blocking).
+  virtual StatusOr<bool> query() = 0;
+};
+
+// What a kernel gets when it runs.
+struct LaunchContext {
+  Device* device = nullptr;
+  void* native_stream = nullptr;  // cudaStream_t on a CudaDevice; nullptr on a CpuDevice
+  Executor* executor = nullptr;   // the CPU device's compute executor; nullptr on a CudaDevice
+};
+
+// A host-callable kernel. On a CudaDevice it runs at once on the calling thread and
+// enqueues GPU work on ctx.native_stream; on a CpuDevice it runs later, in stream order,
+// on the stream's worker, and does the work itself (through ctx.executor).
+using Kernel = std::function<Status(const LaunchContext& ctx)>;
+
+// An ordered queue of work on one device. Move-only, owned through unique_ptr.
+class Stream {
+ public:
+  virtual ~Stream() = default;
+  virtual Device& device() = 0;
+  virtual const std::string& name() const = 0;
+  // Marks the current end of this stream's work in `event`.
+  virtual Status record(Event& event) = 0;
+  // Work enqueued on this stream after this call starts only after `event` completes.
+  virtual Status wait(Event& event) = 0;
+  // Blocks until all work so far has finished; returns the first asynchronous error.
+  virtual Status synchronize() = 0;
+  // Enqueues a kernel (see Kernel).
+  virtual Status launch(Kernel kernel) = 0;
+  // Enqueues a host function to run in stream order once the work before it is done
+  // (a CUDA host callback or a CPU stream task). Its error is reported like a kernel's.
+  virtual Status enqueue_host(std::function<Status()> fn) = 0;
+  // The native handle (cudaStream_t) or nullptr.
+  virtual void* native_handle() = 0;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  virtual DeviceKind kind() const = 0;
+  virtual int ordinal() const = 0;
+  // e.g. "cpu:0 (budget 512 MiB)" or "cuda:0 NVIDIA H200".
+  virtual std::string description() const = 0;
+
+  // Allocates `bytes` under the budget. `purpose` names the allocation in errors
+  // ("gather buffer group 3"). Zero bytes gives an empty buffer.
+  virtual StatusOr<DeviceBuffer> allocate(size_t bytes, std::string_view purpose) = 0;
+  virtual MemoryStats memory_stats() const = 0;
+  // Returns cached, unused memory to the system (no-op where nothing is cached).
+  virtual Status release_cached_memory() = 0;
+
+  virtual StatusOr<std::unique_ptr<Stream>> create_stream(std::string name) = 0;
+  virtual StatusOr<std::unique_ptr<Event>> create_event() = 0;
+
+  // The one place copies are routed: copies `bytes` from `src` to `dst` in `stream`
+  // order. Host pointers may be pinned or pageable; the device picks the fastest path
+  // it has and says (at debug level) when it takes a slower one.
+  virtual Status copy_async(void* dst, const void* src, size_t bytes, CopyKind kind, Stream& stream) = 0;
+  // Fills device memory with a byte value in stream order.
+  virtual Status memset_async(void* dst, int value, size_t bytes, Stream& stream) = 0;
+
+  // Waits for all work on all of this device's streams.
+  virtual Status synchronize() = 0;
+
+ protected:
+  // Hands a buffer's memory back to the allocator; called by DeviceBuffer only.
+  virtual void free_buffer(void* data, size_t bytes) noexcept = 0;
+  static DeviceBuffer make_buffer(Device* device, void* data, size_t bytes) { return DeviceBuffer(device, data, bytes); }
+  friend class DeviceBuffer;
+};
+
+struct CpuDeviceOptions {
+  int ordinal = 0;
+  size_t budget_bytes = size_t{1} << 30;  // the hard cap on "device" memory
+  ExecutorOptions compute;                // the executor kernels fan out through
+};
+
+struct CudaDeviceOptions {
+  int ordinal = 0;                        // CUDA device index
+  size_t budget_bytes = 0;                // hard cap; 0 = the GPU's free memory at creation
+};
+
+StatusOr<std::unique_ptr<Device>> create_cpu_device(const CpuDeviceOptions& options);
+// Unavailable (with the reason) where this build has no CUDA or the machine no GPU.
+StatusOr<std::unique_ptr<Device>> create_cuda_device(const CudaDeviceOptions& options);
+
+}  // namespace strata

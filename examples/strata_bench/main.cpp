@@ -1,0 +1,42 @@
+// strata-bench <subcommand> [flags]: the offload benchmark tool.
+#include <cstdio>
+#include <cstring>
+
+#include "engine/version.h"
+#include "examples/strata_bench/bench.h"
+
+namespace {
+
+struct Subcommand {
+  const char* name;
+  int (*run)(int argc, char** argv);
+  const char* summary;
+};
+
+constexpr Subcommand kSubcommands[] = {
+    {"nvme", strata::bench::run_nvme, "NVMe store write/read bandwidth through io_uring (or the psync pool)"},
+    {"copy", strata::bench::run_copy, "host<->device copy bandwidth from pinned and pageable memory"},
+    {"adam", strata::bench::run_adam, "fused CPU Adam step throughput against the memory ceiling"},
+    {"step", strata::bench::run_step, "a synthetic layer stack through the full offload engine"},
+};
+
+void print_usage() {
+  std::fprintf(stderr, "usage: strata-bench <subcommand> [flags] [--json]\n\nsubcommands:\n");
+  for (const auto& sub : kSubcommands) std::fprintf(stderr, "  %-6s %s\n", sub.name, sub.summary);
+  std::fprintf(stderr, "\n%s\n", strata::build_description().c_str());
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
+    print_usage();
+    return argc < 2 ? 2 : 0;
+  }
+  for (const auto& sub : kSubcommands) {
+    if (std::strcmp(argv[1], sub.name) == 0) return sub.run(argc - 2, argv + 2);
+  }
+  std::fprintf(stderr, "strata-bench: unknown subcommand '%s'\n\n", argv[1]);
+  print_usage();
+  return 2;
+}

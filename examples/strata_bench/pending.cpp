@@ -1,0 +1,25 @@
+// Subcommands whose implementation is not in this tree yet report so and fail.
+#include <cstdio>
+
+#include "examples/strata_bench/bench.h"
+
+namespace strata::bench {
+namespace {
+[[maybe_unused]] int not_built(const char* name) {
+  std::fprintf(stderr, "strata-bench %s: this subcommand is not part of this build yet\n", name);
+  return 3;
+}
+}  // namespace
+#if defined(STRATA_BENCH_PENDING_nvme)
+int run_nvme(int, char**) { return not_built("nvme"); }
+#endif
+#if defined(STRATA_BENCH_PENDING_copy)
+int run_copy(int, char**) { return not_built("copy"); }
+#endif
+#if defined(STRATA_BENCH_PENDING_adam)
+int run_adam(int, char**) { return not_built("adam"); }
+#endif
+#if defined(STRATA_BENCH_PENDING_step)
+int run_step(int, char**) { return not_built("step"); }
+#endif
+}  // namespace strata::bench

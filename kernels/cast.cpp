@@ -1,0 +1,33 @@
+#include "kernels/cast.h"
+
+#include <cstring>
+
+namespace strata::kernels {
+
+void cast_cpu_range(const void* src, DType src_type, void* dst, DType dst_type, size_t begin, size_t end) {
+  if (src_type == dst_type) {
+    const size_t width = dtype_size(src_type);
+    std::memcpy(static_cast<char*>(dst) + begin * width, static_cast<const char*>(src) + begin * width, (end - begin) * width);
+    return;
+  }
+  for (size_t i = begin; i < end; ++i) store_from_float(dst, dst_type, i, load_as_float(src, src_type, i));
+}
+
+Status cast(Stream& stream, const void* src, DType src_type, void* dst, DType dst_type, size_t count) {
+  if (count == 0) return {};
+  if (src == nullptr || dst == nullptr) return InvalidArgumentError("cast: null buffer");
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+#if defined(STRATA_HAVE_CUDA)
+      return cast_cuda(ctx.native_stream, src, src_type, dst, dst_type, count);
+#else
+      return InternalError("cast: a native stream in a build without CUDA");
+#endif
+    }
+    constexpr size_t kGrain = size_t{1} << 16;
+    ctx.executor->parallel_for(0, count, kGrain, [&](size_t lo, size_t hi) { cast_cpu_range(src, src_type, dst, dst_type, lo, hi); });
+    return {};
+  });
+}
+
+}  // namespace strata::kernels

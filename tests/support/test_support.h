@@ -1,0 +1,52 @@
+// Helpers shared by the tests.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <string>
+
+#include "engine/core/status.h"
+
+namespace strata::testing {
+
+// A fresh directory for this test, under STRATA_TEST_TMPDIR (set per test by CTest) or
+// the system temp directory; removed with its contents on destruction.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::string str() const { return path_.string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// The source tree's root (STRATA_SOURCE_DIR) and the build tree's (STRATA_BINARY_DIR).
+std::filesystem::path source_dir();
+std::filesystem::path binary_dir();
+
+}  // namespace strata::testing
+
+#define STRATA_ASSERT_OK(expr)                                                    \
+  do {                                                                            \
+    const ::strata::Status strata_test_status_ = ::strata::internal::as_status(expr); \
+    ASSERT_TRUE(strata_test_status_.ok()) << strata_test_status_.to_string();     \
+  } while (0)
+
+#define STRATA_EXPECT_OK(expr)                                                    \
+  do {                                                                            \
+    const ::strata::Status strata_test_status_ = ::strata::internal::as_status(expr); \
+    EXPECT_TRUE(strata_test_status_.ok()) << strata_test_status_.to_string();     \
+  } while (0)
+
+// `STRATA_ASSERT_OK_AND_ASSIGN(auto x, f());`
+#define STRATA_ASSERT_OK_AND_ASSIGN(lhs, expr) \
+  STRATA_ASSERT_OK_AND_ASSIGN_IMPL(STRATA_STATUS_CONCAT(strata_test_statusor_, __LINE__), lhs, expr)
+#define STRATA_ASSERT_OK_AND_ASSIGN_IMPL(tmp, lhs, expr)          \
+  auto tmp = (expr);                                              \
+  ASSERT_TRUE(tmp.ok()) << tmp.status().to_string();              \
+  lhs = std::move(tmp).value()
