@@ -99,7 +99,7 @@ std::string source_location_context(const char* file, int line) {
   for (std::string_view root : {"/engine/", "/offload/", "/optim/", "/kernels/", "/examples/", "/tests/"}) {
     cut = std::min(cut, path.find(root));
   }
-  if (cut != std::string_view::npos) path.remove_prefix(cut + 1);
+  if (!path.empty() && path.front() == '/' && cut != std::string_view::npos) path.remove_prefix(cut + 1);
   return "at " + std::string(path) + ":" + std::to_string(line);
 }
 }  // namespace internal
