@@ -1,0 +1,61 @@
+// The cast op on every device present, against the scalar conversions.
+#include "kernels/cast.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "engine/core/gpu.h"
+#include "tests/support/test_support.h"
+
+namespace strata {
+namespace {
+
+std::vector<DeviceKind> devices_present() {
+  std::vector<DeviceKind> kinds{DeviceKind::kCpu};
+  if (gpu_available()) kinds.push_back(DeviceKind::kCuda);
+  return kinds;
+}
+
+StatusOr<std::unique_ptr<Device>> make_device(DeviceKind kind) {
+  if (kind == DeviceKind::kCpu) return create_cpu_device({.budget_bytes = size_t{64} << 20, .compute = {.threads = 2}});
+  return create_cuda_device({.budget_bytes = size_t{64} << 20});
+}
+
+TEST(CastTest, MatchesScalarConversionOnEveryDevice) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> dist(0.0f, 100.0f);
+  for (DeviceKind kind : devices_present()) {
+    STRATA_ASSERT_OK_AND_ASSIGN(auto device, make_device(kind));
+    STRATA_ASSERT_OK_AND_ASSIGN(auto stream, device->create_stream("cast"));
+    for (size_t n : {size_t{1}, size_t{7}, size_t{55}, size_t{4097}, size_t{300001}}) {
+      std::vector<float> input(n);
+      for (auto& x : input) x = dist(rng);
+      input[0] = 65520.0f;  // rounds to fp16 infinity
+      for (DType to : {DType::kBFloat16, DType::kFloat16}) {
+        STRATA_ASSERT_OK_AND_ASSIGN(auto src, device->allocate(n * 4, "cast src"));
+        STRATA_ASSERT_OK_AND_ASSIGN(auto mid, device->allocate(n * 2, "cast mid"));
+        STRATA_ASSERT_OK_AND_ASSIGN(auto back, device->allocate(n * 4, "cast back"));
+        std::vector<uint16_t> got16(n);
+        std::vector<float> got32(n);
+        STRATA_ASSERT_OK(device->copy_async(src.data(), input.data(), n * 4, CopyKind::kHostToDevice, *stream));
+        STRATA_ASSERT_OK(kernels::cast(*stream, src.data(), DType::kFloat32, mid.data(), to, n));
+        STRATA_ASSERT_OK(kernels::cast(*stream, mid.data(), to, back.data(), DType::kFloat32, n));
+        STRATA_ASSERT_OK(device->copy_async(got16.data(), mid.data(), n * 2, CopyKind::kDeviceToHost, *stream));
+        STRATA_ASSERT_OK(device->copy_async(got32.data(), back.data(), n * 4, CopyKind::kDeviceToHost, *stream));
+        STRATA_ASSERT_OK(stream->synchronize());
+        for (size_t i = 0; i < n; ++i) {
+          const uint16_t want = to == DType::kBFloat16 ? float_to_bf16_bits(input[i]) : float_to_fp16_bits(input[i]);
+          ASSERT_EQ(got16[i], want) << device_kind_name(kind) << " " << dtype_name(to) << " n=" << n << " i=" << i;
+          const float want_back = to == DType::kBFloat16 ? bf16_bits_to_float(want) : fp16_bits_to_float(want);
+          ASSERT_EQ(std::memcmp(&got32[i], &want_back, 4), 0) << "i=" << i;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace strata
