@@ -11,7 +11,11 @@
 // - CudaDevice: real CUDA streams and events and a caching allocator under the budget.
 //
 // Errors raised by asynchronous work are kept by the stream and returned by the next
-// synchronize() / Event::synchronize(); they are never lost and never crash.
+// synchronize() / Event::synchronize(); they are never lost and never crash. Until the
+// error is reported, later work on that stream is skipped (cancelled): on a CpuDevice
+// every later task, on a CudaDevice later host functions (GPU work already enqueued
+// runs). An error is reported once, by whichever wait sees it first; a stream destroyed
+// with an unreported error hands it to the next Device::synchronize().
 #pragma once
 
 #include <cstddef>
@@ -52,6 +56,9 @@ class Device;
 class Stream;
 
 // Move-only owner of one allocation on a device; the destructor gives it back.
+// Give a buffer back only once the work that uses it has finished (a synchronize or an
+// event): a CudaDevice's caching allocator may hand the block to the next allocation at
+// once, and a CpuDevice frees it. A buffer must not outlive its device.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
@@ -101,22 +108,28 @@ struct LaunchContext {
 // on the stream's worker, and does the work itself (through ctx.executor).
 using Kernel = std::function<Status(const LaunchContext& ctx)>;
 
-// An ordered queue of work on one device. Move-only, owned through unique_ptr.
+// An ordered queue of work on one device. Move-only, owned through unique_ptr. Its
+// destructor drains its queue; it must not outlive its device. Events likewise.
 class Stream {
  public:
   virtual ~Stream() = default;
   virtual Device& device() = 0;
   virtual const std::string& name() const = 0;
-  // Marks the current end of this stream's work in `event`.
+  // Marks the current end of this stream's work in `event` (recording again moves it).
+  // The event must come from the same device.
   virtual Status record(Event& event) = 0;
-  // Work enqueued on this stream after this call starts only after `event` completes.
+  // Work enqueued on this stream after this call starts only after `event` (as recorded
+  // at the time of this call) completes. Waiting does not carry the other stream's error.
   virtual Status wait(Event& event) = 0;
   // Blocks until all work so far has finished; returns the first asynchronous error.
   virtual Status synchronize() = 0;
-  // Enqueues a kernel (see Kernel).
+  // Enqueues a kernel (see Kernel). On a CudaDevice the launcher runs now, so its
+  // error (a bad launch configuration) comes back from launch() itself; errors of the GPU
+  // work come back at the next synchronize.
   virtual Status launch(Kernel kernel) = 0;
   // Enqueues a host function to run in stream order once the work before it is done
   // (a CUDA host callback or a CPU stream task). Its error is reported like a kernel's.
+  // On a CudaDevice it runs on a CUDA runtime thread and must not call CUDA.
   virtual Status enqueue_host(std::function<Status()> fn) = 0;
   // The native handle (cudaStream_t) or nullptr.
   virtual void* native_handle() = 0;
@@ -147,7 +160,8 @@ class Device {
   // Fills device memory with a byte value in stream order.
   virtual Status memset_async(void* dst, int value, size_t bytes, Stream& stream) = 0;
 
-  // Waits for all work on all of this device's streams.
+  // Waits for all work on all of this device's streams; returns the first unreported
+  // error of any of them, with the others as context lines.
   virtual Status synchronize() = 0;
 
  protected:

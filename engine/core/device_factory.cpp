@@ -1,5 +1,6 @@
 // The device factories and the helpers the device implementations share.
 #include <cstdio>
+#include <iterator>
 #include <string>
 
 #include "engine/core/cpu_device.h"

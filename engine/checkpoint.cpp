@@ -1,0 +1,1269 @@
+#include "engine/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/core/check.h"
+#include "engine/core/log.h"
+#include "offload/checksum.h"
+
+namespace strata {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+constexpr std::string_view kFormatName = "strata-checkpoint";
+constexpr int kFormatVersion = 1;
+constexpr size_t kDirectIoAlignment = 4096;
+constexpr std::string_view kManifestName = "manifest.json";
+constexpr std::string_view kTrainerStateName = "trainer_state.json";
+constexpr std::string_view kTmpPrefix = ".tmp-";
+
+constexpr std::array<CheckpointStateKind, kCheckpointStateKinds> kAllKinds = {
+    CheckpointStateKind::kMaster, CheckpointStateKind::kExpAvg, CheckpointStateKind::kExpAvgSq};
+
+std::string hex64(uint64_t value) {
+  char text[20];
+  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(value));
+  return text;
+}
+
+bool parse_hex64(const std::string& text, uint64_t* value) {
+  if (text.empty() || text.size() > 16) return false;
+  uint64_t result = 0;
+  for (char c : text) {
+    int digit;
+    if (c >= '0' && c <= '9') digit = c - '0';
+    else if (c >= 'a' && c <= 'f') digit = c - 'a' + 10;
+    else if (c >= 'A' && c <= 'F') digit = c - 'A' + 10;
+    else return false;
+    result = (result << 4) | static_cast<uint64_t>(digit);
+  }
+  *value = result;
+  return true;
+}
+
+std::string rank_file_name(int rank, int world_size) {
+  return "rank-" + std::to_string(rank) + "-of-" + std::to_string(world_size) + ".bin";
+}
+
+// The chunk checksums of `bytes` bytes at `data`.
+std::vector<uint64_t> chunk_checksums(const void* data, size_t bytes, size_t chunk_bytes) {
+  std::vector<uint64_t> sums;
+  const auto* cursor = static_cast<const unsigned char*>(data);
+  for (size_t done = 0; done < bytes; done += chunk_bytes) {
+    sums.push_back(xxhash64(cursor + done, std::min(chunk_bytes, bytes - done)));
+  }
+  return sums;
+}
+
+// A heap buffer aligned for O_DIRECT.
+class AlignedBytes {
+ public:
+  AlignedBytes() = default;
+  explicit AlignedBytes(size_t bytes)
+      : data_(static_cast<unsigned char*>(std::aligned_alloc(kDirectIoAlignment, round(bytes)))), bytes_(bytes) {}
+  ~AlignedBytes() { std::free(data_); }
+  AlignedBytes(const AlignedBytes&) = delete;
+  AlignedBytes& operator=(const AlignedBytes&) = delete;
+  unsigned char* data() const { return data_; }
+  size_t size() const { return bytes_; }
+  bool ok() const { return data_ != nullptr || bytes_ == 0; }
+
+ private:
+  static size_t round(size_t bytes) {
+    return std::max<size_t>(kDirectIoAlignment, (bytes + kDirectIoAlignment - 1) / kDirectIoAlignment * kDirectIoAlignment);
+  }
+  unsigned char* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// A file descriptor owner.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() { reset(); }
+  Fd(Fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  Fd& operator=(Fd&& other) noexcept {
+    if (this != &other) {
+      reset();
+      fd_ = std::exchange(other.fd_, -1);
+    }
+    return *this;
+  }
+  int get() const { return fd_; }
+  void reset() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// Opens `path` with `flags`, adding O_DIRECT when `direct` and the file system takes it.
+// *direct is set to what was used.
+StatusOr<Fd> open_maybe_direct(const std::string& path, int flags, bool* direct) {
+  int fd = -1;
+  if (*direct) {
+    do {
+      fd = ::open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, 0644);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0 && errno == EINVAL) {
+      STRATA_LOG_ONCE(kWarn) << "checkpoint: the file system under '" << fs::path(path).parent_path().string()
+                             << "' refuses O_DIRECT; using buffered I/O for checkpoint files";
+      *direct = false;
+    } else if (fd < 0) {
+      return Status::FromErrno(errno, "open(" + path + ")");
+    }
+  }
+  if (fd < 0) {
+    do {
+      fd = ::open(path.c_str(), flags | O_CLOEXEC, 0644);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0) return Status::FromErrno(errno, "open(" + path + ")");
+  }
+  Fd owner(fd);
+#ifdef STATX_DIOALIGN
+  // A file system that wants more than 4 KiB alignment gets buffered I/O instead.
+  if (*direct) {
+    struct statx dio {};
+    if (::statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &dio) == 0 && (dio.stx_mask & STATX_DIOALIGN) != 0 &&
+        (dio.stx_dio_offset_align > kDirectIoAlignment || dio.stx_dio_mem_align > kDirectIoAlignment)) {
+      int plain;
+      STRATA_SYSCALL(plain, ::open(path.c_str(), (flags & ~O_TRUNC) | O_CLOEXEC, 0644));
+      *direct = false;
+      return Fd(plain);
+    }
+  }
+#endif
+  return owner;
+}
+
+Status fsync_fd(int fd, const std::string& path) {
+  int ret;
+  do {
+    ret = ::fsync(fd);
+  } while (ret != 0 && errno == EINTR);
+  if (ret != 0) return Status::FromErrno(errno, "fsync(" + path + ")");
+  return Status::Ok();
+}
+
+Status fsync_directory(const std::string& path) {
+  int fd;
+  do {
+    fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) return Status::FromErrno(errno, "open(" + path + ")");
+  Fd owner(fd);
+  return fsync_fd(fd, path);
+}
+
+// Writes `data` to a new file at `path` (buffered) and fsyncs it.
+Status write_file_durably(const std::string& path, std::string_view data) {
+  int fd;
+  do {
+    fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) return Status::FromErrno(errno, "open(" + path + ")");
+  Fd owner(fd);
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t wrote = ::write(fd, data.data() + done, data.size() - done);
+    if (wrote < 0) {
+      if (errno == EINTR) continue;
+      return Status::FromErrno(errno, "write of " + std::to_string(data.size() - done) + " bytes to " + path);
+    }
+    done += static_cast<size_t>(wrote);
+  }
+  return fsync_fd(fd, path);
+}
+
+StatusOr<std::string> read_small_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    const int error = errno;
+    if (error == ENOENT) return NotFoundError(path + " does not exist");
+    return Status::FromErrno(error != 0 ? error : EIO, "open(" + path + ")");
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return IoError("reading " + path + " failed");
+  return text.str();
+}
+
+// Reads exactly `bytes` at `offset`; a short file is kDataLoss.
+Status pread_exact(int fd, const std::string& path, void* buffer, size_t bytes, uint64_t offset) {
+  size_t done = 0;
+  while (done < bytes) {
+    const ssize_t got = ::pread(fd, static_cast<char*>(buffer) + done, bytes - done, static_cast<off_t>(offset + done));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return Status::FromErrno(errno, "read of " + std::to_string(bytes - done) + " bytes at offset " +
+                                          std::to_string(offset + done) + " from " + path);
+    }
+    if (got == 0) {
+      return DataLossError(path + " is truncated: reading " + std::to_string(bytes) + " bytes at offset " +
+                           std::to_string(offset) + " hit the end of the file after " + std::to_string(done) + " bytes");
+    }
+    done += static_cast<size_t>(got);
+  }
+  return Status::Ok();
+}
+
+// "step-<N>" -> N, or -1.
+int64_t parse_step_name(std::string_view name) {
+  constexpr std::string_view kPrefix = "step-";
+  if (name.size() <= kPrefix.size() || name.substr(0, kPrefix.size()) != kPrefix) return -1;
+  int64_t step = 0;
+  for (char c : name.substr(kPrefix.size())) {
+    if (c < '0' || c > '9') return -1;
+    if (step > (INT64_MAX - 9) / 10) return -1;
+    step = step * 10 + (c - '0');
+  }
+  return step;
+}
+
+// The manifest's checksum: XXH64 of its canonical text without the checksum field.
+uint64_t manifest_checksum(json manifest) {
+  manifest.erase("manifest_checksum");
+  const std::string text = manifest.dump();
+  return xxhash64(text.data(), text.size());
+}
+
+json group_to_json(const GroupLayout& layout) {
+  json tensors = json::array();
+  for (const TensorLayout& tensor : layout.tensors) {
+    tensors.push_back({{"name", tensor.name}, {"shape", tensor.shape}, {"offset", tensor.offset}, {"numel", tensor.numel}});
+  }
+  return {{"id", layout.id},
+          {"name", layout.name},
+          {"numel", layout.numel},
+          {"shard_numel", layout.shard_numel},
+          {"tensors", std::move(tensors)}};
+}
+
+// Same groups (names, sizes, tensors) and world size.
+Status check_same_layouts(const std::vector<GroupLayout>& expected, const std::vector<GroupLayout>& got, int rank) {
+  if (expected.size() != got.size()) {
+    return InvalidArgumentError("rank " + std::to_string(rank) + " has " + std::to_string(got.size()) +
+                                " groups, another rank of the same save has " + std::to_string(expected.size()));
+  }
+  for (size_t g = 0; g < expected.size(); ++g) {
+    const GroupLayout& a = expected[g];
+    const GroupLayout& b = got[g];
+    if (a.name != b.name || a.numel != b.numel || a.shard_numel != b.shard_numel || a.world_size != b.world_size ||
+        a.tensors.size() != b.tensors.size()) {
+      return InvalidArgumentError("rank " + std::to_string(rank) + "'s group " + std::to_string(g) + " ('" + b.name + "', " +
+                                  std::to_string(b.numel) + " elements, shard " + std::to_string(b.shard_numel) +
+                                  ") differs from another rank's ('" + a.name + "', " + std::to_string(a.numel) +
+                                  " elements, shard " + std::to_string(a.shard_numel) + ")");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+std::string_view checkpoint_state_kind_name(CheckpointStateKind kind) {
+  switch (kind) {
+    case CheckpointStateKind::kMaster: return "master";
+    case CheckpointStateKind::kExpAvg: return "exp_avg";
+    case CheckpointStateKind::kExpAvgSq: return "exp_avg_sq";
+  }
+  return "?";
+}
+
+std::string checkpoint_dir_name(int64_t step) { return "step-" + std::to_string(step); }
+std::string checkpoint_path(const std::string& save_dir, int64_t step) {
+  return (fs::path(save_dir) / checkpoint_dir_name(step)).string();
+}
+
+// ---------------------------------------------------------------------------------------
+// RankSnapshot
+// ---------------------------------------------------------------------------------------
+
+void RankSnapshot::FreeAligned::operator()(float* data) const { std::free(data); }
+
+StatusOr<RankSnapshot> RankSnapshot::allocate(std::vector<GroupLayout> layouts, int rank, int64_t engine_steps) {
+  if (layouts.empty()) return InvalidArgumentError("checkpoint snapshot: no groups");
+  const int world_size = layouts.front().world_size;
+  if (rank < 0 || rank >= world_size) {
+    return InvalidArgumentError("checkpoint snapshot: rank " + std::to_string(rank) + " is outside world size " +
+                                std::to_string(world_size));
+  }
+  RankSnapshot snapshot;
+  for (size_t g = 0; g < layouts.size(); ++g) {
+    const GroupLayout& layout = layouts[g];
+    if (layout.id != static_cast<int>(g)) {
+      return InvalidArgumentError("checkpoint snapshot: group '" + layout.name + "' has id " + std::to_string(layout.id) +
+                                  " at index " + std::to_string(g) + " (groups must be in id order)");
+    }
+    if (layout.world_size != world_size) {
+      return InvalidArgumentError("checkpoint snapshot: group '" + layout.name + "' is laid out for " +
+                                  std::to_string(layout.world_size) + " ranks, group 0 for " + std::to_string(world_size));
+    }
+    if (layout.shard_numel == 0 || (layout.shard_numel * sizeof(float)) % kDirectIoAlignment != 0) {
+      return InvalidArgumentError("checkpoint snapshot: group '" + layout.name + "' has shard_numel " +
+                                  std::to_string(layout.shard_numel) + ", not a positive multiple of 1024 elements");
+    }
+    const size_t bytes = kCheckpointStateKinds * layout.shard_numel * sizeof(float);
+    auto* data = static_cast<float*>(std::aligned_alloc(kDirectIoAlignment, bytes));
+    if (data == nullptr) {
+      return OutOfMemoryError("checkpoint snapshot: cannot allocate " + std::to_string(bytes) + " bytes for group '" +
+                              layout.name + "'");
+    }
+    std::memset(data, 0, bytes);
+    snapshot.blocks_.emplace_back(data);
+  }
+  snapshot.layouts_ = std::move(layouts);
+  snapshot.rank_ = rank;
+  snapshot.engine_steps_ = engine_steps;
+  return snapshot;
+}
+
+std::span<float> RankSnapshot::shard(int group, CheckpointStateKind kind) {
+  const size_t shard = layouts_[static_cast<size_t>(group)].shard_numel;
+  return {blocks_[static_cast<size_t>(group)].get() + static_cast<size_t>(kind) * shard, shard};
+}
+
+std::span<const float> RankSnapshot::shard(int group, CheckpointStateKind kind) const {
+  const size_t shard = layouts_[static_cast<size_t>(group)].shard_numel;
+  return {blocks_[static_cast<size_t>(group)].get() + static_cast<size_t>(kind) * shard, shard};
+}
+
+std::span<const float> RankSnapshot::group_block(int group) const {
+  const size_t shard = layouts_[static_cast<size_t>(group)].shard_numel;
+  return {blocks_[static_cast<size_t>(group)].get(), kCheckpointStateKinds * shard};
+}
+
+size_t RankSnapshot::bytes() const {
+  size_t total = 0;
+  for (const GroupLayout& layout : layouts_) total += kCheckpointStateKinds * layout.shard_numel * sizeof(float);
+  return total;
+}
+
+// ---------------------------------------------------------------------------------------
+// CheckpointSaver
+// ---------------------------------------------------------------------------------------
+
+namespace {
+
+struct SegmentRecord {
+  int group = 0;
+  CheckpointStateKind kind = CheckpointStateKind::kMaster;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  std::vector<uint64_t> checksums;
+};
+
+struct FileRecord {
+  std::string name;
+  int rank = -1;  // -1: the trainer state
+  uint64_t bytes = 0;
+  std::vector<SegmentRecord> segments;
+};
+
+json file_to_json(const FileRecord& file) {
+  json segments = json::array();
+  for (const SegmentRecord& segment : file.segments) {
+    json sums = json::array();
+    for (uint64_t sum : segment.checksums) sums.push_back(hex64(sum));
+    json entry = {{"offset", segment.offset}, {"bytes", segment.bytes}, {"checksums", std::move(sums)}};
+    if (file.rank >= 0) {
+      entry["group"] = segment.group;
+      entry["state"] = std::string(checkpoint_state_kind_name(segment.kind));
+    }
+    segments.push_back(std::move(entry));
+  }
+  json entry = {{"name", file.name}, {"bytes", file.bytes}, {"segments", std::move(segments)}};
+  if (file.rank >= 0) entry["rank"] = file.rank;
+  return entry;
+}
+
+struct SaveJob {
+  int64_t step = 0;
+  std::vector<std::optional<RankSnapshot>> pending;  // arrived, not yet taken by the writer
+  std::vector<bool> arrived;
+  int arrived_count = 0;
+  int written_count = 0;
+  std::optional<std::string> trainer_state;
+  std::vector<GroupLayout> layouts;  // from the first snapshot
+  int64_t engine_steps = 0;
+  std::vector<FileRecord> rank_files;  // indexed by rank
+  Status status;                       // the first failure
+  // Writer-thread only:
+  std::string tmp_dir;
+  bool tmp_created = false;
+};
+
+}  // namespace
+
+class CheckpointSaver::Impl {
+ public:
+  explicit Impl(CheckpointSaverOptions options) : options_(std::move(options)) {}
+  ~Impl() {
+    Status status = finish();
+    if (!status.ok()) STRATA_LOG(kError) << "checkpoint saver: an error nobody collected: " << status.to_string();
+  }
+
+  Status start() {
+    std::error_code error;
+    fs::create_directories(options_.directory, error);
+    if (error) {
+      return FailedPreconditionError("checkpoint: cannot create the save directory '" + options_.directory +
+                                     "': " + error.message());
+    }
+    if (!fs::is_directory(options_.directory, error)) {
+      return InvalidArgumentError("checkpoint: save directory '" + options_.directory + "' is not a directory");
+    }
+    STRATA_ASSIGN_OR_RETURN(io_, IoEngine::create(options_.io));
+    thread_ = std::thread([this] { run(); });
+    return Status::Ok();
+  }
+
+  const std::string& directory() const { return options_.directory; }
+
+  Status submit(int64_t step, RankSnapshot snapshot) {
+    const int rank = snapshot.rank();
+    const std::string what = "checkpoint step " + std::to_string(step) + ", rank " + std::to_string(rank);
+    if (step < 0) return InvalidArgumentError(what + ": the step is negative");
+    if (snapshot.world_size() != options_.world_size) {
+      return InvalidArgumentError(what + ": the snapshot is laid out for " + std::to_string(snapshot.world_size()) +
+                                  " ranks, the saver expects " + std::to_string(options_.world_size));
+    }
+    std::unique_lock<std::mutex> lock(mutex_);
+    SaveJob* job = nullptr;
+    STRATA_ASSIGN_OR_RETURN(job, job_for_locked(lock, step, what));
+    if (job->arrived[static_cast<size_t>(rank)]) return InvalidArgumentError(what + ": this rank already submitted");
+    if (job->arrived_count == 0) {
+      job->layouts = snapshot.layouts();
+      job->engine_steps = snapshot.engine_steps();
+    } else {
+      STRATA_RETURN_IF_ERROR_CTX(check_same_layouts(job->layouts, snapshot.layouts(), rank), what);
+      if (snapshot.engine_steps() != job->engine_steps) {
+        return InvalidArgumentError(what + ": engine step count " + std::to_string(snapshot.engine_steps()) +
+                                    " differs from another rank's " + std::to_string(job->engine_steps));
+      }
+    }
+    job->arrived[static_cast<size_t>(rank)] = true;
+    ++job->arrived_count;
+    job->pending[static_cast<size_t>(rank)] = std::move(snapshot);
+    work_cv_.notify_all();
+    return Status::Ok();
+  }
+
+  Status submit_trainer_state(int64_t step, std::string text) {
+    const std::string what = "checkpoint step " + std::to_string(step) + ": trainer state";
+    if (!json::accept(text)) return InvalidArgumentError(what + " is not valid JSON: '" + text.substr(0, 120) + "'");
+    std::unique_lock<std::mutex> lock(mutex_);
+    SaveJob* job = nullptr;
+    STRATA_ASSIGN_OR_RETURN(job, job_for_locked(lock, step, what));
+    if (job->trainer_state) return InvalidArgumentError(what + " was already submitted");
+    job->trainer_state = std::move(text);
+    work_cv_.notify_all();
+    return Status::Ok();
+  }
+
+  Status wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_cv_.wait(lock, [&] { return jobs_.empty(); });
+    return take_errors_locked();
+  }
+
+  Status finish() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      closing_ = true;
+      work_cv_.notify_all();
+    }
+    if (thread_.joinable()) thread_.join();
+    std::lock_guard<std::mutex> lock(mutex_);
+    return take_errors_locked();
+  }
+
+  int64_t last_committed_step() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return last_committed_;
+  }
+  uint64_t bytes_written() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return bytes_written_;
+  }
+
+ private:
+  // The job for `step`, creating it (and blocking while max_pending_saves are unfinished).
+  StatusOr<SaveJob*> job_for_locked(std::unique_lock<std::mutex>& lock, int64_t step, const std::string& what) {
+    if (closing_) return FailedPreconditionError(what + ": the saver has finished");
+    for (auto& job : jobs_) {
+      if (job->step == step) return job.get();
+    }
+    const size_t limit = static_cast<size_t>(std::max(1, options_.max_pending_saves));
+    done_cv_.wait(lock, [&] { return jobs_.size() < limit || closing_; });
+    if (closing_) return FailedPreconditionError(what + ": the saver has finished");
+    for (auto& job : jobs_) {  // another rank may have created it while we waited
+      if (job->step == step) return job.get();
+    }
+    auto job = std::make_unique<SaveJob>();
+    job->step = step;
+    job->pending.resize(static_cast<size_t>(options_.world_size));
+    job->arrived.assign(static_cast<size_t>(options_.world_size), false);
+    job->rank_files.resize(static_cast<size_t>(options_.world_size));
+    jobs_.push_back(std::move(job));
+    return jobs_.back().get();
+  }
+
+  Status take_errors_locked() {
+    if (errors_.empty()) return Status::Ok();
+    Status first = std::move(errors_.front());
+    const size_t others = errors_.size() - 1;
+    errors_.clear();
+    if (others > 0) first.with_context(std::to_string(others) + " more checkpoint save(s) failed too");
+    return first;
+  }
+
+  Status hook(std::string_view point, int64_t step) {
+    if (!options_.fault_hook) return Status::Ok();
+    return options_.fault_hook(point, step);
+  }
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      work_cv_.wait(lock, [&] { return closing_ || has_work_locked(); });
+      if (jobs_.empty()) {
+        if (closing_) return;
+        continue;
+      }
+      SaveJob& job = *jobs_.front();
+      // A snapshot to write?
+      int rank = -1;
+      for (size_t r = 0; r < job.pending.size(); ++r) {
+        if (job.pending[r].has_value()) {
+          rank = static_cast<int>(r);
+          break;
+        }
+      }
+      if (rank >= 0) {
+        RankSnapshot snapshot = std::move(*job.pending[static_cast<size_t>(rank)]);
+        job.pending[static_cast<size_t>(rank)].reset();
+        const bool failed = !job.status.ok();
+        lock.unlock();
+        FileRecord record;
+        Status status = failed ? Status::Ok() : write_rank_file(job, snapshot, &record);
+        {
+          RankSnapshot released = std::move(snapshot);  // frees the memory before relocking
+        }
+        lock.lock();
+        ++job.written_count;
+        bytes_written_ += record.bytes;
+        if (!status.ok()) {
+          if (job.status.ok()) job.status = std::move(status);
+        } else if (!failed) {
+          job.rank_files[static_cast<size_t>(rank)] = std::move(record);
+        }
+        continue;
+      }
+      const bool complete = job.written_count == options_.world_size && job.trainer_state.has_value();
+      if (!complete && !closing_) continue;  // spurious: has_work said so only if closing or complete
+      if (!complete) {
+        std::string missing;
+        for (size_t r = 0; r < job.arrived.size(); ++r) {
+          if (!job.arrived[r]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        }
+        if (!job.trainer_state) missing += std::string(missing.empty() ? "" : ", ") + "the trainer state";
+        if (job.status.ok()) {
+          job.status = CancelledError("checkpoint step " + std::to_string(job.step) +
+                                      " abandoned at finish(): never received " + missing);
+        }
+      }
+      lock.unlock();
+      Status status = job.status;
+      if (status.ok()) {
+        status = commit(job);
+      }
+      if (!status.ok()) remove_tmp(job);
+      lock.lock();
+      if (status.ok()) {
+        last_committed_ = std::max(last_committed_, job.step);
+      } else {
+        errors_.push_back(std::move(status).with_context("checkpoint step " + std::to_string(job.step) + " in " +
+                                                         options_.directory + " was not saved"));
+      }
+      jobs_.pop_front();
+      done_cv_.notify_all();
+    }
+  }
+
+  bool has_work_locked() const {
+    if (jobs_.empty()) return false;
+    const SaveJob& job = *jobs_.front();
+    for (const auto& pending : job.pending) {
+      if (pending.has_value()) return true;
+    }
+    return job.written_count == options_.world_size && job.trainer_state.has_value();
+  }
+
+  std::string final_dir(const SaveJob& job) const { return checkpoint_path(options_.directory, job.step); }
+
+  // Writer thread: creates the job's temporary directory, replacing one a crash left.
+  Status ensure_tmp(SaveJob& job) {
+    if (job.tmp_created) return Status::Ok();
+    job.tmp_dir = (fs::path(options_.directory) / (std::string(kTmpPrefix) + checkpoint_dir_name(job.step))).string();
+    std::error_code error;
+    if (fs::exists(job.tmp_dir, error)) {
+      STRATA_LOG(kInfo) << "checkpoint: removing " << job.tmp_dir << ", left by an interrupted save";
+      fs::remove_all(job.tmp_dir, error);
+      if (error) return IoError("cannot remove the stale " + job.tmp_dir + ": " + error.message());
+    }
+    if (::mkdir(job.tmp_dir.c_str(), 0755) != 0) return Status::FromErrno(errno, "mkdir(" + job.tmp_dir + ")");
+    job.tmp_created = true;
+    return Status::Ok();
+  }
+
+  void remove_tmp(SaveJob& job) {
+    if (!job.tmp_created) return;
+    std::error_code error;
+    fs::remove_all(job.tmp_dir, error);
+    if (error) STRATA_LOG(kWarn) << "checkpoint: cannot remove " << job.tmp_dir << ": " << error.message();
+    job.tmp_created = false;
+  }
+
+  Status write_rank_file(SaveJob& job, const RankSnapshot& snapshot, FileRecord* record) {
+    const std::string context = "checkpoint step " + std::to_string(job.step) + ": writing rank " +
+                                std::to_string(snapshot.rank()) + "'s shards";
+    STRATA_RETURN_IF_ERROR_CTX(ensure_tmp(job), context);
+    record->name = rank_file_name(snapshot.rank(), options_.world_size);
+    record->rank = snapshot.rank();
+    const std::string path = (fs::path(job.tmp_dir) / record->name).string();
+    bool direct = options_.direct_io;
+    auto opened = open_maybe_direct(path, O_WRONLY | O_CREAT | O_TRUNC, &direct);
+    if (!opened.ok()) return std::move(opened).status().with_context(context);
+    Fd fd = std::move(opened).value();
+    STRATA_RETURN_IF_ERROR_CTX(hook("rank_file_open", job.step), context);
+
+    const uint64_t total = snapshot.bytes();
+    // Reserve the space first: a full disk fails here, before any write, naming the file.
+    int ret;
+    do {
+      ret = ::fallocate(fd.get(), 0, 0, static_cast<off_t>(total));
+    } while (ret != 0 && errno == EINTR);
+    if (ret != 0 && errno != EOPNOTSUPP) {
+      return Status::FromErrno(errno, "fallocate(" + path + ", " + std::to_string(total) + " bytes)").with_context(context);
+    }
+
+    STRATA_ASSIGN_OR_RETURN(IoFile io_file, io_->register_file(fd.get(), path));
+    uint64_t offset = 0;
+    Status submit_status;
+    for (int g = 0; g < snapshot.group_count() && submit_status.ok(); ++g) {
+      const size_t shard_bytes = snapshot.layouts()[static_cast<size_t>(g)].shard_numel * sizeof(float);
+      for (CheckpointStateKind kind : kAllKinds) {
+        const std::span<const float> data = snapshot.shard(g, kind);
+        record->segments.push_back(SegmentRecord{g, kind, offset + static_cast<size_t>(kind) * shard_bytes, shard_bytes,
+                                                 chunk_checksums(data.data(), shard_bytes, options_.chunk_bytes)});
+      }
+      const std::span<const float> block = snapshot.group_block(g);
+      IoRequest request;
+      request.op = IoOp::kWrite;
+      request.file = io_file;
+      request.buffer = const_cast<float*>(block.data());  // a write only reads it
+      request.bytes = block.size_bytes();
+      request.offset = offset;
+      auto ticket = io_->submit(std::move(request));
+      if (!ticket.ok()) submit_status = ticket.status();
+      offset += block.size_bytes();
+    }
+    Status status = io_->wait_all();
+    if (status.ok()) status = submit_status;
+    Status unregister = io_->unregister_file(io_file);
+    STRATA_RETURN_IF_ERROR_CTX(std::move(status), context);
+    STRATA_RETURN_IF_ERROR_CTX(std::move(unregister), context);
+    STRATA_RETURN_IF_ERROR_CTX(fsync_fd(fd.get(), path), context);
+    record->bytes = total;
+    STRATA_RETURN_IF_ERROR_CTX(hook("rank_file_written", job.step), context);
+    return Status::Ok();
+  }
+
+  Status commit(SaveJob& job) {
+    const std::string context = "checkpoint step " + std::to_string(job.step) + ": committing";
+    STRATA_RETURN_IF_ERROR_CTX(ensure_tmp(job), context);
+    // The trainer state, byte for byte.
+    const std::string& state = *job.trainer_state;
+    const std::string state_path = (fs::path(job.tmp_dir) / kTrainerStateName).string();
+    STRATA_RETURN_IF_ERROR_CTX(write_file_durably(state_path, state), context);
+    FileRecord state_record;
+    state_record.name = std::string(kTrainerStateName);
+    state_record.bytes = state.size();
+    state_record.segments.push_back(
+        SegmentRecord{0, CheckpointStateKind::kMaster, 0, state.size(), chunk_checksums(state.data(), state.size(), options_.chunk_bytes)});
+
+    json groups = json::array();
+    for (const GroupLayout& layout : job.layouts) groups.push_back(group_to_json(layout));
+    json files = json::array();
+    for (const FileRecord& file : job.rank_files) files.push_back(file_to_json(file));
+    files.push_back(file_to_json(state_record));
+    json manifest = {{"format", kFormatName},
+                     {"version", kFormatVersion},
+                     {"step", job.step},
+                     {"engine_steps", job.engine_steps},
+                     {"world_size", options_.world_size},
+                     {"checksum", "xxh64"},
+                     {"chunk_bytes", options_.chunk_bytes},
+                     {"groups", std::move(groups)},
+                     {"files", std::move(files)}};
+    manifest["manifest_checksum"] = hex64(manifest_checksum(manifest));
+    STRATA_RETURN_IF_ERROR_CTX(hook("before_manifest", job.step), context);
+    const std::string manifest_text = manifest.dump(1) + "\n";
+    STRATA_RETURN_IF_ERROR_CTX(write_file_durably((fs::path(job.tmp_dir) / kManifestName).string(), manifest_text), context);
+    STRATA_RETURN_IF_ERROR_CTX(fsync_directory(job.tmp_dir), context);
+    STRATA_RETURN_IF_ERROR_CTX(hook("before_rename", job.step), context);
+
+    // Make it visible: a plain rename, or an atomic exchange with an older save of the
+    // same step (which is then removed).
+    const std::string target = final_dir(job);
+    std::error_code error;
+    if (fs::exists(target, error)) {
+      if (::renameat2(AT_FDCWD, job.tmp_dir.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0) {
+        return Status::FromErrno(errno, "renameat2(" + job.tmp_dir + ", " + target + ", RENAME_EXCHANGE)").with_context(context);
+      }
+      fs::remove_all(job.tmp_dir, error);  // now the older save
+      if (error) STRATA_LOG(kWarn) << "checkpoint: cannot remove the replaced save at " << job.tmp_dir << ": " << error.message();
+    } else if (::rename(job.tmp_dir.c_str(), target.c_str()) != 0) {
+      return Status::FromErrno(errno, "rename(" + job.tmp_dir + ", " + target + ")").with_context(context);
+    }
+    job.tmp_created = false;
+    STRATA_RETURN_IF_ERROR_CTX(fsync_directory(options_.directory), context);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      bytes_written_ += state.size() + manifest_text.size();
+    }
+    STRATA_LOG(kInfo) << "checkpoint: saved step " << job.step << " to " << target;
+    prune();
+    return Status::Ok();
+  }
+
+  // Keeps the newest keep_last step-* directories.
+  void prune() {
+    if (options_.keep_last <= 0) return;
+    std::vector<std::pair<int64_t, fs::path>> steps;
+    std::error_code error;
+    for (const auto& entry : fs::directory_iterator(options_.directory, error)) {
+      const int64_t step = parse_step_name(entry.path().filename().string());
+      if (step >= 0) steps.emplace_back(step, entry.path());
+    }
+    std::sort(steps.begin(), steps.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (size_t i = static_cast<size_t>(options_.keep_last); i < steps.size(); ++i) {
+      fs::remove_all(steps[i].second, error);
+      if (error) STRATA_LOG(kWarn) << "checkpoint: cannot remove old " << steps[i].second.string() << ": " << error.message();
+      else STRATA_LOG(kDebug) << "checkpoint: removed old " << steps[i].second.string() << " (keep_last " << options_.keep_last << ")";
+    }
+  }
+
+  const CheckpointSaverOptions options_;
+  std::unique_ptr<IoEngine> io_;
+  mutable std::mutex mutex_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
+  std::deque<std::unique_ptr<SaveJob>> jobs_;
+  std::vector<Status> errors_;
+  bool closing_ = false;
+  int64_t last_committed_ = -1;
+  uint64_t bytes_written_ = 0;
+  std::thread thread_;
+};
+
+StatusOr<std::unique_ptr<CheckpointSaver>> CheckpointSaver::create(const CheckpointSaverOptions& options) {
+  if (options.directory.empty()) return InvalidArgumentError("checkpoint: the save directory is empty");
+  if (options.world_size < 1) {
+    return InvalidArgumentError("checkpoint: world_size " + std::to_string(options.world_size) + " must be >= 1");
+  }
+  if (options.chunk_bytes == 0 || options.chunk_bytes % kDirectIoAlignment != 0) {
+    return InvalidArgumentError("checkpoint: chunk_bytes " + std::to_string(options.chunk_bytes) +
+                                " must be a positive multiple of 4096");
+  }
+  auto impl = std::make_unique<Impl>(options);
+  STRATA_RETURN_IF_ERROR(impl->start());
+  return std::unique_ptr<CheckpointSaver>(new CheckpointSaver(std::move(impl)));
+}
+
+CheckpointSaver::CheckpointSaver(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CheckpointSaver::~CheckpointSaver() = default;
+const std::string& CheckpointSaver::directory() const { return impl_->directory(); }
+Status CheckpointSaver::submit(int64_t step, RankSnapshot snapshot) { return impl_->submit(step, std::move(snapshot)); }
+Status CheckpointSaver::submit_trainer_state(int64_t step, std::string json_text) {
+  return impl_->submit_trainer_state(step, std::move(json_text));
+}
+Status CheckpointSaver::wait() { return impl_->wait(); }
+Status CheckpointSaver::finish() { return impl_->finish(); }
+int64_t CheckpointSaver::last_committed_step() const { return impl_->last_committed_step(); }
+uint64_t CheckpointSaver::bytes_written() const { return impl_->bytes_written(); }
+
+// ---------------------------------------------------------------------------------------
+// CheckpointReader
+// ---------------------------------------------------------------------------------------
+
+struct CheckpointReader::Segment {
+  int group = 0;
+  CheckpointStateKind kind = CheckpointStateKind::kMaster;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  std::vector<uint64_t> checksums;
+};
+
+struct CheckpointReader::File {
+  std::string name;
+  std::string path;
+  int rank = -1;
+  uint64_t bytes = 0;
+  bool direct = false;
+  Fd fd;
+  std::vector<Segment> segments;  // rank files: group * 3 + kind
+};
+
+CheckpointReader::~CheckpointReader() = default;
+
+namespace {
+
+// Typed access to manifest fields with errors naming the field.
+class ManifestFields {
+ public:
+  explicit ManifestFields(std::string path) : path_(std::move(path)) {}
+
+  template <class T>
+  StatusOr<T> get(const json& object, std::string_view key, std::string_view where) const {
+    if (!object.is_object()) return error(std::string(where) + " is not an object");
+    const auto it = object.find(key);
+    if (it == object.end()) return error(std::string(where) + " has no field '" + std::string(key) + "'");
+    try {
+      return it->template get<T>();
+    } catch (const json::exception& e) {
+      return error(std::string(where) + "." + std::string(key) + " has the wrong type (" + e.what() + ")");
+    }
+  }
+  StatusOr<const json*> array(const json& object, std::string_view key, std::string_view where) const {
+    if (!object.is_object()) return error(std::string(where) + " is not an object");
+    const auto it = object.find(key);
+    if (it == object.end() || !it->is_array()) return error(std::string(where) + "." + std::string(key) + " is missing or not an array");
+    return &*it;
+  }
+  Status error(const std::string& what) const { return DataLossError(path_ + ": " + what); }
+
+ private:
+  std::string path_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::string& checkpoint_dir,
+                                                                   const CheckpointReadOptions& options) {
+  std::unique_ptr<CheckpointReader> reader(new CheckpointReader());
+  reader->options_ = options;
+  reader->path_ = checkpoint_dir;
+  std::error_code error;
+  if (!fs::is_directory(checkpoint_dir, error)) return NotFoundError("checkpoint " + checkpoint_dir + " is not a directory");
+  const std::string manifest_path = (fs::path(checkpoint_dir) / kManifestName).string();
+  auto manifest_text = read_small_file(manifest_path);
+  if (!manifest_text.ok()) {
+    if (manifest_text.status().code() == StatusCode::kNotFound) {
+      return NotFoundError("checkpoint " + checkpoint_dir + " has no " + std::string(kManifestName) +
+                           " (an incomplete save)");
+    }
+    return std::move(manifest_text).status();
+  }
+  json manifest = json::parse(*manifest_text, nullptr, /*allow_exceptions=*/false);
+  if (manifest.is_discarded() || !manifest.is_object()) {
+    return DataLossError(manifest_path + " is not a JSON object (" + std::to_string(manifest_text->size()) +
+                         " bytes): the manifest is damaged");
+  }
+  const ManifestFields fields(manifest_path);
+  STRATA_ASSIGN_OR_RETURN(const std::string format, fields.get<std::string>(manifest, "format", "the manifest"));
+  if (format != kFormatName) return fields.error("format is '" + format + "', expected '" + std::string(kFormatName) + "'");
+  STRATA_ASSIGN_OR_RETURN(const int version, fields.get<int>(manifest, "version", "the manifest"));
+  if (version != kFormatVersion) {
+    return fields.error("format version " + std::to_string(version) + " is not the supported " + std::to_string(kFormatVersion));
+  }
+  STRATA_ASSIGN_OR_RETURN(const std::string stored_sum, fields.get<std::string>(manifest, "manifest_checksum", "the manifest"));
+  uint64_t expected_sum = 0;
+  if (!parse_hex64(stored_sum, &expected_sum)) return fields.error("manifest_checksum '" + stored_sum + "' is not hex");
+  const uint64_t actual_sum = manifest_checksum(manifest);
+  if (actual_sum != expected_sum) {
+    return fields.error("checksum mismatch of the manifest itself: stored " + stored_sum + ", computed " + hex64(actual_sum));
+  }
+
+  STRATA_ASSIGN_OR_RETURN(reader->step_, fields.get<int64_t>(manifest, "step", "the manifest"));
+  STRATA_ASSIGN_OR_RETURN(reader->engine_steps_, fields.get<int64_t>(manifest, "engine_steps", "the manifest"));
+  STRATA_ASSIGN_OR_RETURN(reader->world_size_, fields.get<int>(manifest, "world_size", "the manifest"));
+  STRATA_ASSIGN_OR_RETURN(reader->chunk_bytes_, fields.get<size_t>(manifest, "chunk_bytes", "the manifest"));
+  if (reader->world_size_ < 1) return fields.error("world_size " + std::to_string(reader->world_size_) + " is below 1");
+  if (reader->chunk_bytes_ == 0 || reader->chunk_bytes_ % kDirectIoAlignment != 0) {
+    return fields.error("chunk_bytes " + std::to_string(reader->chunk_bytes_) + " is not a positive multiple of 4096");
+  }
+
+  // Groups.
+  STRATA_ASSIGN_OR_RETURN(const json* groups, fields.array(manifest, "groups", "the manifest"));
+  uint64_t block_offset = 0;
+  for (size_t g = 0; g < groups->size(); ++g) {
+    const json& entry = (*groups)[g];
+    const std::string where = "groups[" + std::to_string(g) + "]";
+    SavedGroup group;
+    STRATA_ASSIGN_OR_RETURN(group.id, fields.get<int>(entry, "id", where));
+    STRATA_ASSIGN_OR_RETURN(group.name, fields.get<std::string>(entry, "name", where));
+    STRATA_ASSIGN_OR_RETURN(group.numel, fields.get<size_t>(entry, "numel", where));
+    STRATA_ASSIGN_OR_RETURN(group.shard_numel, fields.get<size_t>(entry, "shard_numel", where));
+    if (group.id != static_cast<int>(g)) return fields.error(where + " has id " + std::to_string(group.id));
+    if (group.shard_numel == 0 || group.shard_numel * static_cast<size_t>(reader->world_size_) < group.numel) {
+      return fields.error(where + " ('" + group.name + "'): shard_numel " + std::to_string(group.shard_numel) + " x " +
+                          std::to_string(reader->world_size_) + " ranks does not cover its " + std::to_string(group.numel) +
+                          " elements");
+    }
+    STRATA_ASSIGN_OR_RETURN(const json* tensors, fields.array(entry, "tensors", where));
+    for (size_t t = 0; t < tensors->size(); ++t) {
+      const std::string twhere = where + ".tensors[" + std::to_string(t) + "]";
+      SavedTensor tensor;
+      STRATA_ASSIGN_OR_RETURN(tensor.name, fields.get<std::string>((*tensors)[t], "name", twhere));
+      STRATA_ASSIGN_OR_RETURN(tensor.shape, fields.get<std::vector<int64_t>>((*tensors)[t], "shape", twhere));
+      STRATA_ASSIGN_OR_RETURN(tensor.offset, fields.get<size_t>((*tensors)[t], "offset", twhere));
+      STRATA_ASSIGN_OR_RETURN(tensor.numel, fields.get<size_t>((*tensors)[t], "numel", twhere));
+      if (tensor.offset + tensor.numel > group.numel) return fields.error(twhere + " ends past its group's numel");
+      group.tensors.push_back(std::move(tensor));
+    }
+    reader->group_base_.push_back(block_offset);
+    block_offset += kCheckpointStateKinds * group.shard_numel * sizeof(float);
+    reader->groups_.push_back(std::move(group));
+  }
+  const uint64_t rank_file_bytes = block_offset;
+
+  // Files.
+  STRATA_ASSIGN_OR_RETURN(const json* files, fields.array(manifest, "files", "the manifest"));
+  if (files->size() != static_cast<size_t>(reader->world_size_) + 1) {
+    return fields.error("lists " + std::to_string(files->size()) + " files, expected " +
+                        std::to_string(reader->world_size_) + " rank files and the trainer state");
+  }
+  for (size_t f = 0; f < files->size(); ++f) {
+    const json& entry = (*files)[f];
+    const std::string where = "files[" + std::to_string(f) + "]";
+    File file;
+    STRATA_ASSIGN_OR_RETURN(file.name, fields.get<std::string>(entry, "name", where));
+    STRATA_ASSIGN_OR_RETURN(file.bytes, fields.get<uint64_t>(entry, "bytes", where));
+    const bool is_rank_file = f < static_cast<size_t>(reader->world_size_);
+    if (is_rank_file) {
+      STRATA_ASSIGN_OR_RETURN(file.rank, fields.get<int>(entry, "rank", where));
+      if (file.rank != static_cast<int>(f) || file.name != rank_file_name(file.rank, reader->world_size_)) {
+        return fields.error(where + " ('" + file.name + "') is not rank " + std::to_string(f) + "'s file");
+      }
+      if (file.bytes != rank_file_bytes) {
+        return fields.error(where + " ('" + file.name + "') has " + std::to_string(file.bytes) +
+                            " bytes, the groups need " + std::to_string(rank_file_bytes));
+      }
+    } else if (file.name != kTrainerStateName) {
+      return fields.error(where + " is '" + file.name + "', expected " + std::string(kTrainerStateName));
+    }
+    if (file.name.find('/') != std::string::npos) return fields.error(where + " names a path, not a file");
+    STRATA_ASSIGN_OR_RETURN(const json* segments, fields.array(entry, "segments", where));
+    const size_t expected_segments = is_rank_file ? reader->groups_.size() * kCheckpointStateKinds : 1;
+    if (segments->size() != expected_segments) {
+      return fields.error(where + " ('" + file.name + "') has " + std::to_string(segments->size()) + " segments, expected " +
+                          std::to_string(expected_segments));
+    }
+    for (size_t s = 0; s < segments->size(); ++s) {
+      const json& sentry = (*segments)[s];
+      const std::string swhere = where + ".segments[" + std::to_string(s) + "]";
+      Segment segment;
+      STRATA_ASSIGN_OR_RETURN(segment.offset, fields.get<uint64_t>(sentry, "offset", swhere));
+      STRATA_ASSIGN_OR_RETURN(segment.bytes, fields.get<uint64_t>(sentry, "bytes", swhere));
+      STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> sums, fields.get<std::vector<std::string>>(sentry, "checksums", swhere));
+      if (is_rank_file) {
+        segment.group = static_cast<int>(s / kCheckpointStateKinds);
+        segment.kind = kAllKinds[s % kCheckpointStateKinds];
+        const size_t shard_bytes = reader->groups_[static_cast<size_t>(segment.group)].shard_numel * sizeof(float);
+        const uint64_t expected_offset = reader->group_base_[static_cast<size_t>(segment.group)] +
+                                         static_cast<uint64_t>(s % kCheckpointStateKinds) * shard_bytes;
+        if (segment.offset != expected_offset || segment.bytes != shard_bytes) {
+          return fields.error(swhere + " is at [" + std::to_string(segment.offset) + ", +" + std::to_string(segment.bytes) +
+                              "), expected [" + std::to_string(expected_offset) + ", +" + std::to_string(shard_bytes) + ")");
+        }
+      } else if (segment.offset != 0 || segment.bytes != file.bytes) {
+        return fields.error(swhere + " does not cover the whole trainer state");
+      }
+      const size_t chunks = (segment.bytes + reader->chunk_bytes_ - 1) / reader->chunk_bytes_;
+      if (sums.size() != chunks) {
+        return fields.error(swhere + " has " + std::to_string(sums.size()) + " checksums for " + std::to_string(chunks) + " chunks");
+      }
+      for (const std::string& text : sums) {
+        uint64_t value = 0;
+        if (!parse_hex64(text, &value)) return fields.error(swhere + " has a checksum that is not hex: '" + text + "'");
+        segment.checksums.push_back(value);
+      }
+      file.segments.push_back(std::move(segment));
+    }
+    file.path = (fs::path(checkpoint_dir) / file.name).string();
+
+    // Size: a short file is truncated.
+    struct stat info {};
+    if (::stat(file.path.c_str(), &info) != 0) {
+      const int stat_errno = errno;
+      if (stat_errno == ENOENT) {
+        return DataLossError("checkpoint " + checkpoint_dir + ": " + file.name + " is missing (the manifest lists it)");
+      }
+      return Status::FromErrno(stat_errno, "stat(" + file.path + ")");
+    }
+    const uint64_t size = static_cast<uint64_t>(info.st_size);
+    if (size < file.bytes) {
+      return DataLossError("checkpoint " + checkpoint_dir + ": " + file.path + " is truncated: it has " + std::to_string(size) +
+                           " bytes, the manifest says " + std::to_string(file.bytes));
+    }
+    if (size > file.bytes) {
+      return DataLossError("checkpoint " + checkpoint_dir + ": " + file.path + " has " + std::to_string(size) +
+                           " bytes, more than the " + std::to_string(file.bytes) + " the manifest says");
+    }
+    if (is_rank_file) {
+      file.direct = options.direct_io;
+      STRATA_ASSIGN_OR_RETURN(file.fd, open_maybe_direct(file.path, O_RDONLY, &file.direct));
+    }
+    reader->files_.push_back(std::move(file));
+  }
+
+  // The trainer state: small, read and checked now.
+  File& state_file = reader->files_.back();
+  STRATA_ASSIGN_OR_RETURN(reader->trainer_state_, read_small_file(state_file.path));
+  if (reader->trainer_state_.size() != state_file.bytes) {
+    return DataLossError("checkpoint " + checkpoint_dir + ": " + state_file.path + " changed size while being read");
+  }
+  if (options.verify_checksums) {
+    const Segment& segment = state_file.segments.front();
+    const std::vector<uint64_t> sums = chunk_checksums(reader->trainer_state_.data(), reader->trainer_state_.size(), reader->chunk_bytes_);
+    for (size_t c = 0; c < sums.size(); ++c) {
+      if (sums[c] != segment.checksums[c]) {
+        return DataLossError("checkpoint " + checkpoint_dir + ": checksum mismatch in " + state_file.path + " chunk " +
+                             std::to_string(c) + ": stored " + hex64(segment.checksums[c]) + ", computed " + hex64(sums[c]));
+      }
+    }
+  }
+  return reader;
+}
+
+Status CheckpointReader::read_segment(const File& file, const Segment& segment, uint64_t offset, size_t bytes,
+                                      void* out) const {
+  if (bytes == 0) return Status::Ok();
+  if (offset + bytes > segment.bytes) {
+    return InternalError("checkpoint read past a segment of " + file.path + ": [" + std::to_string(offset) + ", +" +
+                         std::to_string(bytes) + ") of " + std::to_string(segment.bytes));
+  }
+  const size_t chunk = chunk_bytes_;
+  AlignedBytes buffer(chunk);
+  if (!buffer.ok()) return OutOfMemoryError("checkpoint read: cannot allocate " + std::to_string(chunk) + " bytes");
+  auto* destination = static_cast<unsigned char*>(out);
+  for (uint64_t c = offset / chunk; c * chunk < offset + bytes; ++c) {
+    const uint64_t chunk_begin = c * chunk;
+    const size_t chunk_size = static_cast<size_t>(std::min<uint64_t>(chunk, segment.bytes - chunk_begin));
+    STRATA_RETURN_IF_ERROR(pread_exact(file.fd.get(), file.path, buffer.data(), chunk_size, segment.offset + chunk_begin));
+    if (options_.verify_checksums) {
+      const uint64_t sum = xxhash64(buffer.data(), chunk_size);
+      if (sum != segment.checksums[c]) {
+        return DataLossError("checksum mismatch in " + file.path + " (group " + std::to_string(segment.group) + " '" +
+                             groups_[static_cast<size_t>(segment.group)].name + "', " +
+                             std::string(checkpoint_state_kind_name(segment.kind)) + ", bytes [" +
+                             std::to_string(segment.offset + chunk_begin) + ", " +
+                             std::to_string(segment.offset + chunk_begin + chunk_size) + ") of the file): stored " +
+                             hex64(segment.checksums[c]) + ", computed " + hex64(sum));
+      }
+    }
+    const uint64_t copy_begin = std::max(offset, chunk_begin);
+    const uint64_t copy_end = std::min<uint64_t>(offset + bytes, chunk_begin + chunk_size);
+    std::memcpy(destination + (copy_begin - offset), buffer.data() + (copy_begin - chunk_begin), copy_end - copy_begin);
+  }
+  return Status::Ok();
+}
+
+Status CheckpointReader::check_layout(const GroupLayout& layout) const {
+  if (layout.id < 0 || static_cast<size_t>(layout.id) >= groups_.size()) {
+    return InvalidArgumentError("checkpoint " + path_ + " has " + std::to_string(groups_.size()) + " groups; the model's group " +
+                                std::to_string(layout.id) + " ('" + layout.name + "') is not among them");
+  }
+  const SavedGroup& saved = groups_[static_cast<size_t>(layout.id)];
+  const std::string what = "checkpoint " + path_ + ": group " + std::to_string(layout.id);
+  if (saved.name != layout.name) {
+    return InvalidArgumentError(what + " is '" + saved.name + "' in the checkpoint but '" + layout.name + "' in the model");
+  }
+  if (saved.tensors.size() != layout.tensors.size()) {
+    return InvalidArgumentError(what + " ('" + saved.name + "') has " + std::to_string(saved.tensors.size()) +
+                                " tensors in the checkpoint, " + std::to_string(layout.tensors.size()) + " in the model");
+  }
+  auto shape_text = [](const std::vector<int64_t>& shape) {
+    std::string text = "[";
+    for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+    return text + "]";
+  };
+  for (size_t t = 0; t < saved.tensors.size(); ++t) {
+    const SavedTensor& a = saved.tensors[t];
+    const TensorLayout& b = layout.tensors[t];
+    if (a.name != b.name || a.shape != b.shape || a.offset != b.offset || a.numel != b.numel) {
+      return InvalidArgumentError(what + " ('" + saved.name + "'), tensor " + std::to_string(t) + ": the checkpoint has '" +
+                                  a.name + "' " + shape_text(a.shape) + " at offset " + std::to_string(a.offset) +
+                                  ", the model '" + b.name + "' " + shape_text(b.shape) + " at offset " + std::to_string(b.offset));
+    }
+  }
+  if (saved.numel != layout.numel) {
+    return InvalidArgumentError(what + " ('" + saved.name + "') has " + std::to_string(saved.numel) +
+                                " elements in the checkpoint, " + std::to_string(layout.numel) + " in the model");
+  }
+  return Status::Ok();
+}
+
+Status CheckpointReader::read_range(int group, CheckpointStateKind kind, uint64_t first, std::span<float> out) const {
+  if (group < 0 || static_cast<size_t>(group) >= groups_.size()) {
+    return InvalidArgumentError("checkpoint " + path_ + ": no group " + std::to_string(group) + " (it has " +
+                                std::to_string(groups_.size()) + ")");
+  }
+  const SavedGroup& saved = groups_[static_cast<size_t>(group)];
+  const uint64_t end = first + out.size();
+  const uint64_t data_end = std::min<uint64_t>(end, saved.numel);
+  uint64_t element = first;
+  while (element < data_end) {
+    const uint64_t rank = element / saved.shard_numel;
+    const uint64_t rank_end = std::min<uint64_t>(data_end, (rank + 1) * saved.shard_numel);
+    const File& file = files_[static_cast<size_t>(rank)];
+    const Segment& segment = file.segments[static_cast<size_t>(group) * kCheckpointStateKinds + static_cast<size_t>(kind)];
+    const uint64_t local = element - rank * saved.shard_numel;
+    STRATA_RETURN_IF_ERROR_CTX(read_segment(file, segment, local * sizeof(float), (rank_end - element) * sizeof(float),
+                                            out.data() + (element - first)),
+                               "reading group '" + saved.name + "' " + std::string(checkpoint_state_kind_name(kind)) +
+                                   " elements [" + std::to_string(first) + ", " + std::to_string(end) + ") from checkpoint " + path_);
+    element = rank_end;
+  }
+  // Padding (and anything past the group) reads as zeros.
+  const uint64_t zero_from = std::max(first, data_end);
+  if (zero_from < end) std::fill(out.begin() + static_cast<ptrdiff_t>(zero_from - first), out.end(), 0.0f);
+  return Status::Ok();
+}
+
+Status CheckpointReader::load_shard(int group, CheckpointStateKind kind, int rank, int world_size, std::span<float> out) const {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    return InvalidArgumentError("checkpoint load_shard: rank " + std::to_string(rank) + " of world size " + std::to_string(world_size));
+  }
+  if (group >= 0 && static_cast<size_t>(group) < groups_.size() &&
+      out.size() * static_cast<size_t>(world_size) < groups_[static_cast<size_t>(group)].numel) {
+    return InvalidArgumentError("checkpoint load_shard: " + std::to_string(world_size) + " shards of " +
+                                std::to_string(out.size()) + " elements do not cover group '" +
+                                groups_[static_cast<size_t>(group)].name + "' (" +
+                                std::to_string(groups_[static_cast<size_t>(group)].numel) + " elements)");
+  }
+  return read_range(group, kind, static_cast<uint64_t>(rank) * out.size(), out);
+}
+
+Status CheckpointReader::verify() const {
+  for (size_t f = 0; f + 1 < files_.size(); ++f) {
+    const File& file = files_[f];
+    AlignedBytes scratch(chunk_bytes_);
+    for (const Segment& segment : file.segments) {
+      // read_segment checks every chunk; read a chunk at a time into scratch.
+      for (uint64_t at = 0; at < segment.bytes; at += chunk_bytes_) {
+        const size_t bytes = static_cast<size_t>(std::min<uint64_t>(chunk_bytes_, segment.bytes - at));
+        STRATA_RETURN_IF_ERROR(read_segment(file, segment, at, bytes, scratch.data()));
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------------------
+// latest_complete
+// ---------------------------------------------------------------------------------------
+
+StatusOr<CheckpointRef> latest_complete(const std::string& save_dir, const LatestCompleteOptions& options) {
+  std::error_code error;
+  if (!fs::is_directory(save_dir, error)) return NotFoundError("checkpoint save directory " + save_dir + " does not exist");
+  std::vector<std::pair<int64_t, std::string>> candidates;
+  std::vector<std::string> skipped;
+  for (const auto& entry : fs::directory_iterator(save_dir, error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(kTmpPrefix, 0) == 0) {
+      const std::string why = entry.path().string() + ": an interrupted save (never committed)";
+      STRATA_LOG(kWarn) << "checkpoint: skipping " << why;
+      skipped.push_back(why);
+      continue;
+    }
+    const int64_t step = parse_step_name(name);
+    if (step >= 0 && entry.is_directory(error)) candidates.emplace_back(step, entry.path().string());
+  }
+  if (error) return IoError("cannot list " + save_dir + ": " + error.message());
+  std::sort(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (const auto& [step, path] : candidates) {
+    CheckpointReadOptions read_options;
+    read_options.verify_checksums = options.verify_checksums;
+    auto reader = CheckpointReader::open(path, read_options);
+    Status status = reader.ok() ? Status::Ok() : reader.status();
+    if (status.ok() && options.verify_checksums) status = (*reader)->verify();
+    if (status.ok()) return CheckpointRef{path, step};
+    STRATA_LOG(kWarn) << "checkpoint: skipping " << path << ": " << status.to_string();
+    skipped.push_back(path + ": " + status.message());
+  }
+  std::string text = "no complete checkpoint in " + save_dir;
+  if (!skipped.empty()) {
+    text += " (skipped:";
+    for (const std::string& why : skipped) text += " " + why + ";";
+    text += ")";
+  }
+  return NotFoundError(text);
+}
+
+// ---------------------------------------------------------------------------------------
+// Engine glue
+// ---------------------------------------------------------------------------------------
+
+StatusOr<RankSnapshot> snapshot_engine_state(Engine& engine, int rank) {
+  std::vector<GroupLayout> layouts;
+  for (int g = 0; g < engine.group_count(); ++g) layouts.push_back(engine.layout(g));
+  STRATA_ASSIGN_OR_RETURN(RankSnapshot snapshot, RankSnapshot::allocate(std::move(layouts), rank, engine.steps_taken()));
+  for (int g = 0; g < snapshot.group_count(); ++g) {
+    for (CheckpointStateKind kind : kAllKinds) {
+      STRATA_RETURN_IF_ERROR_CTX(engine.read_state_shard(g, kind, snapshot.shard(g, kind)),
+                                 "checkpoint snapshot: group '" + snapshot.layouts()[static_cast<size_t>(g)].name + "' " +
+                                     std::string(checkpoint_state_kind_name(kind)));
+    }
+  }
+  return snapshot;
+}
+
+Status load_engine_state(Engine& engine, int rank, const CheckpointReader& reader) {
+  if (static_cast<size_t>(engine.group_count()) != reader.groups().size()) {
+    return InvalidArgumentError("checkpoint " + reader.path() + " has " + std::to_string(reader.groups().size()) +
+                                " groups, the model " + std::to_string(engine.group_count()));
+  }
+  std::vector<float> shard;
+  for (int g = 0; g < engine.group_count(); ++g) {
+    const GroupLayout& layout = engine.layout(g);
+    STRATA_RETURN_IF_ERROR(reader.check_layout(layout));
+    shard.resize(layout.shard_numel);
+    for (CheckpointStateKind kind : kAllKinds) {
+      STRATA_RETURN_IF_ERROR(reader.load_shard(g, kind, rank, layout.world_size, shard));
+      STRATA_RETURN_IF_ERROR_CTX(engine.write_state_shard(g, kind, shard),
+                                 "loading checkpoint " + reader.path() + " into group '" + layout.name + "'");
+    }
+  }
+  STRATA_RETURN_IF_ERROR_CTX(engine.refresh_parameters(), "loading checkpoint " + reader.path());
+  engine.set_steps_taken(reader.engine_steps());
+  return Status::Ok();
+}
+
+}  // namespace strata

@@ -1,0 +1,257 @@
+// Checkpoints: per-rank shard files plus a manifest with checksums, written in the
+// background while training continues, made visible atomically, and loadable with any
+// world size.
+//
+// On disk, for a save directory D and step N:
+//
+//   D/step-<N>/manifest.json            written last; its presence marks the checkpoint complete
+//   D/step-<N>/rank-<r>-of-<W>.bin      rank r's shards: for each group in id order, the fp32
+//                                       master, exp_avg and exp_avg_sq shards (shard_numel
+//                                       floats each, little-endian), back to back
+//   D/step-<N>/trainer_state.json       the caller's JSON blob, byte for byte
+//
+// The manifest holds the format version, the step, the engine's step count, the world
+// size, every group's layout (id, name, numel, shard_numel, tensors with their offsets
+// and shapes), and for every file its size and the XXH64 checksum of every chunk
+// (chunk_bytes, 1 MiB by default) of every segment; and its own checksum.
+//
+// Saving (CheckpointSaver): every rank hands over a RankSnapshot — its shards copied into
+// host memory the snapshot owns — and returns to training; the saver's thread writes the
+// files through the I/O engine (O_DIRECT where the file system takes it, else buffered,
+// logged once) into D/.tmp-step-<N>/, fsyncs each file, writes the manifest, fsyncs it
+// and the directory, renames the directory to D/step-<N>/ (atomically replacing an older
+// save of the same step) and fsyncs D. A crash at any point leaves either the previous
+// state or the complete checkpoint; a failed save (disk full, I/O error) removes its
+// temporary directory and leaves every earlier checkpoint as it was. Errors are kept and
+// returned by the next wait()/finish(), naming the step and the file.
+//
+// Loading (CheckpointReader): open() checks the manifest and every file's size (a short
+// file is kDataLoss "truncated"); read_range()/load_shard() read any element range of a
+// group's unpadded flat state, from whichever rank files hold it, verifying the checksum
+// of every chunk they touch (a mismatch is kDataLoss naming the file, the segment and the
+// byte range). A checkpoint saved with N ranks loads on M ranks: rank r of M asks for
+// [r * shard_numel_M, (r + 1) * shard_numel_M), and elements past the group's numel
+// (padding) read as zeros.
+//
+// latest_complete(D) finds the newest D/step-<N> that is complete and verifies;
+// anything else (a .tmp-step-* directory left by a crash, a missing or damaged manifest,
+// a truncated or corrupted file) is skipped with a warning naming why.
+//
+// Engine glue: snapshot_engine_state() + CheckpointSaver::submit() save from an Engine;
+// load_engine_state() loads into one (write_state_shard, refresh_parameters,
+// set_steps_taken).
+//
+// Memory: a RankSnapshot is a full copy of the rank's fp32 optimizer state (12 bytes per
+// parameter / world size); the saver keeps at most max_pending_saves steps of them.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "engine/core/status.h"
+#include "engine/engine.h"
+#include "engine/partition.h"
+#include "offload/io_engine.h"
+
+namespace strata {
+
+using CheckpointStateKind = Engine::StateKind;
+inline constexpr int kCheckpointStateKinds = 3;  // master, exp_avg, exp_avg_sq
+std::string_view checkpoint_state_kind_name(CheckpointStateKind kind);  // "master" | "exp_avg" | "exp_avg_sq"
+
+// "step-<N>" and the path D/step-<N>.
+std::string checkpoint_dir_name(int64_t step);
+std::string checkpoint_path(const std::string& save_dir, int64_t step);
+
+// One rank's shards of every group, in host memory this object owns (4 KiB aligned, so
+// the saver writes it with O_DIRECT without a copy). Move-only.
+class RankSnapshot {
+ public:
+  // `layouts` are the groups' layouts for this world size, group i at index i (layout.id
+  // == i), all with the same world_size. The buffers start zeroed.
+  static StatusOr<RankSnapshot> allocate(std::vector<GroupLayout> layouts, int rank, int64_t engine_steps);
+
+  RankSnapshot(RankSnapshot&&) noexcept = default;
+  RankSnapshot& operator=(RankSnapshot&&) noexcept = default;
+  RankSnapshot(const RankSnapshot&) = delete;
+  RankSnapshot& operator=(const RankSnapshot&) = delete;
+  ~RankSnapshot() = default;
+
+  int rank() const { return rank_; }
+  int world_size() const { return layouts_.empty() ? 1 : layouts_.front().world_size; }
+  int64_t engine_steps() const { return engine_steps_; }
+  const std::vector<GroupLayout>& layouts() const { return layouts_; }
+  int group_count() const { return static_cast<int>(layouts_.size()); }
+  // Group `group`'s shard of `kind`: layouts()[group].shard_numel floats.
+  std::span<float> shard(int group, CheckpointStateKind kind);
+  std::span<const float> shard(int group, CheckpointStateKind kind) const;
+  // The group's three shards back to back (master, exp_avg, exp_avg_sq), as they go to disk.
+  std::span<const float> group_block(int group) const;
+  size_t bytes() const;  // all groups, all kinds
+
+ private:
+  struct FreeAligned {
+    void operator()(float* data) const;
+  };
+  RankSnapshot() = default;
+  std::vector<GroupLayout> layouts_;
+  std::vector<std::unique_ptr<float, FreeAligned>> blocks_;  // per group: 3 * shard_numel floats
+  int rank_ = 0;
+  int64_t engine_steps_ = 0;
+};
+
+struct CheckpointSaverOptions {
+  std::string directory;                       // D: created (with parents) if missing
+  int world_size = 1;                          // rank snapshots each save waits for
+  int keep_last = 0;                           // after a commit, delete all but the newest keep_last step-* directories (0 = keep all)
+  int max_pending_saves = 1;                   // a submit that starts a new step blocks while this many saves are unfinished
+  bool direct_io = true;                       // O_DIRECT where the file system takes it
+  size_t chunk_bytes = size_t{1} << 20;        // checksum granularity, a positive multiple of 4096
+  IoEngineOptions io;                          // the saver's own I/O engine
+  // Tests: called on the saver's thread at "rank_file_open", "rank_file_written",
+  // "before_manifest", "before_rename"; an error it returns fails the save there (the
+  // hook may also end the process to simulate a crash).
+  std::function<Status(std::string_view point, int64_t step)> fault_hook;
+};
+
+class CheckpointSaver {
+ public:
+  static StatusOr<std::unique_ptr<CheckpointSaver>> create(const CheckpointSaverOptions& options);
+  // Finishes (waits for every save) and logs any error nobody collected.
+  ~CheckpointSaver();
+  CheckpointSaver(const CheckpointSaver&) = delete;
+  CheckpointSaver& operator=(const CheckpointSaver&) = delete;
+
+  const std::string& directory() const;
+
+  // Hands over rank snapshot.rank()'s shards for checkpoint `step` (any thread; each rank
+  // once per step). Checks the snapshot against the save's other ranks (world size,
+  // group names and sizes) and returns; the writing runs on the saver's thread. The save
+  // commits once all world_size ranks and the trainer state have arrived.
+  Status submit(int64_t step, RankSnapshot snapshot);
+  // The caller's trainer state for checkpoint `step`: JSON text (checked to parse),
+  // stored byte for byte. Exactly once per step, from any one rank.
+  Status submit_trainer_state(int64_t step, std::string json);
+
+  // Blocks until every save submitted so far has committed or failed; returns the first
+  // failure not yet returned (naming its step, and how many others failed).
+  Status wait();
+  // wait(), then stops the thread; later submits fail.
+  Status finish();
+
+  int64_t last_committed_step() const;  // -1 before the first commit
+  uint64_t bytes_written() const;       // by committed and failed saves, all files
+
+  class Impl;
+
+ private:
+  explicit CheckpointSaver(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// What the manifest says about a group.
+struct SavedTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  size_t offset = 0;  // first element within the flat group
+  size_t numel = 0;
+};
+struct SavedGroup {
+  int id = 0;
+  std::string name;
+  size_t numel = 0;        // unpadded
+  size_t shard_numel = 0;  // per rank, at the saved world size
+  std::vector<SavedTensor> tensors;
+};
+
+struct CheckpointReadOptions {
+  bool verify_checksums = true;  // verify every chunk read
+  bool direct_io = true;         // O_DIRECT reads where the file system takes them
+};
+
+class CheckpointReader {
+ public:
+  // Opens a checkpoint directory (D/step-<N>): reads and checks the manifest (present,
+  // parses, its checksum, format version, consistent layout) and every file's size
+  // (kDataLoss "truncated" naming the file, its size and the size expected). Reads no
+  // shard data.
+  static StatusOr<std::unique_ptr<CheckpointReader>> open(const std::string& checkpoint_dir,
+                                                          const CheckpointReadOptions& options = {});
+  ~CheckpointReader();
+  CheckpointReader(const CheckpointReader&) = delete;
+  CheckpointReader& operator=(const CheckpointReader&) = delete;
+
+  const std::string& path() const { return path_; }
+  int64_t step() const { return step_; }
+  int64_t engine_steps() const { return engine_steps_; }
+  int world_size() const { return world_size_; }
+  const std::string& trainer_state() const { return trainer_state_; }  // as submitted
+  const std::vector<SavedGroup>& groups() const { return groups_; }
+
+  // Checks that `layout` (any world size) describes the saved group with its id: same
+  // name, numel and tensors (names, shapes, offsets). The error names the difference.
+  Status check_layout(const GroupLayout& layout) const;
+
+  // Reads elements [first, first + out.size()) of group `group`'s unpadded flat `kind`
+  // state; elements at or past numel read as 0. Thread-safe (pread, no shared buffers).
+  Status read_range(int group, CheckpointStateKind kind, uint64_t first, std::span<float> out) const;
+  // Rank `rank` of `world_size`'s shard, whose size is out.size() (that world size's
+  // shard_numel): read_range(group, kind, rank * out.size(), out).
+  Status load_shard(int group, CheckpointStateKind kind, int rank, int world_size, std::span<float> out) const;
+
+  // Reads every byte of every file and checks every checksum.
+  Status verify() const;
+
+ private:
+  struct Segment;
+  struct File;
+  CheckpointReader() = default;
+  // Reads [segment_offset, segment_offset + bytes) of a segment into `out`, verifying the
+  // checksums of the chunks it touches.
+  Status read_segment(const File& file, const Segment& segment, uint64_t offset, size_t bytes, void* out) const;
+
+  CheckpointReadOptions options_;
+  std::string path_;
+  int64_t step_ = 0;
+  int64_t engine_steps_ = 0;
+  int world_size_ = 1;
+  size_t chunk_bytes_ = 0;
+  std::string trainer_state_;
+  std::vector<SavedGroup> groups_;
+  std::vector<File> files_;        // rank files in rank order, then trainer_state.json
+  std::vector<size_t> group_base_; // per group: byte offset of its block in every rank file
+};
+
+struct CheckpointRef {
+  std::string path;  // D/step-<N>
+  int64_t step = 0;
+};
+
+struct LatestCompleteOptions {
+  bool verify_checksums = true;  // read every file of the candidate and check every checksum
+};
+
+// The newest complete checkpoint in `save_dir`. Candidates are D/step-<N> directories,
+// newest first; one that fails CheckpointReader::open (or verify(), with
+// verify_checksums) is skipped with a warning naming the directory and why, as are
+// D/.tmp-step-* directories (an interrupted save). kNotFound when none is complete,
+// naming D and what was skipped.
+StatusOr<CheckpointRef> latest_complete(const std::string& save_dir, const LatestCompleteOptions& options = {});
+
+// Engine glue. `rank` is the engine's rank (EngineOptions::rank).
+// Copies this rank's master, exp_avg and exp_avg_sq shards of every group out of the
+// engine (waiting for pending updates), with engine.steps_taken(). Call between steps.
+StatusOr<RankSnapshot> snapshot_engine_state(Engine& engine, int rank);
+// Loads this rank's shards of every group from `reader` (any saved world size): checks
+// every group's layout, write_state_shard() for the three kinds, refresh_parameters(),
+// set_steps_taken(reader.engine_steps()). Call after start(), between steps.
+Status load_engine_state(Engine& engine, int rank, const CheckpointReader& reader);
+
+}  // namespace strata

@@ -1,0 +1,261 @@
+// The JSON config: DeepSpeed's vocabulary where the meaning is the same, Strata's own
+// settings under "strata".
+//
+// Every key falls in one of three kinds (docs/config.md lists them all):
+//   - implemented: parsed, validated and stored in StrataConfig;
+//   - known to DeepSpeed but without effect in Strata: one WARNING line naming the key
+//     and why it does not apply; the value (and anything below it) is not inspected;
+//   - unknown or ill-typed: an error naming the full dotted key, the file and what was
+//     expected ("did you mean ...?" for a near miss).
+// All problems in one file are reported together in one Status.
+//
+// Use:
+//   STRATA_ASSIGN_OR_RETURN(StrataConfig config, load_config_file(path));
+//   STRATA_RETURN_IF_ERROR(apply_override(config, "strata.device_budget_mib", "4096"));
+//   STRATA_RETURN_IF_ERROR(finalize(config, world_size));   // batch sizes, cross-field checks
+//   write to_json(config) next to the checkpoint.
+//
+// The schema is a table in config.cpp: adding a key is one line there plus a field here
+// and a row in docs/config.md.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "engine/core/device.h"
+#include "engine/core/dtype.h"
+#include "engine/core/status.h"
+
+namespace strata {
+
+// Where one kind of state lives between uses (DESIGN.md): device memory, host memory
+// (pinned unless pin_memory is false), or the NVMe tier. DeepSpeed's offload device
+// "none" is kDevice.
+enum class Placement : uint8_t { kDevice, kCpu, kNvme };
+std::string_view placement_name(Placement placement);  // "device" | "cpu" | "nvme"
+// Accepts "device", "none" (DeepSpeed's word for "not offloaded"), "cpu", "nvme".
+StatusOr<Placement> parse_placement_name(std::string_view text);
+
+enum class OptimizerType : uint8_t { kAdam, kAdamW };
+enum class SchedulerType : uint8_t { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
+enum class WarmupType : uint8_t { kLog, kLinear };  // DeepSpeed's warmup_type "log" | "linear"
+enum class OptimizerOverlap : uint8_t { kExact, kDelayed };  // DESIGN.md "Overlap modes"
+enum class IoEngineChoice : uint8_t { kAuto, kIoUring, kPsync };
+enum class DataKind : uint8_t { kSynthetic, kText, kTokens };
+
+std::string_view optimizer_type_name(OptimizerType type);        // "Adam" | "AdamW"
+std::string_view scheduler_type_name(SchedulerType type);        // "none" | "WarmupLR" | ...
+std::string_view optimizer_overlap_name(OptimizerOverlap mode);  // "exact" | "delayed"
+std::string_view io_engine_choice_name(IoEngineChoice choice);   // "auto" | "io_uring" | "psync"
+std::string_view data_kind_name(DataKind kind);                  // "synthetic" | "text" | "tokens"
+
+// zero_optimization.offload_param: where the compute-dtype parameter shards live.
+struct OffloadParamConfig {
+  Placement device = Placement::kDevice;  // "none"/"device" | "cpu" | "nvme"
+  bool pin_memory = true;                 // cpu placement: pinned (true) or pageable host memory
+  int64_t buffer_count = 5;               // staging buffers between NVMe and the device
+  int64_t buffer_size = 100'000'000;      // elements per staging buffer (DeepSpeed's unit)
+};
+
+// zero_optimization.offload_optimizer: where the fp32 master, exp_avg and exp_avg_sq
+// shards live. The optimizer math runs on the CPU whenever this is not kDevice.
+struct OffloadOptimizerConfig {
+  Placement device = Placement::kDevice;
+  bool pin_memory = true;
+  int64_t buffer_count = 4;  // staging buffers for optimizer state streamed from NVMe
+};
+
+struct ZeroConfig {
+  // Strata implements stage 3. 0, 1 and 2 are accepted and run as stage 3 (same
+  // results, less memory per rank); finalize() warns once and sets 3.
+  int stage = 3;
+  OffloadParamConfig offload_param;
+  OffloadOptimizerConfig offload_optimizer;
+  int64_t prefetch_bucket_size = 50'000'000;        // stage3_prefetch_bucket_size: elements fetched ahead of use
+  int64_t max_live_parameters = 1'000'000'000;      // stage3_max_live_parameters: gathered elements resident at once
+  int64_t param_persistence_threshold = 100'000;    // tensors with fewer elements are not partitioned
+  int64_t reduce_bucket_size = 500'000'000;         // elements per gradient reduce-scatter call
+};
+
+// aio: the NVMe I/O engine.
+struct AioConfig {
+  int64_t block_size = 1'048'576;  // bytes per I/O request (a multiple of 4096)
+  int64_t queue_depth = 8;         // requests kept in flight per ring
+};
+
+struct Bf16Config {
+  bool enabled = false;
+};
+
+// fp16 with loss scaling (DeepSpeed's semantics and defaults).
+struct Fp16Config {
+  bool enabled = false;
+  double loss_scale = 0.0;            // 0 = dynamic loss scaling, otherwise a fixed scale
+  int64_t initial_scale_power = 16;   // dynamic: the first scale is 2^initial_scale_power
+  int64_t loss_scale_window = 1000;   // dynamic: steps without overflow before the scale doubles
+  int64_t hysteresis = 2;             // dynamic: overflows tolerated before the scale halves
+  double min_loss_scale = 1.0;        // dynamic: the scale never goes below this
+};
+
+struct OptimizerConfig {
+  OptimizerType type = OptimizerType::kAdam;
+  double lr = 1e-3;
+  std::array<double, 2> betas = {0.9, 0.999};
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  // DeepSpeed: "Adam" applies decoupled (AdamW) weight decay unless adam_w_mode is
+  // false; "AdamW" always does. Use decoupled_weight_decay() rather than this field.
+  bool adam_w_mode = true;
+  bool bias_correction = true;
+};
+// True when weight decay is decoupled (AdamW), with DeepSpeed's rule above.
+bool decoupled_weight_decay(const OptimizerConfig& optimizer);
+
+// scheduler: DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR. Parameters that a
+// type does not take stay unset; finalize() fills the defaults of the chosen type and
+// rejects parameters that do not belong to it.
+struct SchedulerConfig {
+  SchedulerType type = SchedulerType::kNone;
+  std::optional<double> warmup_min_lr;        // WarmupLR, WarmupDecayLR (default 0)
+  std::optional<double> warmup_max_lr;        // WarmupLR (default optimizer lr), WarmupDecayLR (default 0.001)
+  std::optional<int64_t> warmup_num_steps;    // all three (default 1000)
+  std::optional<WarmupType> warmup_type;      // all three (default log)
+  std::optional<int64_t> total_num_steps;     // WarmupDecayLR, WarmupCosineLR (required)
+  std::optional<double> warmup_min_ratio;     // WarmupCosineLR (default 0)
+  std::optional<double> cos_min_ratio;        // WarmupCosineLR (default 0.0001)
+};
+
+// strata.model: the GPT trainer's model. 0 means "take it from the preset".
+struct ModelConfig {
+  std::string preset;                          // a named model shape, defined by the trainer; empty = none
+  int64_t n_layer = 0;
+  int64_t n_head = 0;
+  int64_t n_embd = 0;
+  int64_t n_ctx = 0;                           // context length in tokens
+  int64_t vocab_size = 0;
+  bool activation_checkpointing = false;       // recompute each block's activations in backward
+  bool checkpoints_in_pinned_memory = false;   // keep the block inputs saved for recompute in pinned host memory
+};
+
+// strata.data: what the trainer reads.
+struct DataConfig {
+  DataKind kind = DataKind::kSynthetic;
+  std::string path;            // text file or token file; required unless kind is synthetic
+  double eval_fraction = 0.0;  // share of the data held out for evaluation, in [0, 1)
+  int64_t seq_len = 0;         // tokens per sample; 0 = model.n_ctx
+};
+
+// The "strata" section.
+struct StrataSection {
+  std::optional<DeviceKind> device;   // where compute runs; unset = "auto" (see resolve_device)
+  int64_t world_size = 1;             // data-parallel ranks
+  int64_t device_budget_mib = 0;      // hard cap on device memory per rank; 0 = the device's own limit
+  int64_t pinned_budget_mib = 0;      // cap on pinned host memory per rank; 0 = what the tiers need
+  int64_t compute_threads = 0;        // CPU device compute threads; 0 = all hardware threads
+  int64_t optimizer_threads = 0;      // CPU Adam threads; 0 = all hardware threads
+  OptimizerOverlap optimizer_overlap = OptimizerOverlap::kExact;
+  DType grad_wire_dtype = DType::kBFloat16;  // dtype of gradient shards copied device -> host (bf16 | fp32)
+  std::optional<DType> param_dtype;   // compute dtype of parameters; unset = from bf16/fp16.enabled
+  int64_t prefetch_depth = 2;         // parameter groups gathered ahead of compute
+  std::string nvme_path;              // directory of the NVMe tier (also zero_optimization.offload_*.nvme_path)
+  bool nvme_checksum = true;          // checksum every NVMe extent, verified on read
+  IoEngineChoice io_engine = IoEngineChoice::kAuto;
+  std::string metrics;                // metrics file (JSON lines); empty = none
+  std::string trace;                  // trace file (Chrome trace JSON); empty = none
+  int64_t seed = 1234;
+  int64_t steps = 0;                  // optimizer steps to run; 0 = the trainer's default
+  ModelConfig model;
+  DataConfig data;
+};
+
+struct StrataConfig {
+  // DeepSpeed's batch keys. Unset ones are derived by finalize().
+  std::optional<int64_t> train_batch_size;
+  std::optional<int64_t> train_micro_batch_size_per_gpu;
+  std::optional<int64_t> gradient_accumulation_steps;
+  ZeroConfig zero;
+  AioConfig aio;
+  Bf16Config bf16;
+  Fp16Config fp16;
+  double gradient_clipping = 0.0;  // max global gradient norm; 0 = off
+  OptimizerConfig optimizer;
+  SchedulerConfig scheduler;
+  int64_t steps_per_print = 10;     // progress line every N steps
+  bool wall_clock_breakdown = false;  // per-step forward/backward/optimizer timings in the log
+  StrataSection strata;
+
+  // Where the config came from ("/path/cfg.json", or "<defaults>"), for messages.
+  std::string source = "<defaults>";
+  // Keys (canonical dotted paths) that were given explicitly, and where each came from:
+  // the file name or "command line". Not written by to_json.
+  std::map<std::string, std::string, std::less<>> given;
+
+  bool was_given(std::string_view key) const { return given.find(key) != given.end(); }
+};
+
+// Reads and parses a config file (JSON; // and /* */ comments allowed, as DeepSpeed's
+// hjson loader does). Errors name the file.
+StatusOr<StrataConfig> load_config_file(const std::string& path);
+
+// Parses config text; `source_name` is used in every message (usually the file path).
+StatusOr<StrataConfig> parse_config_json(std::string_view text, std::string_view source_name);
+
+// Sets one key from text, as a command-line flag does, with the same validation as the
+// file: `dotted_key` is any implemented key or alias ("zero_optimization.offload_param.device",
+// "strata.nvme_path", ...); `value` is parsed for the key's type (numbers, true/false,
+// names; betas as "0.9,0.95"). Apply overrides before finalize().
+Status apply_override(StrataConfig& config, std::string_view dotted_key, std::string_view value);
+
+// The config key a trainer flag sets, for the shared flags of DESIGN.md:
+// --device, --world-size, --device-budget-mib, --pinned-budget-mib, --offload-param,
+// --offload-optimizer, --nvme-path, --steps, --metrics, --trace, --seed, --io-engine,
+// --micro-batch, --grad-accum, --batch-size, --lr ... and "--<key>" for any top-level
+// key of the strata section with '-' for '_'. nullopt for a flag that sets no key.
+std::optional<std::string> config_key_for_flag(std::string_view flag);
+
+// Use the world size this value to resolve and check the config; 0 means "use
+// strata.world_size as configured".
+inline constexpr int kConfiguredWorldSize = 0;
+
+// Resolves what depends on the whole config and checks cross-field consistency:
+//   - world size: `world_size` > 0 is the number of ranks actually running; it must
+//     agree with strata.world_size when that was given explicitly;
+//   - batch sizes, with DeepSpeed's rule train_batch_size = micro * accumulation *
+//     world_size, deriving whichever are missing (micro defaults to 1 and accumulation
+//     to 1 when neither determines them);
+//   - precision: fp16 and bf16 not both enabled; strata.param_dtype agrees with them;
+//   - NVMe placement requires nvme_path;
+//   - scheduler parameters belong to the scheduler type; its defaults are filled;
+//   - ZeRO stage 0-2 runs as 3 (one warning).
+// Idempotent: finalizing a finalized config changes nothing.
+Status finalize(StrataConfig& config, int world_size);
+
+// The resolved config as JSON in the file's own vocabulary (DeepSpeed keys plus the
+// "strata" section), pretty-printed. parse_config_json(to_json(c)) gives back c.
+std::string to_json(const StrataConfig& config);
+
+// The schema, for help text and for the test that keeps docs/config.md complete.
+enum class ConfigKeyKind : uint8_t {
+  kImplemented,  // parsed and stored
+  kAlias,        // another name for an implemented key
+  kIgnored,      // a DeepSpeed key without effect in Strata (warned about)
+  kRestricted,   // a DeepSpeed key Strata accepts at one value only
+};
+struct ConfigKeyInfo {
+  std::string path;  // dotted, e.g. "zero_optimization.offload_param.device"
+  ConfigKeyKind kind;
+  std::string note;  // kAlias: the key it stands for; kIgnored/kRestricted: why
+};
+std::vector<ConfigKeyInfo> describe_config_keys();
+
+// strata.device resolved: the configured device, or cuda when a GPU is usable and cpu
+// otherwise when it was left at "auto".
+DeviceKind resolve_device(const StrataConfig& config);
+
+}  // namespace strata

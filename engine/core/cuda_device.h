@@ -1,0 +1,97 @@
+// CudaDevice: one GPU as a compute device. Compiled only with STRATA_HAVE_CUDA; other
+// code reaches it through create_cuda_device() in device.h.
+//
+// Real CUDA streams (non-blocking) and events (timing disabled), and a caching
+// allocator under the budget: blocks are rounded to a size class and kept, when given
+// back, in a free list per class for the next allocation of that class. Cached blocks
+// count against the budget; an allocation that would exceed it first returns the cache
+// to the driver and retries.
+//
+// Lifetimes as for CpuDevice: streams, events and buffers must not outlive the device,
+// and a buffer may be given back only once the work using it has finished (a cached
+// block goes to the next allocation of its class at once, whatever stream uses it).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/core/device.h"
+
+namespace strata {
+
+namespace cuda_device_internal {
+class StreamState;
+}
+
+class CudaDevice final : public Device {
+  struct ConstructorKey {
+    explicit ConstructorKey() = default;
+  };
+
+ public:
+  static StatusOr<std::unique_ptr<CudaDevice>> create(const CudaDeviceOptions& options);
+  // Use create(); public only for make_unique.
+  CudaDevice(ConstructorKey key, int ordinal, std::string gpu_name, size_t budget_bytes);
+  ~CudaDevice() override;
+  CudaDevice(const CudaDevice&) = delete;
+  CudaDevice& operator=(const CudaDevice&) = delete;
+
+  DeviceKind kind() const override { return DeviceKind::kCuda; }
+  int ordinal() const override { return ordinal_; }
+  std::string description() const override;
+
+  StatusOr<DeviceBuffer> allocate(size_t bytes, std::string_view purpose) override;
+  MemoryStats memory_stats() const override;
+  Status release_cached_memory() override;
+
+  StatusOr<std::unique_ptr<Stream>> create_stream(std::string name) override;
+  StatusOr<std::unique_ptr<Event>> create_event() override;
+
+  Status copy_async(void* dst, const void* src, size_t bytes, CopyKind kind, Stream& stream) override;
+  Status memset_async(void* dst, int value, size_t bytes, Stream& stream) override;
+
+  Status synchronize() override;
+
+  // The block size an allocation of `bytes` takes: a multiple of 512 B and of one
+  // eighth of the largest power of two <= bytes (at most 2 MiB), so a block wastes at most 12.5%
+  // of a small request and 2 MiB of a large one.
+  static size_t block_size_for(size_t bytes);
+
+ protected:
+  void free_buffer(void* data, size_t bytes) noexcept override;
+
+ private:
+  friend class CudaStream;
+
+  std::string name() const;  // "cuda:0"
+  // Hands every cached block back to the driver (cudaFree). `lock` holds memory_mutex_
+  // on entry and on return; it is released while the driver frees.
+  Status release_cached(std::unique_lock<std::mutex>& lock);
+  void on_stream_destroyed(const std::shared_ptr<cuda_device_internal::StreamState>& state);
+  // Logs once, at debug level, when a host pointer of a copy is pageable.
+  void note_if_pageable(const void* host, CopyKind kind);
+
+  const int ordinal_;
+  const std::string gpu_name_;
+
+  mutable std::mutex memory_mutex_;
+  MemoryStats stats_;                                // guarded by memory_mutex_
+  std::unordered_map<void*, size_t> live_;           // block -> block size; guarded by memory_mutex_
+  std::map<size_t, std::vector<void*>> cached_;      // block size -> free blocks; guarded by memory_mutex_
+
+  std::atomic<bool> pageable_noted_{false};
+
+  std::mutex streams_mutex_;
+  // Live streams, plus destroyed ones whose host-function error is not reported yet.
+  std::vector<std::shared_ptr<cuda_device_internal::StreamState>> streams_;  // guarded by streams_mutex_
+  size_t live_stream_count_ = 0;                                             // guarded by streams_mutex_
+};
+
+}  // namespace strata

@@ -1,0 +1,558 @@
+#include "engine/core/host_communicator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine/core/log.h"
+
+namespace strata {
+namespace host_communicator_internal {
+
+// One rank's view of one collective.
+struct Arrival {
+  CollectiveKind kind = CollectiveKind::kBarrier;
+  DType dtype = DType::kFloat32;
+  DType wire = DType::kFloat32;  // reductions only
+  ReduceOp op = ReduceOp::kSum;  // reductions only
+  size_t count = 0;              // all_gather: per rank sent; reduce_scatter: per rank received; others: total
+  int root = 0;                  // broadcast only
+  const std::byte* send = nullptr;
+  std::byte* recv = nullptr;
+};
+
+// One collective as the whole group sees it, keyed by sequence number.
+struct Slot {
+  explicit Slot(int world_size)
+      : arrivals(static_cast<size_t>(world_size)), streams(static_cast<size_t>(world_size), nullptr) {}
+  std::vector<std::optional<Arrival>> arrivals;
+  std::vector<const Stream*> streams;  // where each rank enqueued it (set at enqueue time), for deadlock detection
+  int arrived = 0;   // ranks whose arrival is recorded
+  int reduced = 0;   // all_reduce: ranks that finished reducing their slice
+  int finished = 0;  // ranks that finished reading the others' buffers
+  int left = 0;      // ranks done with the slot; the last one erases it
+};
+
+struct GroupState {
+  explicit GroupState(const HostCommunicatorOptions& options)
+      : world_size(options.world_size),
+        timeout(options.timeout),
+        handed_out(static_cast<size_t>(options.world_size), false),
+        issued_when_gone(static_cast<size_t>(options.world_size), kStillHere) {}
+
+  static constexpr uint64_t kStillHere = std::numeric_limits<uint64_t>::max();
+
+  const int world_size;
+  const std::chrono::milliseconds timeout;
+
+  std::mutex mutex;
+  std::condition_variable changed;       // any field below changed
+  Status aborted;                        // guarded by mutex; the first reason the group failed
+  std::vector<bool> handed_out;          // guarded by mutex
+  std::vector<uint64_t> issued_when_gone;// guarded by mutex; collectives a destroyed rank had issued
+  std::map<uint64_t, Slot> slots;        // guarded by mutex
+
+  void abort_locked(Status reason) {
+    if (aborted.ok()) {
+      STRATA_LOG(kDebug) << "host communicator group aborted: " << reason.message();
+      aborted = std::move(reason);
+    }
+    changed.notify_all();
+  }
+};
+
+}  // namespace host_communicator_internal
+
+using host_communicator_internal::Arrival;
+using host_communicator_internal::GroupState;
+using host_communicator_internal::Slot;
+
+namespace {
+
+std::string call_text(const Arrival& call) {
+  std::string text = std::string(collective_kind_name(call.kind));
+  if (call.kind == CollectiveKind::kBarrier) return text + "()";
+  text += "(count " + std::to_string(call.count) + ", " + std::string(dtype_name(call.dtype));
+  if (call.kind == CollectiveKind::kReduceScatter || call.kind == CollectiveKind::kAllReduce) {
+    text += ", " + std::string(reduce_op_name(call.op));
+    if (call.wire != call.dtype) text += ", wire " + std::string(dtype_name(call.wire));
+  }
+  if (call.kind == CollectiveKind::kBroadcast) text += ", root " + std::to_string(call.root);
+  return text + ")";
+}
+
+bool same_collective(const Arrival& a, const Arrival& b) {
+  if (a.kind != b.kind || a.dtype != b.dtype || a.count != b.count) return false;
+  if (a.kind == CollectiveKind::kReduceScatter || a.kind == CollectiveKind::kAllReduce)
+    if (a.op != b.op || a.wire != b.wire) return false;
+  if (a.kind == CollectiveKind::kBroadcast && a.root != b.root) return false;
+  return true;
+}
+
+std::string op_text(const Arrival& call, uint64_t sequence) {
+  return std::string(collective_kind_name(call.kind)) + " #" + std::to_string(sequence);
+}
+
+std::string rank_list_text(const std::vector<int>& ranks) {
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (i > 0) text += ", ";
+    text += std::to_string(ranks[i]);
+  }
+  return text;
+}
+
+std::string seconds_text(std::chrono::milliseconds duration) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f s", static_cast<double>(duration.count()) / 1000.0);
+  return text;
+}
+
+Status aborted_error(const Status& reason, const std::string& what, int rank) {
+  return Status(reason.code(), "host communicator: " + what + " on rank " + std::to_string(rank) +
+                                   " failed because the group was aborted: " + reason.message());
+}
+
+// ---------------------------------------------------------------------------
+// Reductions: inputs[r] is rank r's data for this rank's slice.
+// ---------------------------------------------------------------------------
+
+// Loaders give w(x), the fp32 value of an element as it travels (communicator.h).
+struct LoadFloat {
+  static float load(const std::byte* data, size_t i) { return reinterpret_cast<const float*>(data)[i]; }
+};
+struct LoadFloatViaBf16 {
+  static float load(const std::byte* data, size_t i) {
+    return bf16_bits_to_float(float_to_bf16_bits(reinterpret_cast<const float*>(data)[i]));
+  }
+};
+struct LoadFloatViaFp16 {
+  static float load(const std::byte* data, size_t i) {
+    return fp16_bits_to_float(float_to_fp16_bits(reinterpret_cast<const float*>(data)[i]));
+  }
+};
+struct LoadBf16 {
+  static float load(const std::byte* data, size_t i) { return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(data)[i]); }
+};
+struct LoadFp16 {
+  static float load(const std::byte* data, size_t i) { return fp16_bits_to_float(reinterpret_cast<const uint16_t*>(data)[i]); }
+};
+
+inline float max_propagating_nan(float accumulated, float value) {
+  if (std::isnan(accumulated)) return accumulated;
+  if (std::isnan(value) || value > accumulated) return value;
+  return accumulated;
+}
+
+// Reduces elements [begin, end) of the slice: out[i] = combine over ranks in rank order.
+template <class Loader>
+void reduce_range(const std::vector<const std::byte*>& inputs, size_t begin, size_t end, ReduceOp op, DType out_type,
+                  std::byte* out) {
+  constexpr size_t kBlock = 512;
+  float accumulator[kBlock];
+  const size_t ranks = inputs.size();
+  const float divisor = static_cast<float>(ranks);
+  for (size_t block = begin; block < end; block += kBlock) {
+    const size_t length = std::min(kBlock, end - block);
+    for (size_t i = 0; i < length; ++i) accumulator[i] = Loader::load(inputs[0], block + i);
+    for (size_t rank = 1; rank < ranks; ++rank) {
+      const std::byte* input = inputs[rank];
+      if (op == ReduceOp::kMax) {
+        for (size_t i = 0; i < length; ++i) accumulator[i] = max_propagating_nan(accumulator[i], Loader::load(input, block + i));
+      } else {
+        for (size_t i = 0; i < length; ++i) accumulator[i] += Loader::load(input, block + i);
+      }
+    }
+    if (op == ReduceOp::kMean)
+      for (size_t i = 0; i < length; ++i) accumulator[i] /= divisor;
+    switch (out_type) {
+      case DType::kFloat32: std::memcpy(out + block * 4, accumulator, length * 4); break;
+      case DType::kBFloat16: {
+        uint16_t* target = reinterpret_cast<uint16_t*>(out) + block;
+        for (size_t i = 0; i < length; ++i) target[i] = float_to_bf16_bits(accumulator[i]);
+        break;
+      }
+      case DType::kFloat16: {
+        uint16_t* target = reinterpret_cast<uint16_t*>(out) + block;
+        for (size_t i = 0; i < length; ++i) target[i] = float_to_fp16_bits(accumulator[i]);
+        break;
+      }
+    }
+  }
+}
+
+void reduce_serial(const std::vector<const std::byte*>& inputs, size_t begin, size_t end, DType data, DType wire,
+                   ReduceOp op, std::byte* out) {
+  if (data == DType::kBFloat16) return reduce_range<LoadBf16>(inputs, begin, end, op, data, out);
+  if (data == DType::kFloat16) return reduce_range<LoadFp16>(inputs, begin, end, op, data, out);
+  if (wire == DType::kBFloat16) return reduce_range<LoadFloatViaBf16>(inputs, begin, end, op, data, out);
+  if (wire == DType::kFloat16) return reduce_range<LoadFloatViaFp16>(inputs, begin, end, op, data, out);
+  return reduce_range<LoadFloat>(inputs, begin, end, op, data, out);
+}
+
+// Each element's sum has the same order whatever the chunking, so fanning out does not
+// change the bits.
+void reduce_slice(const std::vector<const std::byte*>& inputs, size_t count, DType data, DType wire, ReduceOp op,
+                  std::byte* out, Executor* executor) {
+  constexpr size_t kGrain = size_t{1} << 14;
+  if (executor == nullptr || count < 2 * kGrain || executor->concurrency() <= 1) {
+    reduce_serial(inputs, 0, count, data, wire, op, out);
+    return;
+  }
+  executor->parallel_for(0, count, kGrain,
+                         [&](size_t begin, size_t end) { reduce_serial(inputs, begin, end, data, wire, op, out); });
+}
+
+void copy_bytes(std::byte* dst, const std::byte* src, size_t bytes) {
+  if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
+}
+
+// The range of all_reduce elements rank `rank` reduces: [begin, end).
+std::pair<size_t, size_t> all_reduce_slice(size_t count, int world_size, int rank) {
+  const size_t per_rank = (count + static_cast<size_t>(world_size) - 1) / static_cast<size_t>(world_size);
+  const size_t begin = std::min(count, per_rank * static_cast<size_t>(rank));
+  const size_t end = std::min(count, begin + per_rank);
+  return {begin, end};
+}
+
+// ---------------------------------------------------------------------------
+// One collective on one rank, run in stream order on the rank's stream worker.
+// ---------------------------------------------------------------------------
+
+Status run_collective(GroupState& group, int rank, uint64_t sequence, const Arrival& mine, Executor* executor) {
+  const int world = group.world_size;
+  const std::string what = op_text(mine, sequence);
+  std::unique_lock<std::mutex> lock(group.mutex);
+  if (!group.aborted.ok()) return aborted_error(group.aborted, what, rank);
+
+  Slot& slot = group.slots.try_emplace(sequence, world).first->second;
+  for (int other = 0; other < world; ++other) {
+    const std::optional<Arrival>& theirs = slot.arrivals[static_cast<size_t>(other)];
+    if (theirs && !same_collective(*theirs, mine)) {
+      Status mismatch = FailedPreconditionError(
+          "host communicator: ranks disagree at collective #" + std::to_string(sequence) + ": rank " +
+          std::to_string(other) + " issued " + call_text(*theirs) + " but rank " + std::to_string(rank) + " issued " +
+          call_text(mine) + "; every rank must issue the same collectives in the same order");
+      group.abort_locked(mismatch);
+      return mismatch;
+    }
+  }
+  slot.arrivals[static_cast<size_t>(rank)] = mine;
+  ++slot.arrived;
+  group.changed.notify_all();
+
+  // Wait for the others, as long as they can still come.
+  const auto deadline = std::chrono::steady_clock::now() + group.timeout;
+  const auto gone_missing_rank = [&]() -> int {
+    for (int other = 0; other < world; ++other)
+      if (!slot.arrivals[static_cast<size_t>(other)] && group.issued_when_gone[static_cast<size_t>(other)] <= sequence)
+        return other;
+    return -1;
+  };
+  while (slot.arrived < world) {
+    if (!group.aborted.ok()) return aborted_error(group.aborted, what, rank);
+    for (int other = 0; other < world; ++other) {
+      if (slot.arrivals[static_cast<size_t>(other)] || slot.streams[static_cast<size_t>(other)] == nullptr ||
+          slot.streams[static_cast<size_t>(other)] != slot.streams[static_cast<size_t>(rank)])
+        continue;
+      // Its task is queued behind this one on the same stream: it could never arrive.
+      Status shared = FailedPreconditionError(
+          "host communicator: ranks " + std::to_string(rank) + " and " + std::to_string(other) + " enqueued " + what +
+          " on the same stream '" + slot.streams[static_cast<size_t>(rank)]->name() +
+          "'; each rank needs a stream of its own, or the first would wait forever for the second");
+      group.abort_locked(shared);
+      return shared;
+    }
+    if (const int gone = gone_missing_rank(); gone >= 0) {
+      Status left = UnavailableError(
+          "host communicator: " + what + " cannot complete: rank " + std::to_string(gone) +
+          "'s communicator was destroyed after it had issued " +
+          std::to_string(group.issued_when_gone[static_cast<size_t>(gone)]) + " collectives (did that rank fail?)");
+      group.abort_locked(left);
+      return left;
+    }
+    if (group.changed.wait_until(lock, deadline) == std::cv_status::timeout && slot.arrived < world &&
+        group.aborted.ok() && gone_missing_rank() < 0) {
+      std::vector<int> missing;
+      for (int other = 0; other < world; ++other)
+        if (!slot.arrivals[static_cast<size_t>(other)]) missing.push_back(other);
+      Status timeout = DeadlineExceededError(
+          "host communicator: " + what + " " + call_text(mine) + " on rank " + std::to_string(rank) + " waited " +
+          seconds_text(group.timeout) + " but " + rank_list_text(missing) + " of " + std::to_string(world) +
+          " did not arrive (a rank failed, is stuck, or issued fewer collectives); the group is aborted");
+      group.abort_locked(timeout);
+      return timeout;
+    }
+  }
+
+  // Everyone is here, so every rank is now only moving data: the waits below depend on
+  // nothing but that, and neither abort nor timeout may end them early — a rank that
+  // left now could reuse a buffer another rank is still reading.
+  std::vector<const Arrival*> all(static_cast<size_t>(world));
+  for (int other = 0; other < world; ++other) all[static_cast<size_t>(other)] = &*slot.arrivals[static_cast<size_t>(other)];
+  const auto wait_for_all = [&](int Slot::*counter) {
+    ++(slot.*counter);
+    group.changed.notify_all();
+    group.changed.wait(lock, [&] { return slot.*counter == world; });
+  };
+  lock.unlock();
+
+  const size_t element = dtype_size(mine.dtype);
+  switch (mine.kind) {
+    case CollectiveKind::kBarrier: break;
+    case CollectiveKind::kAllGather: {
+      const size_t piece = mine.count * element;
+      for (int other = 0; other < world; ++other)
+        copy_bytes(mine.recv + static_cast<size_t>(other) * piece, all[static_cast<size_t>(other)]->send, piece);
+      break;
+    }
+    case CollectiveKind::kBroadcast:
+      copy_bytes(mine.recv, all[static_cast<size_t>(mine.root)]->send, mine.count * element);
+      break;
+    case CollectiveKind::kReduceScatter: {
+      std::vector<const std::byte*> inputs(static_cast<size_t>(world));
+      for (int other = 0; other < world; ++other)
+        inputs[static_cast<size_t>(other)] =
+            all[static_cast<size_t>(other)]->send + static_cast<size_t>(rank) * mine.count * element;
+      reduce_slice(inputs, mine.count, mine.dtype, mine.wire, mine.op, mine.recv, executor);
+      break;
+    }
+    case CollectiveKind::kAllReduce: {
+      // Reduce this rank's slice into its own recv, then copy the other slices from
+      // the ranks that reduced them.
+      const auto [begin, end] = all_reduce_slice(mine.count, world, rank);
+      std::vector<const std::byte*> inputs(static_cast<size_t>(world));
+      for (int other = 0; other < world; ++other)
+        inputs[static_cast<size_t>(other)] = all[static_cast<size_t>(other)]->send + begin * element;
+      reduce_slice(inputs, end - begin, mine.dtype, mine.wire, mine.op, mine.recv + begin * element, executor);
+      lock.lock();
+      wait_for_all(&Slot::reduced);
+      lock.unlock();
+      for (int other = 0; other < world; ++other) {
+        if (other == rank) continue;
+        const auto [other_begin, other_end] = all_reduce_slice(mine.count, world, other);
+        copy_bytes(mine.recv + other_begin * element, all[static_cast<size_t>(other)]->recv + other_begin * element,
+                   (other_end - other_begin) * element);
+      }
+      break;
+    }
+  }
+
+  lock.lock();
+  wait_for_all(&Slot::finished);
+  if (++slot.left == world) group.slots.erase(sequence);
+  return Status::Ok();
+}
+
+// Aborts the group when the task it rides in is destroyed without having run.
+struct SkipGuard {
+  SkipGuard(std::shared_ptr<GroupState> group, int rank_index, std::string operation, std::string stream)
+      : state(std::move(group)), rank(rank_index), what(std::move(operation)), stream_name(std::move(stream)) {}
+  SkipGuard(const SkipGuard&) = delete;
+  SkipGuard& operator=(const SkipGuard&) = delete;
+  ~SkipGuard() {
+    if (ran) return;
+    std::lock_guard<std::mutex> lock(state->mutex);
+    state->abort_locked(CancelledError("host communicator: rank " + std::to_string(rank) + "'s " + what +
+                                       " never ran: stream '" + stream_name +
+                                       "' dropped it (an earlier error on that stream, or the stream went away)"));
+  }
+  std::shared_ptr<GroupState> state;
+  const int rank;
+  const std::string what;
+  const std::string stream_name;
+  std::atomic<bool> ran{false};  // the task ran (or its failure to enqueue was reported otherwise)
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// HostCommunicatorGroup
+// ---------------------------------------------------------------------------
+
+HostCommunicatorGroup::HostCommunicatorGroup(std::shared_ptr<GroupState> state) : state_(std::move(state)) {}
+
+StatusOr<HostCommunicatorGroup> HostCommunicatorGroup::create(const HostCommunicatorOptions& options) {
+  if (options.world_size < 1)
+    return InvalidArgumentError("host communicator: world size " + std::to_string(options.world_size) +
+                                ": expected at least 1");
+  if (options.timeout.count() <= 0)
+    return InvalidArgumentError("host communicator: timeout " + std::to_string(options.timeout.count()) +
+                                " ms: expected a positive duration");
+  return HostCommunicatorGroup(std::make_shared<GroupState>(options));
+}
+
+int HostCommunicatorGroup::world_size() const { return state_->world_size; }
+
+StatusOr<std::unique_ptr<HostCommunicator>> HostCommunicatorGroup::communicator(int rank, Device& device) {
+  if (rank < 0 || rank >= state_->world_size)
+    return InvalidArgumentError("host communicator: rank " + std::to_string(rank) + " is outside [0, " +
+                                std::to_string(state_->world_size - 1) + "]");
+  if (device.kind() != DeviceKind::kCpu)
+    return InvalidArgumentError("host communicator: rank " + std::to_string(rank) + " is on " + device.description() +
+                                "; HostCommunicator moves data with the CPU and needs CPU-device ranks "
+                                "(use NcclCommunicator for GPUs)");
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (state_->handed_out[static_cast<size_t>(rank)])
+      return AlreadyExistsError("host communicator: rank " + std::to_string(rank) + "'s communicator was already taken");
+    state_->handed_out[static_cast<size_t>(rank)] = true;
+  }
+  return std::make_unique<HostCommunicator>(state_, rank, device);
+}
+
+void HostCommunicatorGroup::abort(std::string_view reason) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->abort_locked(CancelledError("aborted: " + std::string(reason)));
+}
+
+// ---------------------------------------------------------------------------
+// HostCommunicator
+// ---------------------------------------------------------------------------
+
+struct HostCommunicator::Call {
+  Arrival arrival;
+  std::optional<ReduceOptions> reduce;  // reductions only
+};
+
+HostCommunicator::HostCommunicator(std::shared_ptr<GroupState> state, int rank, Device& device)
+    : state_(std::move(state)), rank_(rank), device_(device) {}
+
+HostCommunicator::~HostCommunicator() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->issued_when_gone[static_cast<size_t>(rank_)] = next_sequence_.load();
+  state_->changed.notify_all();
+}
+
+int HostCommunicator::world_size() const { return state_->world_size; }
+
+Status HostCommunicator::enqueue(Call call, Stream& stream) {
+  Arrival& arrival = call.arrival;
+  const std::string what = std::string(collective_kind_name(arrival.kind)) + " #" + std::to_string(issued());
+  // Every enqueue-time failure aborts the group: the other ranks would otherwise wait
+  // for a collective this rank never issues.
+  const auto reject = [&](Status problem) {
+    Status status = std::move(problem).with_context("rank " + std::to_string(rank_) + "'s " + what + " was rejected");
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->abort_locked(status);
+    return status;
+  };
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (!state_->aborted.ok()) return aborted_error(state_->aborted, what, rank_);
+  }
+  if (&stream.device() != &device_)
+    return reject(InvalidArgumentError("host communicator: stream '" + stream.name() + "' belongs to " +
+                                       stream.device().description() + ", not to rank " + std::to_string(rank_) +
+                                       "'s device " + device_.description()));
+  if (call.reduce) {
+    StatusOr<DType> wire = resolve_wire_dtype(arrival.dtype, *call.reduce);
+    if (!wire.ok()) return reject(wire.status());
+    arrival.wire = *wire;
+    arrival.op = call.reduce->op;
+  }
+  if (arrival.kind == CollectiveKind::kBroadcast && (arrival.root < 0 || arrival.root >= state_->world_size))
+    return reject(InvalidArgumentError("host communicator: broadcast root " + std::to_string(arrival.root) +
+                                       " is outside [0, " + std::to_string(state_->world_size - 1) + "]"));
+  const size_t element = dtype_size(arrival.dtype);
+  const size_t world = static_cast<size_t>(state_->world_size);
+  if (arrival.count > std::numeric_limits<size_t>::max() / element / world)
+    return reject(InvalidArgumentError("host communicator: count " + std::to_string(arrival.count) + " is too large"));
+  if (arrival.count > 0 && arrival.kind != CollectiveKind::kBarrier) {
+    const bool needs_send = arrival.kind != CollectiveKind::kBroadcast || arrival.root == rank_;
+    if ((needs_send && arrival.send == nullptr) || arrival.recv == nullptr)
+      return reject(InvalidArgumentError("host communicator: " + call_text(arrival) + " with a null " +
+                                         (arrival.recv == nullptr ? "receive" : "send") + " buffer"));
+  }
+
+  const uint64_t sequence = next_sequence_.fetch_add(1);
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->slots.try_emplace(sequence, state_->world_size).first->second.streams[static_cast<size_t>(rank_)] = &stream;
+    state_->changed.notify_all();
+  }
+  // A stream skips its later tasks after an error until the error is reported; a
+  // collective skipped that way would leave the other ranks waiting for it. The guard
+  // notices a task destroyed without having run and aborts the group instead.
+  auto guard = std::make_shared<SkipGuard>(state_, rank_, op_text(arrival, sequence),
+                                           stream.name());
+  Status launched = stream.launch([guard, arrival = arrival, sequence](const LaunchContext& context) -> Status {
+    guard->ran = true;
+    return run_collective(*guard->state, guard->rank, sequence, arrival, context.executor);
+  });
+  if (!launched.ok()) {
+    guard->ran = true;  // reported here, with the reason
+    return reject(std::move(launched));
+  }
+  return Status::Ok();
+}
+
+Status HostCommunicator::all_gather(const void* send, void* recv, size_t send_count, DType dtype, Stream& stream) {
+  return enqueue(Call{.arrival = {.kind = CollectiveKind::kAllGather,
+                                  .dtype = dtype,
+                                  .wire = dtype,
+                                  .count = send_count,
+                                  .send = static_cast<const std::byte*>(send),
+                                  .recv = static_cast<std::byte*>(recv)}},
+                 stream);
+}
+
+Status HostCommunicator::reduce_scatter(const void* send, void* recv, size_t recv_count, DType dtype,
+                                        const ReduceOptions& options, Stream& stream) {
+  return enqueue(Call{.arrival = {.kind = CollectiveKind::kReduceScatter,
+                                  .dtype = dtype,
+                                  .count = recv_count,
+                                  .send = static_cast<const std::byte*>(send),
+                                  .recv = static_cast<std::byte*>(recv)},
+                      .reduce = options},
+                 stream);
+}
+
+Status HostCommunicator::all_reduce(const void* send, void* recv, size_t count, DType dtype,
+                                    const ReduceOptions& options, Stream& stream) {
+  return enqueue(Call{.arrival = {.kind = CollectiveKind::kAllReduce,
+                                  .dtype = dtype,
+                                  .count = count,
+                                  .send = static_cast<const std::byte*>(send),
+                                  .recv = static_cast<std::byte*>(recv)},
+                      .reduce = options},
+                 stream);
+}
+
+Status HostCommunicator::broadcast(const void* send, void* recv, size_t count, DType dtype, int root, Stream& stream) {
+  return enqueue(Call{.arrival = {.kind = CollectiveKind::kBroadcast,
+                                  .dtype = dtype,
+                                  .wire = dtype,
+                                  .count = count,
+                                  .root = root,
+                                  .send = static_cast<const std::byte*>(send),
+                                  .recv = static_cast<std::byte*>(recv)}},
+                 stream);
+}
+
+Status HostCommunicator::barrier(Stream& stream) {
+  return enqueue(Call{.arrival = {.kind = CollectiveKind::kBarrier}}, stream);
+}
+
+void HostCommunicator::abort(std::string_view reason) {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->abort_locked(CancelledError("rank " + std::to_string(rank_) + " aborted: " + std::string(reason)));
+}
+
+Status HostCommunicator::async_error() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  if (state_->aborted.ok()) return Status::Ok();
+  return Status(state_->aborted.code(), "host communicator (rank " + std::to_string(rank_) +
+                                            "): the group was aborted: " + state_->aborted.message());
+}
+
+}  // namespace strata

@@ -1,0 +1,143 @@
+// A TCP rendezvous for multi-process runs: the ranks of a job find each other, then
+// agree on small blobs (the 128-byte NCCL unique id, a plan, a checksum).
+//
+// It is bootstrapped from the usual launcher variables (torchrun, mpirun wrappers,
+// Slurm scripts) or from explicit options:
+//
+//   RANK         this process's rank, 0 <= RANK < WORLD_SIZE
+//   WORLD_SIZE   the number of processes
+//   LOCAL_RANK   this process's index on its node (picks the GPU); default RANK
+//   MASTER_ADDR  host or address of rank 0
+//   MASTER_PORT  the port rank 0 listens on
+//
+// Rank 0 listens on MASTER_ADDR:MASTER_PORT (port 0 picks a free port, which port()
+// reports; the launcher must hand it to the other ranks), every other rank connects
+// to it, retrying until the deadline, and says hello with its rank and world size.
+// join() returns on every rank once all WORLD_SIZE ranks are present. The collectives
+// (broadcast, all_gather, barrier) then run over the sockets as a star through rank 0;
+// every rank must call the same collectives in the same order (a mismatch is an error
+// naming both calls, not a hang). Every wait has a deadline (options.timeout): a rank
+// that never arrives gives a DeadlineExceeded error naming the missing ranks.
+//
+// Not for bulk data: payloads are meant to be bytes to megabytes. Not thread-safe: one
+// thread per process drives a Rendezvous.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/core/status.h"
+
+namespace strata {
+
+// Move-only owner of a socket (any file descriptor); the destructor closes it.
+class SocketFd {
+ public:
+  SocketFd() = default;
+  explicit SocketFd(int fd) : fd_(fd) {}
+  SocketFd(const SocketFd&) = delete;
+  SocketFd& operator=(const SocketFd&) = delete;
+  SocketFd(SocketFd&& other) noexcept : fd_(other.release()) {}
+  SocketFd& operator=(SocketFd&& other) noexcept;
+  ~SocketFd() { reset(); }
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release() noexcept;
+  void reset() noexcept;
+
+ private:
+  int fd_ = -1;
+};
+
+struct RendezvousOptions {
+  int rank = 0;                  // this process's rank, 0 <= rank < world_size
+  int world_size = 1;            // number of processes; 1 needs no sockets at all
+  int local_rank = 0;            // index on this node (which GPU to use); informational here
+  std::string master_addr = "127.0.0.1";  // host name or address of rank 0
+  uint16_t master_port = 0;      // rank 0's port; 0 on rank 0 = pick a free one (see Rendezvous::port())
+  std::string listen_address;    // where rank 0 binds; empty = master_addr ("0.0.0.0" = every interface)
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // deadline of join() and of each collective
+};
+
+// Looks up an environment variable; nullopt when unset. The default reads the process
+// environment; tests pass a map instead of calling setenv.
+using EnvLookup = std::function<std::optional<std::string>(const char* name)>;
+std::optional<std::string> process_env_lookup(const char* name);
+
+// Builds options from RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT and the
+// optional STRATA_RENDEZVOUS_TIMEOUT_S (seconds, default 300). With none of them set
+// the result is a world of one. WORLD_SIZE > 1 requires RANK, MASTER_ADDR and
+// MASTER_PORT. Errors (InvalidArgument) name the variable and its value: a value that
+// is not a number, RANK outside [0, WORLD_SIZE), a port outside [0, 65535], ...
+StatusOr<RendezvousOptions> rendezvous_options_from_env(const EnvLookup& lookup = process_env_lookup);
+
+class Rendezvous {
+ public:
+  // Checks the options and, on rank 0, binds and listens (so that port() is known before
+  // the others connect). Other ranks do nothing yet. A non-zero rank with port 0 is an
+  // error: only rank 0 may ask for a free port.
+  static StatusOr<Rendezvous> start(const RendezvousOptions& options);
+  // start() then join().
+  static StatusOr<Rendezvous> create(const RendezvousOptions& options);
+
+  Rendezvous(Rendezvous&&) noexcept;
+  Rendezvous& operator=(Rendezvous&&) noexcept;
+  Rendezvous(const Rendezvous&) = delete;
+  Rendezvous& operator=(const Rendezvous&) = delete;
+  ~Rendezvous();
+
+  // Rank 0: accepts connections until every rank has said hello, then welcomes them all.
+  // Other ranks: connect to rank 0 (retrying refused connections until the deadline),
+  // say hello, and wait for the welcome. A rank with another WORLD_SIZE, a rank out of
+  // range or a rank claimed twice fails the join on rank 0 and on the offending rank,
+  // with the same message. On timeout rank 0 names the ranks that never arrived, and
+  // passes that message to the ranks that did.
+  Status join();
+  bool joined() const { return joined_; }
+
+  int rank() const { return options_.rank; }
+  int world_size() const { return options_.world_size; }
+  int local_rank() const { return options_.local_rank; }
+  // The port rank 0 listens on (the one picked when master_port was 0); master_port on
+  // other ranks.
+  uint16_t port() const { return port_; }
+  const RendezvousOptions& options() const { return options_; }
+
+  // Every rank gets `root`'s blob (`blob` is ignored on the other ranks).
+  StatusOr<std::vector<std::byte>> broadcast(std::span<const std::byte> blob, int root = 0);
+  // Every rank gets every rank's blob, indexed by rank. Blobs may differ in size.
+  StatusOr<std::vector<std::vector<std::byte>>> all_gather(std::span<const std::byte> blob);
+  // Returns once every rank has called barrier().
+  Status barrier();
+
+  // String conveniences over broadcast / all_gather.
+  StatusOr<std::string> broadcast_string(std::string_view text, int root = 0);
+  StatusOr<std::vector<std::string>> all_gather_strings(std::string_view text);
+
+ private:
+  struct Peer;  // a connection and its partly received bytes
+  explicit Rendezvous(const RendezvousOptions& options);
+  Status join_as_root();
+  Status join_as_peer();
+  // all_gather and barrier: every blob to rank 0, the concatenation back. `kind_code`
+  // is the wire message kind, so that a barrier never matches an all_gather.
+  StatusOr<std::vector<std::vector<std::byte>>> gather_all(std::span<const std::byte> blob, uint16_t kind_code);
+  Status fail(Status status);  // keeps the first failure; later calls return it
+
+  RendezvousOptions options_;
+  uint16_t port_ = 0;
+  SocketFd listener_;           // rank 0 only
+  std::vector<Peer> peers_;     // rank 0: one per rank (index 0 unused); others: [0] = rank 0
+  uint64_t next_sequence_ = 0;  // collectives issued so far
+  bool joined_ = false;
+  Status failure_;              // first failure; the rendezvous is unusable after one
+};
+
+}  // namespace strata

@@ -1,0 +1,208 @@
+// The ZeRO-3 offload engine: the API a model trains through.
+//
+// A model registers its parameter groups (one per layer/block), then, every step, runs
+// forward and backward through the engine:
+//
+//   engine->begin_step();
+//   for each micro-batch:
+//     engine->begin_micro_batch();
+//     for g in forward order:   p = engine->gather(g);  ...kernels on compute_stream()...;  engine->release(g);
+//     for g in backward order:  p = engine->gather(g);  d = engine->gradient_buffer(g);
+//                               ...backward kernels write (+=) into d...;  engine->release(g);
+//                               engine->grads_ready(g);   // after the group's last use this micro-batch
+//   report = engine->step(loss);
+//
+// gather() returns device pointers to the full (all-rank) parameters of the group in the
+// parameter dtype, valid in compute_stream() order until release(). A group may be
+// gathered more than once in a pass (a tied embedding); its gradient buffer is the same
+// for every use of the micro-batch, so gradients add up until grads_ready(). Parameters
+// are gathered again for every micro-batch; reduced gradient shards accumulate in fp32 in
+// host memory (or device memory when the optimizer state lives there).
+//
+// Behind the API: each group is flattened, padded and split across ranks (partition.h);
+// each kind of shard state lives in the tier the options name; a prefetch pipeline
+// follows the schedule (declared, or recorded on the first step and replayed) and moves
+// each upcoming group NVMe -> pinned -> device -> all-gather ahead of compute, every stage
+// bounded; backward's gradients are reduce-scattered as soon as they are ready, copied to
+// pinned memory with their sum of squares and inf/NaN flag taken on the way; the
+// optimizer steps each group's shard as soon as it may (see OverlapMode).
+//
+// One Engine per rank. Ranks of one process (CPU-device ranks as threads) each drive
+// their own Engine from their own thread; all ranks must make the same calls in the same
+// order (as every data-parallel rank does).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/core/communicator.h"
+#include "engine/core/device.h"
+#include "engine/core/dtype.h"
+#include "engine/partition.h"
+#include "engine/trace.h"
+#include "kernels/adam.h"
+#include "offload/tier.h"
+#include "optim/loss_scaler.h"
+
+namespace strata {
+
+// When the optimizer runs relative to the next step (DESIGN.md, "Overlap modes").
+enum class OverlapMode : uint8_t {
+  // Global norm and overflow are reduced at the end of backward; then Adam runs group by
+  // group in forward order while the next forward starts, forward(g) waiting only for
+  // Adam(g). With clipping off and no loss scaling, Adam(g) starts as soon as g's last
+  // gradients land, during backward.
+  kExact,
+  // Step t's update overlaps step t+1's forward and backward: the parameters a step uses
+  // are one update stale.
+  kDelayed,
+};
+std::string_view overlap_mode_name(OverlapMode mode);  // "exact" | "delayed"
+StatusOr<OverlapMode> parse_overlap_mode(std::string_view text);
+
+struct EngineOptions {
+  int rank = 0;
+  int world_size = 1;
+  uint64_t seed = 1234;                      // initialization: values depend on (seed, group, element) only
+
+  DType param_dtype = DType::kBFloat16;      // how parameters are stored, streamed and gathered
+  DType grad_wire_dtype = DType::kBFloat16;  // reduce-scatter payload (accumulation is always fp32)
+  // What crosses device->host for a gradient shard. kBFloat16 halves the bytes; use
+  // kFloat32 for full-precision training (the default follows param_dtype: fp32 params
+  // give fp32 gradients).
+  DType grad_transfer_dtype = DType::kBFloat16;
+
+  Tier param_tier = Tier::kPinned;           // kDevice, kPinned, kHost or kNvme
+  Tier optimizer_tier = Tier::kPinned;       // fp32 master, exp_avg, exp_avg_sq
+  std::string nvme_path;                     // required when either tier is kNvme
+
+  // Groups with at most this many elements stay gathered on the device (DeepSpeed's
+  // stage3_param_persistence_threshold).
+  size_t persistence_threshold = 0;
+  int prefetch_depth = 2;                    // group uses fetched ahead of compute
+  size_t prefetch_bucket_elements = 0;       // stage3_prefetch_bucket_size: cap on elements fetched ahead (0 = none)
+  size_t max_live_elements = 0;              // stage3_max_live_parameters: cap on gathered elements resident (0 = none)
+  size_t activation_bytes = 0;               // device memory the model will allocate for itself (planned into the budget)
+  size_t pinned_budget_bytes = 0;            // 0 = exactly what the plan needs
+  bool pin_memory = true;                    // false: host tiers use pageable memory
+
+  int gradient_accumulation_steps = 1;
+  OverlapMode overlap = OverlapMode::kExact;
+  float gradient_clipping = 0.0f;            // global-norm clipping; 0 = off
+  bool fp16_loss_scaling = false;            // dynamic loss scaling (fp16 training)
+  LossScalerOptions loss_scaler;
+  kernels::AdamHyperparams adam;             // lr here is the default; step() may override it
+  int optimizer_threads = 0;                 // CPU Adam threads; 0 = available cores
+
+  // NVMe tier.
+  size_t nvme_block_bytes = size_t{1} << 20; // aio.block_size
+  int nvme_queue_depth = 32;                 // aio.queue_depth
+  bool nvme_checksum = true;
+  std::string io_engine = "auto";            // "auto" | "io_uring" | "psync"
+
+  std::string metrics_path;                  // JSONL, one object per step (rank 0 writes it)
+  std::string trace_path;                    // Chrome trace written by finish() (rank 0 writes all ranks' tracks it has)
+};
+
+// Bytes per tier and state kind, as planned at start().
+struct PlanLine {
+  std::string what;   // "parameters (bf16)", "master weights (fp32)", "gather buffers", ...
+  Tier tier;
+  size_t bytes;
+};
+struct EnginePlan {
+  std::vector<PlanLine> lines;
+  size_t device_bytes = 0;        // everything the engine allocates on the device + declared activations
+  size_t device_budget_bytes = 0;
+  size_t pinned_bytes = 0;        // the pinned arena's size
+  size_t host_bytes = 0;          // pageable host memory
+  size_t nvme_bytes = 0;          // this rank's NVMe file
+  size_t state_bytes = 0;         // the model's full training state over all ranks: params + master + moments + grads
+  int prefetch_depth = 0;         // after the caps
+  int gather_slots = 0;
+  std::string text;               // the plan as printed at start-up
+};
+
+// Device pointers to one group's tensors, in registration order.
+struct GroupView {
+  int group = -1;
+  DType dtype = DType::kFloat32;
+  std::vector<void*> tensors;     // tensors[i] points at tensor i's first element
+  void* flat = nullptr;           // the whole flattened group
+};
+
+struct StepReport {
+  int64_t step = 0;               // steps completed, including this one
+  double loss = 0.0;              // what the model passed to step()
+  double step_seconds = 0.0;      // wall time since the previous step() returned (or begin_step of the first)
+  StageSeconds busy{};            // per stage, over the same window (union of in-flight intervals)
+  double grad_norm = 0.0;         // global L2 norm of the (unscaled) gradient
+  bool skipped = false;           // overflow: the update was skipped (fp16)
+  float loss_scale = 1.0f;
+  size_t device_high_water_bytes = 0;
+  size_t device_budget_bytes = 0;
+  size_t pinned_bytes = 0;
+  uint64_t nvme_bytes_read = 0;   // this rank, since start
+  uint64_t nvme_bytes_written = 0;
+};
+
+class Engine {
+ public:
+  // `device`, `gather_comm` and `reduce_comm` must outlive the engine. Two communicators,
+  // because gathers (issued by the prefetcher) and reductions (issued as backward goes)
+  // run concurrently and each communicator's calls must come in one order on every rank.
+  static StatusOr<std::unique_ptr<Engine>> create(const EngineOptions& options, Device& device, Communicator& gather_comm,
+                                                  Communicator& reduce_comm);
+  virtual ~Engine() = default;
+
+  // Before start(): registers a group; returns its id (0, 1, ... in registration order).
+  virtual StatusOr<int> register_group(const GroupSpec& spec) = 0;
+  // Optional, before start(): the order of gather() calls in one micro-batch (forward then
+  // backward, a group listed once per use). Without it the first step records it.
+  virtual Status declare_schedule(std::vector<int> group_uses) = 0;
+  // Plans placement, checks it against the machine (device budget, host memory, locked
+  // memory, free NVMe space), allocates, and initializes the local shards. Errors name what
+  // cannot hold its part, the bytes needed and the settings that would fit.
+  virtual Status start() = 0;
+  virtual const EnginePlan& plan() const = 0;
+  virtual const GroupLayout& layout(int group) const = 0;
+  virtual int group_count() const = 0;
+
+  // The stream the model enqueues its kernels on.
+  virtual Stream& compute_stream() = 0;
+  virtual Device& device() = 0;
+
+  // Starts a step. `learning_rate` >= 0 sets the rate this step's update uses (a
+  // scheduler's value); it must be known before backward when the update may start
+  // during backward (exact mode without clipping or loss scaling).
+  virtual Status begin_step(double learning_rate = -1.0) = 0;
+  virtual Status begin_micro_batch() = 0;
+  virtual StatusOr<GroupView> gather(int group) = 0;
+  virtual Status release(int group) = 0;
+  // The fp32 full-group gradient buffer for this micro-batch (zeroed on first request).
+  virtual StatusOr<GroupView> gradient_buffer(int group) = 0;
+  virtual Status grads_ready(int group) = 0;
+  // What the model multiplies its loss by before backward (1 unless fp16 loss scaling).
+  virtual float loss_scale() const = 0;
+  // Finishes the step: reduces norm/overflow, clips, and runs (or schedules) the update.
+  // `loss` is only reported. Writes the metrics line (rank 0).
+  virtual StatusOr<StepReport> step(double loss) = 0;
+  // Waits for all outstanding work (the last update included) and writes the trace.
+  virtual Status finish() = 0;
+
+  // State access (waits for pending updates of the group). Shards are this rank's.
+  enum class StateKind : uint8_t { kMaster, kExpAvg, kExpAvgSq };
+  virtual Status read_state_shard(int group, StateKind kind, std::span<float> out) = 0;
+  virtual Status write_state_shard(int group, StateKind kind, std::span<const float> in) = 0;
+  // After write_state_shard(kMaster, ...) calls: refreshes the parameter copies from masters.
+  virtual Status refresh_parameters() = 0;
+  virtual int64_t steps_taken() const = 0;
+  virtual void set_steps_taken(int64_t steps) = 0;
+  virtual const Tracer& tracer() const = 0;
+};
+
+}  // namespace strata

@@ -1,0 +1,136 @@
+// The engine's implementation (engine.h is the API). Internal to engine/.
+//
+// Threads per rank:
+//   - the model's thread: calls the API, enqueues compute, gathers, gradient reductions;
+//   - the fetcher: follows the schedule ahead of compute, moving each upcoming group's
+//     shard NVMe -> pinned -> device and all-gathering it into a gather slot;
+//   - the lander: waits for each gradient shard's device->host copy, accumulates it in
+//     fp32 across micro-batches and takes its sum of squares and inf/NaN flag;
+//   - the optimizer: steps each group's shard (CPU Adam, state in pinned memory or
+//     streamed from NVMe) and writes the new parameters where the next fetch reads them.
+// They coordinate through one mutex and one condition variable (host-side facts: which
+// event was recorded for which use, which parameter version a group holds); device
+// ordering goes through streams and events.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "engine/engine.h"
+#include "offload/nvme_store.h"
+#include "offload/pinned_arena.h"
+#include "optim/cpu_adam.h"
+
+namespace strata::engine_internal {
+
+// A gather slot: one full-group device buffer (largest group, parameter dtype) with the
+// staging it needs, reused round-robin by the fetcher.
+struct GatherSlot {
+  DeviceBuffer full;                 // the gathered group
+  DeviceBuffer shard;                // device staging shard (world > 1 with host or NVMe parameters)
+  PinnedBuffer nvme_stage;           // NVMe read staging (NVMe parameters)
+  std::unique_ptr<Event> ready;      // recorded when `full` holds the gathered group
+  std::unique_ptr<Event> released;   // recorded when compute is done with `full`
+  std::unique_ptr<Event> h2d_done;   // recorded when the H2D copy out of nvme_stage/host finished
+  // Host-side facts, guarded by the engine mutex.
+  uint64_t occupant = 0;             // request id using the slot now (0 = none yet)
+  uint64_t released_id = 0;          // the request id whose release has been recorded
+};
+
+// One fetch the fetcher performs: bring group `group`'s parameters of version
+// `required_version` into a gather slot (or a persistent buffer).
+struct FetchRequest {
+  uint64_t id = 0;                   // increasing, in fetch order
+  int group = -1;
+  int slot = -1;                     // gather slot, or -1 for a persistent group's own buffer
+  int64_t required_version = 0;      // the parameter version (updates applied) to fetch
+  uint64_t previous_occupant = 0;    // the request that used the slot before (0 = none)
+  int64_t step_index = 0;            // the step whose use this is
+  bool abandoned = false;            // the model went another way: complete, then free the slot
+  bool ready = false;                // the ready event has been recorded (host fact)
+  bool consumed = false;             // the model has taken it (or it was abandoned)
+  // NVMe read in flight (fetcher-private).
+  bool read_submitted = false;
+  IoTicket read_ticket;
+  TraceClock::time_point read_begin;
+};
+
+// Per group state of this rank.
+struct GroupState {
+  GroupLayout layout;
+  bool persistent = false;           // stays gathered on the device
+
+  // Parameter shard copies (parameter dtype): one, or two in delayed mode (indexed by
+  // version parity).
+  std::vector<DeviceBuffer> param_device;  // param_tier == kDevice
+  std::vector<PinnedBuffer> param_host;    // kPinned / kHost
+  std::vector<NvmeExtent> param_nvme;      // kNvme
+
+  // Optimizer state (fp32): host buffers, or NVMe extents.
+  PinnedBuffer master, exp_avg, exp_avg_sq;  // kPinned / kHost
+  NvmeExtent state_nvme;             // kNvme: master, exp_avg, exp_avg_sq back to back (3 x shard fp32)
+
+  // Gradient shards on the host: the landing buffer (transfer dtype) and the fp32
+  // accumulator (micro-batches > 1); two each in delayed mode (by step parity).
+  std::vector<PinnedBuffer> grad_landing;
+  std::vector<PinnedBuffer> grad_accum;
+
+  // Persistent groups: the gathered copy, and the event marking the end of its last use.
+  DeviceBuffer persistent_full;
+  DeviceBuffer persistent_shard;     // device staging shard (world > 1 with host or NVMe parameters)
+  PinnedBuffer persistent_stage;     // NVMe read staging
+  std::unique_ptr<Event> persistent_ready;
+  std::unique_ptr<Event> persistent_released;
+  std::unique_ptr<Event> persistent_h2d_done;
+
+  std::vector<DecayRun> decay_runs;
+
+  // Host facts, guarded by the engine mutex.
+  int64_t param_version = 0;         // optimizer updates applied to the parameter copy
+  int64_t persistent_version = -1;   // version held by persistent_full (-1 = none)
+  uint64_t persistent_request = 0;   // the fetch request filling persistent_full now
+  int64_t landed_step = -1;          // the last step whose final gradient shard has landed
+  GradientStats landed_stats;        // that shard's statistics
+  int active_gradient_slot = -1;     // gradient slot in use this micro-batch (-1 = none)
+  int64_t planned_persistent_version = -1;  // version the latest persistent fetch request brings
+  TraceClock::time_point compute_begin;      // start of the current use's compute (compute stream)
+};
+
+// A gradient slot: the full-group fp32 gradient buffer the model accumulates into, plus
+// the reduce-scatter output and the cast buffer for the device->host copy.
+struct GradientSlot {
+  DeviceBuffer full;                 // fp32, largest group
+  DeviceBuffer shard;                // fp32 reduce-scatter output (world > 1)
+  DeviceBuffer cast;                 // transfer-dtype copy of the shard (bf16 transfer)
+  std::unique_ptr<Event> grads_done; // compute finished writing `full`
+  std::unique_ptr<Event> reduced;    // reduce stream finished with `full` / produced the shard
+  std::unique_ptr<Event> copied;     // the device->host copy finished
+  bool busy = false;                 // host fact: handed out, not yet returned by the lander
+};
+
+// Work for the lander.
+struct LandingItem {
+  int group = -1;
+  int slot = -1;
+  int64_t step = 0;
+  int micro = 0;
+  bool last_micro = false;
+  TraceClock::time_point enqueued;
+};
+
+// Work for the optimizer thread: one step's update, group by group.
+struct OptimizerJob {
+  int64_t step_index = 0;            // 0-based index of the step whose gradients are used
+  bool skip = false;
+  AdamStepPlan decay_plan;           // for tensors with weight decay
+  AdamStepPlan no_decay_plan;        // for tensors without
+  std::vector<int> order;            // groups in the order to update
+};
+
+}  // namespace strata::engine_internal

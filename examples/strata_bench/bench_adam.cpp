@@ -1,0 +1,366 @@
+// strata-bench adam: the fused CPU Adam step as the engine runs it (one call per
+// parameter group, each fanned out over the optimizer's workers), against the memory
+// ceiling of shared/tools/adam_stream_limit.cpp.
+//
+//   strata-bench adam --params N --threads T --grad-dtype bf16|fp16|fp32
+//                     --param-dtype bf16|fp16|fp32|none [--moment-dtype fp32|bf16]
+//                     [--state memory|nvme --nvme-path D] [--isa avx512|avx2|scalar]
+//                     [--group-params G] [--steps S] [--warmup W] [--json]
+//
+// --state nvme keeps master weights and moments in an NvmeStore under --nvme-path and
+// streams them through the NvmeAdamState pipeline (--pinned-budget bytes of staging in
+// --slots slots); gradients and parameter copies stay in host memory.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "engine/core/dtype.h"
+#include "examples/strata_bench/bench.h"
+#include "offload/nvme_store.h"
+#include "offload/pinned_arena.h"
+#include "optim/cpu_adam.h"
+#include "optim/nvme_adam_state.h"
+
+namespace strata::bench {
+namespace {
+
+constexpr const char* kUsage =
+    "usage: strata-bench adam [--params N] [--threads T] [--grad-dtype bf16|fp16|fp32] [--param-dtype bf16|fp16|fp32|none]\n"
+    "                         [--moment-dtype fp32|bf16] [--state memory|nvme] [--nvme-path DIR] [--isa avx512|avx2|scalar]\n"
+    "                         [--group-params G] [--steps S] [--warmup W] [--chunk-elements C]\n"
+    "                         [--param-stores streaming|cached] [--state-stores cached|streaming] [--no-avx512-bf16]\n"
+    "                         [--pinned-budget BYTES] [--slots K] [--queue-depth Q] [--no-checksums] [--json]";
+
+// Anonymous memory for the benchmark's state, 2 MiB aligned and advised onto transparent
+// huge pages, as the pinned arena holds it.
+class HostArray {
+ public:
+  HostArray() = default;
+  HostArray(const HostArray&) = delete;
+  HostArray& operator=(const HostArray&) = delete;
+  HostArray(HostArray&& other) noexcept : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+  HostArray& operator=(HostArray&& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(bytes_, other.bytes_);
+    return *this;
+  }
+  ~HostArray() {
+    if (data_ != nullptr) munmap(data_, bytes_);
+  }
+  static StatusOr<HostArray> allocate(size_t bytes, const char* what) {
+    constexpr size_t kHuge = size_t{2} << 20;
+    HostArray array;
+    array.bytes_ = std::max(kHuge, (bytes + kHuge - 1) / kHuge * kHuge);
+    void* data = mmap(nullptr, array.bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (data == MAP_FAILED) return Status::FromErrno(errno, std::string("mmap of ") + std::to_string(array.bytes_) + " bytes for " + what);
+    array.data_ = data;
+    (void)madvise(data, array.bytes_, MADV_HUGEPAGE);  // advice only: small pages work too
+    return array;
+  }
+  void* data() const { return data_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+struct Config {
+  int64_t params = int64_t{64} << 20;
+  int threads = 2;
+  DType grad_type = DType::kBFloat16;
+  bool write_param = true;
+  DType param_type = DType::kBFloat16;
+  DType moment_type = DType::kFloat32;
+  std::string state = "memory";
+  std::string nvme_path;
+  std::optional<CpuIsa> isa;
+  int64_t group_params = int64_t{8} << 20;
+  int steps = 9;
+  int warmup = 2;
+  int64_t chunk_elements = int64_t{1} << 16;
+  AdamSpanStores stores;
+  bool use_avx512_bf16 = true;
+  int64_t pinned_budget = int64_t{192} << 20;
+  int slots = 3;
+  int queue_depth = 32;
+  bool checksums = true;
+  bool json = false;
+};
+
+StatusOr<StoreKind> parse_store_kind(const std::string& text, const char* flag) {
+  if (text == "streaming") return StoreKind::kStreaming;
+  if (text == "cached") return StoreKind::kCached;
+  return InvalidArgumentError(std::string("--") + flag + " expects streaming or cached, got '" + text + "'");
+}
+
+StatusOr<Config> parse_config(int argc, char** argv) {
+  STRATA_ASSIGN_OR_RETURN(
+      Args args, Args::parse(argc, argv,
+                             {"params", "threads", "grad-dtype", "param-dtype", "moment-dtype", "state", "nvme-path", "isa", "group-params",
+                              "steps", "warmup", "chunk-elements", "param-stores", "state-stores", "pinned-budget", "slots", "queue-depth"},
+                             {"json", "no-avx512-bf16", "no-checksums", "help"}));
+  Config c;
+  if (args.flag("help")) return InvalidArgumentError(kUsage);
+  STRATA_ASSIGN_OR_RETURN(c.params, args.get_int("params", c.params));
+  STRATA_ASSIGN_OR_RETURN(int64_t threads, args.get_int("threads", c.threads));
+  c.threads = static_cast<int>(threads);
+  STRATA_ASSIGN_OR_RETURN(c.grad_type, parse_dtype(args.get("grad-dtype", "bf16")));
+  const std::string param = args.get("param-dtype", "bf16");
+  if (param == "none") {
+    c.write_param = false;
+  } else {
+    STRATA_ASSIGN_OR_RETURN(c.param_type, parse_dtype(param));
+  }
+  STRATA_ASSIGN_OR_RETURN(c.moment_type, parse_dtype(args.get("moment-dtype", "fp32")));
+  c.state = args.get("state", "memory");
+  c.nvme_path = args.get("nvme-path", "");
+  if (args.has("isa")) {
+    STRATA_ASSIGN_OR_RETURN(c.isa, parse_cpu_isa(args.get("isa", "")));
+  }
+  STRATA_ASSIGN_OR_RETURN(c.group_params, args.get_int("group-params", c.group_params));
+  STRATA_ASSIGN_OR_RETURN(int64_t steps, args.get_int("steps", c.steps));
+  STRATA_ASSIGN_OR_RETURN(int64_t warmup, args.get_int("warmup", c.warmup));
+  c.steps = static_cast<int>(steps);
+  c.warmup = static_cast<int>(warmup);
+  STRATA_ASSIGN_OR_RETURN(c.chunk_elements, args.get_int("chunk-elements", c.chunk_elements));
+  STRATA_ASSIGN_OR_RETURN(c.stores.param, parse_store_kind(args.get("param-stores", "streaming"), "param-stores"));
+  STRATA_ASSIGN_OR_RETURN(c.stores.state, parse_store_kind(args.get("state-stores", "cached"), "state-stores"));
+  c.use_avx512_bf16 = !args.flag("no-avx512-bf16");
+  STRATA_ASSIGN_OR_RETURN(c.pinned_budget, args.get_int("pinned-budget", c.pinned_budget));
+  STRATA_ASSIGN_OR_RETURN(int64_t slots, args.get_int("slots", c.slots));
+  STRATA_ASSIGN_OR_RETURN(int64_t queue_depth, args.get_int("queue-depth", c.queue_depth));
+  c.slots = static_cast<int>(slots);
+  c.queue_depth = static_cast<int>(queue_depth);
+  c.checksums = !args.flag("no-checksums");
+  c.json = args.flag("json");
+  if (c.params < 1) return InvalidArgumentError("--params must be >= 1");
+  if (c.threads < 1) return InvalidArgumentError("--threads must be >= 1");
+  if (c.group_params < 1) return InvalidArgumentError("--group-params must be >= 1");
+  if (c.steps < 1 || c.warmup < 0) return InvalidArgumentError("--steps must be >= 1 and --warmup >= 0");
+  if (c.moment_type == DType::kFloat16) return InvalidArgumentError("--moment-dtype must be fp32 or bf16");
+  if (c.state != "memory" && c.state != "nvme") return InvalidArgumentError("--state expects memory or nvme, got '" + c.state + "'");
+  if (c.state == "nvme" && c.nvme_path.empty()) return InvalidArgumentError("--state nvme needs --nvme-path DIR");
+  if (c.pinned_budget < 1 || c.slots < 1 || c.queue_depth < 1) return InvalidArgumentError("--pinned-budget, --slots and --queue-depth must be >= 1");
+  return c;
+}
+
+// A cheap deterministic value in [-1, 1) for element i of array `salt`.
+float pattern(uint64_t i, uint64_t salt) {
+  uint64_t x = (i + 1) * 0x9e3779b97f4a7c15ull ^ (salt * 0xbf58476d1ce4e5b9ull);
+  x ^= x >> 31;
+  x *= 0x94d049bb133111ebull;
+  x ^= x >> 29;
+  return static_cast<float>(static_cast<int64_t>(x >> 40) - (int64_t{1} << 23)) / static_cast<float>(int64_t{1} << 23);
+}
+
+struct Result {
+  double seconds_per_step = 0;
+  double params_per_s = 0;
+  size_t bytes_per_param = 0;
+  std::vector<double> step_seconds;
+  std::optional<NvmeAdamStateStats> nvme;  // --state nvme: the pipeline's counters over all steps
+  size_t piece_elements = 0;
+  std::string io_engine;
+};
+
+void finish(Result& result, size_t params) {
+  std::vector<double> sorted = result.step_seconds;
+  std::sort(sorted.begin(), sorted.end());
+  result.seconds_per_step = sorted[sorted.size() / 2];
+  result.params_per_s = static_cast<double>(params) / result.seconds_per_step;
+}
+
+StatusOr<Result> run_memory(const Config& c, CpuAdam& adam) {
+  const size_t n = static_cast<size_t>(c.params);
+  const size_t moment_width = dtype_size(c.moment_type);
+  STRATA_ASSIGN_OR_RETURN(HostArray grad, HostArray::allocate(n * dtype_size(c.grad_type), "gradients"));
+  STRATA_ASSIGN_OR_RETURN(HostArray master, HostArray::allocate(n * 4, "master weights"));
+  STRATA_ASSIGN_OR_RETURN(HostArray exp_avg, HostArray::allocate(n * moment_width, "exp_avg"));
+  STRATA_ASSIGN_OR_RETURN(HostArray exp_avg_sq, HostArray::allocate(n * moment_width, "exp_avg_sq"));
+  HostArray param;
+  if (c.write_param) {
+    STRATA_ASSIGN_OR_RETURN(param, HostArray::allocate(n * dtype_size(c.param_type), "parameter copy"));
+  }
+  // First touch on the workers that stream the arrays later, in the same chunks.
+  adam.executor().parallel_for(0, n, static_cast<size_t>(c.chunk_elements), [&](size_t lo, size_t hi) {
+    for (size_t i = lo; i < hi; ++i) {
+      store_from_float(grad.data(), c.grad_type, i, pattern(i, 1) * 1e-2f);
+      static_cast<float*>(master.data())[i] = pattern(i, 2);
+      store_from_float(exp_avg.data(), c.moment_type, i, 0.0f);
+      store_from_float(exp_avg_sq.data(), c.moment_type, i, 0.0f);
+      if (c.write_param) store_from_float(param.data(), c.param_type, i, 0.0f);
+    }
+  });
+
+  kernels::AdamBuffers all;
+  all.grad = grad.data();
+  all.grad_type = c.grad_type;
+  all.master = static_cast<float*>(master.data());
+  all.exp_avg = exp_avg.data();
+  all.exp_avg_sq = exp_avg_sq.data();
+  all.moment_type = c.moment_type;
+  all.param = c.write_param ? param.data() : nullptr;
+  all.param_type = c.param_type;
+  all.count = n;
+
+  const kernels::AdamHyperparams hyper{.lr = 1e-3, .weight_decay = 0.01};
+  Result result;
+  result.bytes_per_param = kernels::adam_bytes_per_element(all);
+  const size_t group = static_cast<size_t>(c.group_params);
+  for (int step = 1; step <= c.warmup + c.steps; ++step) {
+    STRATA_ASSIGN_OR_RETURN(const kernels::AdamStepScalars scalars, kernels::adam_step_scalars(hyper, step));
+    const auto start = std::chrono::steady_clock::now();
+    for (size_t begin = 0; begin < n; begin += group) {
+      STRATA_RETURN_IF_ERROR(adam.step(adam_buffers_slice(all, begin, std::min(n, begin + group)), scalars));
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (step > c.warmup) result.step_seconds.push_back(seconds);
+  }
+  finish(result, n);
+  return result;
+}
+
+// Master weights and moments on NVMe, streamed through the NvmeAdamState pipeline.
+StatusOr<Result> run_nvme(const Config& c, CpuAdam& adam) {
+  const size_t n = static_cast<size_t>(c.params);
+  const size_t group = static_cast<size_t>(c.group_params);
+  std::vector<size_t> group_elements;
+  for (size_t begin = 0; begin < n; begin += group) group_elements.push_back(std::min(group, n - begin));
+
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<PinnedArena> arena,
+                          PinnedArena::create({.bytes = static_cast<size_t>(c.pinned_budget) + (size_t{4} << 20)}));
+  NvmeStoreOptions store_options;
+  store_options.nvme_path = c.nvme_path;
+  store_options.checksums = c.checksums;
+  store_options.initial_bytes = n * (4 + 2 * dtype_size(c.moment_type)) + (size_t{64} << 20);
+  store_options.io.queue_depth = static_cast<unsigned>(c.queue_depth);
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<NvmeStore> store, NvmeStore::open(store_options));
+  (void)store->io_engine().register_buffers(*arena);  // fixed buffers where the kernel allows; plain transfers otherwise
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<NvmeAdamState> state,
+                          NvmeAdamState::create(*store, *arena, group_elements,
+                                                {.key_prefix = "bench-adam", .moment_type = c.moment_type,
+                                                 .pinned_budget_bytes = static_cast<size_t>(c.pinned_budget),
+                                                 .slots = static_cast<unsigned>(c.slots)}));
+
+  STRATA_ASSIGN_OR_RETURN(HostArray grad, HostArray::allocate(n * dtype_size(c.grad_type), "gradients"));
+  HostArray param;
+  if (c.write_param) {
+    STRATA_ASSIGN_OR_RETURN(param, HostArray::allocate(n * dtype_size(c.param_type), "parameter copy"));
+  }
+  {
+    // Initial state, one group at a time through a host staging array.
+    const size_t moment_width = dtype_size(c.moment_type);
+    STRATA_ASSIGN_OR_RETURN(HostArray staging, HostArray::allocate(group * (4 + 2 * moment_width), "initial state staging"));
+    auto* master = static_cast<float*>(staging.data());
+    char* exp_avg = static_cast<char*>(staging.data()) + group * 4;
+    char* exp_avg_sq = exp_avg + group * moment_width;
+    size_t begin = 0;
+    for (size_t g = 0; g < group_elements.size(); ++g) {
+      adam.executor().parallel_for(0, group_elements[g], static_cast<size_t>(c.chunk_elements), [&](size_t lo, size_t hi) {
+        for (size_t i = lo; i < hi; ++i) {
+          master[i] = pattern(begin + i, 2);
+          store_from_float(exp_avg, c.moment_type, i, 0.0f);
+          store_from_float(exp_avg_sq, c.moment_type, i, 0.0f);
+          store_from_float(grad.data(), c.grad_type, begin + i, pattern(begin + i, 1) * 1e-2f);
+          if (c.write_param) store_from_float(param.data(), c.param_type, begin + i, 0.0f);
+        }
+      });
+      STRATA_RETURN_IF_ERROR(state->store_group(g, master, exp_avg, exp_avg_sq));
+      begin += group_elements[g];
+    }
+  }
+  std::vector<AdamGroupIo> io;
+  for (size_t g = 0, begin = 0; g < group_elements.size(); begin += group_elements[g], ++g) {
+    io.push_back({static_cast<const char*>(grad.data()) + begin * dtype_size(c.grad_type), c.grad_type,
+                  c.write_param ? static_cast<char*>(param.data()) + begin * dtype_size(c.param_type) : nullptr, c.param_type});
+  }
+
+  const kernels::AdamHyperparams hyper{.lr = 1e-3, .weight_decay = 0.01};
+  Result result;
+  kernels::AdamBuffers shape;
+  shape.grad_type = c.grad_type;
+  shape.moment_type = c.moment_type;
+  shape.param = c.write_param ? param.data() : nullptr;
+  shape.param_type = c.param_type;
+  result.bytes_per_param = kernels::adam_bytes_per_element(shape);
+  for (int step = 1; step <= c.warmup + c.steps; ++step) {
+    STRATA_ASSIGN_OR_RETURN(AdamStepPlan plan, plan_adam_step(hyper, step, {}, {}));
+    const auto start = std::chrono::steady_clock::now();
+    STRATA_RETURN_IF_ERROR(state->step(adam, io, plan));
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (step > c.warmup) result.step_seconds.push_back(seconds);
+  }
+  finish(result, n);
+  result.nvme = state->stats();
+  result.piece_elements = state->piece_elements();
+  result.io_engine = std::string(store->io_engine().name()) + (store->direct_io() ? ", O_DIRECT" : ", buffered") +
+                     (store->checksums() ? ", checksums" : "");
+  return result;
+}
+
+}  // namespace
+
+int run_adam(int argc, char** argv) {
+  auto parsed = parse_config(argc, argv);
+  if (!parsed.ok()) {
+    if (parsed.status().message() == kUsage) {
+      std::fprintf(stdout, "%s\n", kUsage);
+      return 0;
+    }
+    std::fprintf(stderr, "%s\n", kUsage);
+    return report_failure("adam", parsed.status());
+  }
+  const Config& c = *parsed;
+  CpuAdamOptions options;
+  options.threads = c.threads;
+  options.isa = c.isa;
+  options.span.use_avx512_bf16 = c.use_avx512_bf16;
+  options.chunk_elements = static_cast<size_t>(c.chunk_elements);
+  options.stores = c.stores;
+  auto adam = CpuAdam::create(options);
+  if (!adam.ok()) return report_failure("adam", adam.status());
+
+  StatusOr<Result> result = c.state == "memory" ? run_memory(c, *adam) : run_nvme(c, *adam);
+  if (!result.ok()) return report_failure("adam", result.status());
+
+  const std::string param_name = c.write_param ? std::string(dtype_name(c.param_type)) : "none";
+  const std::string isa_name(cpu_isa_name(adam->isa()));
+  if (c.json) {
+    std::printf(
+        "{\"bench\":\"adam\",\"params\":%" PRId64 ",\"threads\":%d,\"grad_dtype\":\"%s\",\"param_dtype\":\"%s\",\"state\":\"%s\","
+        "\"isa\":\"%s\",\"seconds_per_step\":%.6g,\"params_per_s\":%.6g,\"bytes_per_param\":%zu}\n",
+        c.params, adam->threads(), std::string(dtype_name(c.grad_type)).c_str(), param_name.c_str(), c.state.c_str(), isa_name.c_str(),
+        result->seconds_per_step, result->params_per_s, result->bytes_per_param);
+  } else {
+    std::printf("strata-bench adam: fused AdamW step, one call per group of %" PRId64 " params\n", c.group_params);
+    std::printf("  %-18s %" PRId64 "\n", "params", c.params);
+    std::printf("  %-18s %d (%s executor)\n", "threads", adam->threads(), std::string(adam->executor().name()).c_str());
+    std::printf("  %-18s %s / %s / %s\n", "grad/param/moment", std::string(dtype_name(c.grad_type)).c_str(), param_name.c_str(),
+                std::string(dtype_name(c.moment_type)).c_str());
+    std::printf("  %-18s %s%s\n", "isa", isa_name.c_str(), adam->native_bf16() ? " (+avx512_bf16)" : "");
+    std::printf("  %-18s %s\n", "state", c.state.c_str());
+    if (result->nvme) {
+      const NvmeAdamStateStats& s = *result->nvme;
+      const double steps = static_cast<double>(s.steps);
+      std::printf("  %-18s %s, pinned budget %" PRId64 " B in %d slots, pieces of %zu params\n", "nvme", result->io_engine.c_str(),
+                  c.pinned_budget, c.slots, result->piece_elements);
+      std::printf("  %-18s read wait %.1f ms, slot wait %.1f ms, compute %.1f ms; %.2f GB/s read + %.2f GB/s written\n",
+                  "per step (mean)", s.read_wait_seconds / steps * 1e3, s.slot_wait_seconds / steps * 1e3, s.compute_seconds / steps * 1e3,
+                  static_cast<double>(s.bytes_read) / steps / result->seconds_per_step / 1e9,
+                  static_cast<double>(s.bytes_written) / steps / result->seconds_per_step / 1e9);
+    }
+    std::printf("  %-18s %.3f ms (median of %d after %d warm-up)\n", "step", result->seconds_per_step * 1e3, c.steps, c.warmup);
+    std::printf("  %-18s %.3f G params/s\n", "throughput", result->params_per_s / 1e9);
+    std::printf("  %-18s %zu B/param, %.1f GB/s\n", "memory traffic", result->bytes_per_param,
+                result->params_per_s * static_cast<double>(result->bytes_per_param) / 1e9);
+  }
+  return 0;
+}
+
+}  // namespace strata::bench

@@ -1,0 +1,46 @@
+// Scalar references of the transformer ops (kernels/transformer_ops.h), for tests and
+// benchmark validation only: plain loops in double precision, written from the
+// definitions, sharing no code with the CPU twins or the CUDA kernels. Shapes and
+// layouts are those of kernels/transformer_ops.h. Gradients are always overwritten.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/transformer_ops.h"
+
+namespace strata::kernels::reference {
+
+void embedding_forward(const EmbeddingShape& shape, const int32_t* tokens, const double* wte, const double* wpe,
+                       double* out);
+void embedding_backward(const EmbeddingShape& shape, const int32_t* tokens, const double* dout, double* dwte,
+                        double* dwpe);
+
+void layernorm_forward(const LayerNormShape& shape, const double* x, const double* gamma, const double* beta, double* y,
+                       double* mean, double* rstd);
+// Recomputes mean and rstd from x.
+void layernorm_backward(const LayerNormShape& shape, const double* dy, const double* x, const double* gamma, double* dx,
+                        double* dgamma, double* dbeta);
+
+// bias may be null.
+void matmul_forward(const MatmulShape& shape, const double* x, const double* weight, const double* bias, double* y);
+void matmul_backward(const MatmulShape& shape, const double* dy, const double* x, const double* weight, double* dx,
+                     double* dweight, double* dbias);
+
+void gelu_forward(const double* x, double* y, size_t count);
+void gelu_backward(const double* dy, const double* x, double* dx, size_t count);
+
+void residual_forward(const double* a, const double* b, double* out, size_t count);
+void residual_backward(const double* dout, double* da, double* db, size_t count);
+
+// lse: [batch, heads, seq_len].
+void attention_forward(const AttentionShape& shape, const double* qkv, double* out, double* lse);
+void attention_backward(const AttentionShape& shape, const double* dout, const double* qkv, double* dqkv);
+
+// losses: [rows]; returns the mean over rows not ignored (0 when none).
+double cross_entropy_forward(const CrossEntropyShape& shape, const double* logits, const int32_t* targets, double* losses,
+                             double* lse);
+void cross_entropy_backward(const CrossEntropyShape& shape, const double* logits, const int32_t* targets, double grad_scale,
+                            double* dlogits);
+
+}  // namespace strata::kernels::reference

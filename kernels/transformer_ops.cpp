@@ -1,0 +1,367 @@
+// Host entry points of the transformer ops: check the arguments at once, then enqueue
+// the CUDA launcher (CudaDevice) or the CPU twin (CpuDevice) in stream order.
+#include "kernels/transformer_ops.h"
+
+#include <string>
+
+#include "kernels/transformer_ops_cpu.h"
+#include "kernels/transformer_ops_cuda.h"
+
+namespace strata::kernels {
+namespace {
+
+// Inside a launched kernel: the CUDA call, or an error in a build without CUDA (a
+// native stream cannot exist there).
+#if defined(STRATA_HAVE_CUDA)
+#define STRATA_OP_ON_CUDA(call) return (call)
+#else
+#define STRATA_OP_ON_CUDA(call) return InternalError("a native stream in a build without CUDA")
+#endif
+
+const float* f32(const void* p) { return static_cast<const float*>(p); }
+float* f32(void* p) { return static_cast<float*>(p); }
+
+Status check_dtype(Stream& stream, DType dtype, const char* op) {
+  const DeviceKind kind = stream.device().kind();
+  if (dtype == DType::kFloat32) return {};
+  if (kind == DeviceKind::kCuda && dtype == DType::kBFloat16) return {};
+  return UnimplementedError(std::string(op) + ": dtype " + std::string(dtype_name(dtype)) + " is not supported on " +
+                            stream.device().description() +
+                            (kind == DeviceKind::kCpu ? " (the CPU ops are fp32)" : " (fp32 and bf16 only)"));
+}
+
+Status check_present(const void* pointer, const char* op, const char* name) {
+  if (pointer == nullptr) return InvalidArgumentError(std::string(op) + ": " + name + " is null");
+  return {};
+}
+
+Status check_blas(Stream& stream, BlasContext& blas, const char* op) {
+  if (&blas.device() != &stream.device()) {
+    return InvalidArgumentError(std::string(op) + ": the BlasContext was made for " + blas.device().description() +
+                                ", the stream '" + stream.name() + "' belongs to " + stream.device().description());
+  }
+  return {};
+}
+
+}  // namespace
+
+// Embedding --------------------------------------------------------------------------
+
+Status embedding_forward(Stream& stream, const EmbeddingShape& shape, DType dtype, const int32_t* tokens, const void* wte,
+                         const void* wpe, void* out) {
+  constexpr const char* kOp = "embedding_forward";
+  if (shape.batch == 0 || shape.seq_len == 0 || shape.channels == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
+  if (shape.seq_len > shape.max_positions) {
+    return InvalidArgumentError(std::string(kOp) + ": seq_len " + std::to_string(shape.seq_len) + " exceeds max_positions " +
+                                std::to_string(shape.max_positions));
+  }
+  STRATA_RETURN_IF_ERROR(check_present(tokens, kOp, "tokens"));
+  STRATA_RETURN_IF_ERROR(check_present(wte, kOp, "wte"));
+  STRATA_RETURN_IF_ERROR(check_present(wpe, kOp, "wpe"));
+  STRATA_RETURN_IF_ERROR(check_present(out, kOp, "out"));
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) STRATA_OP_ON_CUDA(cuda::embedding_forward(ctx.native_stream, shape, dtype, tokens, wte, wpe, out));
+    return cpu::embedding_forward(*ctx.executor, shape, tokens, f32(wte), f32(wpe), f32(out));
+  });
+}
+
+Status embedding_backward(Stream& stream, const EmbeddingShape& shape, DType dtype, const int32_t* tokens, const void* dout,
+                          float* dwte, float* dwpe, GradWrite param_grad) {
+  constexpr const char* kOp = "embedding_backward";
+  if (shape.batch == 0 || shape.seq_len == 0 || shape.channels == 0 || (dwte == nullptr && dwpe == nullptr)) return {};
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
+  if (shape.seq_len > shape.max_positions) {
+    return InvalidArgumentError(std::string(kOp) + ": seq_len " + std::to_string(shape.seq_len) + " exceeds max_positions " +
+                                std::to_string(shape.max_positions));
+  }
+  STRATA_RETURN_IF_ERROR(check_present(tokens, kOp, "tokens"));
+  STRATA_RETURN_IF_ERROR(check_present(dout, kOp, "dout"));
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(cuda::embedding_backward(ctx.native_stream, shape, dtype, tokens, dout, dwte, dwpe, param_grad));
+    }
+    return cpu::embedding_backward(*ctx.executor, shape, tokens, f32(dout), dwte, dwpe, param_grad);
+  });
+}
+
+// LayerNorm --------------------------------------------------------------------------
+
+Status layernorm_forward(Stream& stream, const LayerNormShape& shape, DType dtype, const void* x, const void* gamma,
+                         const void* beta, void* y, float* mean, float* rstd) {
+  constexpr const char* kOp = "layernorm_forward";
+  if (shape.rows == 0 || shape.channels == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
+  STRATA_RETURN_IF_ERROR(check_present(x, kOp, "x"));
+  STRATA_RETURN_IF_ERROR(check_present(gamma, kOp, "gamma"));
+  STRATA_RETURN_IF_ERROR(check_present(beta, kOp, "beta"));
+  STRATA_RETURN_IF_ERROR(check_present(y, kOp, "y"));
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(cuda::layernorm_forward(ctx.native_stream, shape, dtype, x, gamma, beta, y, mean, rstd));
+    }
+    cpu::layernorm_forward(*ctx.executor, shape, f32(x), f32(gamma), f32(beta), f32(y), mean, rstd);
+    return {};
+  });
+}
+
+Status layernorm_backward(Stream& stream, const LayerNormShape& shape, DType dtype, const void* dy, const void* x,
+                          const void* gamma, const float* mean, const float* rstd, void* dx, float* dgamma, float* dbeta,
+                          const GradOptions& options) {
+  constexpr const char* kOp = "layernorm_backward";
+  if (shape.rows == 0 || shape.channels == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
+  STRATA_RETURN_IF_ERROR(check_present(dy, kOp, "dy"));
+  STRATA_RETURN_IF_ERROR(check_present(x, kOp, "x"));
+  STRATA_RETURN_IF_ERROR(check_present(mean, kOp, "mean"));
+  STRATA_RETURN_IF_ERROR(check_present(rstd, kOp, "rstd"));
+  if (dx != nullptr) STRATA_RETURN_IF_ERROR(check_present(gamma, kOp, "gamma"));
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(cuda::layernorm_backward(ctx.native_stream, shape, dtype, dy, x, gamma, mean, rstd, dx, dgamma,
+                                                 dbeta, options));
+    }
+    cpu::layernorm_backward(*ctx.executor, shape, f32(dy), f32(x), f32(gamma), mean, rstd, f32(dx), dgamma, dbeta, options);
+    return {};
+  });
+}
+
+// Matrix products --------------------------------------------------------------------
+
+Status matmul_forward(Stream& stream, BlasContext& blas, const MatmulShape& shape, DType dtype, const void* x,
+                      const void* weight, const void* bias, void* y) {
+  constexpr const char* kOp = "matmul_forward";
+  if (shape.rows == 0 || shape.out_features == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
+  STRATA_RETURN_IF_ERROR(check_blas(stream, blas, kOp));
+  if (shape.in_features == 0) return InvalidArgumentError(std::string(kOp) + ": in_features is 0");
+  STRATA_RETURN_IF_ERROR(check_present(x, kOp, "x"));
+  STRATA_RETURN_IF_ERROR(check_present(weight, kOp, "weight"));
+  STRATA_RETURN_IF_ERROR(check_present(y, kOp, "y"));
+  BlasContext* context = &blas;
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(cuda::matmul_forward(ctx.native_stream, *context, shape, dtype, x, weight, bias, y));
+    }
+    (void)context;
+    cpu::matmul_forward(*ctx.executor, shape, f32(x), f32(weight), f32(bias), f32(y));
+    return {};
+  });
+}
+
+Status matmul_backward(Stream& stream, BlasContext& blas, const MatmulShape& shape, DType dtype, const void* dy,
+                       const void* x, const void* weight, void* dx, float* dweight, float* dbias,
+                       const GradOptions& options) {
+  constexpr const char* kOp = "matmul_backward";
+  if (shape.rows == 0 || shape.out_features == 0 || shape.in_features == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
+  STRATA_RETURN_IF_ERROR(check_blas(stream, blas, kOp));
+  STRATA_RETURN_IF_ERROR(check_present(dy, kOp, "dy"));
+  if (dx != nullptr) STRATA_RETURN_IF_ERROR(check_present(weight, kOp, "weight"));
+  if (dweight != nullptr) STRATA_RETURN_IF_ERROR(check_present(x, kOp, "x"));
+  BlasContext* context = &blas;
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(cuda::matmul_backward(ctx.native_stream, *context, shape, dtype, dy, x, weight, dx, dweight, dbias,
+                                              options));
+    }
+    (void)context;
+    cpu::matmul_backward(*ctx.executor, shape, f32(dy), f32(x), f32(weight), f32(dx), dweight, dbias, options);
+    return {};
+  });
+}
+
+// GELU and residual ------------------------------------------------------------------
+
+Status gelu_forward(Stream& stream, DType dtype, const void* x, void* y, size_t count) {
+  constexpr const char* kOp = "gelu_forward";
+  if (count == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
+  STRATA_RETURN_IF_ERROR(check_present(x, kOp, "x"));
+  STRATA_RETURN_IF_ERROR(check_present(y, kOp, "y"));
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) STRATA_OP_ON_CUDA(cuda::gelu_forward(ctx.native_stream, dtype, x, y, count));
+    cpu::gelu_forward(*ctx.executor, f32(x), f32(y), count);
+    return {};
+  });
+}
+
+Status gelu_backward(Stream& stream, DType dtype, const void* dy, const void* x, void* dx, size_t count,
+                     GradWrite input_grad) {
+  constexpr const char* kOp = "gelu_backward";
+  if (count == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
+  STRATA_RETURN_IF_ERROR(check_present(dy, kOp, "dy"));
+  STRATA_RETURN_IF_ERROR(check_present(x, kOp, "x"));
+  STRATA_RETURN_IF_ERROR(check_present(dx, kOp, "dx"));
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) STRATA_OP_ON_CUDA(cuda::gelu_backward(ctx.native_stream, dtype, dy, x, dx, count, input_grad));
+    cpu::gelu_backward(*ctx.executor, f32(dy), f32(x), f32(dx), count, input_grad);
+    return {};
+  });
+}
+
+Status residual_forward(Stream& stream, DType dtype, const void* a, const void* b, void* out, size_t count) {
+  constexpr const char* kOp = "residual_forward";
+  if (count == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
+  STRATA_RETURN_IF_ERROR(check_present(a, kOp, "a"));
+  STRATA_RETURN_IF_ERROR(check_present(b, kOp, "b"));
+  STRATA_RETURN_IF_ERROR(check_present(out, kOp, "out"));
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) STRATA_OP_ON_CUDA(cuda::residual_forward(ctx.native_stream, dtype, a, b, out, count));
+    cpu::residual_forward(*ctx.executor, f32(a), f32(b), f32(out), count);
+    return {};
+  });
+}
+
+Status residual_backward(Stream& stream, DType dtype, const void* dout, void* da, void* db, size_t count,
+                         GradWrite input_grad) {
+  constexpr const char* kOp = "residual_backward";
+  if (count == 0 || (da == nullptr && db == nullptr)) return {};
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
+  STRATA_RETURN_IF_ERROR(check_present(dout, kOp, "dout"));
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(cuda::residual_backward(ctx.native_stream, dtype, dout, da, db, count, input_grad));
+    }
+    cpu::residual_backward(*ctx.executor, f32(dout), f32(da), f32(db), count, input_grad);
+    return {};
+  });
+}
+
+// Attention --------------------------------------------------------------------------
+
+size_t attention_workspace_bytes(const AttentionShape& shape, DType dtype, DeviceKind kind) {
+  if (kind == DeviceKind::kCpu) return 0;
+  // fp32 scores (rounded up to 256 bytes so the probabilities start aligned), then probabilities.
+  const size_t square = shape.heads * shape.seq_len * shape.seq_len;
+  return (square * sizeof(float) + 255) / 256 * 256 + square * dtype_size(dtype);
+}
+
+namespace {
+Status check_attention(Stream& stream, BlasContext& blas, const AttentionShape& shape, DType dtype, const void* workspace,
+                       size_t workspace_bytes, const char* op) {
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, op));
+  STRATA_RETURN_IF_ERROR(check_blas(stream, blas, op));
+  const size_t needed = attention_workspace_bytes(shape, dtype, stream.device().kind());
+  if (workspace_bytes < needed || (needed > 0 && workspace == nullptr)) {
+    return InvalidArgumentError(std::string(op) + ": the workspace has " + std::to_string(workspace_bytes) +
+                                " bytes, attention_workspace_bytes() asks " + std::to_string(needed) + " for heads " +
+                                std::to_string(shape.heads) + " x seq_len " + std::to_string(shape.seq_len) + " on " +
+                                stream.device().description());
+  }
+  return {};
+}
+}  // namespace
+
+Status attention_forward(Stream& stream, BlasContext& blas, const AttentionShape& shape, DType dtype, const void* qkv,
+                         void* out, float* lse, void* workspace, size_t workspace_bytes) {
+  constexpr const char* kOp = "attention_forward";
+  if (shape.batch == 0 || shape.seq_len == 0 || shape.heads == 0 || shape.head_dim == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_attention(stream, blas, shape, dtype, workspace, workspace_bytes, kOp));
+  STRATA_RETURN_IF_ERROR(check_present(qkv, kOp, "qkv"));
+  STRATA_RETURN_IF_ERROR(check_present(out, kOp, "out"));
+  STRATA_RETURN_IF_ERROR(check_present(lse, kOp, "lse"));
+  BlasContext* context = &blas;
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(cuda::attention_forward(ctx.native_stream, *context, shape, dtype, qkv, out, lse, workspace));
+    }
+    (void)context;
+    (void)workspace;
+    cpu::attention_forward(*ctx.executor, shape, f32(qkv), f32(out), lse);
+    return {};
+  });
+}
+
+Status attention_backward(Stream& stream, BlasContext& blas, const AttentionShape& shape, DType dtype, const void* dout,
+                          const void* qkv, const float* lse, void* dqkv, void* workspace, size_t workspace_bytes,
+                          GradWrite input_grad) {
+  constexpr const char* kOp = "attention_backward";
+  if (shape.batch == 0 || shape.seq_len == 0 || shape.heads == 0 || shape.head_dim == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_attention(stream, blas, shape, dtype, workspace, workspace_bytes, kOp));
+  STRATA_RETURN_IF_ERROR(check_present(dout, kOp, "dout"));
+  STRATA_RETURN_IF_ERROR(check_present(qkv, kOp, "qkv"));
+  STRATA_RETURN_IF_ERROR(check_present(lse, kOp, "lse"));
+  STRATA_RETURN_IF_ERROR(check_present(dqkv, kOp, "dqkv"));
+  BlasContext* context = &blas;
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(
+          cuda::attention_backward(ctx.native_stream, *context, shape, dtype, dout, qkv, lse, dqkv, workspace, input_grad));
+    }
+    (void)context;
+    (void)workspace;
+    cpu::attention_backward(*ctx.executor, shape, f32(dout), f32(qkv), lse, f32(dqkv), input_grad);
+    return {};
+  });
+}
+
+// Cross-entropy ----------------------------------------------------------------------
+
+namespace {
+Status check_cross_entropy(Stream& stream, const CrossEntropyShape& shape, DType dtype, const void* logits,
+                           const int32_t* targets, const char* op) {
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, op));
+  if (shape.vocab_size == 0) return InvalidArgumentError(std::string(op) + ": vocab_size is 0");
+  STRATA_RETURN_IF_ERROR(check_present(logits, op, "logits"));
+  STRATA_RETURN_IF_ERROR(check_present(targets, op, "targets"));
+  return {};
+}
+}  // namespace
+
+Status cross_entropy_forward(Stream& stream, const CrossEntropyShape& shape, DType dtype, const void* logits,
+                             const int32_t* targets, float* losses, float* lse, float* mean_loss) {
+  constexpr const char* kOp = "cross_entropy_forward";
+  if (shape.rows == 0) {
+    if (mean_loss != nullptr) return stream.device().memset_async(mean_loss, 0, sizeof(float), stream);
+    return {};
+  }
+  STRATA_RETURN_IF_ERROR(check_cross_entropy(stream, shape, dtype, logits, targets, kOp));
+  STRATA_RETURN_IF_ERROR(check_present(losses, kOp, "losses"));
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(cuda::cross_entropy_forward(ctx.native_stream, shape, dtype, logits, targets, losses, lse, mean_loss));
+    }
+    return cpu::cross_entropy_forward(*ctx.executor, shape, f32(logits), targets, losses, lse, mean_loss);
+  });
+}
+
+Status cross_entropy_backward(Stream& stream, const CrossEntropyShape& shape, DType dtype, const void* logits,
+                              const int32_t* targets, const float* lse, float grad_scale, void* dlogits,
+                              GradWrite input_grad) {
+  constexpr const char* kOp = "cross_entropy_backward";
+  if (shape.rows == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_cross_entropy(stream, shape, dtype, logits, targets, kOp));
+  STRATA_RETURN_IF_ERROR(check_present(lse, kOp, "lse"));
+  STRATA_RETURN_IF_ERROR(check_present(dlogits, kOp, "dlogits"));
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(cuda::cross_entropy_backward(ctx.native_stream, shape, dtype, logits, targets, lse, grad_scale,
+                                                     dlogits, input_grad));
+    }
+    return cpu::cross_entropy_backward(*ctx.executor, shape, f32(logits), targets, lse, grad_scale, f32(dlogits), input_grad);
+  });
+}
+
+Status cross_entropy_fused(Stream& stream, const CrossEntropyShape& shape, DType dtype, const void* logits,
+                           const int32_t* targets, float grad_scale, float* losses, float* mean_loss, void* dlogits) {
+  constexpr const char* kOp = "cross_entropy_fused";
+  if (shape.rows == 0) {
+    if (mean_loss != nullptr) return stream.device().memset_async(mean_loss, 0, sizeof(float), stream);
+    return {};
+  }
+  STRATA_RETURN_IF_ERROR(check_cross_entropy(stream, shape, dtype, logits, targets, kOp));
+  STRATA_RETURN_IF_ERROR(check_present(losses, kOp, "losses"));
+  STRATA_RETURN_IF_ERROR(check_present(dlogits, kOp, "dlogits"));
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(cuda::cross_entropy_fused(ctx.native_stream, shape, dtype, logits, targets, grad_scale, losses,
+                                                  mean_loss, dlogits));
+    }
+    return cpu::cross_entropy_fused(*ctx.executor, shape, f32(logits), targets, grad_scale, losses, mean_loss, f32(dlogits));
+  });
+}
+
+}  // namespace strata::kernels

@@ -1,0 +1,62 @@
+// CPU twins of the transformer ops (kernels/transformer_ops.h), fp32 only.
+//
+// Each runs on the calling thread and fans out through `executor`; the host entry
+// points call them on a CpuDevice stream's worker. Exposed for tests and for callers
+// already on a CPU worker. Shapes, layouts and GradWrite semantics are those of
+// kernels/transformer_ops.h.
+//
+// Parallel splits never change the order of a sum: rows are independent, column sums
+// (dgamma, dbeta, dbias, dwpe, dwte) are split by column and run over rows in order,
+// attention is split by (batch, head), matrix products by fixed 64-row/column tiles of
+// the result (one single-threaded BLAS call each). So results do not depend on the
+// thread count.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "engine/core/executor.h"
+#include "engine/core/status.h"
+#include "kernels/transformer_ops.h"
+
+namespace strata::kernels::cpu {
+
+Status embedding_forward(Executor& executor, const EmbeddingShape& shape, const int32_t* tokens, const float* wte,
+                         const float* wpe, float* out);
+Status embedding_backward(Executor& executor, const EmbeddingShape& shape, const int32_t* tokens, const float* dout,
+                          float* dwte, float* dwpe, GradWrite param_grad);
+
+void layernorm_forward(Executor& executor, const LayerNormShape& shape, const float* x, const float* gamma,
+                       const float* beta, float* y, float* mean, float* rstd);
+void layernorm_backward(Executor& executor, const LayerNormShape& shape, const float* dy, const float* x,
+                        const float* gamma, const float* mean, const float* rstd, float* dx, float* dgamma, float* dbeta,
+                        const GradOptions& options);
+
+void matmul_forward(Executor& executor, const MatmulShape& shape, const float* x, const float* weight, const float* bias,
+                    float* y);
+void matmul_backward(Executor& executor, const MatmulShape& shape, const float* dy, const float* x, const float* weight,
+                     float* dx, float* dweight, float* dbias, const GradOptions& options);
+
+void gelu_forward(Executor& executor, const float* x, float* y, size_t count);
+void gelu_backward(Executor& executor, const float* dy, const float* x, float* dx, size_t count, GradWrite input_grad);
+
+void residual_forward(Executor& executor, const float* a, const float* b, float* out, size_t count);
+void residual_backward(Executor& executor, const float* dout, float* da, float* db, size_t count, GradWrite input_grad);
+
+void attention_forward(Executor& executor, const AttentionShape& shape, const float* qkv, float* out, float* lse);
+void attention_backward(Executor& executor, const AttentionShape& shape, const float* dout, const float* qkv,
+                        const float* lse, float* dqkv, GradWrite input_grad);
+
+Status cross_entropy_forward(Executor& executor, const CrossEntropyShape& shape, const float* logits,
+                             const int32_t* targets, float* losses, float* lse, float* mean_loss);
+Status cross_entropy_backward(Executor& executor, const CrossEntropyShape& shape, const float* logits,
+                              const int32_t* targets, const float* lse, float grad_scale, float* dlogits,
+                              GradWrite input_grad);
+Status cross_entropy_fused(Executor& executor, const CrossEntropyShape& shape, const float* logits,
+                           const int32_t* targets, float grad_scale, float* losses, float* mean_loss, float* dlogits);
+
+// True when matrix products use a CPU BLAS (cblas_sgemm); false when this build fell
+// back to the plain loops (no cblas.h at build time).
+bool has_blas();
+
+}  // namespace strata::kernels::cpu

@@ -1,0 +1,693 @@
+#include "offload/io_engine.h"
+
+#include <liburing.h>
+#include <sched.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "engine/core/check.h"
+#include "engine/core/log.h"
+#include "offload/offload_util.h"
+
+namespace strata {
+
+using offload_internal::format_bytes;
+
+std::string_view io_engine_kind_name(IoEngineKind kind) {
+  switch (kind) {
+    case IoEngineKind::kAuto: return "auto";
+    case IoEngineKind::kIoUring: return "io_uring";
+    case IoEngineKind::kPsync: return "psync";
+  }
+  return "?";
+}
+
+StatusOr<IoEngineKind> parse_io_engine_kind(std::string_view text) {
+  if (text == "auto") return IoEngineKind::kAuto;
+  if (text == "io_uring" || text == "uring") return IoEngineKind::kIoUring;
+  if (text == "psync" || text == "pread") return IoEngineKind::kPsync;
+  return InvalidArgumentError("unknown I/O engine '" + std::string(text) + "': expected io_uring, psync or auto");
+}
+
+namespace internal {
+
+// One transfer in flight: a piece of a request, resubmitted in place for its remainder.
+struct IoTransfer {
+  uint64_t ticket = 0;
+  IoOp op = IoOp::kRead;
+  int fd = -1;             // the file descriptor (pool, or io_uring without a fixed file)
+  int slot = -1;           // the engine's file slot (names the file in errors)
+  bool fixed_file = false; // io_uring: use `slot` as a registered file instead of fd
+  char* buffer = nullptr;  // where the remaining bytes go / come from
+  size_t remaining = 0;    // bytes still to move
+  uint64_t offset = 0;     // where they go in the file, or kIoStreamOffset
+  int region = -1;         // the fixed buffer holding `buffer`, or -1
+};
+
+class IoBackend {
+ public:
+  virtual ~IoBackend() = default;
+  virtual IoEngineKind kind() const = 0;
+  // Registers regions as fixed buffers (an empty span unregisters); an error leaves none.
+  virtual Status register_buffers(std::span<const PinnedRegion> regions) = 0;
+  // Puts `fd` in fixed-file slot `slot`; an error means "use the plain fd".
+  virtual Status register_file(int slot, int fd) = 0;
+  virtual void unregister_file(int slot) = 0;
+  // Starts a transfer. Its result (bytes moved or -errno) arrives later through
+  // IoEngineState::complete_transfer on a backend thread.
+  virtual void issue(IoTransfer* transfer) = 0;
+  // Stops the backend's threads; no transfers are in flight.
+  virtual void stop() = 0;
+};
+
+struct IoFileEntry {
+  int fd = -1;
+  bool fixed = false;  // registered with the backend as a fixed file
+  std::string name;
+};
+
+struct IoRequestRecord {
+  uint64_t pending = 0;  // transfers in flight, plus one while submit() is still issuing
+  Status status;         // the first transfer error
+  IoCompletionHook on_complete;
+  std::vector<std::unique_ptr<IoTransfer>> transfers;
+};
+
+struct IoErrorRecord {
+  Status status;
+  bool claimed = false;  // returned by a wait(ticket) already
+};
+
+struct IoEngineState {
+  IoEngineOptions options;
+  std::unique_ptr<IoBackend> backend;
+
+  mutable std::mutex mutex;
+  std::condition_variable space_available;  // in_flight dropped below the queue depth
+  std::condition_variable request_finished;
+  uint64_t next_ticket = 1;
+  unsigned in_flight = 0;  // transfers issued and not yet finished
+  std::unordered_map<uint64_t, IoRequestRecord> requests;
+  std::map<uint64_t, IoErrorRecord> errors;
+  IoEngineStats stats;
+  std::vector<PinnedRegion> regions;  // registered fixed buffers: regions[i] is fixed buffer i
+  std::vector<IoFileEntry> files;     // by slot; fd -1 = free
+
+  // Called by a backend with a transfer's result: bytes moved, or -errno.
+  void complete_transfer(IoTransfer* transfer, int64_t result);
+  // Runs the hook and records the request's final status.
+  void finish_request(uint64_t ticket, std::unique_lock<std::mutex>& lock);
+  std::string describe(const IoTransfer& transfer) const;  // mutex held
+};
+
+std::string IoEngineState::describe(const IoTransfer& transfer) const {
+  std::string text = transfer.op == IoOp::kRead ? "read of " : "write of ";
+  text += std::to_string(transfer.remaining) + " bytes";
+  if (transfer.offset != kIoStreamOffset) text += " at offset " + std::to_string(transfer.offset);
+  const std::string& name = files.at(static_cast<size_t>(transfer.slot)).name;
+  text += (transfer.op == IoOp::kRead ? " from " : " to ") + name;
+  return text;
+}
+
+void IoEngineState::complete_transfer(IoTransfer* transfer, int64_t result) {
+  if (result == -EAGAIN || result == -EINTR) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      ++stats.again_retries;
+      ++stats.transfers;
+    }
+    // The file had nothing to give right now (a non-blocking file, a busy device): try
+    // again after letting others run.
+    sched_yield();
+    backend->issue(transfer);
+    return;
+  }
+  if (result > 0 && static_cast<uint64_t>(result) < transfer->remaining) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      ++stats.short_transfers;
+      ++stats.transfers;
+      (transfer->op == IoOp::kRead ? stats.bytes_read : stats.bytes_written) += static_cast<uint64_t>(result);
+    }
+    transfer->buffer += result;
+    transfer->remaining -= static_cast<size_t>(result);
+    if (transfer->offset != kIoStreamOffset) transfer->offset += static_cast<uint64_t>(result);
+    backend->issue(transfer);
+    return;
+  }
+  std::unique_lock<std::mutex> lock(mutex);
+  IoRequestRecord& record = requests.at(transfer->ticket);
+  if (result < 0) {
+    if (record.status.ok()) record.status = Status::FromErrno(static_cast<int>(-result), describe(*transfer));
+  } else if (result == 0) {
+    if (record.status.ok()) {
+      record.status = transfer->op == IoOp::kRead
+                          ? DataLossError(describe(*transfer) + ": end of file (the file is shorter than expected)")
+                          : IoError(describe(*transfer) + ": the kernel wrote 0 bytes");
+    }
+  } else {
+    (transfer->op == IoOp::kRead ? stats.bytes_read : stats.bytes_written) += static_cast<uint64_t>(result);
+    transfer->remaining = 0;
+  }
+  --in_flight;
+  space_available.notify_one();
+  if (--record.pending == 0) finish_request(transfer->ticket, lock);
+}
+
+void IoEngineState::finish_request(uint64_t ticket, std::unique_lock<std::mutex>& lock) {
+  IoRequestRecord& record = requests.at(ticket);
+  Status status = std::move(record.status);
+  IoCompletionHook hook = std::move(record.on_complete);
+  if (hook) {
+    lock.unlock();
+    status = hook(status);
+    lock.lock();
+  }
+  requests.erase(ticket);
+  if (!status.ok()) {
+    ++stats.failed_requests;
+    errors.emplace(ticket, IoErrorRecord{std::move(status), false});
+  }
+  request_finished.notify_all();
+}
+
+namespace {
+
+// ---------------------------------------------------------------------------------------
+// psync: a pool of threads doing one pread/pwrite (read/write for stream offsets) each.
+// ---------------------------------------------------------------------------------------
+class PsyncBackend final : public IoBackend {
+ public:
+  PsyncBackend(IoEngineState* state, unsigned threads) : state_(state) {
+    workers_.reserve(threads);
+    for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
+  }
+  ~PsyncBackend() override { stop(); }
+
+  IoEngineKind kind() const override { return IoEngineKind::kPsync; }
+  Status register_buffers(std::span<const PinnedRegion>) override { return Status::Ok(); }
+  Status register_file(int, int) override { return Status::Ok(); }
+  void unregister_file(int) override {}
+
+  void issue(IoTransfer* transfer) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.push_back(transfer);
+    }
+    work_available_.notify_one();
+  }
+
+  void stop() override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    work_available_.notify_all();
+    for (auto& worker : workers_) {
+      if (worker.joinable()) worker.join();
+    }
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      IoTransfer* transfer = nullptr;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        work_available_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        transfer = queue_.front();
+        queue_.pop_front();
+      }
+      ssize_t moved;
+      const bool stream = transfer->offset == kIoStreamOffset;
+      if (transfer->op == IoOp::kRead) {
+        moved = stream ? ::read(transfer->fd, transfer->buffer, transfer->remaining)
+                       : ::pread(transfer->fd, transfer->buffer, transfer->remaining, static_cast<off_t>(transfer->offset));
+      } else {
+        moved = stream ? ::write(transfer->fd, transfer->buffer, transfer->remaining)
+                       : ::pwrite(transfer->fd, transfer->buffer, transfer->remaining, static_cast<off_t>(transfer->offset));
+      }
+      state_->complete_transfer(transfer, moved < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(moved));
+    }
+  }
+
+  IoEngineState* state_;
+  std::mutex mutex_;
+  std::condition_variable work_available_;
+  std::deque<IoTransfer*> queue_;
+  bool stopping_ = false;
+  std::vector<std::thread> workers_;
+};
+
+// ---------------------------------------------------------------------------------------
+// io_uring: any thread submits under sq_mutex_; one completion thread reaps CQEs and
+// resubmits short transfers. The ring has queue_depth SQ entries and (by default) twice
+// as many CQ entries, and at most queue_depth transfers are in flight, so neither queue
+// can overflow.
+// ---------------------------------------------------------------------------------------
+class IoUringBackend final : public IoBackend {
+ public:
+  static StatusOr<std::unique_ptr<IoUringBackend>> create(IoEngineState* state, const IoEngineOptions& options) {
+    auto backend = std::make_unique<IoUringBackend>(state);
+    io_uring_params params{};
+    if (options.sqpoll) {
+      params.flags |= IORING_SETUP_SQPOLL;
+      params.sq_thread_idle = options.sqpoll_idle_ms;
+    }
+    const int ret = io_uring_queue_init_params(options.queue_depth, &backend->ring_, &params);
+    if (ret < 0) {
+      return UnavailableError(std::string("io_uring_queue_init(") + std::to_string(options.queue_depth) +
+                              (options.sqpoll ? ", SQPOLL" : "") + ") failed: " + std::strerror(-ret) + " (errno " +
+                              std::to_string(-ret) + ")");
+    }
+    backend->ring_ready_ = true;
+    backend->sqpoll_ = options.sqpoll;
+    const int files_ret = io_uring_register_files_sparse(&backend->ring_, options.max_files);
+    if (files_ret < 0) {
+      STRATA_LOG(kDebug) << "io_uring: no sparse file table (" << std::strerror(-files_ret) << "); using plain fds";
+    } else {
+      backend->fixed_files_ = true;
+    }
+    backend->reaper_ = std::thread([raw = backend.get()] { raw->reap(); });
+    return backend;
+  }
+
+  explicit IoUringBackend(IoEngineState* state) : state_(state) {}
+  ~IoUringBackend() override { stop(); }
+
+  IoEngineKind kind() const override { return IoEngineKind::kIoUring; }
+
+  Status register_buffers(std::span<const PinnedRegion> regions) override {
+    std::lock_guard<std::mutex> lock(sq_mutex_);
+    if (buffers_registered_) {
+      io_uring_unregister_buffers(&ring_);
+      buffers_registered_ = false;
+    }
+    if (regions.empty()) return Status::Ok();
+    std::vector<iovec> iovecs;
+    iovecs.reserve(regions.size());
+    for (const PinnedRegion& region : regions) iovecs.push_back(iovec{region.data, region.bytes});
+    const int ret = io_uring_register_buffers(&ring_, iovecs.data(), static_cast<unsigned>(iovecs.size()));
+    if (ret < 0) return Status::FromErrno(-ret, "io_uring_register_buffers");
+    buffers_registered_ = true;
+    return Status::Ok();
+  }
+
+  Status register_file(int slot, int fd) override {
+    if (!fixed_files_) return UnavailableError("no fixed-file table");
+    std::lock_guard<std::mutex> lock(sq_mutex_);
+    const int ret = io_uring_register_files_update(&ring_, static_cast<unsigned>(slot), &fd, 1);
+    if (ret < 0) return Status::FromErrno(-ret, "io_uring_register_files_update");
+    return Status::Ok();
+  }
+
+  void unregister_file(int slot) override {
+    if (!fixed_files_) return;
+    std::lock_guard<std::mutex> lock(sq_mutex_);
+    int none = -1;
+    io_uring_register_files_update(&ring_, static_cast<unsigned>(slot), &none, 1);
+  }
+
+  void issue(IoTransfer* transfer) override {
+    std::lock_guard<std::mutex> lock(sq_mutex_);
+    io_uring_sqe* sqe = next_sqe();
+    const int fd = transfer->fixed_file ? transfer->slot : transfer->fd;
+    const auto length = static_cast<unsigned>(transfer->remaining);
+    if (transfer->op == IoOp::kRead) {
+      if (transfer->region >= 0) {
+        io_uring_prep_read_fixed(sqe, fd, transfer->buffer, length, transfer->offset, transfer->region);
+      } else {
+        io_uring_prep_read(sqe, fd, transfer->buffer, length, transfer->offset);
+      }
+    } else {
+      if (transfer->region >= 0) {
+        io_uring_prep_write_fixed(sqe, fd, transfer->buffer, length, transfer->offset, transfer->region);
+      } else {
+        io_uring_prep_write(sqe, fd, transfer->buffer, length, transfer->offset);
+      }
+    }
+    if (transfer->fixed_file) sqe->flags |= IOSQE_FIXED_FILE;
+    io_uring_sqe_set_data(sqe, transfer);
+    submit_queued();
+  }
+
+  void stop() override {
+    if (!ring_ready_) return;
+    if (reaper_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(sq_mutex_);
+        io_uring_sqe* sqe = next_sqe();
+        io_uring_prep_nop(sqe);
+        io_uring_sqe_set_data(sqe, nullptr);  // the reaper's signal to stop
+        submit_queued();
+      }
+      reaper_.join();
+    }
+    io_uring_queue_exit(&ring_);
+    ring_ready_ = false;
+  }
+
+  bool fixed_files() const { return fixed_files_; }
+
+ private:
+  // sq_mutex_ held. The SQ has room for every transfer in flight; a slot can only be
+  // missing while an SQPOLL thread has not consumed earlier entries yet.
+  io_uring_sqe* next_sqe() {
+    for (;;) {
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+      if (sqe != nullptr) return sqe;
+      submit_queued();
+      if (sqpoll_) {
+        io_uring_sqring_wait(&ring_);
+      } else {
+        sched_yield();
+      }
+    }
+  }
+
+  // sq_mutex_ held. Hands queued SQEs to the kernel, retrying transient refusals. An SQE
+  // the kernel did not take stays queued and goes with the next submit.
+  void submit_queued() {
+    for (int attempt = 0;; ++attempt) {
+      const int ret = io_uring_submit(&ring_);
+      if (ret >= 0) return;
+      if ((ret == -EINTR || ret == -EAGAIN || ret == -EBUSY) && attempt < 1000) {
+        sched_yield();
+        continue;
+      }
+      STRATA_LOG(kError) << "io_uring_submit failed: " << std::strerror(-ret) << " (errno " << -ret
+                         << "); the request stays queued for the next submission";
+      return;
+    }
+  }
+
+  void reap() {
+    constexpr unsigned kBatch = 64;
+    io_uring_cqe* cqes[kBatch];
+    std::pair<IoTransfer*, int> results[kBatch];
+    bool stopping = false;
+    while (!stopping) {
+      io_uring_cqe* first = nullptr;
+      const int ret = io_uring_wait_cqe(&ring_, &first);
+      if (ret == -EINTR || ret == -EAGAIN || ret == -ETIME) continue;
+      if (ret < 0) {
+        STRATA_LOG(kError) << "io_uring_wait_cqe failed: " << std::strerror(-ret) << " (errno " << -ret << ")";
+        sched_yield();
+        continue;
+      }
+      const unsigned count = io_uring_peek_batch_cqe(&ring_, cqes, kBatch);
+      for (unsigned i = 0; i < count; ++i) {
+        results[i] = {static_cast<IoTransfer*>(io_uring_cqe_get_data(cqes[i])), cqes[i]->res};
+      }
+      // Free the CQ slots before resubmitting, so resubmissions always find room.
+      io_uring_cq_advance(&ring_, count);
+      // The kernel ordered each submission before its completion, but a race detector
+      // cannot see through the ring: taking the lock every submission was made under
+      // makes that order visible to it (one uncontended lock per batch).
+      { std::lock_guard<std::mutex> visible(sq_mutex_); }
+      for (unsigned i = 0; i < count; ++i) {
+        if (results[i].first == nullptr) {
+          stopping = true;
+          continue;
+        }
+        state_->complete_transfer(results[i].first, results[i].second);
+      }
+    }
+  }
+
+  IoEngineState* state_;
+  io_uring ring_{};
+  bool ring_ready_ = false;
+  bool sqpoll_ = false;
+  bool fixed_files_ = false;
+  bool buffers_registered_ = false;  // guarded by sq_mutex_
+  std::mutex sq_mutex_;
+  std::thread reaper_;
+};
+
+}  // namespace
+}  // namespace internal
+
+using internal::IoEngineState;
+using internal::IoTransfer;
+
+IoEngine::IoEngine(ConstructionKey, std::unique_ptr<IoEngineState> state) : state_(std::move(state)) {}
+
+StatusOr<std::unique_ptr<IoEngine>> IoEngine::create(const IoEngineOptions& options) {
+  if (options.queue_depth == 0 || options.queue_depth > 4096) {
+    return InvalidArgumentError("I/O engine: queue depth " + std::to_string(options.queue_depth) +
+                                " is out of range (1..4096)");
+  }
+  if (options.max_request_bytes < 4096 || options.max_request_bytes % 4096 != 0 ||
+      options.max_request_bytes > (size_t{1} << 30)) {
+    return InvalidArgumentError("I/O engine: max_request_bytes " + std::to_string(options.max_request_bytes) +
+                                " must be a multiple of 4096 between 4 KiB and 1 GiB");
+  }
+  if (options.max_files == 0) return InvalidArgumentError("I/O engine: max_files must be at least 1");
+  auto state = std::make_unique<IoEngineState>();
+  state->options = options;
+  state->files.resize(options.max_files);
+  if (options.kind != IoEngineKind::kPsync) {
+    StatusOr<std::unique_ptr<internal::IoUringBackend>> uring = internal::IoUringBackend::create(state.get(), options);
+    if (uring.ok()) {
+      state->backend = std::move(uring).value();
+    } else if (options.kind == IoEngineKind::kIoUring) {
+      return std::move(uring).status();
+    } else {
+      STRATA_LOG_ONCE(kWarn) << "io_uring unavailable (" << uring.status().message()
+                             << "): using the pread/pwrite thread pool (psync) instead";
+    }
+  } else {
+    STRATA_LOG_ONCE(kInfo) << "I/O engine: the pread/pwrite thread pool (psync), as the options ask";
+  }
+  if (state->backend == nullptr) {
+    const unsigned threads = options.psync_threads != 0 ? options.psync_threads : std::min(options.queue_depth, 64u);
+    state->backend = std::make_unique<internal::PsyncBackend>(state.get(), threads);
+  }
+  return std::make_unique<IoEngine>(ConstructionKey(), std::move(state));
+}
+
+IoEngine::~IoEngine() {
+  Status unclaimed = wait_all();
+  if (!unclaimed.ok()) {
+    STRATA_LOG(kError) << "I/O engine destroyed with a request error nobody waited for: " << unclaimed.to_string();
+  }
+  state_->backend->stop();
+}
+
+IoEngineKind IoEngine::kind() const { return state_->backend->kind(); }
+unsigned IoEngine::queue_depth() const { return state_->options.queue_depth; }
+
+StatusOr<bool> IoEngine::register_buffers(std::span<const PinnedRegion> regions) {
+  for (const PinnedRegion& region : regions) {
+    if (region.data == nullptr || region.bytes == 0 || region.bytes > PinnedArena::kMaxRegionBytes) {
+      return InvalidArgumentError("I/O engine: a registered buffer must hold 1 byte to 1 GiB, got " +
+                                  format_bytes(region.bytes));
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (state_->in_flight != 0) {
+      return FailedPreconditionError("I/O engine: cannot register buffers while " + std::to_string(state_->in_flight) +
+                                     " transfers are in flight");
+    }
+    state_->regions.clear();
+  }
+  if (kind() == IoEngineKind::kPsync) return false;  // pread/pwrite have nothing to register with
+  Status status = state_->backend->register_buffers(regions);
+  if (!status.ok()) {
+    STRATA_LOG_ONCE(kWarn) << "io_uring refused to register " << regions.size()
+                           << " buffer region(s): " << status.message()
+                           << "; transfers use plain (unregistered) buffers, which costs a page walk per request";
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  // Fixed-buffer indexes follow the order the caller gave; keep them with the regions.
+  state_->regions.assign(regions.begin(), regions.end());
+  return true;
+}
+
+bool IoEngine::buffers_registered() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return !state_->regions.empty();
+}
+
+int IoEngine::registered_region(const void* data, size_t bytes) const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  const auto* p = static_cast<const char*>(data);
+  for (size_t i = 0; i < state_->regions.size(); ++i) {
+    const auto* begin = static_cast<const char*>(state_->regions[i].data);
+    if (p >= begin && p < begin + state_->regions[i].bytes && bytes <= static_cast<size_t>(begin + state_->regions[i].bytes - p)) {
+      return static_cast<int>(i);
+    }
+  }
+  return -1;
+}
+
+StatusOr<IoFile> IoEngine::register_file(int fd, std::string name) {
+  if (fd < 0) return InvalidArgumentError("I/O engine: cannot register fd " + std::to_string(fd) + " (" + name + ")");
+  int slot = -1;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    for (size_t i = 0; i < state_->files.size(); ++i) {
+      if (state_->files[i].fd < 0) {
+        slot = static_cast<int>(i);
+        state_->files[i] = internal::IoFileEntry{fd, false, std::move(name)};
+        break;
+      }
+    }
+  }
+  if (slot < 0) {
+    return ResourceExhaustedError("I/O engine: all " + std::to_string(state_->options.max_files) +
+                                  " file slots are in use (raise IoEngineOptions::max_files)");
+  }
+  const Status fixed = state_->backend->register_file(slot, fd);
+  if (fixed.ok() && kind() == IoEngineKind::kIoUring) {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->files[static_cast<size_t>(slot)].fixed = true;
+  } else if (!fixed.ok()) {
+    STRATA_LOG(kDebug) << "io_uring: file slot " << slot << " not registered (" << fixed.message() << "); using the fd";
+  }
+  return IoFile{slot};
+}
+
+Status IoEngine::unregister_file(IoFile file) {
+  bool fixed = false;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    if (!file.valid() || static_cast<size_t>(file.slot) >= state_->files.size() ||
+        state_->files[static_cast<size_t>(file.slot)].fd < 0) {
+      return InvalidArgumentError("I/O engine: file slot " + std::to_string(file.slot) + " is not registered");
+    }
+    fixed = state_->files[static_cast<size_t>(file.slot)].fixed;
+  }
+  if (fixed) state_->backend->unregister_file(file.slot);
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  state_->files[static_cast<size_t>(file.slot)] = internal::IoFileEntry{};
+  return Status::Ok();
+}
+
+StatusOr<IoTicket> IoEngine::submit(IoRequest request) {
+  IoEngineState& s = *state_;
+  if (request.bytes == 0 || request.buffer == nullptr) {
+    return InvalidArgumentError("I/O engine: a request needs a buffer and at least one byte (got " +
+                                std::to_string(request.bytes) + " bytes)");
+  }
+  std::unique_lock<std::mutex> lock(s.mutex);
+  if (!request.file.valid() || static_cast<size_t>(request.file.slot) >= s.files.size() ||
+      s.files[static_cast<size_t>(request.file.slot)].fd < 0) {
+    return InvalidArgumentError("I/O engine: file slot " + std::to_string(request.file.slot) + " is not registered");
+  }
+  const int file_fd = s.files[static_cast<size_t>(request.file.slot)].fd;
+  const bool file_fixed = s.files[static_cast<size_t>(request.file.slot)].fixed;
+  const uint64_t ticket = s.next_ticket++;
+  internal::IoRequestRecord& record = s.requests[ticket];
+  record.pending = 1;  // held by this call until every transfer is issued
+  record.on_complete = std::move(request.on_complete);
+  ++s.stats.requests;
+
+  auto* cursor = static_cast<char*>(request.buffer);
+  size_t remaining = request.bytes;
+  uint64_t offset = request.offset;
+  while (remaining > 0 && s.requests.at(ticket).status.ok()) {
+    // Cut at max_request_bytes and at region boundaries: a fixed transfer must lie
+    // inside its registered buffer.
+    size_t piece = std::min(remaining, s.options.max_request_bytes);
+    int region = -1;
+    for (size_t i = 0; i < s.regions.size(); ++i) {
+      char* begin = static_cast<char*>(s.regions[i].data);
+      char* end = begin + s.regions[i].bytes;
+      if (cursor >= begin && cursor < end) {
+        region = static_cast<int>(i);
+        piece = std::min(piece, static_cast<size_t>(end - cursor));
+      } else if (begin > cursor && static_cast<size_t>(begin - cursor) < piece) {
+        piece = static_cast<size_t>(begin - cursor);
+      }
+    }
+    s.space_available.wait(lock, [&] { return s.in_flight < s.options.queue_depth; });
+    auto transfer = std::make_unique<IoTransfer>();
+    transfer->ticket = ticket;
+    transfer->op = request.op;
+    transfer->fd = file_fd;
+    transfer->slot = request.file.slot;
+    transfer->fixed_file = file_fixed;
+    transfer->buffer = cursor;
+    transfer->remaining = piece;
+    transfer->offset = offset;
+    transfer->region = region;
+    IoTransfer* raw = transfer.get();
+    // The record may have moved (rehash) while the lock was released: look it up again.
+    internal::IoRequestRecord& current = s.requests.at(ticket);
+    current.transfers.push_back(std::move(transfer));
+    ++current.pending;
+    ++s.in_flight;
+    ++s.stats.transfers;
+    if (region >= 0) ++s.stats.fixed_transfers;
+    lock.unlock();
+    s.backend->issue(raw);
+    lock.lock();
+    cursor += piece;
+    remaining -= piece;
+    if (offset != kIoStreamOffset) offset += piece;
+  }
+  if (--s.requests.at(ticket).pending == 0) s.finish_request(ticket, lock);
+  return IoTicket{ticket};
+}
+
+Status IoEngine::wait(IoTicket ticket) {
+  IoEngineState& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mutex);
+  if (!ticket.valid() || ticket.id >= s.next_ticket) {
+    return InvalidArgumentError("I/O engine: ticket " + std::to_string(ticket.id) + " was never issued");
+  }
+  s.request_finished.wait(lock, [&] { return s.requests.count(ticket.id) == 0; });
+  auto it = s.errors.find(ticket.id);
+  if (it == s.errors.end()) return Status::Ok();
+  it->second.claimed = true;
+  return it->second.status;
+}
+
+bool IoEngine::done(IoTicket ticket) const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->requests.count(ticket.id) == 0;
+}
+
+Status IoEngine::wait_all() {
+  IoEngineState& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mutex);
+  s.request_finished.wait(lock, [&] { return s.requests.empty(); });
+  Status first;
+  size_t others = 0;
+  for (auto& [ticket, error] : s.errors) {
+    if (error.claimed) continue;
+    if (first.ok()) {
+      first = std::move(error.status);
+    } else {
+      ++others;
+    }
+  }
+  s.errors.clear();
+  if (!first.ok() && others > 0) {
+    first.with_context("(and " + std::to_string(others) + " more failed I/O request(s) nobody waited for)");
+  }
+  return first;
+}
+
+IoEngineStats IoEngine::stats() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->stats;
+}
+
+}  // namespace strata

@@ -1,0 +1,165 @@
+// IoEngine: asynchronous file reads and writes with completion tickets.
+//
+// Two implementations behind one interface:
+//   - io_uring (liburing): an explicit queue depth, fixed (registered) buffers for memory
+//     inside registered regions (the pinned arena's pieces) and plain READ/WRITE SQEs
+//     for any other memory, registered files, optional SQPOLL. One completion thread
+//     reaps CQEs.
+//   - psync: a pool of threads doing pread/pwrite, used where io_uring is unavailable
+//     (io_uring_queue_init fails: old kernel, seccomp, io_uring_disabled) or where the
+//     options ask for it. The log says so once per process.
+//
+// Both follow the io_uring discipline: a result is a byte count or a negative errno;
+// short transfers and -EAGAIN are resubmitted for the remainder; a request larger than
+// max_request_bytes, or one that crosses from one registered region into the next, is
+// split into several transfers, all under the same ticket.
+//
+// Tickets: submit() returns a ticket per request; wait(ticket) blocks until that request
+// has finished and returns its Status (the first error of its transfers, or the error of
+// its completion hook). An error nobody has waited for yet is kept: wait_all() returns it
+// (the first one, naming how many others failed), and the destructor logs any that are
+// still unclaimed. Nothing is ever dropped silently.
+//
+// Thread-safety: every method may be called from any thread; submit() may block while
+// queue_depth transfers are in flight; any number of threads may wait() at once.
+// register_buffers() and register_file()/unregister_file() must not race with transfers
+// that use the same memory or file. The engine does not own the file descriptors.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "engine/core/status.h"
+#include "offload/pinned_arena.h"
+
+namespace strata {
+
+enum class IoEngineKind : uint8_t {
+  kAuto,     // io_uring where the kernel allows it, else psync (logged once)
+  kIoUring,  // io_uring or an error
+  kPsync,    // the pread/pwrite thread pool
+};
+std::string_view io_engine_kind_name(IoEngineKind kind);  // "auto" | "io_uring" | "psync"
+StatusOr<IoEngineKind> parse_io_engine_kind(std::string_view text);
+
+struct IoEngineOptions {
+  IoEngineKind kind = IoEngineKind::kAuto;
+  unsigned queue_depth = 32;                   // transfers in flight at most (io_uring SQ entries, psync threads)
+  bool sqpoll = false;                         // io_uring: a kernel thread polls the submission queue
+  unsigned sqpoll_idle_ms = 1000;              // io_uring SQPOLL: idle time before the kernel thread sleeps
+  unsigned psync_threads = 0;                  // psync: worker threads; 0 = queue_depth (at most 64)
+  size_t max_request_bytes = size_t{1} << 30;  // larger requests are split into transfers of at most this
+  unsigned max_files = 64;                     // files that can be registered at once
+};
+
+enum class IoOp : uint8_t { kRead, kWrite };
+
+// A file registered with an engine (a slot in its file table).
+struct IoFile {
+  int slot = -1;
+  bool valid() const { return slot >= 0; }
+};
+
+// One request's handle: pass it to wait().
+struct IoTicket {
+  uint64_t id = 0;  // 0 = no request
+  bool valid() const { return id != 0; }
+};
+
+// Runs once a request's bytes have all moved (or one transfer failed), on an engine
+// thread (or the submitting thread); `transfer_status` is the request's status so far.
+// What it returns becomes the request's status. It must not call wait() on its engine.
+using IoCompletionHook = std::function<Status(const Status& transfer_status)>;
+
+// Offset meaning "the file's current position" (pipes, sockets): read/write, not pread/pwrite.
+inline constexpr uint64_t kIoStreamOffset = ~uint64_t{0};
+
+struct IoRequest {
+  IoOp op = IoOp::kRead;
+  IoFile file;
+  void* buffer = nullptr;   // for O_DIRECT files: aligned to the file's DIO alignment
+  size_t bytes = 0;         // > 0
+  uint64_t offset = 0;      // byte offset in the file, or kIoStreamOffset
+  IoCompletionHook on_complete;  // optional
+};
+
+struct IoEngineStats {
+  uint64_t requests = 0;           // requests submitted
+  uint64_t transfers = 0;          // transfers issued (SQEs or pool jobs), resubmissions included
+  uint64_t fixed_transfers = 0;    // of which used a registered buffer (READ_FIXED/WRITE_FIXED)
+  uint64_t short_transfers = 0;    // transfers that moved fewer bytes than asked and were resubmitted
+  uint64_t again_retries = 0;      // transfers resubmitted after -EAGAIN
+  uint64_t failed_requests = 0;    // requests that finished with an error
+  uint64_t bytes_read = 0;
+  uint64_t bytes_written = 0;
+};
+
+namespace internal {
+class IoBackend;
+struct IoEngineState;
+}  // namespace internal
+
+class IoEngine {
+ public:
+  // Fails with kUnavailable (naming the reason) when kIoUring is asked for and the kernel
+  // refuses io_uring.
+  static StatusOr<std::unique_ptr<IoEngine>> create(const IoEngineOptions& options);
+  ~IoEngine();
+  IoEngine(const IoEngine&) = delete;
+  IoEngine& operator=(const IoEngine&) = delete;
+
+  // The implementation in use: kIoUring or kPsync (never kAuto).
+  IoEngineKind kind() const;
+  std::string_view name() const { return io_engine_kind_name(kind()); }
+  unsigned queue_depth() const;
+
+  // Registers memory regions (each at most 1 GiB) as fixed buffers; region i is buffer i.
+  // Transfers whose memory lies inside a region then use READ_FIXED/WRITE_FIXED. Replaces
+  // an earlier registration; no transfers may be in flight. Where the kernel refuses
+  // (locked-memory limit), logs one warning and carries on with plain transfers; the
+  // return value says whether the regions are registered (always false for psync, which
+  // has nothing to register them with).
+  StatusOr<bool> register_buffers(std::span<const PinnedRegion> regions);
+  StatusOr<bool> register_buffers(const PinnedArena& arena) { return register_buffers(arena.regions()); }
+  bool buffers_registered() const;
+  // The registered region holding [data, data + bytes), or -1.
+  int registered_region(const void* data, size_t bytes) const;
+
+  // Registers an open file; `name` (its path) names it in errors. The caller keeps the fd
+  // open until unregister_file().
+  StatusOr<IoFile> register_file(int fd, std::string name);
+  Status unregister_file(IoFile file);
+
+  // Queues one request; blocks while queue_depth transfers are in flight.
+  StatusOr<IoTicket> submit(IoRequest request);
+  // Blocks until the request has finished; returns its Status. Every thread waiting for
+  // the ticket gets the same Status, until a wait_all() hands the errors over and forgets
+  // them (a later wait for that ticket returns OK). A ticket never issued is
+  // kInvalidArgument.
+  Status wait(IoTicket ticket);
+  // True once the request has finished (its Status is still kept for wait()).
+  bool done(IoTicket ticket) const;
+  // Blocks until every request submitted so far has finished; returns the first error
+  // no wait(ticket) has returned yet (naming how many more there are), and forgets all
+  // errors kept so far.
+  Status wait_all();
+
+  IoEngineStats stats() const;
+
+  // Only create() can make the key, so only create() constructs engines.
+  class ConstructionKey {
+    friend class IoEngine;
+    ConstructionKey() = default;
+  };
+  IoEngine(ConstructionKey, std::unique_ptr<internal::IoEngineState> state);
+
+ private:
+  std::unique_ptr<internal::IoEngineState> state_;
+};
+
+}  // namespace strata

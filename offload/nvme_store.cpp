@@ -1,0 +1,567 @@
+#include "offload/nvme_store.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <vector>
+
+#include "engine/core/check.h"
+#include "engine/core/log.h"
+#include "offload/checksum.h"
+#include "offload/offload_util.h"
+#include "offload/range_allocator.h"
+
+namespace strata {
+
+using offload_internal::format_bytes;
+using offload_internal::is_aligned;
+using offload_internal::round_up;
+
+struct NvmeStore::Extent {
+  std::string key;
+  uint64_t file_offset = 0;
+  size_t bytes = 0;
+  size_t disk_bytes = 0;
+  std::vector<uint64_t> checksums;   // per block: XXH64 of the block's bytes (checksums on)
+  std::vector<uint8_t> block_valid;  // per block: the last write of it succeeded
+  unsigned inflight = 0;             // transfers in flight on this extent
+};
+
+struct NvmeStore::Shared {
+  std::mutex mutex;
+  std::condition_variable idle;  // inflight dropped to zero
+  std::unordered_map<uint64_t, Extent> extents;
+  std::unordered_map<std::string, uint64_t> keys;
+  uint64_t next_id = 1;
+  std::unique_ptr<internal::RangeAllocator> allocator;
+  uint64_t file_bytes = 0;
+  unsigned inflight = 0;
+  NvmeStoreStats stats;
+};
+
+namespace {
+
+// A heap buffer aligned for O_DIRECT, for transfers whose own buffer is not.
+struct BounceBuffer {
+  explicit BounceBuffer(size_t alignment, size_t bytes)
+      : data(static_cast<char*>(std::aligned_alloc(alignment, round_up(bytes, alignment)))) {}
+  ~BounceBuffer() { std::free(data); }
+  BounceBuffer(const BounceBuffer&) = delete;
+  BounceBuffer& operator=(const BounceBuffer&) = delete;
+  char* data;
+};
+
+std::string hex64(uint64_t value) {
+  char text[24];
+  std::snprintf(text, sizeof(text), "0x%016llx", static_cast<unsigned long long>(value));
+  return text;
+}
+
+// Bytes the file system can still give us, for error messages.
+std::string free_space_text(const std::string& path) {
+  struct statvfs info {};
+  if (::statvfs(path.c_str(), &info) != 0) return "unknown free space";
+  return format_bytes(static_cast<uint64_t>(info.f_bavail) * info.f_frsize) + " free";
+}
+
+bool is_not_writable_errno(int error) { return error == EROFS || error == EACCES || error == EPERM; }
+
+}  // namespace
+
+NvmeStore::NvmeStore(ConstructionKey) : shared_(std::make_shared<Shared>()) {}
+
+StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::open(const NvmeStoreOptions& options, IoEngine* engine) {
+  if (options.nvme_path.empty()) return InvalidArgumentError("nvme store: nvme_path is empty");
+  if (options.rank < 0) return InvalidArgumentError("nvme store: rank " + std::to_string(options.rank) + " is negative");
+  if (options.checksum_block_bytes == 0 || options.checksum_block_bytes % 4096 != 0) {
+    return InvalidArgumentError("nvme store: checksum_block_bytes " + std::to_string(options.checksum_block_bytes) +
+                                " must be a positive multiple of 4096");
+  }
+  auto store = std::make_unique<NvmeStore>(ConstructionKey());
+  store->options_ = options;
+  store->directory_ = options.nvme_path;
+  const std::string stem = store->directory_ + "/strata-rank" + std::to_string(options.rank);
+  store->lock_path_ = stem + ".lock";
+  store->file_path_ = stem + ".swap";
+  STRATA_RETURN_IF_ERROR(store->open_files());
+  if (engine == nullptr) {
+    STRATA_ASSIGN_OR_RETURN(store->owned_engine_, IoEngine::create(options.io));
+    engine = store->owned_engine_.get();
+  }
+  store->engine_ = engine;
+  STRATA_ASSIGN_OR_RETURN(store->io_file_, engine->register_file(store->data_fd_, store->file_path_));
+  STRATA_LOG(kDebug) << "nvme store: " << store->file_path_ << " (" << format_bytes(store->shared_->file_bytes) << ", "
+                     << (store->direct_io_ ? "O_DIRECT" : "buffered") << ", alignment " << store->alignment_ << ", "
+                     << engine->name() << " queue depth " << engine->queue_depth() << ")";
+  return store;
+}
+
+Status NvmeStore::open_files() {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  const fs::path directory(directory_);
+  if (fs::exists(directory, error) && !fs::is_directory(directory, error)) {
+    return InvalidArgumentError("nvme store: nvme_path '" + directory_ + "' exists but is not a directory");
+  }
+  fs::create_directories(directory, error);
+  if (error) {
+    return Status(error.value() == EROFS || error.value() == EACCES ? StatusCode::kFailedPrecondition
+                                                                    : StatusCode::kInvalidArgument,
+                  "nvme store: cannot create nvme_path '" + directory_ + "': " + error.message());
+  }
+
+  // The lock first: a second process must not touch the data file at all.
+  int fd = -1;
+  do {
+    fd = ::open(lock_path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    const int open_errno = errno;
+    Status status = Status::FromErrno(open_errno, "open(" + lock_path_ + ")");
+    if (is_not_writable_errno(open_errno)) {
+      return FailedPreconditionError("nvme store: nvme_path '" + directory_ + "' is not writable: " + status.message());
+    }
+    return status.with_context("nvme store: cannot open the lock file of nvme_path '" + directory_ + "'");
+  }
+  lock_fd_ = fd;
+  int ret;
+  do {
+    ret = ::flock(lock_fd_, LOCK_EX | LOCK_NB);
+  } while (ret != 0 && errno == EINTR);
+  if (ret != 0) {
+    const int lock_errno = errno;
+    if (lock_errno != EWOULDBLOCK) return Status::FromErrno(lock_errno, "flock(" + lock_path_ + ")");
+    char text[32] = {};
+    const ssize_t got = ::pread(lock_fd_, text, sizeof(text) - 1, 0);
+    const long holder = got > 0 ? std::strtol(text, nullptr, 10) : 0;
+    std::string who = holder > 0 ? "pid " + std::to_string(holder) : "pid unknown";
+    if (holder == static_cast<long>(::getpid())) who += ", this process: another NvmeStore of rank " + std::to_string(options_.rank) + " is open";
+    return AlreadyExistsError("nvme store: nvme_path '" + directory_ + "' is in use by another live process (" + who +
+                              ", holding " + lock_path_ + "); give each run its own nvme_path or rank");
+  }
+  const std::string pid_text = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(lock_fd_, 0) != 0 ||
+      ::pwrite(lock_fd_, pid_text.data(), pid_text.size(), 0) != static_cast<ssize_t>(pid_text.size())) {
+    const int write_errno = errno;
+    Status status = Status::FromErrno(write_errno, "write(" + lock_path_ + ")");
+    return FailedPreconditionError("nvme store: nvme_path '" + directory_ + "' is not writable: " + status.message());
+  }
+
+  // The data file: O_DIRECT where the file system takes it.
+  direct_io_ = options_.direct_io;
+  const int flags = O_RDWR | O_CREAT | O_CLOEXEC;
+  do {
+    fd = ::open(file_path_.c_str(), flags | (direct_io_ ? O_DIRECT : 0), 0644);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0 && direct_io_ && errno == EINVAL) {
+    STRATA_LOG(kWarn) << "nvme store: the file system under '" << directory_
+                      << "' refuses O_DIRECT; using buffered I/O (the page cache) for " << file_path_;
+    direct_io_ = false;
+    do {
+      fd = ::open(file_path_.c_str(), flags, 0644);
+    } while (fd < 0 && errno == EINTR);
+  }
+  if (fd < 0) {
+    const int open_errno = errno;
+    Status status = Status::FromErrno(open_errno, "open(" + file_path_ + ")");
+    if (is_not_writable_errno(open_errno)) {
+      return FailedPreconditionError("nvme store: nvme_path '" + directory_ + "' is not writable: " + status.message());
+    }
+    return status.with_context("nvme store: cannot open the data file");
+  }
+  data_fd_ = fd;
+
+  // Ask the file for its O_DIRECT alignment; never below 4 KiB (page-sized buffers).
+  alignment_ = 4096;
+#ifdef STATX_DIOALIGN
+  struct statx dio {};
+  if (::statx(data_fd_, "", AT_EMPTY_PATH, STATX_DIOALIGN, &dio) == 0 && (dio.stx_mask & STATX_DIOALIGN) != 0) {
+    const size_t asked = std::max<size_t>(dio.stx_dio_offset_align, dio.stx_dio_mem_align);
+    if (asked > alignment_ && (asked & (asked - 1)) == 0) alignment_ = asked;
+  }
+#endif
+  if (options_.checksum_block_bytes % alignment_ != 0) {
+    return InvalidArgumentError("nvme store: checksum_block_bytes " + std::to_string(options_.checksum_block_bytes) +
+                                " is not a multiple of " + file_path_ + "'s O_DIRECT alignment " + std::to_string(alignment_));
+  }
+
+  struct stat info {};
+  STRATA_SYSCALL(ret, ::fstat(data_fd_, &info));
+  // A file a finished run left is reused: all of it is free space now.
+  const uint64_t reused = static_cast<uint64_t>(info.st_size) / alignment_ * alignment_;
+  shared_->file_bytes = reused;
+  shared_->allocator = std::make_unique<internal::RangeAllocator>(reused, alignment_);
+  if (reused > 0) STRATA_LOG(kDebug) << "nvme store: reusing " << file_path_ << " (" << format_bytes(reused) << ")";
+  if (options_.initial_bytes > reused) {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    STRATA_RETURN_IF_ERROR(grow_file(round_up(options_.initial_bytes, alignment_), "(initial preallocation)",
+                                     options_.initial_bytes, 0));
+  }
+  return Status::Ok();
+}
+
+NvmeStore::~NvmeStore() {
+  if (shared_ != nullptr) {
+    std::unique_lock<std::mutex> lock(shared_->mutex);
+    shared_->idle.wait(lock, [&] { return shared_->inflight == 0; });
+  }
+  if (engine_ != nullptr && io_file_.valid()) {
+    Status status = engine_->unregister_file(io_file_);
+    if (!status.ok()) STRATA_LOG(kWarn) << "nvme store: " << status.to_string();
+  }
+  owned_engine_.reset();
+  if (data_fd_ >= 0) ::close(data_fd_);
+  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock
+}
+
+// mutex held. Makes the allocator's free tail at least `needed_bytes` long, growing the
+// file by at least `growth_step` (fewer growths, fewer fallocate calls).
+Status NvmeStore::grow_file(size_t needed_bytes, std::string_view key, size_t extent_bytes, size_t growth_step) {
+  Shared& s = *shared_;
+  const uint64_t old_size = s.file_bytes;
+  const size_t tail = s.allocator->free_tail_bytes();
+  const size_t need = needed_bytes > tail ? needed_bytes - tail : 0;
+  if (need == 0) return Status::Ok();
+  size_t grow_by = round_up(std::max(need, growth_step), alignment_);
+  int ret = -1;
+  int grow_errno = 0;
+  for (;;) {
+    do {
+      ret = ::fallocate(data_fd_, 0, static_cast<off_t>(old_size), static_cast<off_t>(grow_by));
+    } while (ret != 0 && errno == EINTR);
+    if (ret == 0) break;
+    grow_errno = errno;
+    if (grow_errno == EOPNOTSUPP) {
+      // The file system cannot reserve blocks: extend the size only. A full disk then shows
+      // up as a failed write, which marks that extent unreadable and nothing else.
+      STRATA_LOG_ONCE(kWarn) << "nvme store: fallocate is not supported under '" << directory_
+                             << "'; growing " << file_path_ << " without reserving blocks";
+      do {
+        ret = ::ftruncate(data_fd_, static_cast<off_t>(old_size + grow_by));
+      } while (ret != 0 && errno == EINTR);
+      if (ret == 0) break;
+      grow_errno = errno;
+    }
+    // Out of room for the growth step: try the bare need before giving up.
+    if ((grow_errno == ENOSPC || grow_errno == EDQUOT || grow_errno == EFBIG) && grow_by > need) {
+      grow_by = need;
+      continue;
+    }
+    break;
+  }
+  if (ret != 0) {
+    Status status = Status::FromErrno(grow_errno, "fallocate(" + file_path_ + ", offset " + std::to_string(old_size) +
+                                                      ", " + std::to_string(grow_by) + " bytes)");
+    return Status(grow_errno == ENOSPC || grow_errno == EDQUOT || grow_errno == EFBIG ? StatusCode::kResourceExhausted
+                                                                                       : status.code(),
+                  "nvme store: the disk under '" + directory_ + "' cannot hold " + format_bytes(need) +
+                      " more for extent '" + std::string(key) + "' (" + format_bytes(extent_bytes) + "): " +
+                      status.message() + "; the file system has " + free_space_text(directory_) + ", " + file_path_ +
+                      " holds " + format_bytes(old_size));
+  }
+  s.file_bytes = old_size + grow_by;
+  s.allocator->grow(s.file_bytes);
+  s.stats.file_bytes = s.file_bytes;
+  return Status::Ok();
+}
+
+StatusOr<NvmeExtent> NvmeStore::allocate(std::string_view key, size_t bytes) {
+  if (bytes == 0) return InvalidArgumentError("nvme store: extent '" + std::string(key) + "' needs at least one byte");
+  Shared& s = *shared_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.keys.count(std::string(key)) != 0) {
+    return AlreadyExistsError("nvme store: an extent named '" + std::string(key) + "' already exists in " + file_path_);
+  }
+  const size_t disk_bytes = round_up(bytes, alignment_);
+  std::optional<size_t> offset = s.allocator->allocate(disk_bytes);
+  if (!offset) {
+    STRATA_RETURN_IF_ERROR(grow_file(disk_bytes, key, bytes, options_.growth_bytes));
+    offset = s.allocator->allocate(disk_bytes);
+    if (!offset) return InternalError("nvme store: no room for extent '" + std::string(key) + "' after growing the file");
+  }
+  const uint64_t id = s.next_id++;
+  Extent extent;
+  extent.key = std::string(key);
+  extent.file_offset = *offset;
+  extent.bytes = bytes;
+  extent.disk_bytes = disk_bytes;
+  const size_t blocks = (bytes + options_.checksum_block_bytes - 1) / options_.checksum_block_bytes;
+  extent.block_valid.assign(blocks, 0);
+  if (options_.checksums) extent.checksums.assign(blocks, 0);
+  s.keys.emplace(extent.key, id);
+  s.extents.emplace(id, std::move(extent));
+  s.stats.allocated_bytes += disk_bytes;
+  ++s.stats.extents;
+  return NvmeExtent{id};
+}
+
+StatusOr<NvmeExtent> NvmeStore::find(std::string_view key) const {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  auto it = shared_->keys.find(std::string(key));
+  if (it == shared_->keys.end()) return NotFoundError("nvme store: no extent named '" + std::string(key) + "' in " + file_path_);
+  return NvmeExtent{it->second};
+}
+
+StatusOr<NvmeExtentInfo> NvmeStore::info(NvmeExtent handle) const {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  auto it = shared_->extents.find(handle.id);
+  if (it == shared_->extents.end()) return NotFoundError("nvme store: extent id " + std::to_string(handle.id) + " does not exist");
+  const Extent& extent = it->second;
+  NvmeExtentInfo info;
+  info.key = extent.key;
+  info.file_offset = extent.file_offset;
+  info.bytes = extent.bytes;
+  info.disk_bytes = extent.disk_bytes;
+  info.readable = std::all_of(extent.block_valid.begin(), extent.block_valid.end(), [](uint8_t v) { return v != 0; });
+  return info;
+}
+
+Status NvmeStore::free(NvmeExtent handle) {
+  Shared& s = *shared_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  auto it = s.extents.find(handle.id);
+  if (it == s.extents.end()) return NotFoundError("nvme store: extent id " + std::to_string(handle.id) + " does not exist");
+  if (it->second.inflight != 0) {
+    return FailedPreconditionError("nvme store: cannot free extent '" + it->second.key + "' while " +
+                                   std::to_string(it->second.inflight) + " transfer(s) on it are in flight");
+  }
+  s.allocator->free(it->second.file_offset, it->second.disk_bytes);
+  s.stats.allocated_bytes -= it->second.disk_bytes;
+  --s.stats.extents;
+  s.keys.erase(it->second.key);
+  s.extents.erase(it);
+  return Status::Ok();
+}
+
+Status NvmeStore::check_range(const Extent& extent, size_t bytes, size_t extent_offset, const char* what) const {
+  auto describe = [&] {
+    return std::string("nvme store: ") + what + " of extent '" + extent.key + "' (" + std::to_string(extent.bytes) +
+           " bytes): bytes [" + std::to_string(extent_offset) + ", " + std::to_string(extent_offset + bytes) + ")";
+  };
+  if (bytes == 0) return InvalidArgumentError(describe() + " is empty");
+  if (extent_offset > extent.bytes || bytes > extent.bytes - extent_offset) {
+    return InvalidArgumentError(describe() + " run past the extent's end");
+  }
+  const bool reaches_end = extent_offset + bytes == extent.bytes;
+  const size_t granule = options_.checksums ? options_.checksum_block_bytes : alignment_;
+  if (!is_aligned(extent_offset, granule) || (!reaches_end && !is_aligned(bytes, granule))) {
+    return InvalidArgumentError(describe() + " must start on a multiple of " + std::to_string(granule) +
+                                " bytes and end on one or at the extent's end (" +
+                                (options_.checksums ? "the checksum block" : "the O_DIRECT alignment") + ")");
+  }
+  return Status::Ok();
+}
+
+StatusOr<IoTicket> NvmeStore::write_async(NvmeExtent handle, const void* src, size_t bytes, size_t extent_offset,
+                                          size_t src_capacity) {
+  if (src == nullptr) return InvalidArgumentError("nvme store: write from a null buffer");
+  Shared& s = *shared_;
+  const size_t block_bytes = options_.checksum_block_bytes;
+  uint64_t file_offset = 0;
+  size_t io_bytes = 0;
+  size_t first_block = 0;
+  std::string key;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    auto it = s.extents.find(handle.id);
+    if (it == s.extents.end()) return NotFoundError("nvme store: extent id " + std::to_string(handle.id) + " does not exist");
+    Extent& extent = it->second;
+    STRATA_RETURN_IF_ERROR(check_range(extent, bytes, extent_offset, "write"));
+    key = extent.key;
+    file_offset = extent.file_offset + extent_offset;
+    io_bytes = round_up(bytes, alignment_);  // the padding up to the alignment belongs to the extent
+    first_block = extent_offset / block_bytes;
+  }
+  const size_t capacity = src_capacity == 0 ? bytes : src_capacity;
+  const bool direct = is_aligned(reinterpret_cast<uintptr_t>(src), alignment_) && capacity >= io_bytes;
+  std::shared_ptr<BounceBuffer> bounce;
+  const char* data = static_cast<const char*>(src);
+  if (!direct) {
+    STRATA_LOG_ONCE(kDebug) << "nvme store: a write from an unaligned or short buffer goes through a bounce buffer";
+    bounce = std::make_shared<BounceBuffer>(alignment_, io_bytes);
+    if (bounce->data == nullptr) return OutOfMemoryError("nvme store: no bounce buffer of " + format_bytes(io_bytes));
+    std::memcpy(bounce->data, src, bytes);
+    std::memset(bounce->data + bytes, 0, io_bytes - bytes);
+    data = bounce->data;
+  }
+  // The blocks this write touches (with checksums on, it starts on a block boundary), and
+  // their checksums from the caller's bytes.
+  const size_t blocks = (extent_offset + bytes - 1) / block_bytes - first_block + 1;
+  std::vector<uint64_t> sums;
+  if (options_.checksums) {
+    sums.resize(blocks);
+    for (size_t i = 0; i < blocks; ++i) {
+      sums[i] = xxhash64(data + i * block_bytes, std::min(block_bytes, bytes - i * block_bytes));
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    auto it = s.extents.find(handle.id);
+    if (it == s.extents.end()) return NotFoundError("nvme store: extent '" + key + "' was freed");
+    // Until this write lands, the blocks it covers hold nothing trustworthy.
+    for (size_t i = 0; i < blocks; ++i) it->second.block_valid[first_block + i] = 0;
+    ++it->second.inflight;
+    ++s.inflight;
+    if (bounce) ++s.stats.bounce_transfers;
+  }
+  IoRequest request;
+  request.op = IoOp::kWrite;
+  request.file = io_file_;
+  request.buffer = const_cast<char*>(data);  // the engine only reads it for a write
+  request.bytes = io_bytes;
+  request.offset = file_offset;
+  const uint64_t id = handle.id;
+  std::shared_ptr<Shared> shared = shared_;
+  const std::string file_path = file_path_;
+  request.on_complete = [shared, id, key, first_block, blocks, bytes, extent_offset, file_offset, file_path, bounce,
+                         sums = std::move(sums)](const Status& transfer) -> Status {
+    std::lock_guard<std::mutex> lock(shared->mutex);
+    Extent& extent = shared->extents.at(id);
+    if (transfer.ok()) {
+      for (size_t i = 0; i < blocks; ++i) {
+        extent.block_valid[first_block + i] = 1;
+        if (!sums.empty()) extent.checksums[first_block + i] = sums[i];
+      }
+      shared->stats.bytes_written += bytes;
+    }
+    --extent.inflight;
+    if (--shared->inflight == 0) shared->idle.notify_all();
+    if (transfer.ok()) return Status::Ok();
+    Status failed = transfer;
+    return std::move(failed).with_context("nvme store: write of extent '" + key + "' bytes [" +
+                                          std::to_string(extent_offset) + ", " + std::to_string(extent_offset + bytes) +
+                                          ") at file offset " + std::to_string(file_offset) + " of " + file_path +
+                                          " failed; those bytes of the extent are not readable");
+  };
+  StatusOr<IoTicket> ticket = engine_->submit(std::move(request));
+  if (!ticket.ok()) {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    --s.extents.at(id).inflight;
+    if (--s.inflight == 0) s.idle.notify_all();
+  }
+  return ticket;
+}
+
+StatusOr<IoTicket> NvmeStore::read_async(NvmeExtent handle, void* dst, size_t bytes, size_t extent_offset,
+                                         size_t dst_capacity) {
+  if (dst == nullptr) return InvalidArgumentError("nvme store: read into a null buffer");
+  Shared& s = *shared_;
+  const size_t block_bytes = options_.checksum_block_bytes;
+  uint64_t file_offset = 0;
+  size_t io_bytes = 0;
+  std::string key;
+  std::vector<uint64_t> expected;
+  const size_t first_block = extent_offset / block_bytes;
+  const size_t blocks = (bytes + block_bytes - 1) / block_bytes;
+  const size_t capacity = dst_capacity == 0 ? bytes : dst_capacity;
+  std::shared_ptr<BounceBuffer> bounce;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    auto it = s.extents.find(handle.id);
+    if (it == s.extents.end()) return NotFoundError("nvme store: extent id " + std::to_string(handle.id) + " does not exist");
+    Extent& extent = it->second;
+    STRATA_RETURN_IF_ERROR(check_range(extent, bytes, extent_offset, "read"));
+    key = extent.key;
+    // Blocks touched by the range (with checksums off a range may end inside a block).
+    const size_t last_block = (extent_offset + bytes - 1) / block_bytes;
+    for (size_t b = first_block; b <= last_block; ++b) {
+      if (extent.block_valid[b] == 0) {
+        return FailedPreconditionError("nvme store: extent '" + key + "' bytes [" + std::to_string(b * block_bytes) +
+                                       ", " + std::to_string(std::min(extent.bytes, (b + 1) * block_bytes)) +
+                                       ") hold no valid data: never written, or their last write failed (" +
+                                       file_path_ + ")");
+      }
+    }
+    if (options_.checksums) expected.assign(extent.checksums.begin() + first_block, extent.checksums.begin() + first_block + blocks);
+    file_offset = extent.file_offset + extent_offset;
+    io_bytes = round_up(bytes, alignment_);
+    const bool direct = is_aligned(reinterpret_cast<uintptr_t>(dst), alignment_) && capacity >= io_bytes;
+    if (!direct) {
+      STRATA_LOG_ONCE(kDebug) << "nvme store: a read into an unaligned or short buffer goes through a bounce buffer";
+      bounce = std::make_shared<BounceBuffer>(alignment_, io_bytes);
+      if (bounce->data == nullptr) return OutOfMemoryError("nvme store: no bounce buffer of " + format_bytes(io_bytes));
+      ++s.stats.bounce_transfers;
+    }
+    ++extent.inflight;
+    ++s.inflight;
+  }
+  IoRequest request;
+  request.op = IoOp::kRead;
+  request.file = io_file_;
+  request.buffer = bounce ? bounce->data : dst;
+  request.bytes = io_bytes;
+  request.offset = file_offset;
+  const uint64_t id = handle.id;
+  std::shared_ptr<Shared> shared = shared_;
+  const std::string file_path = file_path_;
+  request.on_complete = [shared, id, key, bytes, extent_offset, file_offset, file_path, bounce, block_bytes,
+                         expected = std::move(expected), dst](const Status& transfer) -> Status {
+    Status status = transfer;
+    const char* data = bounce ? bounce->data : static_cast<const char*>(dst);
+    size_t mismatches = 0;
+    if (status.ok()) {
+      // Verify every block; report the first mismatch.
+      for (size_t i = 0; i < expected.size(); ++i) {
+        const size_t begin = i * block_bytes;
+        const size_t length = std::min(block_bytes, bytes - begin);
+        const uint64_t got = xxhash64(data + begin, length);
+        if (got == expected[i]) continue;
+        if (mismatches++ == 0) {
+          status = DataLossError("nvme store: checksum mismatch in extent '" + key + "' of " + file_path +
+                                 " at file offset " + std::to_string(file_offset + begin) + " (extent bytes [" +
+                                 std::to_string(extent_offset + begin) + ", " +
+                                 std::to_string(extent_offset + begin + length) + ")): stored " + hex64(expected[i]) +
+                                 ", read " + hex64(got));
+        }
+      }
+      if (mismatches > 1) status.with_context(std::to_string(mismatches) + " blocks of the read failed their checksum");
+      if (status.ok() && bounce) std::memcpy(dst, bounce->data, bytes);
+    } else {
+      status.with_context("nvme store: read of extent '" + key + "' bytes [" + std::to_string(extent_offset) + ", " +
+                          std::to_string(extent_offset + bytes) + ") at file offset " + std::to_string(file_offset) +
+                          " of " + file_path + " failed");
+    }
+    std::lock_guard<std::mutex> lock(shared->mutex);
+    if (status.ok()) shared->stats.bytes_read += bytes;
+    shared->stats.checksum_failures += mismatches;
+    --shared->extents.at(id).inflight;
+    if (--shared->inflight == 0) shared->idle.notify_all();
+    return status;
+  };
+  StatusOr<IoTicket> ticket = engine_->submit(std::move(request));
+  if (!ticket.ok()) {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    --s.extents.at(id).inflight;
+    if (--s.inflight == 0) s.idle.notify_all();
+  }
+  return ticket;
+}
+
+Status NvmeStore::write(NvmeExtent extent, const void* src, size_t bytes, size_t extent_offset, size_t src_capacity) {
+  STRATA_ASSIGN_OR_RETURN(IoTicket ticket, write_async(extent, src, bytes, extent_offset, src_capacity));
+  return wait(ticket);
+}
+
+Status NvmeStore::read(NvmeExtent extent, void* dst, size_t bytes, size_t extent_offset, size_t dst_capacity) {
+  STRATA_ASSIGN_OR_RETURN(IoTicket ticket, read_async(extent, dst, bytes, extent_offset, dst_capacity));
+  return wait(ticket);
+}
+
+NvmeStoreStats NvmeStore::stats() const {
+  std::lock_guard<std::mutex> lock(shared_->mutex);
+  NvmeStoreStats stats = shared_->stats;
+  stats.file_bytes = shared_->file_bytes;
+  return stats;
+}
+
+}  // namespace strata

@@ -1,0 +1,184 @@
+// PinnedArena: one page-locked host allocation that serves both NVMe DMA (io_uring
+// registered buffers, O_DIRECT) and GPU DMA (cudaHostRegister).
+//
+// Why we mmap ourselves instead of cudaHostAlloc: memory from cudaHostAlloc cannot be
+// registered with io_uring on some kernels, while an anonymous mapping we own can be
+// registered with both. The arena is:
+//   - an anonymous mmap, 4 KiB aligned (2 MiB huge pages where granted: MAP_HUGETLB if
+//     the pool has pages, else madvise(MADV_HUGEPAGE) for transparent huge pages),
+//   - MADV_DONTFORK, so that a fork (a data-loader child) does not copy pinned memory,
+//   - page-locked: cudaHostRegister when a GPU is in use (which pins for DMA), mlock
+//     otherwise; where locking is refused (RLIMIT_MEMLOCK without CAP_IPC_LOCK) the arena
+//     stays usable, unlocked, after one warning,
+//   - carved by a best-fit free-list allocator with coalescing under a byte budget into
+//     move-only PinnedBuffers with 4 KiB aligned sizes.
+//
+// For io_uring the arena exposes its memory as regions of at most 1 GiB (the kernel's cap
+// per registered buffer); a PinnedBuffer of at most 1 GiB never straddles two regions, so
+// it knows its registered buffer index and offset.
+//
+// Thread-safety: allocate(), stats() and PinnedBuffer destruction may run concurrently
+// from any threads. The arena must outlive every PinnedBuffer it hands out.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "engine/core/gpu.h"
+#include "engine/core/status.h"
+
+namespace strata {
+
+namespace internal {
+class RangeAllocator;
+}  // namespace internal
+
+struct PinnedArenaOptions {
+  size_t bytes = 0;              // arena size in bytes, rounded up to 4 KiB (to 2 MiB where huge pages are granted)
+  bool lock = true;              // page-lock the arena (cudaHostRegister with a GPU, mlock without)
+  bool register_with_gpu = true; // use cudaHostRegister where a GPU is present
+  bool try_huge_pages = true;    // MAP_HUGETLB if granted, else madvise(MADV_HUGEPAGE)
+  size_t budget_bytes = 0;       // cap on bytes handed out by allocate(); 0 = the whole arena
+};
+
+// How the arena's pages are held in memory.
+enum class PinnedLocking : uint8_t {
+  kNone,       // pageable (locking not asked for, or refused)
+  kMlock,      // mlock'ed
+  kGpuPinned,  // cudaHostRegister'ed (page-locked and mapped for the GPU's DMA engines)
+};
+std::string_view pinned_locking_name(PinnedLocking locking);  // "none" | "mlock" | "cuda"
+
+// How the arena's pages are backed.
+enum class PinnedPageKind : uint8_t {
+  kSmall,         // 4 KiB pages
+  kTransparent,   // madvise(MADV_HUGEPAGE) accepted (the kernel may back it with 2 MiB pages)
+  kHugeTlb,       // MAP_HUGETLB 2 MiB pages
+};
+
+struct PinnedArenaStats {
+  size_t arena_bytes = 0;          // the mapping's size
+  size_t budget_bytes = 0;         // the cap on bytes handed out
+  size_t in_use_bytes = 0;         // bytes held by live PinnedBuffers (4 KiB rounded)
+  size_t high_water_bytes = 0;     // the most in_use_bytes ever reached
+  size_t largest_free_bytes = 0;   // the largest free range
+  uint64_t live_buffers = 0;       // PinnedBuffers alive now
+  uint64_t allocation_count = 0;   // successful allocations
+  uint64_t failed_allocations = 0; // allocations refused (budget or fragmentation)
+  PinnedLocking locking = PinnedLocking::kNone;
+  PinnedPageKind page_kind = PinnedPageKind::kSmall;
+};
+
+// A piece of the arena to register with io_uring as one fixed buffer.
+struct PinnedRegion {
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+class PinnedArena;
+
+// Move-only owner of one allocation from a PinnedArena; the destructor gives it back.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  PinnedBuffer(PinnedBuffer&& other) noexcept { *this = std::move(other); }
+  PinnedBuffer& operator=(PinnedBuffer&& other) noexcept;
+  ~PinnedBuffer() { reset(); }
+
+  void* data() const { return data_; }
+  template <class T>
+  T* as() const { return static_cast<T*>(data_); }
+  // The bytes asked for.
+  size_t size() const { return bytes_; }
+  // The bytes held: size() rounded up to 4 KiB. O_DIRECT transfers may use all of them.
+  size_t capacity() const { return capacity_; }
+  bool empty() const { return data_ == nullptr; }
+  PinnedArena* arena() const { return arena_; }
+  // The index of the arena region (io_uring fixed buffer) holding data(), and data()'s
+  // offset in it. A buffer larger than one region starts in region_index() and runs on
+  // into the following ones.
+  int region_index() const { return region_index_; }
+  size_t region_offset() const { return region_offset_; }
+  // Returns the memory to the arena now.
+  void reset() noexcept;
+
+ private:
+  friend class PinnedArena;
+  PinnedArena* arena_ = nullptr;
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  size_t capacity_ = 0;
+  int region_index_ = -1;
+  size_t region_offset_ = 0;
+};
+
+class PinnedArena {
+ public:
+  static constexpr size_t kAlignment = 4096;                 // every buffer's start and capacity
+  static constexpr size_t kMaxRegionBytes = size_t{1} << 30; // the kernel's cap per io_uring fixed buffer
+
+  static StatusOr<std::unique_ptr<PinnedArena>> create(const PinnedArenaOptions& options);
+
+  // Only create() can make the key, so only create() constructs arenas.
+  class ConstructionKey {
+    friend class PinnedArena;
+    ConstructionKey() = default;
+  };
+  explicit PinnedArena(ConstructionKey);
+  ~PinnedArena();
+  PinnedArena(const PinnedArena&) = delete;
+  PinnedArena& operator=(const PinnedArena&) = delete;
+
+  void* data() { return base_; }
+  const void* data() const { return base_; }
+  size_t size() const { return bytes_; }
+  // True when the pages are page-locked (mlock or cudaHostRegister).
+  bool locked() const { return locking_ != PinnedLocking::kNone; }
+  PinnedLocking locking() const { return locking_; }
+  PinnedPageKind page_kind() const { return page_kind_; }
+  // True when [data, data + bytes) lies inside the arena.
+  bool contains(const void* data, size_t bytes) const;
+
+  // Hands out `bytes` (rounded up to 4 KiB) under the budget. `purpose` names the
+  // allocation in errors. Zero bytes gives an empty buffer. Fails with kOutOfMemory
+  // naming the request, the budget, the bytes in use, the high-water mark and the
+  // largest free block.
+  StatusOr<PinnedBuffer> allocate(size_t bytes, std::string_view purpose);
+
+  PinnedArenaStats stats() const;
+
+  // The arena in pieces of at most kMaxRegionBytes, in address order, for
+  // io_uring_register_buffers: region i is fixed buffer i.
+  const std::vector<PinnedRegion>& regions() const { return regions_; }
+
+ private:
+  friend class PinnedBuffer;
+  void release(size_t offset, size_t capacity) noexcept;
+
+  void* base_ = nullptr;
+  size_t bytes_ = 0;
+  size_t mapped_bytes_ = 0;
+  PinnedLocking locking_ = PinnedLocking::kNone;
+  PinnedPageKind page_kind_ = PinnedPageKind::kSmall;
+  HostRegistration gpu_registration_;
+  std::vector<PinnedRegion> regions_;
+
+  mutable std::mutex mutex_;
+  std::unique_ptr<internal::RangeAllocator> allocator_;  // guarded by mutex_
+  size_t budget_bytes_ = 0;
+  size_t in_use_bytes_ = 0;      // guarded by mutex_
+  size_t high_water_bytes_ = 0;  // guarded by mutex_
+  uint64_t live_buffers_ = 0;    // guarded by mutex_
+  uint64_t allocation_count_ = 0;
+  uint64_t failed_allocations_ = 0;
+};
+
+}  // namespace strata

@@ -1,0 +1,115 @@
+// The CPU Adam/AdamW: the parallel driver over the SIMD span kernels (optim/adam_span.h).
+//
+// It steps one shard per call (the engine calls it as each group's gradients land) in
+// its own executor (a oneTBB task_arena with a settable thread count and affinity; plain
+// threads under ThreadSanitizer). A shard is cut into chunks of `chunk_elements`; each
+// worker streams a contiguous run of chunks, so its pages stay together and its hardware
+// prefetchers see long streams.
+//
+// The update is element-wise with no reduction, so results are bit-identical for every
+// thread count and chunk size; with the operations of kernels::adam_update_element they
+// are also bit-identical across ISAs. The gradient sum of squares is reduced per fixed
+// chunk (kGradStatsChunkElements, whatever the thread count) and the chunk sums are added
+// in chunk order, so it too is deterministic.
+//
+// One optimizer step over many groups (ZeRO's exact mode):
+//   1. as each group's gradient shard lands: stats += adam.gradient_stats(grad shard)
+//   2. at the end of backward: all-reduce stats over ranks (sum_of_squares adds up,
+//      non_finite ORs), then plan = plan_adam_step(hyper, step, stats, {loss_scale, max_norm})
+//   3. if plan.skip (fp16 overflow): touch nothing, do not count the step, shrink the loss scale
+//      else for each group: adam.step(group buffers, plan), in any order, on any thread
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "engine/core/executor.h"
+#include "kernels/adam.h"
+#include "optim/adam_span.h"
+
+namespace strata {
+
+// The gradient statistics of one or more shards.
+struct GradientStats {
+  double sum_of_squares = 0.0;  // sum of g*g over the raw (still loss-scaled) gradient values
+  bool non_finite = false;      // an inf or NaN among them (fp16 overflow): the step must be skipped
+  uint64_t elements = 0;        // how many values were summed
+
+  // Adds another shard's (or rank's) statistics.
+  GradientStats& operator+=(const GradientStats& other);
+};
+
+struct AdamStepPlanOptions {
+  float loss_scale = 1.0f;     // what the loss was multiplied by (LossScaler::scale()), 1 without loss scaling
+  double max_grad_norm = 0.0;  // clip the global norm of the unscaled gradients to this; 0 = no clipping
+};
+
+// What one optimizer step does, decided once the global gradient statistics are known.
+struct AdamStepPlan {
+  bool skip = false;               // non-finite gradients: leave all state untouched, do not count the step
+  double grad_norm = 0.0;          // global L2 norm of the unscaled gradients (inf when non-finite)
+  float clip_coefficient = 1.0f;   // min(1, max_grad_norm / (grad_norm + 1e-6)), as torch.nn.utils.clip_grad_norm_
+  kernels::AdamStepScalars scalars;  // the per-element scalars (unused when skip)
+};
+
+// `step` is the number of this update counting only applied steps (1 for the first).
+// Errors name the bad hyperparameter or option.
+StatusOr<AdamStepPlan> plan_adam_step(const kernels::AdamHyperparams& hyper, int64_t step, const GradientStats& global,
+                                      const AdamStepPlanOptions& options = {});
+
+struct CpuAdamOptions {
+  int threads = 0;                               // workers; 0 = every core this process may use
+  std::vector<int> cpu_affinity;                 // cores to pin the workers to; empty = no pinning
+  ExecutorKind executor = ExecutorKind::kDefault;  // oneTBB (plain threads under TSan)
+  std::optional<CpuIsa> isa;                     // force a path; unset = the best this CPU has
+  AdamSpanKernelOptions span;                    // e.g. whether to use AVX512-BF16 conversions
+  size_t chunk_elements = size_t{1} << 16;       // elements per parallel chunk; a multiple of 64
+  AdamSpanStores stores;                         // non-temporal stores for the parameter copy by default
+};
+
+class CpuAdam {
+ public:
+  // The chunk of the gradient sum of squares; fixed so the sum does not depend on options.
+  static constexpr size_t kGradStatsChunkElements = size_t{1} << 16;
+
+  static StatusOr<CpuAdam> create(const CpuAdamOptions& options);
+  CpuAdam(CpuAdam&&) noexcept = default;
+  CpuAdam& operator=(CpuAdam&&) noexcept = default;
+  CpuAdam(const CpuAdam&) = delete;
+  CpuAdam& operator=(const CpuAdam&) = delete;
+  ~CpuAdam() = default;
+
+  CpuIsa isa() const { return kernels_.isa; }
+  // True when fp32 -> bf16 conversions use AVX512-BF16 instructions.
+  bool native_bf16() const { return kernels_.native_bf16; }
+  int threads() const { return executor_->concurrency(); }
+  Executor& executor() { return *executor_; }
+  const CpuAdamOptions& options() const { return options_; }
+
+  // Steps every element of one shard (host memory) with `scalars`, fanned out over the
+  // workers; returns when done. Safe to call from one thread at a time per CpuAdam.
+  Status step(const kernels::AdamBuffers& buffers, const kernels::AdamStepScalars& scalars);
+  // As above with a plan: a skipped plan returns at once and leaves every buffer untouched.
+  Status step(const kernels::AdamBuffers& buffers, const AdamStepPlan& plan);
+  // Steps [begin, end) of a shard on the calling thread only (for a caller that already
+  // runs on a worker of its own, e.g. a pipeline stage).
+  Status step_on_this_thread(const kernels::AdamBuffers& buffers, const kernels::AdamStepScalars& scalars, size_t begin,
+                             size_t end);
+
+  // The fused sum of squares and inf/NaN check of one gradient shard, fanned out over the
+  // workers and reduced in a fixed chunk order.
+  StatusOr<GradientStats> gradient_stats(const void* grad, DType grad_type, size_t count);
+
+ private:
+  CpuAdam(CpuAdamOptions options, AdamSpanKernels kernels, std::unique_ptr<Executor> executor)
+      : options_(std::move(options)), kernels_(kernels), executor_(std::move(executor)) {}
+
+  CpuAdamOptions options_;
+  AdamSpanKernels kernels_;
+  std::unique_ptr<Executor> executor_;
+  std::vector<double> chunk_sums_;  // scratch for gradient_stats, one per chunk
+};
+
+}  // namespace strata

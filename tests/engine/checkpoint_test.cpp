@@ -1,0 +1,499 @@
+// Checkpoints at the file level: round trips, resharding N -> M ranks, damaged files
+// (truncated, corrupted, a bad manifest), interrupted saves (a crashed process, a failing
+// step), a disk that fills during a save, re-saving a step, pruning, and concurrent
+// submits from rank threads.
+#include "engine/checkpoint.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mount.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "engine/core/check.h"
+#include "tests/support/test_support.h"
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using Kind = CheckpointStateKind;
+constexpr std::array<Kind, 3> kKinds = {Kind::kMaster, Kind::kExpAvg, Kind::kExpAvgSq};
+
+// Groups with sizes that fill no shard evenly: 1 element, a few odd tensors, one larger
+// than a checksum chunk of the tests (64 KiB = 16384 floats) so reads cross chunks.
+std::vector<GroupSpec> test_groups() {
+  std::vector<GroupSpec> specs;
+  specs.push_back({"tiny", {{"scale", {1}}}});
+  specs.push_back({"block.0", {{"w", {37, 29}}, {"b", {29}}, {"gain", {3, 5, 7}}}});
+  specs.push_back({"big", {{"w", {131, 257}}, {"b", {257}}}});
+  specs.push_back({"odd", {{"v", {4099}}}});
+  return specs;
+}
+
+std::vector<GroupLayout> layouts_for(int world_size) {
+  std::vector<GroupLayout> layouts;
+  const auto specs = test_groups();
+  for (size_t g = 0; g < specs.size(); ++g) {
+    auto layout = layout_group(specs[g], static_cast<int>(g), world_size);
+    STRATA_CHECK_OK(layout);
+    layouts.push_back(*layout);
+  }
+  return layouts;
+}
+
+// The value a test model holds at flat element e of group g's `kind` state (0 in padding),
+// salted so that two saves of "different steps" differ.
+float state_value(int group, Kind kind, size_t element, uint32_t salt) {
+  uint64_t x = (static_cast<uint64_t>(group) << 48) ^ (static_cast<uint64_t>(kind) << 40) ^ element ^
+               (static_cast<uint64_t>(salt) << 32);
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return static_cast<float>(static_cast<double>(x >> 11) / static_cast<double>(1ull << 53) * 2.0 - 1.0);
+}
+
+RankSnapshot make_snapshot(int rank, int world_size, uint32_t salt, int64_t engine_steps = 7) {
+  auto snapshot = RankSnapshot::allocate(layouts_for(world_size), rank, engine_steps);
+  STRATA_CHECK_OK(snapshot);
+  for (int g = 0; g < snapshot->group_count(); ++g) {
+    const GroupLayout& layout = snapshot->layouts()[static_cast<size_t>(g)];
+    for (Kind kind : kKinds) {
+      std::span<float> shard = snapshot->shard(g, kind);
+      for (size_t i = 0; i < shard.size(); ++i) {
+        const size_t element = layout.shard_begin(rank) + i;
+        shard[i] = element < layout.numel ? state_value(g, kind, element, salt) : 0.0f;
+      }
+    }
+  }
+  return std::move(snapshot).value();
+}
+
+CheckpointSaverOptions saver_options(const std::string& dir, int world_size) {
+  CheckpointSaverOptions options;
+  options.directory = dir;
+  options.world_size = world_size;
+  options.chunk_bytes = 64 << 10;  // several chunks per segment
+  options.io.queue_depth = 4;
+  return options;
+}
+
+// Saves one checkpoint of `world_size` ranks (snapshots built on this thread).
+Status save_checkpoint(const std::string& dir, int world_size, int64_t step, uint32_t salt,
+                       const std::string& trainer_state = R"({"step": 0})") {
+  STRATA_ASSIGN_OR_RETURN(auto saver, CheckpointSaver::create(saver_options(dir, world_size)));
+  for (int rank = 0; rank < world_size; ++rank) STRATA_RETURN_IF_ERROR(saver->submit(step, make_snapshot(rank, world_size, salt)));
+  STRATA_RETURN_IF_ERROR(saver->submit_trainer_state(step, trainer_state));
+  return saver->finish();
+}
+
+// Checks that rank `rank` of `world_size` reads exactly the state saved with `salt`.
+void expect_shards_match(const CheckpointReader& reader, int world_size, uint32_t salt) {
+  const std::vector<GroupLayout> layouts = layouts_for(world_size);
+  std::vector<float> shard;
+  for (int rank = 0; rank < world_size; ++rank) {
+    for (const GroupLayout& layout : layouts) {
+      STRATA_ASSERT_OK(reader.check_layout(layout));
+      shard.assign(layout.shard_numel, -99.0f);
+      for (Kind kind : kKinds) {
+        STRATA_ASSERT_OK(reader.load_shard(layout.id, kind, rank, world_size, shard));
+        size_t mismatches = 0;
+        for (size_t i = 0; i < shard.size(); ++i) {
+          const size_t element = layout.shard_begin(rank) + i;
+          const float expected = element < layout.numel ? state_value(layout.id, kind, element, salt) : 0.0f;
+          if (std::memcmp(&shard[i], &expected, sizeof(float)) != 0) ++mismatches;
+        }
+        EXPECT_EQ(mismatches, 0u) << "group " << layout.name << " " << checkpoint_state_kind_name(kind) << " rank " << rank
+                                  << " of " << world_size;
+      }
+    }
+  }
+}
+
+void flip_byte(const std::string& path, uint64_t offset) {
+  std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+  ASSERT_TRUE(file) << path;
+  file.seekg(static_cast<std::streamoff>(offset));
+  char byte = 0;
+  file.read(&byte, 1);
+  byte = static_cast<char>(byte ^ 0x10);
+  file.seekp(static_cast<std::streamoff>(offset));
+  file.write(&byte, 1);
+}
+
+bool contains(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
+
+// ---------------------------------------------------------------------------------------
+
+TEST(CheckpointTest, RoundTripIsBitExact) {
+  testing::TempDir dir;
+  const std::string state = R"({"step": 3, "loss_scale": 65536.0, "rng": [1, 2, 3], "data_position": 12})";
+  STRATA_ASSERT_OK(save_checkpoint(dir.str(), 2, 3, 11, state));
+  EXPECT_TRUE(fs::exists(dir.path() / "step-3" / "manifest.json"));
+  EXPECT_TRUE(fs::exists(dir.path() / "step-3" / "rank-0-of-2.bin"));
+  EXPECT_TRUE(fs::exists(dir.path() / "step-3" / "rank-1-of-2.bin"));
+  EXPECT_FALSE(fs::exists(dir.path() / ".tmp-step-3"));
+
+  STRATA_ASSERT_OK_AND_ASSIGN(CheckpointRef latest, latest_complete(dir.str()));
+  EXPECT_EQ(latest.step, 3);
+  EXPECT_EQ(latest.path, (dir.path() / "step-3").string());
+  STRATA_ASSERT_OK_AND_ASSIGN(auto reader, CheckpointReader::open(latest.path));
+  EXPECT_EQ(reader->step(), 3);
+  EXPECT_EQ(reader->engine_steps(), 7);
+  EXPECT_EQ(reader->world_size(), 2);
+  EXPECT_EQ(reader->trainer_state(), state);  // byte for byte
+  ASSERT_EQ(reader->groups().size(), 4u);
+  EXPECT_EQ(reader->groups()[1].name, "block.0");
+  EXPECT_EQ(reader->groups()[1].tensors[2].shape, (std::vector<int64_t>{3, 5, 7}));
+  STRATA_ASSERT_OK(reader->verify());
+  expect_shards_match(*reader, 2, 11);
+}
+
+TEST(CheckpointTest, ReshardsTwoRanksOntoOneThreeAndFour) {
+  testing::TempDir dir;
+  STRATA_ASSERT_OK(save_checkpoint(dir.str(), 2, 5, 21));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto reader, CheckpointReader::open((dir.path() / "step-5").string()));
+  for (int world : {1, 3, 4}) {
+    SCOPED_TRACE("loading on " + std::to_string(world) + " ranks");
+    expect_shards_match(*reader, world, 21);
+  }
+  // And back: 4 ranks saved, 2 and 1 load.
+  testing::TempDir four;
+  STRATA_ASSERT_OK(save_checkpoint(four.str(), 4, 6, 22));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto from_four, CheckpointReader::open((four.path() / "step-6").string()));
+  for (int world : {1, 2}) expect_shards_match(*from_four, world, 22);
+  // Arbitrary ranges, including ones that run into the padding.
+  const size_t numel = from_four->groups()[3].numel;  // 4099
+  std::vector<float> range(300, -1.0f);
+  STRATA_ASSERT_OK(from_four->read_range(3, Kind::kExpAvg, numel - 100, range));
+  for (size_t i = 0; i < range.size(); ++i) {
+    const size_t element = numel - 100 + i;
+    EXPECT_EQ(range[i], element < numel ? state_value(3, Kind::kExpAvg, element, 22) : 0.0f) << element;
+  }
+  // Shards that do not cover the group are refused.
+  std::vector<float> small(10);
+  EXPECT_EQ(from_four->load_shard(3, Kind::kMaster, 0, 2, small).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(CheckpointTest, LayoutMismatchIsNamed) {
+  testing::TempDir dir;
+  STRATA_ASSERT_OK(save_checkpoint(dir.str(), 1, 1, 1));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto reader, CheckpointReader::open((dir.path() / "step-1").string()));
+  auto specs = test_groups();
+  specs[1].tensors[0].shape = {37, 30};
+  STRATA_ASSERT_OK_AND_ASSIGN(GroupLayout changed, layout_group(specs[1], 1, 1));
+  const Status status = reader->check_layout(changed);
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(contains(status.message(), "'w' [37, 29]")) << status.to_string();
+  EXPECT_TRUE(contains(status.message(), "'w' [37, 30]")) << status.to_string();
+  specs[1].name = "block.9";
+  STRATA_ASSERT_OK_AND_ASSIGN(GroupLayout renamed, layout_group(specs[1], 1, 1));
+  EXPECT_TRUE(contains(reader->check_layout(renamed).message(), "'block.9'"));
+}
+
+TEST(CheckpointTest, TruncatedFileIsDetectedAndSkipped) {
+  testing::TempDir dir;
+  STRATA_ASSERT_OK(save_checkpoint(dir.str(), 2, 1, 1));
+  STRATA_ASSERT_OK(save_checkpoint(dir.str(), 2, 2, 2));
+  const fs::path victim = dir.path() / "step-2" / "rank-1-of-2.bin";
+  const auto size = fs::file_size(victim);
+  fs::resize_file(victim, size - 4096);
+
+  auto reader = CheckpointReader::open((dir.path() / "step-2").string());
+  ASSERT_FALSE(reader.ok());
+  EXPECT_EQ(reader.status().code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(contains(reader.status().message(), victim.string() + " is truncated")) << reader.status().to_string();
+  EXPECT_TRUE(contains(reader.status().message(), "it has " + std::to_string(size - 4096) + " bytes, the manifest says " +
+                                                      std::to_string(size)))
+      << reader.status().to_string();
+
+  STRATA_ASSERT_OK_AND_ASSIGN(CheckpointRef latest, latest_complete(dir.str()));
+  EXPECT_EQ(latest.step, 1);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto previous, CheckpointReader::open(latest.path));
+  expect_shards_match(*previous, 2, 1);
+}
+
+TEST(CheckpointTest, CorruptedByteFailsItsChecksum) {
+  testing::TempDir dir;
+  STRATA_ASSERT_OK(save_checkpoint(dir.str(), 2, 1, 1));
+  STRATA_ASSERT_OK(save_checkpoint(dir.str(), 2, 2, 2));
+  const fs::path victim = dir.path() / "step-2" / "rank-0-of-2.bin";
+  // Group 2 ("big") starts after groups 0 and 1 (3 kinds x 2048 floats x 4 bytes each per
+  // rank); flip a byte inside its master segment.
+  const uint64_t offset = 2 * 3 * 2048 * 4 + 5000;
+  flip_byte(victim.string(), offset);
+
+  // Opening checks sizes only; the damage shows on the read that touches it.
+  STRATA_ASSERT_OK_AND_ASSIGN(auto reader, CheckpointReader::open((dir.path() / "step-2").string()));
+  std::vector<float> shard(layouts_for(2)[2].shard_numel);
+  const Status status = reader->load_shard(2, Kind::kMaster, 0, 2, shard);
+  EXPECT_EQ(status.code(), StatusCode::kDataLoss) << status.to_string();
+  EXPECT_TRUE(contains(status.message(), "checksum mismatch in " + victim.string())) << status.to_string();
+  EXPECT_TRUE(contains(status.message(), "'big', master")) << status.to_string();
+  // Ranges that do not touch the damaged chunk still read.
+  STRATA_EXPECT_OK(reader->load_shard(2, Kind::kExpAvg, 0, 2, shard));
+  STRATA_EXPECT_OK(reader->load_shard(2, Kind::kMaster, 1, 2, shard));
+  EXPECT_EQ(reader->verify().code(), StatusCode::kDataLoss);
+
+  // latest_complete skips it (and, told not to verify, does not notice).
+  STRATA_ASSERT_OK_AND_ASSIGN(CheckpointRef latest, latest_complete(dir.str()));
+  EXPECT_EQ(latest.step, 1);
+  LatestCompleteOptions sizes_only;
+  sizes_only.verify_checksums = false;
+  STRATA_ASSERT_OK_AND_ASSIGN(CheckpointRef unverified, latest_complete(dir.str(), sizes_only));
+  EXPECT_EQ(unverified.step, 2);
+}
+
+TEST(CheckpointTest, DamagedManifestOrTrainerStateIsDetected) {
+  testing::TempDir dir;
+  STRATA_ASSERT_OK(save_checkpoint(dir.str(), 1, 1, 1));
+  STRATA_ASSERT_OK(save_checkpoint(dir.str(), 1, 2, 2, R"({"step": 2})"));
+  STRATA_ASSERT_OK(save_checkpoint(dir.str(), 1, 3, 3, R"({"step": 3})"));
+  // step-3: a digit of the manifest changed (still valid JSON).
+  const fs::path manifest = dir.path() / "step-3" / "manifest.json";
+  std::string text;
+  {
+    std::ifstream in(manifest);
+    text.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const size_t at = text.find("\"engine_steps\": 7");
+  ASSERT_NE(at, std::string::npos) << text.substr(0, 300);
+  text[at + 16] = '8';
+  {
+    std::ofstream out(manifest, std::ios::trunc);
+    out << text;
+  }
+  auto damaged = CheckpointReader::open((dir.path() / "step-3").string());
+  ASSERT_FALSE(damaged.ok());
+  EXPECT_EQ(damaged.status().code(), StatusCode::kDataLoss);
+  EXPECT_TRUE(contains(damaged.status().message(), "checksum mismatch of the manifest")) << damaged.status().to_string();
+  // step-2: the trainer state changed in place (same size).
+  flip_byte((dir.path() / "step-2" / "trainer_state.json").string(), 3);
+  auto bad_state = CheckpointReader::open((dir.path() / "step-2").string());
+  ASSERT_FALSE(bad_state.ok());
+  EXPECT_TRUE(contains(bad_state.status().message(), "checksum mismatch in")) << bad_state.status().to_string();
+  EXPECT_TRUE(contains(bad_state.status().message(), "trainer_state.json")) << bad_state.status().to_string();
+
+  STRATA_ASSERT_OK_AND_ASSIGN(CheckpointRef latest, latest_complete(dir.str()));
+  EXPECT_EQ(latest.step, 1);
+  // Nothing complete at all: kNotFound naming what was skipped.
+  fs::remove(dir.path() / "step-1" / "manifest.json");
+  auto none = latest_complete(dir.str());
+  ASSERT_FALSE(none.ok());
+  EXPECT_EQ(none.status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(contains(none.status().message(), "step-1: checkpoint")) << none.status().to_string();
+  EXPECT_TRUE(contains(none.status().message(), "has no manifest.json")) << none.status().to_string();
+  EXPECT_EQ(latest_complete((dir.path() / "nowhere").string()).status().code(), StatusCode::kNotFound);
+}
+
+// A save that dies part-way (the process killed at a point inside the save) leaves only
+// a .tmp directory: latest_complete picks the previous checkpoint, and a later save of the
+// same step clears the leftovers.
+class CheckpointCrashTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(CheckpointCrashTest, KilledDuringSaveLeavesThePreviousCheckpoint) {
+  testing::TempDir dir;
+  STRATA_ASSERT_OK(save_checkpoint(dir.str(), 2, 1, 1));
+  const std::string crash_point = GetParam();
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // The child: save step 2 and die at the crash point (no gtest assertions here).
+    CheckpointSaverOptions options = saver_options(dir.str(), 2);
+    options.fault_hook = [&](std::string_view point, int64_t) -> Status {
+      if (point == crash_point) ::raise(SIGKILL);
+      return Status::Ok();
+    };
+    auto saver = CheckpointSaver::create(options);
+    STRATA_CHECK_OK(saver);
+    STRATA_CHECK_OK((*saver)->submit(2, make_snapshot(0, 2, 2)));
+    STRATA_CHECK_OK((*saver)->submit(2, make_snapshot(1, 2, 2)));
+    STRATA_CHECK_OK((*saver)->submit_trainer_state(2, "{}"));
+    STRATA_CHECK_OK((*saver)->finish());
+    ::_exit(3);  // the crash point was never reached
+  }
+  int wait_status = 0;
+  ASSERT_EQ(::waitpid(child, &wait_status, 0), child);
+  ASSERT_TRUE(WIFSIGNALED(wait_status)) << "child exited with " << WEXITSTATUS(wait_status);
+  EXPECT_EQ(WTERMSIG(wait_status), SIGKILL);
+  EXPECT_TRUE(fs::exists(dir.path() / ".tmp-step-2"));
+  EXPECT_FALSE(fs::exists(dir.path() / "step-2"));
+
+  STRATA_ASSERT_OK_AND_ASSIGN(CheckpointRef latest, latest_complete(dir.str()));
+  EXPECT_EQ(latest.step, 1);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto reader, CheckpointReader::open(latest.path));
+  expect_shards_match(*reader, 2, 1);
+
+  STRATA_ASSERT_OK(save_checkpoint(dir.str(), 2, 2, 2));
+  EXPECT_FALSE(fs::exists(dir.path() / ".tmp-step-2"));
+  STRATA_ASSERT_OK_AND_ASSIGN(CheckpointRef newest, latest_complete(dir.str()));
+  EXPECT_EQ(newest.step, 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(CrashPoints, CheckpointCrashTest,
+                         ::testing::Values("rank_file_open", "rank_file_written", "before_manifest", "before_rename"),
+                         [](const auto& info) { return info.param; });
+
+TEST(CheckpointTest, FailedSaveReportsAtWaitAndCleansUp) {
+  testing::TempDir dir;
+  STRATA_ASSERT_OK(save_checkpoint(dir.str(), 2, 1, 1));
+  CheckpointSaverOptions options = saver_options(dir.str(), 2);
+  options.fault_hook = [](std::string_view point, int64_t step) -> Status {
+    if (point == "before_rename" && step == 2) return IoError("injected failure before the rename");
+    return Status::Ok();
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(options));
+  for (int rank = 0; rank < 2; ++rank) STRATA_ASSERT_OK(saver->submit(2, make_snapshot(rank, 2, 2)));
+  STRATA_ASSERT_OK(saver->submit_trainer_state(2, "{}"));
+  const Status status = saver->wait();
+  EXPECT_EQ(status.code(), StatusCode::kIoError);
+  EXPECT_TRUE(contains(status.to_string(), "injected failure")) << status.to_string();
+  EXPECT_TRUE(contains(status.to_string(), "checkpoint step 2 in " + dir.str() + " was not saved")) << status.to_string();
+  EXPECT_FALSE(fs::exists(dir.path() / ".tmp-step-2"));
+  EXPECT_FALSE(fs::exists(dir.path() / "step-2"));
+  // The error was handed over once; the saver keeps working.
+  for (int rank = 0; rank < 2; ++rank) STRATA_ASSERT_OK(saver->submit(3, make_snapshot(rank, 2, 3)));
+  STRATA_ASSERT_OK(saver->submit_trainer_state(3, "{}"));
+  STRATA_ASSERT_OK(saver->finish());
+  EXPECT_EQ(saver->last_committed_step(), 3);
+  EXPECT_EQ(saver->submit(4, make_snapshot(0, 2, 4)).code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(CheckpointTest, FinishAbandonsASaveThatNeverGotAllRanks) {
+  testing::TempDir dir;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(saver_options(dir.str(), 2)));
+  STRATA_ASSERT_OK(saver->submit(1, make_snapshot(0, 2, 1)));
+  const Status status = saver->finish();
+  EXPECT_EQ(status.code(), StatusCode::kCancelled);
+  EXPECT_TRUE(contains(status.message(), "never received 1, the trainer state")) << status.to_string();
+  EXPECT_FALSE(fs::exists(dir.path() / ".tmp-step-1"));
+  EXPECT_FALSE(latest_complete(dir.str()).ok());
+}
+
+TEST(CheckpointTest, SubmitValidation) {
+  testing::TempDir dir;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(saver_options(dir.str(), 2)));
+  EXPECT_EQ(saver->submit(1, make_snapshot(0, 1, 1)).code(), StatusCode::kInvalidArgument);  // world size 1 != 2
+  STRATA_ASSERT_OK(saver->submit(1, make_snapshot(0, 2, 1)));
+  const Status twice = saver->submit(1, make_snapshot(0, 2, 1));
+  EXPECT_TRUE(contains(twice.message(), "already submitted")) << twice.to_string();
+  const Status steps = saver->submit(1, make_snapshot(1, 2, 1, /*engine_steps=*/8));
+  EXPECT_TRUE(contains(steps.message(), "engine step count 8")) << steps.to_string();
+  const Status not_json = saver->submit_trainer_state(1, "{oops");
+  EXPECT_TRUE(contains(not_json.message(), "not valid JSON")) << not_json.to_string();
+  STRATA_ASSERT_OK(saver->submit(1, make_snapshot(1, 2, 1)));
+  STRATA_ASSERT_OK(saver->submit_trainer_state(1, "[]"));
+  STRATA_ASSERT_OK(saver->wait());
+  EXPECT_EQ(saver->last_committed_step(), 1);
+  EXPECT_GT(saver->bytes_written(), 2u * 3 * 4 * 2048 * 4);
+  EXPECT_FALSE(CheckpointSaver::create(saver_options("", 1)).ok());
+  CheckpointSaverOptions bad_chunk = saver_options(dir.str(), 1);
+  bad_chunk.chunk_bytes = 1000;
+  EXPECT_FALSE(CheckpointSaver::create(bad_chunk).ok());
+}
+
+TEST(CheckpointTest, ResavingAStepReplacesItAndKeepLastPrunes) {
+  testing::TempDir dir;
+  STRATA_ASSERT_OK(save_checkpoint(dir.str(), 1, 4, 40));
+  STRATA_ASSERT_OK(save_checkpoint(dir.str(), 1, 4, 41));  // same step again: replaced atomically
+  STRATA_ASSERT_OK_AND_ASSIGN(auto reader, CheckpointReader::open((dir.path() / "step-4").string()));
+  expect_shards_match(*reader, 1, 41);
+  EXPECT_FALSE(fs::exists(dir.path() / ".tmp-step-4"));
+
+  CheckpointSaverOptions options = saver_options(dir.str(), 1);
+  options.keep_last = 2;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(options));
+  for (int64_t step : {5, 6, 7}) {
+    STRATA_ASSERT_OK(saver->submit(step, make_snapshot(0, 1, static_cast<uint32_t>(step))));
+    STRATA_ASSERT_OK(saver->submit_trainer_state(step, "{}"));
+  }
+  STRATA_ASSERT_OK(saver->finish());
+  EXPECT_FALSE(fs::exists(dir.path() / "step-4"));
+  EXPECT_FALSE(fs::exists(dir.path() / "step-5"));
+  EXPECT_TRUE(fs::exists(dir.path() / "step-6"));
+  EXPECT_TRUE(fs::exists(dir.path() / "step-7"));
+}
+
+TEST(CheckpointTest, RankThreadsSubmitConcurrently) {
+  testing::TempDir dir;
+  constexpr int kWorld = 4;
+  CheckpointSaverOptions options = saver_options(dir.str(), kWorld);
+  options.max_pending_saves = 1;  // the next step's first submit waits for the previous save
+  STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(options));
+  std::vector<std::thread> threads;
+  std::vector<Status> results(kWorld);
+  for (int rank = 0; rank < kWorld; ++rank) {
+    threads.emplace_back([&, rank] {
+      for (int64_t step = 1; step <= 3; ++step) {
+        Status status = saver->submit(step, make_snapshot(rank, kWorld, static_cast<uint32_t>(100 + step)));
+        if (status.ok() && rank == kWorld - 1) status = saver->submit_trainer_state(step, "{\"step\": " + std::to_string(step) + "}");
+        if (!status.ok()) {
+          results[static_cast<size_t>(rank)] = status;
+          return;
+        }
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (const Status& status : results) STRATA_EXPECT_OK(status);
+  STRATA_ASSERT_OK(saver->finish());
+  for (int64_t step = 1; step <= 3; ++step) {
+    STRATA_ASSERT_OK_AND_ASSIGN(auto reader, CheckpointReader::open((dir.path() / ("step-" + std::to_string(step))).string()));
+    EXPECT_EQ(reader->trainer_state(), "{\"step\": " + std::to_string(step) + "}");
+    STRATA_ASSERT_OK(reader->verify());
+    expect_shards_match(*reader, 2, static_cast<uint32_t>(100 + step));
+  }
+}
+
+// A small tmpfs the test mounts (root only): a save that does not fit fails naming ENOSPC
+// and the file, and the previous checkpoint stays loadable.
+TEST(CheckpointTest, DiskFullDuringSaveKeepsThePreviousCheckpoint) {
+  testing::TempDir dir;
+  const fs::path mount_point = dir.path() / "small";
+  fs::create_directories(mount_point);
+  if (::mount("tmpfs", mount_point.c_str(), "tmpfs", 0, "size=4m") != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs at " << mount_point << " (" << std::strerror(errno)
+                 << "): this test needs root (CAP_SYS_ADMIN)";
+  }
+  struct Unmount {
+    fs::path path;
+    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
+  } unmount{mount_point};
+
+  const std::string save_dir = (mount_point / "ckpt").string();
+  STRATA_ASSERT_OK(save_checkpoint(save_dir, 2, 1, 1));
+  const uint64_t one_checkpoint = fs::file_size(fs::path(save_dir) / "step-1" / "rank-0-of-2.bin") * 2;
+  // Fill the disk until less than one more checkpoint fits.
+  const fs::space_info space = fs::space(mount_point);
+  const uint64_t filler_bytes = space.available - one_checkpoint / 2;
+  {
+    const int fd = ::open((mount_point / "filler").c_str(), O_WRONLY | O_CREAT, 0644);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::fallocate(fd, 0, 0, static_cast<off_t>(filler_bytes)), 0) << std::strerror(errno);
+    ::close(fd);
+  }
+  const Status status = save_checkpoint(save_dir, 2, 2, 2);
+  ASSERT_FALSE(status.ok());
+  EXPECT_EQ(status.code(), StatusCode::kResourceExhausted) << status.to_string();
+  EXPECT_TRUE(contains(status.to_string(), "No space left on device")) << status.to_string();
+  EXPECT_TRUE(contains(status.to_string(), "/.tmp-step-2/rank-")) << status.to_string();
+  EXPECT_TRUE(contains(status.to_string(), "checkpoint step 2 in " + save_dir + " was not saved")) << status.to_string();
+  EXPECT_FALSE(fs::exists(fs::path(save_dir) / ".tmp-step-2"));  // the partial save's space is given back
+
+  STRATA_ASSERT_OK_AND_ASSIGN(CheckpointRef latest, latest_complete(save_dir));
+  EXPECT_EQ(latest.step, 1);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto reader, CheckpointReader::open(latest.path));
+  expect_shards_match(*reader, 2, 1);
+  expect_shards_match(*reader, 3, 1);
+}
+
+}  // namespace
+}  // namespace strata
