@@ -514,22 +514,26 @@ class CheckpointSaver::Impl {
  private:
   // The job for `step`, creating it (and blocking while max_pending_saves are unfinished).
   StatusOr<SaveJob*> job_for_locked(std::unique_lock<std::mutex>& lock, int64_t step, const std::string& what) {
+    auto find = [&]() -> SaveJob* {
+      for (auto& job : jobs_) {
+        if (job->step == step) return job.get();
+      }
+      return nullptr;
+    };
     if (closing_) return FailedPreconditionError(what + ": the saver has finished");
-    for (auto& job : jobs_) {
-      if (job->step == step) return job.get();
-    }
+    if (SaveJob* existing = find()) return existing;
+    // Another rank may create the job while this one waits for room.
     const size_t limit = static_cast<size_t>(std::max(1, options_.max_pending_saves));
-    done_cv_.wait(lock, [&] { return jobs_.size() < limit || closing_; });
+    done_cv_.wait(lock, [&] { return jobs_.size() < limit || closing_ || find() != nullptr; });
     if (closing_) return FailedPreconditionError(what + ": the saver has finished");
-    for (auto& job : jobs_) {  // another rank may have created it while we waited
-      if (job->step == step) return job.get();
-    }
+    if (SaveJob* existing = find()) return existing;
     auto job = std::make_unique<SaveJob>();
     job->step = step;
     job->pending.resize(static_cast<size_t>(options_.world_size));
     job->arrived.assign(static_cast<size_t>(options_.world_size), false);
     job->rank_files.resize(static_cast<size_t>(options_.world_size));
     jobs_.push_back(std::move(job));
+    done_cv_.notify_all();  // ranks waiting to create the same step
     return jobs_.back().get();
   }
 

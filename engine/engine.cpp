@@ -167,9 +167,22 @@ class EngineImpl final : public Engine {
   void lander_loop();
   void optimizer_loop();
   Status fetch_one(FetchRequest& request);
+  // Starts the NVMe reads of the requests after `r` that can start now.
+  Status submit_read_ahead(const FetchRequest& r);
   Status land_one(const LandingItem& item);
   Status update_group(const OptimizerJob& job, int group);
   void record_error(Status status);
+  // A one-paragraph picture of where every stage stands (for errors and hangs).
+  std::string describe_state();
+  // How long a wait may last before it is reported: STRATA_HANG_WARNING_S, default 120 s.
+  static std::chrono::seconds hang_warning_after() {
+    static const std::chrono::seconds seconds = [] {
+      const char* text = std::getenv("STRATA_HANG_WARNING_S");
+      const long value = text != nullptr ? std::strtol(text, nullptr, 10) : 0;
+      return std::chrono::seconds(value > 0 ? value : 120);
+    }();
+    return seconds;
+  }
   Status background_error() {
     std::lock_guard<std::mutex> lock(mutex_);
     return failed_ ? first_error_ : Status();
@@ -218,7 +231,15 @@ class EngineImpl final : public Engine {
   // Waits on cv_ until `done()` or an error or shutdown; returns the error in those cases.
   template <class Predicate>
   Status wait_locked(std::unique_lock<std::mutex>& lock, Predicate done, const char* what) {
-    cv_.wait(lock, [&] { return done() || failed_ || stopping_; });
+    // A wait that lasts says so once, with the state of every stage (a hang's diagnosis).
+    const auto patience = hang_warning_after();
+    if (!cv_.wait_for(lock, patience, [&] { return done() || failed_ || stopping_; })) {
+      lock.unlock();
+      STRATA_LOG(kWarn) << "rank " << options_.rank << " has waited " << patience.count() << " s for " << what << "\n"
+                        << describe_state();
+      lock.lock();
+      cv_.wait(lock, [&] { return done() || failed_ || stopping_; });
+    }
     if (failed_) return Status(first_error_).with_context(std::string("while waiting for ") + what);
     if (stopping_ && !done()) return CancelledError(std::string("engine shut down while waiting for ") + what);
     return {};
@@ -244,8 +265,10 @@ class EngineImpl final : public Engine {
   DeviceBuffer norm_buffer_;           // one float for the norm all-reduce
   PinnedBuffer param_out_stage_;       // the optimizer's new parameters on their way to the device or NVMe
   std::vector<PinnedBuffer> state_stage_;  // NVMe optimizer state staging (3 groups: read, step, write)
+  PinnedBuffer state_access_stage_;    // NVMe optimizer state for read/write_state_shard (model thread)
   EnginePlan plan_;
   bool started_ = false;
+  bool finished_cleanly_ = false;      // finish() drained everything: no collective of ours is pending
   bool early_update_ = false;          // exact mode without clipping or loss scaling: Adam(g) starts when g lands
   double learning_rate_ = 0.0;         // this step's rate (model thread; copied for the lander under mutex_)
   double step_learning_rate_ = 0.0;    // guarded by mutex_
@@ -345,13 +368,15 @@ Status EngineImpl::build_plan() {
   plan_.prefetch_depth = depth;
   plan_.gather_slots = slots;
 
-  // Gradient slots: two, plus one for every group the declared schedule uses twice (its
-  // gradient buffer stays live between its uses).
+  // Gradient slots: two (one being written, one draining to the host), plus one for
+  // every group gathered more than twice per micro-batch (a tied group: its gradient
+  // buffer stays live between its backward uses). Without a declared schedule, assume
+  // one such group.
   int gradient_slots = 2;
   {
     std::map<int, int> uses;
     for (int g : schedule_) ++uses[g];
-    for (auto& [g, n] : uses) gradient_slots += n > 1 ? 1 : 0;
+    for (auto& [g, n] : uses) gradient_slots += n > 2 ? 1 : 0;
     if (schedule_.empty()) gradient_slots = 3;
   }
   gradient_slots_.resize(static_cast<size_t>(gradient_slots));
@@ -401,7 +426,7 @@ Status EngineImpl::build_plan() {
   }
   if (nvme_params || options_.param_tier == Tier::kDevice)
     add_host("new-parameter staging", round_up_4k(param_bytes(all_max_shard)));
-  if (nvme_state) add_host("NVMe optimizer-state staging (3 groups)", 3 * round_up_4k(all_max_shard * 12));
+  if (nvme_state) add_host("NVMe optimizer-state staging (3 groups + 1 for state access)", 4 * round_up_4k(all_max_shard * 12));
   else add_host("master weights + exp_avg + exp_avg_sq (fp32)", 3 * sum_shards(4));
   add_host("gradient landing shards (" + std::string(dtype_name(options_.grad_transfer_dtype)) + ")", copies * sum_shards(tsize));
   if (accum > 0) add_host("gradient accumulators (fp32)", static_cast<size_t>(accum) * sum_shards(4));
@@ -586,6 +611,7 @@ Status EngineImpl::allocate_and_initialize() {
       STRATA_ASSIGN_OR_RETURN(PinnedBuffer stage, host_alloc(all_max_shard * 12, "optimizer-state staging " + std::to_string(i)));
       state_stage_.push_back(std::move(stage));
     }
+    STRATA_ASSIGN_OR_RETURN(state_access_stage_, host_alloc(all_max_shard * 12, "optimizer-state access staging"));
   }
 
   // Optimizer.
@@ -721,14 +747,40 @@ void EngineImpl::record_error(Status status) {
       first_error_ = status;
     }
   }
-  STRATA_LOG(kError) << "rank " << options_.rank << ": " << status.to_string();
+  STRATA_LOG(kError) << "rank " << options_.rank << ": " << status.to_string() << "\n" << describe_state();
   // Peers blocked in a collective with us must not hang.
   gather_comm_.abort("rank " + std::to_string(options_.rank) + " failed: " + status.message());
   reduce_comm_.abort("rank " + std::to_string(options_.rank) + " failed: " + status.message());
   cv_.notify_all();
 }
 
+std::string EngineImpl::describe_state() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::ostringstream text;
+  text << "engine state, rank " << options_.rank << ": model at step " << step_index_ << " micro-batch " << micro_ << " use "
+       << use_index_ << "; steps finished " << steps_finished_ << "; fetcher at request " << next_fetch_id_ << " of "
+       << (next_request_id_ - 1) << " created";
+  if (!requests_.empty()) {
+    const FetchRequest& r = requests_.front();
+    text << "; oldest request " << r.id << " (group " << r.group << ", slot " << r.slot << ", version " << r.required_version
+         << ", ready " << r.ready << ", consumed " << r.consumed << ")";
+  }
+  text << "; slots released:";
+  for (const auto& slot : slots_) text << " " << slot.released_id;
+  text << "; gradient slots busy:";
+  for (const auto& slot : gradient_slots_) text << " " << slot.busy;
+  text << "; landings " << landings_done_ << "/" << landings_queued_ << "; optimizer jobs " << optimizer_jobs_done_ << "/"
+       << optimizer_jobs_queued_ << "; versions:";
+  for (const auto& g : groups_) text << " " << g->param_version;
+  return text.str();
+}
+
 void EngineImpl::shutdown() {
+  if (started_ && !finished_cleanly_) {
+    // Gathers this rank planned may never be issued now: peers must not wait for them.
+    gather_comm_.abort("rank " + std::to_string(options_.rank) + "'s engine was destroyed before finish()");
+    reduce_comm_.abort("rank " + std::to_string(options_.rank) + "'s engine was destroyed before finish()");
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
@@ -845,16 +897,12 @@ void EngineImpl::issue_ahead_locked() {
       if (use.request != 0 && !group(use.group).persistent) ++count;
     return count;
   };
-  // Plan at least the current use, then up to `depth` slot uses beyond it.
+  // Plan up to `depth` slot uses beyond the use being gathered (at least one use when
+  // nothing is planned); persistent groups and direct views cost no slot.
   while (true) {
-    const bool current_planned = !expected_.empty();
-    if (current_planned && slot_uses_ahead() > depth) break;
-    if (current_planned && slot_uses_ahead() == depth && depth >= 0) {
-      // One more slot use would exceed the ring; stop before it (persistent uses are free).
-      const int next_group = schedule_[issue_cursor_.index];
-      GroupState& next = group(next_group);
-      const bool would_use_slot = !direct_view(next) && !next.persistent;
-      if (would_use_slot) break;
+    if (!expected_.empty() && slot_uses_ahead() >= depth) {
+      const GroupState& next = group(schedule_[issue_cursor_.index]);
+      if (!direct_view(next) && !next.persistent) break;
     }
     ExpectedUse use{issue_cursor_.step, issue_cursor_.micro, issue_cursor_.index, schedule_[issue_cursor_.index], 0};
     use.request = plan_use_locked(use.group, use.step);
@@ -895,13 +943,15 @@ StatusOr<GroupView> EngineImpl::gather(int g) {
       return FailedPreconditionError("gather(" + std::to_string(g) + ") while the group is gathered: release() it first");
     bool planned = false;
     if (schedule_valid_) {
-      issue_ahead_locked();
+      if (expected_.empty()) issue_ahead_locked();
       if (!expected_.empty()) {
         const ExpectedUse& use = expected_.front();
         if (use.step == step_index_ && use.micro == micro_ && use.index == use_index_ && use.group == g) {
           request_id = use.request;
           expected_.pop_front();
           planned = true;
+          // Keep `depth` slot uses planned beyond this one.
+          issue_ahead_locked();
         }
       }
       if (!planned) {
@@ -1029,6 +1079,12 @@ Status EngineImpl::grads_ready(int g) {
   }
   STRATA_RETURN_IF_ERROR(reduce_stream_->record(*slot.reduced));
   STRATA_RETURN_IF_ERROR(d2h_stream_->wait(*slot.reduced));
+  {
+    // The landing buffer is read by the lander (accumulation, statistics) after each
+    // copy: the next copy into it waits until that is done.
+    std::unique_lock<std::mutex> lock(mutex_);
+    STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return state.landings_processed == state.landings_sent; }, "the previous gradient landing"));
+  }
   const int copy = options_.overlap == OverlapMode::kDelayed ? static_cast<int>(step_index_ % 2) : 0;
   void* landing = state.grad_landing[static_cast<size_t>(copy)].data();
   const size_t bytes = shard * dtype_size(options_.grad_transfer_dtype);
@@ -1040,6 +1096,7 @@ Status EngineImpl::grads_ready(int g) {
     std::lock_guard<std::mutex> lock(mutex_);
     landing_.push_back({g, slot_index, step_index_, micro_, micro_ + 1 == options_.gradient_accumulation_steps, TraceClock::now()});
     ++landings_queued_;
+    ++state.landings_sent;
   }
   cv_.notify_all();
   return {};
@@ -1162,16 +1219,20 @@ Status EngineImpl::finish() {
   if (!started_) return FailedPreconditionError("finish() before start()");
   {
     std::unique_lock<std::mutex> lock(mutex_);
+    // Every fetch already planned is carried out: the prefetcher runs ahead into a next
+    // step, and every rank must issue the same gathers or its peers would wait for them.
     STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] {
       bool updated = true;
       for (auto& g : groups_) updated = updated && g->param_version >= steps_finished_;
-      return optimizer_jobs_done_ == optimizer_jobs_queued_ && landings_done_ == landings_queued_ && updated;
-    }, "outstanding updates"));
+      return optimizer_jobs_done_ == optimizer_jobs_queued_ && landings_done_ == landings_queued_ && updated &&
+             next_fetch_id_ == next_request_id_;
+    }, "outstanding updates and fetches"));
   }
   STRATA_RETURN_IF_ERROR(device_.synchronize());
   if (nvme_) STRATA_RETURN_IF_ERROR(nvme_->wait_all());
   STRATA_RETURN_IF_ERROR(background_error());
   if (!options_.trace_path.empty() && options_.rank == 0) STRATA_RETURN_IF_ERROR(write_chrome_trace(options_.trace_path, {&tracer_}));
+  finished_cleanly_ = true;
   return {};
 }
 
@@ -1189,10 +1250,11 @@ Status EngineImpl::read_state_shard(int g, StateKind kind, std::span<float> out)
   }
   const size_t index = static_cast<size_t>(kind);
   if (options_.optimizer_tier == Tier::kNvme) {
-    PinnedBuffer staging;
-    STRATA_ASSIGN_OR_RETURN(staging, arena_->allocate(shard * 4, "state read"));
-    STRATA_RETURN_IF_ERROR(nvme_->read(state.state_nvme, staging.data(), shard * 4, index * shard * 4, staging.capacity()));
-    std::memcpy(out.data(), staging.data(), shard * 4);
+    // The extent holds master, exp_avg and exp_avg_sq back to back; checksummed blocks
+    // are read whole.
+    PinnedBuffer& staging = state_access_stage_;
+    STRATA_RETURN_IF_ERROR(nvme_->read(state.state_nvme, staging.data(), shard * 12, 0, staging.capacity()));
+    std::memcpy(out.data(), staging.as<char>() + index * shard * 4, shard * 4);
     return {};
   }
   const PinnedBuffer* source = kind == StateKind::kMaster ? &state.master : kind == StateKind::kExpAvg ? &state.exp_avg : &state.exp_avg_sq;
@@ -1213,10 +1275,10 @@ Status EngineImpl::write_state_shard(int g, StateKind kind, std::span<const floa
   }
   const size_t index = static_cast<size_t>(kind);
   if (options_.optimizer_tier == Tier::kNvme) {
-    PinnedBuffer staging;
-    STRATA_ASSIGN_OR_RETURN(staging, arena_->allocate(shard * 4, "state write"));
-    std::memcpy(staging.data(), in.data(), shard * 4);
-    return nvme_->write(state.state_nvme, staging.data(), shard * 4, index * shard * 4, staging.capacity());
+    PinnedBuffer& staging = state_access_stage_;
+    STRATA_RETURN_IF_ERROR(nvme_->read(state.state_nvme, staging.data(), shard * 12, 0, staging.capacity()));
+    std::memcpy(staging.as<char>() + index * shard * 4, in.data(), shard * 4);
+    return nvme_->write(state.state_nvme, staging.data(), shard * 12, 0, staging.capacity());
   }
   PinnedBuffer* target = kind == StateKind::kMaster ? &state.master : kind == StateKind::kExpAvg ? &state.exp_avg : &state.exp_avg_sq;
   std::memcpy(target->data(), in.data(), shard * 4);
@@ -1286,6 +1348,32 @@ void EngineImpl::fetcher_loop() {
   }
 }
 
+Status EngineImpl::submit_read_ahead(const FetchRequest& r) {
+  for (uint64_t id = r.id + 1;; ++id) {
+    FetchRequest* next = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (requests_.empty() || id > requests_.back().id || id > r.id + static_cast<uint64_t>(std::max(1, plan_.prefetch_depth))) break;
+      next = &request_locked(id);
+      if (next->read_submitted) continue;
+      // Only slot requests whose slot's previous user has been fetched (so its H2D out
+      // of the staging buffer is enqueued and its event recorded), with their version in.
+      if (next->slot < 0 || group(next->group).param_version < next->required_version || next->previous_occupant >= r.id) break;
+    }
+    GatherSlot& next_slot = slots_[static_cast<size_t>(next->slot)];
+    STRATA_ASSIGN_OR_RETURN(bool staging_free, next_slot.h2d_done->query());
+    if (!staging_free) break;
+    GroupState& next_state = group(next->group);
+    next->read_begin = TraceClock::now();
+    STRATA_ASSIGN_OR_RETURN(next->read_ticket,
+                            nvme_->read_async(next_state.param_nvme[static_cast<size_t>(parity(next->required_version))],
+                                              next_slot.nvme_stage.data(), param_bytes(next_state.layout.shard_numel), 0,
+                                              next_slot.nvme_stage.capacity()));
+    next->read_submitted = true;
+  }
+  return {};
+}
+
 Status EngineImpl::fetch_one(FetchRequest& r) {
   GroupState& state = group(r.group);
   const bool persistent = r.slot < 0;
@@ -1323,28 +1411,14 @@ Status EngineImpl::fetch_one(FetchRequest& r) {
       STRATA_ASSIGN_OR_RETURN(r.read_ticket, nvme_->read_async(state.param_nvme[static_cast<size_t>(copy)], stage.data(), bytes, 0, stage.capacity()));
       r.read_submitted = true;
     }
-    // Read ahead: start the next requests' NVMe reads while this one completes.
-    for (uint64_t id = r.id + 1;; ++id) {
-      FetchRequest* next = nullptr;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (requests_.empty() || id > requests_.back().id || id >= r.id + static_cast<uint64_t>(std::max(1, plan_.prefetch_depth)) + 1) break;
-        next = &request_locked(id);
-        GroupState& next_state = group(next->group);
-        if (next->read_submitted) continue;
-        if (next->slot < 0 || next_state.param_version < next->required_version || next->previous_occupant >= r.id) break;
-      }
-      GatherSlot& next_slot = slots_[static_cast<size_t>(next->slot)];
-      auto done = next_slot.h2d_done->query();
-      if (!done.ok()) return done.status();
-      if (!*done) break;
-      GroupState& next_state = group(next->group);
-      next->read_begin = TraceClock::now();
-      STRATA_ASSIGN_OR_RETURN(next->read_ticket,
-                              nvme_->read_async(next_state.param_nvme[static_cast<size_t>(parity(next->required_version))],
-                                                next_slot.nvme_stage.data(), param_bytes(next_state.layout.shard_numel), 0,
-                                                next_slot.nvme_stage.capacity()));
-      next->read_submitted = true;
+    // While this read completes, keep starting the reads of the requests behind it as
+    // they appear and their staging frees up (the model creates requests as it goes).
+    for (;;) {
+      STRATA_RETURN_IF_ERROR(submit_read_ahead(r));
+      if (nvme_->io_engine().done(r.read_ticket)) break;
+      std::unique_lock<std::mutex> lock(mutex_);
+      if (failed_ || stopping_) break;
+      cv_.wait_for(lock, std::chrono::microseconds(200));
     }
     STRATA_RETURN_IF_ERROR(nvme_->wait(r.read_ticket));
     tracer_.record(Stage::kNvmeRead, r.group, r.read_begin, TraceClock::now(), label);
@@ -1415,6 +1489,7 @@ void EngineImpl::lander_loop() {
       std::lock_guard<std::mutex> lock(mutex_);
       landing_.pop_front();
       ++landings_done_;
+      ++group(item.group).landings_processed;
     }
     cv_.notify_all();
   }

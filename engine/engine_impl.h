@@ -99,6 +99,8 @@ struct GroupState {
   GradientStats landed_stats;        // that shard's statistics
   int active_gradient_slot = -1;     // gradient slot in use this micro-batch (-1 = none)
   int64_t planned_persistent_version = -1;  // version the latest persistent fetch request brings
+  uint64_t landings_sent = 0;        // gradient shards handed to the lander
+  uint64_t landings_processed = 0;   // of which the lander is done reading the landing buffer
   TraceClock::time_point compute_begin;      // start of the current use's compute (compute stream)
 };
 
