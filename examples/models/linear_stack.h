@@ -10,7 +10,7 @@
 // both again in backward), so the engine's "a group used more than once, its gradients
 // adding up until its last use" path is always exercised. The data is a deterministic
 // teacher task: x ~ N(0, 1) keyed by (seed, step, micro-batch, global row), label =
-// argmax(x . T) for a fixed random T, so every world size sees the same global batch.
+// argmax(x . T) for a fixed sparse T, so every world size sees the same global batch.
 #pragma once
 
 #include <cstdint>
