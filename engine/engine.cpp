@@ -900,6 +900,9 @@ void EngineImpl::issue_ahead_locked() {
   // Plan up to `depth` slot uses beyond the use being gathered (at least one use when
   // nothing is planned); persistent groups and direct views cost no slot.
   while (true) {
+    // Never plan past the next step: its uses' versions exist once this step's update
+    // runs, and finish() can then carry out every planned fetch.
+    if (issue_cursor_.step > step_index_ + 1) break;
     if (!expected_.empty() && slot_uses_ahead() >= depth) {
       const GroupState& next = group(schedule_[issue_cursor_.index]);
       if (!direct_view(next) && !next.persistent) break;
@@ -915,7 +918,6 @@ void EngineImpl::issue_ahead_locked() {
         ++issue_cursor_.step;
       }
     }
-    if (expected_.size() > schedule_.size() * 2 + 16) break;  // never plan absurdly far
   }
 }
 
