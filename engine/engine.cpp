@@ -1248,7 +1248,10 @@ Status EngineImpl::read_state_shard(int g, StateKind kind, std::span<float> out)
                                 " elements per shard, the span has " + std::to_string(out.size()));
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return state.param_version >= steps_finished_; }, "the group's update"));
+    // The whole update, write-back of NVMe-resident state included.
+    STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] {
+      return state.param_version >= steps_finished_ && optimizer_jobs_done_ == optimizer_jobs_queued_;
+    }, "the group's update"));
   }
   const size_t index = static_cast<size_t>(kind);
   if (options_.optimizer_tier == Tier::kNvme) {
@@ -1273,7 +1276,9 @@ Status EngineImpl::write_state_shard(int g, StateKind kind, std::span<const floa
                                 " elements per shard, the span has " + std::to_string(in.size()));
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return state.param_version >= steps_finished_; }, "the group's update"));
+    STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] {
+      return state.param_version >= steps_finished_ && optimizer_jobs_done_ == optimizer_jobs_queued_;
+    }, "the group's update"));
   }
   const size_t index = static_cast<size_t>(kind);
   if (options_.optimizer_tier == Tier::kNvme) {
@@ -1342,9 +1347,10 @@ void EngineImpl::fetcher_loop() {
       if (stopping_) return;
       request = &request_locked(next_fetch_id_);
     }
+    const int group_id = request->group;
     Status status = fetch_one(*request);
     if (!status.ok()) {
-      record_error(std::move(status).with_context("fetching group " + std::to_string(request->group)));
+      record_error(std::move(status).with_context("fetching group " + std::to_string(group_id)));
       return;
     }
   }
@@ -1449,19 +1455,22 @@ Status EngineImpl::fetch_one(FetchRequest& r) {
     }));
     STRATA_RETURN_IF_ERROR(gather_stream_->record(ready));
   }
+  bool abandoned = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    r.ready = true;
+    abandoned = r.abandoned;
     if (persistent) {
       state.persistent_version = r.required_version;
-    } else if (r.abandoned) {
+    } else if (abandoned) {
       // Nobody will compute with it: the slot is free once the fill is done.
       slot->released_id = std::max(slot->released_id, r.id);
     }
+    // Once ready, the model may retire the request: `r` is not touched after this.
+    r.ready = true;
     ++next_fetch_id_;
     while (!requests_.empty() && requests_.front().ready && requests_.front().consumed) requests_.pop_front();
   }
-  if (!persistent && r.abandoned) {
+  if (!persistent && abandoned) {
     Stream& last = world > 1 ? *gather_stream_ : *h2d_stream_;
     STRATA_RETURN_IF_ERROR(last.record(released));
   }

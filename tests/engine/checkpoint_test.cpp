@@ -15,9 +15,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <cmath>
+#include <mutex>
 #include <thread>
 
 #include "engine/core/check.h"
+#include "engine/local_cluster.h"
+#include "examples/models/linear_stack.h"
 #include "tests/support/test_support.h"
 
 namespace strata {
@@ -494,6 +498,154 @@ TEST(CheckpointTest, DiskFullDuringSaveKeepsThePreviousCheckpoint) {
   expect_shards_match(*reader, 2, 1);
   expect_shards_match(*reader, 3, 1);
 }
+
+
+// ---------------------------------------------------------------------------------------
+// Through the engine: save from a running engine, resume on the same or another world size.
+
+struct TrainSegment {
+  int world = 2;
+  int first_step = 0;
+  int end_step = 0;                       // trains steps [first_step, end_step)
+  int save_after = -1;                    // save a checkpoint once this many steps are done
+  const CheckpointReader* resume = nullptr;
+  Tier optimizer_tier = Tier::kPinned;
+};
+
+struct TrainResult {
+  std::vector<std::vector<float>> masters;  // per group, the unpadded flat fp32 master
+  int64_t steps_taken_after_load = -1;
+};
+
+models::LinearStackConfig checkpoint_model() {
+  models::LinearStackConfig model;
+  model.features = 24;
+  model.width = 40;
+  model.layers = 3;
+  model.global_rows = 8;
+  return model;
+}
+
+StatusOr<TrainResult> train_segment(const TrainSegment& segment, const std::string& work_dir, CheckpointSaver* saver) {
+  LocalClusterOptions cluster_options;
+  cluster_options.world_size = segment.world;
+  cluster_options.device_budget_bytes = size_t{256} << 20;
+  cluster_options.compute_threads = 1;
+  cluster_options.collective_timeout = std::chrono::seconds(60);
+  STRATA_ASSIGN_OR_RETURN(auto cluster, LocalCluster::create(cluster_options));
+  const models::LinearStackConfig model_config = checkpoint_model();
+  TrainResult result;
+  const auto specs = models::linear_stack_groups(model_config);
+  for (size_t g = 0; g < specs.size(); ++g) {
+    STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(specs[g], static_cast<int>(g), 1));
+    result.masters.emplace_back(layout.numel);
+  }
+  std::mutex mutex;
+  STRATA_RETURN_IF_ERROR(cluster->run([&](int rank) -> Status {
+    EngineOptions options;
+    options.rank = rank;
+    options.world_size = segment.world;
+    options.param_dtype = DType::kFloat32;
+    options.grad_wire_dtype = DType::kFloat32;
+    options.grad_transfer_dtype = DType::kFloat32;
+    options.param_tier = Tier::kPinned;
+    options.optimizer_tier = segment.optimizer_tier;
+    options.nvme_path = work_dir + "/nvme-" + std::to_string(segment.world);
+    options.adam.lr = 1e-2;
+    options.adam.weight_decay = 0.01;
+    options.gradient_clipping = 1.0f;
+    options.seed = 99;
+    options.optimizer_threads = 1;
+    options.activation_bytes = models::linear_stack_activation_bytes(model_config, model_config.global_rows / segment.world,
+                                                                     options.param_dtype);
+    STRATA_ASSIGN_OR_RETURN(auto engine, Engine::create(options, cluster->device(rank), cluster->gather_communicator(rank),
+                                                        cluster->reduce_communicator(rank)));
+    STRATA_ASSIGN_OR_RETURN(auto model, models::LinearStackModel::create(*engine, model_config, rank, segment.world, true));
+    STRATA_RETURN_IF_ERROR(engine->start());
+    STRATA_RETURN_IF_ERROR(model->allocate());
+    if (segment.resume != nullptr) {
+      STRATA_RETURN_IF_ERROR(load_engine_state(*engine, rank, *segment.resume));
+      if (rank == 0) result.steps_taken_after_load = engine->steps_taken();
+    }
+    for (int step = segment.first_step; step < segment.end_step; ++step) {
+      STRATA_RETURN_IF_ERROR(model->train_step(step, 1, 1e-2).status());
+      if (step + 1 == segment.save_after) {
+        STRATA_ASSIGN_OR_RETURN(RankSnapshot snapshot, snapshot_engine_state(*engine, rank));
+        STRATA_RETURN_IF_ERROR(saver->submit(step + 1, std::move(snapshot)));
+        if (rank == 0) STRATA_RETURN_IF_ERROR(saver->submit_trainer_state(step + 1, "{\"next_step\": " + std::to_string(step + 1) + "}"));
+      }
+    }
+    STRATA_RETURN_IF_ERROR(engine->finish());
+    std::vector<float> shard;
+    for (int g = 0; g < engine->group_count(); ++g) {
+      const GroupLayout& layout = engine->layout(g);
+      shard.resize(layout.shard_numel);
+      STRATA_RETURN_IF_ERROR(engine->read_state_shard(g, Engine::StateKind::kMaster, shard));
+      std::lock_guard<std::mutex> lock(mutex);
+      for (size_t i = 0; i < layout.shard_numel && layout.shard_begin(rank) + i < layout.numel; ++i) {
+        result.masters[static_cast<size_t>(g)][layout.shard_begin(rank) + i] = shard[i];
+      }
+    }
+    return Status::Ok();
+  }));
+  return result;
+}
+
+double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0.0, norm = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    norm += static_cast<double>(b[i]) * b[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-30));
+}
+
+class CheckpointEngineTest : public ::testing::TestWithParam<Tier> {};
+
+TEST_P(CheckpointEngineTest, ResumeContinuesBitIdenticallyAndOnOtherWorldSizes) {
+  testing::TempDir dir;
+  const std::string save_dir = (dir.path() / "ckpt").string();
+  CheckpointSaverOptions options;
+  options.directory = save_dir;
+  options.world_size = 2;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(options));
+  // Straight: 5 steps on 2 ranks, saving after 3 (the save overlaps steps 4 and 5).
+  TrainSegment straight;
+  straight.end_step = 5;
+  straight.save_after = 3;
+  straight.optimizer_tier = GetParam();
+  STRATA_ASSERT_OK_AND_ASSIGN(TrainResult reference, train_segment(straight, dir.str() + "/a", saver.get()));
+  STRATA_ASSERT_OK(saver->finish());
+
+  STRATA_ASSERT_OK_AND_ASSIGN(CheckpointRef latest, latest_complete(save_dir));
+  EXPECT_EQ(latest.step, 3);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto reader, CheckpointReader::open(latest.path));
+  EXPECT_EQ(reader->engine_steps(), 3);
+  EXPECT_EQ(reader->trainer_state(), "{\"next_step\": 3}");
+
+  for (int world : {2, 1, 4}) {
+    SCOPED_TRACE("resumed on " + std::to_string(world) + " ranks");
+    TrainSegment resumed;
+    resumed.world = world;
+    resumed.first_step = 3;
+    resumed.end_step = 5;
+    resumed.resume = reader.get();
+    resumed.optimizer_tier = GetParam();
+    STRATA_ASSERT_OK_AND_ASSIGN(TrainResult result, train_segment(resumed, dir.str() + "/b", nullptr));
+    EXPECT_EQ(result.steps_taken_after_load, 3);
+    for (size_t g = 0; g < reference.masters.size(); ++g) {
+      if (world == 2) {
+        EXPECT_EQ(std::memcmp(result.masters[g].data(), reference.masters[g].data(), reference.masters[g].size() * 4), 0)
+            << "group " << g << " differs after resuming on the saving world size";
+      } else {
+        EXPECT_LT(relative_error(result.masters[g], reference.masters[g]), 1e-5) << "group " << g;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(OptimizerTiers, CheckpointEngineTest, ::testing::Values(Tier::kPinned, Tier::kNvme),
+                         [](const auto& info) { return std::string(tier_name(info.param)); });
 
 }  // namespace
 }  // namespace strata
