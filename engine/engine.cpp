@@ -155,6 +155,7 @@ class EngineImpl final : public Engine {
   Status read_state_shard(int group, StateKind kind, std::span<float> out) override;
   Status write_state_shard(int group, StateKind kind, std::span<const float> in) override;
   Status refresh_parameters() override;
+  StatusOr<float*> state_for_access(int g, StateKind kind, size_t elements, const char* call);
 
  private:
   // Plan pieces.
@@ -1238,57 +1239,45 @@ Status EngineImpl::finish() {
   return {};
 }
 
-// Waits until group g has no update pending (model thread).
-Status EngineImpl::read_state_shard(int g, StateKind kind, std::span<float> out) {
-  STRATA_RETURN_IF_ERROR(check_group(g, "read_state_shard"));
+// Where one kind of state of one group lives on the host, once no update of it is
+// pending (model thread): the host buffer, or the NVMe extent read whole into the access
+// staging buffer (checksummed blocks are read whole).
+StatusOr<float*> EngineImpl::state_for_access(int g, StateKind kind, size_t elements, const char* call) {
+  STRATA_RETURN_IF_ERROR(check_group(g, call));
   GroupState& state = group(g);
   const size_t shard = state.layout.shard_numel;
-  if (out.size() != shard)
-    return InvalidArgumentError("read_state_shard: group " + state.layout.name + " has " + std::to_string(shard) +
-                                " elements per shard, the span has " + std::to_string(out.size()));
+  if (elements != shard)
+    return InvalidArgumentError(std::string(call) + ": group " + state.layout.name + " has " + std::to_string(shard) +
+                                " elements per shard, the span has " + std::to_string(elements));
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    // The whole update, write-back of NVMe-resident state included.
+    // The whole update, the write-back of NVMe-resident state included.
     STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] {
       return state.param_version >= steps_finished_ && optimizer_jobs_done_ == optimizer_jobs_queued_;
     }, "the group's update"));
   }
-  const size_t index = static_cast<size_t>(kind);
   if (options_.optimizer_tier == Tier::kNvme) {
-    // The extent holds master, exp_avg and exp_avg_sq back to back; checksummed blocks
-    // are read whole.
     PinnedBuffer& staging = state_access_stage_;
     STRATA_RETURN_IF_ERROR(nvme_->read(state.state_nvme, staging.data(), shard * 12, 0, staging.capacity()));
-    std::memcpy(out.data(), staging.as<char>() + index * shard * 4, shard * 4);
-    return {};
+    return staging.as<float>() + static_cast<size_t>(kind) * shard;
   }
-  const PinnedBuffer* source = kind == StateKind::kMaster ? &state.master : kind == StateKind::kExpAvg ? &state.exp_avg : &state.exp_avg_sq;
-  std::memcpy(out.data(), source->data(), shard * 4);
+  PinnedBuffer& buffer = kind == StateKind::kMaster ? state.master : kind == StateKind::kExpAvg ? state.exp_avg : state.exp_avg_sq;
+  return buffer.as<float>();
+}
+
+Status EngineImpl::read_state_shard(int g, StateKind kind, std::span<float> out) {
+  STRATA_ASSIGN_OR_RETURN(const float* source, state_for_access(g, kind, out.size(), "read_state_shard"));
+  std::memcpy(out.data(), source, out.size_bytes());
   return {};
 }
 
 Status EngineImpl::write_state_shard(int g, StateKind kind, std::span<const float> in) {
-  STRATA_RETURN_IF_ERROR(check_group(g, "write_state_shard"));
-  GroupState& state = group(g);
-  const size_t shard = state.layout.shard_numel;
-  if (in.size() != shard)
-    return InvalidArgumentError("write_state_shard: group " + state.layout.name + " has " + std::to_string(shard) +
-                                " elements per shard, the span has " + std::to_string(in.size()));
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] {
-      return state.param_version >= steps_finished_ && optimizer_jobs_done_ == optimizer_jobs_queued_;
-    }, "the group's update"));
-  }
-  const size_t index = static_cast<size_t>(kind);
+  STRATA_ASSIGN_OR_RETURN(float* target, state_for_access(g, kind, in.size(), "write_state_shard"));
+  std::memcpy(target, in.data(), in.size_bytes());
   if (options_.optimizer_tier == Tier::kNvme) {
-    PinnedBuffer& staging = state_access_stage_;
-    STRATA_RETURN_IF_ERROR(nvme_->read(state.state_nvme, staging.data(), shard * 12, 0, staging.capacity()));
-    std::memcpy(staging.as<char>() + index * shard * 4, in.data(), shard * 4);
-    return nvme_->write(state.state_nvme, staging.data(), shard * 12, 0, staging.capacity());
+    GroupState& state = group(g);
+    return nvme_->write(state.state_nvme, state_access_stage_.data(), state.layout.shard_numel * 12, 0, state_access_stage_.capacity());
   }
-  PinnedBuffer* target = kind == StateKind::kMaster ? &state.master : kind == StateKind::kExpAvg ? &state.exp_avg : &state.exp_avg_sq;
-  std::memcpy(target->data(), in.data(), shard * 4);
   return {};
 }
 
