@@ -18,6 +18,7 @@
 #include "engine/core/log.h"
 #include "engine/engine_impl.h"
 #include "kernels/cast.h"
+#include "kernels/transformer_ops.h"
 
 namespace strata {
 
@@ -91,10 +92,11 @@ class EngineImpl final : public Engine {
       STRATA_LOG(kDebug) << "fp16 parameters without loss scaling";
     if (options_.overlap == OverlapMode::kDelayed && options_.fp16_loss_scaling)
       return UnimplementedError("delayed optimizer overlap with fp16 dynamic loss scaling is not supported: use exact");
-    if (options_.optimizer_tier == Tier::kDevice)
-      return UnimplementedError(
-          "optimizer state on the device (offload_optimizer.device = \"none\") is not implemented yet: use \"cpu\" or "
-          "\"nvme\"");
+    if (options_.optimizer_tier == Tier::kDevice) {
+      // The gradient stays on the device; what reaches the host is its fp32 copy for the
+      // norm and overflow statistics.
+      options_.grad_transfer_dtype = DType::kFloat32;
+    }
     if ((options_.param_tier == Tier::kNvme || options_.optimizer_tier == Tier::kNvme) && options_.nvme_path.empty())
       return InvalidArgumentError("an NVMe placement needs nvme_path (--nvme-path)");
     STRATA_ASSIGN_OR_RETURN(compute_stream_, device_.create_stream("compute"));
@@ -171,7 +173,9 @@ class EngineImpl final : public Engine {
   // Starts the NVMe reads of the requests after `r` that can start now.
   Status submit_read_ahead(const FetchRequest& r);
   Status land_one(const LandingItem& item);
+  Status land_on_device(int g, int slot_index, const float* reduced);
   Status update_group(const OptimizerJob& job, int group);
+  Status update_group_on_device(const OptimizerJob& job, int group);
   void record_error(Status status);
   // A one-paragraph picture of where every stage stands (for errors and hangs).
   std::string describe_state();
@@ -198,6 +202,7 @@ class EngineImpl final : public Engine {
       return InvalidArgumentError(std::string(call) + ": no group " + std::to_string(g));
     return {};
   }
+  bool device_state() const { return options_.optimizer_tier == Tier::kDevice; }
   bool direct_view(const GroupState& /*state*/) const { return options_.param_tier == Tier::kDevice && options_.world_size == 1; }
   size_t param_bytes(size_t elements) const { return elements * dtype_size(options_.param_dtype); }
   int param_copies() const { return options_.overlap == OverlapMode::kDelayed ? 2 : 1; }
@@ -265,6 +270,7 @@ class EngineImpl final : public Engine {
   std::optional<LossScaler> loss_scaler_;
   DeviceBuffer norm_buffer_;           // one float for the norm all-reduce
   PinnedBuffer param_out_stage_;       // the optimizer's new parameters on their way to the device or NVMe
+  DeviceBuffer param_out_device_;      // device-resident optimizer: new parameters on their way to the host or NVMe
   std::vector<PinnedBuffer> state_stage_;  // NVMe optimizer state staging (3 groups: read, step, write)
   PinnedBuffer state_access_stage_;    // NVMe optimizer state for read/write_state_shard (model thread)
   EnginePlan plan_;
@@ -335,8 +341,10 @@ Status EngineImpl::build_plan() {
   const bool host_params = options_.param_tier == Tier::kPinned || options_.param_tier == Tier::kHost;
   const bool nvme_params = options_.param_tier == Tier::kNvme;
   const bool nvme_state = options_.optimizer_tier == Tier::kNvme;
+  const bool device_state = options_.optimizer_tier == Tier::kDevice;
   const int copies = param_copies();
-  const int accum = options_.gradient_accumulation_steps > 1 ? copies : 0;
+  // Host fp32 accumulators only when the optimizer state is on the host.
+  const int accum = options_.gradient_accumulation_steps > 1 && !device_state ? copies : 0;
 
   size_t max_padded = 0, max_shard = 0, total_numel = 0, total_shard = 0, persistent_full_bytes = 0, persistent_shard_bytes = 0;
   size_t all_max_padded = 0, all_max_shard = 0;
@@ -403,6 +411,12 @@ Status EngineImpl::build_plan() {
   if (world > 1) add_device("reduce-scatter shards", static_cast<size_t>(gradient_slots) * all_max_shard * 4);
   if (options_.grad_transfer_dtype != DType::kFloat32)
     add_device("gradient transfer casts", static_cast<size_t>(gradient_slots) * all_max_shard * tsize);
+  if (device_state) {
+    size_t state = 0;
+    for (auto& g : groups_) state += g->layout.shard_numel * 16;
+    add_device("master weights + exp_avg + exp_avg_sq + gradient accumulators (fp32)", state);
+    if (options_.param_tier != Tier::kDevice) add_device("new-parameter staging", param_bytes(all_max_shard));
+  }
   add_device("norm all-reduce", 256);
   add_device("activations (declared by the model)", options_.activation_bytes);
   plan_.device_bytes = device;
@@ -428,6 +442,7 @@ Status EngineImpl::build_plan() {
   if (nvme_params || options_.param_tier == Tier::kDevice)
     add_host("new-parameter staging", round_up_4k(param_bytes(all_max_shard)));
   if (nvme_state) add_host("NVMe optimizer-state staging (3 groups + 1 for state access)", 4 * round_up_4k(all_max_shard * 12));
+  else if (device_state) add_host("optimizer-state access staging", round_up_4k(all_max_shard * 12));
   else add_host("master weights + exp_avg + exp_avg_sq (fp32)", 3 * sum_shards(4));
   add_host("gradient landing shards (" + std::string(dtype_name(options_.grad_transfer_dtype)) + ")", copies * sum_shards(tsize));
   if (accum > 0) add_host("gradient accumulators (fp32)", static_cast<size_t>(accum) * sum_shards(4));
@@ -607,6 +622,12 @@ Status EngineImpl::allocate_and_initialize() {
   if (nvme_params || options_.param_tier == Tier::kDevice) {
     STRATA_ASSIGN_OR_RETURN(param_out_stage_, host_alloc(param_bytes(all_max_shard), "new-parameter staging"));
   }
+  if (device_state()) {
+    STRATA_ASSIGN_OR_RETURN(state_access_stage_, host_alloc(all_max_shard * 12, "optimizer-state access staging"));
+    if (options_.param_tier != Tier::kDevice) {
+      STRATA_ASSIGN_OR_RETURN(param_out_device_, device_.allocate(param_bytes(all_max_shard), "new-parameter staging"));
+    }
+  }
   if (nvme_state) {
     for (int i = 0; i < 3; ++i) {
       STRATA_ASSIGN_OR_RETURN(PinnedBuffer stage, host_alloc(all_max_shard * 12, "optimizer-state staging " + std::to_string(i)));
@@ -675,7 +696,12 @@ Status EngineImpl::allocate_and_initialize() {
       }
     }
     // Optimizer state: master = the fp32 initial values, moments zero.
-    if (nvme_state) {
+    if (device_state()) {
+      STRATA_ASSIGN_OR_RETURN(g.state_device, device_.allocate(shard * 16, name + " optimizer state"));
+      STRATA_RETURN_IF_ERROR(device_.memset_async(g.state_device.data(), 0, shard * 16, *setup));
+      STRATA_RETURN_IF_ERROR(device_.copy_async(g.state_device.data(), init.data(), shard * 4, CopyKind::kHostToDevice, *setup));
+      STRATA_RETURN_IF_ERROR(setup->synchronize());
+    } else if (nvme_state) {
       STRATA_ASSIGN_OR_RETURN(g.state_nvme, nvme_->allocate("g" + std::to_string(g.layout.id) + ".state", shard * 12));
       PinnedBuffer& stage = state_stage_[0];
       std::memcpy(stage.data(), init.data(), shard * 4);
@@ -1051,6 +1077,46 @@ StatusOr<GroupView> EngineImpl::gradient_buffer(int g) {
   return view_of(state, gradient_slots_[static_cast<size_t>(state.active_gradient_slot)].full.data(), DType::kFloat32);
 }
 
+// Device-resident optimizer state: the reduced shard accumulates into the group's device
+// gradient accumulator; after the last micro-batch its fp32 copy goes to the host for the
+// norm and overflow statistics (the update itself reads the device copy).
+Status EngineImpl::land_on_device(int g, int slot_index, const float* reduced) {
+  GroupState& state = group(g);
+  GradientSlot& slot = gradient_slots_[static_cast<size_t>(slot_index)];
+  const size_t shard = state.layout.shard_numel;
+  float* accum = state.state_device.as<float>() + 3 * shard;
+  if (micro_ == 0) {
+    STRATA_RETURN_IF_ERROR(device_.copy_async(accum, reduced, shard * 4, CopyKind::kDeviceToDevice, *reduce_stream_));
+  } else {
+    STRATA_RETURN_IF_ERROR(kernels::residual_forward(*reduce_stream_, DType::kFloat32, accum, reduced, accum, shard));
+  }
+  STRATA_RETURN_IF_ERROR(reduce_stream_->record(*slot.reduced));
+  const bool last = micro_ + 1 == options_.gradient_accumulation_steps;
+  if (last) {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return state.landings_processed == state.landings_sent; }, "the previous gradient landing"));
+    }
+    STRATA_RETURN_IF_ERROR(d2h_stream_->wait(*slot.reduced));
+    const int copy = options_.overlap == OverlapMode::kDelayed ? static_cast<int>(step_index_ % 2) : 0;
+    void* landing = state.grad_landing[static_cast<size_t>(copy)].data();
+    STRATA_RETURN_IF_ERROR(traced(*d2h_stream_, Stage::kD2H, g, state.layout.name, [&] {
+      return device_.copy_async(landing, accum, shard * 4, CopyKind::kDeviceToHost, *d2h_stream_);
+    }));
+    STRATA_RETURN_IF_ERROR(d2h_stream_->record(*slot.copied));
+  } else {
+    STRATA_RETURN_IF_ERROR(reduce_stream_->record(*slot.copied));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    landing_.push_back({g, slot_index, step_index_, micro_, last, TraceClock::now()});
+    ++landings_queued_;
+    ++state.landings_sent;
+  }
+  cv_.notify_all();
+  return {};
+}
+
 Status EngineImpl::grads_ready(int g) {
   STRATA_RETURN_IF_ERROR(check_group(g, "grads_ready"));
   STRATA_RETURN_IF_ERROR(background_error());
@@ -1075,6 +1141,7 @@ Status EngineImpl::grads_ready(int g) {
     }));
     reduced = slot.shard.as<float>();
   }
+  if (device_state()) return land_on_device(g, slot_index, reduced);
   const void* transfer = reduced;
   if (options_.grad_transfer_dtype != DType::kFloat32) {
     STRATA_RETURN_IF_ERROR(kernels::cast(*reduce_stream_, reduced, DType::kFloat32, slot.cast.data(), options_.grad_transfer_dtype, shard));
@@ -1261,6 +1328,12 @@ StatusOr<float*> EngineImpl::state_for_access(int g, StateKind kind, size_t elem
     STRATA_RETURN_IF_ERROR(nvme_->read(state.state_nvme, staging.data(), shard * 12, 0, staging.capacity()));
     return staging.as<float>() + static_cast<size_t>(kind) * shard;
   }
+  if (device_state()) {
+    PinnedBuffer& staging = state_access_stage_;
+    STRATA_RETURN_IF_ERROR(device_.copy_async(staging.data(), state.state_device.data(), shard * 12, CopyKind::kDeviceToHost, *update_stream_));
+    STRATA_RETURN_IF_ERROR(update_stream_->synchronize());
+    return staging.as<float>() + static_cast<size_t>(kind) * shard;
+  }
   PinnedBuffer& buffer = kind == StateKind::kMaster ? state.master : kind == StateKind::kExpAvg ? state.exp_avg : state.exp_avg_sq;
   return buffer.as<float>();
 }
@@ -1274,9 +1347,13 @@ Status EngineImpl::read_state_shard(int g, StateKind kind, std::span<float> out)
 Status EngineImpl::write_state_shard(int g, StateKind kind, std::span<const float> in) {
   STRATA_ASSIGN_OR_RETURN(float* target, state_for_access(g, kind, in.size(), "write_state_shard"));
   std::memcpy(target, in.data(), in.size_bytes());
-  if (options_.optimizer_tier == Tier::kNvme) {
-    GroupState& state = group(g);
+  GroupState& state = group(g);
+  if (options_.optimizer_tier == Tier::kNvme)
     return nvme_->write(state.state_nvme, state_access_stage_.data(), state.layout.shard_numel * 12, 0, state_access_stage_.capacity());
+  if (device_state()) {
+    STRATA_RETURN_IF_ERROR(device_.copy_async(state.state_device.data(), state_access_stage_.data(), state.layout.shard_numel * 12,
+                                              CopyKind::kHostToDevice, *update_stream_));
+    return update_stream_->synchronize();
   }
   return {};
 }
@@ -1508,7 +1585,7 @@ Status EngineImpl::land_one(const LandingItem& item) {
   const size_t copy = options_.overlap == OverlapMode::kDelayed ? static_cast<size_t>(item.step % 2) : 0;
   const void* final_grad = state.grad_landing[copy].data();
   DType final_type = options_.grad_transfer_dtype;
-  if (options_.gradient_accumulation_steps > 1) {
+  if (options_.gradient_accumulation_steps > 1 && !device_state()) {
     float* accum = state.grad_accum[copy].as<float>();
     accumulate_into(accum, state.grad_landing[copy].data(), options_.grad_transfer_dtype, shard, item.micro == 0);
     final_grad = accum;
@@ -1628,6 +1705,45 @@ void EngineImpl::optimizer_loop() {
   }
 }
 
+// Device-resident optimizer state: the Adam kernel on the update stream, the new
+// parameters written straight into the device shard (or staged out to the host tier).
+Status EngineImpl::update_group_on_device(const OptimizerJob& job, int g) {
+  GroupState& s = group(g);
+  const size_t shard = s.layout.shard_numel;
+  const int out_copy = parity(job.step_index + 1);
+  Tracer::Scope scope(&tracer_, Stage::kOptimizer, g, s.layout.name);
+  float* state = s.state_device.as<float>();
+  void* param_out = options_.param_tier == Tier::kDevice ? s.param_device[static_cast<size_t>(out_copy)].data() : param_out_device_.data();
+  const size_t param_size = dtype_size(options_.param_dtype);
+  for (const DecayRun& run : s.decay_runs) {
+    kernels::AdamBuffers part;
+    part.grad = state + 3 * shard + run.begin;
+    part.grad_type = DType::kFloat32;
+    part.master = state + run.begin;
+    part.exp_avg = state + shard + run.begin;
+    part.exp_avg_sq = state + 2 * shard + run.begin;
+    part.moment_type = DType::kFloat32;
+    part.param = static_cast<char*>(param_out) + run.begin * param_size;
+    part.param_type = options_.param_dtype;
+    part.count = run.end - run.begin;
+    STRATA_RETURN_IF_ERROR(kernels::adam_step(*update_stream_, part, (run.decay ? job.decay_plan : job.no_decay_plan).scalars));
+  }
+  if (options_.param_tier == Tier::kPinned || options_.param_tier == Tier::kHost) {
+    STRATA_RETURN_IF_ERROR(device_.copy_async(s.param_host[static_cast<size_t>(out_copy)].data(), param_out, param_bytes(shard),
+                                              CopyKind::kDeviceToHost, *update_stream_));
+  } else if (options_.param_tier == Tier::kNvme) {
+    STRATA_RETURN_IF_ERROR(device_.copy_async(param_out_stage_.data(), param_out, param_bytes(shard), CopyKind::kDeviceToHost, *update_stream_));
+  }
+  STRATA_RETURN_IF_ERROR(update_stream_->synchronize());
+  if (options_.param_tier == Tier::kNvme) {
+    const auto begin = TraceClock::now();
+    STRATA_RETURN_IF_ERROR(nvme_->write(s.param_nvme[static_cast<size_t>(out_copy)], param_out_stage_.data(), param_bytes(shard), 0,
+                                        param_out_stage_.capacity()));
+    tracer_.record(Stage::kNvmeWrite, g, begin, TraceClock::now(), s.layout.name + " parameters");
+  }
+  return {};
+}
+
 Status EngineImpl::update_group(const OptimizerJob& job, int g) {
   if (job.skip) return {};
   GroupState& s = group(g);
@@ -1635,6 +1751,7 @@ Status EngineImpl::update_group(const OptimizerJob& job, int g) {
   const size_t copy = options_.overlap == OverlapMode::kDelayed ? static_cast<size_t>(job.step_index % 2) : 0;
   const int out_copy = parity(job.step_index + 1);
   Tracer::Scope scope(&tracer_, Stage::kOptimizer, g, s.layout.name);
+  if (device_state()) return update_group_on_device(job, g);
   kernels::AdamBuffers buffers;
   if (options_.gradient_accumulation_steps > 1) {
     buffers.grad = s.grad_accum[copy].data();

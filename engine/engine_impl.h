@@ -75,6 +75,7 @@ struct GroupState {
   // Optimizer state (fp32): host buffers, or NVMe extents.
   PinnedBuffer master, exp_avg, exp_avg_sq;  // kPinned / kHost
   NvmeExtent state_nvme;             // kNvme: master, exp_avg, exp_avg_sq back to back (3 x shard fp32)
+  DeviceBuffer state_device;         // kDevice: master, exp_avg, exp_avg_sq, gradient accumulator (4 x shard fp32)
 
   // Gradient shards on the host: the landing buffer (transfer dtype) and the fp32
   // accumulator (micro-batches > 1); two each in delayed mode (by step parity).

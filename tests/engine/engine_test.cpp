@@ -187,35 +187,52 @@ std::string placement_name(const PlacementCase& p) {
   return std::string(tier_name(p.params)) + "_" + std::string(tier_name(p.optimizer));
 }
 
+// Optimizer state on the device is stepped by the device's Adam kernel from the fp32
+// gradient it keeps there, so it joins the comparison when gradients reach the host in
+// fp32 too; with bf16 transfers (the default) the host tiers are compared.
+struct TransferCase {
+  DType transfer;
+  std::vector<PlacementCase> placements;
+};
+
 TEST(EngineTest, WhereStateLivesDoesNotChangeABit) {
   testing::TempDir dir;
-  for (int world : {1, 4}) {
-    std::map<std::string, EngineRun> runs;
-    for (PlacementCase placement : {PlacementCase{Tier::kPinned, Tier::kPinned}, PlacementCase{Tier::kPinned, Tier::kNvme},
-                                    PlacementCase{Tier::kDevice, Tier::kPinned}, PlacementCase{Tier::kNvme, Tier::kPinned},
-                                    PlacementCase{Tier::kNvme, Tier::kNvme}, PlacementCase{Tier::kHost, Tier::kHost}}) {
-      RunSpec spec;
-      spec.model = small_model();
-      spec.world = world;
-      spec.steps = 10;
-      EngineOptions options;  // bf16 parameters and transfers, the defaults
-      options.param_tier = placement.params;
-      options.optimizer_tier = placement.optimizer;
-      options.pin_memory = placement.params != Tier::kHost;
-      options.nvme_path = (dir.path() / ("nvme-" + placement_name(placement) + "-" + std::to_string(world))).string();
-      options.adam.lr = 1e-2;
-      options.adam.weight_decay = 0.01;
-      options.gradient_clipping = 1.0f;
-      options.optimizer_threads = 1;
-      runs[placement_name(placement)] = run_engine(options, spec);
-      ASSERT_TRUE(runs[placement_name(placement)].status.ok())
-          << placement_name(placement) << " world " << world << ": " << runs[placement_name(placement)].status.to_string();
-    }
-    const EngineRun& reference = runs.begin()->second;
-    for (const auto& [name, run] : runs) {
-      for (size_t g = 0; g < run.masters.size(); ++g)
-        EXPECT_EQ(std::memcmp(run.masters[g].data(), reference.masters[g].data(), run.masters[g].size() * 4), 0)
-            << name << " vs " << runs.begin()->first << " group " << g << " world " << world;
+  const std::vector<PlacementCase> host_tiers = {{Tier::kPinned, Tier::kPinned}, {Tier::kPinned, Tier::kNvme},
+                                                 {Tier::kDevice, Tier::kPinned}, {Tier::kNvme, Tier::kPinned},
+                                                 {Tier::kNvme, Tier::kNvme},     {Tier::kHost, Tier::kHost}};
+  std::vector<PlacementCase> all_tiers = host_tiers;
+  for (PlacementCase extra : {PlacementCase{Tier::kDevice, Tier::kDevice}, PlacementCase{Tier::kPinned, Tier::kDevice},
+                              PlacementCase{Tier::kNvme, Tier::kDevice}})
+    all_tiers.push_back(extra);
+  for (const TransferCase& transfer : {TransferCase{DType::kBFloat16, host_tiers}, TransferCase{DType::kFloat32, all_tiers}}) {
+    for (int world : {1, 4}) {
+      std::map<std::string, EngineRun> runs;
+      for (PlacementCase placement : transfer.placements) {
+        RunSpec spec;
+        spec.model = small_model();
+        spec.world = world;
+        spec.steps = 10;
+        EngineOptions options;  // bf16 parameters
+        options.grad_transfer_dtype = transfer.transfer;
+        options.param_tier = placement.params;
+        options.optimizer_tier = placement.optimizer;
+        options.pin_memory = placement.params != Tier::kHost;
+        options.nvme_path = (dir.path() / ("nvme-" + placement_name(placement) + "-" + std::to_string(world))).string();
+        options.adam.lr = 1e-2;
+        options.adam.weight_decay = 0.01;
+        options.gradient_clipping = 1.0f;
+        options.optimizer_threads = 1;
+        runs[placement_name(placement)] = run_engine(options, spec);
+        ASSERT_TRUE(runs[placement_name(placement)].status.ok())
+            << placement_name(placement) << " world " << world << ": " << runs[placement_name(placement)].status.to_string();
+      }
+      const EngineRun& reference = runs.begin()->second;
+      for (const auto& [name, run] : runs) {
+        for (size_t g = 0; g < run.masters.size(); ++g)
+          EXPECT_EQ(std::memcmp(run.masters[g].data(), reference.masters[g].data(), run.masters[g].size() * 4), 0)
+              << name << " vs " << runs.begin()->first << " group " << g << " world " << world << " transfer "
+              << dtype_name(transfer.transfer);
+      }
     }
   }
 }
