@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -398,6 +400,48 @@ TEST(EngineTest, TheNextGroupIsFetchedBeforeComputeOfThisOneEnds) {
       EXPECT_LT(read->begin, c.end) << "step " << step << " group " << g;
     }
   }
+}
+
+TEST(EngineTest, WritesMetricsLinesAndAChromeTrace) {
+  testing::TempDir dir;
+  RunSpec spec;
+  spec.model = small_model();
+  spec.world = 2;
+  spec.steps = 3;
+  EngineOptions options;
+  options.param_tier = Tier::kNvme;
+  options.optimizer_tier = Tier::kNvme;
+  options.nvme_path = (dir.path() / "nvme").string();
+  options.metrics_path = (dir.path() / "metrics.jsonl").string();
+  options.trace_path = (dir.path() / "trace.json").string();
+  EngineRun run = run_engine(options, spec);
+  STRATA_ASSERT_OK(run.status);
+  std::ifstream metrics(options.metrics_path);
+  std::string line;
+  int lines = 0;
+  while (std::getline(metrics, line)) {
+    const auto record = nlohmann::json::parse(line);
+    ++lines;
+    EXPECT_EQ(record["step"].get<int>(), lines);
+    EXPECT_GT(record["step_seconds"].get<double>(), 0.0);
+    for (const char* stage : {"compute", "nvme_read", "nvme_write", "h2d", "allgather", "reduce_scatter", "d2h", "optimizer"})
+      EXPECT_TRUE(record["busy_seconds"].contains(stage)) << stage;
+    EXPECT_GT(record["busy_seconds"]["nvme_read"].get<double>(), 0.0);
+    EXPECT_GT(record["busy_seconds"]["allgather"].get<double>(), 0.0);
+    EXPECT_GT(record["busy_seconds"]["reduce_scatter"].get<double>(), 0.0);
+    EXPECT_LE(record["device_high_water_bytes"].get<size_t>(), record["device_budget_bytes"].get<size_t>());
+    EXPECT_GT(record["nvme_bytes_read"].get<uint64_t>(), 0u);
+    EXPECT_GT(record["nvme_bytes_written"].get<uint64_t>(), 0u);
+    EXPECT_GT(record["pinned_bytes"].get<size_t>(), 0u);
+  }
+  EXPECT_EQ(lines, spec.steps);
+  std::ifstream trace_file(options.trace_path);
+  const auto trace = nlohmann::json::parse(trace_file);
+  std::map<std::string, int> slices_per_track;
+  for (const auto& event : trace["traceEvents"])
+    if (event["ph"] == "X") ++slices_per_track[event["cat"].get<std::string>()];
+  for (const char* stage : {"compute", "nvme_read", "nvme_write", "h2d", "allgather", "reduce_scatter", "d2h", "optimizer"})
+    EXPECT_GT(slices_per_track[stage], 0) << stage;
 }
 
 TEST(EngineTest, MisuseGetsClearErrors) {
