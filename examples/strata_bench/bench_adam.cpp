@@ -31,7 +31,7 @@ namespace strata::bench {
 namespace {
 
 constexpr const char* kUsage =
-    "usage: strata-bench adam [--params N] [--threads T] [--grad-dtype bf16|fp16|fp32] [--param-dtype bf16|fp16|fp32|none]\n"
+    "usage: strata-bench adam [--params N] [--threads T (0 = all cores)] [--grad-dtype bf16|fp16|fp32] [--param-dtype bf16|fp16|fp32|none]\n"
     "                         [--moment-dtype fp32|bf16] [--state memory|nvme] [--nvme-path DIR] [--isa avx512|avx2|scalar]\n"
     "                         [--group-params G] [--steps S] [--warmup W] [--chunk-elements C]\n"
     "                         [--param-stores streaming|cached] [--state-stores cached|streaming] [--no-avx512-bf16]\n"
@@ -72,7 +72,7 @@ class HostArray {
 
 struct Config {
   int64_t params = int64_t{64} << 20;
-  int threads = 2;
+  int threads = 0;  // 0 = every core this process may use
   DType grad_type = DType::kBFloat16;
   bool write_param = true;
   DType param_type = DType::kBFloat16;
@@ -140,7 +140,7 @@ StatusOr<Config> parse_config(int argc, char** argv) {
   c.checksums = !args.flag("no-checksums");
   c.json = args.flag("json");
   if (c.params < 1) return InvalidArgumentError("--params must be >= 1");
-  if (c.threads < 1) return InvalidArgumentError("--threads must be >= 1");
+  if (c.threads < 0) return InvalidArgumentError("--threads must be >= 0 (0 = every core)");
   if (c.group_params < 1) return InvalidArgumentError("--group-params must be >= 1");
   if (c.steps < 1 || c.warmup < 0) return InvalidArgumentError("--steps must be >= 1 and --warmup >= 0");
   if (c.moment_type == DType::kFloat16) return InvalidArgumentError("--moment-dtype must be fp32 or bf16");

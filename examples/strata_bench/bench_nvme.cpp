@@ -3,6 +3,7 @@
 //
 //   strata-bench nvme --nvme-path D --size-mib M --block-kib B --queue-depth Q
 //                     [--engine io_uring|psync] [--no-checksums] [--sqpoll] [--json]
+//                     [--no-huge-pages] [--unregistered]
 //
 // Compare with fio on the same directory:
 //   fio --name=x --directory=D --direct=1 --ioengine=io_uring --bs=1M --iodepth=32 --size=1G --rw=write
@@ -31,7 +32,8 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: strata-bench nvme --nvme-path DIR [--size-mib M=1024] [--block-kib B=1024] [--queue-depth Q=32]\n"
-    "                         [--engine io_uring|psync] [--no-checksums] [--sqpoll] [--json]\n";
+    "                         [--engine io_uring|psync] [--no-checksums] [--sqpoll] [--json]\n"
+    "                         [--no-huge-pages] [--unregistered]   (to see what huge pages and fixed buffers bring)\n";
 
 // Word j of the data: a counter-based hash, so the pattern can be regenerated to verify.
 inline uint64_t pattern_word(uint64_t index) {
@@ -81,7 +83,7 @@ Status run(const Args& args) {
   const size_t block = static_cast<size_t>(block_kib) << 10;
 
   // The data: one pinned buffer, registered with the engine, filled before timing.
-  STRATA_ASSIGN_OR_RETURN(auto arena, PinnedArena::create({.bytes = bytes}));
+  STRATA_ASSIGN_OR_RETURN(auto arena, PinnedArena::create({.bytes = bytes, .try_huge_pages = !args.flag("no-huge-pages")}));
   STRATA_ASSIGN_OR_RETURN(PinnedBuffer data, arena->allocate(bytes, "nvme bench data"));
   auto* words = data.as<uint64_t>();
   for (size_t j = 0; j < bytes / 8; ++j) words[j] = pattern_word(j);
@@ -103,7 +105,10 @@ Status run(const Args& args) {
     return UnavailableError("asked for the " + std::string(io_engine_kind_name(engine_kind)) + " engine, got " +
                             std::string(store->io_engine().name()));
   }
-  STRATA_ASSIGN_OR_RETURN(const bool registered, store->io_engine().register_buffers(*arena));
+  bool registered = false;
+  if (!args.flag("unregistered")) {
+    STRATA_ASSIGN_OR_RETURN(registered, store->io_engine().register_buffers(*arena));
+  }
   STRATA_ASSIGN_OR_RETURN(NvmeExtent extent, store->allocate("nvme bench", bytes));
 
   STRATA_ASSIGN_OR_RETURN(const double write_seconds,
@@ -153,7 +158,7 @@ Status run(const Args& args) {
 
 int run_nvme(int argc, char** argv) {
   StatusOr<Args> args = Args::parse(argc, argv, {"nvme-path", "size-mib", "block-kib", "queue-depth", "engine"},
-                                    {"json", "no-checksums", "sqpoll", "help"});
+                                    {"json", "no-checksums", "sqpoll", "no-huge-pages", "unregistered", "help"});
   if (!args.ok()) {
     std::fprintf(stderr, "%s", kUsage);
     return report_failure("nvme", args.status());

@@ -1,7 +1,13 @@
 #include "offload/io_engine.h"
 
 #include <fcntl.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <unistd.h>
+
+#include <cstddef>
 
 #include <atomic>
 #include <deque>
@@ -10,6 +16,7 @@
 #include <tuple>
 #include <vector>
 
+#include "engine/core/log.h"
 #include "tests/offload/offload_test_util.h"
 #include "tests/support/test_support.h"
 
@@ -52,6 +59,8 @@ StatusOr<std::unique_ptr<IoEngine>> make_engine(IoEngineKind kind, unsigned queu
 
 enum class BufferKind { kRegistered, kUnregistered };
 enum class FileMode { kDirect, kBuffered };
+
+bool contains_text(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 std::string engine_label(IoEngineKind kind) { return std::string(io_engine_kind_name(kind)); }
 
@@ -331,6 +340,58 @@ TEST(IoEngineTest, AutoPicksIoUringWhereAvailableAndPsyncWhenForced) {
   STRATA_ASSERT_OK_AND_ASSIGN(auto automatic, make_engine(IoEngineKind::kAuto));
   auto uring = make_engine(IoEngineKind::kIoUring);
   EXPECT_EQ(automatic->kind(), uring.ok() ? IoEngineKind::kIoUring : IoEngineKind::kPsync);
+}
+
+// Where the kernel refuses io_uring (here: a seccomp filter in a child makes
+// io_uring_setup fail with ENOSYS, as on kernels without it), kAuto falls back to the
+// pool and says so once per process; kIoUring is an error naming the reason.
+TEST(IoEngineTest, FallsBackToThePoolWhereIoUringIsRefused) {
+  testing::TempDir dir;
+  std::string child_stderr;
+  const std::string result = testing::run_in_child(
+      [&]() -> std::string {
+        set_log_level(LogLevel::kInfo);
+        sock_filter filter[] = {
+            BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(seccomp_data, nr)),
+            BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_setup, 0, 1),
+            BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (ENOSYS & SECCOMP_RET_DATA)),
+            BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+        };
+        sock_fprog program{static_cast<unsigned short>(sizeof(filter) / sizeof(filter[0])), filter};
+        if (::prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 ||
+            ::syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &program) != 0) {
+          return std::string("skip: seccomp: ") + std::strerror(errno);
+        }
+        auto forced = make_engine(IoEngineKind::kIoUring);
+        std::string report = forced.ok() ? "io_uring created" : forced.status().to_string();
+        for (int i = 0; i < 2; ++i) {
+          auto automatic = make_engine(IoEngineKind::kAuto);
+          if (!automatic.ok()) return "auto failed: " + automatic.status().to_string();
+          report += "\nauto is " + std::string((*automatic)->name());
+          const std::string path = dir.str() + "/fallback" + std::to_string(i);
+          const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+          auto file = (*automatic)->register_file(fd, path);
+          char out[100] = "fallback data";
+          char in[100] = {};
+          auto write = (*automatic)->submit({IoOp::kWrite, *file, out, sizeof(out), 0, nullptr});
+          Status written = write.ok() ? (*automatic)->wait(*write) : write.status();
+          auto read = (*automatic)->submit({IoOp::kRead, *file, in, sizeof(in), 0, nullptr});
+          Status got = read.ok() ? (*automatic)->wait(*read) : read.status();
+          report += written.ok() && got.ok() && std::string(in) == "fallback data" ? " round trip ok" : " round trip failed";
+          ::close(fd);
+        }
+        return report;
+      },
+      &child_stderr);
+  if (result.rfind("skip: ", 0) == 0) GTEST_SKIP() << result;
+  EXPECT_TRUE(contains_text(result, "UNAVAILABLE: io_uring_queue_init(8) failed: Function not implemented")) << result;
+  EXPECT_TRUE(contains_text(result, "\nauto is psync round trip ok\nauto is psync round trip ok")) << result;
+  size_t notes = 0;
+  for (size_t at = child_stderr.find("io_uring unavailable"); at != std::string::npos;
+       at = child_stderr.find("io_uring unavailable", at + 1)) {
+    ++notes;
+  }
+  EXPECT_EQ(notes, 1u) << child_stderr;
 }
 
 // SQPOLL: a kernel thread consumes the submission queue; the round trip is unchanged.

@@ -204,6 +204,7 @@ TEST(LrScheduleTest, ValidationNamesTheParameter) {
   SchedulerConfig cosine;
   cosine.type = SchedulerType::kWarmupCosineLR;
   cosine.total_num_steps = 10;
+  cosine.warmup_num_steps = 5;
   cosine.cos_min_ratio = 1.5;
   expect_invalid(cosine, 1.0, "scheduler.params.cos_min_ratio = 1.5");
   cosine.cos_min_ratio = 0.1;
