@@ -1,0 +1,768 @@
+#include "examples/gpt/gpt_model.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <iomanip>
+#include <sstream>
+
+#include "kernels/cast.h"
+#include "kernels/transformer_ops.h"
+
+namespace strata::gpt {
+namespace {
+
+constexpr size_t kSubBufferAlignment = 256;
+// cuBLAS's workspace: 4 MiB serves GEMMs of this size class; it comes out of the device budget.
+constexpr size_t kCudaBlasWorkspaceBytes = size_t{4} << 20;
+constexpr size_t kHeadChunkTargetBytes = size_t{32} << 20;
+
+size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+std::string bytes_text(size_t bytes) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1);
+  if (bytes >= (size_t{1} << 30)) out << double(bytes) / double(size_t{1} << 30) << " GiB";
+  else if (bytes >= (size_t{1} << 20)) out << double(bytes) / double(size_t{1} << 20) << " MiB";
+  else if (bytes >= 1024) out << double(bytes) / 1024.0 << " KiB";
+  else out << bytes << " B";
+  return out.str();
+}
+
+// What the device's allocator reserves for a request of `bytes` (CpuDevice: 256-byte
+// granules, 4 KiB from 1 MiB up; CudaDevice: its caching allocator's block sizes), so the
+// declared activation bytes match what the budget is charged.
+size_t device_reservation(size_t bytes, DeviceKind kind) {
+  if (bytes == 0) return 0;
+  if (kind == DeviceKind::kCpu) return round_up(bytes, bytes >= (size_t{1} << 20) ? 4096 : 256);
+  constexpr size_t kMinBlock = 512;
+  constexpr size_t kMaxGranule = size_t{2} << 20;
+  if (bytes <= kMinBlock) return kMinBlock;
+  const size_t granule = std::clamp(std::bit_floor(bytes) / 8, kMinBlock, kMaxGranule);
+  return round_up(bytes, granule);
+}
+
+// Block tensor indices, in registration order.
+enum BlockTensor : int {
+  kLn1Weight, kLn1Bias, kAttnWeight, kAttnBias, kAttnProjWeight, kAttnProjBias,
+  kLn2Weight, kLn2Bias, kFcWeight, kFcBias, kMlpProjWeight, kMlpProjBias, kBlockTensorCount
+};
+
+struct PresetEntry {
+  const char* name;
+  GptConfig config;
+};
+
+constexpr PresetEntry kPresets[] = {
+    {"tiny", {2, 2, 64, 64, 256}},
+    {"small-demo", {4, 4, 128, 128, 256}},
+    {"gpt2", {12, 12, 768, 1024, 50257}},
+    {"gpt2-medium", {24, 16, 1024, 1024, 50257}},
+    {"gpt2-large", {36, 20, 1280, 1024, 50257}},
+    {"gpt2-xl", {48, 25, 1600, 1024, 50257}},
+    {"gpt-2.7b", {32, 32, 2560, 2048, 50257}},
+    {"gpt-6.7b", {32, 32, 4096, 2048, 50257}},
+    {"gpt-13b", {40, 40, 5120, 2048, 50257}},
+};
+
+}  // namespace
+
+// =====================================================================================
+// Shapes, groups, names
+// =====================================================================================
+
+StatusOr<GptConfig> gpt_preset(std::string_view name) {
+  for (const auto& preset : kPresets)
+    if (name == preset.name) return preset.config;
+  std::string names;
+  for (const auto& preset : kPresets) names += std::string(names.empty() ? "" : ", ") + preset.name;
+  return NotFoundError("unknown model preset \"" + std::string(name) + "\"; known presets: " + names);
+}
+
+std::vector<std::string> gpt_preset_names() {
+  std::vector<std::string> names;
+  for (const auto& preset : kPresets) names.emplace_back(preset.name);
+  return names;
+}
+
+Status validate_gpt_config(const GptConfig& c) {
+  std::vector<std::string> problems;
+  auto positive = [&](const char* name, int64_t value) {
+    if (value <= 0) problems.push_back(std::string(name) + " must be positive, got " + std::to_string(value));
+  };
+  positive("n_layer", c.n_layer);
+  positive("n_head", c.n_head);
+  positive("n_embd", c.n_embd);
+  positive("n_ctx", c.n_ctx);
+  positive("vocab_size", c.vocab_size);
+  if (c.n_head > 0 && c.n_embd > 0 && c.n_embd % c.n_head != 0)
+    problems.push_back("n_embd (" + std::to_string(c.n_embd) + ") must be a multiple of n_head (" + std::to_string(c.n_head) + ")");
+  if (c.vocab_size > (int64_t{1} << 31) - 1) problems.push_back("vocab_size must fit int32 token ids");
+  if (problems.empty()) return {};
+  std::string message = "GPT config: ";
+  for (size_t i = 0; i < problems.size(); ++i) message += (i ? "; " : "") + problems[i];
+  return InvalidArgumentError(message);
+}
+
+int64_t gpt_parameter_count(const GptConfig& c) {
+  const int64_t C = c.n_embd;
+  const int64_t block = 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + 2 * C + (C * 4 * C + 4 * C) + (4 * C * C + C);
+  return c.vocab_size * C + c.n_ctx * C + c.n_layer * block + 2 * C;
+}
+
+std::string describe_gpt_config(const GptConfig& c) {
+  std::ostringstream out;
+  out << c.n_layer << " layers, " << c.n_head << " heads, " << c.n_embd << " wide, context " << c.n_ctx << ", vocabulary "
+      << c.vocab_size << " (" << std::fixed << std::setprecision(2) << double(gpt_parameter_count(c)) / 1e6 << "M parameters)";
+  return out.str();
+}
+
+std::vector<GroupSpec> gpt_group_specs(const GptConfig& c) {
+  const int64_t C = c.n_embd;
+  const float std_dev = 0.02f;
+  const float projection_std = 0.02f / std::sqrt(2.0f * static_cast<float>(c.n_layer));
+  std::vector<GroupSpec> groups;
+  groups.push_back({"wte",
+                    {{"wte.weight", {c.vocab_size, C}, TensorInit::normal(std_dev), false},
+                     {"wpe.weight", {c.n_ctx, C}, TensorInit::normal(std_dev), false}}});
+  for (int64_t l = 0; l < c.n_layer; ++l) {
+    GroupSpec block;
+    block.name = "h." + std::to_string(l);
+    block.tensors = {
+        {"ln_1.weight", {C}, TensorInit::ones(), false},
+        {"ln_1.bias", {C}, TensorInit::zeros(), false},
+        {"attn.c_attn.weight", {C, 3 * C}, TensorInit::normal(std_dev), true},
+        {"attn.c_attn.bias", {3 * C}, TensorInit::zeros(), false},
+        {"attn.c_proj.weight", {C, C}, TensorInit::normal(projection_std), true},
+        {"attn.c_proj.bias", {C}, TensorInit::zeros(), false},
+        {"ln_2.weight", {C}, TensorInit::ones(), false},
+        {"ln_2.bias", {C}, TensorInit::zeros(), false},
+        {"mlp.c_fc.weight", {C, 4 * C}, TensorInit::normal(std_dev), true},
+        {"mlp.c_fc.bias", {4 * C}, TensorInit::zeros(), false},
+        {"mlp.c_proj.weight", {4 * C, C}, TensorInit::normal(projection_std), true},
+        {"mlp.c_proj.bias", {C}, TensorInit::zeros(), false},
+    };
+    groups.push_back(std::move(block));
+  }
+  groups.push_back({"ln_f", {{"ln_f.weight", {C}, TensorInit::ones(), false}, {"ln_f.bias", {C}, TensorInit::zeros(), false}}});
+  return groups;
+}
+
+std::vector<int> gpt_schedule(const GptConfig& c) {
+  const int layers = static_cast<int>(c.n_layer);
+  std::vector<int> uses;
+  uses.push_back(kEmbeddingGroup);
+  for (int l = 0; l < layers; ++l) uses.push_back(block_group(l));
+  uses.push_back(final_norm_group(c));
+  uses.push_back(kEmbeddingGroup);  // the LM head, forward and backward
+  for (int l = layers - 1; l >= 0; --l) uses.push_back(block_group(l));
+  return uses;
+}
+
+std::string hf_tensor_name(std::string_view group_name, std::string_view tensor_name) {
+  if (group_name.rfind("h.", 0) == 0) return std::string(group_name) + "." + std::string(tensor_name);
+  return std::string(tensor_name);
+}
+
+std::string hf_tensor_name(const GroupLayout& group, const TensorLayout& tensor) { return hf_tensor_name(group.name, tensor.name); }
+
+std::string_view activation_checkpointing_name(ActivationCheckpointing mode) {
+  switch (mode) {
+    case ActivationCheckpointing::kOff: return "off";
+    case ActivationCheckpointing::kDevice: return "device";
+    case ActivationCheckpointing::kPinnedHost: return "pinned";
+  }
+  return "?";
+}
+
+DType gpt_compute_dtype(DType param_dtype, DeviceKind device) {
+  return device == DeviceKind::kCuda && param_dtype == DType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+}
+
+// =====================================================================================
+// The activation layout: one device buffer, carved into aligned sub-buffers
+// =====================================================================================
+
+// Offsets (bytes) of one block's working activations.
+struct ActsLayout {
+  size_t ln1, mean1, rstd1, qkv, att, lse, x2, ln2, mean2, rstd2, fc, gelu;
+};
+
+struct DeviceLayout {
+  size_t total = 0;
+  std::deque<std::pair<std::string, size_t>> lines;  // a deque: add() keeps pointers to its entries
+  int64_t rows = 0, eval_rows = 0, act_rows = 0, chunk_rows = 0;
+  size_t tokens = 0, targets = 0, eval_tokens = 0, eval_targets = 0;
+  std::vector<size_t> resid;        // block inputs (+ the final residual)
+  std::vector<ActsLayout> acts;     // per block (kOff; + one for evaluation) or one shared set
+  size_t eval_resid = 0;
+  size_t dresid = 0, grad_wide = 0, grad_narrow = 0;
+  size_t lnf_out = 0, lnf_mean = 0, lnf_rstd = 0, lnf_gamma = 0;
+  size_t logits = 0, losses = 0, eval_losses = 0;
+  size_t attention_workspace = 0, attention_workspace_bytes = 0;
+  size_t param_scratch = 0, param_scratch_bytes = 0;
+  size_t pinned_slot_bytes = 0;
+  int pinned_slots = 0;
+
+  // Carves `bytes` off the end, counting them in the line `line_total` points at.
+  size_t add(size_t bytes, size_t* line_total) {
+    const size_t offset = total;
+    const size_t reserved = round_up(std::max<size_t>(bytes, 1), kSubBufferAlignment);
+    total += reserved;
+    *line_total += reserved;
+    return offset;
+  }
+};
+
+StatusOr<DeviceLayout> make_layout(const GptModelOptions& options, DeviceKind kind) {
+  const DType param_dtype = options.param_dtype;
+  const GptConfig& c = options.config;
+  STRATA_RETURN_IF_ERROR(validate_gpt_config(c));
+  const int64_t T = options.seq_len > 0 ? options.seq_len : c.n_ctx;
+  if (T > c.n_ctx) return InvalidArgumentError("seq_len (" + std::to_string(T) + ") is longer than n_ctx (" + std::to_string(c.n_ctx) + ")");
+  if (options.batch < 1) return InvalidArgumentError("GPT model: batch must be at least 1 sequence per rank, got " + std::to_string(options.batch));
+  if (options.eval_batch < 0) return InvalidArgumentError("GPT model: eval_batch must be >= 0");
+  if (options.head_chunk_rows < 0) return InvalidArgumentError("GPT model: head_chunk_rows must be >= 0");
+  const DType compute = gpt_compute_dtype(param_dtype, kind);
+  const size_t cs = dtype_size(compute);
+  const size_t C = static_cast<size_t>(c.n_embd), V = static_cast<size_t>(c.vocab_size);
+  const size_t L = static_cast<size_t>(c.n_layer), H = static_cast<size_t>(c.n_head);
+
+  DeviceLayout d;
+  d.rows = options.batch * T;
+  d.eval_rows = options.eval_batch * T;
+  // Evaluation runs in chunks of at most `batch` sequences, so it needs no larger
+  // activations than training: only its own residual stream.
+  d.act_rows = d.rows;
+  const size_t rows = static_cast<size_t>(d.rows), erows = static_cast<size_t>(d.eval_rows), arows = static_cast<size_t>(d.act_rows);
+  int64_t chunk = options.head_chunk_rows;
+  if (chunk == 0) chunk = static_cast<int64_t>(std::max<size_t>(1, kHeadChunkTargetBytes / (V * cs)));
+  d.chunk_rows = std::min<int64_t>(chunk, d.act_rows);
+
+  auto line = [&](const std::string& what) -> size_t* {
+    d.lines.emplace_back(what, 0);
+    return &d.lines.back().second;
+  };
+  size_t* l_inputs = line("token ids and targets");
+  d.tokens = d.add(rows * 4, l_inputs);
+  d.targets = d.add(rows * 4, l_inputs);
+  if (erows > 0) {
+    d.eval_tokens = d.add(erows * 4, l_inputs);
+    d.eval_targets = d.add(erows * 4, l_inputs);
+  }
+  const bool pinned = options.checkpointing == ActivationCheckpointing::kPinnedHost;
+  const size_t resid_slots = pinned ? 2 : L + 1;
+  size_t* l_resid = line(pinned ? "residual stream (2 buffers; block inputs in pinned memory)"
+                                : "block inputs (" + std::to_string(L) + " + the final residual)");
+  for (size_t i = 0; i < resid_slots; ++i) d.resid.push_back(d.add(rows * C * cs, l_resid));
+  if (pinned && L > 1) {
+    d.pinned_slots = static_cast<int>(L - 1);
+    d.pinned_slot_bytes = round_up(rows * C * cs, 4096);
+  }
+  const bool keep_all = options.checkpointing == ActivationCheckpointing::kOff;
+  const size_t act_sets = keep_all ? L + (erows > 0 ? 1 : 0) : 1;
+  size_t* l_acts = line(keep_all ? "block activations (" + std::to_string(act_sets) + " sets)" : "block activations (1 set, recomputed in backward)");
+  const size_t T_size = static_cast<size_t>(T);
+  for (size_t s = 0; s < act_sets; ++s) {
+    const size_t r = arows;
+    const size_t seqs = r / T_size;
+    ActsLayout a{};
+    a.ln1 = d.add(r * C * cs, l_acts);
+    a.mean1 = d.add(r * 4, l_acts);
+    a.rstd1 = d.add(r * 4, l_acts);
+    a.qkv = d.add(r * 3 * C * cs, l_acts);
+    a.att = d.add(r * C * cs, l_acts);
+    a.lse = d.add(seqs * H * T_size * 4, l_acts);
+    a.x2 = d.add(r * C * cs, l_acts);
+    a.ln2 = d.add(r * C * cs, l_acts);
+    a.mean2 = d.add(r * 4, l_acts);
+    a.rstd2 = d.add(r * 4, l_acts);
+    a.fc = d.add(r * 4 * C * cs, l_acts);
+    a.gelu = d.add(r * 4 * C * cs, l_acts);
+    d.acts.push_back(a);
+  }
+  if (erows > 0) d.eval_resid = d.add(erows * C * cs, line("evaluation residual stream"));
+  size_t* l_grads = line("activation gradients");
+  d.dresid = d.add(rows * C * cs, l_grads);
+  d.grad_wide = d.add(rows * 4 * C * cs, l_grads);
+  d.grad_narrow = d.add(rows * C * cs, l_grads);
+  size_t* l_head = line("ln_f and LM head (" + std::to_string(d.chunk_rows) + "-row logits chunks)");
+  d.lnf_out = d.add(rows * C * cs, l_head);
+  d.lnf_mean = d.add(rows * 4, l_head);
+  d.lnf_rstd = d.add(rows * 4, l_head);
+  d.lnf_gamma = d.add(2 * C * cs, l_head);
+  d.logits = d.add(static_cast<size_t>(d.chunk_rows) * V * cs, l_head);
+  d.losses = d.add(rows * 4, l_head);
+  if (erows > 0) d.eval_losses = d.add(erows * 4, l_head);
+  {
+    kernels::AttentionShape train{static_cast<size_t>(options.batch), T_size, H, C / H};
+    d.attention_workspace_bytes = kernels::attention_workspace_bytes(train, compute, kind);
+    if (d.attention_workspace_bytes > 0)
+      d.attention_workspace = d.add(d.attention_workspace_bytes, line("attention workspace"));
+  }
+  if (param_dtype != compute) {
+    size_t max_numel = 0;
+    for (const auto& spec : gpt_group_specs(c)) {
+      STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, 1));
+      max_numel = std::max(max_numel, layout.numel);
+    }
+    d.param_scratch_bytes = max_numel * cs;
+    d.param_scratch = d.add(d.param_scratch_bytes,
+                            line(std::string(dtype_name(compute)) + " copy of the gathered group (parameters are " +
+                                 std::string(dtype_name(param_dtype)) + ")"));
+  }
+  return d;
+}
+
+std::string GptActivationPlan::text() const {
+  std::ostringstream out;
+  out << "GPT activations (" << dtype_name(compute_dtype) << "): " << bytes_text(device_bytes) << " on the device";
+  if (pinned_bytes > 0) out << ", " << bytes_text(pinned_bytes) << " pinned";
+  out << "\n";
+  for (const auto& [what, bytes] : lines) out << "  " << what << " = " << bytes_text(bytes) << "\n";
+  return out.str();
+}
+
+StatusOr<GptActivationPlan> plan_gpt_activations(const GptModelOptions& options, DeviceKind device) {
+  STRATA_ASSIGN_OR_RETURN(DeviceLayout layout, make_layout(options, device));
+  GptActivationPlan plan;
+  plan.compute_dtype = gpt_compute_dtype(options.param_dtype, device);
+  plan.head_chunk_rows = layout.chunk_rows;
+  plan.lines.assign(layout.lines.begin(), layout.lines.end());
+  plan.device_bytes = device_reservation(layout.total, device);
+  if (device == DeviceKind::kCuda) {
+    plan.device_bytes += device_reservation(kCudaBlasWorkspaceBytes, device);
+    plan.lines.emplace_back("cuBLAS workspace", kCudaBlasWorkspaceBytes);
+  }
+  plan.pinned_bytes = static_cast<size_t>(layout.pinned_slots) * layout.pinned_slot_bytes;
+  return plan;
+}
+
+// =====================================================================================
+// The model
+// =====================================================================================
+
+struct GptModel::BlockActs {
+  void *ln1, *qkv, *att, *x2, *ln2, *fc, *gelu;
+  float *mean1, *rstd1, *lse, *mean2, *rstd2;
+};
+
+struct GptModel::Buffers {
+  DeviceLayout layout;
+  DeviceBuffer arena;
+  std::unique_ptr<PinnedArena> pinned_arena;
+  std::vector<PinnedBuffer> pinned;  // block inputs 0 .. L-2 (kPinnedHost)
+  std::unique_ptr<Stream> copy_stream;
+  std::unique_ptr<Event> input_ready, slot_free;
+  std::unique_ptr<Event> saved[2], restored[2];
+  std::vector<int32_t> host_tokens, host_targets, host_eval_tokens, host_eval_targets;
+  std::vector<float> host_losses, host_eval_losses;
+
+  void* at(size_t offset) const { return static_cast<char*>(arena.data()) + offset; }
+  BlockActs acts(size_t set) const {
+    const ActsLayout& a = layout.acts[set];
+    return {at(a.ln1), at(a.qkv), at(a.att), at(a.x2), at(a.ln2), at(a.fc), at(a.gelu),
+            static_cast<float*>(at(a.mean1)), static_cast<float*>(at(a.rstd1)), static_cast<float*>(at(a.lse)),
+            static_cast<float*>(at(a.mean2)), static_cast<float*>(at(a.rstd2))};
+  }
+};
+
+GptModel::GptModel(Engine& engine, const GptModelOptions& options) : engine_(engine), options_(options) {}
+
+GptModel::~GptModel() {
+  // Buffers must not be freed while the streams still use them; an error here was
+  // already reported by the call that enqueued the work (or is the engine's to report).
+  if (buffers_ && buffers_->copy_stream) (void)buffers_->copy_stream->synchronize();
+  if (buffers_ && !buffers_->arena.empty()) (void)engine_.compute_stream().synchronize();
+}
+
+StatusOr<std::unique_ptr<GptModel>> GptModel::create(Engine& engine, const GptModelOptions& options) {
+  GptModelOptions resolved = options;
+  if (resolved.seq_len == 0) resolved.seq_len = resolved.config.n_ctx;
+  // Validates the shapes now (allocate() plans for the engine's device).
+  STRATA_RETURN_IF_ERROR(make_layout(resolved, DeviceKind::kCpu).status());
+  std::unique_ptr<GptModel> model(new GptModel(engine, resolved));
+  const auto specs = gpt_group_specs(resolved.config);
+  for (size_t g = 0; g < specs.size(); ++g) {
+    STRATA_ASSIGN_OR_RETURN(int id, engine.register_group(specs[g]));
+    if (id != static_cast<int>(g))
+      return FailedPreconditionError("GPT model: the engine gave group " + specs[g].name + " id " + std::to_string(id) + ", expected " +
+                                     std::to_string(g) + " (register the model's groups first)");
+  }
+  STRATA_RETURN_IF_ERROR(engine.declare_schedule(gpt_schedule(resolved.config)));
+  return model;
+}
+
+Status GptModel::allocate() {
+  if (buffers_) return FailedPreconditionError("GptModel::allocate() called twice");
+  Device& device = engine_.device();
+  STRATA_ASSIGN_OR_RETURN(plan_, plan_gpt_activations(options_, device.kind()));
+  auto buffers = std::make_unique<Buffers>();
+  STRATA_ASSIGN_OR_RETURN(buffers->layout, make_layout(options_, device.kind()));
+  kernels::BlasOptions blas_options;
+  blas_options.cuda_workspace_bytes = kCudaBlasWorkspaceBytes;
+  STRATA_ASSIGN_OR_RETURN(kernels::BlasContext blas, kernels::BlasContext::create(device, blas_options));
+  blas_ = std::make_unique<kernels::BlasContext>(std::move(blas));
+  STRATA_ASSIGN_OR_RETURN(buffers->arena, device.allocate(buffers->layout.total, "GPT activations"));
+  const DeviceLayout& d = buffers->layout;
+  if (d.pinned_slots > 0) {
+    PinnedArenaOptions arena_options;
+    arena_options.bytes = static_cast<size_t>(d.pinned_slots) * d.pinned_slot_bytes;
+    STRATA_ASSIGN_OR_RETURN(buffers->pinned_arena, PinnedArena::create(arena_options));
+    for (int i = 0; i < d.pinned_slots; ++i) {
+      STRATA_ASSIGN_OR_RETURN(PinnedBuffer slot, buffers->pinned_arena->allocate(d.pinned_slot_bytes, "GPT block input " + std::to_string(i)));
+      buffers->pinned.push_back(std::move(slot));
+    }
+  }
+  if (options_.checkpointing == ActivationCheckpointing::kPinnedHost) {
+    STRATA_ASSIGN_OR_RETURN(buffers->copy_stream, device.create_stream("gpt activation copies"));
+    STRATA_ASSIGN_OR_RETURN(buffers->input_ready, device.create_event());
+    STRATA_ASSIGN_OR_RETURN(buffers->slot_free, device.create_event());
+    for (int i = 0; i < 2; ++i) {
+      STRATA_ASSIGN_OR_RETURN(buffers->saved[i], device.create_event());
+      STRATA_ASSIGN_OR_RETURN(buffers->restored[i], device.create_event());
+    }
+  }
+  buffers->host_tokens.resize(static_cast<size_t>(d.rows));
+  buffers->host_targets.resize(static_cast<size_t>(d.rows));
+  buffers->host_losses.resize(static_cast<size_t>(d.rows));
+  buffers->host_eval_tokens.resize(static_cast<size_t>(d.eval_rows));
+  buffers->host_eval_targets.resize(static_cast<size_t>(d.eval_rows));
+  buffers->host_eval_losses.resize(static_cast<size_t>(d.eval_rows));
+  buffers_ = std::move(buffers);
+  return {};
+}
+
+StatusOr<std::vector<const void*>> GptModel::params_of(int group, const GroupView& view) {
+  if (view.dtype != options_.param_dtype)
+    return FailedPreconditionError("GPT model: the engine gathers " + std::string(dtype_name(view.dtype)) +
+                                   " parameters but the model was planned for " + std::string(dtype_name(options_.param_dtype)) +
+                                   " (set GptModelOptions::param_dtype to EngineOptions::param_dtype)");
+  const GroupLayout& layout = engine_.layout(group);
+  std::vector<const void*> params;
+  params.reserve(layout.tensors.size());
+  const DType compute = plan_.compute_dtype;
+  if (view.dtype == compute) {
+    for (void* p : view.tensors) params.push_back(p);
+    return params;
+  }
+  const DeviceLayout& d = buffers_->layout;
+  if (layout.numel * dtype_size(compute) > d.param_scratch_bytes)
+    return InternalError("GPT model: parameter scratch too small for group " + layout.name);
+  void* scratch = buffers_->at(d.param_scratch);
+  STRATA_RETURN_IF_ERROR(kernels::cast(engine_.compute_stream(), view.flat, view.dtype, scratch, compute, layout.numel));
+  for (const auto& t : layout.tensors) params.push_back(static_cast<const char*>(scratch) + t.offset * dtype_size(compute));
+  return params;
+}
+
+Status GptModel::capture(int group, const GroupView& grads) {
+  if (!options_.capture_gradients) return {};
+  const size_t numel = engine_.layout(group).numel;
+  std::vector<float>& out = captured_[group];
+  out.assign(numel, 0.0f);
+  STRATA_RETURN_IF_ERROR(engine_.device().copy_async(out.data(), grads.flat, numel * 4, CopyKind::kDeviceToHost, engine_.compute_stream()));
+  return engine_.compute_stream().synchronize();
+}
+
+Status GptModel::block_forward(const std::vector<const void*>& p, const void* x, void* y, const BlockActs& a,
+                               int64_t sequences) {
+  Stream& stream = engine_.compute_stream();
+  const DType dt = plan_.compute_dtype;
+  const size_t C = static_cast<size_t>(options_.config.n_embd);
+  const size_t T = static_cast<size_t>(options_.seq_len);
+  const size_t rows = static_cast<size_t>(sequences) * T;
+  const size_t H = static_cast<size_t>(options_.config.n_head);
+  const kernels::LayerNormShape ln{rows, C, 1e-5f};
+  const DeviceLayout& d = buffers_->layout;
+  void* workspace = d.attention_workspace_bytes > 0 ? buffers_->at(d.attention_workspace) : nullptr;
+  STRATA_RETURN_IF_ERROR(kernels::layernorm_forward(stream, ln, dt, x, p[kLn1Weight], p[kLn1Bias], a.ln1, a.mean1, a.rstd1));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, {rows, C, 3 * C, kernels::WeightLayout::kInOut}, dt, a.ln1,
+                                                 p[kAttnWeight], p[kAttnBias], a.qkv));
+  STRATA_RETURN_IF_ERROR(kernels::attention_forward(stream, *blas_, {static_cast<size_t>(sequences), T, H, C / H}, dt, a.qkv, a.att,
+                                                    a.lse, workspace, d.attention_workspace_bytes));
+  // The attention projection goes through x2 (free until the residual add).
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, {rows, C, C, kernels::WeightLayout::kInOut}, dt, a.att,
+                                                 p[kAttnProjWeight], p[kAttnProjBias], a.x2));
+  STRATA_RETURN_IF_ERROR(kernels::residual_forward(stream, dt, x, a.x2, a.x2, rows * C));
+  STRATA_RETURN_IF_ERROR(kernels::layernorm_forward(stream, ln, dt, a.x2, p[kLn2Weight], p[kLn2Bias], a.ln2, a.mean2, a.rstd2));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, {rows, C, 4 * C, kernels::WeightLayout::kInOut}, dt, a.ln2,
+                                                 p[kFcWeight], p[kFcBias], a.fc));
+  STRATA_RETURN_IF_ERROR(kernels::gelu_forward(stream, dt, a.fc, a.gelu, rows * 4 * C));
+  if (y == nullptr) return {};  // a recompute: the block's output is not needed again
+  // mlp.c_proj into y, then y += x2. y may be x (evaluation runs in place): x is dead here.
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, {rows, 4 * C, C, kernels::WeightLayout::kInOut}, dt, a.gelu,
+                                                 p[kMlpProjWeight], p[kMlpProjBias], y));
+  return kernels::residual_forward(stream, dt, y, a.x2, y, rows * C);
+}
+
+Status GptModel::block_backward(const std::vector<const void*>& p, const std::vector<float*>& g, const void* x,
+                                const BlockActs& a) {
+  Stream& stream = engine_.compute_stream();
+  const DType dt = plan_.compute_dtype;
+  const size_t C = static_cast<size_t>(options_.config.n_embd);
+  const size_t T = static_cast<size_t>(options_.seq_len);
+  const size_t B = static_cast<size_t>(options_.batch);
+  const size_t rows = B * T;
+  const size_t H = static_cast<size_t>(options_.config.n_head);
+  const kernels::LayerNormShape ln{rows, C, 1e-5f};
+  const DeviceLayout& d = buffers_->layout;
+  void* workspace = d.attention_workspace_bytes > 0 ? buffers_->at(d.attention_workspace) : nullptr;
+  void* dresid = buffers_->at(d.dresid);      // in: d loss / d block output; out: d loss / d block input
+  void* wide = buffers_->at(d.grad_wide);     // rows x 4C
+  void* narrow = buffers_->at(d.grad_narrow); // rows x C
+  const kernels::GradOptions fresh_dx{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
+  const kernels::GradOptions add_dx{kernels::GradWrite::kAccumulate, kernels::GradWrite::kAccumulate};
+  // MLP.
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, {rows, 4 * C, C, kernels::WeightLayout::kInOut}, dt, dresid, a.gelu,
+                                                  p[kMlpProjWeight], wide, g[kMlpProjWeight], g[kMlpProjBias], fresh_dx));
+  STRATA_RETURN_IF_ERROR(kernels::gelu_backward(stream, dt, wide, a.fc, wide, rows * 4 * C, kernels::GradWrite::kOverwrite));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, {rows, C, 4 * C, kernels::WeightLayout::kInOut}, dt, wide, a.ln2,
+                                                  p[kFcWeight], narrow, g[kFcWeight], g[kFcBias], fresh_dx));
+  // dresid += ln_2's input gradient: now d loss / d x2.
+  STRATA_RETURN_IF_ERROR(kernels::layernorm_backward(stream, ln, dt, narrow, a.x2, p[kLn2Weight], a.mean2, a.rstd2, dresid,
+                                                     g[kLn2Weight], g[kLn2Bias], add_dx));
+  // Attention.
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, {rows, C, C, kernels::WeightLayout::kInOut}, dt, dresid, a.att,
+                                                  p[kAttnProjWeight], narrow, g[kAttnProjWeight], g[kAttnProjBias], fresh_dx));
+  STRATA_RETURN_IF_ERROR(kernels::attention_backward(stream, *blas_, {B, T, H, C / H}, dt, narrow, a.qkv, a.lse, wide, workspace,
+                                                     d.attention_workspace_bytes, kernels::GradWrite::kOverwrite));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, {rows, C, 3 * C, kernels::WeightLayout::kInOut}, dt, wide, a.ln1,
+                                                  p[kAttnWeight], narrow, g[kAttnWeight], g[kAttnBias], fresh_dx));
+  // dresid += ln_1's input gradient: d loss / d x.
+  return kernels::layernorm_backward(stream, ln, dt, narrow, x, p[kLn1Weight], a.mean1, a.rstd1, dresid, g[kLn1Weight], g[kLn1Bias],
+                                     add_dx);
+}
+
+Status GptModel::head(const std::vector<const void*>& wte_params, float* dwte, const void* x_final, int64_t sequences,
+                      const int32_t* targets, float grad_scale, bool backward, void* dx, float* losses) {
+  Stream& stream = engine_.compute_stream();
+  const DType dt = plan_.compute_dtype;
+  const size_t cs = dtype_size(dt);
+  const size_t C = static_cast<size_t>(options_.config.n_embd);
+  const size_t V = static_cast<size_t>(options_.config.vocab_size);
+  const size_t rows = static_cast<size_t>(sequences * options_.seq_len);
+  const DeviceLayout& d = buffers_->layout;
+  void* logits = buffers_->at(d.logits);
+  const size_t chunk = static_cast<size_t>(d.chunk_rows);
+  const kernels::GradOptions head_grads{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
+  for (size_t r0 = 0; r0 < rows; r0 += chunk) {
+    const size_t n = std::min(chunk, rows - r0);
+    const void* x = static_cast<const char*>(x_final) + r0 * C * cs;
+    const kernels::MatmulShape shape{n, C, V, kernels::WeightLayout::kOutIn};
+    STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, shape, dt, x, wte_params[0], nullptr, logits));
+    const kernels::CrossEntropyShape ce{n, V, -1};
+    if (!backward) {
+      STRATA_RETURN_IF_ERROR(kernels::cross_entropy_forward(stream, ce, dt, logits, targets + r0, losses + r0, nullptr, nullptr));
+      continue;
+    }
+    STRATA_RETURN_IF_ERROR(kernels::cross_entropy_fused(stream, ce, dt, logits, targets + r0, grad_scale, losses + r0, nullptr, logits));
+    STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, shape, dt, logits, x, wte_params[0],
+                                                    static_cast<char*>(dx) + r0 * C * cs, dwte, nullptr, head_grads));
+  }
+  return {};
+}
+
+Status GptModel::embed(const std::vector<const void*>& wte_params, const void* device_tokens, void* out, int64_t sequences) {
+  const kernels::EmbeddingShape shape{static_cast<size_t>(sequences), static_cast<size_t>(options_.seq_len),
+                                      static_cast<size_t>(options_.config.n_embd), static_cast<size_t>(options_.config.vocab_size),
+                                      static_cast<size_t>(options_.config.n_ctx)};
+  return kernels::embedding_forward(engine_.compute_stream(), shape, plan_.compute_dtype, static_cast<const int32_t*>(device_tokens),
+                                    wte_params[0], wte_params[1], out);
+}
+
+StatusOr<MicroBatchLosses> GptModel::run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {
+  if (!buffers_) return FailedPreconditionError("GptModel::run_micro_batch() before allocate()");
+  if (train == nullptr && eval == nullptr) return InvalidArgumentError("GptModel::run_micro_batch(): neither a training nor an evaluation batch");
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
+  Device& device = engine_.device();
+  Stream& stream = engine_.compute_stream();
+  const GptConfig& c = options_.config;
+  const int L = static_cast<int>(c.n_layer);
+  const size_t T = static_cast<size_t>(options_.seq_len);
+  const size_t C = static_cast<size_t>(c.n_embd);
+  const DType dt = plan_.compute_dtype;
+  const size_t cs = dtype_size(dt);
+  const bool pinned = options_.checkpointing == ActivationCheckpointing::kPinnedHost;
+  const bool keep_all = options_.checkpointing == ActivationCheckpointing::kOff;
+
+  if (train != nullptr && train->sequences != options_.batch)
+    return InvalidArgumentError("GPT model: a training micro-batch has " + std::to_string(train->sequences) + " sequences, the model was planned for " +
+                                std::to_string(options_.batch));
+  if (eval != nullptr && (eval->sequences < 1 || eval->sequences > options_.eval_batch))
+    return InvalidArgumentError("GPT model: an evaluation batch has " + std::to_string(eval->sequences) +
+                                " sequences, the model was planned for 1 to " + std::to_string(options_.eval_batch));
+  const size_t rows = static_cast<size_t>(d.rows);
+  const size_t erows = eval ? static_cast<size_t>(eval->sequences) * T : 0;
+
+  // Inputs: copied to the model's own host staging first, so the caller's memory is free
+  // at once and the asynchronous copies read memory that outlives them.
+  MicroBatchLosses result;
+  if (train) {
+    std::copy(train->inputs, train->inputs + rows, b.host_tokens.begin());
+    std::copy(train->targets, train->targets + rows, b.host_targets.begin());
+    for (size_t i = 0; i < rows; ++i) result.train_tokens += b.host_targets[i] != -1;
+    STRATA_RETURN_IF_ERROR(device.copy_async(b.at(d.tokens), b.host_tokens.data(), rows * 4, CopyKind::kHostToDevice, stream));
+    STRATA_RETURN_IF_ERROR(device.copy_async(b.at(d.targets), b.host_targets.data(), rows * 4, CopyKind::kHostToDevice, stream));
+  }
+  if (eval) {
+    std::copy(eval->inputs, eval->inputs + erows, b.host_eval_tokens.begin());
+    std::copy(eval->targets, eval->targets + erows, b.host_eval_targets.begin());
+    for (size_t i = 0; i < erows; ++i) result.eval_tokens += b.host_eval_targets[i] != -1;
+    STRATA_RETURN_IF_ERROR(device.copy_async(b.at(d.eval_tokens), b.host_eval_tokens.data(), erows * 4, CopyKind::kHostToDevice, stream));
+    STRATA_RETURN_IF_ERROR(device.copy_async(b.at(d.eval_targets), b.host_eval_targets.data(), erows * 4, CopyKind::kHostToDevice, stream));
+  }
+
+  // Where block l's input lives during forward.
+  auto resid = [&](int l) { return b.at(d.resid[static_cast<size_t>(pinned ? l % 2 : l)]); };
+  auto train_acts = [&](int l) { return b.acts(keep_all ? static_cast<size_t>(l) : 0); };
+  const BlockActs eval_acts = b.acts(keep_all ? static_cast<size_t>(L) : 0);
+  void* eval_x = eval ? b.at(d.eval_resid) : nullptr;
+  const int64_t eval_sequences = eval ? eval->sequences : 0;
+  Stream* copies = b.copy_stream.get();
+  // Evaluation runs in chunks of at most `batch` sequences through the shared activations.
+  auto for_eval_chunks = [&](const std::function<Status(int64_t first, int64_t count)>& body) -> Status {
+    for (int64_t first = 0; first < eval_sequences; first += options_.batch)
+      STRATA_RETURN_IF_ERROR(body(first, std::min<int64_t>(options_.batch, eval_sequences - first)));
+    return {};
+  };
+  auto eval_rows_at = [&](int64_t sequence) { return static_cast<char*>(eval_x) + static_cast<size_t>(sequence) * T * C * cs; };
+
+  // ---- Forward.
+  {
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(kEmbeddingGroup));
+    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(kEmbeddingGroup, view));
+    if (eval) STRATA_RETURN_IF_ERROR(embed(p, b.at(d.eval_tokens), eval_x, eval_sequences));
+    if (train) STRATA_RETURN_IF_ERROR(embed(p, b.at(d.tokens), resid(0), options_.batch));
+    STRATA_RETURN_IF_ERROR(engine_.release(kEmbeddingGroup));
+  }
+  for (int l = 0; l < L; ++l) {
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(block_group(l)));
+    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(block_group(l), view));
+    STRATA_RETURN_IF_ERROR(for_eval_chunks([&](int64_t first, int64_t count) {
+      return block_forward(p, eval_rows_at(first), eval_rows_at(first), eval_acts, count);
+    }));
+    if (train) {
+      if (pinned) {
+        // Save this block's input (all but the last block's, which stays on the device)
+        // while the block computes; the block after next overwrites it.
+        if (l < L - 1) {
+          STRATA_RETURN_IF_ERROR(stream.record(*b.input_ready));
+          STRATA_RETURN_IF_ERROR(copies->wait(*b.input_ready));
+          STRATA_RETURN_IF_ERROR(device.copy_async(b.pinned[static_cast<size_t>(l)].data(), resid(l), rows * C * cs, CopyKind::kDeviceToHost, *copies));
+          STRATA_RETURN_IF_ERROR(copies->record(*b.saved[l % 2]));
+        }
+        // This block writes over block l-1's input: wait until it has been saved.
+        if (l >= 1) STRATA_RETURN_IF_ERROR(stream.wait(*b.saved[(l - 1) % 2]));
+      }
+      STRATA_RETURN_IF_ERROR(block_forward(p, resid(l), resid(l + 1), train_acts(l), options_.batch));
+    }
+    STRATA_RETURN_IF_ERROR(engine_.release(block_group(l)));
+  }
+  const int lnf = final_norm_group(c);
+  void* final_resid = resid(L);
+  const kernels::LayerNormShape lnf_train{rows, C, 1e-5f};
+  {
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(lnf));
+    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(lnf, view));
+    if (train) {
+      STRATA_RETURN_IF_ERROR(kernels::layernorm_forward(stream, lnf_train, dt, final_resid, p[0], p[1], b.at(d.lnf_out),
+                                                        static_cast<float*>(b.at(d.lnf_mean)), static_cast<float*>(b.at(d.lnf_rstd))));
+    }
+    // ln_f's backward (and the evaluation's ln_f, chunk by chunk in the head) run without
+    // gathering the group again: keep its gain and shift.
+    STRATA_RETURN_IF_ERROR(device.copy_async(b.at(d.lnf_gamma), p[0], C * cs, CopyKind::kDeviceToDevice, stream));
+    STRATA_RETURN_IF_ERROR(device.copy_async(static_cast<char*>(b.at(d.lnf_gamma)) + C * cs, p[1], C * cs, CopyKind::kDeviceToDevice, stream));
+    STRATA_RETURN_IF_ERROR(engine_.release(lnf));
+  }
+  GroupView d_wte;
+  {
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(kEmbeddingGroup));
+    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(kEmbeddingGroup, view));
+    STRATA_RETURN_IF_ERROR(for_eval_chunks([&](int64_t first, int64_t count) -> Status {
+      const size_t first_row = static_cast<size_t>(first) * T;
+      const void* gamma = b.at(d.lnf_gamma);
+      const void* beta = static_cast<const char*>(gamma) + C * cs;
+      STRATA_RETURN_IF_ERROR(kernels::layernorm_forward(stream, {static_cast<size_t>(count) * T, C, 1e-5f}, dt, eval_rows_at(first), gamma,
+                                                        beta, eval_acts.ln1, nullptr, nullptr));
+      return head(p, nullptr, eval_acts.ln1, count, static_cast<const int32_t*>(b.at(d.eval_targets)) + first_row, 0.0f,
+                  /*backward=*/false, nullptr, static_cast<float*>(b.at(d.eval_losses)) + first_row);
+    }));
+    if (train) {
+      STRATA_ASSIGN_OR_RETURN(d_wte, engine_.gradient_buffer(kEmbeddingGroup));
+      // The head's input gradient goes to grad_narrow, ln_f's backward reads it from there.
+      STRATA_RETURN_IF_ERROR(head(p, static_cast<float*>(d_wte.tensors[0]), b.at(d.lnf_out), options_.batch,
+                                  static_cast<const int32_t*>(b.at(d.targets)), grad_scale, /*backward=*/true, b.at(d.grad_narrow),
+                                  static_cast<float*>(b.at(d.losses))));
+    }
+    STRATA_RETURN_IF_ERROR(engine_.release(kEmbeddingGroup));
+  }
+
+  // ---- Backward.
+  if (train) {
+    {
+      STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(lnf));
+      const kernels::GradOptions options{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
+      STRATA_RETURN_IF_ERROR(kernels::layernorm_backward(stream, lnf_train, dt, b.at(d.grad_narrow), final_resid, b.at(d.lnf_gamma),
+                                                         static_cast<const float*>(b.at(d.lnf_mean)),
+                                                         static_cast<const float*>(b.at(d.lnf_rstd)), b.at(d.dresid),
+                                                         static_cast<float*>(grads.tensors[0]), static_cast<float*>(grads.tensors[1]), options));
+      STRATA_RETURN_IF_ERROR(capture(lnf, grads));
+      STRATA_RETURN_IF_ERROR(engine_.grads_ready(lnf));
+    }
+    // Pinned: after the buffer that held block m's input (or the final residual, m = L) is
+    // no longer read, bring back block m-2's input into it, ahead of its recompute.
+    auto restore_ahead = [&](int m) -> Status {
+      if (!pinned || m - 2 < 0) return {};
+      STRATA_RETURN_IF_ERROR(stream.record(*b.slot_free));
+      STRATA_RETURN_IF_ERROR(copies->wait(*b.slot_free));
+      STRATA_RETURN_IF_ERROR(device.copy_async(resid(m - 2), b.pinned[static_cast<size_t>(m - 2)].data(), rows * C * cs,
+                                               CopyKind::kHostToDevice, *copies));
+      return copies->record(*b.restored[(m - 2) % 2]);
+    };
+    STRATA_RETURN_IF_ERROR(restore_ahead(L));
+    for (int l = L - 1; l >= 0; --l) {
+      const int g = block_group(l);
+      STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
+      STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
+      STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
+      std::vector<float*> gp;
+      for (void* t : grads.tensors) gp.push_back(static_cast<float*>(t));
+      if (pinned && l < L - 1) STRATA_RETURN_IF_ERROR(stream.wait(*b.restored[l % 2]));
+      const BlockActs acts = train_acts(l);
+      if (!keep_all) STRATA_RETURN_IF_ERROR(block_forward(p, resid(l), nullptr, acts, options_.batch));
+      STRATA_RETURN_IF_ERROR(block_backward(p, gp, resid(l), acts));
+      STRATA_RETURN_IF_ERROR(engine_.release(g));
+      STRATA_RETURN_IF_ERROR(capture(g, grads));
+      STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
+      STRATA_RETURN_IF_ERROR(restore_ahead(l));
+    }
+    {
+      const kernels::EmbeddingShape shape{static_cast<size_t>(options_.batch), T, C, static_cast<size_t>(c.vocab_size),
+                                          static_cast<size_t>(c.n_ctx)};
+      STRATA_RETURN_IF_ERROR(kernels::embedding_backward(stream, shape, dt, static_cast<const int32_t*>(b.at(d.tokens)), b.at(d.dresid),
+                                                         static_cast<float*>(d_wte.tensors[0]), static_cast<float*>(d_wte.tensors[1]),
+                                                         kernels::GradWrite::kAccumulate));
+      STRATA_RETURN_IF_ERROR(capture(kEmbeddingGroup, d_wte));
+      STRATA_RETURN_IF_ERROR(engine_.grads_ready(kEmbeddingGroup));
+    }
+  }
+
+  // ---- Losses.
+  if (train)
+    STRATA_RETURN_IF_ERROR(device.copy_async(b.host_losses.data(), b.at(d.losses), rows * 4, CopyKind::kDeviceToHost, stream));
+  if (eval)
+    STRATA_RETURN_IF_ERROR(device.copy_async(b.host_eval_losses.data(), b.at(d.eval_losses), erows * 4, CopyKind::kDeviceToHost, stream));
+  STRATA_RETURN_IF_ERROR(stream.synchronize());
+  if (copies) STRATA_RETURN_IF_ERROR(copies->synchronize());
+  if (train)
+    for (size_t i = 0; i < rows; ++i) result.train_loss_sum += b.host_losses[i];
+  if (eval)
+    for (size_t i = 0; i < erows; ++i) result.eval_loss_sum += b.host_eval_losses[i];
+  return result;
+}
+
+}  // namespace strata::gpt

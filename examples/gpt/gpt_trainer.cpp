@@ -1,0 +1,669 @@
+#include "examples/gpt/gpt_trainer.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <filesystem>
+#include <iomanip>
+#include <map>
+#include <mutex>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/checkpoint.h"
+#include "engine/core/log.h"
+#include "engine/local_cluster.h"
+#include "examples/gpt/gpt_weights.h"
+#include "examples/gpt/safetensors.h"
+#include "optim/lr_schedule.h"
+
+namespace strata::gpt {
+namespace {
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+std::string bytes_text(double bytes) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1);
+  if (bytes >= double(size_t{1} << 30)) out << bytes / double(size_t{1} << 30) << " GiB";
+  else if (bytes >= double(kMiB)) out << bytes / double(kMiB) << " MiB";
+  else if (bytes >= 1024.0) out << bytes / 1024.0 << " KiB";
+  else out << bytes << " B";
+  return out.str();
+}
+
+std::string rate_text(double per_second) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1);
+  if (per_second >= 1e6) out << per_second / 1e6 << "M";
+  else if (per_second >= 1e3) out << per_second / 1e3 << "k";
+  else out << per_second;
+  return out.str();
+}
+
+Tier tier_of(Placement placement, bool pin_memory) {
+  switch (placement) {
+    case Placement::kDevice: return Tier::kDevice;
+    case Placement::kCpu: return pin_memory ? Tier::kPinned : Tier::kHost;
+    case Placement::kNvme: return Tier::kNvme;
+  }
+  return Tier::kPinned;
+}
+
+// A barrier for the rank threads of one process that a failing rank can break, so the
+// others return an error instead of waiting forever.
+class RankSync {
+ public:
+  explicit RankSync(int world) : world_(world) {}
+  Status arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (aborted_) return CancelledError("another rank failed: " + reason_);
+    const uint64_t generation = generation_;
+    if (++arrived_ == world_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return {};
+    }
+    cv_.wait(lock, [&] { return generation_ != generation || aborted_; });
+    if (generation_ == generation) return CancelledError("another rank failed: " + reason_);
+    return {};
+  }
+  void abort(const std::string& reason) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!aborted_) reason_ = reason;
+    aborted_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  const int world_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  uint64_t generation_ = 0;
+  bool aborted_ = false;
+  std::string reason_;
+};
+
+// What one rank contributes to a step's line.
+struct RankStep {
+  double loss_sum = 0.0;
+  int64_t tokens = 0;
+  bool evaluated = false;
+  double eval_sum = 0.0;
+  int64_t eval_tokens = 0;
+  StepReport report;
+  uint64_t nvme_read_delta = 0;
+  uint64_t nvme_written_delta = 0;
+};
+
+// Collects every rank's numbers for a step; the last rank to post prints the line.
+class StepBoard {
+ public:
+  StepBoard(const TrainerOptions& options, int world, int64_t total_steps, std::string traffic_note)
+      : options_(options), world_(world), total_steps_(total_steps), traffic_note_(std::move(traffic_note)) {}
+
+  void post(int64_t step_index, int rank, const RankStep& numbers, double learning_rate) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Pending& pending = pending_[step_index];
+    pending.ranks[rank] = numbers;
+    if (rank == 0) pending.learning_rate = learning_rate;
+    if (static_cast<int>(pending.ranks.size()) < world_) return;
+    StepRecord record;
+    record.step = step_index + 1;
+    double loss_sum = 0.0, eval_sum = 0.0;
+    int64_t tokens = 0, eval_tokens = 0;
+    bool evaluated = false;
+    for (const auto& [r, n] : pending.ranks) {  // rank order: a fixed summation order
+      loss_sum += n.loss_sum;
+      tokens += n.tokens;
+      eval_sum += n.eval_sum;
+      eval_tokens += n.eval_tokens;
+      evaluated = evaluated || n.evaluated;
+      record.device_high_water_bytes = std::max(record.device_high_water_bytes, n.report.device_high_water_bytes);
+      record.nvme_bytes_read += n.nvme_read_delta;
+      record.nvme_bytes_written += n.nvme_written_delta;
+    }
+    const StepReport& lead = pending.ranks.at(0).report;
+    record.loss = tokens > 0 ? loss_sum / double(tokens) : 0.0;
+    if (evaluated && eval_tokens > 0) {
+      record.eval_loss = eval_sum / double(eval_tokens);
+      record.eval_at_step = step_index;
+    }
+    record.learning_rate = pending.learning_rate;
+    record.seconds = lead.step_seconds;
+    record.tokens_per_s = lead.step_seconds > 0 ? double(tokens) / lead.step_seconds : 0.0;
+    record.grad_norm = lead.grad_norm;
+    budget_ = lead.device_budget_bytes;
+    pending_.erase(step_index);
+    print(record);
+    records_.push_back(record);
+  }
+
+  void finish_output() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (options_.out && options_.live_bar && bar_shown_) {
+      *options_.out << "\r\033[K" << std::flush;
+      bar_shown_ = false;
+    }
+  }
+
+  std::vector<StepRecord> records() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::sort(records_.begin(), records_.end(), [](const StepRecord& a, const StepRecord& b) { return a.step < b.step; });
+    return records_;
+  }
+
+ private:
+  struct Pending {
+    std::map<int, RankStep> ranks;
+    double learning_rate = 0.0;
+  };
+
+  void print(const StepRecord& r) {
+    if (options_.out == nullptr) return;
+    std::ostream& out = *options_.out;
+    if (options_.live_bar && bar_shown_) out << "\r\033[K";
+    std::ostringstream line;
+    line << "step " << std::setw(static_cast<int>(std::to_string(total_steps_).size())) << r.step << "/" << total_steps_ << " | loss "
+         << std::fixed << std::setprecision(4) << r.loss;
+    if (r.eval_loss) line << " | eval " << std::setprecision(4) << *r.eval_loss << " (at step " << r.eval_at_step << ")";
+    line << " | lr " << std::scientific << std::setprecision(2) << r.learning_rate << std::fixed << " | " << rate_text(r.tokens_per_s)
+         << " tok/s | " << std::setprecision(3) << r.seconds << " s | " << traffic_note_ << " nvme r "
+         << bytes_text(double(r.nvme_bytes_read)) << " w " << bytes_text(double(r.nvme_bytes_written)) << " | device peak "
+         << bytes_text(double(r.device_high_water_bytes)) << " of " << bytes_text(double(budget_));
+    out << line.str() << "\n";
+    if (options_.live_bar) {
+      const int width = 30;
+      const int filled = total_steps_ > 0 ? static_cast<int>(width * r.step / total_steps_) : width;
+      const double remaining = r.seconds * double(total_steps_ - r.step);
+      out << "[" << std::string(static_cast<size_t>(filled), '#') << std::string(static_cast<size_t>(width - filled), '.') << "] "
+          << r.step << "/" << total_steps_ << "  eta " << static_cast<int64_t>(std::ceil(remaining)) << " s";
+      bar_shown_ = true;
+    }
+    out << std::flush;
+  }
+
+  const TrainerOptions& options_;
+  const int world_;
+  const int64_t total_steps_;
+  const std::string traffic_note_;
+  std::mutex mutex_;
+  std::map<int64_t, Pending> pending_;
+  std::vector<StepRecord> records_;
+  size_t budget_ = 0;
+  bool bar_shown_ = false;
+};
+
+std::string model_json(const GptConfig& c) {
+  return nlohmann::json{{"n_layer", c.n_layer}, {"n_head", c.n_head}, {"n_embd", c.n_embd}, {"n_ctx", c.n_ctx}, {"vocab_size", c.vocab_size}}
+      .dump();
+}
+
+// Per-rank bytes one step moves between host and device, from the plan (the engine
+// reports NVMe traffic, not copies): every gather of a group whose parameters live off
+// the device brings this rank's shard (all of it at world size 1) over, every group's
+// gradient shard comes back once per micro-batch, and pinned activation checkpoints go
+// out and back.
+std::string traffic_note(const TrainerOptions& options, const EngineOptions& engine_options, const GptModelOptions& model_options,
+                         const GptActivationPlan& activations) {
+  const auto specs = gpt_group_specs(options.model);
+  std::vector<GroupLayout> layouts;
+  for (size_t g = 0; g < specs.size(); ++g) {
+    auto layout = layout_group(specs[g], static_cast<int>(g), engine_options.world_size);
+    if (!layout.ok()) return "";
+    layouts.push_back(*layout);
+  }
+  const int accumulation = engine_options.gradient_accumulation_steps;
+  double h2d = 0.0, d2h = 0.0;
+  if (engine_options.param_tier != Tier::kDevice) {
+    for (int g : gpt_schedule(options.model)) {
+      const GroupLayout& l = layouts[static_cast<size_t>(g)];
+      if (l.padded_numel <= engine_options.persistence_threshold) continue;
+      h2d += double(l.shard_numel * dtype_size(engine_options.param_dtype));
+    }
+  }
+  if (engine_options.optimizer_tier != Tier::kDevice)
+    for (const auto& l : layouts) d2h += double(l.shard_numel * dtype_size(engine_options.grad_transfer_dtype));
+  h2d *= accumulation;
+  d2h *= accumulation;
+  if (model_options.checkpointing == ActivationCheckpointing::kPinnedHost && options.model.n_layer > 1) {
+    const double per_block = double(model_options.batch * model_options.seq_len * options.model.n_embd) * double(dtype_size(activations.compute_dtype));
+    h2d += per_block * double(options.model.n_layer - 1) * accumulation;
+    d2h += per_block * double(options.model.n_layer - 1) * accumulation;
+  }
+  return "h2d " + bytes_text(h2d) + " d2h " + bytes_text(d2h) + " per rank |";
+}
+
+}  // namespace
+
+StatusOr<EngineOptions> engine_options_from_config(const StrataConfig& config, int rank) {
+  EngineOptions o;
+  o.rank = rank;
+  o.world_size = static_cast<int>(config.strata.world_size);
+  o.seed = static_cast<uint64_t>(config.strata.seed);
+  if (config.strata.param_dtype) o.param_dtype = *config.strata.param_dtype;
+  else if (config.bf16.enabled) o.param_dtype = DType::kBFloat16;
+  else if (config.fp16.enabled) o.param_dtype = DType::kFloat16;
+  else o.param_dtype = DType::kFloat32;
+  const bool full_precision = o.param_dtype == DType::kFloat32;
+  o.grad_wire_dtype = config.was_given("strata.grad_wire_dtype") ? config.strata.grad_wire_dtype
+                                                                  : (full_precision ? DType::kFloat32 : DType::kBFloat16);
+  o.grad_transfer_dtype = full_precision ? DType::kFloat32 : DType::kBFloat16;
+  const auto& zero = config.zero;
+  o.pin_memory = zero.offload_param.pin_memory && zero.offload_optimizer.pin_memory;
+  o.param_tier = tier_of(zero.offload_param.device, o.pin_memory);
+  o.optimizer_tier = tier_of(zero.offload_optimizer.device, o.pin_memory);
+  o.nvme_path = config.strata.nvme_path;
+  o.persistence_threshold = static_cast<size_t>(std::max<int64_t>(0, zero.param_persistence_threshold));
+  o.prefetch_depth = static_cast<int>(config.strata.prefetch_depth);
+  o.prefetch_bucket_elements = static_cast<size_t>(std::max<int64_t>(0, zero.prefetch_bucket_size));
+  o.max_live_elements = static_cast<size_t>(std::max<int64_t>(0, zero.max_live_parameters));
+  o.pinned_budget_bytes = static_cast<size_t>(config.strata.pinned_budget_mib) * kMiB;
+  o.gradient_accumulation_steps = static_cast<int>(config.gradient_accumulation_steps.value_or(1));
+  o.overlap = config.strata.optimizer_overlap == OptimizerOverlap::kDelayed ? OverlapMode::kDelayed : OverlapMode::kExact;
+  o.gradient_clipping = static_cast<float>(config.gradient_clipping);
+  o.fp16_loss_scaling = config.fp16.enabled;
+  if (config.fp16.enabled) {
+    const bool dynamic = config.fp16.loss_scale == 0.0;
+    o.loss_scaler.dynamic = dynamic;
+    o.loss_scaler.initial_scale = dynamic ? std::ldexp(1.0f, static_cast<int>(config.fp16.initial_scale_power))
+                                          : static_cast<float>(config.fp16.loss_scale);
+    o.loss_scaler.growth_interval = static_cast<int>(config.fp16.loss_scale_window);
+    o.loss_scaler.hysteresis = static_cast<int>(config.fp16.hysteresis);
+    o.loss_scaler.min_scale = static_cast<float>(config.fp16.min_loss_scale);
+  }
+  o.adam.lr = config.optimizer.lr;
+  o.adam.beta1 = config.optimizer.betas[0];
+  o.adam.beta2 = config.optimizer.betas[1];
+  o.adam.eps = config.optimizer.eps;
+  o.adam.weight_decay = config.optimizer.weight_decay;
+  o.adam.decay = decoupled_weight_decay(config.optimizer) ? kernels::AdamWeightDecay::kDecoupled : kernels::AdamWeightDecay::kL2;
+  if (!config.optimizer.bias_correction)
+    return InvalidArgumentError("optimizer.params.bias_correction false is not implemented (the engine's Adam always corrects bias)");
+  o.optimizer_threads = static_cast<int>(config.strata.optimizer_threads);
+  o.nvme_block_bytes = static_cast<size_t>(config.aio.block_size);
+  o.nvme_queue_depth = static_cast<int>(config.aio.queue_depth);
+  o.nvme_checksum = config.strata.nvme_checksum;
+  o.io_engine = std::string(io_engine_choice_name(config.strata.io_engine));
+  o.metrics_path = config.strata.metrics;
+  o.trace_path = config.strata.trace;
+  return o;
+}
+
+StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
+  const StrataConfig& config = options.config;
+  const int world = static_cast<int>(config.strata.world_size);
+  const int accumulation = static_cast<int>(config.gradient_accumulation_steps.value_or(1));
+  const int64_t micro = config.train_micro_batch_size_per_gpu.value_or(1);
+  const int64_t seq_len = config.strata.data.seq_len > 0 ? config.strata.data.seq_len : options.model.n_ctx;
+  const int64_t total_steps = config.strata.steps;
+  const DeviceKind device_kind = resolve_device(config);
+  STRATA_RETURN_IF_ERROR(validate_gpt_config(options.model));
+  if (seq_len > options.model.n_ctx)
+    return InvalidArgumentError("strata.data.seq_len (" + std::to_string(seq_len) + ") is longer than the model's context (" +
+                                std::to_string(options.model.n_ctx) + ")");
+
+  // Data.
+  SyntheticLanguageOptions synthetic = options.synthetic;
+  synthetic.vocab_size = options.model.vocab_size;
+  STRATA_ASSIGN_OR_RETURN(std::shared_ptr<const TokenDataset> dataset, TokenDataset::open(config.strata.data, synthetic));
+  if (dataset->vocab_size() > options.model.vocab_size)
+    return InvalidArgumentError("the data's vocabulary (" + std::to_string(dataset->vocab_size()) + " tokens, " + dataset->describe() +
+                                ") is larger than the model's vocab_size (" + std::to_string(options.model.vocab_size) + ")");
+  int64_t eval_sequences = options.eval_sequences;
+  if (eval_sequences > 0 && eval_sequences % world != 0) eval_sequences = (eval_sequences + world - 1) / world * world;
+  if (eval_sequences > 0 && config.strata.data.kind != DataKind::kSynthetic && config.strata.data.eval_fraction <= 0.0) {
+    STRATA_LOG(kWarn) << "no evaluation: strata.data.eval_fraction is 0 for " << config.strata.data.path;
+    eval_sequences = 0;
+  }
+
+  // Resume and fine-tuning sources, opened once and shared by the ranks.
+  std::unique_ptr<CheckpointReader> resume;
+  nlohmann::json trainer_state;
+  if (!options.resume_dir.empty()) {
+    STRATA_ASSIGN_OR_RETURN(CheckpointRef latest, latest_complete(options.resume_dir));
+    STRATA_ASSIGN_OR_RETURN(resume, CheckpointReader::open(latest.path));
+    trainer_state = nlohmann::json::parse(resume->trainer_state(), nullptr, /*allow_exceptions=*/false);
+    if (trainer_state.is_discarded() || !trainer_state.is_object() || !trainer_state.contains("step") ||
+        !trainer_state["step"].is_number_integer() || trainer_state["step"].get<int64_t>() < 0)
+      return DataLossError("the trainer state of " + latest.path + " is not the JSON object train_gpt writes");
+    const std::string saved_model = trainer_state.value("model", nlohmann::json::object()).dump();
+    if (saved_model != model_json(options.model))
+      return InvalidArgumentError("checkpoint " + latest.path + " holds a model " + saved_model + " but this run's model is " +
+                                  model_json(options.model));
+    STRATA_LOG(kInfo) << "resuming from " << latest.path << " (step " << latest.step << ", saved with " << resume->world_size() << " ranks)";
+  }
+  std::optional<SafetensorsReader> init_reader;
+  if (!options.init_from.empty() && !resume) {
+    STRATA_ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::open(options.init_from));
+    STRATA_RETURN_IF_ERROR(check_gpt2_file(reader, gpt2_dims(options.model)));
+    init_reader.emplace(std::move(reader));
+  }
+
+  // Ranks.
+  LocalClusterOptions cluster_options;
+  cluster_options.world_size = world;
+  cluster_options.device = device_kind;
+  cluster_options.device_budget_bytes = config.strata.device_budget_mib > 0 ? static_cast<size_t>(config.strata.device_budget_mib) * kMiB
+                                        : device_kind == DeviceKind::kCpu ? size_t{1} << 30
+                                                                          : 0;
+  cluster_options.compute_threads = static_cast<int>(config.strata.compute_threads);
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<LocalCluster> cluster, LocalCluster::create(cluster_options));
+
+  std::unique_ptr<CheckpointSaver> saver;
+  if (!options.save_dir.empty()) {
+    CheckpointSaverOptions saver_options;
+    saver_options.directory = options.save_dir;
+    saver_options.world_size = world;
+    saver_options.keep_last = options.keep_checkpoints;
+    STRATA_ASSIGN_OR_RETURN(saver, CheckpointSaver::create(saver_options));
+  }
+
+  GptModelOptions model_options;
+  model_options.config = options.model;
+  model_options.batch = micro;
+  model_options.seq_len = seq_len;
+  model_options.eval_batch = eval_sequences / world;
+  model_options.checkpointing = options.checkpointing;
+  model_options.head_chunk_rows = options.head_chunk_rows;
+
+  TrainerResult result;
+  result.total_steps = total_steps;
+  result.vocab_size = options.model.vocab_size;
+  result.entropy_floor = dataset->entropy_floor();
+  result.parameters = gpt_parameter_count(options.model);
+  result.world_size = world;
+  result.device = std::string(device_kind_name(device_kind));
+  const int64_t start_step = resume ? trainer_state["step"].get<int64_t>() : 0;
+  result.resumed_from_step = start_step;
+
+  RankSync sync(world);
+  std::vector<float> exchange;  // export: one full group at a time
+  if (!options.export_dir.empty()) {
+    size_t largest = 0;
+    for (const auto& spec : gpt_group_specs(options.model)) {
+      STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, world));
+      largest = std::max(largest, layout.padded_numel);
+    }
+    exchange.assign(largest, 0.0f);
+  }
+  std::unique_ptr<StepBoard> board;
+  std::mutex result_mutex;
+  std::atomic<uint64_t> checksum{0};
+  double eval_sum_final = 0.0;
+  int64_t eval_tokens_final = 0;
+  const int64_t global_tokens_per_step = micro * world * seq_len * accumulation;
+
+  auto rank_body = [&](int rank) -> Status {
+    STRATA_ASSIGN_OR_RETURN(EngineOptions engine_options, engine_options_from_config(config, rank));
+    GptModelOptions rank_model_options = model_options;
+    rank_model_options.param_dtype = engine_options.param_dtype;
+    STRATA_ASSIGN_OR_RETURN(GptActivationPlan activations, plan_gpt_activations(rank_model_options, device_kind));
+    engine_options.activation_bytes = activations.device_bytes;
+    Device& device = cluster->device(rank);
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(engine_options, device, cluster->gather_communicator(rank),
+                                                                          cluster->reduce_communicator(rank)));
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GptModel> model, GptModel::create(*engine, rank_model_options));
+    STRATA_RETURN_IF_ERROR(engine->start());
+    STRATA_RETURN_IF_ERROR(model->allocate());
+    if (rank == 0) {
+      std::lock_guard<std::mutex> lock(result_mutex);
+      board = std::make_unique<StepBoard>(options, world, total_steps, traffic_note(options, engine_options, rank_model_options, activations));
+      result.state_bytes = engine->plan().state_bytes;
+      result.device_budget_bytes = engine->plan().device_budget_bytes;
+      result.activation_bytes = activations.device_bytes;
+      if (options.out) {
+        *options.out << "model: GPT-2, " << describe_gpt_config(options.model) << "\n"
+                     << "data: " << dataset->describe() << "; " << world << " rank(s) x " << micro << " sequence(s) x " << seq_len
+                     << " tokens x " << accumulation << " micro-batch(es) = " << global_tokens_per_step << " tokens per step\n"
+                     << engine->plan().text << "\n"
+                     << activations.text() << "activation checkpointing: " << activation_checkpointing_name(options.checkpointing)
+                     << "\n"
+                     << std::flush;
+      }
+    }
+    STRATA_RETURN_IF_ERROR(sync.arrive_and_wait());  // the board exists
+
+    // Schedule and data.
+    STRATA_ASSIGN_OR_RETURN(LrSchedule schedule, LrSchedule::create(config.scheduler, config.optimizer.lr));
+    DataLoaderOptions loader_options;
+    loader_options.global_batch = micro * world;
+    loader_options.seq_len = seq_len;
+    loader_options.micro_batches = accumulation;
+    loader_options.rank = rank;
+    loader_options.world_size = world;
+    loader_options.seed = options.data_seed;
+    loader_options.split = DataSplit::kTrain;
+    STRATA_ASSIGN_OR_RETURN(DataLoader loader, DataLoader::create(dataset, loader_options));
+    std::optional<DataLoader> eval_loader;
+    std::vector<int32_t> eval_inputs, eval_targets;
+    if (eval_sequences > 0) {
+      DataLoaderOptions eval_options = loader_options;
+      eval_options.global_batch = eval_sequences;
+      eval_options.micro_batches = 1;
+      eval_options.split = DataSplit::kEval;
+      STRATA_ASSIGN_OR_RETURN(DataLoader eval, DataLoader::create(dataset, eval_options));
+      eval_inputs.resize(eval.batch_elements());
+      eval_targets.resize(eval.batch_elements());
+      STRATA_RETURN_IF_ERROR(eval.batch_at(0, eval_inputs, eval_targets));
+      eval_loader.emplace(std::move(eval));
+    }
+    const TokenBatch eval_batch{eval_inputs.data(), eval_targets.data(), model_options.eval_batch};
+
+    // Starting point.
+    if (resume) {
+      STRATA_RETURN_IF_ERROR(load_engine_state(*engine, rank, *resume));
+      STRATA_RETURN_IF_ERROR(schedule.restore_json(trainer_state["schedule"].dump()));
+      STRATA_RETURN_IF_ERROR(loader.restore_json(trainer_state["data"].dump()));
+    } else if (init_reader) {
+      STRATA_RETURN_IF_ERROR(load_gpt2_weights(*engine, rank, *init_reader, options.model));
+    }
+
+    // read_state_shard() waits for a group's update but, with optimizer state on NVMe, not
+    // for its write-back (the engine marks the group updated when the write is submitted),
+    // so a read can meet an extent still being written. finish() waits for the write-backs.
+    auto settle_state = [&]() -> Status {
+      if (engine_options.optimizer_tier != Tier::kNvme) return {};
+      return engine->finish();
+    };
+    auto save = [&](int64_t steps_done) -> Status {
+      STRATA_RETURN_IF_ERROR(settle_state());
+      STRATA_ASSIGN_OR_RETURN(RankSnapshot snapshot, snapshot_engine_state(*engine, rank));
+      STRATA_RETURN_IF_ERROR(saver->submit(steps_done, std::move(snapshot)));
+      if (rank != 0) return {};
+      loader.set_position(static_cast<uint64_t>(steps_done) * static_cast<uint64_t>(accumulation));
+      nlohmann::json state = {{"format", "strata-gpt-trainer/1"},
+                              {"step", steps_done},
+                              {"model", nlohmann::json::parse(model_json(options.model))},
+                              {"schedule", nlohmann::json::parse(schedule.state_json())},
+                              {"data", nlohmann::json::parse(loader.state_json())},
+                              {"world_size", world},
+                              {"data_seed", options.data_seed},
+                              {"loss_scale", engine->loss_scale()}};
+      STRATA_RETURN_IF_ERROR(saver->submit_trainer_state(steps_done, state.dump()));
+      std::lock_guard<std::mutex> lock(result_mutex);
+      result.last_checkpoint = checkpoint_path(options.save_dir, steps_done);
+      return {};
+    };
+
+    // Training.
+    std::vector<int32_t> inputs(loader.batch_elements()), targets(loader.batch_elements());
+    const float loss_scale_base = 1.0f / static_cast<float>(global_tokens_per_step);
+    uint64_t nvme_read = 0, nvme_written = 0;
+    const auto train_begin = std::chrono::steady_clock::now();
+    int64_t last_saved = -1;
+    for (int64_t s = start_step; s < total_steps; ++s) {
+      const double lr = schedule.current_lr();
+      STRATA_RETURN_IF_ERROR(engine->begin_step(lr));
+      const bool evaluate = eval_loader && options.eval_every > 0 && s % options.eval_every == 0;
+      RankStep numbers;
+      for (int m = 0; m < accumulation; ++m) {
+        if (m > 0) STRATA_RETURN_IF_ERROR(engine->begin_micro_batch());
+        STRATA_RETURN_IF_ERROR(loader.batch(s, m, inputs, targets));
+        const TokenBatch train{inputs.data(), targets.data(), micro};
+        const bool with_eval = evaluate && m == 0;
+        STRATA_ASSIGN_OR_RETURN(MicroBatchLosses losses,
+                                model->run_micro_batch(&train, with_eval ? &eval_batch : nullptr, engine->loss_scale() * loss_scale_base));
+        numbers.loss_sum += losses.train_loss_sum;
+        numbers.tokens += losses.train_tokens;
+        if (with_eval) {
+          numbers.evaluated = true;
+          numbers.eval_sum = losses.eval_loss_sum;
+          numbers.eval_tokens = losses.eval_tokens;
+        }
+      }
+      const double local_loss = numbers.tokens > 0 ? numbers.loss_sum / double(numbers.tokens) : 0.0;
+      STRATA_ASSIGN_OR_RETURN(StepReport report, engine->step(local_loss));
+      if (!report.skipped) schedule.step();
+      numbers.report = report;
+      numbers.nvme_read_delta = report.nvme_bytes_read - nvme_read;
+      numbers.nvme_written_delta = report.nvme_bytes_written - nvme_written;
+      nvme_read = report.nvme_bytes_read;
+      nvme_written = report.nvme_bytes_written;
+      board->post(s, rank, numbers, lr);
+      if (saver && options.save_every > 0 && (s + 1) % options.save_every == 0) {
+        STRATA_RETURN_IF_ERROR(save(s + 1));
+        last_saved = s + 1;
+      }
+    }
+    const double train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - train_begin).count();
+    if (saver && total_steps > start_step && last_saved != total_steps) STRATA_RETURN_IF_ERROR(save(total_steps));
+
+    // The weights' checksum, from this rank's master shards.
+    STRATA_RETURN_IF_ERROR(settle_state());
+    uint64_t part = 0;
+    std::vector<float> shard;
+    for (int g = 0; g < engine->group_count(); ++g) {
+      const GroupLayout& layout = engine->layout(g);
+      shard.resize(layout.shard_numel);
+      STRATA_RETURN_IF_ERROR(engine->read_state_shard(g, Engine::StateKind::kMaster, shard));
+      part += master_checksum_part(layout, rank, shard);
+    }
+    checksum.fetch_add(part);
+
+    // Export: every rank puts its shard of a group into one host buffer, rank 0 writes it.
+    if (!options.export_dir.empty()) {
+      auto contribute = [&](int g) -> Status {
+        const GroupLayout& layout = engine->layout(g);
+        shard.resize(layout.shard_numel);
+        STRATA_RETURN_IF_ERROR(engine->read_state_shard(g, Engine::StateKind::kMaster, shard));
+        const size_t begin = layout.shard_begin(rank);
+        const size_t count = begin < layout.numel ? std::min(layout.shard_numel, layout.numel - begin) : 0;
+        std::copy(shard.begin(), shard.begin() + static_cast<std::ptrdiff_t>(count), exchange.begin() + static_cast<std::ptrdiff_t>(begin));
+        return sync.arrive_and_wait();  // every part is in
+      };
+      if (rank == 0) {
+        std::error_code ec;
+        std::filesystem::create_directories(options.export_dir, ec);
+        if (ec) return IoError("cannot create the export directory " + options.export_dir + ": " + ec.message());
+        const std::string path = (std::filesystem::path(options.export_dir) / "model.safetensors").string();
+        ExportOptions export_options;
+        export_options.metadata = {{"strata_model", model_json(options.model)}, {"strata_steps", std::to_string(total_steps)}};
+        STRATA_RETURN_IF_ERROR(write_gpt2_safetensors(
+            path, options.model,
+            [&](int g, std::span<float> out) -> Status {
+              STRATA_RETURN_IF_ERROR(contribute(g));
+              std::copy(exchange.begin(), exchange.begin() + static_cast<std::ptrdiff_t>(out.size()), out.begin());
+              return sync.arrive_and_wait();  // the buffer may be reused
+            },
+            export_options));
+        STRATA_RETURN_IF_ERROR(write_gpt2_config_json((std::filesystem::path(options.export_dir) / "config.json").string(), options.model));
+        STRATA_LOG(kInfo) << "exported " << path;
+      } else {
+        for (int g = 0; g < engine->group_count(); ++g) {
+          STRATA_RETURN_IF_ERROR(contribute(g));
+          STRATA_RETURN_IF_ERROR(sync.arrive_and_wait());
+        }
+      }
+    }
+
+    // Evaluation after the last step. The weights after the last update are only gathered
+    // by a later step, and the engine has no forward-only pass: finish() waits for every
+    // fetch the prefetcher planned, and a pass that never reaches step() leaves fetches of
+    // the next step waiting for an update that never comes. So the evaluation rides on one
+    // more step with gradient scale 0 and learning rate 0: every gradient is exactly zero
+    // and the update leaves every weight bit-identical. Only the Adam moments (which decay)
+    // and the engine's step counter change, after the last checkpoint and the checksum;
+    // the engine's metrics file gets one more line for it.
+    if (eval_loader) {
+      STRATA_RETURN_IF_ERROR(engine->begin_step(0.0));
+      MicroBatchLosses eval_losses;
+      for (int m = 0; m < accumulation; ++m) {
+        if (m > 0) STRATA_RETURN_IF_ERROR(engine->begin_micro_batch());
+        STRATA_RETURN_IF_ERROR(loader.batch(std::max<int64_t>(total_steps, start_step), m, inputs, targets));
+        const TokenBatch train{inputs.data(), targets.data(), micro};
+        STRATA_ASSIGN_OR_RETURN(MicroBatchLosses losses, model->run_micro_batch(&train, m == 0 ? &eval_batch : nullptr, 0.0f));
+        if (m == 0) eval_losses = losses;
+      }
+      STRATA_ASSIGN_OR_RETURN(StepReport report, engine->step(0.0));
+      (void)report;
+      std::lock_guard<std::mutex> lock(result_mutex);
+      eval_sum_final += eval_losses.eval_loss_sum;
+      eval_tokens_final += eval_losses.eval_tokens;
+    }
+    STRATA_RETURN_IF_ERROR(engine->finish());
+    model.reset();
+    std::lock_guard<std::mutex> lock(result_mutex);
+    result.device_peak_bytes = std::max(result.device_peak_bytes, device.memory_stats().high_water_bytes);
+    result.nvme_bytes_read += nvme_read;
+    result.nvme_bytes_written += nvme_written;
+    if (rank == 0) result.train_seconds = train_seconds;
+    return {};
+  };
+
+  Status status = cluster->run([&](int rank) -> Status {
+    Status s = rank_body(rank);
+    if (!s.ok()) sync.abort("rank " + std::to_string(rank) + ": " + s.message());
+    return s;
+  });
+  if (board) board->finish_output();
+  if (saver) {
+    Status saved = saver->finish();
+    if (status.ok()) status = saved;
+  }
+  STRATA_RETURN_IF_ERROR(status);
+  result.steps = board ? board->records() : std::vector<StepRecord>{};
+  if (!result.steps.empty()) result.final_loss = result.steps.back().loss;
+  if (eval_tokens_final > 0) result.eval_loss = eval_sum_final / double(eval_tokens_final);
+  result.param_checksum = checksum.load();
+  const double tokens = double(global_tokens_per_step) * double(total_steps - start_step);
+  result.tokens_per_s = result.train_seconds > 0 ? tokens / result.train_seconds : 0.0;
+  return result;
+}
+
+std::string summary_json(const TrainerResult& r) {
+  nlohmann::json j;
+  auto optional = [](const std::optional<double>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
+  j["final_loss"] = optional(r.final_loss);
+  j["eval_loss"] = optional(r.eval_loss);
+  j["entropy_floor"] = optional(r.entropy_floor);
+  j["vocab_size"] = r.vocab_size;
+  j["ln_vocab_size"] = std::log(double(r.vocab_size));
+  j["steps"] = r.total_steps;
+  j["resumed_from_step"] = r.resumed_from_step;
+  j["tokens_per_s"] = r.tokens_per_s;
+  j["train_seconds"] = r.train_seconds;
+  j["device_peak_bytes"] = r.device_peak_bytes;
+  j["device_budget_bytes"] = r.device_budget_bytes;
+  j["state_bytes"] = r.state_bytes;
+  j["activation_bytes"] = r.activation_bytes;
+  j["nvme_bytes_read"] = r.nvme_bytes_read;
+  j["nvme_bytes_written"] = r.nvme_bytes_written;
+  j["param_checksum"] = checksum_hex(r.param_checksum);
+  j["parameters"] = r.parameters;
+  j["world_size"] = r.world_size;
+  j["device"] = r.device;
+  nlohmann::json losses = nlohmann::json::array();
+  for (const auto& s : r.steps) losses.push_back(s.loss);
+  j["first_step"] = r.steps.empty() ? r.resumed_from_step : r.steps.front().step;
+  j["losses"] = losses;
+  if (!r.last_checkpoint.empty()) j["checkpoint"] = r.last_checkpoint;
+  return j.dump();
+}
+
+}  // namespace strata::gpt

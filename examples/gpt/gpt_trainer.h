@@ -1,0 +1,104 @@
+// The GPT training loop behind train_gpt: ranks, engine, model, data, learning-rate
+// schedule, evaluation, checkpoints, fine-tuning and export, with one progress line per
+// step and a summary at the end.
+//
+// Each rank runs on its own thread (LocalCluster). Per step:
+//
+//   lr = schedule.current_lr();  engine.begin_step(lr)
+//   for each micro-batch m: [begin_micro_batch]; model.run_micro_batch(train batch (step, m),
+//                           the evaluation batch when it is due and m == 0, grad_scale)
+//   report = engine.step(loss);  schedule.step() unless the update was skipped
+//   every save_every steps: snapshot the rank's state into the checkpoint saver
+//
+// An evaluation "at step s" (the weights after s updates) rides along the first forward
+// of step s + 1, with the same gathered parameters; the one after the last step is a
+// forward-only pass. The evaluation batch is fixed (the eval split's first global batch),
+// so evaluations are comparable across the run and across world sizes.
+//
+// Ranks agree on one progress line per step: each posts its numbers and the last to post
+// prints the line (losses are summed over all ranks' tokens, so they are the global means
+// and do not depend on the world size).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "engine/core/config.h"
+#include "engine/core/status.h"
+#include "engine/engine.h"
+#include "examples/gpt/gpt_model.h"
+#include "examples/gpt/token_data.h"
+
+namespace strata::gpt {
+
+struct TrainerOptions {
+  StrataConfig config;  // finalized; steps, device, placement, optimizer, schedule, data, model preset
+  GptConfig model;      // the resolved architecture
+  ActivationCheckpointing checkpointing = ActivationCheckpointing::kDevice;
+  int64_t head_chunk_rows = 0;
+  SyntheticLanguageOptions synthetic;  // vocab_size is set from the model
+  uint64_t data_seed = 0;
+  int64_t eval_sequences = 0;  // over all ranks; 0 = no evaluation
+  int64_t eval_every = 0;      // steps between evaluations (0 = only after the last step)
+
+  std::string save_dir;        // checkpoints (D/step-<N>); empty = none
+  int64_t save_every = 0;      // steps between saves; 0 = only at the end (when save_dir is set)
+  int keep_checkpoints = 0;    // newest kept; 0 = all
+  std::string resume_dir;      // resume from the latest complete checkpoint in it
+  std::string init_from;       // a GPT-2 safetensors file to start from
+  std::string export_dir;      // write model.safetensors + config.json here at the end
+
+  std::ostream* out = nullptr;  // plan and progress lines (nullptr: none)
+  bool live_bar = false;        // redraw a progress bar under the lines (a terminal)
+};
+
+struct StepRecord {
+  int64_t step = 0;              // updates done, including this one (1-based)
+  double loss = 0.0;             // mean training loss over every rank's tokens
+  std::optional<double> eval_loss;
+  int64_t eval_at_step = -1;     // the weights eval_loss was measured on (updates done)
+  double learning_rate = 0.0;
+  double seconds = 0.0;          // wall time of the step (rank 0's engine report)
+  double tokens_per_s = 0.0;
+  double grad_norm = 0.0;
+  size_t device_high_water_bytes = 0;  // max over ranks
+  uint64_t nvme_bytes_read = 0;        // all ranks, this step
+  uint64_t nvme_bytes_written = 0;
+};
+
+struct TrainerResult {
+  std::vector<StepRecord> steps;  // the steps this run made
+  int64_t total_steps = 0;
+  int64_t resumed_from_step = 0;
+  std::optional<double> final_loss;
+  std::optional<double> eval_loss;  // after the last step
+  std::optional<double> entropy_floor;
+  int64_t vocab_size = 0;
+  double tokens_per_s = 0.0;        // training tokens of all ranks / training wall time
+  double train_seconds = 0.0;
+  size_t device_peak_bytes = 0;     // max over ranks, the whole run
+  size_t device_budget_bytes = 0;
+  size_t state_bytes = 0;
+  size_t activation_bytes = 0;      // per rank, declared to the engine
+  uint64_t nvme_bytes_read = 0;     // all ranks, the whole run
+  uint64_t nvme_bytes_written = 0;
+  uint64_t param_checksum = 0;
+  int64_t parameters = 0;
+  int world_size = 1;
+  std::string device;               // "cpu" | "cuda"
+  std::string last_checkpoint;      // the newest checkpoint this run wrote
+};
+
+// The engine options the config asks for (placement, precision, optimizer, I/O, files),
+// for rank `rank`; activation_bytes is left 0.
+StatusOr<EngineOptions> engine_options_from_config(const StrataConfig& config, int rank);
+
+StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options);
+
+// The one-line JSON summary (the last line train_gpt prints).
+std::string summary_json(const TrainerResult& result);
+
+}  // namespace strata::gpt

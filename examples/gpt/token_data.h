@@ -1,0 +1,174 @@
+// Training data for the GPT trainer, all of it usable offline:
+//
+//   - a deterministic synthetic language whose tokens are equally frequent on their own
+//     but predictable in context, with a known entropy rate (the loss floor);
+//   - a text file read as bytes (vocabulary 256);
+//   - llm.c token files: a header of 256 little-endian int32 (magic 20240520, version 1,
+//     token count, the rest zero) followed by the tokens as uint16 — how GPT-2-tokenized
+//     datasets are commonly shipped (llm.c dev/data/data_common.py write_datafile); its
+//     uint32 variant (magic 20240801, version 7) is read too.
+//
+// The synthetic language. A Markov chain of order 1 or 2 over V tokens: with random
+// permutations sigma, tau, rho of the vocabulary and k distinct offsets d_0..d_{k-1}, the
+// token after context (..., a, b) is one of
+//     order 1:  sigma[(tau[b] + d_j) mod V]               j = 0..k-1, equally likely
+//     order 2:  sigma[(tau[b] + rho[a] + d_j) mod V]
+// For each j these maps are bijections, so every state (token, or pair of tokens) has
+// exactly k successors and k predecessors, each with probability 1/k: the chain is
+// doubly stochastic and its stationary distribution is uniform. Samples start in a
+// uniformly drawn state, so every position of every sample is uniform over the
+// vocabulary, and the entropy rate is exactly ln k nats per token — the floor a model's
+// cross-entropy loss approaches. With order 2 even the previous token alone says nothing
+// (the next token is uniform given it); only the pair does.
+//
+// Samples and batches. A sample is seq_len + 1 consecutive tokens, a pure function of
+// (data seed, split, sample index): for files, a window at a position drawn from those
+// numbers within the split's part of the file (train: the first 1 - eval_fraction of the
+// tokens, eval: the rest); for the synthetic language, a fresh walk. Micro-batch b of
+// the run holds global samples [b * global_batch, (b + 1) * global_batch); rank r of N
+// takes rows [r * global_batch / N, (r + 1) * global_batch / N). So batches do not depend
+// on the world size, and resuming needs only the position (micro-batches consumed).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "engine/core/config.h"
+#include "engine/core/status.h"
+
+namespace strata::gpt {
+
+// ---------------------------------------------------------------------------------------
+// llm.c token files
+
+inline constexpr int32_t kLlmcGpt2Magic = 20240520;    // version 1, uint16 tokens
+inline constexpr int32_t kLlmcGpt2Version = 1;
+inline constexpr int32_t kLlmcLlama3Magic = 20240801;  // version 7, uint32 tokens
+inline constexpr int32_t kLlmcLlama3Version = 7;
+inline constexpr size_t kLlmcHeaderInts = 256;
+inline constexpr size_t kLlmcHeaderBytes = kLlmcHeaderInts * 4;
+inline constexpr int64_t kGpt2VocabSize = 50257;
+
+enum class TokenFileFormat : uint8_t { kGpt2, kLlama3 };
+
+struct TokenFileHeader {
+  int32_t magic = 0;
+  int32_t version = 0;
+  uint64_t token_count = 0;  // header[2]
+  size_t token_bytes = 2;    // 2 (GPT-2) or 4 (Llama 3)
+};
+
+// Reads and checks the header of `path`: the file holds at least the 1024-byte header,
+// header[0] (magic) is 20240520 or 20240801, header[1] (version) matches it (1 or 7),
+// header[2] (token count) is positive and the file is exactly 1024 + count x token bytes.
+// Errors (kInvalidArgument; kNotFound for a missing file) name the file and the field.
+StatusOr<TokenFileHeader> read_token_file_header(const std::string& path);
+// Writes `tokens` in the llm.c format (each must fit the format's token type).
+Status write_token_file(const std::string& path, std::span<const int32_t> tokens, TokenFileFormat format = TokenFileFormat::kGpt2);
+
+// ---------------------------------------------------------------------------------------
+// Datasets
+
+enum class DataSplit : uint8_t { kTrain, kEval };
+std::string_view data_split_name(DataSplit split);  // "train" | "eval"
+
+struct SyntheticLanguageOptions {
+  int64_t vocab_size = 256;
+  int order = 1;            // 1 or 2: tokens of context that decide the next token's successors
+  int64_t successors = 4;   // k, in [1, vocab_size]: the entropy rate is ln k nats/token
+  uint64_t seed = 20240520; // draws the language (permutations and offsets), not the samples
+};
+
+struct FileDataOptions {
+  double eval_fraction = 0.0;  // share of the tokens held out for eval (the end of the file), in [0, 1)
+  int64_t vocab_size = 0;      // token files: 0 = the format's (50257 for GPT-2 files); tokens must be below it
+};
+
+class TokenDataset {
+ public:
+  static StatusOr<std::shared_ptr<const TokenDataset>> synthetic(const SyntheticLanguageOptions& options);
+  // A text file read as bytes: vocabulary 256.
+  static StatusOr<std::shared_ptr<const TokenDataset>> open_text_file(const std::string& path, const FileDataOptions& options);
+  // An llm.c token file (header checked as read_token_file_header does).
+  static StatusOr<std::shared_ptr<const TokenDataset>> open_token_file(const std::string& path, const FileDataOptions& options);
+  // From the config's strata.data section; `synthetic` gives the synthetic language's
+  // shape (the trainer sets its vocab_size from the model).
+  static StatusOr<std::shared_ptr<const TokenDataset>> open(const DataConfig& config, const SyntheticLanguageOptions& synthetic);
+
+  virtual ~TokenDataset() = default;
+
+  virtual int64_t vocab_size() const = 0;
+  // The entropy rate in nats/token when it is known (the synthetic language: ln k).
+  virtual std::optional<double> entropy_floor() const = 0;
+  // "synthetic order-1 language: vocab 256, 4 successors, floor 1.3863 nats/token", ...
+  virtual std::string describe() const = 0;
+  // Tokens in a split, or nullopt when unbounded (synthetic).
+  virtual std::optional<uint64_t> split_tokens(DataSplit split) const = 0;
+
+  // Fills `tokens` (any length >= 1) with sample `index` of `split` under data seed `seed`.
+  // Thread-safe. Errors name the file and position (a token past the vocabulary, a split
+  // shorter than the sample).
+  virtual Status sample(DataSplit split, uint64_t seed, uint64_t index, std::span<int32_t> tokens) const = 0;
+};
+
+// The synthetic language's next-token table, for tests and diagnostics: the k successors
+// of context (previous, last) (order 1 ignores `previous`).
+std::vector<int32_t> synthetic_successors(const SyntheticLanguageOptions& options, int32_t previous, int32_t last);
+
+// ---------------------------------------------------------------------------------------
+// Batches
+
+struct DataLoaderOptions {
+  int64_t global_batch = 1;     // rows per micro-batch over all ranks (micro batch per GPU x world size)
+  int64_t seq_len = 0;          // tokens per row
+  int micro_batches = 1;        // gradient accumulation steps: micro-batch index = step * micro_batches + micro
+  int rank = 0;
+  int world_size = 1;
+  uint64_t seed = 0;            // the data seed (which samples), not the language's
+  DataSplit split = DataSplit::kTrain;
+};
+
+class DataLoader {
+ public:
+  // Errors name the bad option: global_batch not a multiple of world_size, seq_len < 1,
+  // rank out of range, a split too short for one sample, an eval split of a file
+  // dataset with eval_fraction 0.
+  static StatusOr<DataLoader> create(std::shared_ptr<const TokenDataset> dataset, const DataLoaderOptions& options);
+
+  const TokenDataset& dataset() const { return *dataset_; }
+  const DataLoaderOptions& options() const { return options_; }
+  int64_t local_rows() const { return options_.global_batch / options_.world_size; }
+  // Elements of inputs and of targets: local_rows x seq_len.
+  size_t batch_elements() const { return static_cast<size_t>(local_rows() * options_.seq_len); }
+
+  // Micro-batch `batch_index` (counted over the run): this rank's rows, row-major
+  // [local_rows, seq_len]; targets are the inputs shifted by one token.
+  Status batch_at(uint64_t batch_index, std::span<int32_t> inputs, std::span<int32_t> targets) const;
+  // Micro-batch `micro` of step `step`: batch_at(step * micro_batches + micro).
+  Status batch(int64_t step, int micro, std::span<int32_t> inputs, std::span<int32_t> targets) const;
+
+  // Sequential use: the batch at position(), then position() + 1.
+  Status next(std::span<int32_t> inputs, std::span<int32_t> targets);
+  uint64_t position() const { return position_; }  // micro-batches consumed
+  void set_position(uint64_t position) { position_ = position; }
+  // {"position": N, "seed": S, "split": "train", "global_batch": B, "seq_len": T} and back;
+  // restoring refuses a state saved with another seed, split, global batch or seq_len
+  // (the batches would differ), naming the field.
+  std::string state_json() const;
+  Status restore_json(std::string_view json);
+
+ private:
+  DataLoader(std::shared_ptr<const TokenDataset> dataset, const DataLoaderOptions& options)
+      : dataset_(std::move(dataset)), options_(options) {}
+  std::shared_ptr<const TokenDataset> dataset_;
+  DataLoaderOptions options_;
+  uint64_t position_ = 0;
+};
+
+}  // namespace strata::gpt
