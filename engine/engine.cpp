@@ -554,7 +554,9 @@ Status EngineImpl::allocate_and_initialize() {
   const size_t host_bytes = plan_.pinned_bytes + plan_.host_bytes;
   if (host_bytes > 0) {
     PinnedArenaOptions arena_options;
-    arena_options.bytes = host_bytes + 64 * 4096;
+    // Slack for the slab allocator: buffers are carved in plan order, but some are freed
+    // and carved again (state-access staging), and a best-fit allocator can fragment.
+    arena_options.bytes = host_bytes + host_bytes / 32 + (size_t{4} << 20);
     arena_options.lock = options_.pin_memory;
     arena_options.register_with_gpu = options_.pin_memory;
     STRATA_ASSIGN_OR_RETURN(arena_, PinnedArena::create(arena_options));
