@@ -46,34 +46,12 @@ StatusOr<LrSchedule> LrSchedule::create(const SchedulerConfig& config, double ba
                                 number_text(base_lr) + ": expected a finite number >= 0");
   }
 
-  // The parameters each type takes (DeepSpeed's constructors).
-  struct Given {
-    std::string_view name;
-    bool set;
-  };
-  const Given given[] = {{"warmup_min_lr", config.warmup_min_lr.has_value()},
-                         {"warmup_max_lr", config.warmup_max_lr.has_value()},
-                         {"warmup_num_steps", config.warmup_num_steps.has_value()},
-                         {"warmup_type", config.warmup_type.has_value()},
-                         {"total_num_steps", config.total_num_steps.has_value()},
-                         {"warmup_min_ratio", config.warmup_min_ratio.has_value()},
-                         {"cos_min_ratio", config.cos_min_ratio.has_value()}};
-  std::vector<std::string_view> accepted;
-  switch (config.type) {
-    case SchedulerType::kNone: break;
-    case SchedulerType::kWarmupLR: accepted = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"}; break;
-    case SchedulerType::kWarmupDecayLR:
-      accepted = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"};
-      break;
-    case SchedulerType::kWarmupCosineLR:
-      accepted = {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"};
-      break;
-  }
-  for (const Given& parameter : given) {
-    if (!parameter.set || std::find(accepted.begin(), accepted.end(), parameter.name) != accepted.end()) continue;
+  // The parameters each type takes (DeepSpeed's constructors): the config loader's table.
+  const std::vector<std::string_view> misplaced = misplaced_scheduler_parameters(config);
+  if (!misplaced.empty()) {
     std::string list;
-    for (std::string_view name : accepted) list += (list.empty() ? "" : ", ") + std::string(name);
-    return InvalidArgumentError("scheduler.params." + std::string(parameter.name) + " does not apply to scheduler " +
+    for (std::string_view name : scheduler_parameters(config.type)) list += (list.empty() ? "" : ", ") + std::string(name);
+    return InvalidArgumentError("scheduler.params." + std::string(misplaced.front()) + " does not apply to scheduler " +
                                 type_text + (list.empty() ? " (it takes no parameters)" : " (its parameters: " + list + ")"));
   }
 

@@ -1252,36 +1252,15 @@ Status finalize(StrataConfig& config, int world_size) {
   // Scheduler: each type's parameters and defaults (DeepSpeed's).
   {
     SchedulerConfig& sched = config.scheduler;
-    struct Param {
-      const char* name;
-      bool set;
-    };
-    const Param params[] = {{"warmup_min_lr", sched.warmup_min_lr.has_value()},
-                            {"warmup_max_lr", sched.warmup_max_lr.has_value()},
-                            {"warmup_num_steps", sched.warmup_num_steps.has_value()},
-                            {"warmup_type", sched.warmup_type.has_value()},
-                            {"total_num_steps", sched.total_num_steps.has_value()},
-                            {"warmup_min_ratio", sched.warmup_min_ratio.has_value()},
-                            {"cos_min_ratio", sched.cos_min_ratio.has_value()}};
     std::vector<std::string> accepted;
-    switch (sched.type) {
-      case SchedulerType::kNone: break;
-      case SchedulerType::kWarmupLR: accepted = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"}; break;
-      case SchedulerType::kWarmupDecayLR:
-        accepted = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"};
-        break;
-      case SchedulerType::kWarmupCosineLR:
-        accepted = {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"};
-        break;
-    }
-    bool params_ok = true;
-    for (const Param& param : params) {
-      if (!param.set || std::find(accepted.begin(), accepted.end(), param.name) != accepted.end()) continue;
-      params_ok = false;
+    for (std::string_view name : scheduler_parameters(sched.type)) accepted.emplace_back(name);
+    const std::vector<std::string_view> misplaced = misplaced_scheduler_parameters(sched);
+    const bool params_ok = misplaced.empty();
+    for (std::string_view name : misplaced) {
       if (sched.type == SchedulerType::kNone) {
-        errors.push_back(std::string("scheduler.params.") + param.name + " is set but scheduler.type is not" + in);
+        errors.push_back("scheduler.params." + std::string(name) + " is set but scheduler.type is not" + in);
       } else {
-        errors.push_back(std::string("scheduler.params.") + param.name + " does not apply to " +
+        errors.push_back("scheduler.params." + std::string(name) + " does not apply to " +
                          std::string(scheduler_type_name(sched.type)) + " (its parameters: " + join(accepted, ", ") + ")" + in);
       }
     }
@@ -1345,6 +1324,33 @@ std::string to_json(const StrataConfig& config) {
     if (!value.is_null()) set_at_path(root, spec.path, value);
   }
   return dump_json(root, 2);
+}
+
+std::vector<std::string_view> scheduler_parameters(SchedulerType type) {
+  switch (type) {
+    case SchedulerType::kNone: return {};
+    case SchedulerType::kWarmupLR: return {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"};
+    case SchedulerType::kWarmupDecayLR:
+      return {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"};
+    case SchedulerType::kWarmupCosineLR:
+      return {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"};
+  }
+  return {};
+}
+
+std::vector<std::string_view> misplaced_scheduler_parameters(const SchedulerConfig& config) {
+  const std::pair<std::string_view, bool> given[] = {{"warmup_min_lr", config.warmup_min_lr.has_value()},
+                                                     {"warmup_max_lr", config.warmup_max_lr.has_value()},
+                                                     {"warmup_num_steps", config.warmup_num_steps.has_value()},
+                                                     {"warmup_type", config.warmup_type.has_value()},
+                                                     {"total_num_steps", config.total_num_steps.has_value()},
+                                                     {"warmup_min_ratio", config.warmup_min_ratio.has_value()},
+                                                     {"cos_min_ratio", config.cos_min_ratio.has_value()}};
+  const std::vector<std::string_view> accepted = scheduler_parameters(config.type);
+  std::vector<std::string_view> misplaced;
+  for (const auto& [name, set] : given)
+    if (set && std::find(accepted.begin(), accepted.end(), name) == accepted.end()) misplaced.push_back(name);
+  return misplaced;
 }
 
 }  // namespace strata

@@ -131,6 +131,12 @@ struct SchedulerConfig {
   std::optional<double> cos_min_ratio;        // WarmupCosineLR (default 0.0001)
 };
 
+// The scheduler.params keys a scheduler type takes (DeepSpeed's constructors), and those
+// of `config` that are set but do not apply to its type. One table for the config loader
+// and for optim/'s LrSchedule.
+std::vector<std::string_view> scheduler_parameters(SchedulerType type);
+std::vector<std::string_view> misplaced_scheduler_parameters(const SchedulerConfig& config);
+
 // strata.model: the GPT trainer's model. 0 means "take it from the preset".
 struct ModelConfig {
   std::string preset;                          // a named model shape, defined by the trainer; empty = none
