@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -410,6 +411,7 @@ struct SaveJob {
   std::optional<std::string> trainer_state;
   std::vector<GroupLayout> layouts;  // from the first snapshot
   int64_t engine_steps = 0;
+  std::optional<LossScaler::State> loss_scaler;  // from the first snapshot
   std::vector<FileRecord> rank_files;  // indexed by rank
   Status status;                       // the first failure
   // Writer-thread only:
@@ -459,6 +461,7 @@ class CheckpointSaver::Impl {
     if (job->arrived_count == 0) {
       job->layouts = snapshot.layouts();
       job->engine_steps = snapshot.engine_steps();
+      job->loss_scaler = snapshot.loss_scaler();
     } else {
       STRATA_RETURN_IF_ERROR_CTX(check_same_layouts(job->layouts, snapshot.layouts(), rank), what);
       if (snapshot.engine_steps() != job->engine_steps) {
@@ -735,6 +738,13 @@ class CheckpointSaver::Impl {
                      {"chunk_bytes", options_.chunk_bytes},
                      {"groups", std::move(groups)},
                      {"files", std::move(files)}};
+    if (job.loss_scaler) {
+      const LossScaler::State& scaler = *job.loss_scaler;
+      manifest["loss_scaler"] = {{"scale", scaler.scale},
+                                 {"clean_steps", scaler.clean_steps},
+                                 {"remaining_hysteresis", scaler.remaining_hysteresis},
+                                 {"skipped_steps", scaler.skipped_steps}};
+    }
     manifest["manifest_checksum"] = hex64(manifest_checksum(manifest));
     STRATA_RETURN_IF_ERROR_CTX(hook("before_manifest", job.step), context);
     const std::string manifest_text = manifest.dump(1) + "\n";
@@ -916,6 +926,17 @@ StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::st
 
   STRATA_ASSIGN_OR_RETURN(reader->step_, fields.get<int64_t>(manifest, "step", "the manifest"));
   STRATA_ASSIGN_OR_RETURN(reader->engine_steps_, fields.get<int64_t>(manifest, "engine_steps", "the manifest"));
+  if (manifest.contains("loss_scaler")) {
+    const json& entry = manifest["loss_scaler"];
+    const std::string where = "the manifest's loss_scaler";
+    LossScaler::State scaler{};
+    STRATA_ASSIGN_OR_RETURN(scaler.scale, fields.get<float>(entry, "scale", where));
+    STRATA_ASSIGN_OR_RETURN(scaler.clean_steps, fields.get<int>(entry, "clean_steps", where));
+    STRATA_ASSIGN_OR_RETURN(scaler.remaining_hysteresis, fields.get<int>(entry, "remaining_hysteresis", where));
+    STRATA_ASSIGN_OR_RETURN(scaler.skipped_steps, fields.get<uint64_t>(entry, "skipped_steps", where));
+    if (!(scaler.scale > 0.0f) || !std::isfinite(scaler.scale)) return fields.error(where + ": scale " + std::to_string(scaler.scale) + " is not positive");
+    reader->loss_scaler_ = scaler;
+  }
   STRATA_ASSIGN_OR_RETURN(reader->world_size_, fields.get<int>(manifest, "world_size", "the manifest"));
   STRATA_ASSIGN_OR_RETURN(reader->chunk_bytes_, fields.get<size_t>(manifest, "chunk_bytes", "the manifest"));
   if (reader->world_size_ < 1) return fields.error("world_size " + std::to_string(reader->world_size_) + " is below 1");
@@ -1239,6 +1260,7 @@ StatusOr<RankSnapshot> snapshot_engine_state(Engine& engine, int rank) {
   std::vector<GroupLayout> layouts;
   for (int g = 0; g < engine.group_count(); ++g) layouts.push_back(engine.layout(g));
   STRATA_ASSIGN_OR_RETURN(RankSnapshot snapshot, RankSnapshot::allocate(std::move(layouts), rank, engine.steps_taken()));
+  snapshot.set_loss_scaler(engine.loss_scaler_state());
   for (int g = 0; g < snapshot.group_count(); ++g) {
     for (CheckpointStateKind kind : kAllKinds) {
       STRATA_RETURN_IF_ERROR_CTX(engine.read_state_shard(g, kind, snapshot.shard(g, kind)),
@@ -1267,6 +1289,12 @@ Status load_engine_state(Engine& engine, int rank, const CheckpointReader& reade
   }
   STRATA_RETURN_IF_ERROR_CTX(engine.refresh_parameters(), "loading checkpoint " + reader.path());
   engine.set_steps_taken(reader.engine_steps());
+  if (reader.loss_scaler() && engine.loss_scaler_state()) {
+    STRATA_RETURN_IF_ERROR_CTX(engine.restore_loss_scaler_state(*reader.loss_scaler()), "loading checkpoint " + reader.path());
+  } else if (engine.loss_scaler_state()) {
+    STRATA_LOG(kWarn) << "checkpoint " << reader.path() << " has no loss scaler state (saved without fp16 loss scaling): "
+                      << "the loss scale starts at its initial value";
+  }
   return Status::Ok();
 }
 

@@ -50,6 +50,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -87,6 +88,9 @@ class RankSnapshot {
   int rank() const { return rank_; }
   int world_size() const { return layouts_.empty() ? 1 : layouts_.front().world_size; }
   int64_t engine_steps() const { return engine_steps_; }
+  // The engine's loss scaler state (fp16 training), saved in the manifest.
+  const std::optional<LossScaler::State>& loss_scaler() const { return loss_scaler_; }
+  void set_loss_scaler(const std::optional<LossScaler::State>& state) { loss_scaler_ = state; }
   const std::vector<GroupLayout>& layouts() const { return layouts_; }
   int group_count() const { return static_cast<int>(layouts_.size()); }
   // Group `group`'s shard of `kind`: layouts()[group].shard_numel floats.
@@ -105,6 +109,7 @@ class RankSnapshot {
   std::vector<std::unique_ptr<float, FreeAligned>> blocks_;  // per group: 3 * shard_numel floats
   int rank_ = 0;
   int64_t engine_steps_ = 0;
+  std::optional<LossScaler::State> loss_scaler_;
 };
 
 struct CheckpointSaverOptions {
@@ -191,6 +196,7 @@ class CheckpointReader {
   const std::string& path() const { return path_; }
   int64_t step() const { return step_; }
   int64_t engine_steps() const { return engine_steps_; }
+  const std::optional<LossScaler::State>& loss_scaler() const { return loss_scaler_; }
   int world_size() const { return world_size_; }
   const std::string& trainer_state() const { return trainer_state_; }  // as submitted
   const std::vector<SavedGroup>& groups() const { return groups_; }
@@ -221,6 +227,7 @@ class CheckpointReader {
   std::string path_;
   int64_t step_ = 0;
   int64_t engine_steps_ = 0;
+  std::optional<LossScaler::State> loss_scaler_;
   int world_size_ = 1;
   size_t chunk_bytes_ = 0;
   std::string trainer_state_;
@@ -251,7 +258,8 @@ StatusOr<CheckpointRef> latest_complete(const std::string& save_dir, const Lates
 StatusOr<RankSnapshot> snapshot_engine_state(Engine& engine, int rank);
 // Loads this rank's shards of every group from `reader` (any saved world size): checks
 // every group's layout, write_state_shard() for the three kinds, refresh_parameters(),
-// set_steps_taken(reader.engine_steps()). Call after start(), between steps.
+// set_steps_taken(reader.engine_steps()), and the loss scaler's state when both the
+// checkpoint and the engine have one. Call after start(), between steps.
 Status load_engine_state(Engine& engine, int rank, const CheckpointReader& reader);
 
 }  // namespace strata

@@ -142,6 +142,11 @@ class EngineImpl final : public Engine {
   float loss_scale() const override { return loss_scaler_ ? loss_scaler_->scale() : 1.0f; }
   int64_t steps_taken() const override { return applied_steps_; }
   void set_steps_taken(int64_t steps) override { applied_steps_ = steps; }
+  std::optional<LossScaler::State> loss_scaler_state() const override {
+    if (!loss_scaler_) return std::nullopt;
+    return loss_scaler_->state();
+  }
+  Status restore_loss_scaler_state(const LossScaler::State& state) override;
   const Tracer& tracer() const override { return tracer_; }
 
   // ----------------------------------------------------------------- the step
@@ -153,6 +158,8 @@ class EngineImpl final : public Engine {
   Status grads_ready(int group) override;
   StatusOr<StepReport> step(double loss) override;
   Status finish() override;
+  Status begin_forward() override;
+  Status end_forward() override;
 
   Status read_state_shard(int group, StateKind kind, std::span<float> out) override;
   Status write_state_shard(int group, StateKind kind, std::span<const float> in) override;
@@ -231,7 +238,10 @@ class EngineImpl final : public Engine {
   };
   // Creates the fetch request a use of `g` in step `step_index` needs, or returns 0 when
   // the group needs no fetch (a direct view, or a persistent group already planned).
-  uint64_t plan_use_locked(int g, int64_t step_index);
+  uint64_t plan_use_locked(int g, int64_t step_index, int64_t version);
+  // The parameter version the model's current pass uses: a step's (one behind in
+  // delayed mode), or every update taken for a forward-only pass.
+  int64_t current_use_version() const { return forward_only_ ? step_index_ : required_version(step_index_); }
   void abandon_outstanding_locked();
   FetchRequest& request_locked(uint64_t id) { return requests_[static_cast<size_t>(id - requests_.front().id)]; }
   // Waits on cv_ until `done()` or an error or shutdown; returns the error in those cases.
@@ -303,6 +313,7 @@ class EngineImpl final : public Engine {
   std::map<int, ActiveUse> active_uses_;  // groups gathered and not yet released (model thread only)
   int64_t step_index_ = 0;              // index of the current step (steps finished so far)
   int micro_ = -1;                      // current micro-batch within the step
+  bool forward_only_ = false;           // inside begin_forward() ... end_forward()
   size_t use_index_ = 0;                // uses so far in this micro-batch
   int64_t applied_steps_ = 0;           // updates applied (skipped steps do not count)
   TraceClock::time_point step_window_begin_;
@@ -849,6 +860,7 @@ Status EngineImpl::traced(Stream& stream, Stage stage, int group, std::string la
 Status EngineImpl::begin_step(double learning_rate) {
   if (!started_) return FailedPreconditionError("begin_step() before start()");
   STRATA_RETURN_IF_ERROR(background_error());
+  if (forward_only_) return FailedPreconditionError("begin_step() in a forward-only pass: call end_forward() first");
   if (micro_ >= 0) return FailedPreconditionError("begin_step() twice without step()");
   if (learning_rate >= 0.0) learning_rate_ = learning_rate;
   {
@@ -866,6 +878,7 @@ Status EngineImpl::begin_step(double learning_rate) {
 
 Status EngineImpl::begin_micro_batch() {
   if (!started_) return FailedPreconditionError("begin_micro_batch() before start()");
+  if (forward_only_) return FailedPreconditionError("begin_micro_batch() in a forward-only pass");
   std::unique_lock<std::mutex> lock(mutex_);
   if (failed_) return first_error_;
   if (micro_ + 1 >= options_.gradient_accumulation_steps)
@@ -892,10 +905,9 @@ Status EngineImpl::begin_micro_batch() {
   return {};
 }
 
-uint64_t EngineImpl::plan_use_locked(int g, int64_t step_index) {
+uint64_t EngineImpl::plan_use_locked(int g, int64_t step_index, int64_t version) {
   GroupState& state = group(g);
   if (direct_view(state)) return 0;
-  const int64_t version = required_version(step_index);
   if (state.persistent) {
     if (state.planned_persistent_version == version) return 0;
     state.planned_persistent_version = version;
@@ -937,7 +949,7 @@ void EngineImpl::issue_ahead_locked() {
       if (!direct_view(next) && !next.persistent) break;
     }
     ExpectedUse use{issue_cursor_.step, issue_cursor_.micro, issue_cursor_.index, schedule_[issue_cursor_.index], 0};
-    use.request = plan_use_locked(use.group, use.step);
+    use.request = plan_use_locked(use.group, use.step, required_version(use.step));
     expected_.push_back(use);
     // Advance the program cursor.
     if (++issue_cursor_.index >= schedule_.size()) {
@@ -957,6 +969,13 @@ void EngineImpl::abandon_outstanding_locked() {
     request.abandoned = true;
     request.consumed = true;
     if (request.slot < 0) group(request.group).planned_persistent_version = -1;
+    // A fetch already done frees its slot here (one still running frees it when done).
+    // No release event is needed: the slot's next fill is enqueued on the streams that
+    // made this one, so it follows it in stream order.
+    if (request.ready && request.slot >= 0) {
+      GatherSlot& slot = slots_[static_cast<size_t>(request.slot)];
+      slot.released_id = std::max(slot.released_id, request.id);
+    }
   }
   expected_.clear();
   cv_.notify_all();
@@ -964,7 +983,7 @@ void EngineImpl::abandon_outstanding_locked() {
 
 StatusOr<GroupView> EngineImpl::gather(int g) {
   STRATA_RETURN_IF_ERROR(check_group(g, "gather"));
-  if (micro_ < 0) return FailedPreconditionError("gather() outside a step: call begin_step() first");
+  if (micro_ < 0) return FailedPreconditionError("gather() outside a step: call begin_step() (or begin_forward()) first");
   GroupState& state = group(g);
   uint64_t request_id = 0;
   {
@@ -973,7 +992,9 @@ StatusOr<GroupView> EngineImpl::gather(int g) {
     if (active_uses_.count(g) != 0)
       return FailedPreconditionError("gather(" + std::to_string(g) + ") while the group is gathered: release() it first");
     bool planned = false;
-    if (schedule_valid_) {
+    if (forward_only_) {
+      // No schedule: each gather fetches on demand.
+    } else if (schedule_valid_) {
       if (expected_.empty()) issue_ahead_locked();
       if (!expected_.empty()) {
         const ExpectedUse& use = expected_.front();
@@ -996,8 +1017,8 @@ StatusOr<GroupView> EngineImpl::gather(int g) {
     } else if (recording_active_) {
       recording_.push_back(g);
     }
-    if (!planned) request_id = plan_use_locked(g, step_index_);
-    ++use_index_;
+    if (!planned) request_id = plan_use_locked(g, step_index_, current_use_version());
+    if (!forward_only_) ++use_index_;
     // Wait for the data.
     int slot = -1;
     if (request_id != 0) {
@@ -1007,7 +1028,7 @@ StatusOr<GroupView> EngineImpl::gather(int g) {
       request.consumed = true;
       while (!requests_.empty() && requests_.front().ready && requests_.front().consumed) requests_.pop_front();
     } else if (direct_view(state)) {
-      const int64_t version = required_version(step_index_);
+      const int64_t version = current_use_version();
       STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return state.param_version >= version; }, "the group's update"));
     }
     active_uses_[g] = {request_id, slot};
@@ -1016,7 +1037,7 @@ StatusOr<GroupView> EngineImpl::gather(int g) {
   void* flat = nullptr;
   const int slot = active_uses_[g].slot;
   if (direct_view(state)) {
-    flat = state.param_device[static_cast<size_t>(parity(required_version(step_index_)))].data();
+    flat = state.param_device[static_cast<size_t>(parity(current_use_version()))].data();
   } else if (state.persistent) {
     STRATA_RETURN_IF_ERROR(compute_stream_->wait(*state.persistent_ready));
     flat = state.persistent_full.data();
@@ -1058,6 +1079,7 @@ Status EngineImpl::release(int g) {
 StatusOr<GroupView> EngineImpl::gradient_buffer(int g) {
   STRATA_RETURN_IF_ERROR(check_group(g, "gradient_buffer"));
   if (micro_ < 0) return FailedPreconditionError("gradient_buffer() outside a step");
+  if (forward_only_) return FailedPreconditionError("gradient_buffer() in a forward-only pass");
   GroupState& state = group(g);
   if (state.active_gradient_slot < 0) {
     int chosen = -1;
@@ -1121,6 +1143,7 @@ Status EngineImpl::land_on_device(int g, int slot_index, const float* reduced) {
 
 Status EngineImpl::grads_ready(int g) {
   STRATA_RETURN_IF_ERROR(check_group(g, "grads_ready"));
+  if (forward_only_) return FailedPreconditionError("grads_ready() in a forward-only pass");
   STRATA_RETURN_IF_ERROR(background_error());
   GroupState& state = group(g);
   const int slot_index = state.active_gradient_slot;
@@ -1176,6 +1199,7 @@ Status EngineImpl::grads_ready(int g) {
 
 StatusOr<StepReport> EngineImpl::step(double loss) {
   if (!started_) return FailedPreconditionError("step() before start()");
+  if (forward_only_) return FailedPreconditionError("step() in a forward-only pass: call end_forward()");
   if (micro_ < 0) return FailedPreconditionError("step() without begin_step()");
   if (micro_ + 1 != options_.gradient_accumulation_steps)
     return FailedPreconditionError("step() after " + std::to_string(micro_ + 1) + " micro-batches; gradient_accumulation_steps is " +
@@ -1289,6 +1313,10 @@ StatusOr<StepReport> EngineImpl::step(double loss) {
 
 Status EngineImpl::finish() {
   if (!started_) return FailedPreconditionError("finish() before start()");
+  // Inside a pass, fetches of versions no update will make could be planned: waiting for
+  // them would never end.
+  if (forward_only_) return FailedPreconditionError("finish() in a forward-only pass: call end_forward() first");
+  if (micro_ >= 0) return FailedPreconditionError("finish() inside a step: call step() first");
   {
     std::unique_lock<std::mutex> lock(mutex_);
     // Every fetch already planned is carried out: the prefetcher runs ahead into a next
@@ -1305,6 +1333,44 @@ Status EngineImpl::finish() {
   STRATA_RETURN_IF_ERROR(background_error());
   if (!options_.trace_path.empty() && options_.rank == 0) STRATA_RETURN_IF_ERROR(write_chrome_trace(options_.trace_path, {&tracer_}));
   finished_cleanly_ = true;
+  return {};
+}
+
+Status EngineImpl::begin_forward() {
+  if (!started_) return FailedPreconditionError("begin_forward() before start()");
+  STRATA_RETURN_IF_ERROR(background_error());
+  if (forward_only_) return FailedPreconditionError("begin_forward() twice without end_forward()");
+  if (micro_ >= 0) return FailedPreconditionError("begin_forward() inside a step: call step() first");
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (failed_) return first_error_;
+  // The fetches planned for the next step carry an older version in delayed mode, and
+  // their slots come before the pass's own in the ring: let them complete and free their
+  // slots, and plan the next step again after the pass.
+  abandon_outstanding_locked();
+  forward_only_ = true;
+  micro_ = 0;
+  return {};
+}
+
+Status EngineImpl::end_forward() {
+  if (!forward_only_) return FailedPreconditionError("end_forward() without begin_forward()");
+  if (!active_uses_.empty())
+    return FailedPreconditionError("end_forward() while group " + std::to_string(active_uses_.begin()->first) + " is still gathered");
+  std::lock_guard<std::mutex> lock(mutex_);
+  forward_only_ = false;
+  micro_ = -1;
+  if (schedule_valid_) issue_cursor_ = {step_index_, 0, 0};
+  return {};
+}
+
+Status EngineImpl::restore_loss_scaler_state(const LossScaler::State& state) {
+  if (!loss_scaler_) return FailedPreconditionError("restore_loss_scaler_state(): this engine does not scale losses (fp16 loss scaling is off)");
+  if (micro_ >= 0) return FailedPreconditionError("restore_loss_scaler_state() inside a step");
+  if (!std::isfinite(state.scale) || state.scale <= 0.0f || state.clean_steps < 0 || state.remaining_hysteresis < 0)
+    return InvalidArgumentError("restore_loss_scaler_state(): scale " + std::to_string(state.scale) + ", clean steps " +
+                                std::to_string(state.clean_steps) + ", remaining hysteresis " + std::to_string(state.remaining_hysteresis) +
+                                " is not a loss scaler's state");
+  loss_scaler_->restore(state);
   return {};
 }
 

@@ -12,6 +12,11 @@
 //                               engine->grads_ready(g);   // after the group's last use this micro-batch
 //   report = engine->step(loss);
 //
+// A forward-only pass (evaluation between or after steps, generation) gathers with the
+// weights of every step taken so far and takes no gradients:
+//
+//   engine->begin_forward();  ...gather(g) / release(g) in any order...;  engine->end_forward();
+//
 // gather() returns device pointers to the full (all-rank) parameters of the group in the
 // parameter dtype, valid in compute_stream() order until release(). A group may be
 // gathered more than once in a pass (a tied embedding); its gradient buffer is the same
@@ -35,6 +40,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -192,7 +198,18 @@ class Engine {
   // `loss` is only reported. Writes the metrics line (rank 0).
   virtual StatusOr<StepReport> step(double loss) = 0;
   // Waits for all outstanding work (the last update included) and writes the trace.
+  // Called between steps (not inside a step or a forward-only pass).
   virtual Status finish() = 0;
+
+  // A forward-only pass, between steps: gather() and release() see the parameters after
+  // every update of the steps taken (delayed mode included: it waits for the last one);
+  // gradient_buffer(), grads_ready() and step() are errors inside it. Fetches planned
+  // ahead for the next step are dropped first (they complete, and the next step plans
+  // them again), and the pass follows no schedule, so it may gather any groups in any
+  // order, each fetched when gathered (no prefetch). All ranks must make the same
+  // gathers, as in a step.
+  virtual Status begin_forward() = 0;
+  virtual Status end_forward() = 0;
 
   // State access (waits for pending updates of the group). Shards are this rank's.
   enum class StateKind : uint8_t { kMaster, kExpAvg, kExpAvgSq };
@@ -202,6 +219,11 @@ class Engine {
   virtual Status refresh_parameters() = 0;
   virtual int64_t steps_taken() const = 0;
   virtual void set_steps_taken(int64_t steps) = 0;
+  // The dynamic loss scaler's state (scale, clean-step count, hysteresis, skipped steps),
+  // for checkpoints; nullopt when the engine does not scale losses (fp32/bf16 training).
+  virtual std::optional<LossScaler::State> loss_scaler_state() const = 0;
+  // Restores it between steps; an error when the engine has no loss scaler.
+  virtual Status restore_loss_scaler_state(const LossScaler::State& state) = 0;
   virtual const Tracer& tracer() const = 0;
 };
 

@@ -167,11 +167,8 @@ class GptModel {
   // of the whole step over all ranks), grads_ready() for every group. With `eval` (up to
   // options.eval_batch sequences): its loss is measured in the same forward, with the
   // same gathered parameters (the weights before this step's update). Without `train`,
-  // an evaluation-only pass: the forward half of the schedule, no gradients, and the
-  // engine left inside the step. (The engine's finish() waits for every fetch its
-  // prefetcher planned, which after such a pass may include fetches of the next step
-  // that wait for an update that never comes; the trainer therefore evaluates after the
-  // last step inside one more step run with gradient scale 0 and learning rate 0.)
+  // an evaluation-only pass (no gradients), run inside engine.begin_forward() ...
+  // engine.end_forward() to see the weights after every step taken.
   // Waits for the micro-batch's compute to finish.
   StatusOr<MicroBatchLosses> run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale);
 

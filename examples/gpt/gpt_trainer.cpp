@@ -582,26 +582,11 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       }
     }
 
-    // Evaluation after the last step. The weights after the last update are only gathered
-    // by a later step, and the engine has no forward-only pass: finish() waits for every
-    // fetch the prefetcher planned, and a pass that never reaches step() leaves fetches of
-    // the next step waiting for an update that never comes. So the evaluation rides on one
-    // more step with gradient scale 0 and learning rate 0: every gradient is exactly zero
-    // and the update leaves every weight bit-identical. Only the Adam moments (which decay)
-    // and the engine's step counter change, after the last checkpoint and the checksum;
-    // the engine's metrics file gets one more line for it.
+    // Evaluation after the last step: a forward-only pass with the final weights.
     if (eval_loader) {
-      STRATA_RETURN_IF_ERROR(engine->begin_step(0.0));
-      MicroBatchLosses eval_losses;
-      for (int m = 0; m < accumulation; ++m) {
-        if (m > 0) STRATA_RETURN_IF_ERROR(engine->begin_micro_batch());
-        STRATA_RETURN_IF_ERROR(loader.batch(std::max<int64_t>(total_steps, start_step), m, inputs, targets));
-        const TokenBatch train{inputs.data(), targets.data(), micro};
-        STRATA_ASSIGN_OR_RETURN(MicroBatchLosses losses, model->run_micro_batch(&train, m == 0 ? &eval_batch : nullptr, 0.0f));
-        if (m == 0) eval_losses = losses;
-      }
-      STRATA_ASSIGN_OR_RETURN(StepReport report, engine->step(0.0));
-      (void)report;
+      STRATA_RETURN_IF_ERROR(engine->begin_forward());
+      STRATA_ASSIGN_OR_RETURN(MicroBatchLosses eval_losses, model->run_micro_batch(nullptr, &eval_batch, 0.0f));
+      STRATA_RETURN_IF_ERROR(engine->end_forward());
       std::lock_guard<std::mutex> lock(result_mutex);
       eval_sum_final += eval_losses.eval_loss_sum;
       eval_tokens_final += eval_losses.eval_tokens;

@@ -510,11 +510,13 @@ struct TrainSegment {
   int save_after = -1;                    // save a checkpoint once this many steps are done
   const CheckpointReader* resume = nullptr;
   Tier optimizer_tier = Tier::kPinned;
+  bool loss_scaling = false;              // dynamic loss scaling, growing every 2 clean steps
 };
 
 struct TrainResult {
   std::vector<std::vector<float>> masters;  // per group, the unpadded flat fp32 master
   int64_t steps_taken_after_load = -1;
+  float final_loss_scale = 0.0f;
 };
 
 models::LinearStackConfig checkpoint_model() {
@@ -556,6 +558,9 @@ StatusOr<TrainResult> train_segment(const TrainSegment& segment, const std::stri
     options.gradient_clipping = 1.0f;
     options.seed = 99;
     options.optimizer_threads = 1;
+    options.fp16_loss_scaling = segment.loss_scaling;
+    options.loss_scaler.initial_scale = 65536.0f;
+    options.loss_scaler.growth_interval = 2;
     options.activation_bytes = models::linear_stack_activation_bytes(model_config, model_config.global_rows / segment.world,
                                                                      options.param_dtype);
     STRATA_ASSIGN_OR_RETURN(auto engine, Engine::create(options, cluster->device(rank), cluster->gather_communicator(rank),
@@ -576,6 +581,7 @@ StatusOr<TrainResult> train_segment(const TrainSegment& segment, const std::stri
       }
     }
     STRATA_RETURN_IF_ERROR(engine->finish());
+    if (rank == 0) result.final_loss_scale = engine->loss_scale();
     std::vector<float> shard;
     for (int g = 0; g < engine->group_count(); ++g) {
       const GroupLayout& layout = engine->layout(g);
@@ -642,6 +648,47 @@ TEST_P(CheckpointEngineTest, ResumeContinuesBitIdenticallyAndOnOtherWorldSizes) 
       }
     }
   }
+}
+
+// The dynamic loss scaler's state travels in the manifest: a resumed run's scale grows
+// where the straight run's does (the scale cancels exactly in the update, so the weights
+// alone would not show a lost scale).
+TEST(CheckpointLossScalerTest, ResumeRestoresTheLossScaler) {
+  testing::TempDir dir;
+  const std::string save_dir = (dir.path() / "ckpt").string();
+  CheckpointSaverOptions options;
+  options.directory = save_dir;
+  options.world_size = 2;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(options));
+  TrainSegment straight;
+  straight.end_step = 5;
+  straight.save_after = 3;
+  straight.loss_scaling = true;
+  STRATA_ASSERT_OK_AND_ASSIGN(TrainResult reference, train_segment(straight, dir.str() + "/a", saver.get()));
+  STRATA_ASSERT_OK(saver->finish());
+  // 65536 grows after steps 2 and 4.
+  EXPECT_EQ(reference.final_loss_scale, 262144.0f);
+
+  STRATA_ASSERT_OK_AND_ASSIGN(auto reader, CheckpointReader::open(checkpoint_path(save_dir, 3)));
+  ASSERT_TRUE(reader->loss_scaler().has_value());
+  EXPECT_EQ(reader->loss_scaler()->scale, 131072.0f);
+  EXPECT_EQ(reader->loss_scaler()->clean_steps, 1);
+  EXPECT_EQ(reader->loss_scaler()->skipped_steps, 0u);
+
+  TrainSegment resumed;
+  resumed.world = 1;
+  resumed.first_step = 3;
+  resumed.end_step = 5;
+  resumed.resume = reader.get();
+  resumed.loss_scaling = true;
+  STRATA_ASSERT_OK_AND_ASSIGN(TrainResult result, train_segment(resumed, dir.str() + "/b", nullptr));
+  EXPECT_EQ(result.final_loss_scale, reference.final_loss_scale);
+  for (size_t g = 0; g < reference.masters.size(); ++g)
+    EXPECT_LT(relative_error(result.masters[g], reference.masters[g]), 1e-5) << "group " << g;
+
+  // A run without loss scaling resumes from it too, ignoring the saved scaler.
+  resumed.loss_scaling = false;
+  STRATA_ASSERT_OK(train_segment(resumed, dir.str() + "/c", nullptr).status());
 }
 
 INSTANTIATE_TEST_SUITE_P(OptimizerTiers, CheckpointEngineTest, ::testing::Values(Tier::kPinned, Tier::kNvme),

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <bit>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -31,6 +32,8 @@ struct EngineRun {
   size_t state_bytes = 0;
   size_t max_high_water = 0;
   std::vector<TraceInterval> rank0_trace;
+  int forward_passes = 0;                   // forward-only passes run, all ranks
+  int forward_mismatches = 0;               // gathered elements unequal to the masters
 };
 
 struct RunSpec {
@@ -41,7 +44,42 @@ struct RunSpec {
   size_t budget_bytes = size_t{256} << 20;
   bool declare_schedule = true;
   double learning_rate = 1e-2;
+  bool forward_pass_after_each_step = false;  // then finish() follows a forward-only pass
 };
+
+// A forward-only pass that gathers every group (last to first, then the first again) and
+// counts the elements of this rank's shard that differ from its masters (in the parameter
+// dtype): the pass must see the weights after every step taken.
+Status forward_pass_sees_the_masters(Engine& engine, int rank, DType param_dtype, int* mismatches) {
+  std::vector<std::vector<float>> masters;
+  for (int g = 0; g < engine.group_count(); ++g) {
+    masters.emplace_back(engine.layout(g).shard_numel);
+    STRATA_RETURN_IF_ERROR(engine.read_state_shard(g, Engine::StateKind::kMaster, masters.back()));
+  }
+  std::vector<int> order;
+  for (int g = engine.group_count() - 1; g >= 0; --g) order.push_back(g);
+  order.push_back(engine.group_count() - 1);
+  STRATA_RETURN_IF_ERROR(engine.begin_forward());
+  std::vector<char> gathered;
+  for (int g : order) {
+    const GroupLayout& layout = engine.layout(g);
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine.gather(g));
+    gathered.resize(layout.numel * dtype_size(param_dtype));
+    STRATA_RETURN_IF_ERROR(engine.device().copy_async(gathered.data(), view.flat, gathered.size(), CopyKind::kDeviceToHost,
+                                                      engine.compute_stream()));
+    STRATA_RETURN_IF_ERROR(engine.compute_stream().synchronize());
+    STRATA_RETURN_IF_ERROR(engine.release(g));
+    const size_t begin = layout.shard_begin(rank);
+    for (size_t i = 0; i < layout.shard_numel && begin + i < layout.numel; ++i) {
+      char rounded[4];
+      store_from_float(rounded, param_dtype, 0, masters[static_cast<size_t>(g)][i]);
+      const float expected = load_as_float(rounded, param_dtype, 0);
+      const float got = load_as_float(gathered.data(), param_dtype, begin + i);
+      if (std::bit_cast<uint32_t>(got) != std::bit_cast<uint32_t>(expected)) ++*mismatches;
+    }
+  }
+  return engine.end_forward();
+}
 
 EngineOptions fp32_options() {
   EngineOptions options;
@@ -88,12 +126,22 @@ EngineRun run_engine(const EngineOptions& base, const RunSpec& spec) {
     STRATA_ASSIGN_OR_RETURN(auto model, models::LinearStackModel::create(*engine, spec.model, rank, spec.world, spec.declare_schedule));
     STRATA_RETURN_IF_ERROR(engine->start());
     STRATA_RETURN_IF_ERROR(model->allocate());
+    int forward_passes = 0, forward_mismatches = 0;
     for (int s = 0; s < spec.steps; ++s) {
       STRATA_ASSIGN_OR_RETURN(StepReport report, model->train_step(s, spec.micro_batches, spec.learning_rate));
       if (rank == 0) {
         run.losses.push_back(report.loss);
         run.reports.push_back(report);
       }
+      if (spec.forward_pass_after_each_step) {
+        STRATA_RETURN_IF_ERROR(forward_pass_sees_the_masters(*engine, rank, options.param_dtype, &forward_mismatches));
+        ++forward_passes;
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      run.forward_passes += forward_passes;
+      run.forward_mismatches += forward_mismatches;
     }
     STRATA_RETURN_IF_ERROR(engine->finish());
     std::vector<float> shard;
@@ -272,6 +320,53 @@ TEST(EngineTest, DelayedOverlapTrainsAndDiffersFromExact) {
   EngineRun delayed = run_engine(options, spec);
   STRATA_ASSERT_OK(delayed.status);
   EXPECT_LT(delayed.losses.back(), delayed.losses.front());
+}
+
+// Forward-only passes between steps and after the last one (an evaluation) see the
+// weights of every step taken, change no bit of training, and leave finish() nothing to
+// wait for that never comes.
+TEST(EngineTest, ForwardOnlyPassesSeeTheLatestWeightsAndChangeNothing) {
+  testing::TempDir dir;
+  struct Case {
+    std::string name;
+    Tier params;
+    OverlapMode overlap;
+    int world;
+    size_t persistence_threshold;
+  };
+  const std::vector<Case> cases = {
+      {"pinned-exact-1", Tier::kPinned, OverlapMode::kExact, 1, 0},
+      {"device-exact-1", Tier::kDevice, OverlapMode::kExact, 1, 0},
+      {"nvme-exact-2", Tier::kNvme, OverlapMode::kExact, 2, 0},
+      {"pinned-delayed-2", Tier::kPinned, OverlapMode::kDelayed, 2, 0},
+      {"device-delayed-1", Tier::kDevice, OverlapMode::kDelayed, 1, 0},
+      {"persistent-exact-2", Tier::kPinned, OverlapMode::kExact, 2, 100000},
+  };
+  for (const Case& c : cases) {
+    RunSpec spec;
+    spec.model = small_model();
+    spec.world = c.world;
+    spec.micro_batches = 2;
+    spec.steps = 5;
+    EngineOptions options;  // bf16 parameters
+    options.param_tier = c.params;
+    options.optimizer_tier = Tier::kPinned;
+    options.overlap = c.overlap;
+    options.persistence_threshold = c.persistence_threshold;
+    options.nvme_path = (dir.path() / ("nvme-" + c.name)).string();
+    options.optimizer_threads = 1;
+    EngineRun plain = run_engine(options, spec);
+    ASSERT_TRUE(plain.status.ok()) << c.name << ": " << plain.status.to_string();
+    spec.forward_pass_after_each_step = true;
+    EngineRun with_passes = run_engine(options, spec);
+    ASSERT_TRUE(with_passes.status.ok()) << c.name << ": " << with_passes.status.to_string();
+    EXPECT_EQ(with_passes.forward_passes, spec.steps * c.world) << c.name;
+    EXPECT_EQ(with_passes.forward_mismatches, 0) << c.name;
+    for (size_t g = 0; g < plain.masters.size(); ++g)
+      EXPECT_EQ(std::memcmp(plain.masters[g].data(), with_passes.masters[g].data(), plain.masters[g].size() * 4), 0)
+          << c.name << " group " << g;
+    EXPECT_EQ(plain.losses, with_passes.losses) << c.name;
+  }
 }
 
 TEST(EngineTest, ABudgetOfAnEighthOfTheStateIsNeverExceeded) {
@@ -487,9 +582,25 @@ TEST(EngineTest, MisuseGetsClearErrors) {
   STRATA_ASSERT_OK(view.status());
   EXPECT_NE(engine->gather(0).status().message().find("release() it first"), std::string::npos);
   STRATA_ASSERT_OK(engine->release(0));
+  EXPECT_NE(engine->finish().message().find("inside a step"), std::string::npos);
+  EXPECT_NE(engine->begin_forward().message().find("inside a step"), std::string::npos);
   STRATA_ASSERT_OK(engine->gradient_buffer(0).status());
   STRATA_ASSERT_OK(engine->grads_ready(0));
   STRATA_ASSERT_OK(engine->step(0.0).status());
+  // A forward-only pass takes no gradients and is not a step.
+  EXPECT_NE(engine->end_forward().message().find("without begin_forward()"), std::string::npos);
+  STRATA_ASSERT_OK(engine->begin_forward());
+  STRATA_ASSERT_OK(engine->gather(0).status());
+  EXPECT_NE(engine->gradient_buffer(0).status().message().find("forward-only"), std::string::npos);
+  EXPECT_NE(engine->end_forward().message().find("still gathered"), std::string::npos);
+  STRATA_ASSERT_OK(engine->release(0));
+  EXPECT_NE(engine->step(0.0).status().message().find("forward-only"), std::string::npos);
+  EXPECT_NE(engine->begin_step().message().find("forward-only"), std::string::npos);
+  EXPECT_NE(engine->finish().message().find("end_forward()"), std::string::npos);
+  STRATA_ASSERT_OK(engine->end_forward());
+  // Loss scaling is off: there is no scaler state to restore.
+  EXPECT_FALSE(engine->loss_scaler_state().has_value());
+  EXPECT_EQ(engine->restore_loss_scaler_state({1024.0f, 0, 2, 0}).code(), StatusCode::kFailedPrecondition);
   STRATA_ASSERT_OK(engine->finish());
 }
 

@@ -219,9 +219,10 @@ TEST(GptModelTest, EvaluationInTheSameForwardChangesNoGradientAndMatchesAnEvalua
   for (const auto& [g, values] : plain.model->captured_gradients())
     EXPECT_EQ(std::memcmp(with_eval.model->captured_gradients().at(g).data(), values.data(), values.size() * 4), 0) << "group " << g;
   // A forward-only pass over the same evaluation batch, on the same (initial) weights.
-  STRATA_ASSERT_OK(eval_only.engine->begin_step(-1.0));
+  STRATA_ASSERT_OK(eval_only.engine->begin_forward());
   const TokenBatch eval_batch{eval.inputs.data(), eval.targets.data(), 5};
   STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses c, eval_only.model->run_micro_batch(nullptr, &eval_batch, 0.0f));
+  STRATA_ASSERT_OK(eval_only.engine->end_forward());
   STRATA_ASSERT_OK(eval_only.engine->finish());
   EXPECT_EQ(c.eval_loss_sum, b.eval_loss_sum);
   EXPECT_EQ(c.train_tokens, 0);

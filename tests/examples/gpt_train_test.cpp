@@ -96,12 +96,12 @@ TEST(TrainGptTest, PrintsThePlanProgressAndOneJsonSummaryLast) {
   EXPECT_TRUE(contains(run.out, "Strata plan")) << run.out;
   EXPECT_TRUE(contains(run.out, "step 4/4 | loss")) << run.out;
   EXPECT_TRUE(contains(run.out, "eval ")) << run.out;
-  // The engine's metrics (one line per step, plus the evaluation step after the last
-  // one, at learning rate 0) and the trace.
+  // The engine's metrics (one line per step; the evaluation after the last step is a
+  // forward-only pass, not a step) and the trace.
   std::ifstream metrics_in(metrics);
   int lines = 0;
   for (std::string line; std::getline(metrics_in, line);) lines += !line.empty();
-  EXPECT_EQ(lines, 5);
+  EXPECT_EQ(lines, 4);
   EXPECT_TRUE(fs::exists(trace));
 }
 
@@ -136,6 +136,40 @@ TEST(TrainGptTest, ResumingAfterFourStepsGivesTheStraightRunsLossesAndWeights) {
   EXPECT_EQ(second.summary["final_loss"], straight.summary["final_loss"]);
   EXPECT_EQ(second.summary["eval_loss"], straight.summary["eval_loss"]);
   EXPECT_LT(all.back(), all.front());
+}
+
+std::vector<double> metric_of(const fs::path& metrics, const std::string& key) {
+  std::vector<double> values;
+  std::ifstream in(metrics);
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) values.push_back(nlohmann::json::parse(line)[key].get<double>());
+  return values;
+}
+
+// fp16 training with a dynamic loss scale that grows every 2 clean steps: the scale a
+// resumed run uses is the straight run's (the scale cancels exactly in the update, so
+// the weights alone would not show a scale lost on resume).
+TEST(TrainGptTest, ResumingRestoresTheLossScale) {
+  testing::TempDir dir;
+  auto fp16 = [&](std::vector<std::string> more) {
+    std::vector<std::string> args = {"--set", "fp16.enabled=true", "--set", "fp16.loss_scale_window=2", "--set", "fp16.initial_scale_power=8"};
+    args.insert(args.end(), more.begin(), more.end());
+    return tiny(args);
+  };
+  const fs::path straight_metrics = dir.path() / "straight.jsonl", resumed_metrics = dir.path() / "resumed.jsonl";
+  TrainRun straight = train_gpt(dir, fp16({"--steps", "7", "--metrics", straight_metrics.string()}));
+  ASSERT_RAN(straight);
+  const std::string save = (dir.path() / "ckpt").string();
+  ASSERT_RAN(train_gpt(dir, fp16({"--steps", "3", "--save-dir", save})));
+  TrainRun resumed = train_gpt(dir, fp16({"--steps", "7", "--resume", save, "--metrics", resumed_metrics.string()}));
+  ASSERT_RAN(resumed);
+  const auto all = metric_of(straight_metrics, "loss_scale");
+  const auto tail = metric_of(resumed_metrics, "loss_scale");
+  ASSERT_EQ(all.size(), 7u);
+  ASSERT_EQ(tail.size(), 4u);
+  EXPECT_GT(all.back(), all.front()) << "the scale never grew: the test shows nothing";
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(tail[i], all[3 + i]) << "step " << i + 4;
+  EXPECT_EQ(resumed.summary["param_checksum"], straight.summary["param_checksum"]);
 }
 
 double relative_error(const std::vector<float>& got, const std::vector<float>& want) {
