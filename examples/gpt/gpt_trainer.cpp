@@ -411,6 +411,12 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GptModel> model, GptModel::create(*engine, rank_model_options));
     STRATA_RETURN_IF_ERROR(engine->start());
     STRATA_RETURN_IF_ERROR(model->allocate());
+    {
+      std::lock_guard<std::mutex> lock(result_mutex);
+      result.pinned_bytes += engine->plan().pinned_bytes;
+      result.host_bytes += engine->plan().host_bytes;
+      result.nvme_file_bytes += engine->plan().nvme_bytes;
+    }
     if (rank == 0) {
       std::lock_guard<std::mutex> lock(result_mutex);
       board = std::make_unique<StepBoard>(options, world, total_steps, traffic_note(options, engine_options, rank_model_options, activations));
@@ -637,6 +643,9 @@ std::string summary_json(const TrainerResult& r) {
   j["device_budget_bytes"] = r.device_budget_bytes;
   j["state_bytes"] = r.state_bytes;
   j["activation_bytes"] = r.activation_bytes;
+  j["pinned_bytes"] = r.pinned_bytes;
+  j["host_bytes"] = r.host_bytes;
+  j["nvme_file_bytes"] = r.nvme_file_bytes;
   j["nvme_bytes_read"] = r.nvme_bytes_read;
   j["nvme_bytes_written"] = r.nvme_bytes_written;
   j["param_checksum"] = checksum_hex(r.param_checksum);

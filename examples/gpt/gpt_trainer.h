@@ -83,6 +83,9 @@ struct TrainerResult {
   size_t device_budget_bytes = 0;
   size_t state_bytes = 0;
   size_t activation_bytes = 0;      // per rank, declared to the engine
+  size_t pinned_bytes = 0;          // the engines' pinned arenas, all ranks
+  size_t host_bytes = 0;            // the engines' pageable host memory, all ranks
+  size_t nvme_file_bytes = 0;       // the engines' NVMe swap files, all ranks
   uint64_t nvme_bytes_read = 0;     // all ranks, the whole run
   uint64_t nvme_bytes_written = 0;
   uint64_t param_checksum = 0;
