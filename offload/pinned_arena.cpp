@@ -149,7 +149,9 @@ StatusOr<std::unique_ptr<PinnedArena>> PinnedArena::create(const PinnedArenaOpti
     arena->regions_.push_back(
         PinnedRegion{static_cast<char*>(base) + offset, std::min(kMaxRegionBytes, bytes - offset)});
   }
-  arena->allocator_ = std::make_unique<internal::RangeAllocator>(bytes, kAlignment, kMaxRegionBytes);
+  // Buffers may straddle region boundaries: the I/O engine cuts a transfer at them into
+  // fixed transfers of one region each, so no arena space is lost to the regions.
+  arena->allocator_ = std::make_unique<internal::RangeAllocator>(bytes, kAlignment);
   STRATA_LOG(kDebug) << "pinned arena: " << format_bytes(bytes) << ", locking " << pinned_locking_name(arena->locking_)
                      << ", " << arena->regions_.size() << " io_uring region(s)";
   return arena;

@@ -14,8 +14,9 @@
 //     move-only PinnedBuffers with 4 KiB aligned sizes.
 //
 // For io_uring the arena exposes its memory as regions of at most 1 GiB (the kernel's cap
-// per registered buffer); a PinnedBuffer of at most 1 GiB never straddles two regions, so
-// it knows its registered buffer index and offset.
+// per registered buffer). A PinnedBuffer may straddle two regions (IoEngine cuts a
+// transfer at region boundaries into one fixed transfer per region), so packing buffers
+// into the arena loses nothing to the region size.
 //
 // Thread-safety: allocate(), stats() and PinnedBuffer destruction may run concurrently
 // from any threads. The arena must outlive every PinnedBuffer it hands out.

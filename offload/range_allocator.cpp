@@ -6,11 +6,9 @@
 
 namespace strata::internal {
 
-RangeAllocator::RangeAllocator(size_t capacity, size_t alignment, size_t boundary)
-    : capacity_(capacity), alignment_(alignment), boundary_(boundary) {
+RangeAllocator::RangeAllocator(size_t capacity, size_t alignment) : capacity_(capacity), alignment_(alignment) {
   STRATA_CHECK(alignment_ != 0 && (alignment_ & (alignment_ - 1)) == 0);
   STRATA_CHECK(capacity_ % alignment_ == 0);
-  STRATA_CHECK(boundary_ % alignment_ == 0);
   if (capacity_ > 0) insert_free(0, capacity_);
 }
 
@@ -26,30 +24,15 @@ void RangeAllocator::erase_free(std::map<size_t, size_t>::iterator it) {
   free_by_offset_.erase(it);
 }
 
-std::optional<size_t> RangeAllocator::placement(size_t offset, size_t size, size_t bytes) const {
-  if (size < bytes) return std::nullopt;
-  if (boundary_ == 0 || bytes > boundary_) return offset;
-  size_t start = offset;
-  // Move past a boundary the allocation would straddle.
-  if (start / boundary_ != (start + bytes - 1) / boundary_) start = (start / boundary_ + 1) * boundary_;
-  if (start + bytes > offset + size) return std::nullopt;
-  return start;
-}
-
 std::optional<size_t> RangeAllocator::allocate(size_t bytes) {
   STRATA_CHECK(bytes > 0 && bytes % alignment_ == 0);
-  // Best fit: the smallest free range that can hold the request (honouring the boundary).
-  for (auto it = free_by_size_.lower_bound({bytes, 0}); it != free_by_size_.end(); ++it) {
-    const auto [size, offset] = *it;
-    const std::optional<size_t> start = placement(offset, size, bytes);
-    if (!start) continue;
-    erase_free(free_by_offset_.find(offset));
-    if (*start > offset) insert_free(offset, *start - offset);
-    const size_t end = *start + bytes;
-    if (end < offset + size) insert_free(end, offset + size - end);
-    return *start;
-  }
-  return std::nullopt;
+  // Best fit: the smallest free range that can hold the request.
+  const auto it = free_by_size_.lower_bound({bytes, 0});
+  if (it == free_by_size_.end()) return std::nullopt;
+  const auto [size, offset] = *it;
+  erase_free(free_by_offset_.find(offset));
+  if (size > bytes) insert_free(offset + bytes, size - bytes);
+  return offset;
 }
 
 void RangeAllocator::free(size_t offset, size_t bytes) {

@@ -3,9 +3,7 @@
 // into a rank's file). Internal to offload/.
 //
 // Free ranges are kept twice: by offset (to coalesce neighbours on free) and by size (to
-// pick the smallest range that fits, which keeps large ranges whole). An optional
-// `boundary` keeps every allocation no larger than the boundary from straddling a
-// multiple of it (the pinned arena's 1 GiB io_uring regions).
+// pick the smallest range that fits, which keeps large ranges whole).
 //
 // Not thread-safe: the owner guards it.
 #pragma once
@@ -21,7 +19,7 @@ namespace strata::internal {
 class RangeAllocator {
  public:
   // `alignment` must be a power of two; capacity and every size are multiples of it.
-  RangeAllocator(size_t capacity, size_t alignment, size_t boundary = 0);
+  RangeAllocator(size_t capacity, size_t alignment);
 
   // Returns the offset of `bytes` (a multiple of the alignment, > 0) or nothing when no
   // free range can hold them.
@@ -33,8 +31,7 @@ class RangeAllocator {
 
   size_t capacity() const { return capacity_; }
   size_t free_bytes() const { return free_bytes_; }
-  // The largest free range (an allocation of up to this size succeeds unless the
-  // boundary rule moves it).
+  // The largest free range (an allocation of up to this size succeeds).
   size_t largest_free() const;
   // The free range that ends at capacity(), 0 bytes if the tail is in use.
   size_t free_tail_bytes() const;
@@ -42,12 +39,9 @@ class RangeAllocator {
  private:
   void insert_free(size_t offset, size_t bytes);
   void erase_free(std::map<size_t, size_t>::iterator it);
-  // Where `bytes` can start inside the free range [offset, offset + size), or nothing.
-  std::optional<size_t> placement(size_t offset, size_t size, size_t bytes) const;
 
   size_t capacity_;
   size_t alignment_;
-  size_t boundary_;
   size_t free_bytes_ = 0;
   std::map<size_t, size_t> free_by_offset_;           // offset -> bytes
   std::set<std::pair<size_t, size_t>> free_by_size_;  // (bytes, offset)

@@ -156,8 +156,8 @@ TEST(PinnedArenaTest, MovedBufferReleasesOnce) {
 }
 
 // A large arena, not locked (only address space is used), split into 1 GiB io_uring
-// regions: a buffer of at most 1 GiB never straddles a region boundary.
-TEST(PinnedArenaTest, RegionsOfAtMostOneGibAndBuffersDoNotStraddleThem) {
+// regions; buffers pack across region boundaries (none of the arena is lost to them).
+TEST(PinnedArenaTest, RegionsOfAtMostOneGibAndBuffersPackAcrossThem) {
   const size_t gib = PinnedArena::kMaxRegionBytes;
   STRATA_ASSERT_OK_AND_ASSIGN(auto arena, PinnedArena::create({.bytes = 2 * gib + gib / 2, .lock = false}));
   ASSERT_EQ(arena->regions().size(), 3u);
@@ -167,12 +167,15 @@ TEST(PinnedArenaTest, RegionsOfAtMostOneGibAndBuffersDoNotStraddleThem) {
   EXPECT_FALSE(arena->locked());
   STRATA_ASSERT_OK_AND_ASSIGN(PinnedBuffer almost, arena->allocate(gib - 4096, "almost a region"));
   EXPECT_EQ(almost.region_index(), 0);
-  STRATA_ASSERT_OK_AND_ASSIGN(PinnedBuffer small, arena->allocate(8192, "would straddle"));
-  EXPECT_EQ(small.region_index(), 1);
-  EXPECT_EQ(small.region_offset(), 0u);
-  STRATA_ASSERT_OK_AND_ASSIGN(PinnedBuffer page, arena->allocate(4096, "fills region 0"));
-  EXPECT_EQ(page.region_index(), 0);
-  EXPECT_EQ(page.region_offset(), gib - 4096);
+  STRATA_ASSERT_OK_AND_ASSIGN(PinnedBuffer straddling, arena->allocate(8192, "straddles"));
+  EXPECT_EQ(straddling.region_index(), 0);
+  EXPECT_EQ(straddling.region_offset(), gib - 4096);
+  // The rest of the arena is one free range: a buffer of all of it fits.
+  const size_t rest = 2 * gib + gib / 2 - gib - 4096;
+  EXPECT_EQ(arena->stats().largest_free_bytes, rest);
+  STRATA_ASSERT_OK_AND_ASSIGN(PinnedBuffer tail, arena->allocate(rest, "the rest, across regions 1 and 2"));
+  EXPECT_EQ(tail.region_index(), 1);
+  EXPECT_EQ(tail.region_offset(), 4096u);
 }
 
 TEST(PinnedArenaTest, ConcurrentAllocationsStayWithinBudget) {
