@@ -606,22 +606,28 @@ double relative_error(const std::vector<float>& a, const std::vector<float>& b) 
   return std::sqrt(diff / std::max(norm, 1e-30));
 }
 
+// Trains `straight` on 2 ranks, saving into `save_dir` (the save overlaps later steps).
+StatusOr<TrainResult> train_and_save(const TrainSegment& straight, const std::string& save_dir, const std::string& work_dir) {
+  CheckpointSaverOptions options;
+  options.directory = save_dir;
+  options.world_size = 2;
+  STRATA_ASSIGN_OR_RETURN(auto saver, CheckpointSaver::create(options));
+  STRATA_ASSIGN_OR_RETURN(TrainResult result, train_segment(straight, work_dir, saver.get()));
+  STRATA_RETURN_IF_ERROR(saver->finish());
+  return result;
+}
+
 class CheckpointEngineTest : public ::testing::TestWithParam<Tier> {};
 
 TEST_P(CheckpointEngineTest, ResumeContinuesBitIdenticallyAndOnOtherWorldSizes) {
   testing::TempDir dir;
   const std::string save_dir = (dir.path() / "ckpt").string();
-  CheckpointSaverOptions options;
-  options.directory = save_dir;
-  options.world_size = 2;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(options));
   // Straight: 5 steps on 2 ranks, saving after 3 (the save overlaps steps 4 and 5).
   TrainSegment straight;
   straight.end_step = 5;
   straight.save_after = 3;
   straight.optimizer_tier = GetParam();
-  STRATA_ASSERT_OK_AND_ASSIGN(TrainResult reference, train_segment(straight, dir.str() + "/a", saver.get()));
-  STRATA_ASSERT_OK(saver->finish());
+  STRATA_ASSERT_OK_AND_ASSIGN(TrainResult reference, train_and_save(straight, save_dir, dir.str() + "/a"));
 
   STRATA_ASSERT_OK_AND_ASSIGN(CheckpointRef latest, latest_complete(save_dir));
   EXPECT_EQ(latest.step, 3);
@@ -656,16 +662,11 @@ TEST_P(CheckpointEngineTest, ResumeContinuesBitIdenticallyAndOnOtherWorldSizes) 
 TEST(CheckpointLossScalerTest, ResumeRestoresTheLossScaler) {
   testing::TempDir dir;
   const std::string save_dir = (dir.path() / "ckpt").string();
-  CheckpointSaverOptions options;
-  options.directory = save_dir;
-  options.world_size = 2;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(options));
   TrainSegment straight;
   straight.end_step = 5;
   straight.save_after = 3;
   straight.loss_scaling = true;
-  STRATA_ASSERT_OK_AND_ASSIGN(TrainResult reference, train_segment(straight, dir.str() + "/a", saver.get()));
-  STRATA_ASSERT_OK(saver->finish());
+  STRATA_ASSERT_OK_AND_ASSIGN(TrainResult reference, train_and_save(straight, save_dir, dir.str() + "/a"));
   // 65536 grows after steps 2 and 4.
   EXPECT_EQ(reference.final_loss_scale, 262144.0f);
 
