@@ -73,21 +73,12 @@ class StreamCore {
   // skipped too: whoever enqueued them did not know about the failure.
   Status take_error(uint64_t through) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (error_.ok() || error_task_ > through) return {};
-    Status error = std::move(error_);
-    error_ = Status();
-    if (skipped_ > 0) {
-      error.with_context(std::to_string(skipped_) + " later task(s) on stream '" + name_ +
-                                    "' were skipped (cancelled) because of this error");
-    }
-    skipped_ = 0;
-    skip_through_ = enqueued_;
-    return error;
+    return errors_.take(through, enqueued_, name_, "task(s)");
   }
 
   bool has_error() const {
     std::lock_guard<std::mutex> lock(mutex_);
-    return !error_.ok();
+    return errors_.pending();
   }
 
   // Set once the owning stream has been destroyed (its queue drained).
@@ -109,17 +100,15 @@ class StreamCore {
       Task task = std::move(queue_.front());
       queue_.pop_front();
       const uint64_t number = completed_ + 1;
-      const bool skip = !error_.ok() || number <= skip_through_;
+      const bool skip = errors_.skip(number);
       lock.unlock();
       Status status = skip ? Status() : run_task(task);
       lock.lock();
       if (skip) {
-        if (!error_.ok()) ++skipped_;
         STRATA_LOG(kTrace) << "stream '" << name_ << "': skipped " << task.what << " (cancelled by an earlier error)";
       } else if (!status.ok()) {
-        error_ = std::move(status).with_context("in " + task.what + " (task " + std::to_string(number) + ") on stream '" +
-                                                name_ + "' of " + device_name_);
-        error_task_ = number;
+        errors_.record(number, std::move(status).with_context("in " + task.what + " (task " + std::to_string(number) +
+                                                              ") on stream '" + name_ + "' of " + device_name_));
       }
       completed_ = number;
       task_done_.notify_all();
@@ -164,10 +153,7 @@ class StreamCore {
   std::deque<Task> queue_;
   uint64_t enqueued_ = 0;     // number of the last task enqueued
   uint64_t completed_ = 0;    // number of the last task finished
-  Status error_;              // the first unreported error
-  uint64_t error_task_ = 0;   // the task that raised error_
-  uint64_t skip_through_ = 0; // tasks up to this number are skipped (enqueued before an error was reported)
-  uint64_t skipped_ = 0;      // tasks skipped since error_ was raised
+  internal::StreamErrors errors_;
   bool stopping_ = false;
   bool destroyed_ = false;
   std::thread::id worker_id_;

@@ -98,10 +98,7 @@ class StreamState {
   void run_host(uint64_t number, const std::function<Status()>& fn) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (!error_.ok() || number <= skip_through_) {
-        if (!error_.ok()) ++skipped_;
-        return;
-      }
+      if (errors_.skip(number)) return;
     }
     Status status;
     try {
@@ -113,30 +110,19 @@ class StreamState {
     }
     if (status.ok()) return;
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!error_.ok()) return;
-    error_ = std::move(status).with_context("in host function " + std::to_string(number) + " on stream '" + name_ + "'");
-    error_number_ = number;
+    errors_.record(number, std::move(status).with_context("in host function " + std::to_string(number) + " on stream '" + name_ + "'"));
   }
 
   // Reports (and clears) the first host-function error if it came from host function
   // `through` or earlier; host functions enqueued before this report are cancelled.
   Status take_error(uint64_t through) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (error_.ok() || error_number_ > through) return {};
-    Status error = std::move(error_);
-    error_ = Status();
-    if (skipped_ > 0) {
-      error.with_context(std::to_string(skipped_) + " later host function(s) on stream '" + name_ +
-                         "' were skipped (cancelled) because of this error");
-    }
-    skipped_ = 0;
-    skip_through_ = host_enqueued_;
-    return error;
+    return errors_.take(through, host_enqueued_, name_, "host function(s)");
   }
 
   bool has_error() const {
     std::lock_guard<std::mutex> lock(mutex_);
-    return !error_.ok();
+    return errors_.pending();
   }
   void mark_destroyed() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -151,10 +137,7 @@ class StreamState {
   const std::string name_;
   mutable std::mutex mutex_;
   uint64_t host_enqueued_ = 0;
-  Status error_;
-  uint64_t error_number_ = 0;
-  uint64_t skip_through_ = 0;
-  uint64_t skipped_ = 0;
+  internal::StreamErrors errors_;
   bool destroyed_ = false;
 };
 
