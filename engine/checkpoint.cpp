@@ -1289,6 +1289,7 @@ Status load_engine_state(Engine& engine, int rank, const CheckpointReader& reade
   }
   STRATA_RETURN_IF_ERROR_CTX(engine.refresh_parameters(), "loading checkpoint " + reader.path());
   engine.set_steps_taken(reader.engine_steps());
+  engine.set_step_number(reader.step());
   if (reader.loss_scaler() && engine.loss_scaler_state()) {
     STRATA_RETURN_IF_ERROR_CTX(engine.restore_loss_scaler_state(*reader.loss_scaler()), "loading checkpoint " + reader.path());
   } else if (engine.loss_scaler_state()) {

@@ -258,8 +258,9 @@ StatusOr<CheckpointRef> latest_complete(const std::string& save_dir, const Lates
 StatusOr<RankSnapshot> snapshot_engine_state(Engine& engine, int rank);
 // Loads this rank's shards of every group from `reader` (any saved world size): checks
 // every group's layout, write_state_shard() for the three kinds, refresh_parameters(),
-// set_steps_taken(reader.engine_steps()), and the loss scaler's state when both the
-// checkpoint and the engine have one. Call after start(), between steps.
+// set_steps_taken(reader.engine_steps()), set_step_number(reader.step()), and the loss
+// scaler's state when both the checkpoint and the engine have one. Call after start(),
+// between steps.
 Status load_engine_state(Engine& engine, int rank, const CheckpointReader& reader);
 
 }  // namespace strata

@@ -142,6 +142,7 @@ class EngineImpl final : public Engine {
   float loss_scale() const override { return loss_scaler_ ? loss_scaler_->scale() : 1.0f; }
   int64_t steps_taken() const override { return applied_steps_; }
   void set_steps_taken(int64_t steps) override { applied_steps_ = steps; }
+  void set_step_number(int64_t steps_done) override { step_number_base_ = steps_done - step_index_; }
   std::optional<LossScaler::State> loss_scaler_state() const override {
     if (!loss_scaler_) return std::nullopt;
     return loss_scaler_->state();
@@ -312,6 +313,7 @@ class EngineImpl final : public Engine {
   };
   std::map<int, ActiveUse> active_uses_;  // groups gathered and not yet released (model thread only)
   int64_t step_index_ = 0;              // index of the current step (steps finished so far)
+  int64_t step_number_base_ = 0;        // the metrics' step number is step_number_base_ + step_index_
   int micro_ = -1;                      // current micro-batch within the step
   bool forward_only_ = false;           // inside begin_forward() ... end_forward()
   size_t use_index_ = 0;                // uses so far in this micro-batch
@@ -1291,7 +1293,7 @@ StatusOr<StepReport> EngineImpl::step(double loss) {
   if (metrics_.is_open()) {
     nlohmann::json busy;
     for (size_t s = 0; s < kStageCount; ++s) busy[std::string(stage_name(static_cast<Stage>(s)))] = report.busy[s];
-    nlohmann::json line = {{"step", step_index_},
+    nlohmann::json line = {{"step", step_number_base_ + step_index_},
                            {"applied_steps", report.step},
                            {"loss", report.loss},
                            {"step_seconds", report.step_seconds},

@@ -219,6 +219,9 @@ class Engine {
   virtual Status refresh_parameters() = 0;
   virtual int64_t steps_taken() const = 0;
   virtual void set_steps_taken(int64_t steps) = 0;
+  // The number the metrics give the next step() is this + 1 (a resumed run continues the
+  // saved run's numbering; skipped steps count). Between steps.
+  virtual void set_step_number(int64_t steps_done) = 0;
   // The dynamic loss scaler's state (scale, clean-step count, hysteresis, skipped steps),
   // for checkpoints; nullopt when the engine does not scale losses (fp32/bf16 training).
   virtual std::optional<LossScaler::State> loss_scaler_state() const = 0;

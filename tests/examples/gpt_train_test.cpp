@@ -169,6 +169,8 @@ TEST(TrainGptTest, ResumingRestoresTheLossScale) {
   ASSERT_EQ(tail.size(), 4u);
   EXPECT_GT(all.back(), all.front()) << "the scale never grew: the test shows nothing";
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(tail[i], all[3 + i]) << "step " << i + 4;
+  // The resumed run's metrics continue the numbering.
+  EXPECT_EQ(metric_of(resumed_metrics, "step"), (std::vector<double>{4, 5, 6, 7}));
   EXPECT_EQ(resumed.summary["param_checksum"], straight.summary["param_checksum"]);
 }
 
