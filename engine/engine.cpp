@@ -159,7 +159,7 @@ class EngineImpl final : public Engine {
   Status grads_ready(int group) override;
   StatusOr<StepReport> step(double loss) override;
   Status finish() override;
-  Status begin_forward() override;
+  Status begin_forward(std::span<const int> order) override;
   Status end_forward() override;
 
   Status read_state_shard(int group, StateKind kind, std::span<float> out) override;
@@ -231,6 +231,15 @@ class EngineImpl final : public Engine {
   Status traced(Stream& stream, Stage stage, int group, std::string label, const std::function<Status()>& work);
   // Creates fetch requests ahead of the model, following the schedule (mutex held).
   void issue_ahead_locked();
+  // The same for a forward-only pass with a declared order.
+  void issue_forward_ahead_locked();
+  // Slot uses planned ahead (persistent groups and direct views take no slot).
+  int slot_uses_ahead_locked() {
+    int count = 0;
+    for (const auto& use : expected_)
+      if (use.request != 0 && !group(use.group).persistent) ++count;
+    return count;
+  }
   // The next program position's group and step, following the schedule.
   struct ProgramCursor {
     int64_t step = 0;
@@ -316,6 +325,9 @@ class EngineImpl final : public Engine {
   int64_t step_number_base_ = 0;        // the metrics' step number is step_number_base_ + step_index_
   int micro_ = -1;                      // current micro-batch within the step
   bool forward_only_ = false;           // inside begin_forward() ... end_forward()
+  std::vector<int> forward_order_;      // the pass's declared gathers (empty: on demand)
+  size_t forward_cursor_ = 0;           // the next declared gather to plan
+  size_t forward_use_index_ = 0;        // gathers so far in the pass
   size_t use_index_ = 0;                // uses so far in this micro-batch
   int64_t applied_steps_ = 0;           // updates applied (skipped steps do not count)
   TraceClock::time_point step_window_begin_;
@@ -934,19 +946,13 @@ uint64_t EngineImpl::plan_use_locked(int g, int64_t step_index, int64_t version)
 void EngineImpl::issue_ahead_locked() {
   if (!schedule_valid_ || schedule_.empty()) return;
   const int depth = plan_.prefetch_depth;
-  auto slot_uses_ahead = [&] {
-    int count = 0;
-    for (const auto& use : expected_)
-      if (use.request != 0 && !group(use.group).persistent) ++count;
-    return count;
-  };
   // Plan up to `depth` slot uses beyond the use being gathered (at least one use when
   // nothing is planned); persistent groups and direct views cost no slot.
   while (true) {
     // Never plan past the next step: its uses' versions exist once this step's update
     // runs, and finish() can then carry out every planned fetch.
     if (issue_cursor_.step > step_index_ + 1) break;
-    if (!expected_.empty() && slot_uses_ahead() >= depth) {
+    if (!expected_.empty() && slot_uses_ahead_locked() >= depth) {
       const GroupState& next = group(schedule_[issue_cursor_.index]);
       if (!direct_view(next) && !next.persistent) break;
     }
@@ -961,6 +967,18 @@ void EngineImpl::issue_ahead_locked() {
         ++issue_cursor_.step;
       }
     }
+  }
+}
+
+void EngineImpl::issue_forward_ahead_locked() {
+  const int depth = plan_.prefetch_depth;
+  while (forward_cursor_ < forward_order_.size()) {
+    const GroupState& next = group(forward_order_[forward_cursor_]);
+    if (!expected_.empty() && slot_uses_ahead_locked() >= depth && !direct_view(next) && !next.persistent) break;
+    ExpectedUse use{step_index_, 0, forward_cursor_, forward_order_[forward_cursor_], 0};
+    use.request = plan_use_locked(use.group, step_index_, current_use_version());
+    expected_.push_back(use);
+    ++forward_cursor_;
   }
 }
 
@@ -995,7 +1013,23 @@ StatusOr<GroupView> EngineImpl::gather(int g) {
       return FailedPreconditionError("gather(" + std::to_string(g) + ") while the group is gathered: release() it first");
     bool planned = false;
     if (forward_only_) {
-      // No schedule: each gather fetches on demand.
+      // The declared order, while the model follows it; on demand after a deviation.
+      if (!expected_.empty()) {
+        const ExpectedUse& use = expected_.front();
+        if (use.index == forward_use_index_ && use.group == g) {
+          request_id = use.request;
+          expected_.pop_front();
+          planned = true;
+          issue_forward_ahead_locked();
+        } else {
+          STRATA_LOG(kDebug) << "rank " << options_.rank << ": a forward-only pass left its declared order at gather "
+                             << forward_use_index_ << " (group " << g << "); fetching on demand from here";
+          abandon_outstanding_locked();
+          forward_order_.clear();
+          forward_cursor_ = 0;
+        }
+      }
+      ++forward_use_index_;
     } else if (schedule_valid_) {
       if (expected_.empty()) issue_ahead_locked();
       if (!expected_.empty()) {
@@ -1338,8 +1372,12 @@ Status EngineImpl::finish() {
   return {};
 }
 
-Status EngineImpl::begin_forward() {
+Status EngineImpl::begin_forward(std::span<const int> order) {
   if (!started_) return FailedPreconditionError("begin_forward() before start()");
+  for (int g : order)
+    if (g < 0 || g >= static_cast<int>(groups_.size()))
+      return InvalidArgumentError("begin_forward(): the order names group " + std::to_string(g) + ", and there are " +
+                                  std::to_string(groups_.size()));
   STRATA_RETURN_IF_ERROR(background_error());
   if (forward_only_) return FailedPreconditionError("begin_forward() twice without end_forward()");
   if (micro_ >= 0) return FailedPreconditionError("begin_forward() inside a step: call step() first");
@@ -1351,6 +1389,10 @@ Status EngineImpl::begin_forward() {
   abandon_outstanding_locked();
   forward_only_ = true;
   micro_ = 0;
+  forward_order_.assign(order.begin(), order.end());
+  forward_cursor_ = 0;
+  forward_use_index_ = 0;
+  issue_forward_ahead_locked();
   return {};
 }
 
@@ -1359,6 +1401,9 @@ Status EngineImpl::end_forward() {
   if (!active_uses_.empty())
     return FailedPreconditionError("end_forward() while group " + std::to_string(active_uses_.begin()->first) + " is still gathered");
   std::lock_guard<std::mutex> lock(mutex_);
+  // Declared gathers the pass did not make: their fetches complete and free their slots.
+  abandon_outstanding_locked();
+  forward_order_.clear();
   forward_only_ = false;
   micro_ = -1;
   if (schedule_valid_) issue_cursor_ = {step_index_, 0, 0};

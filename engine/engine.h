@@ -205,10 +205,10 @@ class Engine {
   // every update of the steps taken (delayed mode included: it waits for the last one);
   // gradient_buffer(), grads_ready() and step() are errors inside it. Fetches planned
   // ahead for the next step are dropped first (they complete, and the next step plans
-  // them again), and the pass follows no schedule, so it may gather any groups in any
-  // order, each fetched when gathered (no prefetch). All ranks must make the same
-  // gathers, as in a step.
-  virtual Status begin_forward() = 0;
+  // them again). With `order` (the groups the pass will gather, in order) the engine
+  // prefetches along it as in a step; a gather off that order drops the rest of it and
+  // fetches on demand from there. All ranks must make the same gathers, as in a step.
+  virtual Status begin_forward(std::span<const int> order = {}) = 0;
   virtual Status end_forward() = 0;
 
   // State access (waits for pending updates of the group). Shards are this rank's.

@@ -162,6 +162,12 @@ std::vector<int> gpt_schedule(const GptConfig& c) {
   return uses;
 }
 
+std::vector<int> gpt_forward_order(const GptConfig& c) {
+  std::vector<int> uses = gpt_schedule(c);
+  uses.resize(static_cast<size_t>(c.n_layer) + 3);
+  return uses;
+}
+
 std::string hf_tensor_name(std::string_view group_name, std::string_view tensor_name) {
   if (group_name.rfind("h.", 0) == 0) return std::string(group_name) + "." + std::string(tensor_name);
   return std::string(tensor_name);

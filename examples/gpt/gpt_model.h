@@ -89,6 +89,9 @@ inline int gpt_group_count(const GptConfig& config) { return 2 + static_cast<int
 // The groups, in registration order (ids as above), and one micro-batch's group uses.
 std::vector<GroupSpec> gpt_group_specs(const GptConfig& config);
 std::vector<int> gpt_schedule(const GptConfig& config);
+// The gathers of an evaluation-only pass (the schedule's forward half: embedding, blocks,
+// ln_f, the tied LM head), for engine.begin_forward().
+std::vector<int> gpt_forward_order(const GptConfig& config);
 
 // Hugging Face's name for tensor `tensor` of group `group` ("h.0.ln_1.weight", "wte.weight").
 std::string hf_tensor_name(const GroupLayout& group, const TensorLayout& tensor);

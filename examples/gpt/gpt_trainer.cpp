@@ -590,7 +590,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
 
     // Evaluation after the last step: a forward-only pass with the final weights.
     if (eval_loader) {
-      STRATA_RETURN_IF_ERROR(engine->begin_forward());
+      STRATA_RETURN_IF_ERROR(engine->begin_forward(gpt_forward_order(options.model)));
       STRATA_ASSIGN_OR_RETURN(MicroBatchLosses eval_losses, model->run_micro_batch(nullptr, &eval_batch, 0.0f));
       STRATA_RETURN_IF_ERROR(engine->end_forward());
       std::lock_guard<std::mutex> lock(result_mutex);

@@ -47,10 +47,13 @@ struct RunSpec {
   bool forward_pass_after_each_step = false;  // then finish() follows a forward-only pass
 };
 
-// A forward-only pass that gathers every group (last to first, then the first again) and
+// How a forward-only pass tells the engine its gathers.
+enum class ForwardOrder { kOnDemand, kDeclared, kDeclaredThenDeviating };
+
+// A forward-only pass that gathers every group (last to first, then the last again) and
 // counts the elements of this rank's shard that differ from its masters (in the parameter
 // dtype): the pass must see the weights after every step taken.
-Status forward_pass_sees_the_masters(Engine& engine, int rank, DType param_dtype, int* mismatches) {
+Status forward_pass_sees_the_masters(Engine& engine, int rank, DType param_dtype, ForwardOrder how, int* mismatches) {
   std::vector<std::vector<float>> masters;
   for (int g = 0; g < engine.group_count(); ++g) {
     masters.emplace_back(engine.layout(g).shard_numel);
@@ -59,7 +62,10 @@ Status forward_pass_sees_the_masters(Engine& engine, int rank, DType param_dtype
   std::vector<int> order;
   for (int g = engine.group_count() - 1; g >= 0; --g) order.push_back(g);
   order.push_back(engine.group_count() - 1);
-  STRATA_RETURN_IF_ERROR(engine.begin_forward());
+  std::vector<int> declared;
+  if (how != ForwardOrder::kOnDemand) declared = order;
+  if (how == ForwardOrder::kDeclaredThenDeviating) std::swap(declared[1], declared[2]);
+  STRATA_RETURN_IF_ERROR(engine.begin_forward(declared));
   std::vector<char> gathered;
   for (int g : order) {
     const GroupLayout& layout = engine.layout(g);
@@ -134,7 +140,8 @@ EngineRun run_engine(const EngineOptions& base, const RunSpec& spec) {
         run.reports.push_back(report);
       }
       if (spec.forward_pass_after_each_step) {
-        STRATA_RETURN_IF_ERROR(forward_pass_sees_the_masters(*engine, rank, options.param_dtype, &forward_mismatches));
+        const ForwardOrder how = static_cast<ForwardOrder>(s % 3);
+        STRATA_RETURN_IF_ERROR(forward_pass_sees_the_masters(*engine, rank, options.param_dtype, how, &forward_mismatches));
         ++forward_passes;
       }
     }
@@ -486,6 +493,8 @@ TEST(EngineTest, TheNextGroupIsFetchedBeforeComputeOfThisOneEnds) {
           waits_satisfied.fetch_add(1);
           return Status();
         }));
+        // The model goes on only when the compute is done: nothing else asks for g+1.
+        STRATA_ASSERT_OK(engine->compute_stream().synchronize());
       }
       STRATA_ASSERT_OK(engine->release(g));
     }
@@ -518,6 +527,63 @@ TEST(EngineTest, TheNextGroupIsFetchedBeforeComputeOfThisOneEnds) {
       EXPECT_LT(read->begin, c.end) << "step " << step << " group " << g;
     }
   }
+}
+
+// A forward-only pass with a declared order prefetches along it: compute of each group
+// waits (on its stream, the model waiting for it) until the next group's NVMe read is in
+// the trace, which happens only if that read started before the model gathers the next
+// group (without the order, the first wait runs out).
+TEST(EngineTest, AForwardPassWithAnOrderFetchesAhead) {
+  constexpr int kGroups = 6;
+  testing::TempDir dir;
+  LocalClusterOptions cluster_options;
+  cluster_options.compute_threads = 1;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto cluster, LocalCluster::create(cluster_options));
+  EngineOptions options;
+  options.param_tier = Tier::kNvme;
+  options.nvme_path = dir.str();
+  options.prefetch_depth = 2;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto engine, Engine::create(options, cluster->device(0), cluster->gather_communicator(0),
+                                                          cluster->reduce_communicator(0)));
+  std::vector<int> order;
+  for (int g = 0; g < kGroups; ++g) {
+    std::string name = "g";
+    name += std::to_string(g);
+    STRATA_ASSERT_OK(engine->register_group({name, {{"w", {64, 64}}}}).status());
+    order.push_back(kGroups - 1 - g);
+  }
+  STRATA_ASSERT_OK(engine->start());
+  EXPECT_EQ(engine->begin_forward(std::vector<int>{0, kGroups}).code(), StatusCode::kInvalidArgument);
+  const Tracer& tracer = engine->tracer();
+  auto reads_of = [&](int group) {
+    int count = 0;
+    for (const auto& iv : tracer.intervals()) count += iv.stage == Stage::kNvmeRead && iv.group == group ? 1 : 0;
+    return count;
+  };
+  std::atomic<int> waits_satisfied{0};
+  STRATA_ASSERT_OK(engine->begin_forward(order));
+  for (size_t i = 0; i < order.size(); ++i) {
+    STRATA_ASSERT_OK(engine->gather(order[i]).status());
+    if (i + 1 < order.size()) {
+      const int next = order[i + 1];
+      STRATA_ASSERT_OK(engine->compute_stream().enqueue_host([&, next]() -> Status {
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (reads_of(next) < 1) {
+          if (std::chrono::steady_clock::now() > deadline)
+            return DeadlineExceededError("compute of a group would have ended before the next group was fetched");
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+        }
+        waits_satisfied.fetch_add(1);
+        return Status();
+      }));
+      // The model goes on only when the compute is done: nothing else asks for `next`.
+      STRATA_ASSERT_OK(engine->compute_stream().synchronize());
+    }
+    STRATA_ASSERT_OK(engine->release(order[i]));
+  }
+  STRATA_ASSERT_OK(engine->end_forward());
+  STRATA_ASSERT_OK(engine->finish());
+  EXPECT_EQ(waits_satisfied.load(), kGroups - 1);
 }
 
 TEST(EngineTest, WritesMetricsLinesAndAChromeTrace) {

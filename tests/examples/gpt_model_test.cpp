@@ -219,7 +219,7 @@ TEST(GptModelTest, EvaluationInTheSameForwardChangesNoGradientAndMatchesAnEvalua
   for (const auto& [g, values] : plain.model->captured_gradients())
     EXPECT_EQ(std::memcmp(with_eval.model->captured_gradients().at(g).data(), values.data(), values.size() * 4), 0) << "group " << g;
   // A forward-only pass over the same evaluation batch, on the same (initial) weights.
-  STRATA_ASSERT_OK(eval_only.engine->begin_forward());
+  STRATA_ASSERT_OK(eval_only.engine->begin_forward(gpt_forward_order(model_options.config)));
   const TokenBatch eval_batch{eval.inputs.data(), eval.targets.data(), 5};
   STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses c, eval_only.model->run_micro_batch(nullptr, &eval_batch, 0.0f));
   STRATA_ASSERT_OK(eval_only.engine->end_forward());
