@@ -473,27 +473,17 @@ Status CpuDevice::synchronize() {
                                      "' would wait for itself");
     }
   }
-  Status first;
-  size_t more = 0;
+  internal::StreamErrorFold errors;
   for (const auto& core : cores) {
     core->wait_until(core->enqueued());
-    Status error = core->take_error(std::numeric_limits<uint64_t>::max());
-    if (error.ok()) continue;
-    if (first.ok()) {
-      first = std::move(error);
-    } else {
-      // Keep every error: the later ones ride along as context lines of the first.
-      ++more;
-      first.with_context("also: " + error.to_string());
-    }
+    errors.add(core->take_error(std::numeric_limits<uint64_t>::max()));
   }
-  if (more > 0) first.with_context(std::to_string(more) + " more stream(s) of " + name() + " failed (listed above)");
   {
     // Destroyed streams stay registered only until their error is reported.
     std::lock_guard<std::mutex> lock(streams_mutex_);
     std::erase_if(streams_, [](const std::shared_ptr<StreamCore>& core) { return core->destroyed() && !core->has_error(); });
   }
-  return first;
+  return errors.take(name());
 }
 
 }  // namespace strata

@@ -590,23 +590,14 @@ Status CudaDevice::synchronize() {
     std::lock_guard<std::mutex> lock(streams_mutex_);
     states = streams_;
   }
-  size_t more = 0;
-  for (const auto& state : states) {
-    Status error = state->take_error(std::numeric_limits<uint64_t>::max());
-    if (error.ok()) continue;
-    if (first.ok()) {
-      first = std::move(error);
-    } else {
-      ++more;
-      first.with_context("also: " + error.to_string());
-    }
-  }
-  if (more > 0) first.with_context(std::to_string(more) + " more error(s) on streams of " + name() + " (listed above)");
+  internal::StreamErrorFold errors;
+  errors.add(std::move(first));
+  for (const auto& state : states) errors.add(state->take_error(std::numeric_limits<uint64_t>::max()));
   {
     std::lock_guard<std::mutex> lock(streams_mutex_);
     std::erase_if(streams_, [](const std::shared_ptr<StreamState>& state) { return state->destroyed() && !state->has_error(); });
   }
-  return first;
+  return errors.take(name());
 }
 
 }  // namespace strata

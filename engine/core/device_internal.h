@@ -66,6 +66,31 @@ class StreamErrors {
   uint64_t skipped_ = 0;      // items skipped since error_ was raised
 };
 
+// Folds the errors of several streams into one: the first, with every later one kept as
+// an "also:" context line, and a count of them.
+class StreamErrorFold {
+ public:
+  void add(Status error) {
+    if (error.ok()) return;
+    if (first_.ok()) {
+      first_ = std::move(error);
+      return;
+    }
+    ++more_;
+    first_.with_context("also: " + error.to_string());
+  }
+  // The folded error (ok when none was added); `device_name` names the streams' device.
+  Status take(std::string_view device_name) {
+    if (more_ > 0) first_.with_context(std::to_string(more_) + " more stream(s) of " + std::string(device_name) + " failed (listed above)");
+    more_ = 0;
+    return std::move(first_);
+  }
+
+ private:
+  Status first_;
+  size_t more_ = 0;
+};
+
 // Rounds `value` up to a multiple of `alignment` (a power of two).
 constexpr size_t round_up(size_t value, size_t alignment) { return (value + alignment - 1) & ~(alignment - 1); }
 
