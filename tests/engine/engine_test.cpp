@@ -440,62 +440,82 @@ TEST(EngineTest, NvmePathWithoutRoomFailsAtStartAndLeavesItsFilesAlone) {
   EXPECT_EQ(contents, "keep me");
 }
 
-// Compute of group g does not end until group g + 1's NVMe read has completed (its kernel
-// waits for it in the trace, up to a deadline that only bounds a failure): if the engine
-// did not fetch ahead, the kernel would wait in vain and the test fails. So the property
-// "the fetch of g + 1 starts before compute of g ends" is checked without depending on
-// how the threads of a busy machine happen to be scheduled.
-TEST(EngineTest, TheNextGroupIsFetchedBeforeComputeOfThisOneEnds) {
-  constexpr int kGroups = 6;
-  constexpr int kSteps = 3;
-  testing::TempDir dir;
-  LocalClusterOptions cluster_options;
-  cluster_options.compute_threads = 1;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto cluster, LocalCluster::create(cluster_options));
-  EngineOptions options;
-  options.param_tier = Tier::kNvme;
-  options.nvme_path = dir.str();
-  options.prefetch_depth = 2;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto engine, Engine::create(options, cluster->device(0), cluster->gather_communicator(0),
-                                                          cluster->reduce_communicator(0)));
-  std::vector<int> schedule;
-  for (int g = 0; g < kGroups; ++g) {
-    std::string name = "g";
-    name += std::to_string(g);
-    STRATA_ASSERT_OK(engine->register_group({name, {{"w", {64, 64}}}}).status());
-    schedule.push_back(g);
+// An engine of kGroups groups with NVMe-resident parameters and prefetch depth 2, and a
+// compute that cannot end before a given group's n-th NVMe read is in the trace.
+class FetchAheadRig {
+ public:
+  static constexpr int kGroups = 6;
+
+  Status init(const std::vector<int>& schedule) {
+    LocalClusterOptions cluster_options;
+    cluster_options.compute_threads = 1;
+    STRATA_ASSIGN_OR_RETURN(cluster_, LocalCluster::create(cluster_options));
+    EngineOptions options;
+    options.param_tier = Tier::kNvme;
+    options.nvme_path = dir_.str();
+    options.prefetch_depth = 2;
+    STRATA_ASSIGN_OR_RETURN(engine_, Engine::create(options, cluster_->device(0), cluster_->gather_communicator(0),
+                                                    cluster_->reduce_communicator(0)));
+    for (int g = 0; g < kGroups; ++g) {
+      std::string name = "g";
+      name += std::to_string(g);
+      STRATA_RETURN_IF_ERROR(engine_->register_group({name, {{"w", {64, 64}}}}).status());
+    }
+    if (!schedule.empty()) STRATA_RETURN_IF_ERROR(engine_->declare_schedule(schedule));
+    return engine_->start();
   }
-  for (int g = kGroups - 1; g >= 0; --g) schedule.push_back(g);
-  STRATA_ASSERT_OK(engine->declare_schedule(schedule));
-  STRATA_ASSERT_OK(engine->start());
-  const Tracer& tracer = engine->tracer();
-  auto reads_of = [&](int group) {
+
+  Engine& engine() { return *engine_; }
+  int reads_of(int group) const {
     int count = 0;
-    for (const auto& iv : tracer.intervals()) count += iv.stage == Stage::kNvmeRead && iv.group == group ? 1 : 0;
+    for (const auto& iv : engine_->tracer().intervals()) count += iv.stage == Stage::kNvmeRead && iv.group == group ? 1 : 0;
     return count;
-  };
-  std::atomic<int> waits_satisfied{0};
+  }
+  // Enqueues a compute that waits until `group` has been read `reads` times (a deadline
+  // only bounds a failure), then waits for that compute as a model waiting for its kernel
+  // would: nothing but a fetch planned ahead can bring that read in.
+  Status compute_until_read(int group, int reads) {
+    STRATA_RETURN_IF_ERROR(engine_->compute_stream().enqueue_host([this, group, reads]() -> Status {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+      while (reads_of(group) < reads) {
+        if (std::chrono::steady_clock::now() > deadline)
+          return DeadlineExceededError("compute of a group would have ended before the next group was fetched");
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+      waits_satisfied_.fetch_add(1);
+      return Status();
+    }));
+    return engine_->compute_stream().synchronize();
+  }
+  int waits_satisfied() const { return waits_satisfied_.load(); }
+
+ private:
+  testing::TempDir dir_;
+  std::unique_ptr<LocalCluster> cluster_;
+  std::unique_ptr<Engine> engine_;
+  std::atomic<int> waits_satisfied_{0};
+};
+
+// Compute of group g does not end until group g + 1's NVMe read has completed: if the
+// engine did not fetch ahead, the compute would wait in vain and the test fails. So the
+// property "the fetch of g + 1 starts before compute of g ends" is checked without
+// depending on how the threads of a busy machine happen to be scheduled.
+TEST(EngineTest, TheNextGroupIsFetchedBeforeComputeOfThisOneEnds) {
+  constexpr int kGroups = FetchAheadRig::kGroups;
+  constexpr int kSteps = 3;
+  std::vector<int> schedule;
+  for (int g = 0; g < kGroups; ++g) schedule.push_back(g);
+  for (int g = kGroups - 1; g >= 0; --g) schedule.push_back(g);
+  FetchAheadRig rig;
+  STRATA_ASSERT_OK(rig.init(schedule));
+  Engine* engine = &rig.engine();
   for (int step = 0; step < kSteps; ++step) {
     STRATA_ASSERT_OK(engine->begin_step());
     for (int g = 0; g < kGroups; ++g) {
       STRATA_ASSERT_OK(engine->gather(g).status());
-      if (step > 0 && g + 1 < kGroups) {
-        // Group g+1 is read twice a step (forward and backward): this step's forward read
-        // is number 2 * step + 1.
-        const int wanted = 2 * step + 1;
-        STRATA_ASSERT_OK(engine->compute_stream().enqueue_host([&, g, wanted]() -> Status {
-          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-          while (reads_of(g + 1) < wanted) {
-            if (std::chrono::steady_clock::now() > deadline)
-              return DeadlineExceededError(std::string("compute of a group would have ended before the next group was fetched"));
-            std::this_thread::sleep_for(std::chrono::microseconds(200));
-          }
-          waits_satisfied.fetch_add(1);
-          return Status();
-        }));
-        // The model goes on only when the compute is done: nothing else asks for g+1.
-        STRATA_ASSERT_OK(engine->compute_stream().synchronize());
-      }
+      // Group g+1 is read twice a step (forward and backward): this step's forward read
+      // is number 2 * step + 1.
+      if (step > 0 && g + 1 < kGroups) STRATA_ASSERT_OK(rig.compute_until_read(g + 1, 2 * step + 1));
       STRATA_ASSERT_OK(engine->release(g));
     }
     for (int g = kGroups - 1; g >= 0; --g) {
@@ -507,10 +527,10 @@ TEST(EngineTest, TheNextGroupIsFetchedBeforeComputeOfThisOneEnds) {
     STRATA_ASSERT_OK(engine->step(0.0).status());
   }
   STRATA_ASSERT_OK(engine->finish());
-  EXPECT_EQ(waits_satisfied.load(), (kSteps - 1) * (kGroups - 1));
+  EXPECT_EQ(rig.waits_satisfied(), (kSteps - 1) * (kGroups - 1));
   // And the trace says so: every such compute slice ends after the next group's read began.
   std::vector<TraceInterval> compute, reads;
-  for (const auto& iv : tracer.intervals()) {
+  for (const auto& iv : engine->tracer().intervals()) {
     if (iv.stage == Stage::kCompute) compute.push_back(iv);
     if (iv.stage == Stage::kNvmeRead) reads.push_back(iv);
   }
@@ -529,61 +549,25 @@ TEST(EngineTest, TheNextGroupIsFetchedBeforeComputeOfThisOneEnds) {
   }
 }
 
-// A forward-only pass with a declared order prefetches along it: compute of each group
-// waits (on its stream, the model waiting for it) until the next group's NVMe read is in
-// the trace, which happens only if that read started before the model gathers the next
-// group (without the order, the first wait runs out).
+// A forward-only pass with a declared order prefetches along it, checked as above
+// (without the order, the first wait runs out).
 TEST(EngineTest, AForwardPassWithAnOrderFetchesAhead) {
-  constexpr int kGroups = 6;
-  testing::TempDir dir;
-  LocalClusterOptions cluster_options;
-  cluster_options.compute_threads = 1;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto cluster, LocalCluster::create(cluster_options));
-  EngineOptions options;
-  options.param_tier = Tier::kNvme;
-  options.nvme_path = dir.str();
-  options.prefetch_depth = 2;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto engine, Engine::create(options, cluster->device(0), cluster->gather_communicator(0),
-                                                          cluster->reduce_communicator(0)));
+  constexpr int kGroups = FetchAheadRig::kGroups;
+  FetchAheadRig rig;
+  STRATA_ASSERT_OK(rig.init({}));
+  Engine* engine = &rig.engine();
   std::vector<int> order;
-  for (int g = 0; g < kGroups; ++g) {
-    std::string name = "g";
-    name += std::to_string(g);
-    STRATA_ASSERT_OK(engine->register_group({name, {{"w", {64, 64}}}}).status());
-    order.push_back(kGroups - 1 - g);
-  }
-  STRATA_ASSERT_OK(engine->start());
+  for (int g = kGroups - 1; g >= 0; --g) order.push_back(g);
   EXPECT_EQ(engine->begin_forward(std::vector<int>{0, kGroups}).code(), StatusCode::kInvalidArgument);
-  const Tracer& tracer = engine->tracer();
-  auto reads_of = [&](int group) {
-    int count = 0;
-    for (const auto& iv : tracer.intervals()) count += iv.stage == Stage::kNvmeRead && iv.group == group ? 1 : 0;
-    return count;
-  };
-  std::atomic<int> waits_satisfied{0};
   STRATA_ASSERT_OK(engine->begin_forward(order));
   for (size_t i = 0; i < order.size(); ++i) {
     STRATA_ASSERT_OK(engine->gather(order[i]).status());
-    if (i + 1 < order.size()) {
-      const int next = order[i + 1];
-      STRATA_ASSERT_OK(engine->compute_stream().enqueue_host([&, next]() -> Status {
-        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-        while (reads_of(next) < 1) {
-          if (std::chrono::steady_clock::now() > deadline)
-            return DeadlineExceededError("compute of a group would have ended before the next group was fetched");
-          std::this_thread::sleep_for(std::chrono::microseconds(200));
-        }
-        waits_satisfied.fetch_add(1);
-        return Status();
-      }));
-      // The model goes on only when the compute is done: nothing else asks for `next`.
-      STRATA_ASSERT_OK(engine->compute_stream().synchronize());
-    }
+    if (i + 1 < order.size()) STRATA_ASSERT_OK(rig.compute_until_read(order[i + 1], 1));
     STRATA_ASSERT_OK(engine->release(order[i]));
   }
   STRATA_ASSERT_OK(engine->end_forward());
   STRATA_ASSERT_OK(engine->finish());
-  EXPECT_EQ(waits_satisfied.load(), kGroups - 1);
+  EXPECT_EQ(rig.waits_satisfied(), kGroups - 1);
 }
 
 TEST(EngineTest, WritesMetricsLinesAndAChromeTrace) {
