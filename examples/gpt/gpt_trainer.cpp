@@ -489,8 +489,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
                               {"schedule", nlohmann::json::parse(schedule.state_json())},
                               {"data", nlohmann::json::parse(loader.state_json())},
                               {"world_size", world},
-                              {"data_seed", options.data_seed},
-                              {"loss_scale", engine->loss_scale()}};
+                              {"data_seed", options.data_seed}};  // the loss scaler is in the manifest
       STRATA_RETURN_IF_ERROR(saver->submit_trainer_state(steps_done, state.dump()));
       std::lock_guard<std::mutex> lock(result_mutex);
       result.last_checkpoint = checkpoint_path(options.save_dir, steps_done);
