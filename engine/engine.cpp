@@ -87,7 +87,8 @@ class EngineImpl final : public Engine {
                                   std::to_string(options_.rank) + " of " + std::to_string(options_.world_size) + ")");
     if (options_.gradient_accumulation_steps < 1)
       return InvalidArgumentError("gradient_accumulation_steps must be >= 1, got " + std::to_string(options_.gradient_accumulation_steps));
-    if (options_.prefetch_depth < 0) return InvalidArgumentError("prefetch depth must be >= 0");
+    if (options_.prefetch_depth < 0 && options_.prefetch_depth != EngineOptions::kAutoDepth)
+      return InvalidArgumentError("prefetch depth must be >= 0 (or automatic), got " + std::to_string(options_.prefetch_depth));
     if (options_.param_dtype == DType::kFloat16 && !options_.fp16_loss_scaling)
       STRATA_LOG(kDebug) << "fp16 parameters without loss scaling";
     if (options_.overlap == OverlapMode::kDelayed && options_.fp16_loss_scaling)
@@ -390,7 +391,7 @@ Status EngineImpl::build_plan() {
   if (groups_.empty()) return FailedPreconditionError("start(): no parameter groups registered");
 
   // Prefetch depth and gather slots, under the caps.
-  int depth = options_.prefetch_depth;
+  int depth = options_.prefetch_depth == EngineOptions::kAutoDepth ? 2 : options_.prefetch_depth;
   if (options_.prefetch_bucket_elements > 0 && max_padded > 0)
     depth = std::min<int>(depth, static_cast<int>(std::max<size_t>(1, options_.prefetch_bucket_elements / max_padded)));
   int slots = depth + 1;

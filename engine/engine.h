@@ -89,11 +89,29 @@ struct EngineOptions {
   // Groups with at most this many elements stay gathered on the device (DeepSpeed's
   // stage3_param_persistence_threshold).
   size_t persistence_threshold = 0;
-  int prefetch_depth = 2;                    // group uses fetched ahead of compute
+  // Group uses fetched ahead of compute; kAutoDepth = the deepest that fits the device and
+  // pinned budgets (the plan says which it picked). An explicit depth that does not fit is
+  // an error at start naming the depth that would.
+  static constexpr int kAutoDepth = -1;
+  int prefetch_depth = kAutoDepth;
   size_t prefetch_bucket_elements = 0;       // stage3_prefetch_bucket_size: cap on elements fetched ahead (0 = none)
   size_t max_live_elements = 0;              // stage3_max_live_parameters: cap on gathered elements resident (0 = none)
   size_t activation_bytes = 0;               // device memory the model will allocate for itself (planned into the budget)
-  size_t pinned_budget_bytes = 0;            // 0 = exactly what the plan needs
+  size_t pinned_budget_bytes = 0;            // cap on this rank's pinned (or pageable) host memory; 0 = what the plan needs
+  // zero_optimization.sub_group_size: elements per chunk of NVMe optimizer state streamed
+  // through the optimizer ring; 0 = the largest chunk the pinned budget allows.
+  size_t sub_group_elements = 0;
+  // offload_optimizer.buffer_count: chunks in the optimizer-state ring (>= 3: read ahead,
+  // step, write back); 0 = auto.
+  int optimizer_buffer_count = 0;
+  // offload_param.buffer_count: NVMe parameter read-staging buffers (>= 1); 0 = one per
+  // gather slot.
+  int param_buffer_count = 0;
+  // reduce_bucket_size: elements per reduce-scatter call (a group's gradient is reduced in
+  // pieces of at most this many elements per rank shard); 0 = a group at a time.
+  size_t reduce_bucket_elements = 0;
+  int steps_per_print = 0;                   // rank 0 logs a progress line every N steps; 0 = never
+  bool wall_clock_breakdown = false;         // the progress line carries every stage's busy seconds
   bool pin_memory = true;                    // false: host tiers use pageable memory
 
   int gradient_accumulation_steps = 1;
