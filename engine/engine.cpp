@@ -17,6 +17,8 @@
 
 #include "engine/core/log.h"
 #include "engine/engine_impl.h"
+#include "engine/engine_plan.h"
+#include "engine/optimizer_stage.h"
 #include "kernels/cast.h"
 #include "kernels/transformer_ops.h"
 
@@ -32,31 +34,6 @@ StatusOr<OverlapMode> parse_overlap_mode(std::string_view text) {
 
 namespace engine_internal {
 namespace {
-
-constexpr size_t kMiB = size_t{1} << 20;
-
-std::string format_bytes(size_t bytes) {
-  char text[64];
-  if (bytes >= (size_t{1} << 30)) std::snprintf(text, sizeof(text), "%.2f GiB", double(bytes) / double(size_t{1} << 30));
-  else if (bytes >= kMiB) std::snprintf(text, sizeof(text), "%.1f MiB", double(bytes) / double(kMiB));
-  else if (bytes >= 1024) std::snprintf(text, sizeof(text), "%.1f KiB", double(bytes) / 1024.0);
-  else std::snprintf(text, sizeof(text), "%zu B", bytes);
-  return text;
-}
-
-size_t round_up_4k(size_t bytes) { return (bytes + 4095) / 4096 * 4096; }
-
-// MemAvailable from /proc/meminfo, or 0 when unknown.
-size_t host_memory_available() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  size_t value = 0;
-  std::string unit;
-  while (in >> key >> value >> unit) {
-    if (key == "MemAvailable:") return value * 1024;
-  }
-  return 0;
-}
 
 // Host-side accumulation of a landed gradient shard into fp32.
 void accumulate_into(float* accum, const void* src, DType type, size_t count, bool assign) {
@@ -166,25 +143,27 @@ class EngineImpl final : public Engine {
   Status read_state_shard(int group, StateKind kind, std::span<float> out) override;
   Status write_state_shard(int group, StateKind kind, std::span<const float> in) override;
   Status refresh_parameters() override;
-  StatusOr<float*> state_for_access(int g, StateKind kind, size_t elements, const char* call);
+  Status wait_for_state_access(int g, size_t elements, const char* call);
 
  private:
-  // Plan pieces.
-  Status build_plan();
-  Status check_plan_against_machine();
+  // Start-up pieces.
   Status allocate_and_initialize();
+  Status create_optimizer_stage();
+  Status initialize_group(GroupState& g, std::vector<float>& init, std::vector<uint16_t>& param16);
 
   // Threads.
   void fetcher_loop();
   void lander_loop();
-  void optimizer_loop();
   Status fetch_one(FetchRequest& request);
   // Starts the NVMe reads of the requests after `r` that can start now.
   Status submit_read_ahead(const FetchRequest& r);
   Status land_one(const LandingItem& item);
+  // Spilled gradients: accumulates and stores the landed shard beside the NVMe state;
+  // returns what the statistics are taken of.
+  Status spill_landed(const LandingItem& item, const void* landed, const void** final_grad, DType* final_type);
   Status land_on_device(int g, int slot_index, const float* reduced);
-  Status update_group(const OptimizerJob& job, int group);
-  Status update_group_on_device(const OptimizerJob& job, int group);
+  // Parameters converted from fp32 values into the parameter tier's copy `copy` of g.
+  Status store_parameters(GroupState& g, int copy, const float* values);
   void record_error(Status status);
   // A one-paragraph picture of where every stage stands (for errors and hangs).
   std::string describe_state();
@@ -286,14 +265,17 @@ class EngineImpl final : public Engine {
   std::vector<std::unique_ptr<GroupState>> groups_;
   std::vector<GatherSlot> slots_;
   std::vector<GradientSlot> gradient_slots_;
-  std::optional<CpuAdam> adam_;
+  std::unique_ptr<OptimizerStage> optimizer_stage_;
   std::optional<CpuAdam> stats_adam_;  // the lander's own instance (a CpuAdam serves one caller at a time)
   std::optional<LossScaler> loss_scaler_;
   DeviceBuffer norm_buffer_;           // one float for the norm all-reduce
   PinnedBuffer param_out_stage_;       // the optimizer's new parameters on their way to the device or NVMe
   DeviceBuffer param_out_device_;      // device-resident optimizer: new parameters on their way to the host or NVMe
-  std::vector<PinnedBuffer> state_stage_;  // NVMe optimizer state staging (3 groups: read, step, write)
-  PinnedBuffer state_access_stage_;    // NVMe optimizer state for read/write_state_shard (model thread)
+  // Spilled gradients (plan_.gradients_spilled): the ring the device->host copies land in,
+  // and the fp32 scratch the lander accumulates micro-batches in.
+  std::vector<PinnedBuffer> landing_ring_;
+  std::vector<char> landing_busy_;     // guarded by mutex_
+  PinnedBuffer accum_scratch_;
   EnginePlan plan_;
   bool started_ = false;
   bool finished_cleanly_ = false;      // finish() drained everything: no collective of ours is pending
@@ -346,13 +328,12 @@ class EngineImpl final : public Engine {
   uint64_t slot_counter_ = 0;
   std::vector<uint64_t> slot_last_request_;  // per slot: the last request assigned to it
   std::deque<LandingItem> landing_;
-  std::deque<OptimizerJob> optimizer_jobs_;
   int64_t steps_finished_ = 0;          // step() calls completed
   int64_t optimizer_jobs_queued_ = 0;
   int64_t optimizer_jobs_done_ = 0;
   int64_t landings_queued_ = 0;
   int64_t landings_done_ = 0;
-  std::thread fetcher_, lander_, optimizer_;
+  std::thread fetcher_, lander_;
   std::ofstream metrics_;
 };
 
@@ -360,228 +341,17 @@ class EngineImpl final : public Engine {
 // Planning and start-up
 // =====================================================================================
 
-Status EngineImpl::build_plan() {
-  const int world = options_.world_size;
-  const size_t psize = dtype_size(options_.param_dtype);
-  const size_t tsize = dtype_size(options_.grad_transfer_dtype);
-  const bool host_params = options_.param_tier == Tier::kPinned || options_.param_tier == Tier::kHost;
-  const bool nvme_params = options_.param_tier == Tier::kNvme;
-  const bool nvme_state = options_.optimizer_tier == Tier::kNvme;
-  const bool device_state = options_.optimizer_tier == Tier::kDevice;
-  const int copies = param_copies();
-  // Host fp32 accumulators only when the optimizer state is on the host.
-  const int accum = options_.gradient_accumulation_steps > 1 && !device_state ? copies : 0;
-
-  size_t max_padded = 0, max_shard = 0, total_numel = 0, total_shard = 0, persistent_full_bytes = 0, persistent_shard_bytes = 0;
-  size_t all_max_padded = 0, all_max_shard = 0;
-  for (auto& g : groups_) {
-    g->persistent = g->layout.padded_numel <= options_.persistence_threshold;
-    total_numel += g->layout.numel;
-    total_shard += g->layout.shard_numel;
-    all_max_padded = std::max(all_max_padded, g->layout.padded_numel);
-    all_max_shard = std::max(all_max_shard, g->layout.shard_numel);
-    if (g->persistent) {
-      if (!direct_view(*g)) persistent_full_bytes += param_bytes(g->layout.padded_numel);
-      if (world > 1 && options_.param_tier != Tier::kDevice) persistent_shard_bytes += param_bytes(g->layout.shard_numel);
-    } else {
-      max_padded = std::max(max_padded, g->layout.padded_numel);
-      max_shard = std::max(max_shard, g->layout.shard_numel);
-    }
-  }
-  if (groups_.empty()) return FailedPreconditionError("start(): no parameter groups registered");
-
-  // Prefetch depth and gather slots, under the caps.
-  int depth = options_.prefetch_depth == EngineOptions::kAutoDepth ? 2 : options_.prefetch_depth;
-  if (options_.prefetch_bucket_elements > 0 && max_padded > 0)
-    depth = std::min<int>(depth, static_cast<int>(std::max<size_t>(1, options_.prefetch_bucket_elements / max_padded)));
-  int slots = depth + 1;
-  if (options_.max_live_elements > 0 && max_padded > 0)
-    slots = std::min<int>(slots, static_cast<int>(std::max<size_t>(1, options_.max_live_elements / max_padded)));
-  depth = slots - 1;
-  const bool any_slot_groups = max_padded > 0 && !(options_.param_tier == Tier::kDevice && world == 1);
-  if (!any_slot_groups) slots = 0;
-  plan_.prefetch_depth = depth;
-  plan_.gather_slots = slots;
-
-  // Gradient slots: two (one being written, one draining to the host), plus one for
-  // every group gathered more than twice per micro-batch (a tied group: its gradient
-  // buffer stays live between its backward uses). Without a declared schedule, assume
-  // one such group.
-  int gradient_slots = 2;
-  {
-    std::map<int, int> uses;
-    for (int g : schedule_) ++uses[g];
-    for (auto& [g, n] : uses) gradient_slots += n > 2 ? 1 : 0;
-    if (schedule_.empty()) gradient_slots = 3;
-  }
-  gradient_slots_.resize(static_cast<size_t>(gradient_slots));
-
-  auto line = [&](std::string what, Tier tier, size_t bytes) {
-    if (bytes > 0) plan_.lines.push_back({std::move(what), tier, bytes});
-  };
-  const std::string pname = std::string(dtype_name(options_.param_dtype));
-  // Device.
-  size_t device = 0;
-  auto add_device = [&](std::string what, size_t bytes) {
-    line(std::move(what), Tier::kDevice, bytes);
-    device += bytes;
-  };
-  add_device("gather buffers (" + std::to_string(slots) + " x " + format_bytes(param_bytes(max_padded)) + ")",
-             static_cast<size_t>(slots) * param_bytes(max_padded));
-  if (world > 1 && options_.param_tier != Tier::kDevice)
-    add_device("device staging shards", static_cast<size_t>(slots) * param_bytes(max_shard));
-  if (options_.param_tier == Tier::kDevice) add_device("parameter shards (" + pname + ")", copies * param_bytes(total_shard));
-  add_device("persistent groups (gathered)", persistent_full_bytes + persistent_shard_bytes);
-  add_device("gradient buffers (" + std::to_string(gradient_slots) + " x fp32 " + format_bytes(all_max_padded * 4) + ")",
-             static_cast<size_t>(gradient_slots) * all_max_padded * 4);
-  if (world > 1) add_device("reduce-scatter shards", static_cast<size_t>(gradient_slots) * all_max_shard * 4);
-  if (options_.grad_transfer_dtype != DType::kFloat32)
-    add_device("gradient transfer casts", static_cast<size_t>(gradient_slots) * all_max_shard * tsize);
-  if (device_state) {
-    size_t state = 0;
-    for (auto& g : groups_) state += g->layout.shard_numel * 16;
-    add_device("master weights + exp_avg + exp_avg_sq + gradient accumulators (fp32)", state);
-    if (options_.param_tier != Tier::kDevice) add_device("new-parameter staging", param_bytes(all_max_shard));
-  }
-  add_device("norm all-reduce", 256);
-  add_device("activations (declared by the model)", options_.activation_bytes);
-  plan_.device_bytes = device;
-  plan_.device_budget_bytes = device_.memory_stats().budget_bytes;
-
-  // Host (pinned or pageable: one arena, locked or not).
-  size_t host = 0;
-  auto add_host = [&](std::string what, size_t bytes) {
-    line(std::move(what), options_.pin_memory ? Tier::kPinned : Tier::kHost, bytes);
-    host += bytes;
-  };
-  auto sum_shards = [&](size_t bytes_per_element) {
-    size_t total = 0;
-    for (auto& g : groups_) total += round_up_4k(g->layout.shard_numel * bytes_per_element);
-    return total;
-  };
-  if (host_params) add_host("parameter shards (" + pname + ")", copies * sum_shards(psize));
-  if (nvme_params) {
-    add_host("NVMe parameter read staging", static_cast<size_t>(std::max(slots, 1)) * round_up_4k(param_bytes(std::max(max_shard, all_max_shard))));
-    for (auto& g : groups_)
-      if (g->persistent) host += round_up_4k(param_bytes(g->layout.shard_numel));
-  }
-  if (nvme_params || options_.param_tier == Tier::kDevice)
-    add_host("new-parameter staging", round_up_4k(param_bytes(all_max_shard)));
-  if (nvme_state) add_host("NVMe optimizer-state staging (3 groups + 1 for state access)", 4 * round_up_4k(all_max_shard * 12));
-  else if (device_state) add_host("optimizer-state access staging", round_up_4k(all_max_shard * 12));
-  else add_host("master weights + exp_avg + exp_avg_sq (fp32)", 3 * sum_shards(4));
-  add_host("gradient landing shards (" + std::string(dtype_name(options_.grad_transfer_dtype)) + ")", copies * sum_shards(tsize));
-  if (accum > 0) add_host("gradient accumulators (fp32)", static_cast<size_t>(accum) * sum_shards(4));
-  if (options_.pin_memory) plan_.pinned_bytes = host;
-  else plan_.host_bytes = host;
-
-  // NVMe.
-  size_t nvme = 0;
-  if (nvme_params) {
-    const size_t bytes = copies * sum_shards(psize);
-    line("parameter shards (" + pname + ")", Tier::kNvme, bytes);
-    nvme += bytes;
-  }
-  if (nvme_state) {
-    const size_t bytes = sum_shards(12);
-    line("master weights + exp_avg + exp_avg_sq (fp32)", Tier::kNvme, bytes);
-    nvme += bytes;
-  }
-  plan_.nvme_bytes = nvme;
-  plan_.state_bytes = total_numel * (psize + 12 + 4);
-
-  // The printed plan.
-  std::ostringstream text;
-  text << "Strata plan, rank " << options_.rank << " of " << world << ": " << groups_.size() << " groups, "
-       << total_numel << " parameters; training state " << format_bytes(plan_.state_bytes) << " (all ranks)\n";
-  text << "  parameters: " << pname << " on " << tier_name(options_.param_tier) << "; optimizer state: fp32 on "
-       << tier_name(options_.optimizer_tier) << "; gradients: " << dtype_name(options_.grad_wire_dtype) << " on the wire, "
-       << dtype_name(options_.grad_transfer_dtype) << " to the host\n";
-  for (const auto& l : plan_.lines) text << "  " << tier_name(l.tier) << ": " << l.what << " = " << format_bytes(l.bytes) << "\n";
-  text << "  device: " << format_bytes(plan_.device_bytes) << " of a " << format_bytes(plan_.device_budget_bytes) << " budget; ";
-  text << (options_.pin_memory ? "pinned: " : "pageable host: ") << format_bytes(host) << "; nvme: " << format_bytes(nvme);
-  if (nvme > 0) text << " under " << options_.nvme_path;
-  text << "\n  prefetch depth " << depth << " (" << slots << " gather slots), optimizer overlap "
-       << overlap_mode_name(options_.overlap) << ", " << options_.gradient_accumulation_steps << " micro-batch(es) per step";
-  plan_.text = text.str();
-  (void)max_shard;
-  return {};
-}
-
-Status EngineImpl::check_plan_against_machine() {
-  // Device budget.
-  if (plan_.device_bytes > plan_.device_budget_bytes) {
-    std::ostringstream message;
-    message << "the device budget of " << format_bytes(plan_.device_budget_bytes) << " cannot hold the plan's "
-            << format_bytes(plan_.device_bytes) << ":";
-    for (const auto& l : plan_.lines)
-      if (l.tier == Tier::kDevice) message << " " << l.what << " " << format_bytes(l.bytes) << ";";
-    // Settings that would fit: the budget needed, or a shallower prefetch.
-    const size_t per_slot = plan_.gather_slots > 0 ? plan_.lines.front().bytes / static_cast<size_t>(plan_.gather_slots) : 0;
-    message << " settings that would fit: a device budget of at least " << (plan_.device_bytes + kMiB - 1) / kMiB << " MiB";
-    if (plan_.gather_slots > 1 && per_slot > 0) {
-      const size_t fixed = plan_.device_bytes - per_slot * static_cast<size_t>(plan_.gather_slots);
-      if (fixed + 2 * per_slot <= plan_.device_budget_bytes) {
-        const size_t max_slots = (plan_.device_budget_bytes - fixed) / per_slot;
-        message << ", or prefetch depth " << (max_slots - 1) << " (stage3_max_live_parameters / strata.prefetch_depth)";
-      }
-    }
-    if (options_.activation_bytes > 0) message << ", or fewer activations (smaller micro-batch or activation checkpointing)";
-    return OutOfMemoryError(message.str());
-  }
-  // Host memory.
-  const size_t host_needed = plan_.pinned_bytes + plan_.host_bytes;
-  if (const size_t available = host_memory_available(); available > 0 && host_needed > available) {
-    return OutOfMemoryError("the plan needs " + format_bytes(host_needed) + " of host memory (" +
-                            (options_.pin_memory ? "pinned" : "pageable") + ") but only " + format_bytes(available) +
-                            " is available (MemAvailable); move optimizer state to nvme (offload_optimizer.device) or use fewer ranks per machine");
-  }
-  // Locked memory.
-  if (options_.pin_memory && plan_.pinned_bytes > 0) {
-    rlimit limit{};
-    if (getrlimit(RLIMIT_MEMLOCK, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY && plan_.pinned_bytes > limit.rlim_cur &&
-        geteuid() != 0) {
-      STRATA_LOG(kWarn) << "the plan pins " << format_bytes(plan_.pinned_bytes) << " but RLIMIT_MEMLOCK is "
-                        << format_bytes(limit.rlim_cur) << ": host state will be pageable unless the limit is raised "
-                        << "(ulimit -l) or CUDA registers it";
-    }
-  }
-  // NVMe space.
-  if (plan_.nvme_bytes > 0) {
-    std::error_code ignored;
-    std::filesystem::create_directories(options_.nvme_path, ignored);
-    struct statvfs fs {};
-    if (statvfs(options_.nvme_path.c_str(), &fs) != 0)
-      return Status::FromErrno(errno, "nvme_path " + options_.nvme_path + " cannot be used (statvfs)");
-    size_t free_bytes = static_cast<size_t>(fs.f_bavail) * fs.f_frsize;
-    // A file a finished run left is reused: its size counts as room.
-    const auto existing = std::filesystem::path(options_.nvme_path) / ("strata-rank" + std::to_string(options_.rank) + ".swap");
-    if (std::filesystem::exists(existing, ignored)) free_bytes += std::filesystem::file_size(existing, ignored);
-    if (plan_.nvme_bytes > free_bytes) {
-      return ResourceExhaustedError("nvme_path " + options_.nvme_path + " has " + format_bytes(free_bytes) +
-                                    " free but rank " + std::to_string(options_.rank) + " needs " +
-                                    format_bytes(plan_.nvme_bytes) +
-                                    " there; free space, point nvme_path at a larger disk, or keep optimizer state on cpu");
-    }
-  }
-  return {};
-}
-
 Status EngineImpl::allocate_and_initialize() {
   const int world = options_.world_size;
-  const int rank = options_.rank;
-  const size_t psize = dtype_size(options_.param_dtype);
   const size_t tsize = dtype_size(options_.grad_transfer_dtype);
-  const int copies = param_copies();
   const bool nvme_params = options_.param_tier == Tier::kNvme;
-  const bool nvme_state = options_.optimizer_tier == Tier::kNvme;
 
   // Host memory: one arena (locked when pin_memory), sized by the plan.
   const size_t host_bytes = plan_.pinned_bytes + plan_.host_bytes;
   if (host_bytes > 0) {
     PinnedArenaOptions arena_options;
-    // Slack for the slab allocator: buffers are carved in plan order, but some are freed
-    // and carved again (state-access staging), and a best-fit allocator can fragment.
+    // Slack for the slab allocator: buffers are carved in plan order, but a best-fit
+    // allocator can fragment.
     arena_options.bytes = host_bytes + host_bytes / 32 + (size_t{4} << 20);
     arena_options.lock = options_.pin_memory;
     arena_options.register_with_gpu = options_.pin_memory;
@@ -593,7 +363,7 @@ Status EngineImpl::allocate_and_initialize() {
   if (plan_.nvme_bytes > 0) {
     NvmeStoreOptions store;
     store.nvme_path = options_.nvme_path;
-    store.rank = rank;
+    store.rank = options_.rank;
     store.checksums = options_.nvme_checksum;
     store.initial_bytes = plan_.nvme_bytes;
     store.io.queue_depth = static_cast<unsigned>(std::max(1, options_.nvme_queue_depth));
@@ -607,15 +377,8 @@ Status EngineImpl::allocate_and_initialize() {
   }
 
   // Device buffers.
-  size_t max_padded = 0, max_shard = 0, all_max_padded = 0, all_max_shard = 0;
-  for (auto& g : groups_) {
-    all_max_padded = std::max(all_max_padded, g->layout.padded_numel);
-    all_max_shard = std::max(all_max_shard, g->layout.shard_numel);
-    if (!g->persistent) {
-      max_padded = std::max(max_padded, g->layout.padded_numel);
-      max_shard = std::max(max_shard, g->layout.shard_numel);
-    }
-  }
+  const size_t max_padded = plan_.max_gather_elements, max_shard = plan_.max_gather_shard;
+  const size_t all_max_padded = plan_.max_padded_elements, all_max_shard = plan_.max_shard_elements;
   slots_.resize(static_cast<size_t>(plan_.gather_slots));
   slot_last_request_.assign(slots_.size(), 0);
   for (size_t i = 0; i < slots_.size(); ++i) {
@@ -632,6 +395,7 @@ Status EngineImpl::allocate_and_initialize() {
     STRATA_ASSIGN_OR_RETURN(slot.released, device_.create_event());
     STRATA_ASSIGN_OR_RETURN(slot.h2d_done, device_.create_event());
   }
+  gradient_slots_.resize(static_cast<size_t>(plan_.gradient_slots));
   for (size_t i = 0; i < gradient_slots_.size(); ++i) {
     auto& slot = gradient_slots_[i];
     const std::string name = "gradient slot " + std::to_string(i);
@@ -647,31 +411,24 @@ Status EngineImpl::allocate_and_initialize() {
     STRATA_ASSIGN_OR_RETURN(slot.copied, device_.create_event());
   }
   STRATA_ASSIGN_OR_RETURN(norm_buffer_, device_.allocate(256, "norm all-reduce"));
-  if (nvme_params || options_.param_tier == Tier::kDevice) {
+  if ((nvme_params || options_.param_tier == Tier::kDevice) && options_.optimizer_tier != Tier::kNvme) {
     STRATA_ASSIGN_OR_RETURN(param_out_stage_, host_alloc(param_bytes(all_max_shard), "new-parameter staging"));
   }
-  if (device_state()) {
-    STRATA_ASSIGN_OR_RETURN(state_access_stage_, host_alloc(all_max_shard * 12, "optimizer-state access staging"));
-    if (options_.param_tier != Tier::kDevice) {
-      STRATA_ASSIGN_OR_RETURN(param_out_device_, device_.allocate(param_bytes(all_max_shard), "new-parameter staging"));
+  if (device_state() && options_.param_tier != Tier::kDevice) {
+    STRATA_ASSIGN_OR_RETURN(param_out_device_, device_.allocate(param_bytes(all_max_shard), "new-parameter staging"));
+  }
+  if (plan_.gradients_spilled) {
+    for (int i = 0; i < plan_.landing_buffers; ++i) {
+      STRATA_ASSIGN_OR_RETURN(PinnedBuffer buffer, host_alloc(all_max_shard * tsize, "gradient landing ring " + std::to_string(i)));
+      landing_ring_.push_back(std::move(buffer));
+    }
+    landing_busy_.assign(landing_ring_.size(), 0);
+    if (options_.gradient_accumulation_steps > 1) {
+      STRATA_ASSIGN_OR_RETURN(accum_scratch_, host_alloc(all_max_shard * 4, "gradient accumulation scratch"));
     }
   }
-  if (nvme_state) {
-    for (int i = 0; i < 3; ++i) {
-      STRATA_ASSIGN_OR_RETURN(PinnedBuffer stage, host_alloc(all_max_shard * 12, "optimizer-state staging " + std::to_string(i)));
-      state_stage_.push_back(std::move(stage));
-    }
-    STRATA_ASSIGN_OR_RETURN(state_access_stage_, host_alloc(all_max_shard * 12, "optimizer-state access staging"));
-  }
-
-  // Optimizer.
-  CpuAdamOptions adam_options;
-  adam_options.threads = options_.optimizer_threads > 0
-                             ? options_.optimizer_threads
-                             : std::max(1, available_cpu_count() / std::max(1, options_.world_size));
-  STRATA_ASSIGN_OR_RETURN(CpuAdam adam, CpuAdam::create(adam_options));
-  adam_.emplace(std::move(adam));
-  CpuAdamOptions stats_options = adam_options;
+  STRATA_RETURN_IF_ERROR(create_optimizer_stage());
+  CpuAdamOptions stats_options;
   stats_options.threads = 1;
   STRATA_ASSIGN_OR_RETURN(CpuAdam stats_adam, CpuAdam::create(stats_options));
   stats_adam_.emplace(std::move(stats_adam));
@@ -684,99 +441,139 @@ Status EngineImpl::allocate_and_initialize() {
   // Per group: storage, then the initial values of the local shards.
   std::vector<float> init(all_max_shard);
   std::vector<uint16_t> param16(all_max_shard);
-  std::unique_ptr<Stream>& setup = update_stream_;
-  for (auto& gp : groups_) {
-    GroupState& g = *gp;
-    const size_t shard = g.layout.shard_numel;
-    const std::string name = "group " + g.layout.name;
-    g.decay_runs = decay_runs(g.layout, rank);
-    init_shard(g.layout, rank, options_.seed, init.data());
-    // The initial parameter copy in the parameter dtype.
-    const void* param_init = init.data();
-    if (options_.param_dtype != DType::kFloat32) {
-      for (size_t i = 0; i < shard; ++i) store_from_float(param16.data(), options_.param_dtype, i, init[i]);
-      param_init = param16.data();
+  for (auto& gp : groups_) STRATA_RETURN_IF_ERROR(initialize_group(*gp, init, param16));
+  return {};
+}
+
+Status EngineImpl::create_optimizer_stage() {
+  OptimizerStageContext context;
+  context.options = &options_;
+  context.plan = &plan_;
+  context.device = &device_;
+  context.update_stream = update_stream_.get();
+  context.tracer = &tracer_;
+  context.groups = &groups_;
+  context.nvme = nvme_.get();
+  context.arena = arena_.get();
+  context.param_out_stage = &param_out_stage_;
+  context.param_out_device = &param_out_device_;
+  OptimizerStageHooks hooks;
+  hooks.group_updated = [this](int g, int64_t version) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      group(g).param_version = std::max(group(g).param_version, version);
     }
-    for (int c = 0; c < copies; ++c) {
-      const std::string copy_name = name + " parameters" + (copies > 1 ? " copy " + std::to_string(c) : "");
-      switch (options_.param_tier) {
-        case Tier::kDevice: {
-          STRATA_ASSIGN_OR_RETURN(DeviceBuffer buffer, device_.allocate(param_bytes(shard), copy_name));
-          STRATA_RETURN_IF_ERROR(device_.copy_async(buffer.data(), param_init, param_bytes(shard), CopyKind::kHostToDevice, *setup));
-          STRATA_RETURN_IF_ERROR(setup->synchronize());
-          g.param_device.push_back(std::move(buffer));
-          break;
-        }
-        case Tier::kPinned:
-        case Tier::kHost: {
-          STRATA_ASSIGN_OR_RETURN(PinnedBuffer buffer, host_alloc(param_bytes(shard), copy_name));
-          std::memcpy(buffer.data(), param_init, param_bytes(shard));
-          g.param_host.push_back(std::move(buffer));
-          break;
-        }
-        case Tier::kNvme: {
-          STRATA_ASSIGN_OR_RETURN(NvmeExtent extent, nvme_->allocate("g" + std::to_string(g.layout.id) + ".param" + std::to_string(c), param_bytes(shard)));
-          std::memcpy(param_out_stage_.data(), param_init, param_bytes(shard));
-          STRATA_RETURN_IF_ERROR(nvme_->write(extent, param_out_stage_.data(), param_bytes(shard), 0, param_out_stage_.capacity()));
-          g.param_nvme.push_back(extent);
-          break;
-        }
+    cv_.notify_all();
+  };
+  hooks.job_done = [this] {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++optimizer_jobs_done_;
+    }
+    cv_.notify_all();
+  };
+  hooks.failed = [this](Status status) { record_error(std::move(status)); };
+  STRATA_ASSIGN_OR_RETURN(optimizer_stage_, OptimizerStage::create(context, std::move(hooks)));
+  return {};
+}
+
+// Stores fp32 values as group g's parameter copy `copy`, in the parameter dtype and tier.
+Status EngineImpl::store_parameters(GroupState& g, int copy, const float* values) {
+  const size_t shard = g.layout.shard_numel;
+  const size_t bytes = param_bytes(shard);
+  std::vector<char> converted;
+  void* host = nullptr;
+  if (options_.param_tier == Tier::kPinned || options_.param_tier == Tier::kHost) {
+    host = g.param_host[static_cast<size_t>(copy)].data();
+  } else {
+    converted.resize(bytes);
+    host = converted.data();
+  }
+  if (options_.param_dtype == DType::kFloat32) std::memcpy(host, values, bytes);
+  else for (size_t i = 0; i < shard; ++i) store_from_float(host, options_.param_dtype, i, values[i]);
+  if (options_.param_tier == Tier::kDevice) {
+    STRATA_RETURN_IF_ERROR(device_.copy_async(g.param_device[static_cast<size_t>(copy)].data(), host, bytes, CopyKind::kHostToDevice, *update_stream_));
+    return update_stream_->synchronize();
+  }
+  if (options_.param_tier == Tier::kNvme) return nvme_->write(g.param_nvme[static_cast<size_t>(copy)], host, bytes);
+  return {};
+}
+
+Status EngineImpl::initialize_group(GroupState& g, std::vector<float>& init, std::vector<uint16_t>& /*param16*/) {
+  const int world = options_.world_size;
+  const size_t shard = g.layout.shard_numel;
+  const size_t tsize = dtype_size(options_.grad_transfer_dtype);
+  const std::string name = "group " + g.layout.name;
+  g.decay_runs = decay_runs(g.layout, options_.rank);
+  init_shard(g.layout, options_.rank, options_.seed, init.data());
+  for (int c = 0; c < param_copies(); ++c) {
+    std::string copy_name = name + " parameters";
+    if (param_copies() > 1) copy_name += " copy " + std::to_string(c);
+    switch (options_.param_tier) {
+      case Tier::kDevice: {
+        STRATA_ASSIGN_OR_RETURN(DeviceBuffer buffer, device_.allocate(param_bytes(shard), copy_name));
+        g.param_device.push_back(std::move(buffer));
+        break;
+      }
+      case Tier::kPinned:
+      case Tier::kHost: {
+        STRATA_ASSIGN_OR_RETURN(PinnedBuffer buffer, arena_->allocate(param_bytes(shard), copy_name));
+        g.param_host.push_back(std::move(buffer));
+        break;
+      }
+      case Tier::kNvme: {
+        std::string key = "g";
+        key += std::to_string(g.layout.id);
+        key += ".param";
+        key += std::to_string(c);
+        STRATA_ASSIGN_OR_RETURN(NvmeExtent extent, nvme_->allocate(key, param_bytes(shard)));
+        g.param_nvme.push_back(extent);
+        break;
       }
     }
-    // Optimizer state: master = the fp32 initial values, moments zero.
-    if (device_state()) {
-      STRATA_ASSIGN_OR_RETURN(g.state_device, device_.allocate(shard * 16, name + " optimizer state"));
-      STRATA_RETURN_IF_ERROR(device_.memset_async(g.state_device.data(), 0, shard * 16, *setup));
-      STRATA_RETURN_IF_ERROR(device_.copy_async(g.state_device.data(), init.data(), shard * 4, CopyKind::kHostToDevice, *setup));
-      STRATA_RETURN_IF_ERROR(setup->synchronize());
-    } else if (nvme_state) {
-      STRATA_ASSIGN_OR_RETURN(g.state_nvme, nvme_->allocate("g" + std::to_string(g.layout.id) + ".state", shard * 12));
-      PinnedBuffer& stage = state_stage_[0];
-      std::memcpy(stage.data(), init.data(), shard * 4);
-      std::memset(stage.as<char>() + shard * 4, 0, shard * 8);
-      STRATA_RETURN_IF_ERROR(nvme_->write(g.state_nvme, stage.data(), shard * 12, 0, stage.capacity()));
-    } else {
-      STRATA_ASSIGN_OR_RETURN(g.master, host_alloc(shard * 4, name + " master"));
-      STRATA_ASSIGN_OR_RETURN(g.exp_avg, host_alloc(shard * 4, name + " exp_avg"));
-      STRATA_ASSIGN_OR_RETURN(g.exp_avg_sq, host_alloc(shard * 4, name + " exp_avg_sq"));
-      std::memcpy(g.master.data(), init.data(), shard * 4);
-      std::memset(g.exp_avg.data(), 0, shard * 4);
-      std::memset(g.exp_avg_sq.data(), 0, shard * 4);
-    }
-    for (int c = 0; c < copies; ++c) {
-      STRATA_ASSIGN_OR_RETURN(PinnedBuffer landing, host_alloc(shard * tsize, name + " gradient landing"));
+    STRATA_RETURN_IF_ERROR(store_parameters(g, c, init.data()));
+  }
+  // Optimizer state: master = the fp32 initial values, moments zero.
+  STRATA_RETURN_IF_ERROR(optimizer_stage_->initialize_group(g.layout.id, init.data()));
+  // Gradients kept on the host per group (not spilled): landing and accumulators.
+  if (!plan_.gradients_spilled) {
+    for (int c = 0; c < param_copies(); ++c) {
+      STRATA_ASSIGN_OR_RETURN(PinnedBuffer landing, arena_->allocate(shard * tsize, name + " gradient landing"));
       g.grad_landing.push_back(std::move(landing));
-      if (options_.gradient_accumulation_steps > 1) {
-        STRATA_ASSIGN_OR_RETURN(PinnedBuffer accum, host_alloc(shard * 4, name + " gradient accumulator"));
+      if (options_.gradient_accumulation_steps > 1 && !device_state()) {
+        STRATA_ASSIGN_OR_RETURN(PinnedBuffer accum, arena_->allocate(shard * 4, name + " gradient accumulator"));
         g.grad_accum.push_back(std::move(accum));
       }
     }
-    if (g.persistent && !direct_view(g)) {
-      STRATA_ASSIGN_OR_RETURN(g.persistent_full, device_.allocate(param_bytes(g.layout.padded_numel), name + " persistent"));
-      if (world > 1 && options_.param_tier != Tier::kDevice) {
-        STRATA_ASSIGN_OR_RETURN(g.persistent_shard, device_.allocate(param_bytes(shard), name + " persistent staging"));
-      }
-      if (nvme_params) {
-        STRATA_ASSIGN_OR_RETURN(g.persistent_stage, host_alloc(param_bytes(shard), name + " persistent NVMe staging"));
-      }
-      STRATA_ASSIGN_OR_RETURN(g.persistent_ready, device_.create_event());
-      STRATA_ASSIGN_OR_RETURN(g.persistent_released, device_.create_event());
-      STRATA_ASSIGN_OR_RETURN(g.persistent_h2d_done, device_.create_event());
+  }
+  if (g.persistent && !direct_view(g)) {
+    STRATA_ASSIGN_OR_RETURN(g.persistent_full, device_.allocate(param_bytes(g.layout.padded_numel), name + " persistent"));
+    if (world > 1 && options_.param_tier != Tier::kDevice) {
+      STRATA_ASSIGN_OR_RETURN(g.persistent_shard, device_.allocate(param_bytes(shard), name + " persistent staging"));
     }
+    if (options_.param_tier == Tier::kNvme) {
+      STRATA_ASSIGN_OR_RETURN(g.persistent_stage, arena_->allocate(param_bytes(shard), name + " persistent NVMe staging"));
+    }
+    STRATA_ASSIGN_OR_RETURN(g.persistent_ready, device_.create_event());
+    STRATA_ASSIGN_OR_RETURN(g.persistent_released, device_.create_event());
+    STRATA_ASSIGN_OR_RETURN(g.persistent_h2d_done, device_.create_event());
   }
-  if (nvme_) {
-    const auto stats = nvme_->stats();
-    (void)stats;
-  }
-  (void)psize;
   return {};
 }
 
 Status EngineImpl::start() {
   if (started_) return FailedPreconditionError("start() called twice");
-  STRATA_RETURN_IF_ERROR(build_plan());
+  std::vector<GroupLayout> layouts;
+  for (const auto& g : groups_) layouts.push_back(g->layout);
+  PlanInputs inputs;
+  inputs.options = &options_;
+  inputs.layouts = layouts;
+  inputs.schedule = schedule_;
+  inputs.device_budget_bytes = device_.memory_stats().budget_bytes;
+  STRATA_ASSIGN_OR_RETURN(plan_, make_engine_plan(inputs));
+  for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->persistent = plan_.persistent[g] != 0;
   if (options_.rank == 0) STRATA_LOG(kInfo) << plan_.text;
-  STRATA_RETURN_IF_ERROR(check_plan_against_machine());
+  STRATA_RETURN_IF_ERROR(check_plan_against_machine(plan_, options_));
   STRATA_RETURN_IF_ERROR(allocate_and_initialize());
   if (!options_.metrics_path.empty() && options_.rank == 0) {
     metrics_.open(options_.metrics_path, std::ios::app);
@@ -785,7 +582,7 @@ Status EngineImpl::start() {
   started_ = true;
   fetcher_ = std::thread([this] { fetcher_loop(); });
   lander_ = std::thread([this] { lander_loop(); });
-  optimizer_ = std::thread([this] { optimizer_loop(); });
+  optimizer_stage_->start();
   return {};
 }
 
@@ -843,7 +640,7 @@ void EngineImpl::shutdown() {
   cv_.notify_all();
   if (fetcher_.joinable()) fetcher_.join();
   if (lander_.joinable()) lander_.join();
-  if (optimizer_.joinable()) optimizer_.join();
+  if (optimizer_stage_) optimizer_stage_->stop();
   if (started_) {
     // Drain the streams so nothing still touches memory about to be freed.
     Status drained = device_.synchronize();
@@ -1211,14 +1008,28 @@ Status EngineImpl::grads_ready(int g) {
   }
   STRATA_RETURN_IF_ERROR(reduce_stream_->record(*slot.reduced));
   STRATA_RETURN_IF_ERROR(d2h_stream_->wait(*slot.reduced));
+  int ring_index = -1;
+  void* landing = nullptr;
   {
-    // The landing buffer is read by the lander (accumulation, statistics) after each
-    // copy: the next copy into it waits until that is done.
+    // The landing buffer is read by the lander (accumulation, statistics, spilling) after
+    // each copy: the next copy into it waits until that is done.
     std::unique_lock<std::mutex> lock(mutex_);
-    STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return state.landings_processed == state.landings_sent; }, "the previous gradient landing"));
+    if (plan_.gradients_spilled) {
+      auto free_buffer = [&] {
+        for (size_t i = 0; i < landing_busy_.size(); ++i)
+          if (landing_busy_[i] == 0) return static_cast<int>(i);
+        return -1;
+      };
+      STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return free_buffer() >= 0; }, "a free gradient landing buffer"));
+      ring_index = free_buffer();
+      landing_busy_[static_cast<size_t>(ring_index)] = 1;
+      landing = landing_ring_[static_cast<size_t>(ring_index)].data();
+    } else {
+      STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return state.landings_processed == state.landings_sent; }, "the previous gradient landing"));
+      const int copy = options_.overlap == OverlapMode::kDelayed ? static_cast<int>(step_index_ % 2) : 0;
+      landing = state.grad_landing[static_cast<size_t>(copy)].data();
+    }
   }
-  const int copy = options_.overlap == OverlapMode::kDelayed ? static_cast<int>(step_index_ % 2) : 0;
-  void* landing = state.grad_landing[static_cast<size_t>(copy)].data();
   const size_t bytes = shard * dtype_size(options_.grad_transfer_dtype);
   STRATA_RETURN_IF_ERROR(traced(*d2h_stream_, Stage::kD2H, g, label, [&] {
     return device_.copy_async(landing, transfer, bytes, CopyKind::kDeviceToHost, *d2h_stream_);
@@ -1226,7 +1037,7 @@ Status EngineImpl::grads_ready(int g) {
   STRATA_RETURN_IF_ERROR(d2h_stream_->record(*slot.copied));
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    landing_.push_back({g, slot_index, step_index_, micro_, micro_ + 1 == options_.gradient_accumulation_steps, TraceClock::now()});
+    landing_.push_back({g, slot_index, step_index_, micro_, micro_ + 1 == options_.gradient_accumulation_steps, TraceClock::now(), ring_index});
     ++landings_queued_;
     ++state.landings_sent;
   }
@@ -1295,14 +1106,13 @@ StatusOr<StepReport> EngineImpl::step(double loss) {
     for (int g = 0; g < group_count(); ++g)
       if (seen.insert(g).second) job.order.push_back(g);
   }
+  const bool skipped = !early_update_ && job.skip;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!early_update_) {
-      optimizer_jobs_.push_back(std::move(job));
-      ++optimizer_jobs_queued_;
-    }
+    if (!early_update_) ++optimizer_jobs_queued_;
     steps_finished_ = t + 1;
   }
+  if (!early_update_) optimizer_stage_->submit(std::move(job));
   cv_.notify_all();
   step_index_ = t + 1;
   micro_ = -1;
@@ -1311,7 +1121,7 @@ StatusOr<StepReport> EngineImpl::step(double loss) {
   const auto now = TraceClock::now();
   report.step = applied_steps_;
   report.loss = loss;
-  report.skipped = !early_update_ && job.skip;
+  report.skipped = skipped;
   report.loss_scale = scale_used;
   report.step_seconds = std::chrono::duration<double>(now - step_window_begin_).count();
   report.busy = tracer_.busy_seconds(step_window_begin_, now);
@@ -1422,56 +1232,30 @@ Status EngineImpl::restore_loss_scaler_state(const LossScaler::State& state) {
   return {};
 }
 
-// Where one kind of state of one group lives on the host, once no update of it is
-// pending (model thread): the host buffer, or the NVMe extent read whole into the access
-// staging buffer (checksummed blocks are read whole).
-StatusOr<float*> EngineImpl::state_for_access(int g, StateKind kind, size_t elements, const char* call) {
+// State access (model thread), once no update of the group is pending: the optimizer
+// stage reads or writes one kind of the group's state wherever it lives.
+Status EngineImpl::wait_for_state_access(int g, size_t elements, const char* call) {
   STRATA_RETURN_IF_ERROR(check_group(g, call));
   GroupState& state = group(g);
   const size_t shard = state.layout.shard_numel;
   if (elements != shard)
     return InvalidArgumentError(std::string(call) + ": group " + state.layout.name + " has " + std::to_string(shard) +
                                 " elements per shard, the span has " + std::to_string(elements));
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    // The whole update, the write-back of NVMe-resident state included.
-    STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] {
-      return state.param_version >= steps_finished_ && optimizer_jobs_done_ == optimizer_jobs_queued_;
-    }, "the group's update"));
-  }
-  if (options_.optimizer_tier == Tier::kNvme) {
-    PinnedBuffer& staging = state_access_stage_;
-    STRATA_RETURN_IF_ERROR(nvme_->read(state.state_nvme, staging.data(), shard * 12, 0, staging.capacity()));
-    return staging.as<float>() + static_cast<size_t>(kind) * shard;
-  }
-  if (device_state()) {
-    PinnedBuffer& staging = state_access_stage_;
-    STRATA_RETURN_IF_ERROR(device_.copy_async(staging.data(), state.state_device.data(), shard * 12, CopyKind::kDeviceToHost, *update_stream_));
-    STRATA_RETURN_IF_ERROR(update_stream_->synchronize());
-    return staging.as<float>() + static_cast<size_t>(kind) * shard;
-  }
-  PinnedBuffer& buffer = kind == StateKind::kMaster ? state.master : kind == StateKind::kExpAvg ? state.exp_avg : state.exp_avg_sq;
-  return buffer.as<float>();
+  std::unique_lock<std::mutex> lock(mutex_);
+  // The whole update, the write-back of NVMe-resident state included.
+  return wait_locked(lock, [&] {
+    return state.param_version >= steps_finished_ && optimizer_jobs_done_ == optimizer_jobs_queued_;
+  }, "the group's update");
 }
 
 Status EngineImpl::read_state_shard(int g, StateKind kind, std::span<float> out) {
-  STRATA_ASSIGN_OR_RETURN(const float* source, state_for_access(g, kind, out.size(), "read_state_shard"));
-  std::memcpy(out.data(), source, out.size_bytes());
-  return {};
+  STRATA_RETURN_IF_ERROR(wait_for_state_access(g, out.size(), "read_state_shard"));
+  return optimizer_stage_->read_state(g, kind, out);
 }
 
 Status EngineImpl::write_state_shard(int g, StateKind kind, std::span<const float> in) {
-  STRATA_ASSIGN_OR_RETURN(float* target, state_for_access(g, kind, in.size(), "write_state_shard"));
-  std::memcpy(target, in.data(), in.size_bytes());
-  GroupState& state = group(g);
-  if (options_.optimizer_tier == Tier::kNvme)
-    return nvme_->write(state.state_nvme, state_access_stage_.data(), state.layout.shard_numel * 12, 0, state_access_stage_.capacity());
-  if (device_state()) {
-    STRATA_RETURN_IF_ERROR(device_.copy_async(state.state_device.data(), state_access_stage_.data(), state.layout.shard_numel * 12,
-                                              CopyKind::kHostToDevice, *update_stream_));
-    return update_stream_->synchronize();
-  }
-  return {};
+  STRATA_RETURN_IF_ERROR(wait_for_state_access(g, in.size(), "write_state_shard"));
+  return optimizer_stage_->write_state(g, kind, in);
 }
 
 Status EngineImpl::refresh_parameters() {
@@ -1491,24 +1275,10 @@ Status EngineImpl::refresh_parameters() {
   std::vector<float> master;
   for (auto& gp : groups_) {
     GroupState& g = *gp;
-    const size_t shard = g.layout.shard_numel;
-    master.resize(shard);
+    master.resize(g.layout.shard_numel);
     STRATA_RETURN_IF_ERROR(read_state_shard(g.layout.id, StateKind::kMaster, master));
-    const int copies = param_copies();
-    for (int c = 0; c < copies; ++c) {
-      // Every copy gets the same values: the next fetch reads whichever its version picks.
-      void* host_target = nullptr;
-      if (options_.param_tier == Tier::kPinned || options_.param_tier == Tier::kHost) host_target = g.param_host[static_cast<size_t>(c)].data();
-      else host_target = param_out_stage_.data();
-      for (size_t i = 0; i < shard; ++i) store_from_float(host_target, options_.param_dtype, i, master[i]);
-      if (options_.param_tier == Tier::kDevice) {
-        STRATA_RETURN_IF_ERROR(device_.copy_async(g.param_device[static_cast<size_t>(c)].data(), host_target, param_bytes(shard),
-                                                  CopyKind::kHostToDevice, *update_stream_));
-        STRATA_RETURN_IF_ERROR(update_stream_->synchronize());
-      } else if (options_.param_tier == Tier::kNvme) {
-        STRATA_RETURN_IF_ERROR(nvme_->write(g.param_nvme[static_cast<size_t>(c)], host_target, param_bytes(shard), 0, param_out_stage_.capacity()));
-      }
-    }
+    // Every copy gets the same values: the next fetch reads whichever its version picks.
+    for (int c = 0; c < param_copies(); ++c) STRATA_RETURN_IF_ERROR(store_parameters(g, c, master.data()));
     std::lock_guard<std::mutex> lock(mutex_);
     g.persistent_version = -1;
     g.planned_persistent_version = -1;
@@ -1696,21 +1466,37 @@ Status EngineImpl::land_one(const LandingItem& item) {
     slot.busy = false;
   }
   cv_.notify_all();
+  Tracer::Scope scope(&tracer_, Stage::kLanding, item.group, group(item.group).layout.name);
   GroupState& state = group(item.group);
   const size_t shard = state.layout.shard_numel;
   const size_t copy = options_.overlap == OverlapMode::kDelayed ? static_cast<size_t>(item.step % 2) : 0;
-  const void* final_grad = state.grad_landing[copy].data();
+  const void* final_grad = nullptr;
   DType final_type = options_.grad_transfer_dtype;
-  if (options_.gradient_accumulation_steps > 1 && !device_state()) {
-    float* accum = state.grad_accum[copy].as<float>();
-    accumulate_into(accum, state.grad_landing[copy].data(), options_.grad_transfer_dtype, shard, item.micro == 0);
-    final_grad = accum;
-    final_type = DType::kFloat32;
+  if (item.landing >= 0) {
+    STRATA_RETURN_IF_ERROR(spill_landed(item, landing_ring_[static_cast<size_t>(item.landing)].data(), &final_grad, &final_type));
+  } else {
+    final_grad = state.grad_landing[copy].data();
+    if (options_.gradient_accumulation_steps > 1 && !device_state()) {
+      float* accum = state.grad_accum[copy].as<float>();
+      accumulate_into(accum, state.grad_landing[copy].data(), options_.grad_transfer_dtype, shard, item.micro == 0);
+      final_grad = accum;
+      final_type = DType::kFloat32;
+    }
+  }
+  GradientStats stats;
+  if (item.last_micro) {
+    STRATA_ASSIGN_OR_RETURN(stats, stats_adam_->gradient_stats(final_grad, final_type, shard));
+  }
+  if (item.landing >= 0) {
+    // The statistics are taken: the ring buffer is free for the next landing.
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      landing_busy_[static_cast<size_t>(item.landing)] = 0;
+    }
+    cv_.notify_all();
   }
   if (!item.last_micro) return {};
-  STRATA_ASSIGN_OR_RETURN(GradientStats stats, stats_adam_->gradient_stats(final_grad, final_type, shard));
   OptimizerJob job;
-  bool push = false;
   if (early_update_) {
     double lr = 0.0;
     int64_t applied = 0;
@@ -1727,197 +1513,40 @@ Status EngineImpl::land_one(const LandingItem& item) {
     STRATA_ASSIGN_OR_RETURN(job.no_decay_plan, plan_adam_step(hyper, applied, none, {}));
     job.step_index = item.step;
     job.order = {item.group};
-    push = true;
   }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     state.landed_stats = stats;
     state.landed_step = item.step;
-    if (push) {
-      optimizer_jobs_.push_back(std::move(job));
-      ++optimizer_jobs_queued_;
-    }
+    if (early_update_) ++optimizer_jobs_queued_;
   }
+  if (early_update_) optimizer_stage_->submit(std::move(job));
   cv_.notify_all();
   return {};
 }
 
-// =====================================================================================
-// The optimizer: Adam per group, state in memory or streamed from NVMe
-// =====================================================================================
-
-void EngineImpl::optimizer_loop() {
-  for (;;) {
-    OptimizerJob job;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [&] { return stopping_ || !optimizer_jobs_.empty(); });
-      if (stopping_) return;
-      job = optimizer_jobs_.front();
-    }
-    // NVMe-resident state: keep the next group's read in flight while this one steps
-    // (and the previous one's write-back drains): read g+1, step g, write g-1.
-    const bool nvme_state = options_.optimizer_tier == Tier::kNvme && !job.skip;
-    std::vector<IoTicket> reads(job.order.size()), writes(job.order.size());
-    std::vector<TraceClock::time_point> read_begin(job.order.size()), write_begin(job.order.size());
-    auto submit_read = [&](size_t i) -> Status {
-      GroupState& s = group(job.order[i]);
-      // The stage rotates over three buffers: the write of group i-3... i-2 used it last.
-      if (i >= 3 && writes[i - 3].valid()) {
-        STRATA_RETURN_IF_ERROR(nvme_->wait(writes[i - 3]));
-        tracer_.record(Stage::kNvmeWrite, job.order[i - 3], write_begin[i - 3], TraceClock::now(), group(job.order[i - 3]).layout.name);
-        writes[i - 3] = {};
-      }
-      PinnedBuffer& stage = state_stage_[i % 3];
-      read_begin[i] = TraceClock::now();
-      STRATA_ASSIGN_OR_RETURN(reads[i], nvme_->read_async(s.state_nvme, stage.data(), s.layout.shard_numel * 12, 0, stage.capacity()));
-      return {};
-    };
-    Status status;
-    if (nvme_state && !job.order.empty()) status = submit_read(0);
-    for (size_t i = 0; i < job.order.size() && status.ok(); ++i) {
-      const int g = job.order[i];
-      if (nvme_state) {
-        if (i + 1 < job.order.size()) status = submit_read(i + 1);
-        if (!status.ok()) break;
-        status = nvme_->wait(reads[i]);
-        if (!status.ok()) break;
-        tracer_.record(Stage::kNvmeRead, g, read_begin[i], TraceClock::now(), group(g).layout.name);
-      }
-      status = update_group(job, g);
-      if (!status.ok()) break;
-      if (nvme_state) {
-        GroupState& s = group(g);
-        PinnedBuffer& stage = state_stage_[i % 3];
-        write_begin[i] = TraceClock::now();
-        auto ticket = nvme_->write_async(s.state_nvme, stage.data(), s.layout.shard_numel * 12, 0, stage.capacity());
-        if (!ticket.ok()) {
-          status = ticket.status();
-          break;
-        }
-        writes[i] = *ticket;
-      }
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        group(g).param_version = std::max(group(g).param_version, job.step_index + 1);
-      }
-      cv_.notify_all();
-    }
-    for (size_t i = 0; i < writes.size() && status.ok(); ++i) {
-      if (!writes[i].valid()) continue;
-      status = nvme_->wait(writes[i]);
-      tracer_.record(Stage::kNvmeWrite, job.order[i], write_begin[i], TraceClock::now(), group(job.order[i]).layout.name);
-    }
-    if (!status.ok()) {
-      record_error(std::move(status).with_context("optimizer step " + std::to_string(job.step_index)));
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      optimizer_jobs_.pop_front();
-      ++optimizer_jobs_done_;
-    }
-    cv_.notify_all();
-  }
-}
-
-// Device-resident optimizer state: the Adam kernel on the update stream, the new
-// parameters written straight into the device shard (or staged out to the host tier).
-Status EngineImpl::update_group_on_device(const OptimizerJob& job, int g) {
-  GroupState& s = group(g);
-  const size_t shard = s.layout.shard_numel;
-  const int out_copy = parity(job.step_index + 1);
-  Tracer::Scope scope(&tracer_, Stage::kOptimizer, g, s.layout.name);
-  float* state = s.state_device.as<float>();
-  void* param_out = options_.param_tier == Tier::kDevice ? s.param_device[static_cast<size_t>(out_copy)].data() : param_out_device_.data();
-  const size_t param_size = dtype_size(options_.param_dtype);
-  for (const DecayRun& run : s.decay_runs) {
-    kernels::AdamBuffers part;
-    part.grad = state + 3 * shard + run.begin;
-    part.grad_type = DType::kFloat32;
-    part.master = state + run.begin;
-    part.exp_avg = state + shard + run.begin;
-    part.exp_avg_sq = state + 2 * shard + run.begin;
-    part.moment_type = DType::kFloat32;
-    part.param = static_cast<char*>(param_out) + run.begin * param_size;
-    part.param_type = options_.param_dtype;
-    part.count = run.end - run.begin;
-    STRATA_RETURN_IF_ERROR(kernels::adam_step(*update_stream_, part, (run.decay ? job.decay_plan : job.no_decay_plan).scalars));
-  }
-  if (options_.param_tier == Tier::kPinned || options_.param_tier == Tier::kHost) {
-    STRATA_RETURN_IF_ERROR(device_.copy_async(s.param_host[static_cast<size_t>(out_copy)].data(), param_out, param_bytes(shard),
-                                              CopyKind::kDeviceToHost, *update_stream_));
-  } else if (options_.param_tier == Tier::kNvme) {
-    STRATA_RETURN_IF_ERROR(device_.copy_async(param_out_stage_.data(), param_out, param_bytes(shard), CopyKind::kDeviceToHost, *update_stream_));
-  }
-  STRATA_RETURN_IF_ERROR(update_stream_->synchronize());
-  if (options_.param_tier == Tier::kNvme) {
-    const auto begin = TraceClock::now();
-    STRATA_RETURN_IF_ERROR(nvme_->write(s.param_nvme[static_cast<size_t>(out_copy)], param_out_stage_.data(), param_bytes(shard), 0,
-                                        param_out_stage_.capacity()));
-    tracer_.record(Stage::kNvmeWrite, g, begin, TraceClock::now(), s.layout.name + " parameters");
-  }
-  return {};
-}
-
-Status EngineImpl::update_group(const OptimizerJob& job, int g) {
-  if (job.skip) return {};
-  GroupState& s = group(g);
-  const size_t shard = s.layout.shard_numel;
-  const size_t copy = options_.overlap == OverlapMode::kDelayed ? static_cast<size_t>(job.step_index % 2) : 0;
-  const int out_copy = parity(job.step_index + 1);
-  Tracer::Scope scope(&tracer_, Stage::kOptimizer, g, s.layout.name);
-  if (device_state()) return update_group_on_device(job, g);
-  kernels::AdamBuffers buffers;
+// Spilled gradients: micro-batches accumulate in fp32 through the scratch (the running
+// sum read back from NVMe after the first), and the shard the optimizer will read is
+// stored beside the NVMe state; the statistics are taken of exactly what is stored.
+Status EngineImpl::spill_landed(const LandingItem& item, const void* landed, const void** final_grad, DType* final_type) {
+  NvmeAdamState& stored = *optimizer_stage_->nvme_state();
+  const size_t shard = group(item.group).layout.shard_numel;
+  const unsigned copy = options_.overlap == OverlapMode::kDelayed ? static_cast<unsigned>(item.step % 2) : 0;
+  const size_t g = static_cast<size_t>(item.group);
+  *final_grad = landed;
+  *final_type = options_.grad_transfer_dtype;
+  size_t capacity = landing_ring_[static_cast<size_t>(item.landing)].capacity();
   if (options_.gradient_accumulation_steps > 1) {
-    buffers.grad = s.grad_accum[copy].data();
-    buffers.grad_type = DType::kFloat32;
-  } else {
-    buffers.grad = s.grad_landing[copy].data();
-    buffers.grad_type = options_.grad_transfer_dtype;
+    float* accum = accum_scratch_.as<float>();
+    if (item.micro > 0) STRATA_RETURN_IF_ERROR(stored.load_gradient(g, copy, accum, accum_scratch_.capacity()));
+    accumulate_into(accum, landed, options_.grad_transfer_dtype, shard, item.micro == 0);
+    *final_grad = accum;
+    *final_type = DType::kFloat32;
+    capacity = accum_scratch_.capacity();
   }
-  if (options_.optimizer_tier == Tier::kNvme) {
-    // The state was read into this group's stage (see optimizer_loop's rotation).
-    size_t position = 0;
-    for (size_t i = 0; i < job.order.size(); ++i)
-      if (job.order[i] == g) position = i;
-    float* stage = state_stage_[position % 3].as<float>();
-    buffers.master = stage;
-    buffers.exp_avg = stage + shard;
-    buffers.exp_avg_sq = stage + 2 * shard;
-  } else {
-    buffers.master = s.master.as<float>();
-    buffers.exp_avg = s.exp_avg.data();
-    buffers.exp_avg_sq = s.exp_avg_sq.data();
-  }
-  buffers.moment_type = DType::kFloat32;
-  const bool host_params = options_.param_tier == Tier::kPinned || options_.param_tier == Tier::kHost;
-  void* param_out = host_params ? s.param_host[static_cast<size_t>(out_copy)].data() : param_out_stage_.data();
-  buffers.param = param_out;
-  buffers.param_type = options_.param_dtype;
-  const size_t grad_size = dtype_size(buffers.grad_type);
-  const size_t param_size = dtype_size(options_.param_dtype);
-  for (const DecayRun& run : s.decay_runs) {
-    kernels::AdamBuffers part = buffers;
-    part.grad = static_cast<const char*>(buffers.grad) + run.begin * grad_size;
-    part.master = buffers.master + run.begin;
-    part.exp_avg = static_cast<float*>(buffers.exp_avg) + run.begin;
-    part.exp_avg_sq = static_cast<float*>(buffers.exp_avg_sq) + run.begin;
-    part.param = static_cast<char*>(param_out) + run.begin * param_size;
-    part.count = run.end - run.begin;
-    STRATA_RETURN_IF_ERROR(adam_->step(part, run.decay ? job.decay_plan : job.no_decay_plan));
-  }
-  if (options_.param_tier == Tier::kDevice) {
-    STRATA_RETURN_IF_ERROR(traced(*update_stream_, Stage::kH2D, g, s.layout.name + " update", [&] {
-      return device_.copy_async(s.param_device[static_cast<size_t>(out_copy)].data(), param_out, param_bytes(shard),
-                                CopyKind::kHostToDevice, *update_stream_);
-    }));
-    STRATA_RETURN_IF_ERROR(update_stream_->synchronize());
-  } else if (options_.param_tier == Tier::kNvme) {
-    const auto begin = TraceClock::now();
-    STRATA_RETURN_IF_ERROR(nvme_->write(s.param_nvme[static_cast<size_t>(out_copy)], param_out, param_bytes(shard), 0, param_out_stage_.capacity()));
-    tracer_.record(Stage::kNvmeWrite, g, begin, TraceClock::now(), s.layout.name + " parameters");
-  }
+  const auto begin = TraceClock::now();
+  STRATA_RETURN_IF_ERROR(stored.store_gradient(g, copy, *final_grad, capacity));
+  tracer_.record(Stage::kNvmeWrite, item.group, begin, TraceClock::now(), group(item.group).layout.name + " gradient");
   return {};
 }
 

@@ -147,7 +147,24 @@ struct EnginePlan {
   size_t nvme_bytes = 0;          // this rank's NVMe file
   size_t state_bytes = 0;         // the model's full training state over all ranks: params + master + moments + grads
   int prefetch_depth = 0;         // after the caps
+  bool prefetch_depth_chosen = false;  // the engine picked it (no explicit setting)
   int gather_slots = 0;
+
+  // The sizing every stage allocates from (engine/engine_plan.h computes all of it).
+  std::vector<char> persistent;   // per group: stays gathered on the device
+  size_t max_gather_elements = 0; // the largest group that takes a gather slot (padded)
+  size_t max_gather_shard = 0;    // its shard
+  size_t max_padded_elements = 0; // the largest group (padded), persistent or not
+  size_t max_shard_elements = 0;  // the largest shard
+  int gradient_slots = 0;         // device gradient buffers
+  // Gradient shards go to NVMe beside the optimizer state, through a ring of host landing
+  // buffers, instead of a host buffer per group (optimizer state on NVMe).
+  bool gradients_spilled = false;
+  int landing_buffers = 0;        // the ring's size when spilled
+  size_t state_piece_elements = 0;  // NVMe optimizer state: elements per chunk of the ring
+  int state_ring_slots = 0;
+  size_t state_ring_bytes = 0;
+  size_t pinned_budget_bytes = 0; // the budget the plan was fitted to (0 = none)
   std::string text;               // the plan as printed at start-up
 };
 

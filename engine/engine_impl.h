@@ -6,11 +6,13 @@
 //     shard NVMe -> pinned -> device and all-gathering it into a gather slot;
 //   - the lander: waits for each gradient shard's device->host copy, accumulates it in
 //     fp32 across micro-batches and takes its sum of squares and inf/NaN flag;
-//   - the optimizer: steps each group's shard (CPU Adam, state in pinned memory or
-//     streamed from NVMe) and writes the new parameters where the next fetch reads them.
-// They coordinate through one mutex and one condition variable (host-side facts: which
-// event was recorded for which use, which parameter version a group holds); device
-// ordering goes through streams and events.
+//   - the optimizer stage (engine/optimizer_stage.h, its own queue and worker): steps
+//     each group's shard (CPU Adam, state in pinned memory or streamed from NVMe in
+//     chunks) and writes the new parameters where the next fetch reads them.
+// The model thread, fetcher and lander coordinate through the engine's mutex and
+// condition variable (host-side facts: which event was recorded for which use, which
+// parameter version a group holds); the optimizer stage reports through hooks; device
+// ordering goes through streams and events. The plan is engine/engine_plan.h.
 #pragma once
 
 #include <condition_variable>
@@ -72,13 +74,14 @@ struct GroupState {
   std::vector<PinnedBuffer> param_host;    // kPinned / kHost
   std::vector<NvmeExtent> param_nvme;      // kNvme
 
-  // Optimizer state (fp32): host buffers, or NVMe extents.
+  // Optimizer state (fp32), allocated by the optimizer stage: host buffers, or device
+  // memory (NVMe-resident state lives in the stage's NvmeAdamState).
   PinnedBuffer master, exp_avg, exp_avg_sq;  // kPinned / kHost
-  NvmeExtent state_nvme;             // kNvme: master, exp_avg, exp_avg_sq back to back (3 x shard fp32)
   DeviceBuffer state_device;         // kDevice: master, exp_avg, exp_avg_sq, gradient accumulator (4 x shard fp32)
 
-  // Gradient shards on the host: the landing buffer (transfer dtype) and the fp32
-  // accumulator (micro-batches > 1); two each in delayed mode (by step parity).
+  // Gradient shards on the host when they are not spilled to NVMe: the landing buffer
+  // (transfer dtype) and the fp32 accumulator (micro-batches > 1); two each in delayed
+  // mode (by step parity).
   std::vector<PinnedBuffer> grad_landing;
   std::vector<PinnedBuffer> grad_accum;
 
@@ -125,15 +128,7 @@ struct LandingItem {
   int micro = 0;
   bool last_micro = false;
   TraceClock::time_point enqueued;
-};
-
-// Work for the optimizer thread: one step's update, group by group.
-struct OptimizerJob {
-  int64_t step_index = 0;            // 0-based index of the step whose gradients are used
-  bool skip = false;
-  AdamStepPlan decay_plan;           // for tensors with weight decay
-  AdamStepPlan no_decay_plan;        // for tensors without
-  std::vector<int> order;            // groups in the order to update
+  int landing = -1;                  // the landing ring buffer (spilled gradients), -1 = the group's own
 };
 
 }  // namespace strata::engine_internal

@@ -19,6 +19,7 @@ std::string_view stage_name(Stage stage) {
     case Stage::kReduceScatter: return "reduce_scatter";
     case Stage::kD2H: return "d2h";
     case Stage::kOptimizer: return "optimizer";
+    case Stage::kLanding: return "landing";
   }
   return "?";
 }

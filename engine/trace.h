@@ -29,9 +29,10 @@ enum class Stage : uint8_t {
   kReduceScatter,
   kD2H,
   kOptimizer,
+  kLanding,  // gradient shards in host memory: accumulation, statistics, spilling
 };
-inline constexpr size_t kStageCount = 8;
-// "compute", "nvme_read", "nvme_write", "h2d", "allgather", "reduce_scatter", "d2h", "optimizer".
+inline constexpr size_t kStageCount = 9;
+// "compute", "nvme_read", "nvme_write", "h2d", "allgather", "reduce_scatter", "d2h", "optimizer", "landing".
 std::string_view stage_name(Stage stage);
 
 using TraceClock = std::chrono::steady_clock;

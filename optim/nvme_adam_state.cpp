@@ -10,23 +10,35 @@ namespace strata {
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
 size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+std::string piece_name(size_t group, size_t begin, size_t end) {
+  return "group " + std::to_string(group) + " elements [" + std::to_string(begin) + ", " + std::to_string(end) + ")";
 }
 
 }  // namespace
 
-// One staging slot: the pinned state of one piece, and the transfers in flight on it.
+// One staging slot: the pinned state of one piece (and its gradient and new parameters
+// where those are staged), and the transfers in flight on it.
 struct NvmeAdamState::Slot {
   PinnedBuffer buffer;
   float* master = nullptr;
   void* exp_avg = nullptr;
   void* exp_avg_sq = nullptr;
-  size_t master_capacity = 0;  // bytes each sub-buffer may hold (4 KiB rounded, for O_DIRECT)
+  void* grad = nullptr;        // stored gradients only
+  void* param = nullptr;       // staged parameters only
+  size_t master_capacity = 0;  // bytes each sub-buffer may hold (rounded to the alignment, for O_DIRECT)
   size_t moment_capacity = 0;
-  IoTicket tickets[3];         // reads or writes of master, exp_avg, exp_avg_sq
+  size_t grad_capacity = 0;
+  size_t param_capacity = 0;
+  IoTicket tickets[4];         // reads or writes of master, exp_avg, exp_avg_sq (and the gradient)
+  bool writing = false;        // the tickets are write-backs
+  Clock::time_point submitted;
+  size_t group = 0;
 };
 
 NvmeAdamState::NvmeAdamState(ConstructionKey, NvmeStore& store, PinnedArena& arena, std::vector<size_t> group_elements,
@@ -35,12 +47,29 @@ NvmeAdamState::NvmeAdamState(ConstructionKey, NvmeStore& store, PinnedArena& are
 
 NvmeAdamState::~NvmeAdamState() {
   for (const GroupExtents& group : extents_) {
-    for (NvmeExtent extent : {group.master, group.exp_avg, group.exp_avg_sq}) {
+    std::vector<NvmeExtent> all{group.master, group.exp_avg, group.exp_avg_sq};
+    all.insert(all.end(), group.gradients.begin(), group.gradients.end());
+    for (NvmeExtent extent : all) {
       if (!extent.valid()) continue;
       const Status status = store_.free(extent);
       if (!status.ok()) STRATA_LOG(kWarn) << "nvme adam state: freeing an extent failed: " << status.to_string();
     }
   }
+}
+
+size_t NvmeAdamState::piece_alignment(const NvmeAdamStateOptions& options, size_t store_granularity) {
+  size_t narrowest = std::min<size_t>(4, dtype_size(options.moment_type));
+  if (options.stored_gradient_type) narrowest = std::min(narrowest, dtype_size(*options.stored_gradient_type));
+  // The caller writes staged parameters to extents of the same store at the piece's offset.
+  if (options.staged_param_type) narrowest = std::min(narrowest, dtype_size(*options.staged_param_type));
+  return store_granularity / narrowest;
+}
+
+size_t NvmeAdamState::slot_bytes(const NvmeAdamStateOptions& options, size_t piece, size_t store_alignment) {
+  size_t bytes = round_up(piece * 4, store_alignment) + 2 * round_up(piece * dtype_size(options.moment_type), store_alignment);
+  if (options.stored_gradient_type) bytes += round_up(piece * dtype_size(*options.stored_gradient_type), store_alignment);
+  if (options.staged_param_type) bytes += round_up(piece * dtype_size(*options.staged_param_type), store_alignment);
+  return bytes;
 }
 
 StatusOr<std::unique_ptr<NvmeAdamState>> NvmeAdamState::create(NvmeStore& store, PinnedArena& arena, std::vector<size_t> group_elements,
@@ -50,6 +79,8 @@ StatusOr<std::unique_ptr<NvmeAdamState>> NvmeAdamState::create(NvmeStore& store,
   if (options.slots < 3)
     return InvalidArgumentError("nvme adam state: the pipeline needs at least 3 slots (read ahead, step, write back), got " +
                                 std::to_string(options.slots));
+  if (options.stored_gradient_type && options.gradient_copies < 1)
+    return InvalidArgumentError("nvme adam state: stored gradients need at least one copy");
   if (group_elements.empty()) return InvalidArgumentError("nvme adam state: no groups");
   for (size_t g = 0; g < group_elements.size(); ++g) {
     if (group_elements[g] == 0) return InvalidArgumentError("nvme adam state: group " + std::to_string(g) + " has no elements");
@@ -59,36 +90,49 @@ StatusOr<std::unique_ptr<NvmeAdamState>> NvmeAdamState::create(NvmeStore& store,
   // A piece starts where every array's byte offset is a multiple of the store's transfer
   // granularity (the checksum block, or the O_DIRECT alignment without checksums).
   const size_t granularity = store.checksums() ? store.checksum_block_bytes() : store.alignment();
-  const size_t moment_width = dtype_size(options.moment_type);
-  const size_t align_elements = granularity / std::min<size_t>(4, moment_width);
-  const size_t per_slot = options.pinned_budget_bytes / options.slots;
-  const size_t overhead = 3 * store.alignment();  // each sub-buffer rounds up to the alignment
-  const size_t usable = per_slot > overhead ? per_slot - overhead : 0;
-  size_t piece = usable / state->state_bytes_per_element() / align_elements * align_elements;
-  if (piece == 0)
-    return InvalidArgumentError("nvme adam state: a pinned budget of " + std::to_string(options.pinned_budget_bytes) + " bytes over " +
-                                std::to_string(options.slots) + " slots cannot hold one piece of " + std::to_string(align_elements) +
-                                " elements (" + std::to_string(align_elements * state->state_bytes_per_element()) +
-                                " bytes of state each); raise the budget to at least " +
-                                std::to_string(options.slots * (align_elements * state->state_bytes_per_element() + overhead)));
+  const size_t align_elements = piece_alignment(options, granularity);
   const size_t largest_group = *std::max_element(state->group_elements_.begin(), state->group_elements_.end());
+  const size_t per_slot = options.pinned_budget_bytes / options.slots;
+  const size_t unit = slot_bytes(options, align_elements, store.alignment());
+  size_t piece = 0;
+  if (options.piece_elements > 0) {
+    piece = std::max(align_elements, options.piece_elements / align_elements * align_elements);
+  } else {
+    // slot_bytes is affine in whole alignment units: grow the piece unit by unit.
+    piece = per_slot >= unit ? per_slot / unit * align_elements : 0;
+  }
   piece = std::min(piece, round_up(largest_group, align_elements));
+  if (piece == 0 || slot_bytes(options, piece, store.alignment()) > per_slot)
+    return InvalidArgumentError("nvme adam state: a pinned budget of " + std::to_string(options.pinned_budget_bytes) + " bytes over " +
+                                std::to_string(options.slots) + " slots cannot hold a piece of " +
+                                std::to_string(std::max(piece, align_elements)) + " elements; raise the budget to at least " +
+                                std::to_string(options.slots * slot_bytes(options, std::max(piece, align_elements), store.alignment())) +
+                                " bytes or lower sub_group_size");
   state->piece_elements_ = piece;
 
   for (unsigned i = 0; i < options.slots; ++i) {
     auto slot = std::make_unique<Slot>();
-    slot->master_capacity = round_up(piece * 4, store.alignment());
-    slot->moment_capacity = round_up(piece * moment_width, store.alignment());
-    STRATA_ASSIGN_OR_RETURN(slot->buffer, arena.allocate(slot->master_capacity + 2 * slot->moment_capacity,
-                                                          "nvme adam state slot " + std::to_string(i)));
-    char* base = slot->buffer.as<char>();
-    slot->master = reinterpret_cast<float*>(base);
-    slot->exp_avg = base + slot->master_capacity;
-    slot->exp_avg_sq = base + slot->master_capacity + slot->moment_capacity;
+    const size_t a = store.alignment();
+    slot->master_capacity = round_up(piece * 4, a);
+    slot->moment_capacity = round_up(piece * dtype_size(options.moment_type), a);
+    if (options.stored_gradient_type) slot->grad_capacity = round_up(piece * dtype_size(*options.stored_gradient_type), a);
+    if (options.staged_param_type) slot->param_capacity = round_up(piece * dtype_size(*options.staged_param_type), a);
+    STRATA_ASSIGN_OR_RETURN(slot->buffer, arena.allocate(slot_bytes(options, piece, a), "optimizer-state ring slot " + std::to_string(i)));
+    char* next = slot->buffer.as<char>();
+    slot->master = reinterpret_cast<float*>(next);
+    next += slot->master_capacity;
+    slot->exp_avg = next;
+    next += slot->moment_capacity;
+    slot->exp_avg_sq = next;
+    next += slot->moment_capacity;
+    if (slot->grad_capacity > 0) slot->grad = next;
+    next += slot->grad_capacity;
+    if (slot->param_capacity > 0) slot->param = next;
     state->slots_.push_back(std::move(slot));
   }
 
   state->extents_.resize(state->group_elements_.size());
+  const size_t moment_width = dtype_size(options.moment_type);
   for (size_t g = 0; g < state->group_elements_.size(); ++g) {
     const std::string prefix = options.key_prefix + "/group" + std::to_string(g) + "/";
     const size_t n = state->group_elements_[g];
@@ -96,6 +140,12 @@ StatusOr<std::unique_ptr<NvmeAdamState>> NvmeAdamState::create(NvmeStore& store,
     STRATA_ASSIGN_OR_RETURN(extents.master, store.allocate(prefix + "master", n * 4));
     STRATA_ASSIGN_OR_RETURN(extents.exp_avg, store.allocate(prefix + "exp_avg", n * moment_width));
     STRATA_ASSIGN_OR_RETURN(extents.exp_avg_sq, store.allocate(prefix + "exp_avg_sq", n * moment_width));
+    if (options.stored_gradient_type) {
+      for (unsigned c = 0; c < options.gradient_copies; ++c) {
+        STRATA_ASSIGN_OR_RETURN(NvmeExtent grad, store.allocate(prefix + "grad" + std::to_string(c), n * dtype_size(*options.stored_gradient_type)));
+        extents.gradients.push_back(grad);
+      }
+    }
   }
   return state;
 }
@@ -104,10 +154,13 @@ Status NvmeAdamState::store_group(size_t group, const float* master, const void*
   if (group >= groups()) return InvalidArgumentError("nvme adam state: no group " + std::to_string(group) + " (of " + std::to_string(groups()) + ")");
   const size_t n = group_elements_[group];
   const size_t moment_bytes = n * dtype_size(options_.moment_type);
-  STRATA_RETURN_IF_ERROR_CTX(store_.write(extents_[group].master, master, n * 4), "storing group " + std::to_string(group) + " master");
-  STRATA_RETURN_IF_ERROR_CTX(store_.write(extents_[group].exp_avg, exp_avg, moment_bytes), "storing group " + std::to_string(group) + " exp_avg");
-  STRATA_RETURN_IF_ERROR_CTX(store_.write(extents_[group].exp_avg_sq, exp_avg_sq, moment_bytes),
-                             "storing group " + std::to_string(group) + " exp_avg_sq");
+  if (master != nullptr)
+    STRATA_RETURN_IF_ERROR_CTX(store_.write(extents_[group].master, master, n * 4), "storing group " + std::to_string(group) + " master");
+  if (exp_avg != nullptr)
+    STRATA_RETURN_IF_ERROR_CTX(store_.write(extents_[group].exp_avg, exp_avg, moment_bytes), "storing group " + std::to_string(group) + " exp_avg");
+  if (exp_avg_sq != nullptr)
+    STRATA_RETURN_IF_ERROR_CTX(store_.write(extents_[group].exp_avg_sq, exp_avg_sq, moment_bytes),
+                               "storing group " + std::to_string(group) + " exp_avg_sq");
   return {};
 }
 
@@ -115,23 +168,62 @@ Status NvmeAdamState::load_group(size_t group, float* master, void* exp_avg, voi
   if (group >= groups()) return InvalidArgumentError("nvme adam state: no group " + std::to_string(group) + " (of " + std::to_string(groups()) + ")");
   const size_t n = group_elements_[group];
   const size_t moment_bytes = n * dtype_size(options_.moment_type);
-  STRATA_RETURN_IF_ERROR_CTX(store_.read(extents_[group].master, master, n * 4), "loading group " + std::to_string(group) + " master");
-  STRATA_RETURN_IF_ERROR_CTX(store_.read(extents_[group].exp_avg, exp_avg, moment_bytes), "loading group " + std::to_string(group) + " exp_avg");
-  STRATA_RETURN_IF_ERROR_CTX(store_.read(extents_[group].exp_avg_sq, exp_avg_sq, moment_bytes),
-                             "loading group " + std::to_string(group) + " exp_avg_sq");
+  if (master != nullptr)
+    STRATA_RETURN_IF_ERROR_CTX(store_.read(extents_[group].master, master, n * 4), "loading group " + std::to_string(group) + " master");
+  if (exp_avg != nullptr)
+    STRATA_RETURN_IF_ERROR_CTX(store_.read(extents_[group].exp_avg, exp_avg, moment_bytes), "loading group " + std::to_string(group) + " exp_avg");
+  if (exp_avg_sq != nullptr)
+    STRATA_RETURN_IF_ERROR_CTX(store_.read(extents_[group].exp_avg_sq, exp_avg_sq, moment_bytes),
+                               "loading group " + std::to_string(group) + " exp_avg_sq");
   return {};
 }
 
-Status NvmeAdamState::read_piece(const Piece& piece, Slot& slot) {
+Status NvmeAdamState::check_gradient_access(size_t group, unsigned copy, const char* what) const {
+  if (!options_.stored_gradient_type) return FailedPreconditionError(std::string("nvme adam state: ") + what + " but gradients are not stored");
+  if (group >= groups()) return InvalidArgumentError(std::string("nvme adam state: ") + what + " of group " + std::to_string(group) + " (of " + std::to_string(groups()) + ")");
+  if (copy >= options_.gradient_copies)
+    return InvalidArgumentError(std::string("nvme adam state: ") + what + " of gradient copy " + std::to_string(copy) + " (of " +
+                                std::to_string(options_.gradient_copies) + ")");
+  return {};
+}
+
+Status NvmeAdamState::store_gradient(size_t group, unsigned copy, const void* grad, size_t capacity_bytes) {
+  STRATA_RETURN_IF_ERROR(check_gradient_access(group, copy, "store_gradient"));
+  const size_t bytes = group_elements_[group] * dtype_size(*options_.stored_gradient_type);
+  STRATA_RETURN_IF_ERROR_CTX(store_.write(extents_[group].gradients[copy], grad, bytes, 0, capacity_bytes),
+                             "spilling the gradient of group " + std::to_string(group));
+  gradient_bytes_written_.fetch_add(bytes, std::memory_order_relaxed);
+  return {};
+}
+
+Status NvmeAdamState::load_gradient(size_t group, unsigned copy, void* grad, size_t capacity_bytes) {
+  STRATA_RETURN_IF_ERROR(check_gradient_access(group, copy, "load_gradient"));
+  const size_t bytes = group_elements_[group] * dtype_size(*options_.stored_gradient_type);
+  STRATA_RETURN_IF_ERROR_CTX(store_.read(extents_[group].gradients[copy], grad, bytes, 0, capacity_bytes),
+                             "reading back the gradient of group " + std::to_string(group));
+  gradient_bytes_read_.fetch_add(bytes, std::memory_order_relaxed);
+  return {};
+}
+
+Status NvmeAdamState::read_piece(const Piece& piece, const AdamGroupIo& io, Slot& slot) {
   const GroupExtents& extents = extents_[piece.group];
   const size_t n = piece.end - piece.begin;
   const size_t width = dtype_size(options_.moment_type);
+  slot.writing = false;
+  slot.group = piece.group;
+  slot.submitted = Clock::now();
   STRATA_ASSIGN_OR_RETURN(slot.tickets[0], store_.read_async(extents.master, slot.master, n * 4, piece.begin * 4, slot.master_capacity));
   STRATA_ASSIGN_OR_RETURN(slot.tickets[1],
                           store_.read_async(extents.exp_avg, slot.exp_avg, n * width, piece.begin * width, slot.moment_capacity));
   STRATA_ASSIGN_OR_RETURN(slot.tickets[2],
                           store_.read_async(extents.exp_avg_sq, slot.exp_avg_sq, n * width, piece.begin * width, slot.moment_capacity));
   stats_.bytes_read += n * state_bytes_per_element();
+  if (io.grad == nullptr) {
+    const size_t gwidth = dtype_size(*options_.stored_gradient_type);
+    STRATA_ASSIGN_OR_RETURN(slot.tickets[3], store_.read_async(extents.gradients[io.stored_gradient_copy], slot.grad, n * gwidth,
+                                                               piece.begin * gwidth, slot.grad_capacity));
+    stats_.bytes_read += n * gwidth;
+  }
   return {};
 }
 
@@ -139,6 +231,9 @@ Status NvmeAdamState::write_piece(const Piece& piece, Slot& slot) {
   const GroupExtents& extents = extents_[piece.group];
   const size_t n = piece.end - piece.begin;
   const size_t width = dtype_size(options_.moment_type);
+  slot.writing = true;
+  slot.group = piece.group;
+  slot.submitted = Clock::now();
   STRATA_ASSIGN_OR_RETURN(slot.tickets[0], store_.write_async(extents.master, slot.master, n * 4, piece.begin * 4, slot.master_capacity));
   STRATA_ASSIGN_OR_RETURN(slot.tickets[1],
                           store_.write_async(extents.exp_avg, slot.exp_avg, n * width, piece.begin * width, slot.moment_capacity));
@@ -150,13 +245,77 @@ Status NvmeAdamState::write_piece(const Piece& piece, Slot& slot) {
 
 Status NvmeAdamState::wait_slot(Slot& slot) {
   Status first;
+  bool any = false;
   for (IoTicket& ticket : slot.tickets) {
     if (!ticket.valid()) continue;
+    any = true;
     Status status = store_.wait(ticket);
     ticket = IoTicket{};
     if (first.ok() && !status.ok()) first = std::move(status);
   }
+  if (any && sinks_ != nullptr && sinks_->transfer_done) sinks_->transfer_done(slot.group, slot.writing, slot.submitted, Clock::now());
   return first;
+}
+
+Status NvmeAdamState::check_group_step(const NvmeAdamGroupStep& step) const {
+  const size_t g = step.group;
+  if (g >= groups()) return InvalidArgumentError("nvme adam state: step names group " + std::to_string(g) + " (of " + std::to_string(groups()) + ")");
+  if (step.io.grad == nullptr) {
+    if (!options_.stored_gradient_type)
+      return InvalidArgumentError("nvme adam state: group " + std::to_string(g) + " has no gradient (none passed, none stored)");
+    if (step.io.grad_type != *options_.stored_gradient_type || step.io.stored_gradient_copy >= options_.gradient_copies)
+      return InvalidArgumentError("nvme adam state: group " + std::to_string(g) + " asks for a stored gradient copy " +
+                                  std::to_string(step.io.stored_gradient_copy) + " of type " + std::string(dtype_name(step.io.grad_type)) +
+                                  " that the state does not keep");
+  }
+  if (step.io.param == nullptr && options_.staged_param_type && step.io.param_type != *options_.staged_param_type)
+    return InvalidArgumentError("nvme adam state: group " + std::to_string(g) + " stages parameters as " +
+                                std::string(dtype_name(step.io.param_type)) + ", the slots hold " +
+                                std::string(dtype_name(*options_.staged_param_type)));
+  size_t covered = 0;
+  for (const AdamPlanRun& run : step.runs) {
+    if (run.begin != covered || run.end < run.begin || run.plan == nullptr)
+      return InvalidArgumentError("nvme adam state: the plan runs of group " + std::to_string(g) + " do not tile it in order");
+    covered = run.end;
+  }
+  if (covered != group_elements_[g])
+    return InvalidArgumentError("nvme adam state: the plan runs of group " + std::to_string(g) + " cover " + std::to_string(covered) +
+                                " of its " + std::to_string(group_elements_[g]) + " elements");
+  return {};
+}
+
+// Steps one piece in its slot: every plan run that overlaps it, on the state in the slot.
+Status NvmeAdamState::step_piece(CpuAdam& adam, const Piece& piece, const NvmeAdamGroupStep& step, Slot& slot,
+                                 const NvmeAdamStepSinks& sinks) {
+  const AdamGroupIo& io = step.io;
+  const size_t gsize = dtype_size(io.grad_type);
+  const size_t psize = dtype_size(io.param_type);
+  const bool staged = io.param == nullptr && options_.staged_param_type.has_value();
+  auto step_range = [&](size_t begin, size_t end, const AdamStepPlan& plan) -> Status {
+    if (plan.skip) return {};
+    const size_t local = begin - piece.begin;  // into the slot
+    kernels::AdamBuffers buffers;
+    buffers.grad = io.grad != nullptr ? static_cast<const char*>(io.grad) + begin * gsize : static_cast<const char*>(slot.grad) + local * gsize;
+    buffers.grad_type = io.grad_type;
+    buffers.master = slot.master + local;
+    buffers.exp_avg = static_cast<char*>(slot.exp_avg) + local * dtype_size(options_.moment_type);
+    buffers.exp_avg_sq = static_cast<char*>(slot.exp_avg_sq) + local * dtype_size(options_.moment_type);
+    buffers.moment_type = options_.moment_type;
+    buffers.param = io.param != nullptr ? static_cast<char*>(io.param) + begin * psize
+                    : staged            ? static_cast<char*>(slot.param) + local * psize
+                                        : nullptr;
+    buffers.param_type = io.param_type;
+    buffers.count = end - begin;
+    return adam.step(buffers, plan);
+  };
+  const auto start = Clock::now();
+  for (const AdamPlanRun& run : step.runs) {
+    const size_t begin = std::max(run.begin, piece.begin), end = std::min(run.end, piece.end);
+    if (begin < end) STRATA_RETURN_IF_ERROR(step_range(begin, end, *run.plan));
+  }
+  stats_.compute_seconds += seconds_since(start);
+  if (staged && sinks.staged_params) STRATA_RETURN_IF_ERROR(sinks.staged_params(piece.group, piece.begin, piece.end, slot.param));
+  return {};
 }
 
 Status NvmeAdamState::step(CpuAdam& adam, std::span<const AdamGroupIo> io, const AdamStepPlan& plan, std::span<const size_t> order) {
@@ -164,55 +323,62 @@ Status NvmeAdamState::step(CpuAdam& adam, std::span<const AdamGroupIo> io, const
   if (io.size() != groups())
     return InvalidArgumentError("nvme adam state: step got gradients for " + std::to_string(io.size()) + " groups, the state has " +
                                 std::to_string(groups()));
-  std::vector<Piece> pieces;
-  auto add_group = [&](size_t g) -> Status {
+  std::vector<size_t> all;
+  if (order.empty()) {
+    all.resize(groups());
+    for (size_t g = 0; g < groups(); ++g) all[g] = g;
+    order = all;
+  }
+  const AdamPlanRun whole_run{0, 0, &plan};
+  std::vector<NvmeAdamGroupStep> steps;
+  std::vector<AdamPlanRun> runs(order.size(), whole_run);
+  for (size_t i = 0; i < order.size(); ++i) {
+    const size_t g = order[i];
     if (g >= groups()) return InvalidArgumentError("nvme adam state: step order names group " + std::to_string(g) + " (of " + std::to_string(groups()) + ")");
     if (io[g].grad == nullptr) return InvalidArgumentError("nvme adam state: group " + std::to_string(g) + " has no gradient");
-    for (size_t begin = 0; begin < group_elements_[g]; begin += piece_elements_)
-      pieces.push_back({g, begin, std::min(group_elements_[g], begin + piece_elements_)});
-    return {};
-  };
-  if (order.empty()) {
-    for (size_t g = 0; g < groups(); ++g) STRATA_RETURN_IF_ERROR(add_group(g));
-  } else {
-    for (size_t g : order) STRATA_RETURN_IF_ERROR(add_group(g));
+    runs[i].end = group_elements_[g];
+    steps.push_back({g, io[g], std::span<const AdamPlanRun>(&runs[i], 1)});
   }
+  return step_groups(adam, steps, {});
+}
 
+Status NvmeAdamState::step_groups(CpuAdam& adam, std::span<const NvmeAdamGroupStep> groups_to_step, const NvmeAdamStepSinks& sinks) {
+  std::vector<Piece> pieces;
+  for (size_t i = 0; i < groups_to_step.size(); ++i) {
+    const NvmeAdamGroupStep& step = groups_to_step[i];
+    STRATA_RETURN_IF_ERROR(check_group_step(step));
+    bool any = false;
+    for (const AdamPlanRun& run : step.runs) any = any || !run.plan->skip;
+    if (!any) continue;  // nothing to update: no I/O for this group
+    for (size_t begin = 0; begin < group_elements_[step.group]; begin += piece_elements_)
+      pieces.push_back({i, step.group, begin, std::min(group_elements_[step.group], begin + piece_elements_)});
+  }
+  sinks_ = &sinks;
   const size_t slot_count = slots_.size();
   const size_t ahead = slot_count - 2;  // pieces read ahead of the one being stepped
   auto run = [&]() -> Status {
-    for (size_t k = 0; k < std::min(ahead, pieces.size()); ++k) STRATA_RETURN_IF_ERROR(read_piece(pieces[k], *slots_[k % slot_count]));
+    for (size_t k = 0; k < std::min(ahead, pieces.size()); ++k)
+      STRATA_RETURN_IF_ERROR(read_piece(pieces[k], groups_to_step[pieces[k].step_index].io, *slots_[k % slot_count]));
     for (size_t k = 0; k < pieces.size(); ++k) {
       if (const size_t next = k + ahead; next < pieces.size()) {
         // The slot of piece `next` last held piece next - slot_count: its write-back must finish first.
         Slot& slot = *slots_[next % slot_count];
-        const auto start = std::chrono::steady_clock::now();
+        const auto start = Clock::now();
         STRATA_RETURN_IF_ERROR(wait_slot(slot));
         stats_.slot_wait_seconds += seconds_since(start);
-        STRATA_RETURN_IF_ERROR(read_piece(pieces[next], slot));
+        STRATA_RETURN_IF_ERROR(read_piece(pieces[next], groups_to_step[pieces[next].step_index].io, slot));
       }
       const Piece& piece = pieces[k];
+      const NvmeAdamGroupStep& step = groups_to_step[piece.step_index];
       Slot& slot = *slots_[k % slot_count];
-      auto start = std::chrono::steady_clock::now();
-      STRATA_RETURN_IF_ERROR_CTX(wait_slot(slot), "reading the optimizer state of group " + std::to_string(piece.group) + " elements [" +
-                                                      std::to_string(piece.begin) + ", " + std::to_string(piece.end) + ")");
+      const auto start = Clock::now();
+      STRATA_RETURN_IF_ERROR_CTX(wait_slot(slot), "reading the optimizer state of " + piece_name(piece.group, piece.begin, piece.end));
       stats_.read_wait_seconds += seconds_since(start);
-      const AdamGroupIo& group = io[piece.group];
-      kernels::AdamBuffers buffers;
-      buffers.grad = static_cast<const char*>(group.grad) + piece.begin * dtype_size(group.grad_type);
-      buffers.grad_type = group.grad_type;
-      buffers.master = slot.master;
-      buffers.exp_avg = slot.exp_avg;
-      buffers.exp_avg_sq = slot.exp_avg_sq;
-      buffers.moment_type = options_.moment_type;
-      buffers.param = group.param == nullptr ? nullptr : static_cast<char*>(group.param) + piece.begin * dtype_size(group.param_type);
-      buffers.param_type = group.param_type;
-      buffers.count = piece.end - piece.begin;
-      start = std::chrono::steady_clock::now();
-      STRATA_RETURN_IF_ERROR(adam.step(buffers, plan));
-      stats_.compute_seconds += seconds_since(start);
+      STRATA_RETURN_IF_ERROR(step_piece(adam, piece, step, slot, sinks));
       STRATA_RETURN_IF_ERROR(write_piece(piece, slot));
       ++stats_.pieces;
+      const bool last_of_group = k + 1 == pieces.size() || pieces[k + 1].step_index != piece.step_index;
+      if (last_of_group && sinks.group_stepped) STRATA_RETURN_IF_ERROR(sinks.group_stepped(piece.group));
     }
     return {};
   };
@@ -222,7 +388,8 @@ Status NvmeAdamState::step(CpuAdam& adam, std::span<const AdamGroupIo> io, const
     Status drained = wait_slot(*slot);
     if (status.ok() && !drained.ok()) status = std::move(drained).with_context("writing the optimizer state back");
   }
-  if (status.ok()) ++stats_.steps;
+  sinks_ = nullptr;
+  if (status.ok() && !pieces.empty()) ++stats_.steps;
   return status;
 }
 

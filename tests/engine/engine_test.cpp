@@ -30,6 +30,7 @@ struct EngineRun {
   std::vector<double> losses;               // rank 0's reported loss per step
   std::vector<StepReport> reports;          // rank 0's
   size_t state_bytes = 0;
+  EnginePlan plan;                          // rank 0's
   size_t max_high_water = 0;
   std::vector<TraceInterval> rank0_trace;
   int forward_passes = 0;                   // forward-only passes run, all ranks
@@ -164,6 +165,7 @@ EngineRun run_engine(const EngineOptions& base, const RunSpec& spec) {
     run.max_high_water = std::max(run.max_high_water, (*cluster)->device(rank).memory_stats().high_water_bytes);
     if (rank == 0) {
       run.state_bytes = engine->plan().state_bytes;
+      run.plan = engine->plan();
       run.rank0_trace = engine->tracer().intervals();
     }
     return {};
@@ -313,6 +315,57 @@ TEST(EngineTest, WhereStateLivesDoesNotChangeABit) {
               << name << " vs " << runs.begin()->first << " group " << g << " world " << world << " transfer "
               << dtype_name(transfer.transfer);
       }
+    }
+  }
+}
+
+// NVMe-resident state streams through a ring of chunks smaller than a group
+// (sub_group_size) with the gradients spilled beside it: bit-identical to the state in
+// pinned memory in every overlap mode, with gradient accumulation, for parameters on
+// every tier the new values are written to piece by piece.
+TEST(EngineTest, OptimizerStateStreamedInChunksGivesTheBitsOfStateInMemory) {
+  testing::TempDir dir;
+  struct Mode {
+    const char* name;
+    OverlapMode overlap;
+    float clipping;
+    int micro_batches;
+    int world;
+  };
+  const Mode modes[] = {{"exact, clipped", OverlapMode::kExact, 1.0f, 2, 2},
+                        {"exact, update as gradients land", OverlapMode::kExact, 0.0f, 1, 1},
+                        {"delayed", OverlapMode::kDelayed, 0.0f, 2, 1}};
+  for (const Mode& mode : modes) {
+    for (Tier params : {Tier::kPinned, Tier::kNvme, Tier::kDevice}) {
+      RunSpec spec;
+      spec.model = small_model();
+      spec.model.width = 128;  // 16,512 elements a layer: several 4,096-element chunks
+      spec.world = mode.world;
+      spec.micro_batches = mode.micro_batches;
+      spec.steps = 5;
+      EngineOptions options;  // bf16 parameters and gradient transfers
+      options.param_tier = params;
+      options.overlap = mode.overlap;
+      options.gradient_clipping = mode.clipping;
+      options.adam.lr = 1e-2;
+      options.adam.weight_decay = 0.01;
+      options.optimizer_threads = 1;
+      options.nvme_path = (dir.path() / ("nvme-" + std::to_string(&mode - modes) + tier_name(params))).string();
+      options.optimizer_tier = Tier::kPinned;
+      const EngineRun in_memory = run_engine(options, spec);
+      ASSERT_TRUE(in_memory.status.ok()) << mode.name << ": " << in_memory.status.to_string();
+      options.optimizer_tier = Tier::kNvme;
+      options.nvme_checksum = false;  // chunks may then be as small as the 4 KiB alignment allows
+      options.sub_group_elements = 4096;
+      const EngineRun streamed = run_engine(options, spec);
+      ASSERT_TRUE(streamed.status.ok()) << mode.name << ": " << streamed.status.to_string();
+      EXPECT_TRUE(streamed.plan.gradients_spilled);
+      EXPECT_EQ(streamed.plan.state_piece_elements, 4096u) << streamed.plan.text;
+      EXPECT_GT(streamed.plan.max_shard_elements, 2 * streamed.plan.state_piece_elements) << "groups must span several chunks";
+      EXPECT_EQ(streamed.losses, in_memory.losses) << mode.name << ", parameters on " << tier_name(params);
+      for (size_t g = 0; g < streamed.masters.size(); ++g)
+        EXPECT_EQ(std::memcmp(streamed.masters[g].data(), in_memory.masters[g].data(), streamed.masters[g].size() * 4), 0)
+            << mode.name << ", parameters on " << tier_name(params) << ", group " << g;
     }
   }
 }

@@ -1,0 +1,314 @@
+#include "engine/optimizer_stage.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "engine/core/log.h"
+#include "engine/engine_plan.h"
+
+namespace strata::engine_internal {
+
+StatusOr<std::unique_ptr<OptimizerStage>> OptimizerStage::create(const OptimizerStageContext& context, OptimizerStageHooks hooks) {
+  auto stage = std::make_unique<OptimizerStage>(context, std::move(hooks));
+  const EngineOptions& o = *context.options;
+  CpuAdamOptions adam_options;
+  adam_options.threads = o.optimizer_threads > 0 ? o.optimizer_threads : std::max(1, available_cpu_count() / std::max(1, o.world_size));
+  STRATA_ASSIGN_OR_RETURN(CpuAdam adam, CpuAdam::create(adam_options));
+  stage->adam_.emplace(std::move(adam));
+  if (o.optimizer_tier == Tier::kNvme) {
+    std::vector<size_t> shards;
+    for (const auto& g : *context.groups) shards.push_back(g->layout.shard_numel);
+    STRATA_ASSIGN_OR_RETURN(stage->nvme_state_, NvmeAdamState::create(*context.nvme, *context.arena, std::move(shards),
+                                                                      state_ring_options(o, *context.plan)));
+  }
+  return stage;
+}
+
+OptimizerStage::~OptimizerStage() { stop(); }
+
+void OptimizerStage::start() {
+  worker_ = std::thread([this] { loop(); });
+}
+
+void OptimizerStage::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void OptimizerStage::submit(OptimizerJob job) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    jobs_.push_back(std::move(job));
+  }
+  cv_.notify_all();
+}
+
+size_t OptimizerStage::queued() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return jobs_.size();
+}
+
+void OptimizerStage::loop() {
+  for (;;) {
+    OptimizerJob job;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
+      if (stopping_) return;
+      job = jobs_.front();
+    }
+    Status status = run_job(job);
+    if (!status.ok()) {
+      hooks_.failed(std::move(status).with_context("optimizer step " + std::to_string(job.step_index)));
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      jobs_.pop_front();
+    }
+    hooks_.job_done();
+  }
+}
+
+Status OptimizerStage::run_job(const OptimizerJob& job) {
+  if (!job.skip && nvme_state_) {
+    STRATA_RETURN_IF_ERROR(run_nvme_job(job));
+  } else {
+    for (int g : job.order) {
+      if (!job.skip) {
+        Tracer::Scope scope(ctx_.tracer, Stage::kOptimizer, g, group(g).layout.name);
+        STRATA_RETURN_IF_ERROR(ctx_.options->optimizer_tier == Tier::kDevice ? update_device_group(job, g) : update_host_group(job, g));
+      }
+      hooks_.group_updated(g, job.step_index + 1);
+    }
+  }
+  // Versions count steps, skipped ones included: every group of the job moves on.
+  for (int g : job.order) hooks_.group_updated(g, job.step_index + 1);
+  return {};
+}
+
+int OptimizerStage::parity(int64_t version) const {
+  return ctx_.options->overlap == OverlapMode::kDelayed ? static_cast<int>(version % 2) : 0;
+}
+
+std::vector<AdamPlanRun> OptimizerStage::plan_runs(const OptimizerJob& job, const GroupState& state) const {
+  std::vector<AdamPlanRun> runs;
+  for (const DecayRun& run : state.decay_runs) runs.push_back({run.begin, run.end, run.decay ? &job.decay_plan : &job.no_decay_plan});
+  return runs;
+}
+
+const void* OptimizerStage::host_gradient(const GroupState& state, int64_t step_index, DType* type) const {
+  const EngineOptions& o = *ctx_.options;
+  const size_t copy = static_cast<size_t>(parity(step_index));
+  if (o.gradient_accumulation_steps > 1) {
+    *type = DType::kFloat32;
+    return state.grad_accum.empty() ? nullptr : state.grad_accum[copy].data();
+  }
+  *type = o.grad_transfer_dtype;
+  return state.grad_landing.empty() ? nullptr : state.grad_landing[copy].data();
+}
+
+// NVMe-resident state: every group of the job through the ring, pipelined across group
+// boundaries; each group's new parameters are in place before the engine hears of it.
+Status OptimizerStage::run_nvme_job(const OptimizerJob& job) {
+  const EngineOptions& o = *ctx_.options;
+  const int out_copy = parity(job.step_index + 1);
+  const bool host_params = o.param_tier == Tier::kPinned || o.param_tier == Tier::kHost;
+  std::vector<std::vector<AdamPlanRun>> runs;
+  runs.reserve(job.order.size());
+  std::vector<NvmeAdamGroupStep> steps;
+  for (int g : job.order) {
+    GroupState& state = group(g);
+    runs.push_back(plan_runs(job, state));
+    AdamGroupIo io;
+    io.grad = host_gradient(state, job.step_index, &io.grad_type);
+    io.stored_gradient_copy = static_cast<unsigned>(parity(job.step_index));
+    io.param = host_params ? state.param_host[static_cast<size_t>(out_copy)].data() : nullptr;
+    io.param_type = o.param_dtype;
+    steps.push_back({static_cast<size_t>(g), io, runs.back()});
+  }
+  NvmeAdamStepSinks sinks;
+  sinks.staged_params = [&](size_t g, size_t begin, size_t end, const void* param) {
+    return write_parameters_out(static_cast<int>(g), out_copy, begin, end - begin, param, 0);
+  };
+  sinks.group_stepped = [&](size_t g) {
+    hooks_.group_updated(static_cast<int>(g), job.step_index + 1);
+    return Status();
+  };
+  sinks.transfer_done = [&](size_t g, bool write, TraceClock::time_point begin, TraceClock::time_point end) {
+    ctx_.tracer->record(write ? Stage::kNvmeWrite : Stage::kNvmeRead, static_cast<int>(g), begin, end,
+                        group(static_cast<int>(g)).layout.name + " optimizer state");
+  };
+  Tracer::Scope scope(ctx_.tracer, Stage::kOptimizer, job.order.empty() ? -1 : job.order.front(), "optimizer step (NVMe state)");
+  return nvme_state_->step_groups(*adam_, steps, sinks);
+}
+
+Status OptimizerStage::write_parameters_out(int g, int copy, size_t begin, size_t count, const void* source, size_t capacity) {
+  const EngineOptions& o = *ctx_.options;
+  GroupState& state = group(g);
+  const size_t psize = dtype_size(o.param_dtype);
+  if (o.param_tier == Tier::kDevice) {
+    const auto start = TraceClock::now();
+    char* target = static_cast<char*>(state.param_device[static_cast<size_t>(copy)].data()) + begin * psize;
+    STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(target, source, count * psize, CopyKind::kHostToDevice, *ctx_.update_stream));
+    STRATA_RETURN_IF_ERROR(ctx_.update_stream->synchronize());
+    ctx_.tracer->record(Stage::kH2D, g, start, TraceClock::now(), state.layout.name + " update");
+    return {};
+  }
+  if (o.param_tier == Tier::kNvme) {
+    const auto start = TraceClock::now();
+    STRATA_RETURN_IF_ERROR(ctx_.nvme->write(state.param_nvme[static_cast<size_t>(copy)], source, count * psize, begin * psize, capacity));
+    ctx_.tracer->record(Stage::kNvmeWrite, g, start, TraceClock::now(), state.layout.name + " parameters");
+  }
+  return {};
+}
+
+// Host-resident state: CPU Adam on the group's buffers, the new parameters straight into
+// the host copy (or staged out to the device or NVMe).
+Status OptimizerStage::update_host_group(const OptimizerJob& job, int g) {
+  const EngineOptions& o = *ctx_.options;
+  GroupState& s = group(g);
+  const int out_copy = parity(job.step_index + 1);
+  kernels::AdamBuffers buffers;
+  buffers.grad = host_gradient(s, job.step_index, &buffers.grad_type);
+  buffers.master = s.master.as<float>();
+  buffers.exp_avg = s.exp_avg.data();
+  buffers.exp_avg_sq = s.exp_avg_sq.data();
+  buffers.moment_type = DType::kFloat32;
+  const bool host_params = o.param_tier == Tier::kPinned || o.param_tier == Tier::kHost;
+  void* param_out = host_params ? s.param_host[static_cast<size_t>(out_copy)].data() : ctx_.param_out_stage->data();
+  buffers.param = param_out;
+  buffers.param_type = o.param_dtype;
+  const size_t grad_size = dtype_size(buffers.grad_type);
+  const size_t param_size = dtype_size(o.param_dtype);
+  for (const AdamPlanRun& run : plan_runs(job, s)) {
+    kernels::AdamBuffers part = buffers;
+    part.grad = static_cast<const char*>(buffers.grad) + run.begin * grad_size;
+    part.master = buffers.master + run.begin;
+    part.exp_avg = static_cast<float*>(buffers.exp_avg) + run.begin;
+    part.exp_avg_sq = static_cast<float*>(buffers.exp_avg_sq) + run.begin;
+    part.param = static_cast<char*>(param_out) + run.begin * param_size;
+    part.count = run.end - run.begin;
+    STRATA_RETURN_IF_ERROR(adam_->step(part, *run.plan));
+  }
+  if (host_params) return {};
+  return write_parameters_out(g, out_copy, 0, s.layout.shard_numel, param_out, ctx_.param_out_stage->capacity());
+}
+
+// Device-resident state: the Adam kernel on the update stream, the new parameters written
+// straight into the device shard (or staged out to the host tier).
+Status OptimizerStage::update_device_group(const OptimizerJob& job, int g) {
+  const EngineOptions& o = *ctx_.options;
+  GroupState& s = group(g);
+  const size_t shard = s.layout.shard_numel;
+  const int out_copy = parity(job.step_index + 1);
+  float* state = s.state_device.as<float>();
+  void* param_out = o.param_tier == Tier::kDevice ? s.param_device[static_cast<size_t>(out_copy)].data() : ctx_.param_out_device->data();
+  const size_t param_size = dtype_size(o.param_dtype);
+  for (const AdamPlanRun& run : plan_runs(job, s)) {
+    kernels::AdamBuffers part;
+    part.grad = state + 3 * shard + run.begin;
+    part.grad_type = DType::kFloat32;
+    part.master = state + run.begin;
+    part.exp_avg = state + shard + run.begin;
+    part.exp_avg_sq = state + 2 * shard + run.begin;
+    part.moment_type = DType::kFloat32;
+    part.param = static_cast<char*>(param_out) + run.begin * param_size;
+    part.param_type = o.param_dtype;
+    part.count = run.end - run.begin;
+    STRATA_RETURN_IF_ERROR(kernels::adam_step(*ctx_.update_stream, part, run.plan->scalars));
+  }
+  const size_t bytes = shard * param_size;
+  if (o.param_tier == Tier::kPinned || o.param_tier == Tier::kHost) {
+    STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(s.param_host[static_cast<size_t>(out_copy)].data(), param_out, bytes,
+                                                   CopyKind::kDeviceToHost, *ctx_.update_stream));
+  } else if (o.param_tier == Tier::kNvme) {
+    STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(ctx_.param_out_stage->data(), param_out, bytes, CopyKind::kDeviceToHost, *ctx_.update_stream));
+  }
+  STRATA_RETURN_IF_ERROR(ctx_.update_stream->synchronize());
+  if (o.param_tier == Tier::kNvme)
+    return write_parameters_out(g, out_copy, 0, shard, ctx_.param_out_stage->data(), ctx_.param_out_stage->capacity());
+  return {};
+}
+
+// ----------------------------------------------------------------------------- state
+
+Status OptimizerStage::initialize_group(int g, const float* master) {
+  const EngineOptions& o = *ctx_.options;
+  GroupState& s = group(g);
+  const size_t shard = s.layout.shard_numel;
+  const std::string name = "group " + s.layout.name;
+  switch (o.optimizer_tier) {
+    case Tier::kDevice: {
+      STRATA_ASSIGN_OR_RETURN(s.state_device, ctx_.device->allocate(shard * 16, name + " optimizer state"));
+      STRATA_RETURN_IF_ERROR(ctx_.device->memset_async(s.state_device.data(), 0, shard * 16, *ctx_.update_stream));
+      STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(s.state_device.data(), master, shard * 4, CopyKind::kHostToDevice, *ctx_.update_stream));
+      return ctx_.update_stream->synchronize();
+    }
+    case Tier::kNvme: {
+      const std::vector<float> zeros(shard, 0.0f);
+      return nvme_state_->store_group(static_cast<size_t>(g), master, zeros.data(), zeros.data());
+    }
+    case Tier::kPinned:
+    case Tier::kHost: {
+      STRATA_ASSIGN_OR_RETURN(s.master, ctx_.arena->allocate(shard * 4, name + " master"));
+      STRATA_ASSIGN_OR_RETURN(s.exp_avg, ctx_.arena->allocate(shard * 4, name + " exp_avg"));
+      STRATA_ASSIGN_OR_RETURN(s.exp_avg_sq, ctx_.arena->allocate(shard * 4, name + " exp_avg_sq"));
+      std::memcpy(s.master.data(), master, shard * 4);
+      std::memset(s.exp_avg.data(), 0, shard * 4);
+      std::memset(s.exp_avg_sq.data(), 0, shard * 4);
+      return {};
+    }
+  }
+  return InternalError("unknown optimizer tier");
+}
+
+Status OptimizerStage::read_state(int g, Engine::StateKind kind, std::span<float> out) {
+  GroupState& s = group(g);
+  const size_t shard = s.layout.shard_numel;
+  const size_t k = static_cast<size_t>(kind);
+  switch (ctx_.options->optimizer_tier) {
+    case Tier::kNvme:
+      return nvme_state_->load_group(static_cast<size_t>(g), k == 0 ? out.data() : nullptr, k == 1 ? out.data() : nullptr,
+                                     k == 2 ? out.data() : nullptr);
+    case Tier::kDevice:
+      STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(out.data(), s.state_device.as<float>() + k * shard, shard * 4, CopyKind::kDeviceToHost,
+                                                     *ctx_.update_stream));
+      return ctx_.update_stream->synchronize();
+    case Tier::kPinned:
+    case Tier::kHost: {
+      const PinnedBuffer& buffer = k == 0 ? s.master : k == 1 ? s.exp_avg : s.exp_avg_sq;
+      std::memcpy(out.data(), buffer.data(), shard * 4);
+      return {};
+    }
+  }
+  return InternalError("unknown optimizer tier");
+}
+
+Status OptimizerStage::write_state(int g, Engine::StateKind kind, std::span<const float> in) {
+  GroupState& s = group(g);
+  const size_t shard = s.layout.shard_numel;
+  const size_t k = static_cast<size_t>(kind);
+  switch (ctx_.options->optimizer_tier) {
+    case Tier::kNvme:
+      return nvme_state_->store_group(static_cast<size_t>(g), k == 0 ? in.data() : nullptr, k == 1 ? in.data() : nullptr,
+                                      k == 2 ? in.data() : nullptr);
+    case Tier::kDevice:
+      STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(s.state_device.as<float>() + k * shard, in.data(), shard * 4, CopyKind::kHostToDevice,
+                                                     *ctx_.update_stream));
+      return ctx_.update_stream->synchronize();
+    case Tier::kPinned:
+    case Tier::kHost: {
+      PinnedBuffer& buffer = k == 0 ? s.master : k == 1 ? s.exp_avg : s.exp_avg_sq;
+      std::memcpy(buffer.data(), in.data(), shard * 4);
+      return {};
+    }
+  }
+  return InternalError("unknown optimizer tier");
+}
+
+}  // namespace strata::engine_internal
