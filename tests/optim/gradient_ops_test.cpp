@@ -286,7 +286,8 @@ TEST_P(GradientOpsTest, InfAndNanAreFlaggedOnEveryIsa) {
     // An overflow in the sum itself: two finite values whose fp32 sum is inf.
     std::vector<float> accum(33, 3e38f);
     const std::vector<float> src(33, 3e38f);
-    STRATA_ASSERT_OK_AND_ASSIGN(GradientStats overflow, gradient_ops.accumulate_with_stats(accum.data(), src.data(), DType::kFloat32, 33, AccumulateMode::kAdd));
+    STRATA_ASSERT_OK_AND_ASSIGN(GradientStats overflow,
+                                gradient_ops.accumulate_with_stats(accum.data(), src.data(), DType::kFloat32, 33, AccumulateMode::kAdd));
     EXPECT_TRUE(overflow.non_finite) << cpu_isa_name(isa);
     EXPECT_EQ(accum[32], kInf);
     // The largest finite values do not flag (the squares are summed in double).
