@@ -1,6 +1,5 @@
 #include "optim/cpu_adam.h"
 
-#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
