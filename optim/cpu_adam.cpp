@@ -1,18 +1,10 @@
 #include "optim/cpu_adam.h"
 
-#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
 
 namespace strata {
-
-GradientStats& GradientStats::operator+=(const GradientStats& other) {
-  sum_of_squares += other.sum_of_squares;
-  non_finite = non_finite || other.non_finite;
-  elements += other.elements;
-  return *this;
-}
 
 StatusOr<AdamStepPlan> plan_adam_step(const kernels::AdamHyperparams& hyper, int64_t step, const GradientStats& global,
                                       const AdamStepPlanOptions& options) {
@@ -76,28 +68,13 @@ Status CpuAdam::step_on_this_thread(const kernels::AdamBuffers& buffers, const k
 }
 
 StatusOr<GradientStats> CpuAdam::gradient_stats(const void* grad, DType grad_type, size_t count) {
-  GradientStats stats;
-  stats.elements = count;
-  if (count == 0) return stats;
-  if (grad == nullptr) return InvalidArgumentError("CPU Adam: gradient statistics of a null buffer");
-  const size_t chunks = (count + kGradStatsChunkElements - 1) / kGradStatsChunkElements;
-  chunk_sums_.assign(chunks, 0.0);
+  if (count != 0 && grad == nullptr) return InvalidArgumentError("CPU Adam: gradient statistics of a null buffer");
   const GradSumOfSquaresSpanFn sum_of_squares = kernels_.grad_sum_of_squares;
+  const char* bytes = static_cast<const char*>(grad);
   const size_t width = dtype_size(grad_type);
-  // One executor chunk per statistics chunk: each partial sum covers the same elements
-  // whichever worker computes it.
-  executor_->parallel_for(0, chunks, 1, [&](size_t first, size_t last) {
-    for (size_t chunk = first; chunk < last; ++chunk) {
-      const size_t begin = chunk * kGradStatsChunkElements;
-      const size_t end = std::min(count, begin + kGradStatsChunkElements);
-      chunk_sums_[chunk] = sum_of_squares(static_cast<const char*>(grad) + begin * width, grad_type, end - begin);
-    }
+  return reduce_gradient_chunks(*executor_, count, 1, chunk_sums_, [=](size_t begin, size_t end) {
+    return sum_of_squares(bytes + begin * width, grad_type, end - begin);
   });
-  double total = 0.0;
-  for (double partial : chunk_sums_) total += partial;
-  stats.sum_of_squares = total;
-  stats.non_finite = !std::isfinite(total);
-  return stats;
 }
 
 }  // namespace strata

@@ -38,18 +38,9 @@
 #include "engine/core/executor.h"
 #include "kernels/adam.h"
 #include "optim/adam_span.h"
+#include "optim/gradient_stats.h"  // GradientStats
 
 namespace strata {
-
-// The gradient statistics of one or more shards.
-struct GradientStats {
-  double sum_of_squares = 0.0;  // sum of g*g over the raw (still loss-scaled) gradient values
-  bool non_finite = false;      // an inf or NaN among them (fp16 overflow): the step must be skipped
-  uint64_t elements = 0;        // how many values were summed
-
-  // Adds another shard's (or rank's) statistics.
-  GradientStats& operator+=(const GradientStats& other);
-};
 
 struct AdamStepPlanOptions {
   float loss_scale = 1.0f;     // what the loss was multiplied by (LossScaler::scale()), 1 without loss scaling
@@ -82,7 +73,7 @@ struct CpuAdamOptions {
 class CpuAdam {
  public:
   // The chunk of the gradient sum of squares; fixed so the sum does not depend on options.
-  static constexpr size_t kGradStatsChunkElements = size_t{1} << 16;
+  static constexpr size_t kGradStatsChunkElements = kGradientStatsChunkElements;
 
   static StatusOr<CpuAdam> create(const CpuAdamOptions& options);
   CpuAdam(CpuAdam&&) noexcept = default;
@@ -109,8 +100,9 @@ class CpuAdam {
                              size_t end);
 
   // The fused sum of squares and inf/NaN check of one gradient shard, fanned out over the
-  // workers and reduced in a fixed chunk order. One call at a time per CpuAdam (it keeps
-  // its per-chunk sums in a scratch vector).
+  // workers and reduced in a fixed chunk order (reduce_gradient_chunks, so GradientOps::stats
+  // gives the same bits). One call at a time per CpuAdam (it keeps its per-chunk sums in a
+  // scratch vector).
   StatusOr<GradientStats> gradient_stats(const void* grad, DType grad_type, size_t count);
 
  private:
