@@ -18,6 +18,7 @@
 #include "engine/core/log.h"
 #include "engine/engine_impl.h"
 #include "engine/engine_plan.h"
+#include "engine/gradient_path.h"
 #include "engine/optimizer_stage.h"
 #include "kernels/cast.h"
 #include "kernels/transformer_ops.h"
@@ -34,18 +35,6 @@ StatusOr<OverlapMode> parse_overlap_mode(std::string_view text) {
 
 namespace engine_internal {
 namespace {
-
-// Host-side accumulation of a landed gradient shard into fp32.
-void accumulate_into(float* accum, const void* src, DType type, size_t count, bool assign) {
-  if (type == DType::kFloat32) {
-    const float* s = static_cast<const float*>(src);
-    if (assign) std::memcpy(accum, s, count * sizeof(float));
-    else for (size_t i = 0; i < count; ++i) accum[i] += s[i];
-    return;
-  }
-  if (assign) for (size_t i = 0; i < count; ++i) accum[i] = load_as_float(src, type, i);
-  else for (size_t i = 0; i < count; ++i) accum[i] += load_as_float(src, type, i);
-}
 
 class EngineImpl final : public Engine {
  public:
@@ -149,19 +138,17 @@ class EngineImpl final : public Engine {
   // Start-up pieces.
   Status allocate_and_initialize();
   Status create_optimizer_stage();
+  Status create_gradient_path();
+  // Exact mode without clipping or loss scaling: group g's update of `step` starts as
+  // soon as its gradients have landed.
+  Status submit_early_update(int g, int64_t step);
   Status initialize_group(GroupState& g, std::vector<float>& init, std::vector<uint16_t>& param16);
 
   // Threads.
   void fetcher_loop();
-  void lander_loop();
   Status fetch_one(FetchRequest& request);
   // Starts the NVMe reads of the requests after `r` that can start now.
   Status submit_read_ahead(const FetchRequest& r);
-  Status land_one(const LandingItem& item);
-  // Spilled gradients: accumulates and stores the landed shard beside the NVMe state;
-  // returns what the statistics are taken of.
-  Status spill_landed(const LandingItem& item, const void* landed, const void** final_grad, DType* final_type);
-  Status land_on_device(int g, int slot_index, const float* reduced);
   // Parameters converted from fp32 values into the parameter tier's copy `copy` of g.
   Status store_parameters(GroupState& g, int copy, const float* values);
   void record_error(Status status);
@@ -264,18 +251,12 @@ class EngineImpl final : public Engine {
   std::unique_ptr<NvmeStore> nvme_;
   std::vector<std::unique_ptr<GroupState>> groups_;
   std::vector<GatherSlot> slots_;
-  std::vector<GradientSlot> gradient_slots_;
   std::unique_ptr<OptimizerStage> optimizer_stage_;
-  std::optional<CpuAdam> stats_adam_;  // the lander's own instance (a CpuAdam serves one caller at a time)
+  std::unique_ptr<GradientPath> gradient_path_;
   std::optional<LossScaler> loss_scaler_;
   DeviceBuffer norm_buffer_;           // one float for the norm all-reduce
   PinnedBuffer param_out_stage_;       // the optimizer's new parameters on their way to the device or NVMe
   DeviceBuffer param_out_device_;      // device-resident optimizer: new parameters on their way to the host or NVMe
-  // Spilled gradients (plan_.gradients_spilled): the ring the device->host copies land in,
-  // and the fp32 scratch the lander accumulates micro-batches in.
-  std::vector<PinnedBuffer> landing_ring_;
-  std::vector<char> landing_busy_;     // guarded by mutex_
-  PinnedBuffer accum_scratch_;
   EnginePlan plan_;
   bool started_ = false;
   bool finished_cleanly_ = false;      // finish() drained everything: no collective of ours is pending
@@ -327,13 +308,10 @@ class EngineImpl final : public Engine {
   uint64_t next_fetch_id_ = 1;          // the next request the fetcher processes
   uint64_t slot_counter_ = 0;
   std::vector<uint64_t> slot_last_request_;  // per slot: the last request assigned to it
-  std::deque<LandingItem> landing_;
   int64_t steps_finished_ = 0;          // step() calls completed
   int64_t optimizer_jobs_queued_ = 0;
   int64_t optimizer_jobs_done_ = 0;
-  int64_t landings_queued_ = 0;
-  int64_t landings_done_ = 0;
-  std::thread fetcher_, lander_;
+  std::thread fetcher_;
   std::ofstream metrics_;
 };
 
@@ -343,7 +321,6 @@ class EngineImpl final : public Engine {
 
 Status EngineImpl::allocate_and_initialize() {
   const int world = options_.world_size;
-  const size_t tsize = dtype_size(options_.grad_transfer_dtype);
   const bool nvme_params = options_.param_tier == Tier::kNvme;
 
   // Host memory: one arena (locked when pin_memory), sized by the plan.
@@ -378,7 +355,7 @@ Status EngineImpl::allocate_and_initialize() {
 
   // Device buffers.
   const size_t max_padded = plan_.max_gather_elements, max_shard = plan_.max_gather_shard;
-  const size_t all_max_padded = plan_.max_padded_elements, all_max_shard = plan_.max_shard_elements;
+  const size_t all_max_shard = plan_.max_shard_elements;
   slots_.resize(static_cast<size_t>(plan_.gather_slots));
   slot_last_request_.assign(slots_.size(), 0);
   for (size_t i = 0; i < slots_.size(); ++i) {
@@ -395,21 +372,6 @@ Status EngineImpl::allocate_and_initialize() {
     STRATA_ASSIGN_OR_RETURN(slot.released, device_.create_event());
     STRATA_ASSIGN_OR_RETURN(slot.h2d_done, device_.create_event());
   }
-  gradient_slots_.resize(static_cast<size_t>(plan_.gradient_slots));
-  for (size_t i = 0; i < gradient_slots_.size(); ++i) {
-    auto& slot = gradient_slots_[i];
-    const std::string name = "gradient slot " + std::to_string(i);
-    STRATA_ASSIGN_OR_RETURN(slot.full, device_.allocate(all_max_padded * 4, name));
-    if (world > 1) {
-      STRATA_ASSIGN_OR_RETURN(slot.shard, device_.allocate(all_max_shard * 4, name + " shard"));
-    }
-    if (options_.grad_transfer_dtype != DType::kFloat32) {
-      STRATA_ASSIGN_OR_RETURN(slot.cast, device_.allocate(all_max_shard * tsize, name + " transfer cast"));
-    }
-    STRATA_ASSIGN_OR_RETURN(slot.grads_done, device_.create_event());
-    STRATA_ASSIGN_OR_RETURN(slot.reduced, device_.create_event());
-    STRATA_ASSIGN_OR_RETURN(slot.copied, device_.create_event());
-  }
   STRATA_ASSIGN_OR_RETURN(norm_buffer_, device_.allocate(256, "norm all-reduce"));
   if ((nvme_params || options_.param_tier == Tier::kDevice) && options_.optimizer_tier != Tier::kNvme) {
     STRATA_ASSIGN_OR_RETURN(param_out_stage_, host_alloc(param_bytes(all_max_shard), "new-parameter staging"));
@@ -417,21 +379,8 @@ Status EngineImpl::allocate_and_initialize() {
   if (device_state() && options_.param_tier != Tier::kDevice) {
     STRATA_ASSIGN_OR_RETURN(param_out_device_, device_.allocate(param_bytes(all_max_shard), "new-parameter staging"));
   }
-  if (plan_.gradients_spilled) {
-    for (int i = 0; i < plan_.landing_buffers; ++i) {
-      STRATA_ASSIGN_OR_RETURN(PinnedBuffer buffer, host_alloc(all_max_shard * tsize, "gradient landing ring " + std::to_string(i)));
-      landing_ring_.push_back(std::move(buffer));
-    }
-    landing_busy_.assign(landing_ring_.size(), 0);
-    if (options_.gradient_accumulation_steps > 1) {
-      STRATA_ASSIGN_OR_RETURN(accum_scratch_, host_alloc(all_max_shard * 4, "gradient accumulation scratch"));
-    }
-  }
   STRATA_RETURN_IF_ERROR(create_optimizer_stage());
-  CpuAdamOptions stats_options;
-  stats_options.threads = 1;
-  STRATA_ASSIGN_OR_RETURN(CpuAdam stats_adam, CpuAdam::create(stats_options));
-  stats_adam_.emplace(std::move(stats_adam));
+  STRATA_RETURN_IF_ERROR(create_gradient_path());
   if (options_.fp16_loss_scaling) {
     STRATA_ASSIGN_OR_RETURN(LossScaler scaler, LossScaler::create(options_.loss_scaler));
     loss_scaler_.emplace(scaler);
@@ -477,6 +426,57 @@ Status EngineImpl::create_optimizer_stage() {
   return {};
 }
 
+Status EngineImpl::create_gradient_path() {
+  GradientPathContext context;
+  context.options = &options_;
+  context.plan = &plan_;
+  context.device = &device_;
+  context.compute = compute_stream_.get();
+  context.reduce = reduce_stream_.get();
+  context.d2h = d2h_stream_.get();
+  context.reduce_comm = &reduce_comm_;
+  context.tracer = &tracer_;
+  context.groups = &groups_;
+  context.arena = arena_.get();
+  context.spill = optimizer_stage_->nvme_state();
+  context.executor = &optimizer_stage_->adam().executor();
+  GradientPathHooks hooks;
+  hooks.landed = [this](int g, int64_t step) {
+    if (!early_update_) return;
+    Status status = submit_early_update(g, step);
+    if (!status.ok()) record_error(std::move(status).with_context("planning the update of group " + std::to_string(g)));
+  };
+  hooks.failed = [this](Status status) { record_error(std::move(status)); };
+  hooks.describe_engine = [this] { return describe_state(); };
+  STRATA_ASSIGN_OR_RETURN(gradient_path_, GradientPath::create(context, std::move(hooks)));
+  return gradient_path_->allocate();
+}
+
+Status EngineImpl::submit_early_update(int g, int64_t step) {
+  double lr = 0.0;
+  int64_t applied = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    lr = step_learning_rate_;
+    applied = step_applied_number_;
+  }
+  OptimizerJob job;
+  kernels::AdamHyperparams hyper = options_.adam;
+  hyper.lr = lr;
+  GradientStats none;  // no clipping, no loss scale: the plan does not depend on the norm
+  STRATA_ASSIGN_OR_RETURN(job.decay_plan, plan_adam_step(hyper, applied, none, {}));
+  hyper.weight_decay = 0.0;
+  STRATA_ASSIGN_OR_RETURN(job.no_decay_plan, plan_adam_step(hyper, applied, none, {}));
+  job.step_index = step;
+  job.order = {g};
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++optimizer_jobs_queued_;
+  }
+  optimizer_stage_->submit(std::move(job));
+  return {};
+}
+
 // Stores fp32 values as group g's parameter copy `copy`, in the parameter dtype and tier.
 Status EngineImpl::store_parameters(GroupState& g, int copy, const float* values) {
   const size_t shard = g.layout.shard_numel;
@@ -502,7 +502,6 @@ Status EngineImpl::store_parameters(GroupState& g, int copy, const float* values
 Status EngineImpl::initialize_group(GroupState& g, std::vector<float>& init, std::vector<uint16_t>& /*param16*/) {
   const int world = options_.world_size;
   const size_t shard = g.layout.shard_numel;
-  const size_t tsize = dtype_size(options_.grad_transfer_dtype);
   const std::string name = "group " + g.layout.name;
   g.decay_runs = decay_runs(g.layout, options_.rank);
   init_shard(g.layout, options_.rank, options_.seed, init.data());
@@ -535,17 +534,6 @@ Status EngineImpl::initialize_group(GroupState& g, std::vector<float>& init, std
   }
   // Optimizer state: master = the fp32 initial values, moments zero.
   STRATA_RETURN_IF_ERROR(optimizer_stage_->initialize_group(g.layout.id, init.data()));
-  // Gradients kept on the host per group (not spilled): landing and accumulators.
-  if (!plan_.gradients_spilled) {
-    for (int c = 0; c < param_copies(); ++c) {
-      STRATA_ASSIGN_OR_RETURN(PinnedBuffer landing, arena_->allocate(shard * tsize, name + " gradient landing"));
-      g.grad_landing.push_back(std::move(landing));
-      if (options_.gradient_accumulation_steps > 1 && !device_state()) {
-        STRATA_ASSIGN_OR_RETURN(PinnedBuffer accum, arena_->allocate(shard * 4, name + " gradient accumulator"));
-        g.grad_accum.push_back(std::move(accum));
-      }
-    }
-  }
   if (g.persistent && !direct_view(g)) {
     STRATA_ASSIGN_OR_RETURN(g.persistent_full, device_.allocate(param_bytes(g.layout.padded_numel), name + " persistent"));
     if (world > 1 && options_.param_tier != Tier::kDevice) {
@@ -581,7 +569,7 @@ Status EngineImpl::start() {
   }
   started_ = true;
   fetcher_ = std::thread([this] { fetcher_loop(); });
-  lander_ = std::thread([this] { lander_loop(); });
+  gradient_path_->start();
   optimizer_stage_->start();
   return {};
 }
@@ -599,6 +587,7 @@ void EngineImpl::record_error(Status status) {
       first_error_ = status;
     }
   }
+  if (gradient_path_) gradient_path_->abort(status);
   STRATA_LOG(kError) << "rank " << options_.rank << ": " << status.to_string() << "\n" << describe_state();
   // Peers blocked in a collective with us must not hang.
   gather_comm_.abort("rank " + std::to_string(options_.rank) + " failed: " + status.message());
@@ -619,9 +608,8 @@ std::string EngineImpl::describe_state() {
   }
   text << "; slots released:";
   for (const auto& slot : slots_) text << " " << slot.released_id;
-  text << "; gradient slots busy:";
-  for (const auto& slot : gradient_slots_) text << " " << slot.busy;
-  text << "; landings " << landings_done_ << "/" << landings_queued_ << "; optimizer jobs " << optimizer_jobs_done_ << "/"
+  if (gradient_path_) text << "; " << gradient_path_->describe();
+  text << "; optimizer jobs " << optimizer_jobs_done_ << "/"
        << optimizer_jobs_queued_ << "; versions:";
   for (const auto& g : groups_) text << " " << g->param_version;
   return text.str();
@@ -639,7 +627,7 @@ void EngineImpl::shutdown() {
   }
   cv_.notify_all();
   if (fetcher_.joinable()) fetcher_.join();
-  if (lander_.joinable()) lander_.join();
+  if (gradient_path_) gradient_path_->stop();
   if (optimizer_stage_) optimizer_stage_->stop();
   if (started_) {
     // Drain the streams so nothing still touches memory about to be freed.
@@ -713,7 +701,7 @@ Status EngineImpl::begin_micro_batch() {
                                    (issue_cursor_.step == step_index_ && issue_cursor_.micro < micro_))) {
     issue_cursor_ = {step_index_, micro_, 0};
   }
-  for (auto& g : groups_) g->active_gradient_slot = -1;
+  gradient_path_->begin_micro_batch();
   return {};
 }
 
@@ -914,135 +902,16 @@ StatusOr<GroupView> EngineImpl::gradient_buffer(int g) {
   STRATA_RETURN_IF_ERROR(check_group(g, "gradient_buffer"));
   if (micro_ < 0) return FailedPreconditionError("gradient_buffer() outside a step");
   if (forward_only_) return FailedPreconditionError("gradient_buffer() in a forward-only pass");
-  GroupState& state = group(g);
-  if (state.active_gradient_slot < 0) {
-    int chosen = -1;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      auto free_slot = [&] {
-        for (size_t i = 0; i < gradient_slots_.size(); ++i)
-          if (!gradient_slots_[i].busy) return static_cast<int>(i);
-        return -1;
-      };
-      STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return free_slot() >= 0; }, "a free gradient buffer"));
-      chosen = free_slot();
-      gradient_slots_[static_cast<size_t>(chosen)].busy = true;
-    }
-    state.active_gradient_slot = chosen;
-    STRATA_RETURN_IF_ERROR(device_.memset_async(gradient_slots_[static_cast<size_t>(chosen)].full.data(), 0,
-                                                state.layout.padded_numel * sizeof(float), *compute_stream_));
-  }
-  return view_of(state, gradient_slots_[static_cast<size_t>(state.active_gradient_slot)].full.data(), DType::kFloat32);
-}
-
-// Device-resident optimizer state: the reduced shard accumulates into the group's device
-// gradient accumulator; after the last micro-batch its fp32 copy goes to the host for the
-// norm and overflow statistics (the update itself reads the device copy).
-Status EngineImpl::land_on_device(int g, int slot_index, const float* reduced) {
-  GroupState& state = group(g);
-  GradientSlot& slot = gradient_slots_[static_cast<size_t>(slot_index)];
-  const size_t shard = state.layout.shard_numel;
-  float* accum = state.state_device.as<float>() + 3 * shard;
-  if (micro_ == 0) {
-    STRATA_RETURN_IF_ERROR(device_.copy_async(accum, reduced, shard * 4, CopyKind::kDeviceToDevice, *reduce_stream_));
-  } else {
-    STRATA_RETURN_IF_ERROR(kernels::residual_forward(*reduce_stream_, DType::kFloat32, accum, reduced, accum, shard));
-  }
-  STRATA_RETURN_IF_ERROR(reduce_stream_->record(*slot.reduced));
-  const bool last = micro_ + 1 == options_.gradient_accumulation_steps;
-  if (last) {
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return state.landings_processed == state.landings_sent; }, "the previous gradient landing"));
-    }
-    STRATA_RETURN_IF_ERROR(d2h_stream_->wait(*slot.reduced));
-    const int copy = options_.overlap == OverlapMode::kDelayed ? static_cast<int>(step_index_ % 2) : 0;
-    void* landing = state.grad_landing[static_cast<size_t>(copy)].data();
-    STRATA_RETURN_IF_ERROR(traced(*d2h_stream_, Stage::kD2H, g, state.layout.name, [&] {
-      return device_.copy_async(landing, accum, shard * 4, CopyKind::kDeviceToHost, *d2h_stream_);
-    }));
-    STRATA_RETURN_IF_ERROR(d2h_stream_->record(*slot.copied));
-  } else {
-    STRATA_RETURN_IF_ERROR(reduce_stream_->record(*slot.copied));
-  }
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    landing_.push_back({g, slot_index, step_index_, micro_, last, TraceClock::now()});
-    ++landings_queued_;
-    ++state.landings_sent;
-  }
-  cv_.notify_all();
-  return {};
+  STRATA_ASSIGN_OR_RETURN(float* buffer, gradient_path_->buffer(g));
+  return view_of(group(g), buffer, DType::kFloat32);
 }
 
 Status EngineImpl::grads_ready(int g) {
   STRATA_RETURN_IF_ERROR(check_group(g, "grads_ready"));
   if (forward_only_) return FailedPreconditionError("grads_ready() in a forward-only pass");
+  if (micro_ < 0) return FailedPreconditionError("grads_ready() outside a step");
   STRATA_RETURN_IF_ERROR(background_error());
-  GroupState& state = group(g);
-  const int slot_index = state.active_gradient_slot;
-  if (slot_index < 0)
-    return FailedPreconditionError("grads_ready(" + std::to_string(g) + ") without gradient_buffer(" + std::to_string(g) +
-                                   ") in this micro-batch (or twice)");
-  state.active_gradient_slot = -2;  // handed over: a second grads_ready this micro-batch is an error
-  GradientSlot& slot = gradient_slots_[static_cast<size_t>(slot_index)];
-  const size_t shard = state.layout.shard_numel;
-  const std::string label = state.layout.name;
-  STRATA_RETURN_IF_ERROR(compute_stream_->record(*slot.grads_done));
-  STRATA_RETURN_IF_ERROR(reduce_stream_->wait(*slot.grads_done));
-  const float* reduced = slot.full.as<float>();
-  if (options_.world_size > 1) {
-    ReduceOptions reduce;
-    reduce.op = ReduceOp::kSum;
-    reduce.wire_dtype = options_.grad_wire_dtype;
-    STRATA_RETURN_IF_ERROR(traced(*reduce_stream_, Stage::kReduceScatter, g, label, [&] {
-      return reduce_comm_.reduce_scatter(slot.full.data(), slot.shard.data(), shard, DType::kFloat32, reduce, *reduce_stream_);
-    }));
-    reduced = slot.shard.as<float>();
-  }
-  if (device_state()) return land_on_device(g, slot_index, reduced);
-  const void* transfer = reduced;
-  if (options_.grad_transfer_dtype != DType::kFloat32) {
-    STRATA_RETURN_IF_ERROR(kernels::cast(*reduce_stream_, reduced, DType::kFloat32, slot.cast.data(), options_.grad_transfer_dtype, shard));
-    transfer = slot.cast.data();
-  }
-  STRATA_RETURN_IF_ERROR(reduce_stream_->record(*slot.reduced));
-  STRATA_RETURN_IF_ERROR(d2h_stream_->wait(*slot.reduced));
-  int ring_index = -1;
-  void* landing = nullptr;
-  {
-    // The landing buffer is read by the lander (accumulation, statistics, spilling) after
-    // each copy: the next copy into it waits until that is done.
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (plan_.gradients_spilled) {
-      auto free_buffer = [&] {
-        for (size_t i = 0; i < landing_busy_.size(); ++i)
-          if (landing_busy_[i] == 0) return static_cast<int>(i);
-        return -1;
-      };
-      STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return free_buffer() >= 0; }, "a free gradient landing buffer"));
-      ring_index = free_buffer();
-      landing_busy_[static_cast<size_t>(ring_index)] = 1;
-      landing = landing_ring_[static_cast<size_t>(ring_index)].data();
-    } else {
-      STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return state.landings_processed == state.landings_sent; }, "the previous gradient landing"));
-      const int copy = options_.overlap == OverlapMode::kDelayed ? static_cast<int>(step_index_ % 2) : 0;
-      landing = state.grad_landing[static_cast<size_t>(copy)].data();
-    }
-  }
-  const size_t bytes = shard * dtype_size(options_.grad_transfer_dtype);
-  STRATA_RETURN_IF_ERROR(traced(*d2h_stream_, Stage::kD2H, g, label, [&] {
-    return device_.copy_async(landing, transfer, bytes, CopyKind::kDeviceToHost, *d2h_stream_);
-  }));
-  STRATA_RETURN_IF_ERROR(d2h_stream_->record(*slot.copied));
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    landing_.push_back({g, slot_index, step_index_, micro_, micro_ + 1 == options_.gradient_accumulation_steps, TraceClock::now(), ring_index});
-    ++landings_queued_;
-    ++state.landings_sent;
-  }
-  cv_.notify_all();
-  return {};
+  return gradient_path_->hand_over(g, step_index_, micro_);
 }
 
 StatusOr<StepReport> EngineImpl::step(double loss) {
@@ -1055,16 +924,7 @@ StatusOr<StepReport> EngineImpl::step(double loss) {
   if (!active_uses_.empty())
     return FailedPreconditionError("step() while group " + std::to_string(active_uses_.begin()->first) + " is still gathered");
   const int64_t t = step_index_;
-  GradientStats local;
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] {
-      for (auto& g : groups_) if (g->landed_step < t) return false;
-      return true;
-    }, "every group's gradients of this step"));
-    // A fixed order: the sum does not depend on landing order.
-    for (auto& g : groups_) local += g->landed_stats;
-  }
+  STRATA_ASSIGN_OR_RETURN(const GradientStats local, gradient_path_->wait_step_landed(t));
   // The global statistics: one all-reduce of the sum of squares, with inf carrying overflow.
   GradientStats global = local;
   if (options_.world_size > 1) {
@@ -1164,6 +1024,8 @@ Status EngineImpl::finish() {
   // them would never end.
   if (forward_only_) return FailedPreconditionError("finish() in a forward-only pass: call end_forward() first");
   if (micro_ >= 0) return FailedPreconditionError("finish() inside a step: call step() first");
+  // Landings first: early updates are submitted as they land.
+  STRATA_RETURN_IF_ERROR(gradient_path_->wait_drained());
   {
     std::unique_lock<std::mutex> lock(mutex_);
     // Every fetch already planned is carried out: the prefetcher runs ahead into a next
@@ -1171,7 +1033,7 @@ Status EngineImpl::finish() {
     STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] {
       bool updated = true;
       for (auto& g : groups_) updated = updated && g->param_version >= steps_finished_;
-      return optimizer_jobs_done_ == optimizer_jobs_queued_ && landings_done_ == landings_queued_ && updated &&
+      return optimizer_jobs_done_ == optimizer_jobs_queued_ && updated &&
              next_fetch_id_ == next_request_id_;
     }, "outstanding updates and fetches"));
   }
@@ -1427,126 +1289,6 @@ Status EngineImpl::fetch_one(FetchRequest& r) {
     STRATA_RETURN_IF_ERROR(last.record(released));
   }
   cv_.notify_all();
-  return {};
-}
-
-// =====================================================================================
-// The lander: gradient shards arriving in host memory
-// =====================================================================================
-
-void EngineImpl::lander_loop() {
-  for (;;) {
-    LandingItem item;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [&] { return stopping_ || !landing_.empty(); });
-      if (stopping_) return;
-      item = landing_.front();
-    }
-    Status status = land_one(item);
-    if (!status.ok()) {
-      record_error(std::move(status).with_context("landing the gradients of group " + std::to_string(item.group)));
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      landing_.pop_front();
-      ++landings_done_;
-      ++group(item.group).landings_processed;
-    }
-    cv_.notify_all();
-  }
-}
-
-Status EngineImpl::land_one(const LandingItem& item) {
-  GradientSlot& slot = gradient_slots_[static_cast<size_t>(item.slot)];
-  STRATA_RETURN_IF_ERROR(slot.copied->synchronize());
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    slot.busy = false;
-  }
-  cv_.notify_all();
-  Tracer::Scope scope(&tracer_, Stage::kLanding, item.group, group(item.group).layout.name);
-  GroupState& state = group(item.group);
-  const size_t shard = state.layout.shard_numel;
-  const size_t copy = options_.overlap == OverlapMode::kDelayed ? static_cast<size_t>(item.step % 2) : 0;
-  const void* final_grad = nullptr;
-  DType final_type = options_.grad_transfer_dtype;
-  if (item.landing >= 0) {
-    STRATA_RETURN_IF_ERROR(spill_landed(item, landing_ring_[static_cast<size_t>(item.landing)].data(), &final_grad, &final_type));
-  } else {
-    final_grad = state.grad_landing[copy].data();
-    if (options_.gradient_accumulation_steps > 1 && !device_state()) {
-      float* accum = state.grad_accum[copy].as<float>();
-      accumulate_into(accum, state.grad_landing[copy].data(), options_.grad_transfer_dtype, shard, item.micro == 0);
-      final_grad = accum;
-      final_type = DType::kFloat32;
-    }
-  }
-  GradientStats stats;
-  if (item.last_micro) {
-    STRATA_ASSIGN_OR_RETURN(stats, stats_adam_->gradient_stats(final_grad, final_type, shard));
-  }
-  if (item.landing >= 0) {
-    // The statistics are taken: the ring buffer is free for the next landing.
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      landing_busy_[static_cast<size_t>(item.landing)] = 0;
-    }
-    cv_.notify_all();
-  }
-  if (!item.last_micro) return {};
-  OptimizerJob job;
-  if (early_update_) {
-    double lr = 0.0;
-    int64_t applied = 0;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      lr = step_learning_rate_;
-      applied = step_applied_number_;
-    }
-    kernels::AdamHyperparams hyper = options_.adam;
-    hyper.lr = lr;
-    GradientStats none;  // no clipping, no loss scale: the plan does not depend on the norm
-    STRATA_ASSIGN_OR_RETURN(job.decay_plan, plan_adam_step(hyper, applied, none, {}));
-    hyper.weight_decay = 0.0;
-    STRATA_ASSIGN_OR_RETURN(job.no_decay_plan, plan_adam_step(hyper, applied, none, {}));
-    job.step_index = item.step;
-    job.order = {item.group};
-  }
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    state.landed_stats = stats;
-    state.landed_step = item.step;
-    if (early_update_) ++optimizer_jobs_queued_;
-  }
-  if (early_update_) optimizer_stage_->submit(std::move(job));
-  cv_.notify_all();
-  return {};
-}
-
-// Spilled gradients: micro-batches accumulate in fp32 through the scratch (the running
-// sum read back from NVMe after the first), and the shard the optimizer will read is
-// stored beside the NVMe state; the statistics are taken of exactly what is stored.
-Status EngineImpl::spill_landed(const LandingItem& item, const void* landed, const void** final_grad, DType* final_type) {
-  NvmeAdamState& stored = *optimizer_stage_->nvme_state();
-  const size_t shard = group(item.group).layout.shard_numel;
-  const unsigned copy = options_.overlap == OverlapMode::kDelayed ? static_cast<unsigned>(item.step % 2) : 0;
-  const size_t g = static_cast<size_t>(item.group);
-  *final_grad = landed;
-  *final_type = options_.grad_transfer_dtype;
-  size_t capacity = landing_ring_[static_cast<size_t>(item.landing)].capacity();
-  if (options_.gradient_accumulation_steps > 1) {
-    float* accum = accum_scratch_.as<float>();
-    if (item.micro > 0) STRATA_RETURN_IF_ERROR(stored.load_gradient(g, copy, accum, accum_scratch_.capacity()));
-    accumulate_into(accum, landed, options_.grad_transfer_dtype, shard, item.micro == 0);
-    *final_grad = accum;
-    *final_type = DType::kFloat32;
-    capacity = accum_scratch_.capacity();
-  }
-  const auto begin = TraceClock::now();
-  STRATA_RETURN_IF_ERROR(stored.store_gradient(g, copy, *final_grad, capacity));
-  tracer_.record(Stage::kNvmeWrite, item.group, begin, TraceClock::now(), group(item.group).layout.name + " gradient");
   return {};
 }
 

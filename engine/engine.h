@@ -157,6 +157,7 @@ struct EnginePlan {
   size_t max_padded_elements = 0; // the largest group (padded), persistent or not
   size_t max_shard_elements = 0;  // the largest shard
   int gradient_slots = 0;         // device gradient buffers
+  size_t reduce_bucket_elements = 0;  // reduce-scatter pieces per rank (reduce_bucket_size); 0 = a group at a time
   // Gradient shards go to NVMe beside the optimizer state, through a ring of host landing
   // buffers, instead of a host buffer per group (optimizer state on NVMe).
   bool gradients_spilled = false;

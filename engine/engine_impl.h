@@ -17,6 +17,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -99,36 +100,23 @@ struct GroupState {
   int64_t param_version = 0;         // optimizer updates applied to the parameter copy
   int64_t persistent_version = -1;   // version held by persistent_full (-1 = none)
   uint64_t persistent_request = 0;   // the fetch request filling persistent_full now
-  int64_t landed_step = -1;          // the last step whose final gradient shard has landed
-  GradientStats landed_stats;        // that shard's statistics
-  int active_gradient_slot = -1;     // gradient slot in use this micro-batch (-1 = none)
   int64_t planned_persistent_version = -1;  // version the latest persistent fetch request brings
-  uint64_t landings_sent = 0;        // gradient shards handed to the lander
-  uint64_t landings_processed = 0;   // of which the lander is done reading the landing buffer
   TraceClock::time_point compute_begin;      // start of the current use's compute (compute stream)
 };
 
-// A gradient slot: the full-group fp32 gradient buffer the model accumulates into, plus
-// the reduce-scatter output and the cast buffer for the device->host copy.
-struct GradientSlot {
-  DeviceBuffer full;                 // fp32, largest group
-  DeviceBuffer shard;                // fp32 reduce-scatter output (world > 1)
-  DeviceBuffer cast;                 // transfer-dtype copy of the shard (bf16 transfer)
-  std::unique_ptr<Event> grads_done; // compute finished writing `full`
-  std::unique_ptr<Event> reduced;    // reduce stream finished with `full` / produced the shard
-  std::unique_ptr<Event> copied;     // the device->host copy finished
-  bool busy = false;                 // host fact: handed out, not yet returned by the lander
-};
-
-// Work for the lander.
-struct LandingItem {
-  int group = -1;
-  int slot = -1;
-  int64_t step = 0;
-  int micro = 0;
-  bool last_micro = false;
-  TraceClock::time_point enqueued;
-  int landing = -1;                  // the landing ring buffer (spilled gradients), -1 = the group's own
-};
+// Enqueues `work` on `stream` with its execution interval traced: host callbacks on the
+// same stream stamp when the stream reaches the work and when it has finished it.
+inline Status traced(Tracer& tracer, Stream& stream, Stage stage, int group, std::string label, const std::function<Status()>& work) {
+  auto begin = std::make_shared<TraceClock::time_point>();
+  STRATA_RETURN_IF_ERROR(stream.enqueue_host([begin] {
+    *begin = TraceClock::now();
+    return Status();
+  }));
+  STRATA_RETURN_IF_ERROR(work());
+  return stream.enqueue_host([&tracer, begin, stage, group, label = std::move(label)]() mutable {
+    tracer.record(stage, group, *begin, TraceClock::now(), std::move(label));
+    return Status();
+  });
+}
 
 }  // namespace strata::engine_internal

@@ -132,6 +132,8 @@ class Planner {
     p.state_bytes = shape_.total_numel * (dtype_size(o_.param_dtype) + 12 + 4);
     size_gather_slots(p, requested_depth);
     p.gradient_slots = gradient_slot_count();
+    if (o_.world_size > 1 && o_.reduce_bucket_elements > 0 && o_.reduce_bucket_elements < shape_.all_max_shard)
+      p.reduce_bucket_elements = o_.reduce_bucket_elements;
     p.gradients_spilled = o_.optimizer_tier == Tier::kNvme;
     p.landing_buffers = p.gradients_spilled ? p.gradient_slots + 1 : 0;
     add_device_lines(p);
@@ -176,6 +178,8 @@ class Planner {
     add(p, "gradient buffers (" + std::to_string(gslots) + " x fp32 " + format_bytes(shape_.all_max_padded * 4) + ")", Tier::kDevice,
         gslots * shape_.all_max_padded * 4);
     if (world > 1) add(p, "reduce-scatter shards", Tier::kDevice, gslots * shape_.all_max_shard * 4);
+    add(p, "reduce-scatter buckets (reduce_bucket_size " + std::to_string(p.reduce_bucket_elements) + ")", Tier::kDevice,
+        gslots * p.reduce_bucket_elements * 4 * static_cast<size_t>(world));
     if (o_.grad_transfer_dtype != DType::kFloat32)
       add(p, "gradient transfer casts", Tier::kDevice, gslots * shape_.all_max_shard * dtype_size(o_.grad_transfer_dtype));
     if (o_.optimizer_tier == Tier::kDevice) {

@@ -295,7 +295,7 @@ StatusOr<NvmeExtent> NvmeStore::allocate(std::string_view key, size_t bytes) {
   extent.file_offset = *offset;
   extent.bytes = bytes;
   extent.disk_bytes = disk_bytes;
-  const size_t blocks = (bytes + options_.checksum_block_bytes - 1) / options_.checksum_block_bytes;
+  const size_t blocks = (bytes + transfer_granularity() - 1) / transfer_granularity();
   extent.block_valid.assign(blocks, 0);
   if (options_.checksums) extent.checksums.assign(blocks, 0);
   s.keys.emplace(extent.key, id);
@@ -353,7 +353,7 @@ Status NvmeStore::check_range(const Extent& extent, size_t bytes, size_t extent_
     return InvalidArgumentError(describe() + " run past the extent's end");
   }
   const bool reaches_end = extent_offset + bytes == extent.bytes;
-  const size_t granule = options_.checksums ? options_.checksum_block_bytes : alignment_;
+  const size_t granule = transfer_granularity();
   if (!is_aligned(extent_offset, granule) || (!reaches_end && !is_aligned(bytes, granule))) {
     return InvalidArgumentError(describe() + " must start on a multiple of " + std::to_string(granule) +
                                 " bytes and end on one or at the extent's end (" +
@@ -366,7 +366,7 @@ StatusOr<IoTicket> NvmeStore::write_async(NvmeExtent handle, const void* src, si
                                           size_t src_capacity) {
   if (src == nullptr) return InvalidArgumentError("nvme store: write from a null buffer");
   Shared& s = *shared_;
-  const size_t block_bytes = options_.checksum_block_bytes;
+  const size_t block_bytes = transfer_granularity();
   uint64_t file_offset = 0;
   size_t io_bytes = 0;
   size_t first_block = 0;
@@ -456,7 +456,7 @@ StatusOr<IoTicket> NvmeStore::read_async(NvmeExtent handle, void* dst, size_t by
                                          size_t dst_capacity) {
   if (dst == nullptr) return InvalidArgumentError("nvme store: read into a null buffer");
   Shared& s = *shared_;
-  const size_t block_bytes = options_.checksum_block_bytes;
+  const size_t block_bytes = transfer_granularity();
   uint64_t file_offset = 0;
   size_t io_bytes = 0;
   std::string key;

@@ -99,6 +99,11 @@ class NvmeStore {
   bool direct_io() const { return direct_io_; }
   bool checksums() const { return options_.checksums; }
   size_t checksum_block_bytes() const { return options_.checksum_block_bytes; }
+  // The unit a transfer's offset (and, but at an extent's end, its size) must be a
+  // multiple of, and the unit whose validity the store tracks: the checksum block, or the
+  // O_DIRECT alignment without checksums. Concurrent transfers of different units of one
+  // extent never interfere.
+  size_t transfer_granularity() const { return options_.checksums ? options_.checksum_block_bytes : alignment_; }
   IoEngine& io_engine() { return *engine_; }
 
   // Reserves `bytes` (> 0) for a new extent named `key` (unique among live extents),

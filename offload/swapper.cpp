@@ -57,7 +57,7 @@ StatusOr<std::unique_ptr<Swapper>> Swapper::create(const SwapperOptions& options
     }
     // Chunks follow the store's ranged-transfer rule: whole checksum blocks.
     NvmeStore& store = *resources.store;
-    const size_t granule = store.checksums() ? store.checksum_block_bytes() : store.alignment();
+    const size_t granule = store.transfer_granularity();
     swapper->chunk_bytes_ = options.staging_bytes / options.staging_buffers / granule * granule;
     if (swapper->chunk_bytes_ == 0) {
       return InvalidArgumentError("swapper: a staging budget of " + format_bytes(options.staging_bytes) + " in " +

@@ -89,7 +89,7 @@ StatusOr<std::unique_ptr<NvmeAdamState>> NvmeAdamState::create(NvmeStore& store,
 
   // A piece starts where every array's byte offset is a multiple of the store's transfer
   // granularity (the checksum block, or the O_DIRECT alignment without checksums).
-  const size_t granularity = store.checksums() ? store.checksum_block_bytes() : store.alignment();
+  const size_t granularity = store.transfer_granularity();
   const size_t align_elements = piece_alignment(options, granularity);
   const size_t largest_group = *std::max_element(state->group_elements_.begin(), state->group_elements_.end());
   const size_t per_slot = options.pinned_budget_bytes / options.slots;

@@ -350,7 +350,7 @@ TEST(EngineTest, OptimizerStateStreamedInChunksGivesTheBitsOfStateInMemory) {
       options.adam.lr = 1e-2;
       options.adam.weight_decay = 0.01;
       options.optimizer_threads = 1;
-      options.nvme_path = (dir.path() / ("nvme-" + std::to_string(&mode - modes) + tier_name(params))).string();
+      options.nvme_path = (dir.path() / ("nvme-" + std::to_string(&mode - modes) + std::string(tier_name(params)))).string();
       options.optimizer_tier = Tier::kPinned;
       const EngineRun in_memory = run_engine(options, spec);
       ASSERT_TRUE(in_memory.status.ok()) << mode.name << ": " << in_memory.status.to_string();

@@ -1,0 +1,387 @@
+#include "engine/gradient_path.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "kernels/cast.h"
+#include "kernels/transformer_ops.h"
+
+namespace strata::engine_internal {
+
+StatusOr<std::unique_ptr<GradientPath>> GradientPath::create(const GradientPathContext& context, GradientPathHooks hooks) {
+  if (context.plan->gradients_spilled && context.spill == nullptr)
+    return InternalError("gradient path: the plan spills gradients but there is no NVMe state to spill them to");
+  auto path = std::make_unique<GradientPath>(context, std::move(hooks));
+  STRATA_ASSIGN_OR_RETURN(GradientOps ops, GradientOps::create(*context.executor));
+  path->ops_.emplace(std::move(ops));
+  path->facts_.resize(context.groups->size());
+  return path;
+}
+
+GradientPath::~GradientPath() { stop(); }
+
+Status GradientPath::allocate() {
+  const EngineOptions& o = *ctx_.options;
+  const EnginePlan& plan = *ctx_.plan;
+  const size_t max_padded = plan.max_padded_elements, max_shard = plan.max_shard_elements;
+  const size_t tsize = dtype_size(o.grad_transfer_dtype);
+  slots_.resize(static_cast<size_t>(plan.gradient_slots));
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    Slot& slot = slots_[i];
+    const std::string name = "gradient slot " + std::to_string(i);
+    STRATA_ASSIGN_OR_RETURN(slot.full, ctx_.device->allocate(max_padded * 4, name));
+    if (o.world_size > 1) {
+      STRATA_ASSIGN_OR_RETURN(slot.shard, ctx_.device->allocate(max_shard * 4, name + " shard"));
+    }
+    if (o.grad_transfer_dtype != DType::kFloat32) {
+      STRATA_ASSIGN_OR_RETURN(slot.cast, ctx_.device->allocate(max_shard * tsize, name + " transfer cast"));
+    }
+    if (plan.reduce_bucket_elements > 0) {
+      STRATA_ASSIGN_OR_RETURN(slot.bucket, ctx_.device->allocate(plan.reduce_bucket_elements * 4 * static_cast<size_t>(o.world_size),
+                                                                 name + " reduce bucket"));
+    }
+    STRATA_ASSIGN_OR_RETURN(slot.grads_done, ctx_.device->create_event());
+    STRATA_ASSIGN_OR_RETURN(slot.reduced, ctx_.device->create_event());
+    STRATA_ASSIGN_OR_RETURN(slot.copied, ctx_.device->create_event());
+  }
+  if (plan.gradients_spilled) {
+    for (int i = 0; i < plan.landing_buffers; ++i) {
+      STRATA_ASSIGN_OR_RETURN(PinnedBuffer buffer, ctx_.arena->allocate(max_shard * tsize, "gradient landing ring " + std::to_string(i)));
+      ring_.push_back(std::move(buffer));
+    }
+    ring_busy_.assign(ring_.size(), 0);
+    if (o.gradient_accumulation_steps > 1) {
+      STRATA_ASSIGN_OR_RETURN(scratch_, ctx_.arena->allocate(max_shard * 4, "gradient accumulation scratch"));
+    }
+    return {};
+  }
+  // Not spilled: each group keeps its landing buffer (and fp32 accumulator), one per
+  // step parity in delayed mode, until the optimizer has read it.
+  const int copies = o.overlap == OverlapMode::kDelayed ? 2 : 1;
+  for (auto& gp : *ctx_.groups) {
+    const size_t shard = gp->layout.shard_numel;
+    const std::string name = "group " + gp->layout.name;
+    for (int c = 0; c < copies; ++c) {
+      STRATA_ASSIGN_OR_RETURN(PinnedBuffer landing, ctx_.arena->allocate(shard * tsize, name + " gradient landing"));
+      gp->grad_landing.push_back(std::move(landing));
+      if (o.gradient_accumulation_steps > 1 && o.optimizer_tier != Tier::kDevice) {
+        STRATA_ASSIGN_OR_RETURN(PinnedBuffer accum, ctx_.arena->allocate(shard * 4, name + " gradient accumulator"));
+        gp->grad_accum.push_back(std::move(accum));
+      }
+    }
+  }
+  return {};
+}
+
+void GradientPath::start() {
+  worker_ = std::thread([this] { loop(); });
+}
+
+void GradientPath::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    halt_.stopping = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void GradientPath::abort(const Status& status) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (halt_.failure.ok()) halt_.failure = status;
+  }
+  cv_.notify_all();
+}
+
+std::function<std::string()> GradientPath::describer() const {
+  return [this] {
+    std::string text = describe();
+    if (hooks_.describe_engine) {
+      text += '\n';
+      text += hooks_.describe_engine();
+    }
+    return text;
+  };
+}
+
+std::string GradientPath::describe() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::ostringstream text;
+  text << "gradient path: landings " << done_ << "/" << queued_ << "; slots busy:";
+  for (const Slot& slot : slots_) text << " " << slot.busy;
+  if (!ring_busy_.empty()) {
+    text << "; landing ring busy:";
+    for (char busy : ring_busy_) text << " " << int(busy);
+  }
+  return text.str();
+}
+
+// ----------------------------------------------------------------------- model thread
+
+void GradientPath::begin_micro_batch() {
+  for (GroupFacts& facts : facts_) facts.active_slot = -1;
+}
+
+StatusOr<float*> GradientPath::buffer(int g) {
+  GroupFacts& facts = facts_[static_cast<size_t>(g)];
+  if (facts.active_slot == -2)
+    return FailedPreconditionError("gradient_buffer(" + std::to_string(g) + ") after grads_ready(" + std::to_string(g) +
+                                   ") in the same micro-batch");
+  if (facts.active_slot < 0) {
+    int chosen = -1;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      auto free_slot = [&] {
+        for (size_t i = 0; i < slots_.size(); ++i)
+          if (!slots_[i].busy) return static_cast<int>(i);
+        return -1;
+      };
+      STRATA_RETURN_IF_ERROR(stage_wait(lock, cv_, halt_, [&] { return free_slot() >= 0; }, "a free gradient buffer", describer()));
+      chosen = free_slot();
+      slots_[static_cast<size_t>(chosen)].busy = true;
+    }
+    facts.active_slot = chosen;
+    STRATA_RETURN_IF_ERROR(ctx_.device->memset_async(slots_[static_cast<size_t>(chosen)].full.data(), 0,
+                                                     group(g).layout.padded_numel * sizeof(float), *ctx_.compute));
+  }
+  return slots_[static_cast<size_t>(facts.active_slot)].full.as<float>();
+}
+
+// The reduce-scatter of the slot's full buffer into its shard, in pieces of at most
+// reduce_bucket_size elements per rank (each piece's ranks' parts copied together first).
+Status GradientPath::reduce(int g, Slot& slot) {
+  const EngineOptions& o = *ctx_.options;
+  const size_t shard = group(g).layout.shard_numel;
+  ReduceOptions options;
+  options.op = ReduceOp::kSum;
+  options.wire_dtype = o.grad_wire_dtype;
+  Communicator& comm = *ctx_.reduce_comm;
+  Stream& stream = *ctx_.reduce;
+  const size_t bucket = ctx_.plan->reduce_bucket_elements;
+  return traced(*ctx_.tracer, stream, Stage::kReduceScatter, g, group(g).layout.name, [&]() -> Status {
+    if (bucket == 0 || bucket >= shard) return comm.reduce_scatter(slot.full.data(), slot.shard.data(), shard, DType::kFloat32, options, stream);
+    for (size_t begin = 0; begin < shard; begin += bucket) {
+      const size_t count = std::min(bucket, shard - begin);
+      for (int r = 0; r < o.world_size; ++r)
+        STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(slot.bucket.as<float>() + static_cast<size_t>(r) * count,
+                                                       slot.full.as<float>() + static_cast<size_t>(r) * shard + begin, count * 4,
+                                                       CopyKind::kDeviceToDevice, stream));
+      STRATA_RETURN_IF_ERROR(comm.reduce_scatter(slot.bucket.data(), slot.shard.as<float>() + begin, count, DType::kFloat32, options, stream));
+    }
+    return {};
+  });
+}
+
+StatusOr<void*> GradientPath::landing_target(int g, int64_t step, int* ring) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (ctx_.plan->gradients_spilled) {
+    auto free_buffer = [&] {
+      for (size_t i = 0; i < ring_busy_.size(); ++i)
+        if (ring_busy_[i] == 0) return static_cast<int>(i);
+      return -1;
+    };
+    STRATA_RETURN_IF_ERROR(stage_wait(lock, cv_, halt_, [&] { return free_buffer() >= 0; }, "a free gradient landing buffer", describer()));
+    *ring = free_buffer();
+    ring_busy_[static_cast<size_t>(*ring)] = 1;
+    return ring_[static_cast<size_t>(*ring)].data();
+  }
+  // The group's own buffer is read by the lander after each copy: the next copy into it
+  // waits until that is done.
+  GroupFacts& facts = facts_[static_cast<size_t>(g)];
+  STRATA_RETURN_IF_ERROR(stage_wait(lock, cv_, halt_, [&] { return facts.processed == facts.sent; }, "the previous gradient landing", describer()));
+  *ring = -1;
+  return group(g).grad_landing[static_cast<size_t>(copy_of(step))].data();
+}
+
+Status GradientPath::enqueue_copy(int g, Slot& slot, const void* source, size_t bytes, void* landing) {
+  STRATA_RETURN_IF_ERROR(ctx_.d2h->wait(*slot.reduced));
+  STRATA_RETURN_IF_ERROR(traced(*ctx_.tracer, *ctx_.d2h, Stage::kD2H, g, group(g).layout.name, [&] {
+    return ctx_.device->copy_async(landing, source, bytes, CopyKind::kDeviceToHost, *ctx_.d2h);
+  }));
+  return ctx_.d2h->record(*slot.copied);
+}
+
+// Device-resident optimizer state: the reduced shard accumulates into the group's device
+// gradient accumulator; after the last micro-batch its fp32 copy goes to the host for the
+// statistics (the update itself reads the device copy).
+Status GradientPath::land_on_device(int g, Slot& slot, int64_t step, int micro, bool last, void** landing) {
+  GroupState& state = group(g);
+  const size_t shard = state.layout.shard_numel;
+  const float* reduced = ctx_.options->world_size > 1 ? slot.shard.as<float>() : slot.full.as<float>();
+  float* accum = state.state_device.as<float>() + 3 * shard;
+  if (micro == 0) {
+    STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(accum, reduced, shard * 4, CopyKind::kDeviceToDevice, *ctx_.reduce));
+  } else {
+    STRATA_RETURN_IF_ERROR(kernels::residual_forward(*ctx_.reduce, DType::kFloat32, accum, reduced, accum, shard));
+  }
+  STRATA_RETURN_IF_ERROR(ctx_.reduce->record(*slot.reduced));
+  if (!last) return ctx_.reduce->record(*slot.copied);
+  int ring = -1;
+  STRATA_ASSIGN_OR_RETURN(*landing, landing_target(g, step, &ring));
+  return enqueue_copy(g, slot, accum, shard * 4, *landing);
+}
+
+Status GradientPath::hand_over(int g, int64_t step, int micro) {
+  GroupFacts& facts = facts_[static_cast<size_t>(g)];
+  if (facts.active_slot < 0)
+    return FailedPreconditionError("grads_ready(" + std::to_string(g) + ") without gradient_buffer(" + std::to_string(g) +
+                                   ") in this micro-batch (or twice)");
+  const int slot_index = facts.active_slot;
+  facts.active_slot = -2;  // handed over: a second grads_ready this micro-batch is an error
+  Slot& slot = slots_[static_cast<size_t>(slot_index)];
+  const EngineOptions& o = *ctx_.options;
+  const size_t shard = group(g).layout.shard_numel;
+  const bool last = micro + 1 == o.gradient_accumulation_steps;
+  STRATA_RETURN_IF_ERROR(ctx_.compute->record(*slot.grads_done));
+  STRATA_RETURN_IF_ERROR(ctx_.reduce->wait(*slot.grads_done));
+  if (o.world_size > 1) STRATA_RETURN_IF_ERROR(reduce(g, slot));
+  int ring = -1;
+  if (o.optimizer_tier == Tier::kDevice) {
+    void* landing = nullptr;
+    STRATA_RETURN_IF_ERROR(land_on_device(g, slot, step, micro, last, &landing));
+  } else {
+    const void* transfer = o.world_size > 1 ? slot.shard.data() : slot.full.data();
+    if (o.grad_transfer_dtype != DType::kFloat32) {
+      STRATA_RETURN_IF_ERROR(kernels::cast(*ctx_.reduce, transfer, DType::kFloat32, slot.cast.data(), o.grad_transfer_dtype, shard));
+      transfer = slot.cast.data();
+    }
+    STRATA_RETURN_IF_ERROR(ctx_.reduce->record(*slot.reduced));
+    STRATA_ASSIGN_OR_RETURN(void* landing, landing_target(g, step, &ring));
+    STRATA_RETURN_IF_ERROR(enqueue_copy(g, slot, transfer, shard * dtype_size(o.grad_transfer_dtype), landing));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back({g, slot_index, step, micro, last, ring});
+    ++queued_;
+    ++facts.sent;
+  }
+  cv_.notify_all();
+  return {};
+}
+
+StatusOr<GradientStats> GradientPath::wait_step_landed(int64_t step) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  STRATA_RETURN_IF_ERROR(stage_wait(lock, cv_, halt_, [&] {
+    for (const GroupFacts& facts : facts_) if (facts.landed_step < step) return false;
+    return true;
+  }, "every group's gradients of this step", describer()));
+  GradientStats total;
+  for (const GroupFacts& facts : facts_) total += facts.stats;
+  return total;
+}
+
+Status GradientPath::wait_drained() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  return stage_wait(lock, cv_, halt_, [&] { return done_ == queued_; }, "outstanding gradient landings", describer());
+}
+
+// ----------------------------------------------------------------------- the lander
+
+void GradientPath::loop() {
+  for (;;) {
+    Landing item;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [&] { return halt_.halted() || !queue_.empty(); });
+      if (halt_.halted()) return;
+      item = queue_.front();
+    }
+    Status status = land(item);
+    if (!status.ok()) {
+      hooks_.failed(std::move(status).with_context("landing the gradients of group " + std::to_string(item.group)));
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      queue_.pop_front();
+      ++done_;
+      ++facts_[static_cast<size_t>(item.group)].processed;
+    }
+    cv_.notify_all();
+  }
+}
+
+Status GradientPath::land(const Landing& item) {
+  Slot& slot = slots_[static_cast<size_t>(item.slot)];
+  STRATA_RETURN_IF_ERROR(slot.copied->synchronize());
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    slot.busy = false;
+  }
+  cv_.notify_all();
+  const EngineOptions& o = *ctx_.options;
+  GradientStats stats;
+  {
+    Tracer::Scope scope(ctx_.tracer, Stage::kLanding, item.group, group(item.group).layout.name);
+    if (item.ring >= 0) {
+      STRATA_ASSIGN_OR_RETURN(stats, accumulate_spilled(item, ring_[static_cast<size_t>(item.ring)].data()));
+    } else if (o.optimizer_tier == Tier::kDevice) {
+      if (item.last_micro) {
+        const GroupState& state = group(item.group);
+        STRATA_ASSIGN_OR_RETURN(stats, ops_->stats(state.grad_landing[static_cast<size_t>(copy_of(item.step))].data(), DType::kFloat32,
+                                                   state.layout.shard_numel));
+      }
+    } else {
+      STRATA_ASSIGN_OR_RETURN(stats, accumulate_host(item, group(item.group).grad_landing[static_cast<size_t>(copy_of(item.step))].data()));
+    }
+  }
+  // The engine hears of the landing before step() can see it: an update planned now
+  // still belongs to this step (its learning rate and step number).
+  if (item.last_micro) hooks_.landed(item.group, item.step);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (item.ring >= 0) ring_busy_[static_cast<size_t>(item.ring)] = 0;
+  if (item.last_micro) {
+    GroupFacts& facts = facts_[static_cast<size_t>(item.group)];
+    facts.stats = stats;
+    facts.landed_step = item.step;
+  }
+  return {};
+}
+
+StatusOr<GradientStats> GradientPath::accumulate_host(const Landing& item, const void* landed) {
+  const EngineOptions& o = *ctx_.options;
+  GroupState& state = group(item.group);
+  const size_t shard = state.layout.shard_numel;
+  if (o.gradient_accumulation_steps == 1) return ops_->stats(landed, o.grad_transfer_dtype, shard);
+  float* accum = state.grad_accum[static_cast<size_t>(copy_of(item.step))].as<float>();
+  const AccumulateMode mode = item.micro == 0 ? AccumulateMode::kAssign : AccumulateMode::kAdd;
+  if (!item.last_micro) {
+    STRATA_RETURN_IF_ERROR(ops_->accumulate(accum, landed, o.grad_transfer_dtype, shard, mode));
+    return GradientStats{};
+  }
+  return ops_->accumulate_with_stats(accum, landed, o.grad_transfer_dtype, shard, mode);
+}
+
+// Spilled gradients: micro-batches add up in the fp32 scratch (the running sum read back
+// from NVMe after the first), and the shard the optimizer will read is stored beside the
+// NVMe state; the statistics are taken of exactly what is stored.
+StatusOr<GradientStats> GradientPath::accumulate_spilled(const Landing& item, const void* landed) {
+  const EngineOptions& o = *ctx_.options;
+  const size_t g = static_cast<size_t>(item.group);
+  const size_t shard = group(item.group).layout.shard_numel;
+  const unsigned copy = static_cast<unsigned>(copy_of(item.step));
+  const void* stored = landed;
+  size_t capacity = ring_[static_cast<size_t>(item.ring)].capacity();
+  GradientStats stats;
+  if (o.gradient_accumulation_steps > 1) {
+    float* accum = scratch_.as<float>();
+    if (item.micro > 0) STRATA_RETURN_IF_ERROR(ctx_.spill->load_gradient(g, copy, accum, scratch_.capacity()));
+    const AccumulateMode mode = item.micro == 0 ? AccumulateMode::kAssign : AccumulateMode::kAdd;
+    if (item.last_micro) {
+      STRATA_ASSIGN_OR_RETURN(stats, ops_->accumulate_with_stats(accum, landed, o.grad_transfer_dtype, shard, mode));
+    } else {
+      STRATA_RETURN_IF_ERROR(ops_->accumulate(accum, landed, o.grad_transfer_dtype, shard, mode));
+    }
+    stored = accum;
+    capacity = scratch_.capacity();
+  } else {
+    STRATA_ASSIGN_OR_RETURN(stats, ops_->stats(landed, o.grad_transfer_dtype, shard));
+  }
+  const auto begin = TraceClock::now();
+  STRATA_RETURN_IF_ERROR(ctx_.spill->store_gradient(g, copy, stored, capacity));
+  ctx_.tracer->record(Stage::kNvmeWrite, item.group, begin, TraceClock::now(), group(item.group).layout.name + " gradient");
+  return stats;
+}
+
+}  // namespace strata::engine_internal

@@ -1,0 +1,140 @@
+// The gradient path: from the model's full-group fp32 gradient buffer on the device to
+// the shard the optimizer reads on the host (or on NVMe beside the state).
+//
+//   model thread:  buffer(g) -> [backward kernels] -> hand_over(g):
+//                  reduce-scatter (in reduce_bucket_size pieces) -> cast -> D2H into a
+//                  landing buffer (the group's own, or one of the ring when spilled)
+//   lander worker: waits for the copy, frees the device slot, accumulates micro-batches
+//                  in fp32, takes the sum of squares and inf/NaN flag of the final shard
+//                  (GradientOps: vectorized, parallel on the optimizer's executor,
+//                  deterministic), spills it to NVMe when the plan says so, and tells the
+//                  engine (`landed`).
+//
+// Its own mutex guards its slots, ring and queue; the lander's queue is bounded by the
+// device gradient slots (a slot is busy until its shard has landed).
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/engine_impl.h"
+#include "engine/stage_wait.h"
+#include "optim/gradient_ops.h"
+#include "optim/nvme_adam_state.h"
+
+namespace strata::engine_internal {
+
+struct GradientPathContext {
+  const EngineOptions* options = nullptr;
+  const EnginePlan* plan = nullptr;
+  Device* device = nullptr;
+  Stream* compute = nullptr;         // where the model writes gradients
+  Stream* reduce = nullptr;          // reduce-scatter, casts, device accumulation
+  Stream* d2h = nullptr;
+  Communicator* reduce_comm = nullptr;
+  Tracer* tracer = nullptr;
+  std::vector<std::unique_ptr<GroupState>>* groups = nullptr;
+  PinnedArena* arena = nullptr;
+  NvmeAdamState* spill = nullptr;    // where spilled gradients go (plan->gradients_spilled)
+  Executor* executor = nullptr;      // GradientOps' parallel loops (shared with CPU Adam)
+};
+
+struct GradientPathHooks {
+  // Group g's final gradient of step `step` has landed; called before wait_step_landed
+  // can return for that step.
+  std::function<void(int group, int64_t step)> landed;
+  std::function<void(Status)> failed;
+  std::function<std::string()> describe_engine;  // for hang warnings
+};
+
+class GradientPath {
+ public:
+  static StatusOr<std::unique_ptr<GradientPath>> create(const GradientPathContext& context, GradientPathHooks hooks);
+  ~GradientPath();
+  GradientPath(const GradientPath&) = delete;
+  GradientPath& operator=(const GradientPath&) = delete;
+
+  // Device slots, the landing ring or the per-group host buffers, as the plan says.
+  Status allocate();
+  void start();
+  void stop();
+  // An error elsewhere in the engine: every wait here returns it.
+  void abort(const Status& status);
+
+  // Model thread. A micro-batch starts: no group holds a slot.
+  void begin_micro_batch();
+  // Group g's zeroed fp32 gradient buffer for this micro-batch (one slot per group and
+  // micro-batch; waits for a free slot).
+  StatusOr<float*> buffer(int g);
+  // The model's gradients of g for this micro-batch are enqueued on the compute stream.
+  Status hand_over(int g, int64_t step, int micro);
+  // Every group's final gradient of `step` has landed: their statistics, added in group
+  // order (so the sum does not depend on landing order).
+  StatusOr<GradientStats> wait_step_landed(int64_t step);
+  // Every landing queued so far is done.
+  Status wait_drained();
+  std::string describe() const;
+
+  GradientPath(const GradientPathContext& context, GradientPathHooks hooks) : ctx_(context), hooks_(std::move(hooks)) {}
+
+ private:
+  // A device gradient slot: the full-group buffer the model accumulates into, the
+  // reduce-scatter output and the cast for the device->host copy.
+  struct Slot {
+    DeviceBuffer full, shard, cast, bucket;
+    std::unique_ptr<Event> grads_done, reduced, copied;
+    bool busy = false;               // handed out, not yet returned by the lander
+  };
+  struct Landing {
+    int group = -1;
+    int slot = -1;
+    int64_t step = 0;
+    int micro = 0;
+    bool last_micro = false;
+    int ring = -1;                   // the ring buffer it landed in (spilled), -1 = the group's own
+  };
+  struct GroupFacts {
+    int active_slot = -1;            // this micro-batch's slot (model thread); -2 handed over
+    uint64_t sent = 0, processed = 0;  // landings of the group queued / done
+    int64_t landed_step = -1;
+    GradientStats stats;
+  };
+
+  void loop();
+  Status land(const Landing& item);
+  // The final gradient's statistics, accumulating first where micro-batches add up.
+  StatusOr<GradientStats> accumulate_host(const Landing& item, const void* landed);
+  StatusOr<GradientStats> accumulate_spilled(const Landing& item, const void* landed);
+  Status reduce(int g, Slot& slot);
+  Status land_on_device(int g, Slot& slot, int64_t step, int micro, bool last, void** landing);
+  StatusOr<void*> landing_target(int g, int64_t step, int* ring);
+  Status enqueue_copy(int g, Slot& slot, const void* source, size_t bytes, void* landing);
+  GroupState& group(int g) { return *(*ctx_.groups)[static_cast<size_t>(g)]; }
+  int copy_of(int64_t step) const { return ctx_.options->overlap == OverlapMode::kDelayed ? static_cast<int>(step % 2) : 0; }
+  std::function<std::string()> describer() const;
+
+  GradientPathContext ctx_;
+  GradientPathHooks hooks_;
+  std::optional<GradientOps> ops_;
+  std::vector<Slot> slots_;
+  std::vector<PinnedBuffer> ring_;   // spilled: the landing ring
+  PinnedBuffer scratch_;             // spilled with micro-batches: the fp32 running sum
+
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  StageHalt halt_;
+  std::vector<char> ring_busy_;
+  std::deque<Landing> queue_;
+  std::vector<GroupFacts> facts_;
+  uint64_t queued_ = 0, done_ = 0;
+  std::thread worker_;
+};
+
+}  // namespace strata::engine_internal

@@ -1,0 +1,54 @@
+// How a pipeline stage waits: on its own condition variable, until the condition holds,
+// the stage is aborted (an error anywhere in the engine) or stopped. A wait that lasts
+// longer than STRATA_HANG_WARNING_S (default 120 s) logs, once, where every stage stands:
+// a hang's diagnosis, not a silent stall.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <functional>
+#include <mutex>
+#include <string>
+
+#include "engine/core/log.h"
+#include "engine/core/status.h"
+
+namespace strata::engine_internal {
+
+// The abort/stop facts of one stage, guarded by the stage's mutex.
+struct StageHalt {
+  bool stopping = false;
+  Status failure;  // not ok: the engine failed; waits return this
+
+  bool halted() const { return stopping || !failure.ok(); }
+};
+
+// How long a wait may last before it is reported: STRATA_HANG_WARNING_S, default 120 s.
+inline std::chrono::seconds hang_warning_after() {
+  static const std::chrono::seconds seconds = [] {
+    const char* text = std::getenv("STRATA_HANG_WARNING_S");
+    const long value = text != nullptr ? std::strtol(text, nullptr, 10) : 0;
+    return std::chrono::seconds(value > 0 ? value : 120);
+  }();
+  return seconds;
+}
+
+// Waits on `cv` (with `lock` held on the stage's mutex) until `done()`, or the halt.
+// `describe` is called without the lock.
+template <class Done>
+Status stage_wait(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, const StageHalt& halt, Done done,
+                  const char* what, const std::function<std::string()>& describe) {
+  const auto patience = hang_warning_after();
+  if (!cv.wait_for(lock, patience, [&] { return done() || halt.halted(); })) {
+    lock.unlock();
+    STRATA_LOG(kWarn) << "waited " << patience.count() << " s for " << what << "\n" << (describe ? describe() : std::string());
+    lock.lock();
+    cv.wait(lock, [&] { return done() || halt.halted(); });
+  }
+  if (!halt.failure.ok()) return Status(halt.failure).with_context(std::string("while waiting for ") + what);
+  if (done()) return {};
+  return CancelledError(std::string("engine shut down while waiting for ") + what);
+}
+
+}  // namespace strata::engine_internal
