@@ -33,7 +33,7 @@ namespace {
 constexpr const char* kUsage =
     "usage: strata-bench adam [--params N] [--threads T (0 = all cores)] [--grad-dtype bf16|fp16|fp32] [--param-dtype bf16|fp16|fp32|none]\n"
     "                         [--moment-dtype fp32|bf16] [--state memory|nvme] [--nvme-path DIR] [--isa avx512|avx2|scalar]\n"
-    "                         [--group-params G] [--steps S] [--warmup W] [--chunk-elements C]\n"
+    "                         [--group-params G] [--steps S] [--warmup W] [--chunk-elements C] [--stagger-bytes B]\n"
     "                         [--param-stores streaming|cached] [--state-stores cached|streaming] [--no-avx512-bf16]\n"
     "                         [--pinned-budget BYTES] [--slots K] [--queue-depth Q] [--no-checksums] [--json]";
 
@@ -54,21 +54,64 @@ class HostArray {
     if (data_ != nullptr) munmap(data_, bytes_);
   }
   static StatusOr<HostArray> allocate(size_t bytes, const char* what) {
-    constexpr size_t kHuge = size_t{2} << 20;
     HostArray array;
-    array.bytes_ = std::max(kHuge, (bytes + kHuge - 1) / kHuge * kHuge);
-    void* data = mmap(nullptr, array.bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    array.bytes_ = std::max(kHugePageBytes, round_up(bytes, kHugePageBytes));
+    // Over-map by one huge page so the usable start can sit on a 2 MiB boundary: the
+    // staggers below are then offsets from a known alignment, not from wherever mmap landed.
+    void* data = mmap(nullptr, array.bytes_ + kHugePageBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (data == MAP_FAILED) return Status::FromErrno(errno, std::string("mmap of ") + std::to_string(array.bytes_) + " bytes for " + what);
-    array.data_ = data;
-    (void)madvise(data, array.bytes_, MADV_HUGEPAGE);  // advice only: small pages work too
+    const auto address = reinterpret_cast<uintptr_t>(data);
+    const size_t head = round_up(address, kHugePageBytes) - address;
+    if (head > 0) munmap(data, head);
+    if (head < kHugePageBytes) munmap(static_cast<char*>(data) + head + array.bytes_, kHugePageBytes - head);
+    array.data_ = static_cast<char*>(data) + head;
+    (void)madvise(array.data_, array.bytes_, MADV_HUGEPAGE);  // advice only: small pages work too
     return array;
   }
   void* data() const { return data_; }
+  size_t size() const { return bytes_; }
+
+  static constexpr size_t kHugePageBytes = size_t{2} << 20;
 
  private:
+  static size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
   void* data_ = nullptr;
   size_t bytes_ = 0;
 };
+
+// The five arrays of a fused step (gradient, master, exp_avg, exp_avg_sq, parameter copy)
+// in one mapping. Each starts on a 2 MiB boundary plus `stagger` times its index, so no
+// two of them start at addresses congruent modulo 2 MiB (or modulo the 2^k spacing that
+// 2^k-byte arrays packed back to back would have). With stagger 0 the arrays are
+// congruent modulo 2 MiB, and modulo 2^k when their sizes are 2^k: the layout that made
+// the five streams collide (docs/benchmarks.md, "CPU Adam").
+class StateLayout {
+ public:
+  static StatusOr<StateLayout> allocate(const std::vector<size_t>& array_bytes, size_t stagger) {
+    StateLayout layout;
+    size_t offset = 0;
+    std::vector<size_t> offsets;
+    for (size_t i = 0; i < array_bytes.size(); ++i) {
+      offset = (offset + HostArray::kHugePageBytes - 1) / HostArray::kHugePageBytes * HostArray::kHugePageBytes;
+      offsets.push_back(offset + i * stagger);
+      offset += i * stagger + array_bytes[i];
+    }
+    STRATA_ASSIGN_OR_RETURN(layout.memory_, HostArray::allocate(offset, "optimizer state"));
+    for (size_t o : offsets) layout.arrays_.push_back(static_cast<char*>(layout.memory_.data()) + o);
+    return layout;
+  }
+  void* array(size_t i) const { return arrays_.at(i); }
+
+ private:
+  HostArray memory_;
+  std::vector<void*> arrays_;
+};
+
+// The default stagger: 4 KiB apart in the bits that index the caches' sets and the DRAM
+// banks, plus one cache line so the streams also differ modulo 4 KiB (where the core's
+// load/store address check compares addresses). docs/benchmarks.md has the measurement.
+constexpr int64_t kDefaultStaggerBytes = 4096 + 64;
 
 struct Config {
   int64_t params = int64_t{64} << 20;
@@ -84,6 +127,7 @@ struct Config {
   int steps = 9;
   int warmup = 2;
   int64_t chunk_elements = int64_t{1} << 16;
+  int64_t stagger_bytes = kDefaultStaggerBytes;  // --state memory: array i starts i * this past a 2 MiB boundary
   AdamSpanStores stores;
   bool use_avx512_bf16 = true;
   int64_t pinned_budget = int64_t{192} << 20;
@@ -103,7 +147,7 @@ StatusOr<Config> parse_config(int argc, char** argv) {
   STRATA_ASSIGN_OR_RETURN(
       Args args, Args::parse(argc, argv,
                              {"params", "threads", "grad-dtype", "param-dtype", "moment-dtype", "state", "nvme-path", "isa", "group-params",
-                              "steps", "warmup", "chunk-elements", "param-stores", "state-stores", "pinned-budget", "slots", "queue-depth"},
+                              "steps", "warmup", "chunk-elements", "stagger-bytes", "param-stores", "state-stores", "pinned-budget", "slots", "queue-depth"},
                              {"json", "no-avx512-bf16", "no-checksums", "help"}));
   Config c;
   if (args.flag("help")) return InvalidArgumentError(kUsage);
@@ -129,6 +173,7 @@ StatusOr<Config> parse_config(int argc, char** argv) {
   c.steps = static_cast<int>(steps);
   c.warmup = static_cast<int>(warmup);
   STRATA_ASSIGN_OR_RETURN(c.chunk_elements, args.get_int("chunk-elements", c.chunk_elements));
+  STRATA_ASSIGN_OR_RETURN(c.stagger_bytes, args.get_int("stagger-bytes", c.stagger_bytes));
   STRATA_ASSIGN_OR_RETURN(c.stores.param, parse_store_kind(args.get("param-stores", "streaming"), "param-stores"));
   STRATA_ASSIGN_OR_RETURN(c.stores.state, parse_store_kind(args.get("state-stores", "cached"), "state-stores"));
   c.use_avx512_bf16 = !args.flag("no-avx512-bf16");
@@ -143,6 +188,8 @@ StatusOr<Config> parse_config(int argc, char** argv) {
   if (c.threads < 0) return InvalidArgumentError("--threads must be >= 0 (0 = every core)");
   if (c.group_params < 1) return InvalidArgumentError("--group-params must be >= 1");
   if (c.steps < 1 || c.warmup < 0) return InvalidArgumentError("--steps must be >= 1 and --warmup >= 0");
+  // Whole cache lines keep every array as aligned as the kernel's streaming stores need.
+  if (c.stagger_bytes < 0 || c.stagger_bytes % 64 != 0) return InvalidArgumentError("--stagger-bytes must be a multiple of 64 (a cache line)");
   if (c.moment_type == DType::kFloat16) return InvalidArgumentError("--moment-dtype must be fp32 or bf16");
   if (c.state != "memory" && c.state != "nvme") return InvalidArgumentError("--state expects memory or nvme, got '" + c.state + "'");
   if (c.state == "nvme" && c.nvme_path.empty()) return InvalidArgumentError("--state nvme needs --nvme-path DIR");
@@ -179,35 +226,31 @@ void finish(Result& result, size_t params) {
 StatusOr<Result> run_memory(const Config& c, CpuAdam& adam) {
   const size_t n = static_cast<size_t>(c.params);
   const size_t moment_width = dtype_size(c.moment_type);
-  STRATA_ASSIGN_OR_RETURN(HostArray grad, HostArray::allocate(n * dtype_size(c.grad_type), "gradients"));
-  STRATA_ASSIGN_OR_RETURN(HostArray master, HostArray::allocate(n * 4, "master weights"));
-  STRATA_ASSIGN_OR_RETURN(HostArray exp_avg, HostArray::allocate(n * moment_width, "exp_avg"));
-  STRATA_ASSIGN_OR_RETURN(HostArray exp_avg_sq, HostArray::allocate(n * moment_width, "exp_avg_sq"));
-  HostArray param;
-  if (c.write_param) {
-    STRATA_ASSIGN_OR_RETURN(param, HostArray::allocate(n * dtype_size(c.param_type), "parameter copy"));
-  }
+  const size_t param_bytes = c.write_param ? n * dtype_size(c.param_type) : 0;
+  STRATA_ASSIGN_OR_RETURN(
+      StateLayout layout,
+      StateLayout::allocate({n * dtype_size(c.grad_type), n * 4, n * moment_width, n * moment_width, param_bytes},
+                            static_cast<size_t>(c.stagger_bytes)));
+  kernels::AdamBuffers all;
+  all.grad = layout.array(0);
+  all.grad_type = c.grad_type;
+  all.master = static_cast<float*>(layout.array(1));
+  all.exp_avg = layout.array(2);
+  all.exp_avg_sq = layout.array(3);
+  all.moment_type = c.moment_type;
+  all.param = c.write_param ? layout.array(4) : nullptr;
+  all.param_type = c.param_type;
+  all.count = n;
   // First touch on the workers that stream the arrays later, in the same chunks.
   adam.executor().parallel_for(0, n, static_cast<size_t>(c.chunk_elements), [&](size_t lo, size_t hi) {
     for (size_t i = lo; i < hi; ++i) {
-      store_from_float(grad.data(), c.grad_type, i, pattern(i, 1) * 1e-2f);
-      static_cast<float*>(master.data())[i] = pattern(i, 2);
-      store_from_float(exp_avg.data(), c.moment_type, i, 0.0f);
-      store_from_float(exp_avg_sq.data(), c.moment_type, i, 0.0f);
-      if (c.write_param) store_from_float(param.data(), c.param_type, i, 0.0f);
+      store_from_float(layout.array(0), c.grad_type, i, pattern(i, 1) * 1e-2f);
+      all.master[i] = pattern(i, 2);
+      store_from_float(all.exp_avg, c.moment_type, i, 0.0f);
+      store_from_float(all.exp_avg_sq, c.moment_type, i, 0.0f);
+      if (c.write_param) store_from_float(all.param, c.param_type, i, 0.0f);
     }
   });
-
-  kernels::AdamBuffers all;
-  all.grad = grad.data();
-  all.grad_type = c.grad_type;
-  all.master = static_cast<float*>(master.data());
-  all.exp_avg = exp_avg.data();
-  all.exp_avg_sq = exp_avg_sq.data();
-  all.moment_type = c.moment_type;
-  all.param = c.write_param ? param.data() : nullptr;
-  all.param_type = c.param_type;
-  all.count = n;
 
   const kernels::AdamHyperparams hyper{.lr = 1e-3, .weight_decay = 0.01};
   Result result;
