@@ -7,12 +7,17 @@
 //                     [--state memory|nvme --nvme-path D] [--isa avx512|avx2|scalar]
 //                     [--group-params G] [--steps S] [--warmup W] [--json]
 //
+// Before any figure, the first step is recomputed on a sample of elements (both ends,
+// group and chunk boundaries, an even spread) with the scalar reference
+// kernels::adam_step_cpu_range and compared bit for bit; a mismatch fails the run.
+//
 // --state nvme keeps master weights and moments in an NvmeStore under --nvme-path and
 // streams them through the NvmeAdamState pipeline (--pinned-budget bytes of staging in
 // --slots slots); gradients and parameter copies stay in host memory.
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -24,6 +29,7 @@
 #include "examples/strata_bench/bench.h"
 #include "offload/nvme_store.h"
 #include "offload/pinned_arena.h"
+#include "kernels/adam.h"
 #include "optim/cpu_adam.h"
 #include "optim/nvme_adam_state.h"
 
@@ -206,6 +212,107 @@ float pattern(uint64_t i, uint64_t salt) {
   return static_cast<float>(static_cast<int64_t>(x >> 40) - (int64_t{1} << 23)) / static_cast<float>(int64_t{1} << 23);
 }
 
+// The initial state of element i, the same in every path: the bench's first step starts from it.
+struct InitialElement {
+  float grad;
+  float master;
+};
+InitialElement initial_element(size_t i) { return {pattern(i, 1) * 1e-2f, pattern(i, 2)}; }
+
+// What the first step left behind, as the bench can see it: optimizer state for elements
+// [0, state_count) (all of them in memory; the first group read back from NVMe) and the
+// parameter copy for every element (nullptr without one).
+struct FirstStepResult {
+  const float* master = nullptr;
+  const void* exp_avg = nullptr;
+  const void* exp_avg_sq = nullptr;
+  size_t state_count = 0;
+  const void* param = nullptr;
+};
+
+// The elements the reference recomputes: both ends, both sides of every group and chunk
+// boundary, and an even spread (at an odd stride, so it lands at every vector lane) in between.
+std::vector<size_t> reference_sample(const Config& c) {
+  const size_t n = static_cast<size_t>(c.params);
+  std::vector<size_t> sample;
+  auto add_boundary = [&](size_t at) {
+    for (size_t i = at == 0 ? 0 : at - 1; i <= at + 1 && i < n; ++i) sample.push_back(i);
+  };
+  add_boundary(0);
+  add_boundary(n - 1);
+  for (size_t at = static_cast<size_t>(c.group_params); at < n; at += static_cast<size_t>(c.group_params)) add_boundary(at);
+  for (size_t at = static_cast<size_t>(c.chunk_elements); at < n && sample.size() < 4096; at += static_cast<size_t>(c.chunk_elements)) {
+    add_boundary(at);
+  }
+  const size_t stride = std::max<size_t>(1, n / 4096) | 1;
+  for (size_t i = 7; i < n; i += stride) sample.push_back(i);
+  std::sort(sample.begin(), sample.end());
+  sample.erase(std::unique(sample.begin(), sample.end()), sample.end());
+  return sample;
+}
+
+// Enough digits to tell two floats apart.
+std::string exact_text(float value) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.9g", static_cast<double>(value));
+  return text;
+}
+
+// The element's bytes in a buffer of `type`, for bitwise comparison.
+uint32_t element_bits(const void* data, DType type, size_t index) {
+  if (dtype_size(type) == 4) return std::bit_cast<uint32_t>(static_cast<const float*>(data)[index]);
+  return static_cast<const uint16_t*>(data)[index];
+}
+
+// Recomputes the first step on a sample of elements with the scalar reference
+// (kernels::adam_step_cpu_range) and compares bit for bit: every SIMD path is specified to
+// match it exactly (optim/adam_span.h), so any difference is a wrong result, and a fast
+// wrong kernel must not produce a figure.
+Status check_first_step(const Config& c, const kernels::AdamStepScalars& scalars, const FirstStepResult& got) {
+  const std::vector<size_t> sample = reference_sample(c);
+  const size_t k = sample.size();
+  const size_t moment_width = dtype_size(c.moment_type);
+  std::vector<char> grad(k * dtype_size(c.grad_type)), exp_avg(k * moment_width), exp_avg_sq(k * moment_width);
+  std::vector<char> param(k * dtype_size(c.param_type));
+  std::vector<float> master(k);
+  for (size_t j = 0; j < k; ++j) {
+    const InitialElement e = initial_element(sample[j]);
+    store_from_float(grad.data(), c.grad_type, j, e.grad);
+    master[j] = e.master;
+    store_from_float(exp_avg.data(), c.moment_type, j, 0.0f);
+    store_from_float(exp_avg_sq.data(), c.moment_type, j, 0.0f);
+  }
+  kernels::AdamBuffers want{.grad = grad.data(), .grad_type = c.grad_type, .master = master.data(), .exp_avg = exp_avg.data(),
+                            .exp_avg_sq = exp_avg_sq.data(), .moment_type = c.moment_type,
+                            .param = got.param != nullptr ? param.data() : nullptr, .param_type = c.param_type, .count = k};
+  kernels::adam_step_cpu_range(want, scalars, 0, k);
+
+  auto mismatch = [&](const char* array, size_t i, DType type, const void* got_data, size_t got_index, const void* want_data,
+                      size_t j) -> Status {
+    return InternalError(std::string("the first step disagrees with the scalar reference (kernels::adam_step_cpu_range): ") + array +
+                         "[" + std::to_string(i) + "] is " + exact_text(load_as_float(got_data, type, got_index)) + ", the reference " +
+                         exact_text(load_as_float(want_data, type, j)) + "; no figure is reported for a wrong kernel");
+  };
+  for (size_t j = 0; j < k; ++j) {
+    const size_t i = sample[j];
+    if (i < got.state_count) {
+      if (element_bits(got.master, DType::kFloat32, i) != element_bits(master.data(), DType::kFloat32, j)) {
+        return mismatch("master", i, DType::kFloat32, got.master, i, master.data(), j);
+      }
+      if (element_bits(got.exp_avg, c.moment_type, i) != element_bits(exp_avg.data(), c.moment_type, j)) {
+        return mismatch("exp_avg", i, c.moment_type, got.exp_avg, i, exp_avg.data(), j);
+      }
+      if (element_bits(got.exp_avg_sq, c.moment_type, i) != element_bits(exp_avg_sq.data(), c.moment_type, j)) {
+        return mismatch("exp_avg_sq", i, c.moment_type, got.exp_avg_sq, i, exp_avg_sq.data(), j);
+      }
+    }
+    if (got.param != nullptr && element_bits(got.param, c.param_type, i) != element_bits(param.data(), c.param_type, j)) {
+      return mismatch("param", i, c.param_type, got.param, i, param.data(), j);
+    }
+  }
+  return {};
+}
+
 struct Result {
   double seconds_per_step = 0;
   double params_per_s = 0;
@@ -244,8 +351,8 @@ StatusOr<Result> run_memory(const Config& c, CpuAdam& adam) {
   // First touch on the workers that stream the arrays later, in the same chunks.
   adam.executor().parallel_for(0, n, static_cast<size_t>(c.chunk_elements), [&](size_t lo, size_t hi) {
     for (size_t i = lo; i < hi; ++i) {
-      store_from_float(layout.array(0), c.grad_type, i, pattern(i, 1) * 1e-2f);
-      all.master[i] = pattern(i, 2);
+      store_from_float(layout.array(0), c.grad_type, i, initial_element(i).grad);
+      all.master[i] = initial_element(i).master;
       store_from_float(all.exp_avg, c.moment_type, i, 0.0f);
       store_from_float(all.exp_avg_sq, c.moment_type, i, 0.0f);
       if (c.write_param) store_from_float(all.param, c.param_type, i, 0.0f);
@@ -264,9 +371,24 @@ StatusOr<Result> run_memory(const Config& c, CpuAdam& adam) {
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (step > c.warmup) result.step_seconds.push_back(seconds);
+    if (step == 1) {
+      STRATA_RETURN_IF_ERROR(check_first_step(c, scalars, {.master = all.master, .exp_avg = all.exp_avg, .exp_avg_sq = all.exp_avg_sq,
+                                                           .state_count = n, .param = all.param}));
+    }
   }
   finish(result, n);
   return result;
+}
+
+// check_first_step for --state nvme: the first group's state read back from the store.
+Status check_first_nvme_step(const Config& c, NvmeAdamState& state, const kernels::AdamStepScalars& scalars, const void* param) {
+  const size_t first_group = static_cast<size_t>(std::min(c.group_params, c.params));
+  const size_t moment_width = dtype_size(c.moment_type);
+  std::vector<float> master(first_group);
+  std::vector<char> exp_avg(first_group * moment_width), exp_avg_sq(first_group * moment_width);
+  STRATA_RETURN_IF_ERROR(state.load_group(0, master.data(), exp_avg.data(), exp_avg_sq.data()));
+  return check_first_step(c, scalars, {.master = master.data(), .exp_avg = exp_avg.data(), .exp_avg_sq = exp_avg_sq.data(),
+                                       .state_count = first_group, .param = c.write_param ? param : nullptr});
 }
 
 // Master weights and moments on NVMe, streamed through the NvmeAdamState pipeline.
@@ -307,10 +429,10 @@ StatusOr<Result> run_nvme(const Config& c, CpuAdam& adam) {
     for (size_t g = 0; g < group_elements.size(); ++g) {
       adam.executor().parallel_for(0, group_elements[g], static_cast<size_t>(c.chunk_elements), [&](size_t lo, size_t hi) {
         for (size_t i = lo; i < hi; ++i) {
-          master[i] = pattern(begin + i, 2);
+          master[i] = initial_element(begin + i).master;
           store_from_float(exp_avg, c.moment_type, i, 0.0f);
           store_from_float(exp_avg_sq, c.moment_type, i, 0.0f);
-          store_from_float(grad.data(), c.grad_type, begin + i, pattern(begin + i, 1) * 1e-2f);
+          store_from_float(grad.data(), c.grad_type, begin + i, initial_element(begin + i).grad);
           if (c.write_param) store_from_float(param.data(), c.param_type, begin + i, 0.0f);
         }
       });
@@ -338,6 +460,7 @@ StatusOr<Result> run_nvme(const Config& c, CpuAdam& adam) {
     STRATA_RETURN_IF_ERROR(state->step(adam, io, plan));
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (step > c.warmup) result.step_seconds.push_back(seconds);
+    if (step == 1) STRATA_RETURN_IF_ERROR(check_first_nvme_step(c, *state, plan.scalars, param.data()));
   }
   finish(result, n);
   result.nvme = state->stats();
