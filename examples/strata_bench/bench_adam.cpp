@@ -103,7 +103,7 @@ class StateLayout {
       offsets.push_back(offset + i * stagger);
       offset += i * stagger + array_bytes[i];
     }
-    STRATA_ASSIGN_OR_RETURN(layout.memory_, HostArray::allocate(offset, "optimizer state"));
+    STRATA_ASSIGN_OR_RETURN(layout.memory_, HostArray::allocate(offset, "the benchmark's arrays"));
     for (size_t o : offsets) layout.arrays_.push_back(static_cast<char*>(layout.memory_.data()) + o);
     return layout;
   }
@@ -133,7 +133,7 @@ struct Config {
   int steps = 9;
   int warmup = 2;
   int64_t chunk_elements = int64_t{1} << 16;
-  int64_t stagger_bytes = kDefaultStaggerBytes;  // --state memory: array i starts i * this past a 2 MiB boundary
+  int64_t stagger_bytes = kDefaultStaggerBytes;  // host array i starts i * this past a 2 MiB boundary
   AdamSpanStores stores;
   bool use_avx512_bf16 = true;
   int64_t pinned_budget = int64_t{192} << 20;
@@ -415,11 +415,11 @@ StatusOr<Result> run_nvme(const Config& c, CpuAdam& adam) {
                                                  .pinned_budget_bytes = static_cast<size_t>(c.pinned_budget),
                                                  .slots = static_cast<unsigned>(c.slots)}));
 
-  STRATA_ASSIGN_OR_RETURN(HostArray grad, HostArray::allocate(n * dtype_size(c.grad_type), "gradients"));
-  HostArray param;
-  if (c.write_param) {
-    STRATA_ASSIGN_OR_RETURN(param, HostArray::allocate(n * dtype_size(c.param_type), "parameter copy"));
-  }
+  // Gradients and parameter copies in host memory, staggered as in --state memory.
+  STRATA_ASSIGN_OR_RETURN(StateLayout host, StateLayout::allocate({n * dtype_size(c.grad_type), c.write_param ? n * dtype_size(c.param_type) : 0},
+                                                                  static_cast<size_t>(c.stagger_bytes)));
+  void* const grad = host.array(0);
+  void* const param = c.write_param ? host.array(1) : nullptr;
   {
     // Initial state, one group at a time through a host staging array.
     const size_t moment_width = dtype_size(c.moment_type);
@@ -434,8 +434,8 @@ StatusOr<Result> run_nvme(const Config& c, CpuAdam& adam) {
           master[i] = initial_element(begin + i).master;
           store_from_float(exp_avg, c.moment_type, i, 0.0f);
           store_from_float(exp_avg_sq, c.moment_type, i, 0.0f);
-          store_from_float(grad.data(), c.grad_type, begin + i, initial_element(begin + i).grad);
-          if (c.write_param) store_from_float(param.data(), c.param_type, begin + i, 0.0f);
+          store_from_float(grad, c.grad_type, begin + i, initial_element(begin + i).grad);
+          if (c.write_param) store_from_float(param, c.param_type, begin + i, 0.0f);
         }
       });
       STRATA_RETURN_IF_ERROR(state->store_group(g, master, exp_avg, exp_avg_sq));
@@ -444,8 +444,8 @@ StatusOr<Result> run_nvme(const Config& c, CpuAdam& adam) {
   }
   std::vector<AdamGroupIo> io;
   for (size_t g = 0, begin = 0; g < group_elements.size(); begin += group_elements[g], ++g) {
-    io.push_back({static_cast<const char*>(grad.data()) + begin * dtype_size(c.grad_type), c.grad_type,
-                  c.write_param ? static_cast<char*>(param.data()) + begin * dtype_size(c.param_type) : nullptr, c.param_type});
+    io.push_back({static_cast<const char*>(grad) + begin * dtype_size(c.grad_type), c.grad_type,
+                  c.write_param ? static_cast<char*>(param) + begin * dtype_size(c.param_type) : nullptr, c.param_type});
   }
 
   const kernels::AdamHyperparams hyper{.lr = 1e-3, .weight_decay = 0.01};
@@ -453,7 +453,7 @@ StatusOr<Result> run_nvme(const Config& c, CpuAdam& adam) {
   kernels::AdamBuffers shape;
   shape.grad_type = c.grad_type;
   shape.moment_type = c.moment_type;
-  shape.param = c.write_param ? param.data() : nullptr;
+  shape.param = param;
   shape.param_type = c.param_type;
   result.bytes_per_param = kernels::adam_bytes_per_element(shape);
   for (int step = 1; step <= c.warmup + c.steps; ++step) {
@@ -462,7 +462,7 @@ StatusOr<Result> run_nvme(const Config& c, CpuAdam& adam) {
     STRATA_RETURN_IF_ERROR(state->step(adam, io, plan));
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (step > c.warmup) result.step_seconds.push_back(seconds);
-    if (step == 1) STRATA_RETURN_IF_ERROR(check_first_nvme_step(c, *state, plan.scalars, param.data()));
+    if (step == 1) STRATA_RETURN_IF_ERROR(check_first_nvme_step(c, *state, plan.scalars, param));
   }
   finish(result, n);
   result.nvme = state->stats();
