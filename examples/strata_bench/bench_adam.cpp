@@ -86,12 +86,13 @@ class HostArray {
   size_t bytes_ = 0;
 };
 
-// The five arrays of a fused step (gradient, master, exp_avg, exp_avg_sq, parameter copy)
-// in one mapping. Each starts on a 2 MiB boundary plus `stagger` times its index, so no
-// two of them start at addresses congruent modulo 2 MiB (or modulo the 2^k spacing that
-// 2^k-byte arrays packed back to back would have). With stagger 0 the arrays are
-// congruent modulo 2 MiB, and modulo 2^k when their sizes are 2^k: the layout that made
-// the five streams collide (docs/benchmarks.md, "CPU Adam").
+// The arrays of a fused step (gradient, master, exp_avg, exp_avg_sq, parameter copy; or
+// with --state nvme the two that stay in host memory) in one mapping. Array i starts on a
+// 2 MiB boundary plus i x `stagger`, so with a stagger under 512 KiB no two of the five
+// start at addresses congruent modulo 2 MiB, let alone modulo the 2^k spacing that 2^k-byte
+// arrays packed back to back would have. With stagger 0 they are congruent modulo 2 MiB,
+// and modulo 2^k when their sizes are 2^k: the layout that made the five streams collide
+// (docs/benchmarks.md, "Buffer placement").
 class StateLayout {
  public:
   static StatusOr<StateLayout> allocate(const std::vector<size_t>& array_bytes, size_t stagger) {
