@@ -67,16 +67,23 @@ void PinnedBuffer::reset() noexcept {
   region_offset_ = 0;
 }
 
+size_t PinnedArena::carvable_bytes(size_t bytes) {
+  const size_t asked = round_up(bytes, kAlignment);
+  return asked + asked / kColourMinBytes * kColourGapBytes;
+}
+
 StatusOr<std::unique_ptr<PinnedArena>> PinnedArena::create(const PinnedArenaOptions& options) {
   if (options.bytes == 0) return InvalidArgumentError("pinned arena: the size must be at least one byte");
-  const size_t bytes = round_up(options.bytes, kAlignment);
-  if (options.budget_bytes > bytes) {
+  const size_t asked = round_up(options.bytes, kAlignment);
+  if (options.budget_bytes > asked) {
     return InvalidArgumentError("pinned arena: budget " + format_bytes(options.budget_bytes) +
-                                " exceeds the arena's size " + format_bytes(bytes));
+                                " exceeds the arena's size " + format_bytes(asked));
   }
+  const size_t bytes = carvable_bytes(options.bytes);
   auto arena = std::make_unique<PinnedArena>(ConstructionKey());
   arena->bytes_ = bytes;
-  arena->budget_bytes_ = options.budget_bytes == 0 ? bytes : options.budget_bytes;
+  // The budget counts capacities; the colouring room is the arena's own overhead.
+  arena->budget_bytes_ = options.budget_bytes == 0 ? asked : options.budget_bytes;
 
   // Map. Huge pages first where asked and the size warrants them.
   void* base = MAP_FAILED;
@@ -151,7 +158,8 @@ StatusOr<std::unique_ptr<PinnedArena>> PinnedArena::create(const PinnedArenaOpti
   }
   // Buffers may straddle region boundaries: the I/O engine cuts a transfer at them into
   // fixed transfers of one region each, so no arena space is lost to the regions.
-  arena->allocator_ = std::make_unique<internal::RangeAllocator>(bytes, kAlignment);
+  arena->allocator_ = std::make_unique<internal::RangeAllocator>(
+      bytes, kAlignment, internal::RangeColouring{.gap_bytes = kColourGapBytes, .min_bytes = kColourMinBytes});
   STRATA_LOG(kDebug) << "pinned arena: " << format_bytes(bytes) << ", locking " << pinned_locking_name(arena->locking_)
                      << ", " << arena->regions_.size() << " io_uring region(s)";
   return arena;

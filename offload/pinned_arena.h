@@ -11,7 +11,16 @@
 //     otherwise; where locking is refused (RLIMIT_MEMLOCK without CAP_IPC_LOCK) the arena
 //     stays usable, unlocked, after one warning,
 //   - carved by a best-fit free-list allocator with coalescing under a byte budget into
-//     move-only PinnedBuffers with 4 KiB aligned sizes.
+//     move-only PinnedBuffers with 4 KiB aligned sizes,
+//   - coloured: every buffer of at least kColourMinBytes is followed by a kColourGapBytes
+//     gap, so equal buffers of 2^k bytes carved one after another (an optimizer group's
+//     master weights and moments, a ring of staging slots) do not start at addresses
+//     congruent modulo 2^k or modulo 2 MiB. Starts stay 4 KiB aligned, as O_DIRECT and
+//     io_uring fixed buffers need. Five streams whose starts were congruent modulo
+//     256 MiB ran CPU Adam at ~0.2x the speed of the same streams 4 KiB apart
+//     (docs/benchmarks.md, "Buffer placement"). The arena maps room for the gaps on top of
+//     the size asked for (1/256 of it), so whatever fitted without colouring still fits,
+//     and the budget counts buffers' capacities, not their gaps.
 //
 // For io_uring the arena exposes its memory as regions of at most 1 GiB (the kernel's cap
 // per registered buffer). A PinnedBuffer may straddle two regions (IoEngine cuts a
@@ -41,7 +50,7 @@ class RangeAllocator;
 }  // namespace internal
 
 struct PinnedArenaOptions {
-  size_t bytes = 0;              // arena size in bytes, rounded up to 4 KiB (to 2 MiB where huge pages are granted)
+  size_t bytes = 0;              // bytes to carve, rounded up to 4 KiB (the mapping adds the colouring room and rounds to 2 MiB for huge pages)
   bool lock = true;              // page-lock the arena (cudaHostRegister with a GPU, mlock without)
   bool register_with_gpu = true; // use cudaHostRegister where a GPU is present
   bool try_huge_pages = true;    // MAP_HUGETLB if granted, else madvise(MADV_HUGEPAGE)
@@ -64,7 +73,7 @@ enum class PinnedPageKind : uint8_t {
 };
 
 struct PinnedArenaStats {
-  size_t arena_bytes = 0;          // the mapping's size
+  size_t arena_bytes = 0;          // the carvable bytes: the size asked for plus the colouring room
   size_t budget_bytes = 0;         // the cap on bytes handed out
   size_t in_use_bytes = 0;         // bytes held by live PinnedBuffers (4 KiB rounded)
   size_t high_water_bytes = 0;     // the most in_use_bytes ever reached
@@ -125,6 +134,12 @@ class PinnedArena {
  public:
   static constexpr size_t kAlignment = 4096;                 // every buffer's start and capacity
   static constexpr size_t kMaxRegionBytes = size_t{1} << 30; // the kernel's cap per io_uring fixed buffer
+  static constexpr size_t kColourGapBytes = 4096;            // unused bytes after each coloured buffer
+  static constexpr size_t kColourMinBytes = size_t{1} << 20; // buffers of at least this size are coloured
+
+  // The carvable size of an arena created with `bytes`: 4 KiB rounded, plus room for the
+  // colouring gap of as many coloured buffers as fit in it.
+  static size_t carvable_bytes(size_t bytes);
 
   static StatusOr<std::unique_ptr<PinnedArena>> create(const PinnedArenaOptions& options);
 
@@ -140,6 +155,7 @@ class PinnedArena {
 
   void* data() { return base_; }
   const void* data() const { return base_; }
+  // The carvable bytes (carvable_bytes() of the size asked for).
   size_t size() const { return bytes_; }
   // True when the pages are page-locked (mlock or cudaHostRegister).
   bool locked() const { return locking_ != PinnedLocking::kNone; }

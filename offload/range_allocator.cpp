@@ -6,9 +6,11 @@
 
 namespace strata::internal {
 
-RangeAllocator::RangeAllocator(size_t capacity, size_t alignment) : capacity_(capacity), alignment_(alignment) {
+RangeAllocator::RangeAllocator(size_t capacity, size_t alignment, RangeColouring colouring)
+    : capacity_(capacity), alignment_(alignment), colouring_(colouring) {
   STRATA_CHECK(alignment_ != 0 && (alignment_ & (alignment_ - 1)) == 0);
   STRATA_CHECK(capacity_ % alignment_ == 0);
+  STRATA_CHECK(colouring_.gap_bytes % alignment_ == 0);
   if (capacity_ > 0) insert_free(0, capacity_);
 }
 
@@ -24,8 +26,14 @@ void RangeAllocator::erase_free(std::map<size_t, size_t>::iterator it) {
   free_by_offset_.erase(it);
 }
 
-std::optional<size_t> RangeAllocator::allocate(size_t bytes) {
-  STRATA_CHECK(bytes > 0 && bytes % alignment_ == 0);
+size_t RangeAllocator::footprint(size_t bytes) const {
+  const bool coloured = colouring_.gap_bytes > 0 && bytes >= colouring_.min_bytes;
+  return coloured ? bytes + colouring_.gap_bytes : bytes;
+}
+
+std::optional<size_t> RangeAllocator::allocate(size_t request) {
+  STRATA_CHECK(request > 0 && request % alignment_ == 0);
+  const size_t bytes = footprint(request);
   // Best fit: the smallest free range that can hold the request.
   const auto it = free_by_size_.lower_bound({bytes, 0});
   if (it == free_by_size_.end()) return std::nullopt;
@@ -36,6 +44,11 @@ std::optional<size_t> RangeAllocator::allocate(size_t bytes) {
 }
 
 void RangeAllocator::free(size_t offset, size_t bytes) {
+  STRATA_CHECK(bytes > 0);
+  release(offset, footprint(bytes));
+}
+
+void RangeAllocator::release(size_t offset, size_t bytes) {
   STRATA_CHECK(bytes > 0 && offset + bytes <= capacity_);
   size_t start = offset;
   size_t end = offset + bytes;
@@ -62,7 +75,7 @@ void RangeAllocator::grow(size_t new_capacity) {
   if (new_capacity == capacity_) return;
   const size_t old = capacity_;
   capacity_ = new_capacity;
-  free(old, new_capacity - old);
+  release(old, new_capacity - old);
 }
 
 size_t RangeAllocator::largest_free() const {

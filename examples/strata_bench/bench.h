@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "engine/core/status.h"
+#include "offload/io_engine.h"
 
 namespace strata::bench {
 
@@ -29,6 +30,32 @@ class Args {
  private:
   std::map<std::string, std::string> values_;
 };
+
+// What measure_store_bandwidth() moves: `bytes` written then read back through an
+// NvmeStore under `nvme_path`, O_DIRECT, in `block_bytes` requests kept `queue_depth` deep.
+struct StoreMeasurement {
+  std::string nvme_path;
+  size_t bytes = size_t{1} << 30;
+  size_t block_bytes = size_t{1} << 20;
+  unsigned queue_depth = 32;
+  IoEngineKind engine = IoEngineKind::kIoUring;
+  bool checksums = true;         // as in training: computed and verified on the hot path
+  bool sqpoll = false;           // an io_uring kernel submission thread
+  bool huge_pages = true;        // the data buffer on huge pages where granted
+  bool register_buffers = true;  // io_uring fixed buffers where the kernel allows
+};
+struct StoreBandwidth {
+  double write_seconds = 0;  // first submission to last completion
+  double read_seconds = 0;
+  double write_gbps = 0;     // 1e9 bytes/s
+  double read_gbps = 0;
+  std::string engine_name;
+  std::string file_path;
+  bool registered = false;   // the transfers used fixed buffers
+};
+// The store's bandwidth as `strata-bench nvme` measures it (the data verified after the
+// read, outside the timed part). Fails where the file system refuses O_DIRECT.
+StatusOr<StoreBandwidth> measure_store_bandwidth(const StoreMeasurement& measurement);
 
 // Subcommands: each returns the process exit code.
 int run_nvme(int argc, char** argv);

@@ -68,34 +68,29 @@ StatusOr<double> run_phase(NvmeStore& store, NvmeExtent extent, char* buffer, si
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-Status run(const Args& args) {
-  const std::string path = args.get("nvme-path", "");
-  if (path.empty()) return InvalidArgumentError("--nvme-path is required");
-  STRATA_ASSIGN_OR_RETURN(const int64_t size_mib, args.get_int("size-mib", 1024));
-  STRATA_ASSIGN_OR_RETURN(const int64_t block_kib, args.get_int("block-kib", 1024));
-  STRATA_ASSIGN_OR_RETURN(const int64_t depth, args.get_int("queue-depth", 32));
-  STRATA_ASSIGN_OR_RETURN(const IoEngineKind engine_kind, parse_io_engine_kind(args.get("engine", "io_uring")));
-  if (size_mib <= 0) return InvalidArgumentError("--size-mib must be positive");
-  if (block_kib <= 0 || block_kib % 4 != 0) return InvalidArgumentError("--block-kib must be a positive multiple of 4 (O_DIRECT)");
-  if (depth <= 0 || depth > 4096) return InvalidArgumentError("--queue-depth must be 1..4096");
-  const bool json = args.flag("json");
-  const size_t bytes = static_cast<size_t>(size_mib) << 20;
-  const size_t block = static_cast<size_t>(block_kib) << 10;
+}  // namespace
+
+StatusOr<StoreBandwidth> measure_store_bandwidth(const StoreMeasurement& m) {
+  const size_t bytes = m.bytes;
+  const size_t block = m.block_bytes;
+  const unsigned depth = m.queue_depth;
+  const std::string& path = m.nvme_path;
+  const IoEngineKind engine_kind = m.engine;
 
   // The data: one pinned buffer, registered with the engine, filled before timing.
-  STRATA_ASSIGN_OR_RETURN(auto arena, PinnedArena::create({.bytes = bytes, .try_huge_pages = !args.flag("no-huge-pages")}));
+  STRATA_ASSIGN_OR_RETURN(auto arena, PinnedArena::create({.bytes = bytes, .try_huge_pages = m.huge_pages}));
   STRATA_ASSIGN_OR_RETURN(PinnedBuffer data, arena->allocate(bytes, "nvme bench data"));
   auto* words = data.as<uint64_t>();
   for (size_t j = 0; j < bytes / 8; ++j) words[j] = pattern_word(j);
 
   NvmeStoreOptions options;
   options.nvme_path = path;
-  options.checksums = !args.flag("no-checksums");
+  options.checksums = m.checksums;
   options.checksum_block_bytes = block;
   options.initial_bytes = bytes;  // preallocated outside the timed part
   options.io.kind = engine_kind;
-  options.io.queue_depth = static_cast<unsigned>(depth);
-  options.io.sqpoll = args.flag("sqpoll");
+  options.io.queue_depth = depth;
+  options.io.sqpoll = m.sqpoll;
   STRATA_ASSIGN_OR_RETURN(auto store, NvmeStore::open(options));
   if (!store->direct_io()) {
     return FailedPreconditionError("the file system under '" + path +
@@ -106,7 +101,7 @@ Status run(const Args& args) {
                             std::string(store->io_engine().name()));
   }
   bool registered = false;
-  if (!args.flag("unregistered")) {
+  if (m.register_buffers) {
     STRATA_ASSIGN_OR_RETURN(registered, store->io_engine().register_buffers(*arena));
   }
   STRATA_ASSIGN_OR_RETURN(NvmeExtent extent, store->allocate("nvme bench", bytes));
@@ -124,10 +119,44 @@ Status run(const Args& args) {
     }
   }
   STRATA_RETURN_IF_ERROR(store->free(extent));
+  return StoreBandwidth{.write_seconds = write_seconds,
+                        .read_seconds = read_seconds,
+                        .write_gbps = static_cast<double>(bytes) / write_seconds / 1e9,
+                        .read_gbps = static_cast<double>(bytes) / read_seconds / 1e9,
+                        .engine_name = std::string(store->io_engine().name()),
+                        .file_path = store->file_path(),
+                        .registered = registered};
+}
 
-  const double write_gbps = static_cast<double>(bytes) / write_seconds / 1e9;
-  const double read_gbps = static_cast<double>(bytes) / read_seconds / 1e9;
-  const std::string engine_name(store->io_engine().name());
+namespace {
+
+Status run(const Args& args) {
+  StoreMeasurement m;
+  m.nvme_path = args.get("nvme-path", "");
+  if (m.nvme_path.empty()) return InvalidArgumentError("--nvme-path is required");
+  STRATA_ASSIGN_OR_RETURN(const int64_t size_mib, args.get_int("size-mib", 1024));
+  STRATA_ASSIGN_OR_RETURN(const int64_t block_kib, args.get_int("block-kib", 1024));
+  STRATA_ASSIGN_OR_RETURN(const int64_t depth, args.get_int("queue-depth", 32));
+  STRATA_ASSIGN_OR_RETURN(m.engine, parse_io_engine_kind(args.get("engine", "io_uring")));
+  if (size_mib <= 0) return InvalidArgumentError("--size-mib must be positive");
+  if (block_kib <= 0 || block_kib % 4 != 0) return InvalidArgumentError("--block-kib must be a positive multiple of 4 (O_DIRECT)");
+  if (depth <= 0 || depth > 4096) return InvalidArgumentError("--queue-depth must be 1..4096");
+  const bool json = args.flag("json");
+  m.bytes = static_cast<size_t>(size_mib) << 20;
+  m.block_bytes = static_cast<size_t>(block_kib) << 10;
+  m.queue_depth = static_cast<unsigned>(depth);
+  m.checksums = !args.flag("no-checksums");
+  m.sqpoll = args.flag("sqpoll");
+  m.huge_pages = !args.flag("no-huge-pages");
+  m.register_buffers = !args.flag("unregistered");
+  STRATA_ASSIGN_OR_RETURN(const StoreBandwidth measured, measure_store_bandwidth(m));
+  const size_t bytes = m.bytes;
+  const size_t block = m.block_bytes;
+  const double write_seconds = measured.write_seconds;
+  const double read_seconds = measured.read_seconds;
+  const double write_gbps = measured.write_gbps;
+  const double read_gbps = measured.read_gbps;
+  const std::string& engine_name = measured.engine_name;
   if (json) {
     const nlohmann::ordered_json result = {
         {"bench", "nvme"},
@@ -142,9 +171,9 @@ Status run(const Args& args) {
   } else {
     std::printf("strata-bench nvme: %" PRId64 " MiB in %" PRId64 " KiB requests, queue depth %" PRId64
                 ", %s (%s buffers, O_DIRECT, checksums %s)\n",
-                size_mib, block_kib, depth, engine_name.c_str(), registered ? "registered" : "unregistered",
-                options.checksums ? "on" : "off");
-    std::printf("  file    %s\n", store->file_path().c_str());
+                size_mib, block_kib, depth, engine_name.c_str(), measured.registered ? "registered" : "unregistered",
+                m.checksums ? "on" : "off");
+    std::printf("  file    %s\n", measured.file_path.c_str());
     std::printf("  %-6s %10s %10s %10s\n", "phase", "seconds", "GB/s", "GiB/s");
     std::printf("  %-6s %10.3f %10.3f %10.3f\n", "write", write_seconds, write_gbps, write_gbps * 1e9 / (1 << 30));
     std::printf("  %-6s %10.3f %10.3f %10.3f\n", "read", read_seconds, read_gbps, read_gbps * 1e9 / (1 << 30));

@@ -4,15 +4,25 @@
 //   strata-bench step --layers L --width W --batch B --micro-batches K --steps S
 //                     --world-size N --device cpu|cuda --device-budget-mib M
 //                     --offload-param device|cpu|nvme --offload-optimizer device|cpu|nvme
-//                     --param-dtype bf16|fp32 --nvme-path D [--prefetch-depth P] [--json]
+//                     --param-dtype bf16|fp32 --nvme-path D [--prefetch-depth P]
+//                     [--pinned-budget-mib M] [--store-gbps READ,WRITE] [--json]
 //
 // --batch is rows per micro-batch on each rank. The figures are rank 0's, for the median
 // step after a warm-up step: the step time, each stage's busy time (the union of the
 // intervals in which the stage had work in flight), and the overlap figure — the slowest
 // stage's busy time over the step time (1.0 = the step costs no more than its slowest
-// stage). nvme_bytes_read is that step's.
+// stage). nvme_bytes_read and nvme_bytes_written are that step's; "steps" lists every
+// step after the warm-up the same way.
+//
+// Disk efficiency: the time the step's NVMe bytes take at the store's own bandwidth,
+// (read bytes / read GB/s + written bytes / write GB/s), over the step time (1.0 = the
+// step runs at the disk's speed). The bandwidths are measured on --nvme-path before
+// training, as `strata-bench nvme --size-mib 256 --block-kib 1024 --queue-depth 32` does
+// (--store-measure-mib sets the size), or given with --store-gbps.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -31,7 +41,8 @@ constexpr const char* kUsage =
     "usage: strata-bench step --layers L --width W --batch B --micro-batches K --steps S --world-size N\n"
     "                         --device cpu|cuda --device-budget-mib M --offload-param device|cpu|nvme\n"
     "                         --offload-optimizer device|cpu|nvme --param-dtype bf16|fp32 --nvme-path D\n"
-    "                         [--prefetch-depth P] [--seed S] [--json]";
+    "                         [--prefetch-depth P] [--pinned-budget-mib M (0 = what the plan needs)] [--seed S]\n"
+    "                         [--store-gbps READ,WRITE | --store-measure-mib M=256] [--json] [--help]";
 
 struct StepBenchOptions {
   models::LinearStackConfig model;
@@ -45,17 +56,42 @@ struct StepBenchOptions {
   DType param_dtype = DType::kBFloat16;
   std::string nvme_path;
   int prefetch_depth = 2;
+  size_t pinned_budget_bytes = 0;  // EngineOptions::pinned_budget_bytes
+  std::optional<StoreBandwidth> store_bandwidth;  // --store-gbps; else measured when a tier is NVMe
+  size_t store_measure_bytes = size_t{256} << 20;
   uint64_t seed = 1234;
   bool json = false;
+  bool help = false;
 };
+
+// "READ,WRITE" in GB/s, both positive.
+StatusOr<StoreBandwidth> parse_store_gbps(const std::string& text) {
+  const size_t comma = text.find(',');
+  char* end = nullptr;
+  StoreBandwidth bandwidth;
+  if (comma != std::string::npos) {
+    const std::string read = text.substr(0, comma), write = text.substr(comma + 1);
+    bandwidth.read_gbps = std::strtod(read.c_str(), &end);
+    const bool read_ok = end != read.c_str() && *end == '\0';
+    bandwidth.write_gbps = std::strtod(write.c_str(), &end);
+    const bool write_ok = end != write.c_str() && *end == '\0';
+    if (read_ok && write_ok && bandwidth.read_gbps > 0 && bandwidth.write_gbps > 0) {
+      bandwidth.engine_name = "given";
+      return bandwidth;
+    }
+  }
+  return InvalidArgumentError("--store-gbps expects READ,WRITE in GB/s (two positive numbers), got '" + text + "'");
+}
 
 StatusOr<StepBenchOptions> parse(int argc, char** argv) {
   STRATA_ASSIGN_OR_RETURN(Args args, Args::parse(argc, argv,
                                                  {"layers", "width", "batch", "micro-batches", "steps", "world-size", "device",
                                                   "device-budget-mib", "offload-param", "offload-optimizer", "param-dtype",
-                                                  "nvme-path", "prefetch-depth", "seed"},
-                                                 {"json"}));
+                                                  "nvme-path", "prefetch-depth", "seed", "pinned-budget-mib", "store-gbps",
+                                                  "store-measure-mib"},
+                                                 {"json", "help"}));
   StepBenchOptions o;
+  if (args.flag("help")) return StepBenchOptions{.help = true};
   STRATA_ASSIGN_OR_RETURN(int64_t layers, args.get_int("layers", 8));
   STRATA_ASSIGN_OR_RETURN(int64_t width, args.get_int("width", 1024));
   STRATA_ASSIGN_OR_RETURN(int64_t batch, args.get_int("batch", 64));
@@ -65,6 +101,15 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
   STRATA_ASSIGN_OR_RETURN(int64_t budget_mib, args.get_int("device-budget-mib", 1024));
   STRATA_ASSIGN_OR_RETURN(int64_t depth, args.get_int("prefetch-depth", 2));
   STRATA_ASSIGN_OR_RETURN(int64_t seed, args.get_int("seed", 1234));
+  STRATA_ASSIGN_OR_RETURN(int64_t pinned_budget_mib, args.get_int("pinned-budget-mib", 0));
+  STRATA_ASSIGN_OR_RETURN(int64_t store_measure_mib, args.get_int("store-measure-mib", 256));
+  if (pinned_budget_mib < 0 || store_measure_mib < 1)
+    return InvalidArgumentError("need --pinned-budget-mib >= 0 (0 = what the plan needs) and --store-measure-mib >= 1");
+  o.pinned_budget_bytes = static_cast<size_t>(pinned_budget_mib) << 20;
+  o.store_measure_bytes = static_cast<size_t>(store_measure_mib) << 20;
+  if (args.has("store-gbps")) {
+    STRATA_ASSIGN_OR_RETURN(o.store_bandwidth, parse_store_gbps(args.get("store-gbps", "")));
+  }
   if (layers < 1 || width < 2 || batch < 1 || micro < 1 || steps < 2 || world < 1 || budget_mib < 1 || depth < 0)
     return InvalidArgumentError("need --layers >= 1, --width >= 2, --batch >= 1, --micro-batches >= 1, --steps >= 2 "
                                 "(one is the warm-up), --world-size >= 1, --device-budget-mib >= 1, --prefetch-depth >= 0");
@@ -90,27 +135,19 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
   return o;
 }
 
-}  // namespace
-
-int run_step(int argc, char** argv) {
-  auto parsed = parse(argc, argv);
-  if (!parsed.ok()) {
-    std::fprintf(stderr, "%s\n", kUsage);
-    return report_failure("step", parsed.status());
-  }
-  const StepBenchOptions& o = *parsed;
-  LocalClusterOptions cluster_options;
-  cluster_options.world_size = o.world;
-  cluster_options.device = o.device;
-  cluster_options.device_budget_bytes = o.budget_bytes;
-  auto cluster = LocalCluster::create(cluster_options);
-  if (!cluster.ok()) return report_failure("step", cluster.status());
-
-  std::vector<StepReport> reports;
-  size_t state_bytes = 0;
+// What training through the engine produced on rank 0.
+struct TrainingRun {
+  std::vector<StepReport> reports;  // one per step, the warm-up first
+  size_t state_bytes = 0;           // Engine::plan()
+  size_t pinned_bytes = 0;
+  size_t host_bytes = 0;
   std::string plan_text;
+};
+
+StatusOr<TrainingRun> train(const StepBenchOptions& o, LocalCluster& cluster) {
+  TrainingRun run;
   std::mutex mutex;
-  Status status = (*cluster)->run([&](int rank) -> Status {
+  STRATA_RETURN_IF_ERROR(cluster.run([&](int rank) -> Status {
     EngineOptions options;
     options.rank = rank;
     options.world_size = o.world;
@@ -122,12 +159,13 @@ int run_step(int argc, char** argv) {
     options.optimizer_tier = o.optimizer;
     options.nvme_path = o.nvme_path;
     options.prefetch_depth = o.prefetch_depth;
+    options.pinned_budget_bytes = o.pinned_budget_bytes;
     options.gradient_accumulation_steps = o.micro_batches;
     options.activation_bytes = models::linear_stack_activation_bytes(o.model, o.model.global_rows / o.world, o.param_dtype) +
                                (o.device == DeviceKind::kCuda ? (size_t{4} << 20) : 0);
     options.adam.lr = 1e-3;
-    STRATA_ASSIGN_OR_RETURN(auto engine, Engine::create(options, (*cluster)->device(rank), (*cluster)->gather_communicator(rank),
-                                                        (*cluster)->reduce_communicator(rank)));
+    STRATA_ASSIGN_OR_RETURN(auto engine, Engine::create(options, cluster.device(rank), cluster.gather_communicator(rank),
+                                                        cluster.reduce_communicator(rank)));
     STRATA_ASSIGN_OR_RETURN(auto model, models::LinearStackModel::create(*engine, o.model, rank, o.world, /*declare_schedule=*/true));
     STRATA_RETURN_IF_ERROR(engine->start());
     STRATA_RETURN_IF_ERROR(model->allocate());
@@ -135,17 +173,98 @@ int run_step(int argc, char** argv) {
       STRATA_ASSIGN_OR_RETURN(StepReport report, model->train_step(s, o.micro_batches, 1e-3));
       if (rank == 0) {
         std::lock_guard<std::mutex> lock(mutex);
-        reports.push_back(report);
+        run.reports.push_back(report);
       }
     }
     STRATA_RETURN_IF_ERROR(engine->finish());
     if (rank == 0) {
-      state_bytes = engine->plan().state_bytes;
-      plan_text = engine->plan().text;
+      const EnginePlan& plan = engine->plan();
+      run.state_bytes = plan.state_bytes;
+      run.pinned_bytes = plan.pinned_bytes;
+      run.host_bytes = plan.host_bytes;
+      run.plan_text = plan.text;
     }
     return {};
-  });
-  if (!status.ok()) return report_failure("step", status);
+  }));
+  return run;
+}
+
+// One step's figures: its own NVMe traffic (StepReport counts since start), its busy
+// seconds per stage by name, and the disk efficiency where the store's bandwidth is known.
+nlohmann::ordered_json step_figures(const std::vector<StepReport>& reports, size_t i, const std::optional<StoreBandwidth>& store) {
+  const StepReport& r = reports[i];
+  const uint64_t read = r.nvme_bytes_read - reports[i - 1].nvme_bytes_read;
+  const uint64_t written = r.nvme_bytes_written - reports[i - 1].nvme_bytes_written;
+  nlohmann::ordered_json busy;
+  for (size_t s = 0; s < kStageCount; ++s) busy[std::string(stage_name(static_cast<Stage>(s)))] = r.busy[s];
+  nlohmann::ordered_json figures = {{"step", r.step}, {"step_s", r.step_seconds}, {"busy_s", busy},
+                                    {"nvme_bytes_read", read}, {"nvme_bytes_written", written}};
+  if (store) {
+    const double disk_seconds = static_cast<double>(read) / (store->read_gbps * 1e9) + static_cast<double>(written) / (store->write_gbps * 1e9);
+    figures["disk_s"] = disk_seconds;
+    figures["disk_efficiency"] = r.step_seconds > 0 ? disk_seconds / r.step_seconds : 0.0;
+  }
+  return figures;
+}
+
+// The store's bandwidth for the disk-efficiency figure: given, measured on the NVMe path
+// before training, or none when no tier is on NVMe.
+StatusOr<std::optional<StoreBandwidth>> store_bandwidth(const StepBenchOptions& o) {
+  if (o.store_bandwidth) return o.store_bandwidth;
+  if (o.params != Tier::kNvme && o.optimizer != Tier::kNvme) return std::optional<StoreBandwidth>();
+  STRATA_ASSIGN_OR_RETURN(StoreBandwidth measured,
+                          measure_store_bandwidth({.nvme_path = o.nvme_path, .bytes = o.store_measure_bytes}));
+  return std::optional<StoreBandwidth>(measured);
+}
+
+void print_table(const TrainingRun& run, const StepReport& r, const nlohmann::ordered_json& median,
+                 size_t steps_counted, size_t peak) {
+  std::printf("%s\n\n", run.plan_text.c_str());
+  std::printf("step (median of %zu after a warm-up): %.4f s\n", steps_counted, r.step_seconds);
+  std::printf("%-16s %10s %8s\n", "stage", "busy (s)", "of step");
+  for (size_t s = 0; s < kStageCount; ++s)
+    std::printf("%-16s %10.4f %7.1f%%\n", std::string(stage_name(static_cast<Stage>(s))).c_str(), r.busy[s],
+                r.step_seconds > 0 ? 100.0 * r.busy[s] / r.step_seconds : 0.0);
+  std::printf("overlap (slowest stage %s / step): %.3f\n", median["slowest_stage"].get<std::string>().c_str(),
+              median["overlap"].get<double>());
+  std::printf("device peak %.1f MiB of a %.1f MiB budget; training state %.1f MiB; host %.1f MiB pinned + %.1f MiB pageable\n",
+              peak / 1048576.0, r.device_budget_bytes / 1048576.0, run.state_bytes / 1048576.0, run.pinned_bytes / 1048576.0,
+              run.host_bytes / 1048576.0);
+  std::printf("NVMe per step: %.1f MiB read, %.1f MiB written", median["nvme_bytes_read"].get<double>() / 1048576.0,
+              median["nvme_bytes_written"].get<double>() / 1048576.0);
+  if (median.contains("disk_efficiency")) {
+    std::printf("; at the store's %.2f GB/s read, %.2f GB/s write (%s) that is %.3f s: disk efficiency %.3f",
+                median["store_read_gbps"].get<double>(), median["store_write_gbps"].get<double>(),
+                median["store_gbps_source"].get<std::string>().c_str(), median["disk_s"].get<double>(),
+                median["disk_efficiency"].get<double>());
+  }
+  std::printf("\n");
+}
+
+}  // namespace
+
+int run_step(int argc, char** argv) {
+  auto parsed = parse(argc, argv);
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "%s\n", kUsage);
+    return report_failure("step", parsed.status());
+  }
+  if (parsed->help) {
+    std::printf("%s\n", kUsage);
+    return 0;
+  }
+  const StepBenchOptions& o = *parsed;
+  auto store = store_bandwidth(o);
+  if (!store.ok()) return report_failure("step", Status(store.status()).with_context("measuring the store's bandwidth on --nvme-path"));
+  LocalClusterOptions cluster_options;
+  cluster_options.world_size = o.world;
+  cluster_options.device = o.device;
+  cluster_options.device_budget_bytes = o.budget_bytes;
+  auto cluster = LocalCluster::create(cluster_options);
+  if (!cluster.ok()) return report_failure("step", cluster.status());
+  auto run = train(o, **cluster);
+  if (!run.ok()) return report_failure("step", run.status());
+  const std::vector<StepReport>& reports = run->reports;
 
   // The median step after the warm-up step.
   std::vector<size_t> order;
@@ -153,41 +272,39 @@ int run_step(int argc, char** argv) {
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return reports[a].step_seconds < reports[b].step_seconds; });
   const size_t chosen = order[order.size() / 2];
   const StepReport& r = reports[chosen];
-  const uint64_t nvme_read = r.nvme_bytes_read - reports[chosen - 1].nvme_bytes_read;
-  double slowest = 0.0;
   size_t slowest_stage = 0;
-  for (size_t s = 0; s < kStageCount; ++s) {
-    if (r.busy[s] > slowest) {
-      slowest = r.busy[s];
-      slowest_stage = s;
-    }
+  for (size_t s = 1; s < kStageCount; ++s) {
+    if (r.busy[s] > r.busy[slowest_stage]) slowest_stage = s;
   }
-  const double overlap = r.step_seconds > 0 ? slowest / r.step_seconds : 0.0;
+  const double overlap = r.step_seconds > 0 ? r.busy[slowest_stage] / r.step_seconds : 0.0;
   size_t peak = 0;
   for (int rank = 0; rank < o.world; ++rank) peak = std::max(peak, (*cluster)->device(rank).memory_stats().high_water_bytes);
 
-  if (!o.json) {
-    std::printf("%s\n\n", plan_text.c_str());
-    std::printf("step (median of %zu after a warm-up): %.4f s\n", order.size(), r.step_seconds);
-    std::printf("%-16s %10s %8s\n", "stage", "busy (s)", "of step");
-    for (size_t s = 0; s < kStageCount; ++s)
-      std::printf("%-16s %10.4f %7.1f%%\n", std::string(stage_name(static_cast<Stage>(s))).c_str(), r.busy[s],
-                  r.step_seconds > 0 ? 100.0 * r.busy[s] / r.step_seconds : 0.0);
-    std::printf("overlap (slowest stage %s / step): %.3f\n", std::string(stage_name(static_cast<Stage>(slowest_stage))).c_str(), overlap);
-    std::printf("device peak %.1f MiB of a %.1f MiB budget; training state %.1f MiB; NVMe read per step %.1f MiB\n",
-                peak / 1048576.0, r.device_budget_bytes / 1048576.0, state_bytes / 1048576.0, nvme_read / 1048576.0);
+  nlohmann::ordered_json out = {{"bench", "step"}};
+  const nlohmann::ordered_json median = step_figures(reports, chosen, *store);
+  out.update(median);
+  out.erase("step");  // the top level describes the median step; "steps" numbers them all
+  out["overlap"] = overlap;
+  out["slowest_stage"] = std::string(stage_name(static_cast<Stage>(slowest_stage)));
+  out["device_peak_bytes"] = peak;
+  out["device_budget_bytes"] = r.device_budget_bytes;
+  out["state_bytes"] = run->state_bytes;
+  out["pinned_bytes"] = run->pinned_bytes;
+  out["host_bytes"] = run->host_bytes;
+  out["pinned_budget_bytes"] = o.pinned_budget_bytes;
+  if (*store) {
+    out["store_read_gbps"] = (*store)->read_gbps;
+    out["store_write_gbps"] = (*store)->write_gbps;
+    out["store_gbps_source"] = o.store_bandwidth ? "given" : "measured";
   }
-  nlohmann::json busy;
-  for (size_t s = 0; s < kStageCount; ++s) busy[std::string(stage_name(static_cast<Stage>(s)))] = r.busy[s];
-  nlohmann::json out = {{"bench", "step"},
-                        {"step_s", r.step_seconds},
-                        {"busy_s", busy},
-                        {"overlap", overlap},
-                        {"device_peak_bytes", peak},
-                        {"device_budget_bytes", r.device_budget_bytes},
-                        {"state_bytes", state_bytes},
-                        {"nvme_bytes_read", nvme_read}};
-  if (o.json) std::printf("%s\n", out.dump().c_str());
+  nlohmann::ordered_json steps = nlohmann::ordered_json::array();
+  for (size_t i = 1; i < reports.size(); ++i) steps.push_back(step_figures(reports, i, *store));
+  out["steps"] = steps;
+  if (o.json) {
+    std::printf("%s\n", out.dump().c_str());
+  } else {
+    print_table(*run, r, out, order.size(), peak);
+  }
   return 0;
 }
 

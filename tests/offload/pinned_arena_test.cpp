@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -42,7 +43,9 @@ bool drop_capability(int capability) {
 TEST(PinnedArenaTest, CreatesAlignedLockedArena) {
   STRATA_ASSERT_OK_AND_ASSIGN(auto arena, PinnedArena::create({.bytes = 8 * kMiB + 100}));
   EXPECT_EQ(reinterpret_cast<uintptr_t>(arena->data()) % PinnedArena::kAlignment, 0u);
-  EXPECT_EQ(arena->size(), 8 * kMiB + 4096);
+  // The size asked for, 4 KiB rounded, plus colouring room: one gap per MiB.
+  EXPECT_EQ(arena->size(), 8 * kMiB + 4096 + 8 * PinnedArena::kColourGapBytes);
+  EXPECT_EQ(arena->size(), PinnedArena::carvable_bytes(8 * kMiB + 100));
   rlimit limit{};
   ASSERT_EQ(::getrlimit(RLIMIT_MEMLOCK, &limit), 0);
   if (have_capability(CAP_IPC_LOCK) || limit.rlim_cur == RLIM_INFINITY || limit.rlim_cur >= 16 * kMiB) {
@@ -163,17 +166,17 @@ TEST(PinnedArenaTest, RegionsOfAtMostOneGibAndBuffersPackAcrossThem) {
   ASSERT_EQ(arena->regions().size(), 3u);
   EXPECT_EQ(arena->regions()[0].bytes, gib);
   EXPECT_EQ(arena->regions()[1].bytes, gib);
-  EXPECT_EQ(arena->regions()[2].bytes, gib / 2);
+  EXPECT_EQ(arena->regions()[2].bytes, arena->size() - 2 * gib);  // half a GiB and the colouring room
   EXPECT_FALSE(arena->locked());
-  STRATA_ASSERT_OK_AND_ASSIGN(PinnedBuffer almost, arena->allocate(gib - 4096, "almost a region"));
+  // With its colouring gap, this buffer ends one page short of the first region's end.
+  STRATA_ASSERT_OK_AND_ASSIGN(PinnedBuffer almost, arena->allocate(gib - 8192, "almost a region"));
   EXPECT_EQ(almost.region_index(), 0);
   STRATA_ASSERT_OK_AND_ASSIGN(PinnedBuffer straddling, arena->allocate(8192, "straddles"));
   EXPECT_EQ(straddling.region_index(), 0);
   EXPECT_EQ(straddling.region_offset(), gib - 4096);
-  // The rest of the arena is one free range: a buffer of all of it fits.
-  const size_t rest = 2 * gib + gib / 2 - gib - 4096;
-  EXPECT_EQ(arena->stats().largest_free_bytes, rest);
-  STRATA_ASSERT_OK_AND_ASSIGN(PinnedBuffer tail, arena->allocate(rest, "the rest, across regions 1 and 2"));
+  // The rest of the arena is one free range, and a buffer of the rest of the budget fits.
+  EXPECT_EQ(arena->stats().largest_free_bytes, arena->size() - gib - 4096);
+  STRATA_ASSERT_OK_AND_ASSIGN(PinnedBuffer tail, arena->allocate(gib + gib / 2, "the rest, across regions 1 and 2"));
   EXPECT_EQ(tail.region_index(), 1);
   EXPECT_EQ(tail.region_offset(), 4096u);
 }
@@ -193,7 +196,31 @@ TEST(PinnedArenaTest, ConcurrentAllocationsStayWithinBudget) {
   const PinnedArenaStats stats = arena->stats();
   EXPECT_EQ(stats.in_use_bytes, 0u);
   EXPECT_LE(stats.high_water_bytes, 4 * kMiB);
-  EXPECT_EQ(stats.largest_free_bytes, 4 * kMiB);
+  EXPECT_EQ(stats.largest_free_bytes, arena->size());
+}
+
+// An optimizer group's master weights and moments, a ring of staging slots: equal 2^k-byte
+// buffers carved one after another. Packed tightly they would all start at the same
+// address modulo 2^k, so streams walking them in step would collide in the caches' sets
+// and the DRAM banks; coloured, no two start at the same address modulo 2 MiB.
+TEST(PinnedArenaTest, EqualPowerOfTwoBuffersStartAtDistinctAddressesModuloTwoMiB) {
+  for (const size_t bytes : {kMiB, 4 * kMiB, 16 * kMiB}) {
+    constexpr int kBuffers = 5;
+    // Exactly the bytes asked for: the arena's colouring room holds the gaps.
+    STRATA_ASSERT_OK_AND_ASSIGN(auto arena, PinnedArena::create({.bytes = kBuffers * bytes, .lock = false}));
+    std::vector<PinnedBuffer> buffers;
+    std::set<uintptr_t> residues;
+    for (int i = 0; i < kBuffers; ++i) {
+      STRATA_ASSERT_OK_AND_ASSIGN(PinnedBuffer buffer, arena->allocate(bytes, "state " + std::to_string(i)));
+      const auto address = reinterpret_cast<uintptr_t>(buffer.data());
+      EXPECT_EQ(address % PinnedArena::kAlignment, 0u);
+      residues.insert(address % (2 * kMiB));
+      buffers.push_back(std::move(buffer));
+    }
+    EXPECT_EQ(residues.size(), static_cast<size_t>(kBuffers)) << bytes << "-byte buffers";
+    // The budget counts what was asked for, not the gaps.
+    EXPECT_EQ(arena->stats().in_use_bytes, kBuffers * bytes);
+  }
 }
 
 // With CAP_IPC_LOCK dropped and RLIMIT_MEMLOCK lowered (in a child, so the test process
