@@ -14,6 +14,7 @@
 //   STRATA_RETURN_IF_ERROR(apply_override(config, "strata.device_budget_mib", "4096"));
 //   STRATA_RETURN_IF_ERROR(finalize(config, world_size));   // batch sizes, cross-field checks
 //   write to_json(config) next to the checkpoint.
+//   engine/engine_config.h maps the finalized config to the engine's EngineOptions.
 //
 // The schema is a table in config.cpp: adding a key is one line there plus a field here
 // and a row in docs/config.md.
@@ -197,7 +198,7 @@ struct StrataSection {
   std::optional<DeviceKind> device;   // where compute runs; unset = "auto" (see resolve_device)
   int64_t world_size = 1;             // data-parallel ranks
   int64_t device_budget_mib = 0;      // hard cap on device memory per rank; 0 = the device's own limit
-  int64_t pinned_budget_mib = 0;      // cap on pinned host memory per rank; 0 = what the tiers need
+  int64_t pinned_budget_mib = 0;      // cap on the engine's host memory per rank (pinned or pageable), MiB; 0 = what the plan needs
   int64_t compute_threads = 0;        // CPU device compute threads; 0 = all hardware threads
   int64_t optimizer_threads = 0;      // CPU Adam threads; 0 = all hardware threads
   OverlapMode optimizer_overlap = OverlapMode::kExact;
