@@ -25,14 +25,6 @@
 
 namespace strata {
 
-std::string_view overlap_mode_name(OverlapMode mode) { return mode == OverlapMode::kExact ? "exact" : "delayed"; }
-
-StatusOr<OverlapMode> parse_overlap_mode(std::string_view text) {
-  if (text == "exact") return OverlapMode::kExact;
-  if (text == "delayed") return OverlapMode::kDelayed;
-  return InvalidArgumentError("unknown optimizer overlap '" + std::string(text) + "': expected exact or delayed");
-}
-
 namespace engine_internal {
 namespace {
 

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "engine/core/communicator.h"
+#include "engine/core/config.h"
 #include "engine/core/device.h"
 #include "engine/core/dtype.h"
 #include "engine/partition.h"
@@ -56,19 +57,7 @@
 
 namespace strata {
 
-// When the optimizer runs relative to the next step (DESIGN.md, "Overlap modes").
-enum class OverlapMode : uint8_t {
-  // Global norm and overflow are reduced at the end of backward; then Adam runs group by
-  // group in forward order while the next forward starts, forward(g) waiting only for
-  // Adam(g). With clipping off and no loss scaling, Adam(g) starts as soon as g's last
-  // gradients land, during backward.
-  kExact,
-  // Step t's update overlaps step t+1's forward and backward: the parameters a step uses
-  // are one update stale.
-  kDelayed,
-};
-std::string_view overlap_mode_name(OverlapMode mode);  // "exact" | "delayed"
-StatusOr<OverlapMode> parse_overlap_mode(std::string_view text);
+// OverlapMode (exact | delayed), its name and its parser live in engine/core/config.h.
 
 struct EngineOptions {
   int rank = 0;

@@ -213,7 +213,7 @@ StatusOr<TrainerOptions> build_options(const Args& args) {
     else if (*args.checkpointing == "device") options.checkpointing = ActivationCheckpointing::kDevice;
     else if (*args.checkpointing == "pinned") options.checkpointing = ActivationCheckpointing::kPinnedHost;
     else return InvalidArgumentError("--activation-checkpointing takes off, device or pinned, got \"" + *args.checkpointing + "\"");
-  } else if (config.was_given("strata.model.activation_checkpointing") && !m.activation_checkpointing) {
+  } else if (!m.activation_checkpointing) {
     options.checkpointing = ActivationCheckpointing::kOff;
   } else {
     options.checkpointing = m.checkpoints_in_pinned_memory ? ActivationCheckpointing::kPinnedHost : ActivationCheckpointing::kDevice;

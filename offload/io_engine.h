@@ -34,18 +34,14 @@
 #include <string>
 #include <string_view>
 
+#include "engine/core/config.h"
 #include "engine/core/status.h"
 #include "offload/pinned_arena.h"
 
 namespace strata {
 
-enum class IoEngineKind : uint8_t {
-  kAuto,     // io_uring where the kernel allows it, else psync (logged once)
-  kIoUring,  // io_uring or an error
-  kPsync,    // the pread/pwrite thread pool
-};
-std::string_view io_engine_kind_name(IoEngineKind kind);  // "auto" | "io_uring" | "psync"
-StatusOr<IoEngineKind> parse_io_engine_kind(std::string_view text);
+// IoEngineKind (auto | io_uring | psync), its name and its parser live in
+// engine/core/config.h, where the config's strata.io_engine needs them.
 
 struct IoEngineOptions {
   IoEngineKind kind = IoEngineKind::kAuto;

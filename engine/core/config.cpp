@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cmath>
 #include <functional>
+#include <initializer_list>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -20,20 +21,55 @@
 
 namespace strata {
 
-std::string_view placement_name(Placement placement) {
-  switch (placement) {
-    case Placement::kDevice: return "device";
-    case Placement::kCpu: return "cpu";
-    case Placement::kNvme: return "nvme";
+std::string_view tier_name(Tier tier) {
+  switch (tier) {
+    case Tier::kDevice: return "device";
+    case Tier::kPinned: return "pinned";
+    case Tier::kHost: return "host";
+    case Tier::kNvme: return "nvme";
   }
   return "?";
 }
 
-StatusOr<Placement> parse_placement_name(std::string_view text) {
-  if (text == "device" || text == "none") return Placement::kDevice;
-  if (text == "cpu") return Placement::kCpu;
-  if (text == "nvme") return Placement::kNvme;
+std::string_view placement_name(Tier tier) {
+  switch (tier) {
+    case Tier::kDevice: return "device";
+    case Tier::kPinned:
+    case Tier::kHost: return "cpu";
+    case Tier::kNvme: return "nvme";
+  }
+  return "?";
+}
+
+StatusOr<Tier> parse_placement(std::string_view text, bool pin_memory) {
+  if (text == "device" || text == "none") return Tier::kDevice;
+  if (text == "cpu") return pin_memory ? Tier::kPinned : Tier::kHost;
+  if (text == "nvme") return Tier::kNvme;
   return InvalidArgumentError("unknown placement \"" + std::string(text) + "\": expected device (or none), cpu or nvme");
+}
+
+std::string_view overlap_mode_name(OverlapMode mode) { return mode == OverlapMode::kDelayed ? "delayed" : "exact"; }
+
+StatusOr<OverlapMode> parse_overlap_mode(std::string_view text) {
+  if (text == "exact") return OverlapMode::kExact;
+  if (text == "delayed") return OverlapMode::kDelayed;
+  return InvalidArgumentError("unknown optimizer overlap \"" + std::string(text) + "\": expected exact or delayed");
+}
+
+std::string_view io_engine_kind_name(IoEngineKind kind) {
+  switch (kind) {
+    case IoEngineKind::kAuto: return "auto";
+    case IoEngineKind::kIoUring: return "io_uring";
+    case IoEngineKind::kPsync: return "psync";
+  }
+  return "?";
+}
+
+StatusOr<IoEngineKind> parse_io_engine_kind(std::string_view text) {
+  if (text == "auto") return IoEngineKind::kAuto;
+  if (text == "io_uring" || text == "uring") return IoEngineKind::kIoUring;
+  if (text == "psync" || text == "pread") return IoEngineKind::kPsync;
+  return InvalidArgumentError("unknown I/O engine \"" + std::string(text) + "\": expected auto, io_uring or psync");
 }
 
 std::string_view optimizer_type_name(OptimizerType type) { return type == OptimizerType::kAdamW ? "AdamW" : "Adam"; }
@@ -44,17 +80,6 @@ std::string_view scheduler_type_name(SchedulerType type) {
     case SchedulerType::kWarmupLR: return "WarmupLR";
     case SchedulerType::kWarmupDecayLR: return "WarmupDecayLR";
     case SchedulerType::kWarmupCosineLR: return "WarmupCosineLR";
-  }
-  return "?";
-}
-
-std::string_view optimizer_overlap_name(OptimizerOverlap mode) { return mode == OptimizerOverlap::kDelayed ? "delayed" : "exact"; }
-
-std::string_view io_engine_choice_name(IoEngineChoice choice) {
-  switch (choice) {
-    case IoEngineChoice::kAuto: return "auto";
-    case IoEngineChoice::kIoUring: return "io_uring";
-    case IoEngineChoice::kPsync: return "psync";
   }
   return "?";
 }
@@ -297,7 +322,8 @@ struct StringCodec {
 };
 
 // A closed set of names. `names` are shown in messages and the first name of each value
-// is what encode() writes; `aliases` are further accepted spellings; `not_implemented`
+// is what encode() writes (the first alias for a value without a name); `aliases` are
+// further accepted spellings; `not_implemented`
 // are names another system (DeepSpeed) accepts that Strata does not implement.
 template <class E>
 struct EnumCodec {
@@ -337,8 +363,10 @@ struct EnumCodec {
     return value_error(ctx, expected(), value);
   }
   Json encode(E value) const {
-    for (const auto& [name, candidate] : names) {
-      if (candidate == value) return name;
+    for (const auto* list : {&names, &aliases}) {
+      for (const auto& [name, candidate] : *list) {
+        if (candidate == value) return name;
+      }
     }
     return nullptr;
   }
@@ -488,11 +516,21 @@ DoubleCodec positive_number() { return DoubleCodec{.min = 0.0, .min_exclusive = 
 template <class C>
 OptionalCodec<C> optional_of(C inner) { return OptionalCodec<C>{.inner = std::move(inner)}; }
 
-EnumCodec<Placement> placement_codec() {
-  return EnumCodec<Placement>{
-      .names = {{"none", Placement::kDevice}, {"cpu", Placement::kCpu}, {"nvme", Placement::kNvme}},
-      .aliases = {{"device", Placement::kDevice}},
+// "cpu" reads as kPinned; finalize() makes it kHost when pin_memory is false, and the
+// alias lets to_json() write kHost back as "cpu" (decoding stops at the names first).
+EnumCodec<Tier> placement_codec() {
+  return EnumCodec<Tier>{
+      .names = {{"none", Tier::kDevice}, {"cpu", Tier::kPinned}, {"nvme", Tier::kNvme}},
+      .aliases = {{"device", Tier::kDevice}, {"cpu", Tier::kHost}},
       .not_implemented = {"hpu"}};
+}
+
+// Names from the enum's own name function, so the config and the code spell them alike.
+template <class E, class NameOf>
+EnumCodec<E> named_codec(std::initializer_list<E> values, NameOf name_of) {
+  EnumCodec<E> codec;
+  for (E value : values) codec.names.emplace_back(std::string(name_of(value)), value);
+  return codec;
 }
 
 EnumCodec<DType> dtype_codec(bool allow_fp16) {
@@ -530,7 +568,7 @@ std::vector<KeySpec> build_schema() {
   add(value_key("train_batch_size", FIELD(train_batch_size), optional_of(positive())));
   add(value_key("train_micro_batch_size_per_gpu", FIELD(train_micro_batch_size_per_gpu), optional_of(positive())));
   add(value_key("gradient_accumulation_steps", FIELD(gradient_accumulation_steps), optional_of(positive())));
-  add(value_key("steps_per_print", FIELD(steps_per_print), positive()));
+  add(value_key("steps_per_print", FIELD(steps_per_print), non_negative()));
   add(value_key("wall_clock_breakdown", FIELD(wall_clock_breakdown), BoolCodec{}));
   add(value_key("gradient_clipping", FIELD(gradient_clipping), non_negative_number()));
 
@@ -539,13 +577,15 @@ std::vector<KeySpec> build_schema() {
   add(value_key("zero_optimization.offload_param.device", FIELD(zero.offload_param.device), placement_codec()));
   add(alias_key("zero_optimization.offload_param.nvme_path", "strata.nvme_path"));
   add(value_key("zero_optimization.offload_param.pin_memory", FIELD(zero.offload_param.pin_memory), BoolCodec{}));
-  add(value_key("zero_optimization.offload_param.buffer_count", FIELD(zero.offload_param.buffer_count), positive()));
-  add(value_key("zero_optimization.offload_param.buffer_size", FIELD(zero.offload_param.buffer_size), positive()));
+  add(value_key("zero_optimization.offload_param.buffer_count", FIELD(zero.offload_param.buffer_count), optional_of(positive())));
+  add(ignored_key("zero_optimization.offload_param.buffer_size",
+                  "Strata sizes each parameter staging buffer by the largest group shard it must hold"));
   add(ignored_key("zero_optimization.offload_param.max_in_cpu", "host memory is bounded by strata.pinned_budget_mib"));
   add(value_key("zero_optimization.offload_optimizer.device", FIELD(zero.offload_optimizer.device), placement_codec()));
   add(alias_key("zero_optimization.offload_optimizer.nvme_path", "strata.nvme_path"));
   add(value_key("zero_optimization.offload_optimizer.pin_memory", FIELD(zero.offload_optimizer.pin_memory), BoolCodec{}));
-  add(value_key("zero_optimization.offload_optimizer.buffer_count", FIELD(zero.offload_optimizer.buffer_count), positive()));
+  add(value_key("zero_optimization.offload_optimizer.buffer_count", FIELD(zero.offload_optimizer.buffer_count),
+                optional_of(IntCodec{.min = 3})));
   add(ignored_key("zero_optimization.offload_optimizer.ratio", "all of the optimizer state goes where offload_optimizer.device says"));
   add(ignored_key("zero_optimization.offload_optimizer.pipeline_read", "Strata's optimizer-state pipeline always overlaps NVMe reads with the optimizer"));
   add(ignored_key("zero_optimization.offload_optimizer.pipeline_write", "Strata's optimizer-state pipeline always overlaps NVMe writes with the optimizer"));
@@ -554,7 +594,8 @@ std::vector<KeySpec> build_schema() {
   add(value_key("zero_optimization.stage3_prefetch_bucket_size", FIELD(zero.prefetch_bucket_size), non_negative()));
   add(value_key("zero_optimization.stage3_max_live_parameters", FIELD(zero.max_live_parameters), non_negative()));
   add(value_key("zero_optimization.stage3_param_persistence_threshold", FIELD(zero.param_persistence_threshold), non_negative()));
-  add(value_key("zero_optimization.reduce_bucket_size", FIELD(zero.reduce_bucket_size), positive()));
+  add(value_key("zero_optimization.reduce_bucket_size", FIELD(zero.reduce_bucket_size), optional_of(positive())));
+  add(value_key("zero_optimization.sub_group_size", FIELD(zero.sub_group_size), optional_of(positive())));
   add(deprecated_cpu_offload_key("zero_optimization.cpu_offload", "zero_optimization.offload_optimizer.device"));
   add(deprecated_cpu_offload_key("zero_optimization.cpu_offload_param", "zero_optimization.offload_param.device"));
   add(ignored_key("zero_optimization.cpu_offload_use_pin_memory", "deprecated in DeepSpeed; set pin_memory in offload_param or offload_optimizer"));
@@ -564,7 +605,6 @@ std::vector<KeySpec> build_schema() {
   }
   add(ignored_key("zero_optimization.overlap_comm", kAlwaysOverlapped));
   add(ignored_key("zero_optimization.contiguous_gradients", "Strata's gradient shards are always contiguous per parameter group"));
-  add(ignored_key("zero_optimization.sub_group_size", "Strata's optimizer works one parameter group at a time"));
   add(ignored_key("zero_optimization.stage3_max_reuse_distance", "Strata releases gathered groups by its recorded schedule, not by reuse distance"));
   add(ignored_key("zero_optimization.stage3_model_persistence_threshold", "Strata bounds unpartitioned tensors with stage3_param_persistence_threshold only"));
   add(ignored_key("zero_optimization.stage3_module_granularity_threshold", "Strata gathers whole parameter groups (layers)"));
@@ -630,7 +670,7 @@ std::vector<KeySpec> build_schema() {
   add(value_key("optimizer.params.eps", FIELD(optimizer.eps), positive_number()));
   add(value_key("optimizer.params.weight_decay", FIELD(optimizer.weight_decay), non_negative_number()));
   add(value_key("optimizer.params.adam_w_mode", FIELD(optimizer.adam_w_mode), BoolCodec{}));
-  add(value_key("optimizer.params.bias_correction", FIELD(optimizer.bias_correction), BoolCodec{}));
+  add(restricted_key("optimizer.params.bias_correction", true, "Strata's Adam always corrects the moments' bias"));
   add(restricted_key("optimizer.params.amsgrad", false, "Strata's Adam does not implement AMSGrad"));
   add(restricted_key("optimizer.params.maximize", false, "Strata's Adam minimizes"));
   add(ignored_key("optimizer.params.torch_adam", "Strata always uses its own Adam"));
@@ -697,16 +737,16 @@ std::vector<KeySpec> build_schema() {
   add(value_key("strata.compute_threads", FIELD(strata.compute_threads), IntCodec{.min = 0, .max = 4096}));
   add(value_key("strata.optimizer_threads", FIELD(strata.optimizer_threads), IntCodec{.min = 0, .max = 4096}));
   add(value_key("strata.optimizer_overlap", FIELD(strata.optimizer_overlap),
-                EnumCodec<OptimizerOverlap>{.names = {{"exact", OptimizerOverlap::kExact}, {"delayed", OptimizerOverlap::kDelayed}}}));
+                named_codec({OverlapMode::kExact, OverlapMode::kDelayed}, overlap_mode_name)));
   add(value_key("strata.grad_wire_dtype", FIELD(strata.grad_wire_dtype), dtype_codec(/*allow_fp16=*/false)));
   add(value_key("strata.param_dtype", FIELD(strata.param_dtype), optional_of(dtype_codec(/*allow_fp16=*/true))));
   add(alias_key("strata.persistence_threshold", "zero_optimization.stage3_param_persistence_threshold"));
-  add(value_key("strata.prefetch_depth", FIELD(strata.prefetch_depth), IntCodec{.min = 0, .max = 64}));
+  add(value_key("strata.prefetch_depth", FIELD(strata.prefetch_depth),
+                OptionalCodec<IntCodec>{.inner = {.min = 0, .max = 64}, .unset_name = "auto"}));
   add(value_key("strata.nvme_path", FIELD(strata.nvme_path), StringCodec{}));
   add(value_key("strata.nvme_checksum", FIELD(strata.nvme_checksum), BoolCodec{}));
   add(value_key("strata.io_engine", FIELD(strata.io_engine),
-                EnumCodec<IoEngineChoice>{.names = {{"auto", IoEngineChoice::kAuto}, {"io_uring", IoEngineChoice::kIoUring},
-                                                    {"psync", IoEngineChoice::kPsync}}}));
+                named_codec({IoEngineKind::kAuto, IoEngineKind::kIoUring, IoEngineKind::kPsync}, io_engine_kind_name)));
   add(value_key("strata.metrics", FIELD(strata.metrics), StringCodec{}));
   add(value_key("strata.trace", FIELD(strata.trace), StringCodec{}));
   add(value_key("strata.seed", FIELD(strata.seed), non_negative()));
@@ -1224,14 +1264,29 @@ Status finalize(StrataConfig& config, int world_size) {
 
   // NVMe placement needs a directory.
   if (config.strata.nvme_path.empty()) {
-    const std::pair<Placement, const char*> offloads[] = {
+    const std::pair<Tier, const char*> offloads[] = {
         {config.zero.offload_param.device, "zero_optimization.offload_param"},
         {config.zero.offload_optimizer.device, "zero_optimization.offload_optimizer"}};
     for (const auto& [placement, section] : offloads) {
-      if (placement == Placement::kNvme) {
+      if (placement == Tier::kNvme) {
         errors.push_back(std::string(section) + ".device is \"nvme\" but " + section +
                          ".nvme_path is not set (nor strata.nvme_path or --nvme-path)" + in);
       }
+    }
+  }
+
+  // Host placements: the engine keeps every host buffer in one arena, pinned or not.
+  {
+    OffloadParamConfig& param = config.zero.offload_param;
+    OffloadOptimizerConfig& optimizer = config.zero.offload_optimizer;
+    const bool pinned = param.pin_memory && optimizer.pin_memory;
+    if (param.pin_memory != optimizer.pin_memory) {
+      STRATA_LOG(kWarn) << config.source << ": zero_optimization.offload_param.pin_memory is " << (param.pin_memory ? "true" : "false")
+                        << " and zero_optimization.offload_optimizer.pin_memory is " << (optimizer.pin_memory ? "true" : "false")
+                        << "; Strata keeps all host buffers in one arena, so all of them are pageable";
+    }
+    for (Tier* tier : {&param.device, &optimizer.device}) {
+      if (*tier == Tier::kPinned || *tier == Tier::kHost) *tier = pinned ? Tier::kPinned : Tier::kHost;
     }
   }
 

@@ -14,6 +14,7 @@
 //   STRATA_RETURN_IF_ERROR(apply_override(config, "strata.device_budget_mib", "4096"));
 //   STRATA_RETURN_IF_ERROR(finalize(config, world_size));   // batch sizes, cross-field checks
 //   write to_json(config) next to the checkpoint.
+//   engine/engine_config.h maps the finalized config to the engine's EngineOptions.
 //
 // The schema is a table in config.cpp: adding a key is one line there plus a field here
 // and a row in docs/config.md.
@@ -34,41 +35,72 @@
 
 namespace strata {
 
-// Where one kind of state lives between uses (DESIGN.md): device memory, host memory
-// (pinned unless pin_memory is false), or the NVMe tier. DeepSpeed's offload device
-// "none" is kDevice.
-enum class Placement : uint8_t { kDevice, kCpu, kNvme };
-std::string_view placement_name(Placement placement);  // "device" | "cpu" | "nvme"
-// Accepts "device", "none" (DeepSpeed's word for "not offloaded"), "cpu", "nvme".
-StatusOr<Placement> parse_placement_name(std::string_view text);
+// Where bytes live (DESIGN.md, "The objects"). Configs and command lines name a
+// placement with three words, `device|cpu|nvme` (DeepSpeed's offload device "none" is
+// `device`); `cpu` is kPinned, or kHost when pin_memory is false (finalize() decides).
+// offload/tier.h adds what the tiers' buffers need (alignment, host access).
+enum class Tier : uint8_t {
+  kDevice,  // the compute device's memory (under its budget)
+  kPinned,  // page-locked host memory: DMA-able by the GPU and registered with io_uring
+  kHost,    // pageable host memory
+  kNvme,    // a file under nvme_path, O_DIRECT, 4 KiB aligned
+};
+std::string_view tier_name(Tier tier);       // "device" | "pinned" | "host" | "nvme"
+std::string_view placement_name(Tier tier);  // "device" | "cpu" (kPinned and kHost) | "nvme"
+// Parses a placement (`device`, `cpu`, `nvme`; `none` is an alias of `device`) into a
+// tier; `pin_memory` picks kPinned or kHost for `cpu`.
+StatusOr<Tier> parse_placement(std::string_view text, bool pin_memory = true);
+
+// When the optimizer runs relative to the next step (DESIGN.md, "Overlap modes").
+enum class OverlapMode : uint8_t {
+  // Global norm and overflow are reduced at the end of backward; then Adam runs group by
+  // group in forward order while the next forward starts, forward(g) waiting only for
+  // Adam(g). With clipping off and no loss scaling, Adam(g) starts as soon as g's last
+  // gradients land, during backward.
+  kExact,
+  // Step t's update overlaps step t+1's forward and backward: the parameters a step uses
+  // are one update stale.
+  kDelayed,
+};
+std::string_view overlap_mode_name(OverlapMode mode);  // "exact" | "delayed"
+StatusOr<OverlapMode> parse_overlap_mode(std::string_view text);
+
+// Which implementation of offload/io_engine.h moves NVMe bytes.
+enum class IoEngineKind : uint8_t {
+  kAuto,     // io_uring where the kernel allows it, else psync (logged once)
+  kIoUring,  // io_uring or an error
+  kPsync,    // the pread/pwrite thread pool
+};
+std::string_view io_engine_kind_name(IoEngineKind kind);  // "auto" | "io_uring" | "psync"
+// Also accepts "uring" and "pread".
+StatusOr<IoEngineKind> parse_io_engine_kind(std::string_view text);
 
 enum class OptimizerType : uint8_t { kAdam, kAdamW };
 enum class SchedulerType : uint8_t { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
 enum class WarmupType : uint8_t { kLog, kLinear };  // DeepSpeed's warmup_type "log" | "linear"
-enum class OptimizerOverlap : uint8_t { kExact, kDelayed };  // DESIGN.md "Overlap modes"
-enum class IoEngineChoice : uint8_t { kAuto, kIoUring, kPsync };
 enum class DataKind : uint8_t { kSynthetic, kText, kTokens };
 
 std::string_view optimizer_type_name(OptimizerType type);        // "Adam" | "AdamW"
 std::string_view scheduler_type_name(SchedulerType type);        // "none" | "WarmupLR" | ...
-std::string_view optimizer_overlap_name(OptimizerOverlap mode);  // "exact" | "delayed"
-std::string_view io_engine_choice_name(IoEngineChoice choice);   // "auto" | "io_uring" | "psync"
 std::string_view data_kind_name(DataKind kind);                  // "synthetic" | "text" | "tokens"
 
 // zero_optimization.offload_param: where the compute-dtype parameter shards live.
 struct OffloadParamConfig {
-  Placement device = Placement::kDevice;  // "none"/"device" | "cpu" | "nvme"
-  bool pin_memory = true;                 // cpu placement: pinned (true) or pageable host memory
-  int64_t buffer_count = 5;               // staging buffers between NVMe and the device
-  int64_t buffer_size = 100'000'000;      // elements per staging buffer (DeepSpeed's unit)
+  Tier device = Tier::kDevice;            // "none"/"device" | "cpu" (kPinned or kHost) | "nvme"
+  bool pin_memory = true;                 // host memory pinned (true) or pageable; see finalize()
+  // NVMe -> host staging buffers for parameter shards (>= 1); unset = the engine's choice
+  // (one per gather slot).
+  std::optional<int64_t> buffer_count;
 };
 
 // zero_optimization.offload_optimizer: where the fp32 master, exp_avg and exp_avg_sq
 // shards live. The optimizer math runs on the CPU whenever this is not kDevice.
 struct OffloadOptimizerConfig {
-  Placement device = Placement::kDevice;
+  Tier device = Tier::kDevice;
   bool pin_memory = true;
-  int64_t buffer_count = 4;  // staging buffers for optimizer state streamed from NVMe
+  // Chunks in the ring that streams NVMe optimizer state (>= 3: read ahead, step, write
+  // back); unset = the engine's choice.
+  std::optional<int64_t> buffer_count;
 };
 
 struct ZeroConfig {
@@ -79,8 +111,13 @@ struct ZeroConfig {
   OffloadOptimizerConfig offload_optimizer;
   int64_t prefetch_bucket_size = 50'000'000;        // stage3_prefetch_bucket_size: elements fetched ahead of use
   int64_t max_live_parameters = 1'000'000'000;      // stage3_max_live_parameters: gathered elements resident at once
-  int64_t param_persistence_threshold = 100'000;    // tensors with fewer elements are not partitioned
-  int64_t reduce_bucket_size = 500'000'000;         // elements per gradient reduce-scatter call
+  int64_t param_persistence_threshold = 100'000;    // groups with at most this many elements stay gathered
+  // Elements per reduce-scatter call (a group's gradient goes in pieces of at most this
+  // many); unset = a whole group per call.
+  std::optional<int64_t> reduce_bucket_size;
+  // sub_group_size: elements per chunk of optimizer state streamed from NVMe; unset = the
+  // largest chunk the pinned budget allows.
+  std::optional<int64_t> sub_group_size;
 };
 
 // aio: the NVMe I/O engine.
@@ -112,7 +149,6 @@ struct OptimizerConfig {
   // DeepSpeed: "Adam" applies decoupled (AdamW) weight decay unless adam_w_mode is
   // false; "AdamW" always does. Use decoupled_weight_decay() rather than this field.
   bool adam_w_mode = true;
-  bool bias_correction = true;
 };
 // True when weight decay is decoupled (AdamW), with DeepSpeed's rule above.
 bool decoupled_weight_decay(const OptimizerConfig& optimizer);
@@ -145,7 +181,7 @@ struct ModelConfig {
   int64_t n_embd = 0;
   int64_t n_ctx = 0;                           // context length in tokens
   int64_t vocab_size = 0;
-  bool activation_checkpointing = false;       // recompute each block's activations in backward
+  bool activation_checkpointing = true;        // keep only each block's input; recompute the rest in backward
   bool checkpoints_in_pinned_memory = false;   // keep the block inputs saved for recompute in pinned host memory
 };
 
@@ -162,16 +198,16 @@ struct StrataSection {
   std::optional<DeviceKind> device;   // where compute runs; unset = "auto" (see resolve_device)
   int64_t world_size = 1;             // data-parallel ranks
   int64_t device_budget_mib = 0;      // hard cap on device memory per rank; 0 = the device's own limit
-  int64_t pinned_budget_mib = 0;      // cap on pinned host memory per rank; 0 = what the tiers need
+  int64_t pinned_budget_mib = 0;      // cap on the engine's host memory per rank (pinned or pageable), MiB; 0 = what the plan needs
   int64_t compute_threads = 0;        // CPU device compute threads; 0 = all hardware threads
   int64_t optimizer_threads = 0;      // CPU Adam threads; 0 = all hardware threads
-  OptimizerOverlap optimizer_overlap = OptimizerOverlap::kExact;
+  OverlapMode optimizer_overlap = OverlapMode::kExact;
   DType grad_wire_dtype = DType::kBFloat16;  // dtype of gradient shards copied device -> host (bf16 | fp32)
   std::optional<DType> param_dtype;   // compute dtype of parameters; unset = from bf16/fp16.enabled
-  int64_t prefetch_depth = 2;         // parameter groups gathered ahead of compute
+  std::optional<int64_t> prefetch_depth;  // group uses fetched ahead of compute; unset ("auto") = the deepest that fits the budgets
   std::string nvme_path;              // directory of the NVMe tier (also zero_optimization.offload_*.nvme_path)
   bool nvme_checksum = true;          // checksum every NVMe extent, verified on read
-  IoEngineChoice io_engine = IoEngineChoice::kAuto;
+  IoEngineKind io_engine = IoEngineKind::kAuto;
   std::string metrics;                // metrics file (JSON lines); empty = none
   std::string trace;                  // trace file (Chrome trace JSON); empty = none
   int64_t seed = 1234;
@@ -192,8 +228,8 @@ struct StrataConfig {
   double gradient_clipping = 0.0;  // max global gradient norm; 0 = off
   OptimizerConfig optimizer;
   SchedulerConfig scheduler;
-  int64_t steps_per_print = 10;     // progress line every N steps
-  bool wall_clock_breakdown = false;  // per-step forward/backward/optimizer timings in the log
+  int64_t steps_per_print = 10;       // the engine logs a progress line every N steps; 0 = never
+  bool wall_clock_breakdown = false;  // that progress line carries every stage's busy seconds
   StrataSection strata;
 
   // Where the config came from ("/path/cfg.json", or "<defaults>"), for messages.
@@ -237,6 +273,9 @@ inline constexpr int kConfiguredWorldSize = 0;
 //     to 1 when neither determines them);
 //   - precision: fp16 and bf16 not both enabled; strata.param_dtype agrees with them;
 //   - NVMe placement requires nvme_path;
+//   - host placements: kPinned when both sections' pin_memory are true, else kHost (the
+//     engine keeps all host buffers in one arena, pinned or not; one warning when the two
+//     disagree);
 //   - scheduler parameters belong to the scheduler type; its defaults are filled;
 //   - ZeRO stage 0-2 runs as 3 (one warning).
 // Idempotent: finalizing a finalized config changes nothing.

@@ -15,6 +15,7 @@
 
 #include "engine/checkpoint.h"
 #include "engine/core/log.h"
+#include "engine/engine_config.h"
 #include "engine/local_cluster.h"
 #include "examples/gpt/gpt_weights.h"
 #include "examples/gpt/safetensors.h"
@@ -42,15 +43,6 @@ std::string rate_text(double per_second) {
   else if (per_second >= 1e3) out << per_second / 1e3 << "k";
   else out << per_second;
   return out.str();
-}
-
-Tier tier_of(Placement placement, bool pin_memory) {
-  switch (placement) {
-    case Placement::kDevice: return Tier::kDevice;
-    case Placement::kCpu: return pin_memory ? Tier::kPinned : Tier::kHost;
-    case Placement::kNvme: return Tier::kNvme;
-  }
-  return Tier::kPinned;
 }
 
 // A barrier for the rank threads of one process that a failing rank can break, so the
@@ -240,60 +232,6 @@ std::string traffic_note(const TrainerOptions& options, const EngineOptions& eng
 }
 
 }  // namespace
-
-StatusOr<EngineOptions> engine_options_from_config(const StrataConfig& config, int rank) {
-  EngineOptions o;
-  o.rank = rank;
-  o.world_size = static_cast<int>(config.strata.world_size);
-  o.seed = static_cast<uint64_t>(config.strata.seed);
-  if (config.strata.param_dtype) o.param_dtype = *config.strata.param_dtype;
-  else if (config.bf16.enabled) o.param_dtype = DType::kBFloat16;
-  else if (config.fp16.enabled) o.param_dtype = DType::kFloat16;
-  else o.param_dtype = DType::kFloat32;
-  const bool full_precision = o.param_dtype == DType::kFloat32;
-  o.grad_wire_dtype = config.was_given("strata.grad_wire_dtype") ? config.strata.grad_wire_dtype
-                                                                  : (full_precision ? DType::kFloat32 : DType::kBFloat16);
-  o.grad_transfer_dtype = full_precision ? DType::kFloat32 : DType::kBFloat16;
-  const auto& zero = config.zero;
-  o.pin_memory = zero.offload_param.pin_memory && zero.offload_optimizer.pin_memory;
-  o.param_tier = tier_of(zero.offload_param.device, o.pin_memory);
-  o.optimizer_tier = tier_of(zero.offload_optimizer.device, o.pin_memory);
-  o.nvme_path = config.strata.nvme_path;
-  o.persistence_threshold = static_cast<size_t>(std::max<int64_t>(0, zero.param_persistence_threshold));
-  o.prefetch_depth = static_cast<int>(config.strata.prefetch_depth);
-  o.prefetch_bucket_elements = static_cast<size_t>(std::max<int64_t>(0, zero.prefetch_bucket_size));
-  o.max_live_elements = static_cast<size_t>(std::max<int64_t>(0, zero.max_live_parameters));
-  o.pinned_budget_bytes = static_cast<size_t>(config.strata.pinned_budget_mib) * kMiB;
-  o.gradient_accumulation_steps = static_cast<int>(config.gradient_accumulation_steps.value_or(1));
-  o.overlap = config.strata.optimizer_overlap == OptimizerOverlap::kDelayed ? OverlapMode::kDelayed : OverlapMode::kExact;
-  o.gradient_clipping = static_cast<float>(config.gradient_clipping);
-  o.fp16_loss_scaling = config.fp16.enabled;
-  if (config.fp16.enabled) {
-    const bool dynamic = config.fp16.loss_scale == 0.0;
-    o.loss_scaler.dynamic = dynamic;
-    o.loss_scaler.initial_scale = dynamic ? std::ldexp(1.0f, static_cast<int>(config.fp16.initial_scale_power))
-                                          : static_cast<float>(config.fp16.loss_scale);
-    o.loss_scaler.growth_interval = static_cast<int>(config.fp16.loss_scale_window);
-    o.loss_scaler.hysteresis = static_cast<int>(config.fp16.hysteresis);
-    o.loss_scaler.min_scale = static_cast<float>(config.fp16.min_loss_scale);
-  }
-  o.adam.lr = config.optimizer.lr;
-  o.adam.beta1 = config.optimizer.betas[0];
-  o.adam.beta2 = config.optimizer.betas[1];
-  o.adam.eps = config.optimizer.eps;
-  o.adam.weight_decay = config.optimizer.weight_decay;
-  o.adam.decay = decoupled_weight_decay(config.optimizer) ? kernels::AdamWeightDecay::kDecoupled : kernels::AdamWeightDecay::kL2;
-  if (!config.optimizer.bias_correction)
-    return InvalidArgumentError("optimizer.params.bias_correction false is not implemented (the engine's Adam always corrects bias)");
-  o.optimizer_threads = static_cast<int>(config.strata.optimizer_threads);
-  o.nvme_block_bytes = static_cast<size_t>(config.aio.block_size);
-  o.nvme_queue_depth = static_cast<int>(config.aio.queue_depth);
-  o.nvme_checksum = config.strata.nvme_checksum;
-  o.io_engine = std::string(io_engine_choice_name(config.strata.io_engine));
-  o.metrics_path = config.strata.metrics;
-  o.trace_path = config.strata.trace;
-  return o;
-}
 
 StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
   const StrataConfig& config = options.config;

@@ -95,10 +95,6 @@ struct TrainerResult {
   std::string last_checkpoint;      // the newest checkpoint this run wrote
 };
 
-// The engine options the config asks for (placement, precision, optimizer, I/O, files),
-// for rank `rank`; activation_bytes is left 0.
-StatusOr<EngineOptions> engine_options_from_config(const StrataConfig& config, int rank);
-
 StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options);
 
 // The one-line JSON summary (the last line train_gpt prints).
