@@ -18,8 +18,11 @@
 #include "engine/core/log.h"
 #include "engine/engine_impl.h"
 #include "engine/engine_plan.h"
+#include "engine/metrics.h"
 #include "engine/gradient_path.h"
 #include "engine/optimizer_stage.h"
+#include "engine/param_fetcher.h"
+#include "engine/use_planner.h"
 #include "kernels/cast.h"
 #include "kernels/transformer_ops.h"
 
@@ -86,8 +89,7 @@ class EngineImpl final : public Engine {
         return InvalidArgumentError("declared schedule names group " + std::to_string(g) + " but only " +
                                     std::to_string(groups_.size()) + " are registered");
     }
-    schedule_ = std::move(group_uses);
-    schedule_valid_ = !schedule_.empty();
+    declared_schedule_ = std::move(group_uses);
     return {};
   }
 
@@ -134,32 +136,24 @@ class EngineImpl final : public Engine {
   // Exact mode without clipping or loss scaling: group g's update of `step` starts as
   // soon as its gradients have landed.
   Status submit_early_update(int g, int64_t step);
-  Status initialize_group(GroupState& g, std::vector<float>& init, std::vector<uint16_t>& param16);
+  Status initialize_group(GroupState& g, std::vector<float>& init);
 
-  // Threads.
-  void fetcher_loop();
-  Status fetch_one(FetchRequest& request);
-  // Starts the NVMe reads of the requests after `r` that can start now.
-  Status submit_read_ahead(const FetchRequest& r);
+  Status create_param_fetcher();
   // Parameters converted from fp32 values into the parameter tier's copy `copy` of g.
   Status store_parameters(GroupState& g, int copy, const float* values);
   void record_error(Status status);
   // A one-paragraph picture of where every stage stands (for errors and hangs).
   std::string describe_state();
-  // How long a wait may last before it is reported: STRATA_HANG_WARNING_S, default 120 s.
-  static std::chrono::seconds hang_warning_after() {
-    static const std::chrono::seconds seconds = [] {
-      const char* text = std::getenv("STRATA_HANG_WARNING_S");
-      const long value = text != nullptr ? std::strtol(text, nullptr, 10) : 0;
-      return std::chrono::seconds(value > 0 ? value : 120);
-    }();
-    return seconds;
+  std::function<std::string()> describer() {
+    return [this] { return describe_state(); };
   }
   Status background_error() {
     std::lock_guard<std::mutex> lock(mutex_);
-    return failed_ ? first_error_ : Status();
+    return halt_.failure;
   }
   void shutdown();
+  // The optimizer's updates queued so far are done (their state written back).
+  Status wait_for_updates(const char* what);
 
   // Helpers.
   GroupState& group(int g) { return *groups_[static_cast<size_t>(g)]; }
@@ -173,9 +167,6 @@ class EngineImpl final : public Engine {
   bool direct_view(const GroupState& /*state*/) const { return options_.param_tier == Tier::kDevice && options_.world_size == 1; }
   size_t param_bytes(size_t elements) const { return elements * dtype_size(options_.param_dtype); }
   int param_copies() const { return options_.overlap == OverlapMode::kDelayed ? 2 : 1; }
-  int64_t required_version(int64_t step_index) const {
-    return options_.overlap == OverlapMode::kDelayed ? std::max<int64_t>(0, step_index - 1) : step_index;
-  }
   int parity(int64_t version) const { return param_copies() == 1 ? 0 : static_cast<int>(version % 2); }
   GroupView view_of(const GroupState& state, void* flat, DType dtype) const {
     GroupView view;
@@ -186,49 +177,14 @@ class EngineImpl final : public Engine {
       view.tensors.push_back(static_cast<char*>(flat) + tensor.offset * dtype_size(dtype));
     return view;
   }
-  // Enqueues `work` on `stream` with its execution interval traced.
-  Status traced(Stream& stream, Stage stage, int group, std::string label, const std::function<Status()>& work);
-  // Creates fetch requests ahead of the model, following the schedule (mutex held).
-  void issue_ahead_locked();
-  // The same for a forward-only pass with a declared order.
-  void issue_forward_ahead_locked();
-  // Slot uses planned ahead (persistent groups and direct views take no slot).
-  int slot_uses_ahead_locked() {
-    int count = 0;
-    for (const auto& use : expected_)
-      if (use.request != 0 && !group(use.group).persistent) ++count;
-    return count;
-  }
-  // The next program position's group and step, following the schedule.
-  struct ProgramCursor {
-    int64_t step = 0;
-    int micro = 0;
-    size_t index = 0;
-  };
-  // Creates the fetch request a use of `g` in step `step_index` needs, or returns 0 when
-  // the group needs no fetch (a direct view, or a persistent group already planned).
-  uint64_t plan_use_locked(int g, int64_t step_index, int64_t version);
   // The parameter version the model's current pass uses: a step's (one behind in
   // delayed mode), or every update taken for a forward-only pass.
-  int64_t current_use_version() const { return forward_only_ ? step_index_ : required_version(step_index_); }
-  void abandon_outstanding_locked();
-  FetchRequest& request_locked(uint64_t id) { return requests_[static_cast<size_t>(id - requests_.front().id)]; }
-  // Waits on cv_ until `done()` or an error or shutdown; returns the error in those cases.
-  template <class Predicate>
-  Status wait_locked(std::unique_lock<std::mutex>& lock, Predicate done, const char* what) {
-    // A wait that lasts says so once, with the state of every stage (a hang's diagnosis).
-    const auto patience = hang_warning_after();
-    if (!cv_.wait_for(lock, patience, [&] { return done() || failed_ || stopping_; })) {
-      lock.unlock();
-      STRATA_LOG(kWarn) << "rank " << options_.rank << " has waited " << patience.count() << " s for " << what << "\n"
-                        << describe_state();
-      lock.lock();
-      cv_.wait(lock, [&] { return done() || failed_ || stopping_; });
-    }
-    if (failed_) return Status(first_error_).with_context(std::string("while waiting for ") + what);
-    if (stopping_ && !done()) return CancelledError(std::string("engine shut down while waiting for ") + what);
-    return {};
-  }
+  int64_t current_use_version() const { return forward_only_ ? step_index_ : uses_->step_version(step_index_); }
+  StatusOr<GradientStats> reduce_statistics(const GradientStats& local);
+  StatusOr<OptimizerJob> plan_update(int64_t t, const GradientStats& global);
+  Status finish_report(StepReport& report);
+  // Waits until everything planned is carried out (landings, updates, fetches).
+  Status drain();
 
   EngineOptions options_;
   Device& device_;
@@ -242,9 +198,14 @@ class EngineImpl final : public Engine {
   std::unique_ptr<PinnedArena> arena_;
   std::unique_ptr<NvmeStore> nvme_;
   std::vector<std::unique_ptr<GroupState>> groups_;
-  std::vector<GatherSlot> slots_;
+  std::vector<int> declared_schedule_;
+  // The stages (each with its own worker and queue but the use planner, which is the
+  // model thread's), and the versions the optimizer publishes to the fetcher.
+  std::unique_ptr<VersionBoard> versions_;
   std::unique_ptr<OptimizerStage> optimizer_stage_;
   std::unique_ptr<GradientPath> gradient_path_;
+  std::unique_ptr<ParamFetcher> fetcher_;
+  std::unique_ptr<UsePlanner> uses_;
   std::optional<LossScaler> loss_scaler_;
   DeviceBuffer norm_buffer_;           // one float for the norm all-reduce
   PinnedBuffer param_out_stage_;       // the optimizer's new parameters on their way to the device or NVMe
@@ -254,57 +215,31 @@ class EngineImpl final : public Engine {
   bool finished_cleanly_ = false;      // finish() drained everything: no collective of ours is pending
   bool early_update_ = false;          // exact mode without clipping or loss scaling: Adam(g) starts when g lands
   double learning_rate_ = 0.0;         // this step's rate (model thread; copied for the lander under mutex_)
-  double step_learning_rate_ = 0.0;    // guarded by mutex_
-  int64_t step_applied_number_ = 1;    // the applied-step number this step's early updates use; guarded by mutex_
 
-  // Schedule and program position. The model thread owns these; the fetcher reads
-  // requests only (under mutex_).
-  std::vector<int> schedule_;
-  bool schedule_valid_ = false;
-  std::vector<int> recording_;
-  bool recording_active_ = false;
-  ProgramCursor issue_cursor_;          // next program position to plan a request for
-  struct ExpectedUse {
-    int64_t step;
-    int micro;
-    size_t index;
-    int group;
-    uint64_t request;                   // 0 = no fetch needed
-  };
-  std::deque<ExpectedUse> expected_;    // uses planned ahead, in program order
+  // The model thread's program position.
   struct ActiveUse {
     uint64_t request = 0;               // 0 = no fetch was needed
-    int slot = -1;                      // gather slot, -1 for persistent groups and direct views
+    PipelineState position;             // where the group is gathered (index -1: persistent or direct)
   };
-  std::map<int, ActiveUse> active_uses_;  // groups gathered and not yet released (model thread only)
+  std::map<int, ActiveUse> active_uses_;  // groups gathered and not yet released
   int64_t step_index_ = 0;              // index of the current step (steps finished so far)
   int64_t step_number_base_ = 0;        // the metrics' step number is step_number_base_ + step_index_
   int micro_ = -1;                      // current micro-batch within the step
   bool forward_only_ = false;           // inside begin_forward() ... end_forward()
-  std::vector<int> forward_order_;      // the pass's declared gathers (empty: on demand)
-  size_t forward_cursor_ = 0;           // the next declared gather to plan
-  size_t forward_use_index_ = 0;        // gathers so far in the pass
-  size_t use_index_ = 0;                // uses so far in this micro-batch
   int64_t applied_steps_ = 0;           // updates applied (skipped steps do not count)
   TraceClock::time_point step_window_begin_;
   bool window_open_ = false;
 
-  // Shared state, guarded by mutex_.
+  // Facts shared with the stages' hooks, guarded by mutex_.
   std::mutex mutex_;
   std::condition_variable cv_;
-  bool stopping_ = false;
-  bool failed_ = false;
-  Status first_error_;
-  std::deque<FetchRequest> requests_;   // in id order, until processed and consumed
-  uint64_t next_request_id_ = 1;
-  uint64_t next_fetch_id_ = 1;          // the next request the fetcher processes
-  uint64_t slot_counter_ = 0;
-  std::vector<uint64_t> slot_last_request_;  // per slot: the last request assigned to it
+  StageHalt halt_;                      // the first error of any stage; shutdown
+  double step_learning_rate_ = 0.0;     // the rate this step's early updates use
+  int64_t step_applied_number_ = 1;     // the applied-step number this step's early updates use
   int64_t steps_finished_ = 0;          // step() calls completed
   int64_t optimizer_jobs_queued_ = 0;
   int64_t optimizer_jobs_done_ = 0;
-  std::thread fetcher_;
-  std::ofstream metrics_;
+  StepMetrics metrics_;
 };
 
 // =====================================================================================
@@ -312,7 +247,6 @@ class EngineImpl final : public Engine {
 // =====================================================================================
 
 Status EngineImpl::allocate_and_initialize() {
-  const int world = options_.world_size;
   const bool nvme_params = options_.param_tier == Tier::kNvme;
 
   // Host memory: one arena (locked when pin_memory), sized by the plan.
@@ -346,24 +280,7 @@ Status EngineImpl::allocate_and_initialize() {
   }
 
   // Device buffers.
-  const size_t max_padded = plan_.max_gather_elements, max_shard = plan_.max_gather_shard;
   const size_t all_max_shard = plan_.max_shard_elements;
-  slots_.resize(static_cast<size_t>(plan_.gather_slots));
-  slot_last_request_.assign(slots_.size(), 0);
-  for (size_t i = 0; i < slots_.size(); ++i) {
-    auto& slot = slots_[i];
-    const std::string name = "gather slot " + std::to_string(i);
-    STRATA_ASSIGN_OR_RETURN(slot.full, device_.allocate(param_bytes(max_padded), name));
-    if (world > 1 && options_.param_tier != Tier::kDevice) {
-      STRATA_ASSIGN_OR_RETURN(slot.shard, device_.allocate(param_bytes(max_shard), name + " staging shard"));
-    }
-    if (nvme_params) {
-      STRATA_ASSIGN_OR_RETURN(slot.nvme_stage, host_alloc(param_bytes(max_shard), name + " NVMe staging"));
-    }
-    STRATA_ASSIGN_OR_RETURN(slot.ready, device_.create_event());
-    STRATA_ASSIGN_OR_RETURN(slot.released, device_.create_event());
-    STRATA_ASSIGN_OR_RETURN(slot.h2d_done, device_.create_event());
-  }
   STRATA_ASSIGN_OR_RETURN(norm_buffer_, device_.allocate(256, "norm all-reduce"));
   if ((nvme_params || options_.param_tier == Tier::kDevice) && options_.optimizer_tier != Tier::kNvme) {
     STRATA_ASSIGN_OR_RETURN(param_out_stage_, host_alloc(param_bytes(all_max_shard), "new-parameter staging"));
@@ -371,8 +288,10 @@ Status EngineImpl::allocate_and_initialize() {
   if (device_state() && options_.param_tier != Tier::kDevice) {
     STRATA_ASSIGN_OR_RETURN(param_out_device_, device_.allocate(param_bytes(all_max_shard), "new-parameter staging"));
   }
+  versions_ = std::make_unique<VersionBoard>(groups_.size());
   STRATA_RETURN_IF_ERROR(create_optimizer_stage());
   STRATA_RETURN_IF_ERROR(create_gradient_path());
+  STRATA_RETURN_IF_ERROR(create_param_fetcher());
   if (options_.fp16_loss_scaling) {
     STRATA_ASSIGN_OR_RETURN(LossScaler scaler, LossScaler::create(options_.loss_scaler));
     loss_scaler_.emplace(scaler);
@@ -381,8 +300,7 @@ Status EngineImpl::allocate_and_initialize() {
 
   // Per group: storage, then the initial values of the local shards.
   std::vector<float> init(all_max_shard);
-  std::vector<uint16_t> param16(all_max_shard);
-  for (auto& gp : groups_) STRATA_RETURN_IF_ERROR(initialize_group(*gp, init, param16));
+  for (auto& gp : groups_) STRATA_RETURN_IF_ERROR(initialize_group(*gp, init));
   return {};
 }
 
@@ -399,13 +317,7 @@ Status EngineImpl::create_optimizer_stage() {
   context.param_out_stage = &param_out_stage_;
   context.param_out_device = &param_out_device_;
   OptimizerStageHooks hooks;
-  hooks.group_updated = [this](int g, int64_t version) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      group(g).param_version = std::max(group(g).param_version, version);
-    }
-    cv_.notify_all();
-  };
+  hooks.group_updated = [this](int g, int64_t version) { versions_->publish(g, version); };
   hooks.job_done = [this] {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -442,6 +354,34 @@ Status EngineImpl::create_gradient_path() {
   hooks.describe_engine = [this] { return describe_state(); };
   STRATA_ASSIGN_OR_RETURN(gradient_path_, GradientPath::create(context, std::move(hooks)));
   return gradient_path_->allocate();
+}
+
+Status EngineImpl::create_param_fetcher() {
+  ParamFetcherContext context;
+  context.options = &options_;
+  context.plan = &plan_;
+  context.device = &device_;
+  context.h2d = h2d_stream_.get();
+  context.gather = gather_stream_.get();
+  context.compute = compute_stream_.get();
+  context.gather_comm = &gather_comm_;
+  context.tracer = &tracer_;
+  context.groups = &groups_;
+  context.nvme = nvme_.get();
+  context.arena = arena_.get();
+  context.versions = versions_.get();
+  ParamFetcherHooks hooks;
+  hooks.failed = [this](Status status) { record_error(std::move(status)); };
+  hooks.describe_engine = [this] { return describe_state(); };
+  STRATA_ASSIGN_OR_RETURN(fetcher_, ParamFetcher::create(context, std::move(hooks)));
+  STRATA_RETURN_IF_ERROR(fetcher_->allocate());
+  UsePlannerOptions uses;
+  uses.prefetch_depth = plan_.prefetch_depth;
+  uses.micro_batches = options_.gradient_accumulation_steps;
+  uses.overlap = options_.overlap;
+  uses_ = std::make_unique<UsePlanner>(uses, *fetcher_);
+  uses_->declare(declared_schedule_);
+  return {};
 }
 
 Status EngineImpl::submit_early_update(int g, int64_t step) {
@@ -491,8 +431,7 @@ Status EngineImpl::store_parameters(GroupState& g, int copy, const float* values
   return {};
 }
 
-Status EngineImpl::initialize_group(GroupState& g, std::vector<float>& init, std::vector<uint16_t>& /*param16*/) {
-  const int world = options_.world_size;
+Status EngineImpl::initialize_group(GroupState& g, std::vector<float>& init) {
   const size_t shard = g.layout.shard_numel;
   const std::string name = "group " + g.layout.name;
   g.decay_runs = decay_runs(g.layout, options_.rank);
@@ -526,18 +465,6 @@ Status EngineImpl::initialize_group(GroupState& g, std::vector<float>& init, std
   }
   // Optimizer state: master = the fp32 initial values, moments zero.
   STRATA_RETURN_IF_ERROR(optimizer_stage_->initialize_group(g.layout.id, init.data()));
-  if (g.persistent && !direct_view(g)) {
-    STRATA_ASSIGN_OR_RETURN(g.persistent_full, device_.allocate(param_bytes(g.layout.padded_numel), name + " persistent"));
-    if (world > 1 && options_.param_tier != Tier::kDevice) {
-      STRATA_ASSIGN_OR_RETURN(g.persistent_shard, device_.allocate(param_bytes(shard), name + " persistent staging"));
-    }
-    if (options_.param_tier == Tier::kNvme) {
-      STRATA_ASSIGN_OR_RETURN(g.persistent_stage, arena_->allocate(param_bytes(shard), name + " persistent NVMe staging"));
-    }
-    STRATA_ASSIGN_OR_RETURN(g.persistent_ready, device_.create_event());
-    STRATA_ASSIGN_OR_RETURN(g.persistent_released, device_.create_event());
-    STRATA_ASSIGN_OR_RETURN(g.persistent_h2d_done, device_.create_event());
-  }
   return {};
 }
 
@@ -548,19 +475,21 @@ Status EngineImpl::start() {
   PlanInputs inputs;
   inputs.options = &options_;
   inputs.layouts = layouts;
-  inputs.schedule = schedule_;
+  inputs.schedule = declared_schedule_;
   inputs.device_budget_bytes = device_.memory_stats().budget_bytes;
   STRATA_ASSIGN_OR_RETURN(plan_, make_engine_plan(inputs));
   for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->persistent = plan_.persistent[g] != 0;
   if (options_.rank == 0) STRATA_LOG(kInfo) << plan_.text;
   STRATA_RETURN_IF_ERROR(check_plan_against_machine(plan_, options_));
   STRATA_RETURN_IF_ERROR(allocate_and_initialize());
-  if (!options_.metrics_path.empty() && options_.rank == 0) {
-    metrics_.open(options_.metrics_path, std::ios::app);
-    if (!metrics_) return Status::FromErrno(errno, "cannot open the metrics file " + options_.metrics_path);
-  }
+  StepMetricsOptions metrics;
+  metrics.jsonl_path = options_.metrics_path;
+  metrics.steps_per_print = options_.steps_per_print;
+  metrics.wall_clock_breakdown = options_.wall_clock_breakdown;
+  metrics.rank = options_.rank;
+  STRATA_RETURN_IF_ERROR(metrics_.open(metrics));
   started_ = true;
-  fetcher_ = std::thread([this] { fetcher_loop(); });
+  fetcher_->start();
   gradient_path_->start();
   optimizer_stage_->start();
   return {};
@@ -574,36 +503,31 @@ void EngineImpl::record_error(Status status) {
   if (status.ok()) return;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!failed_) {
-      failed_ = true;
-      first_error_ = status;
-    }
+    if (!halt_.failure.ok()) return;  // the first error is the one that counts
+    halt_.failure = status;
   }
+  cv_.notify_all();
+  // Every stage's waits return the error.
+  if (versions_) versions_->abort(status);
+  if (fetcher_) fetcher_->abort(status);
   if (gradient_path_) gradient_path_->abort(status);
   STRATA_LOG(kError) << "rank " << options_.rank << ": " << status.to_string() << "\n" << describe_state();
   // Peers blocked in a collective with us must not hang.
   gather_comm_.abort("rank " + std::to_string(options_.rank) + " failed: " + status.message());
   reduce_comm_.abort("rank " + std::to_string(options_.rank) + " failed: " + status.message());
-  cv_.notify_all();
 }
 
 std::string EngineImpl::describe_state() {
-  std::lock_guard<std::mutex> lock(mutex_);
   std::ostringstream text;
-  text << "engine state, rank " << options_.rank << ": model at step " << step_index_ << " micro-batch " << micro_ << " use "
-       << use_index_ << "; steps finished " << steps_finished_ << "; fetcher at request " << next_fetch_id_ << " of "
-       << (next_request_id_ - 1) << " created";
-  if (!requests_.empty()) {
-    const FetchRequest& r = requests_.front();
-    text << "; oldest request " << r.id << " (group " << r.group << ", slot " << r.slot << ", version " << r.required_version
-         << ", ready " << r.ready << ", consumed " << r.consumed << ")";
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    text << "engine state, rank " << options_.rank << ": model at step " << step_index_ << " micro-batch " << micro_ << "; steps finished "
+         << steps_finished_ << "; optimizer jobs " << optimizer_jobs_done_ << "/" << optimizer_jobs_queued_;
   }
-  text << "; slots released:";
-  for (const auto& slot : slots_) text << " " << slot.released_id;
+  if (uses_) text << "; use " << uses_->use_index() << " of the micro-batch, " << uses_->planned_ahead() << " planned ahead";
+  if (fetcher_) text << "; " << fetcher_->describe();
   if (gradient_path_) text << "; " << gradient_path_->describe();
-  text << "; optimizer jobs " << optimizer_jobs_done_ << "/"
-       << optimizer_jobs_queued_ << "; versions:";
-  for (const auto& g : groups_) text << " " << g->param_version;
+  if (versions_) text << "; " << versions_->describe();
   return text.str();
 }
 
@@ -615,34 +539,23 @@ void EngineImpl::shutdown() {
   }
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
+    halt_.stopping = true;
   }
   cv_.notify_all();
-  if (fetcher_.joinable()) fetcher_.join();
+  if (versions_) versions_->stop();
+  if (fetcher_) fetcher_->stop();
   if (gradient_path_) gradient_path_->stop();
   if (optimizer_stage_) optimizer_stage_->stop();
   if (started_) {
+    const bool failed = !background_error().ok();
     // Drain the streams so nothing still touches memory about to be freed.
     Status drained = device_.synchronize();
-    if (!drained.ok() && !failed_) STRATA_LOG(kWarn) << "engine shutdown: " << drained.to_string();
+    if (!drained.ok() && !failed) STRATA_LOG(kWarn) << "engine shutdown: " << drained.to_string();
     if (nvme_) {
       Status io = nvme_->wait_all();
-      if (!io.ok() && !failed_) STRATA_LOG(kWarn) << "engine shutdown: " << io.to_string();
+      if (!io.ok() && !failed) STRATA_LOG(kWarn) << "engine shutdown: " << io.to_string();
     }
   }
-}
-
-Status EngineImpl::traced(Stream& stream, Stage stage, int group, std::string label, const std::function<Status()>& work) {
-  auto begin = std::make_shared<TraceClock::time_point>();
-  STRATA_RETURN_IF_ERROR(stream.enqueue_host([begin] {
-    *begin = TraceClock::now();
-    return Status();
-  }));
-  STRATA_RETURN_IF_ERROR(work());
-  return stream.enqueue_host([this, begin, stage, group, label = std::move(label)]() mutable {
-    tracer_.record(stage, group, *begin, TraceClock::now(), std::move(label));
-    return Status();
-  });
 }
 
 // =====================================================================================
@@ -671,194 +584,38 @@ Status EngineImpl::begin_step(double learning_rate) {
 Status EngineImpl::begin_micro_batch() {
   if (!started_) return FailedPreconditionError("begin_micro_batch() before start()");
   if (forward_only_) return FailedPreconditionError("begin_micro_batch() in a forward-only pass");
-  std::unique_lock<std::mutex> lock(mutex_);
-  if (failed_) return first_error_;
+  STRATA_RETURN_IF_ERROR(background_error());
   if (micro_ + 1 >= options_.gradient_accumulation_steps)
     return FailedPreconditionError("more micro-batches than gradient_accumulation_steps (" +
                                    std::to_string(options_.gradient_accumulation_steps) + ") in step " + std::to_string(step_index_));
-  // A micro-batch that was being recorded becomes the schedule.
-  if (recording_active_ && !recording_.empty()) {
-    schedule_ = recording_;
-    schedule_valid_ = true;
-    recording_active_ = false;
-    issue_cursor_ = {step_index_, micro_ + 1, 0};
-    STRATA_LOG(kDebug) << "rank " << options_.rank << ": recorded a schedule of " << schedule_.size() << " group uses";
-  }
   ++micro_;
-  use_index_ = 0;
-  if (!schedule_valid_) {
-    recording_.clear();
-    recording_active_ = true;
-  } else if (expected_.empty() && (issue_cursor_.step < step_index_ ||
-                                   (issue_cursor_.step == step_index_ && issue_cursor_.micro < micro_))) {
-    issue_cursor_ = {step_index_, micro_, 0};
-  }
+  uses_->begin_micro_batch(step_index_, micro_);
   gradient_path_->begin_micro_batch();
   return {};
-}
-
-uint64_t EngineImpl::plan_use_locked(int g, int64_t step_index, int64_t version) {
-  GroupState& state = group(g);
-  if (direct_view(state)) return 0;
-  if (state.persistent) {
-    if (state.planned_persistent_version == version) return 0;
-    state.planned_persistent_version = version;
-  }
-  FetchRequest request;
-  request.id = next_request_id_++;
-  request.group = g;
-  request.step_index = step_index;
-  request.required_version = version;
-  if (!state.persistent) {
-    request.slot = static_cast<int>(slot_counter_++ % slots_.size());
-    request.previous_occupant = slot_last_request_[static_cast<size_t>(request.slot)];
-    slot_last_request_[static_cast<size_t>(request.slot)] = request.id;
-  } else {
-    state.persistent_request = request.id;
-  }
-  requests_.push_back(request);
-  cv_.notify_all();
-  return request.id;
-}
-
-void EngineImpl::issue_ahead_locked() {
-  if (!schedule_valid_ || schedule_.empty()) return;
-  const int depth = plan_.prefetch_depth;
-  // Plan up to `depth` slot uses beyond the use being gathered (at least one use when
-  // nothing is planned); persistent groups and direct views cost no slot.
-  while (true) {
-    // Never plan past the next step: its uses' versions exist once this step's update
-    // runs, and finish() can then carry out every planned fetch.
-    if (issue_cursor_.step > step_index_ + 1) break;
-    if (!expected_.empty() && slot_uses_ahead_locked() >= depth) {
-      const GroupState& next = group(schedule_[issue_cursor_.index]);
-      if (!direct_view(next) && !next.persistent) break;
-    }
-    ExpectedUse use{issue_cursor_.step, issue_cursor_.micro, issue_cursor_.index, schedule_[issue_cursor_.index], 0};
-    use.request = plan_use_locked(use.group, use.step, required_version(use.step));
-    expected_.push_back(use);
-    // Advance the program cursor.
-    if (++issue_cursor_.index >= schedule_.size()) {
-      issue_cursor_.index = 0;
-      if (++issue_cursor_.micro >= options_.gradient_accumulation_steps) {
-        issue_cursor_.micro = 0;
-        ++issue_cursor_.step;
-      }
-    }
-  }
-}
-
-void EngineImpl::issue_forward_ahead_locked() {
-  const int depth = plan_.prefetch_depth;
-  while (forward_cursor_ < forward_order_.size()) {
-    const GroupState& next = group(forward_order_[forward_cursor_]);
-    if (!expected_.empty() && slot_uses_ahead_locked() >= depth && !direct_view(next) && !next.persistent) break;
-    ExpectedUse use{step_index_, 0, forward_cursor_, forward_order_[forward_cursor_], 0};
-    use.request = plan_use_locked(use.group, step_index_, current_use_version());
-    expected_.push_back(use);
-    ++forward_cursor_;
-  }
-}
-
-void EngineImpl::abandon_outstanding_locked() {
-  for (const auto& use : expected_) {
-    if (use.request == 0) continue;
-    FetchRequest& request = request_locked(use.request);
-    request.abandoned = true;
-    request.consumed = true;
-    if (request.slot < 0) group(request.group).planned_persistent_version = -1;
-    // A fetch already done frees its slot here (one still running frees it when done).
-    // No release event is needed: the slot's next fill is enqueued on the streams that
-    // made this one, so it follows it in stream order.
-    if (request.ready && request.slot >= 0) {
-      GatherSlot& slot = slots_[static_cast<size_t>(request.slot)];
-      slot.released_id = std::max(slot.released_id, request.id);
-    }
-  }
-  expected_.clear();
-  cv_.notify_all();
 }
 
 StatusOr<GroupView> EngineImpl::gather(int g) {
   STRATA_RETURN_IF_ERROR(check_group(g, "gather"));
   if (micro_ < 0) return FailedPreconditionError("gather() outside a step: call begin_step() (or begin_forward()) first");
+  STRATA_RETURN_IF_ERROR(background_error());
+  if (active_uses_.count(g) != 0)
+    return FailedPreconditionError("gather(" + std::to_string(g) + ") while the group is gathered: release() it first");
   GroupState& state = group(g);
-  uint64_t request_id = 0;
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (failed_) return first_error_;
-    if (active_uses_.count(g) != 0)
-      return FailedPreconditionError("gather(" + std::to_string(g) + ") while the group is gathered: release() it first");
-    bool planned = false;
-    if (forward_only_) {
-      // The declared order, while the model follows it; on demand after a deviation.
-      if (!expected_.empty()) {
-        const ExpectedUse& use = expected_.front();
-        if (use.index == forward_use_index_ && use.group == g) {
-          request_id = use.request;
-          expected_.pop_front();
-          planned = true;
-          issue_forward_ahead_locked();
-        } else {
-          STRATA_LOG(kDebug) << "rank " << options_.rank << ": a forward-only pass left its declared order at gather "
-                             << forward_use_index_ << " (group " << g << "); fetching on demand from here";
-          abandon_outstanding_locked();
-          forward_order_.clear();
-          forward_cursor_ = 0;
-        }
-      }
-      ++forward_use_index_;
-    } else if (schedule_valid_) {
-      if (expected_.empty()) issue_ahead_locked();
-      if (!expected_.empty()) {
-        const ExpectedUse& use = expected_.front();
-        if (use.step == step_index_ && use.micro == micro_ && use.index == use_index_ && use.group == g) {
-          request_id = use.request;
-          expected_.pop_front();
-          planned = true;
-          // Keep `depth` slot uses planned beyond this one.
-          issue_ahead_locked();
-        }
-      }
-      if (!planned) {
-        STRATA_LOG(kInfo) << "rank " << options_.rank << ": the model deviated from the recorded schedule at use "
-                          << use_index_ << " of step " << step_index_ << " (gathered group " << g
-                          << "); prefetches in flight complete, and the schedule is recorded again";
-        abandon_outstanding_locked();
-        schedule_valid_ = false;
-        recording_active_ = false;  // record again from the next micro-batch
-      }
-    } else if (recording_active_) {
-      recording_.push_back(g);
-    }
-    if (!planned) request_id = plan_use_locked(g, step_index_, current_use_version());
-    if (!forward_only_) ++use_index_;
-    // Wait for the data.
-    int slot = -1;
-    if (request_id != 0) {
-      STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return request_locked(request_id).ready; }, "a gathered group"));
-      FetchRequest& request = request_locked(request_id);
-      slot = request.slot;
-      request.consumed = true;
-      while (!requests_.empty() && requests_.front().ready && requests_.front().consumed) requests_.pop_front();
-    } else if (direct_view(state)) {
-      const int64_t version = current_use_version();
-      STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return state.param_version >= version; }, "the group's update"));
-    }
-    active_uses_[g] = {request_id, slot};
-  }
-  // Compute waits for the gathered data (the event was recorded before `ready` was set).
+  const uint64_t request = forward_only_ ? uses_->next_forward_gather(g, step_index_) : uses_->next_gather(g, step_index_, micro_);
+  ActiveUse use{request, {}};
   void* flat = nullptr;
-  const int slot = active_uses_[g].slot;
-  if (direct_view(state)) {
-    flat = state.param_device[static_cast<size_t>(parity(current_use_version()))].data();
-  } else if (state.persistent) {
+  if (request != 0) {
+    STRATA_ASSIGN_OR_RETURN(flat, fetcher_->take(request, &use.position));
+  } else if (direct_view(state)) {
+    const int64_t version = current_use_version();
+    STRATA_RETURN_IF_ERROR(versions_->wait_for(g, version, "the group's update", describer()));
+    flat = state.param_device[static_cast<size_t>(parity(version))].data();
+  } else {
+    // A persistent group whose fetch of this version was planned by an earlier use.
     STRATA_RETURN_IF_ERROR(compute_stream_->wait(*state.persistent_ready));
     flat = state.persistent_full.data();
-  } else {
-    STRATA_RETURN_IF_ERROR(compute_stream_->wait(*slots_[static_cast<size_t>(slot)].ready));
-    flat = slots_[static_cast<size_t>(slot)].full.data();
   }
+  active_uses_[g] = use;
   STRATA_RETURN_IF_ERROR(compute_stream_->enqueue_host([&state] {
     state.compute_begin = TraceClock::now();
     return Status();
@@ -879,15 +636,7 @@ Status EngineImpl::release(int g) {
     return Status();
   }));
   if (direct_view(state)) return {};
-  if (state.persistent) return compute_stream_->record(*state.persistent_released);
-  GatherSlot& slot = slots_[static_cast<size_t>(use.slot)];
-  STRATA_RETURN_IF_ERROR(compute_stream_->record(*slot.released));
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    slot.released_id = std::max(slot.released_id, use.request);
-  }
-  cv_.notify_all();
-  return {};
+  return fetcher_->release(g, use.position);
 }
 
 StatusOr<GroupView> EngineImpl::gradient_buffer(int g) {
@@ -906,6 +655,44 @@ Status EngineImpl::grads_ready(int g) {
   return gradient_path_->hand_over(g, step_index_, micro_);
 }
 
+// The global statistics: one all-reduce of the sum of squares, with inf carrying overflow.
+StatusOr<GradientStats> EngineImpl::reduce_statistics(const GradientStats& local) {
+  GradientStats global = local;
+  if (options_.world_size == 1) return global;
+  float value = local.non_finite ? std::numeric_limits<float>::infinity() : static_cast<float>(local.sum_of_squares);
+  STRATA_RETURN_IF_ERROR(device_.copy_async(norm_buffer_.data(), &value, sizeof(float), CopyKind::kHostToDevice, *reduce_stream_));
+  STRATA_RETURN_IF_ERROR(reduce_comm_.all_reduce(norm_buffer_.data(), norm_buffer_.data(), 1, DType::kFloat32, {}, *reduce_stream_));
+  STRATA_RETURN_IF_ERROR(device_.copy_async(&value, norm_buffer_.data(), sizeof(float), CopyKind::kDeviceToHost, *reduce_stream_));
+  STRATA_RETURN_IF_ERROR(reduce_stream_->synchronize());
+  global.sum_of_squares = value;
+  global.non_finite = !std::isfinite(value);
+  return global;
+}
+
+// The update of step t, now that the global statistics are known (exact mode with
+// clipping or loss scaling, and delayed mode): every group, in forward order.
+StatusOr<OptimizerJob> EngineImpl::plan_update(int64_t t, const GradientStats& global) {
+  kernels::AdamHyperparams hyper = options_.adam;
+  hyper.lr = learning_rate_;
+  AdamStepPlanOptions plan_options;
+  plan_options.loss_scale = loss_scale();
+  plan_options.max_grad_norm = options_.gradient_clipping;
+  OptimizerJob job;
+  job.step_index = t;
+  STRATA_ASSIGN_OR_RETURN(job.decay_plan, plan_adam_step(hyper, applied_steps_ + 1, global, plan_options));
+  kernels::AdamHyperparams no_decay = hyper;
+  no_decay.weight_decay = 0.0;
+  STRATA_ASSIGN_OR_RETURN(job.no_decay_plan, plan_adam_step(no_decay, applied_steps_ + 1, global, plan_options));
+  job.skip = job.decay_plan.skip;
+  // Forward order: the first use of each group in the schedule, then any group not in it.
+  std::set<int> seen;
+  for (int g : uses_->schedule())
+    if (seen.insert(g).second) job.order.push_back(g);
+  for (int g = 0; g < group_count(); ++g)
+    if (seen.insert(g).second) job.order.push_back(g);
+  return job;
+}
+
 StatusOr<StepReport> EngineImpl::step(double loss) {
   if (!started_) return FailedPreconditionError("step() before start()");
   if (forward_only_) return FailedPreconditionError("step() in a forward-only pass: call end_forward()");
@@ -917,64 +704,41 @@ StatusOr<StepReport> EngineImpl::step(double loss) {
     return FailedPreconditionError("step() while group " + std::to_string(active_uses_.begin()->first) + " is still gathered");
   const int64_t t = step_index_;
   STRATA_ASSIGN_OR_RETURN(const GradientStats local, gradient_path_->wait_step_landed(t));
-  // The global statistics: one all-reduce of the sum of squares, with inf carrying overflow.
-  GradientStats global = local;
-  if (options_.world_size > 1) {
-    float value = local.non_finite ? std::numeric_limits<float>::infinity() : static_cast<float>(local.sum_of_squares);
-    STRATA_RETURN_IF_ERROR(device_.copy_async(norm_buffer_.data(), &value, sizeof(float), CopyKind::kHostToDevice, *reduce_stream_));
-    STRATA_RETURN_IF_ERROR(reduce_comm_.all_reduce(norm_buffer_.data(), norm_buffer_.data(), 1, DType::kFloat32, {}, *reduce_stream_));
-    STRATA_RETURN_IF_ERROR(device_.copy_async(&value, norm_buffer_.data(), sizeof(float), CopyKind::kDeviceToHost, *reduce_stream_));
-    STRATA_RETURN_IF_ERROR(reduce_stream_->synchronize());
-    global.sum_of_squares = value;
-    global.non_finite = !std::isfinite(value);
-  }
-  kernels::AdamHyperparams hyper = options_.adam;
-  hyper.lr = learning_rate_;
-  AdamStepPlanOptions plan_options;
-  plan_options.loss_scale = loss_scale();
-  plan_options.max_grad_norm = options_.gradient_clipping;
-  OptimizerJob job;
-  job.step_index = t;
-  if (!early_update_) {
-    STRATA_ASSIGN_OR_RETURN(job.decay_plan, plan_adam_step(hyper, applied_steps_ + 1, global, plan_options));
-    kernels::AdamHyperparams no_decay = hyper;
-    no_decay.weight_decay = 0.0;
-    STRATA_ASSIGN_OR_RETURN(job.no_decay_plan, plan_adam_step(no_decay, applied_steps_ + 1, global, plan_options));
-  }
+  STRATA_ASSIGN_OR_RETURN(const GradientStats global, reduce_statistics(local));
   StepReport report;
-  const float scale_used = loss_scale();
+  report.loss_scale = loss_scale();
   if (early_update_) {
+    // The updates were planned as the gradients landed.
     report.grad_norm = std::sqrt(global.sum_of_squares);
     ++applied_steps_;
   } else {
-    job.skip = job.decay_plan.skip;
+    STRATA_ASSIGN_OR_RETURN(OptimizerJob job, plan_update(t, global));
     report.grad_norm = job.decay_plan.grad_norm;
+    report.skipped = job.skip;
     if (loss_scaler_) loss_scaler_->update(job.skip);
     if (!job.skip) ++applied_steps_;
-    // Forward order: the first use of each group in the schedule, then any group not in it.
-    std::set<int> seen;
-    for (int g : schedule_)
-      if (seen.insert(g).second) job.order.push_back(g);
-    for (int g = 0; g < group_count(); ++g)
-      if (seen.insert(g).second) job.order.push_back(g);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++optimizer_jobs_queued_;
+    }
+    optimizer_stage_->submit(std::move(job));
   }
-  const bool skipped = !early_update_ && job.skip;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!early_update_) ++optimizer_jobs_queued_;
     steps_finished_ = t + 1;
   }
-  if (!early_update_) optimizer_stage_->submit(std::move(job));
-  cv_.notify_all();
+  fetcher_->set_steps_finished(t + 1);
   step_index_ = t + 1;
   micro_ = -1;
-
-  // Report and metrics over the window since the previous step.
-  const auto now = TraceClock::now();
   report.step = applied_steps_;
   report.loss = loss;
-  report.skipped = skipped;
-  report.loss_scale = scale_used;
+  STRATA_RETURN_IF_ERROR(finish_report(report));
+  return report;
+}
+
+// The report and metrics over the window since the previous step.
+Status EngineImpl::finish_report(StepReport& report) {
+  const auto now = TraceClock::now();
   report.step_seconds = std::chrono::duration<double>(now - step_window_begin_).count();
   report.busy = tracer_.busy_seconds(step_window_begin_, now);
   const MemoryStats memory = device_.memory_stats();
@@ -987,27 +751,28 @@ StatusOr<StepReport> EngineImpl::step(double loss) {
     report.nvme_bytes_written = io.bytes_written;
   }
   step_window_begin_ = now;
-  if (metrics_.is_open()) {
-    nlohmann::json busy;
-    for (size_t s = 0; s < kStageCount; ++s) busy[std::string(stage_name(static_cast<Stage>(s)))] = report.busy[s];
-    nlohmann::json line = {{"step", step_number_base_ + step_index_},
-                           {"applied_steps", report.step},
-                           {"loss", report.loss},
-                           {"step_seconds", report.step_seconds},
-                           {"busy_seconds", busy},
-                           {"grad_norm", report.grad_norm},
-                           {"loss_scale", report.loss_scale},
-                           {"skipped", report.skipped},
-                           {"device_high_water_bytes", report.device_high_water_bytes},
-                           {"device_budget_bytes", report.device_budget_bytes},
-                           {"pinned_bytes", report.pinned_bytes},
-                           {"nvme_bytes_read", report.nvme_bytes_read},
-                           {"nvme_bytes_written", report.nvme_bytes_written}};
-    metrics_ << line.dump() << '\n';
-    metrics_.flush();
-  }
   if (options_.trace_path.empty()) tracer_.forget_before(now - std::chrono::seconds(60));
-  return report;
+  return metrics_.record(step_number_base_ + step_index_, report);
+}
+
+Status EngineImpl::wait_for_updates(const char* what) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  return stage_wait(lock, cv_, halt_, [&] { return optimizer_jobs_done_ == optimizer_jobs_queued_; }, what, nullptr);
+}
+
+// Everything planned is carried out: landings (early updates are submitted as they land),
+// updates with their write-backs, and every fetch already planned (the prefetcher runs
+// ahead into a next step, and every rank must issue the same gathers or its peers wait).
+Status EngineImpl::drain() {
+  STRATA_RETURN_IF_ERROR(gradient_path_->wait_drained());
+  int64_t steps = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    steps = steps_finished_;
+  }
+  STRATA_RETURN_IF_ERROR(versions_->wait_all(steps, "every group's update", describer()));
+  STRATA_RETURN_IF_ERROR(wait_for_updates("outstanding updates"));
+  return fetcher_->wait_idle();
 }
 
 Status EngineImpl::finish() {
@@ -1016,19 +781,7 @@ Status EngineImpl::finish() {
   // them would never end.
   if (forward_only_) return FailedPreconditionError("finish() in a forward-only pass: call end_forward() first");
   if (micro_ >= 0) return FailedPreconditionError("finish() inside a step: call step() first");
-  // Landings first: early updates are submitted as they land.
-  STRATA_RETURN_IF_ERROR(gradient_path_->wait_drained());
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    // Every fetch already planned is carried out: the prefetcher runs ahead into a next
-    // step, and every rank must issue the same gathers or its peers would wait for them.
-    STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] {
-      bool updated = true;
-      for (auto& g : groups_) updated = updated && g->param_version >= steps_finished_;
-      return optimizer_jobs_done_ == optimizer_jobs_queued_ && updated &&
-             next_fetch_id_ == next_request_id_;
-    }, "outstanding updates and fetches"));
-  }
+  STRATA_RETURN_IF_ERROR(drain());
   STRATA_RETURN_IF_ERROR(device_.synchronize());
   if (nvme_) STRATA_RETURN_IF_ERROR(nvme_->wait_all());
   STRATA_RETURN_IF_ERROR(background_error());
@@ -1046,18 +799,9 @@ Status EngineImpl::begin_forward(std::span<const int> order) {
   STRATA_RETURN_IF_ERROR(background_error());
   if (forward_only_) return FailedPreconditionError("begin_forward() twice without end_forward()");
   if (micro_ >= 0) return FailedPreconditionError("begin_forward() inside a step: call step() first");
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (failed_) return first_error_;
-  // The fetches planned for the next step carry an older version in delayed mode, and
-  // their slots come before the pass's own in the ring: let them complete and free their
-  // slots, and plan the next step again after the pass.
-  abandon_outstanding_locked();
   forward_only_ = true;
   micro_ = 0;
-  forward_order_.assign(order.begin(), order.end());
-  forward_cursor_ = 0;
-  forward_use_index_ = 0;
-  issue_forward_ahead_locked();
+  uses_->begin_forward(order, step_index_);
   return {};
 }
 
@@ -1065,13 +809,9 @@ Status EngineImpl::end_forward() {
   if (!forward_only_) return FailedPreconditionError("end_forward() without begin_forward()");
   if (!active_uses_.empty())
     return FailedPreconditionError("end_forward() while group " + std::to_string(active_uses_.begin()->first) + " is still gathered");
-  std::lock_guard<std::mutex> lock(mutex_);
-  // Declared gathers the pass did not make: their fetches complete and free their slots.
-  abandon_outstanding_locked();
-  forward_order_.clear();
+  uses_->end_forward(step_index_);
   forward_only_ = false;
   micro_ = -1;
-  if (schedule_valid_) issue_cursor_ = {step_index_, 0, 0};
   return {};
 }
 
@@ -1095,11 +835,14 @@ Status EngineImpl::wait_for_state_access(int g, size_t elements, const char* cal
   if (elements != shard)
     return InvalidArgumentError(std::string(call) + ": group " + state.layout.name + " has " + std::to_string(shard) +
                                 " elements per shard, the span has " + std::to_string(elements));
-  std::unique_lock<std::mutex> lock(mutex_);
+  int64_t steps = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    steps = steps_finished_;
+  }
   // The whole update, the write-back of NVMe-resident state included.
-  return wait_locked(lock, [&] {
-    return state.param_version >= steps_finished_ && optimizer_jobs_done_ == optimizer_jobs_queued_;
-  }, "the group's update");
+  STRATA_RETURN_IF_ERROR(versions_->wait_for(g, steps, "the group's update", describer()));
+  return wait_for_updates("the group's update");
 }
 
 Status EngineImpl::read_state_shard(int g, StateKind kind, std::span<float> out) {
@@ -1115,17 +858,9 @@ Status EngineImpl::write_state_shard(int g, StateKind kind, std::span<const floa
 Status EngineImpl::refresh_parameters() {
   if (!started_) return FailedPreconditionError("refresh_parameters() before start()");
   if (micro_ >= 0) return FailedPreconditionError("refresh_parameters() inside a step");
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    // Fetches planned ahead would carry the old values: let them finish, then forget them.
-    abandon_outstanding_locked();
-    if (schedule_valid_) issue_cursor_ = {step_index_, 0, 0};
-    STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] {
-      for (auto& g : groups_) if (g->param_version < steps_finished_) return false;
-      return optimizer_jobs_done_ == optimizer_jobs_queued_ && next_fetch_id_ == next_request_id_;
-    }, "outstanding updates and fetches"));
-    while (!requests_.empty() && requests_.front().ready && requests_.front().consumed) requests_.pop_front();
-  }
+  // Fetches planned ahead would carry the old values: let them finish, then forget them.
+  uses_->restart(step_index_);
+  STRATA_RETURN_IF_ERROR(drain());
   std::vector<float> master;
   for (auto& gp : groups_) {
     GroupState& g = *gp;
@@ -1133,154 +868,8 @@ Status EngineImpl::refresh_parameters() {
     STRATA_RETURN_IF_ERROR(read_state_shard(g.layout.id, StateKind::kMaster, master));
     // Every copy gets the same values: the next fetch reads whichever its version picks.
     for (int c = 0; c < param_copies(); ++c) STRATA_RETURN_IF_ERROR(store_parameters(g, c, master.data()));
-    std::lock_guard<std::mutex> lock(mutex_);
-    g.persistent_version = -1;
-    g.planned_persistent_version = -1;
   }
-  return {};
-}
-
-// =====================================================================================
-// The fetcher: NVMe -> pinned -> device -> all-gather, ahead of compute
-// =====================================================================================
-
-void EngineImpl::fetcher_loop() {
-  for (;;) {
-    FetchRequest* request = nullptr;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [&] { return stopping_ || (!requests_.empty() && requests_.back().id >= next_fetch_id_); });
-      if (stopping_) return;
-      request = &request_locked(next_fetch_id_);
-    }
-    const int group_id = request->group;
-    Status status = fetch_one(*request);
-    if (!status.ok()) {
-      record_error(std::move(status).with_context("fetching group " + std::to_string(group_id)));
-      return;
-    }
-  }
-}
-
-Status EngineImpl::submit_read_ahead(const FetchRequest& r) {
-  for (uint64_t id = r.id + 1;; ++id) {
-    FetchRequest* next = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (requests_.empty() || id > requests_.back().id || id > r.id + static_cast<uint64_t>(std::max(1, plan_.prefetch_depth))) break;
-      next = &request_locked(id);
-      if (next->read_submitted) continue;
-      // Only slot requests whose slot's previous user has been fetched (so its H2D out
-      // of the staging buffer is enqueued and its event recorded), with their version in.
-      if (next->slot < 0 || group(next->group).param_version < next->required_version || next->previous_occupant >= r.id) break;
-    }
-    GatherSlot& next_slot = slots_[static_cast<size_t>(next->slot)];
-    STRATA_ASSIGN_OR_RETURN(bool staging_free, next_slot.h2d_done->query());
-    if (!staging_free) break;
-    GroupState& next_state = group(next->group);
-    next->read_begin = TraceClock::now();
-    STRATA_ASSIGN_OR_RETURN(next->read_ticket,
-                            nvme_->read_async(next_state.param_nvme[static_cast<size_t>(parity(next->required_version))],
-                                              next_slot.nvme_stage.data(), param_bytes(next_state.layout.shard_numel), 0,
-                                              next_slot.nvme_stage.capacity()));
-    next->read_submitted = true;
-  }
-  return {};
-}
-
-Status EngineImpl::fetch_one(FetchRequest& r) {
-  GroupState& state = group(r.group);
-  const bool persistent = r.slot < 0;
-  GatherSlot* slot = persistent ? nullptr : &slots_[static_cast<size_t>(r.slot)];
-  const size_t shard = state.layout.shard_numel;
-  const size_t bytes = param_bytes(shard);
-  const int world = options_.world_size;
-  const std::string label = state.layout.name;
-  {
-    std::unique_lock<std::mutex> lock(mutex_);
-    // The parameters must hold the version this use needs.
-    STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return state.param_version >= r.required_version; }, "a parameter update"));
-    // The buffer must be free: the slot's previous use released, or (persistent) the
-    // previous step's uses over.
-    if (slot != nullptr) {
-      STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return slot->released_id >= r.previous_occupant; }, "a gather slot"));
-    } else {
-      STRATA_RETURN_IF_ERROR(wait_locked(lock, [&] { return steps_finished_ >= r.step_index; }, "the previous step"));
-    }
-  }
-  Event& ready = persistent ? *state.persistent_ready : *slot->ready;
-  Event& released = persistent ? *state.persistent_released : *slot->released;
-  Event& h2d_done = persistent ? *state.persistent_h2d_done : *slot->h2d_done;
-  void* dest = persistent ? state.persistent_full.data() : slot->full.data();
-  void* staging = persistent ? state.persistent_shard.data() : slot->shard.data();
-  const int copy = parity(r.required_version);
-
-  const void* host_source = nullptr;
-  if (options_.param_tier == Tier::kNvme) {
-    PinnedBuffer& stage = persistent ? state.persistent_stage : slot->nvme_stage;
-    if (!r.read_submitted) {
-      // The staging buffer's previous H2D must be over before the read overwrites it.
-      STRATA_RETURN_IF_ERROR(h2d_done.synchronize());
-      r.read_begin = TraceClock::now();
-      STRATA_ASSIGN_OR_RETURN(r.read_ticket, nvme_->read_async(state.param_nvme[static_cast<size_t>(copy)], stage.data(), bytes, 0, stage.capacity()));
-      r.read_submitted = true;
-    }
-    // While this read completes, keep starting the reads of the requests behind it as
-    // they appear and their staging frees up (the model creates requests as it goes).
-    for (;;) {
-      STRATA_RETURN_IF_ERROR(submit_read_ahead(r));
-      if (nvme_->io_engine().done(r.read_ticket)) break;
-      std::unique_lock<std::mutex> lock(mutex_);
-      if (failed_ || stopping_) break;
-      cv_.wait_for(lock, std::chrono::microseconds(200));
-    }
-    STRATA_RETURN_IF_ERROR(nvme_->wait(r.read_ticket));
-    tracer_.record(Stage::kNvmeRead, r.group, r.read_begin, TraceClock::now(), label);
-    host_source = stage.data();
-  } else if (options_.param_tier == Tier::kPinned || options_.param_tier == Tier::kHost) {
-    host_source = state.param_host[static_cast<size_t>(copy)].data();
-  }
-
-  if (host_source != nullptr) {
-    void* h2d_target = world == 1 ? dest : staging;
-    // World 1 overwrites the gathered buffer itself: wait for its last reader. Otherwise
-    // the staging shard: wait for the all-gather that read it last.
-    STRATA_RETURN_IF_ERROR(h2d_stream_->wait(world == 1 ? released : ready));
-    STRATA_RETURN_IF_ERROR(traced(*h2d_stream_, Stage::kH2D, r.group, label, [&] {
-      return device_.copy_async(h2d_target, host_source, bytes, CopyKind::kHostToDevice, *h2d_stream_);
-    }));
-    STRATA_RETURN_IF_ERROR(h2d_stream_->record(h2d_done));
-    if (world == 1) STRATA_RETURN_IF_ERROR(h2d_stream_->record(ready));
-  }
-  if (world > 1) {
-    if (host_source != nullptr) STRATA_RETURN_IF_ERROR(gather_stream_->wait(h2d_done));
-    STRATA_RETURN_IF_ERROR(gather_stream_->wait(released));
-    const void* source = host_source != nullptr ? staging : state.param_device[static_cast<size_t>(copy)].data();
-    STRATA_RETURN_IF_ERROR(traced(*gather_stream_, Stage::kAllGather, r.group, label, [&] {
-      return gather_comm_.all_gather(source, dest, shard, options_.param_dtype, *gather_stream_);
-    }));
-    STRATA_RETURN_IF_ERROR(gather_stream_->record(ready));
-  }
-  bool abandoned = false;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    abandoned = r.abandoned;
-    if (persistent) {
-      state.persistent_version = r.required_version;
-    } else if (abandoned) {
-      // Nobody will compute with it: the slot is free once the fill is done.
-      slot->released_id = std::max(slot->released_id, r.id);
-    }
-    // Once ready, the model may retire the request: `r` is not touched after this.
-    r.ready = true;
-    ++next_fetch_id_;
-    while (!requests_.empty() && requests_.front().ready && requests_.front().consumed) requests_.pop_front();
-  }
-  if (!persistent && abandoned) {
-    Stream& last = world > 1 ? *gather_stream_ : *h2d_stream_;
-    STRATA_RETURN_IF_ERROR(last.record(released));
-  }
-  cv_.notify_all();
+  fetcher_->forget_persistent_fetches();
   return {};
 }
 

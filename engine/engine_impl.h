@@ -32,38 +32,6 @@
 
 namespace strata::engine_internal {
 
-// A gather slot: one full-group device buffer (largest group, parameter dtype) with the
-// staging it needs, reused round-robin by the fetcher.
-struct GatherSlot {
-  DeviceBuffer full;                 // the gathered group
-  DeviceBuffer shard;                // device staging shard (world > 1 with host or NVMe parameters)
-  PinnedBuffer nvme_stage;           // NVMe read staging (NVMe parameters)
-  std::unique_ptr<Event> ready;      // recorded when `full` holds the gathered group
-  std::unique_ptr<Event> released;   // recorded when compute is done with `full`
-  std::unique_ptr<Event> h2d_done;   // recorded when the H2D copy out of nvme_stage/host finished
-  // Host-side facts, guarded by the engine mutex.
-  uint64_t occupant = 0;             // request id using the slot now (0 = none yet)
-  uint64_t released_id = 0;          // the request id whose release has been recorded
-};
-
-// One fetch the fetcher performs: bring group `group`'s parameters of version
-// `required_version` into a gather slot (or a persistent buffer).
-struct FetchRequest {
-  uint64_t id = 0;                   // increasing, in fetch order
-  int group = -1;
-  int slot = -1;                     // gather slot, or -1 for a persistent group's own buffer
-  int64_t required_version = 0;      // the parameter version (updates applied) to fetch
-  uint64_t previous_occupant = 0;    // the request that used the slot before (0 = none)
-  int64_t step_index = 0;            // the step whose use this is
-  bool abandoned = false;            // the model went another way: complete, then free the slot
-  bool ready = false;                // the ready event has been recorded (host fact)
-  bool consumed = false;             // the model has taken it (or it was abandoned)
-  // NVMe read in flight (fetcher-private).
-  bool read_submitted = false;
-  IoTicket read_ticket;
-  TraceClock::time_point read_begin;
-};
-
 // Per group state of this rank.
 struct GroupState {
   GroupLayout layout;
@@ -96,12 +64,7 @@ struct GroupState {
 
   std::vector<DecayRun> decay_runs;
 
-  // Host facts, guarded by the engine mutex.
-  int64_t param_version = 0;         // optimizer updates applied to the parameter copy
-  int64_t persistent_version = -1;   // version held by persistent_full (-1 = none)
-  uint64_t persistent_request = 0;   // the fetch request filling persistent_full now
-  int64_t planned_persistent_version = -1;  // version the latest persistent fetch request brings
-  TraceClock::time_point compute_begin;      // start of the current use's compute (compute stream)
+  TraceClock::time_point compute_begin;      // start of the current use's compute (compute stream thread)
 };
 
 // Enqueues `work` on `stream` with its execution interval traced: host callbacks on the

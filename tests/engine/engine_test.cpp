@@ -370,6 +370,53 @@ TEST(EngineTest, OptimizerStateStreamedInChunksGivesTheBitsOfStateInMemory) {
   }
 }
 
+// reduce_bucket_size: the reduce-scatter in pieces gives the bits of the whole-group one.
+TEST(EngineTest, ReduceScatterInBucketsGivesTheSameBits) {
+  for (int world : {2, 4}) {
+    RunSpec spec;
+    spec.model = small_model();
+    spec.model.width = 128;
+    spec.world = world;
+    spec.micro_batches = 2;
+    spec.steps = 4;
+    EngineOptions options = fp32_options();
+    const EngineRun whole = run_engine(options, spec);
+    STRATA_ASSERT_OK(whole.status);
+    options.reduce_bucket_elements = 1000;  // not a divisor of any shard
+    const EngineRun bucketed = run_engine(options, spec);
+    STRATA_ASSERT_OK(bucketed.status);
+    EXPECT_EQ(bucketed.plan.reduce_bucket_elements, 1000u) << bucketed.plan.text;
+    EXPECT_NE(bucketed.plan.text.find("reduce-scatter buckets"), std::string::npos) << bucketed.plan.text;
+    EXPECT_EQ(whole.losses, bucketed.losses) << "world " << world;
+    for (size_t g = 0; g < whole.masters.size(); ++g)
+      EXPECT_EQ(std::memcmp(whole.masters[g].data(), bucketed.masters[g].data(), whole.masters[g].size() * 4), 0) << "group " << g;
+  }
+}
+
+// steps_per_print / wall_clock_breakdown: rank 0 logs a progress line every N steps, with
+// every stage's busy seconds when asked.
+TEST(EngineTest, ProgressLinesComeEveryStepsPerPrintWithTheBreakdown) {
+  RunSpec spec;
+  spec.model = small_model();
+  spec.steps = 6;
+  EngineOptions options = fp32_options();
+  options.steps_per_print = 3;
+  options.wall_clock_breakdown = true;
+  const char* level = std::getenv("STRATA_LOG_LEVEL");
+  if (level != nullptr && std::string(level) == "error") GTEST_SKIP() << "info lines are off (STRATA_LOG_LEVEL=error)";
+  ::testing::internal::CaptureStderr();
+  const EngineRun run = run_engine(options, spec);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  STRATA_ASSERT_OK(run.status);
+  size_t lines = 0;
+  for (size_t at = log.find("step "); at != std::string::npos; at = log.find("step ", at + 1))
+    if (log.compare(at, 7, "step 3:") == 0 || log.compare(at, 7, "step 6:") == 0) ++lines;
+  EXPECT_EQ(lines, 2u) << log;
+  EXPECT_EQ(log.find("step 2:"), std::string::npos) << log;
+  EXPECT_NE(log.find("busy s: compute"), std::string::npos) << log;
+  EXPECT_NE(log.find("landing"), std::string::npos) << log;
+}
+
 TEST(EngineTest, DelayedOverlapTrainsAndDiffersFromExact) {
   RunSpec spec;
   spec.model = small_model();

@@ -1,0 +1,412 @@
+#include "engine/param_fetcher.h"
+
+#include <algorithm>
+#include <sstream>
+
+namespace strata::engine_internal {
+
+// ----------------------------------------------------------------------- versions
+
+void VersionBoard::publish(int g, int64_t version) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    int64_t& v = versions_[static_cast<size_t>(g)];
+    v = std::max(v, version);
+  }
+  cv_.notify_all();
+}
+
+int64_t VersionBoard::version(int g) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return versions_[static_cast<size_t>(g)];
+}
+
+Status VersionBoard::wait_for(int g, int64_t version, const char* what, const std::function<std::string()>& describe) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  return stage_wait(lock, cv_, halt_, [&] { return versions_[static_cast<size_t>(g)] >= version; }, what, describe);
+}
+
+Status VersionBoard::wait_all(int64_t version, const char* what, const std::function<std::string()>& describe) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  return stage_wait(lock, cv_, halt_, [&] {
+    return std::all_of(versions_.begin(), versions_.end(), [&](int64_t v) { return v >= version; });
+  }, what, describe);
+}
+
+void VersionBoard::abort(const Status& status) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (halt_.failure.ok()) halt_.failure = status;
+  }
+  cv_.notify_all();
+}
+
+void VersionBoard::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    halt_.stopping = true;
+  }
+  cv_.notify_all();
+}
+
+std::string VersionBoard::describe() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::ostringstream text;
+  text << "parameter versions:";
+  for (int64_t v : versions_) text << " " << v;
+  return text.str();
+}
+
+// ----------------------------------------------------------------------- set-up
+
+StatusOr<std::unique_ptr<ParamFetcher>> ParamFetcher::create(const ParamFetcherContext& context, ParamFetcherHooks hooks) {
+  auto fetcher = std::make_unique<ParamFetcher>(context, std::move(hooks));
+  fetcher->persistent_.resize(context.groups->size());
+  return fetcher;
+}
+
+ParamFetcher::~ParamFetcher() { stop(); }
+
+Status ParamFetcher::allocate() {
+  const EngineOptions& o = *ctx_.options;
+  const EnginePlan& plan = *ctx_.plan;
+  const bool staging_shard = o.world_size > 1 && o.param_tier != Tier::kDevice;
+  slots_.resize(static_cast<size_t>(plan.gather_slots));
+  slot_fills_.assign(slots_.size(), 0);
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    Slot& slot = slots_[i];
+    const std::string name = "gather slot " + std::to_string(i);
+    STRATA_ASSIGN_OR_RETURN(slot.full, ctx_.device->allocate(param_bytes(plan.max_gather_elements), name));
+    if (staging_shard) {
+      STRATA_ASSIGN_OR_RETURN(slot.shard, ctx_.device->allocate(param_bytes(plan.max_gather_shard), name + " staging shard"));
+    }
+    if (o.param_tier == Tier::kNvme) {
+      STRATA_ASSIGN_OR_RETURN(slot.nvme_stage, ctx_.arena->allocate(param_bytes(plan.max_gather_shard), name + " NVMe staging"));
+    }
+    STRATA_ASSIGN_OR_RETURN(slot.ready, ctx_.device->create_event());
+    STRATA_ASSIGN_OR_RETURN(slot.released, ctx_.device->create_event());
+    STRATA_ASSIGN_OR_RETURN(slot.h2d_done, ctx_.device->create_event());
+  }
+  for (auto& gp : *ctx_.groups) {
+    GroupState& g = *gp;
+    if (!g.persistent || direct_view()) continue;
+    const std::string name = "group " + g.layout.name;
+    STRATA_ASSIGN_OR_RETURN(g.persistent_full, ctx_.device->allocate(param_bytes(g.layout.padded_numel), name + " persistent"));
+    if (staging_shard) {
+      STRATA_ASSIGN_OR_RETURN(g.persistent_shard, ctx_.device->allocate(param_bytes(g.layout.shard_numel), name + " persistent staging"));
+    }
+    if (o.param_tier == Tier::kNvme) {
+      STRATA_ASSIGN_OR_RETURN(g.persistent_stage, ctx_.arena->allocate(param_bytes(g.layout.shard_numel), name + " persistent NVMe staging"));
+    }
+    STRATA_ASSIGN_OR_RETURN(g.persistent_ready, ctx_.device->create_event());
+    STRATA_ASSIGN_OR_RETURN(g.persistent_released, ctx_.device->create_event());
+    STRATA_ASSIGN_OR_RETURN(g.persistent_h2d_done, ctx_.device->create_event());
+  }
+  return {};
+}
+
+void ParamFetcher::start() {
+  worker_ = std::thread([this] { loop(); });
+}
+
+void ParamFetcher::stop() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    halt_.stopping = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+void ParamFetcher::abort(const Status& status) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (halt_.failure.ok()) halt_.failure = status;
+  }
+  cv_.notify_all();
+}
+
+std::function<std::string()> ParamFetcher::describer() const {
+  return [this] {
+    std::string text = describe();
+    if (hooks_.describe_engine) {
+      text += '\n';
+      text += hooks_.describe_engine();
+    }
+    return text;
+  };
+}
+
+std::string ParamFetcher::describe() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::ostringstream text;
+  text << "fetcher at request " << next_fetch_id_ << " of " << (next_request_id_ - 1) << " planned";
+  if (!requests_.empty()) {
+    const Request& r = requests_.front();
+    text << "; oldest request " << r.id << " (group " << r.group << ", slot " << r.position.index << " phase " << r.position.phase
+         << ", version " << r.version << ", ready " << r.ready << ", consumed " << r.consumed << ")";
+  }
+  text << "; slot releases:";
+  for (const Slot& slot : slots_) text << " " << slot.releases;
+  return text.str();
+}
+
+// ----------------------------------------------------------------------- model thread
+
+bool ParamFetcher::takes_slot(int g) const { return !direct_view() && !(*ctx_.groups)[static_cast<size_t>(g)]->persistent; }
+
+uint64_t ParamFetcher::plan_fetch(int g, int64_t step, int64_t version) {
+  if (direct_view()) return 0;
+  Request request;
+  request.group = g;
+  request.step = step;
+  request.version = version;
+  if (group(g).persistent) {
+    if (persistent_[static_cast<size_t>(g)].planned_version == version) return 0;
+    persistent_[static_cast<size_t>(g)].planned_version = version;
+  } else {
+    const uint64_t use = slot_uses_++;
+    request.position = {static_cast<int>(use % slots_.size()), use / slots_.size()};
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    request.id = next_request_id_++;
+    requests_.push_back(request);
+  }
+  cv_.notify_all();
+  return request.id;
+}
+
+void ParamFetcher::abandon(uint64_t id) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Request& r = request_locked(id);
+    r.abandoned = true;
+    r.consumed = true;
+    if (r.position.index < 0) persistent_[static_cast<size_t>(r.group)].planned_version = -1;
+    // A fill already done frees its slot here (one still running frees it when done). No
+    // release event is needed: the slot's next fill is enqueued on the streams that made
+    // this one, so it follows it in stream order.
+    if (r.ready && r.position.index >= 0) ++slots_[static_cast<size_t>(r.position.index)].releases;
+    retire_locked();
+  }
+  cv_.notify_all();
+}
+
+StatusOr<void*> ParamFetcher::take(uint64_t id, PipelineState* position) {
+  int g = -1;
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    STRATA_RETURN_IF_ERROR(stage_wait(lock, cv_, halt_, [&] { return request_locked(id).ready; }, "a gathered group", describer()));
+    Request& r = request_locked(id);
+    r.consumed = true;
+    *position = r.position;
+    g = r.group;
+    retire_locked();
+  }
+  // Compute waits for the gathered data (the event was recorded before `ready` was set).
+  if (position->index < 0) {
+    STRATA_RETURN_IF_ERROR(ctx_.compute->wait(*group(g).persistent_ready));
+    return group(g).persistent_full.data();
+  }
+  Slot& slot = slots_[static_cast<size_t>(position->index)];
+  STRATA_RETURN_IF_ERROR(ctx_.compute->wait(*slot.ready));
+  return slot.full.data();
+}
+
+Status ParamFetcher::release(int g, const PipelineState& position) {
+  if (position.index < 0) return ctx_.compute->record(*group(g).persistent_released);
+  Slot& slot = slots_[static_cast<size_t>(position.index)];
+  STRATA_RETURN_IF_ERROR(ctx_.compute->record(*slot.released));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++slot.releases;
+  }
+  cv_.notify_all();
+  return {};
+}
+
+void ParamFetcher::set_steps_finished(int64_t steps) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    steps_finished_ = steps;
+  }
+  cv_.notify_all();
+}
+
+Status ParamFetcher::wait_idle() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  STRATA_RETURN_IF_ERROR(stage_wait(lock, cv_, halt_, [&] { return next_fetch_id_ == next_request_id_; }, "outstanding fetches", describer()));
+  retire_locked();
+  return {};
+}
+
+void ParamFetcher::forget_persistent_fetches() {
+  for (Persistent& p : persistent_) p.planned_version = -1;
+}
+
+void ParamFetcher::retire_locked() {
+  while (!requests_.empty() && requests_.front().ready && requests_.front().consumed) requests_.pop_front();
+}
+
+// ----------------------------------------------------------------------- the worker
+
+void ParamFetcher::loop() {
+  for (;;) {
+    Request* request = nullptr;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [&] { return halt_.halted() || (!requests_.empty() && requests_.back().id >= next_fetch_id_); });
+      if (halt_.halted()) return;
+      // Requests stay put in the deque (push_back and pop_front keep references).
+      request = &request_locked(next_fetch_id_);
+    }
+    const int g = request->group;
+    Status status = fetch(*request);
+    if (!status.ok()) {
+      hooks_.failed(std::move(status).with_context("fetching group " + std::to_string(g)));
+      return;
+    }
+  }
+}
+
+// The parameters must hold the version the use needs, and the buffer must be free: the
+// slot's previous occupants released, or (persistent) the previous step's uses over.
+Status ParamFetcher::wait_until_fillable(const Request& r) {
+  STRATA_RETURN_IF_ERROR(ctx_.versions->wait_for(r.group, r.version, "a parameter update", describer()));
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (r.position.index >= 0) {
+    const Slot& slot = slots_[static_cast<size_t>(r.position.index)];
+    return stage_wait(lock, cv_, halt_, [&] { return slot.releases >= r.position.phase; }, "a gather slot", describer());
+  }
+  return stage_wait(lock, cv_, halt_, [&] { return steps_finished_ >= r.step; }, "the previous step", describer());
+}
+
+ParamFetcher::Target ParamFetcher::target_of(const Request& r) {
+  Target t;
+  if (r.position.index < 0) {
+    GroupState& state = group(r.group);
+    t = {state.persistent_full.data(), state.persistent_shard.data(), &state.persistent_stage, state.persistent_ready.get(),
+         state.persistent_released.get(), state.persistent_h2d_done.get()};
+  } else {
+    Slot& slot = slots_[static_cast<size_t>(r.position.index)];
+    t = {slot.full.data(), slot.shard.data(), &slot.nvme_stage, slot.ready.get(), slot.released.get(), slot.h2d_done.get()};
+  }
+  return t;
+}
+
+// Starts the NVMe reads of the requests after `r` that can start now: their version is
+// in, their slot's earlier occupants have been filled (so the last H2D out of the
+// staging is enqueued) and that H2D has finished.
+Status ParamFetcher::submit_read_ahead(const Request& r) {
+  const uint64_t depth = static_cast<uint64_t>(std::max(1, ctx_.plan->prefetch_depth));
+  for (uint64_t id = r.id + 1; id <= r.id + depth; ++id) {
+    Request* next = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (requests_.empty() || id > requests_.back().id) break;
+      next = &request_locked(id);
+    }
+    if (next->read_submitted) continue;
+    if (next->position.index < 0 || ctx_.versions->version(next->group) < next->version) break;
+    Slot& slot = slots_[static_cast<size_t>(next->position.index)];
+    if (slot_fills_[static_cast<size_t>(next->position.index)] < next->position.phase) break;
+    STRATA_ASSIGN_OR_RETURN(bool staging_free, slot.h2d_done->query());
+    if (!staging_free) break;
+    GroupState& state = group(next->group);
+    next->read_begin = TraceClock::now();
+    STRATA_ASSIGN_OR_RETURN(next->read_ticket, ctx_.nvme->read_async(state.param_nvme[static_cast<size_t>(parity(next->version))],
+                                                                     slot.nvme_stage.data(), param_bytes(state.layout.shard_numel), 0,
+                                                                     slot.nvme_stage.capacity()));
+    next->read_submitted = true;
+  }
+  return {};
+}
+
+StatusOr<const void*> ParamFetcher::read_from_nvme(Request& r, const Target& target) {
+  GroupState& state = group(r.group);
+  if (!r.read_submitted) {
+    // The staging buffer's previous H2D must be over before the read overwrites it.
+    STRATA_RETURN_IF_ERROR(target.h2d_done->synchronize());
+    r.read_begin = TraceClock::now();
+    STRATA_ASSIGN_OR_RETURN(r.read_ticket, ctx_.nvme->read_async(state.param_nvme[static_cast<size_t>(parity(r.version))],
+                                                                 target.nvme_stage->data(), param_bytes(state.layout.shard_numel), 0,
+                                                                 target.nvme_stage->capacity()));
+    r.read_submitted = true;
+  }
+  // While this read completes, keep starting the reads of the requests behind it as they
+  // appear and their staging frees up (the model plans requests as it goes).
+  for (;;) {
+    STRATA_RETURN_IF_ERROR(submit_read_ahead(r));
+    if (ctx_.nvme->io_engine().done(r.read_ticket)) break;
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (halt_.halted()) break;
+    cv_.wait_for(lock, std::chrono::microseconds(200));
+  }
+  STRATA_RETURN_IF_ERROR(ctx_.nvme->wait(r.read_ticket));
+  ctx_.tracer->record(Stage::kNvmeRead, r.group, r.read_begin, TraceClock::now(), state.layout.name);
+  return static_cast<const void*>(target.nvme_stage->data());
+}
+
+// H2D of this rank's shard (host or NVMe parameters), then the all-gather (world > 1).
+Status ParamFetcher::fill_device(const Request& r, const Target& t, const void* host_source) {
+  const EngineOptions& o = *ctx_.options;
+  const int world = o.world_size;
+  GroupState& state = group(r.group);
+  const size_t shard = state.layout.shard_numel;
+  const std::string& label = state.layout.name;
+  if (host_source != nullptr) {
+    void* h2d_target = world == 1 ? t.dest : t.staging;
+    // World 1 overwrites the gathered buffer itself: wait for its last reader. Otherwise
+    // the staging shard: wait for the all-gather that read it last.
+    STRATA_RETURN_IF_ERROR(ctx_.h2d->wait(world == 1 ? *t.released : *t.ready));
+    STRATA_RETURN_IF_ERROR(traced(*ctx_.tracer, *ctx_.h2d, Stage::kH2D, r.group, label, [&] {
+      return ctx_.device->copy_async(h2d_target, host_source, param_bytes(shard), CopyKind::kHostToDevice, *ctx_.h2d);
+    }));
+    STRATA_RETURN_IF_ERROR(ctx_.h2d->record(*t.h2d_done));
+    if (world == 1) STRATA_RETURN_IF_ERROR(ctx_.h2d->record(*t.ready));
+  }
+  if (world > 1) {
+    if (host_source != nullptr) STRATA_RETURN_IF_ERROR(ctx_.gather->wait(*t.h2d_done));
+    STRATA_RETURN_IF_ERROR(ctx_.gather->wait(*t.released));
+    const void* source = host_source != nullptr ? t.staging : state.param_device[static_cast<size_t>(parity(r.version))].data();
+    STRATA_RETURN_IF_ERROR(traced(*ctx_.tracer, *ctx_.gather, Stage::kAllGather, r.group, label, [&] {
+      return ctx_.gather_comm->all_gather(source, t.dest, shard, o.param_dtype, *ctx_.gather);
+    }));
+    STRATA_RETURN_IF_ERROR(ctx_.gather->record(*t.ready));
+  }
+  return {};
+}
+
+Status ParamFetcher::fetch(Request& r) {
+  STRATA_RETURN_IF_ERROR(wait_until_fillable(r));
+  const Target target = target_of(r);
+  const void* host_source = nullptr;
+  if (ctx_.options->param_tier == Tier::kNvme) {
+    STRATA_ASSIGN_OR_RETURN(host_source, read_from_nvme(r, target));
+  } else if (ctx_.options->param_tier == Tier::kPinned || ctx_.options->param_tier == Tier::kHost) {
+    host_source = group(r.group).param_host[static_cast<size_t>(parity(r.version))].data();
+  }
+  STRATA_RETURN_IF_ERROR(fill_device(r, target, host_source));
+  const bool slot_fill = r.position.index >= 0;
+  if (slot_fill) ++slot_fills_[static_cast<size_t>(r.position.index)];
+  bool abandoned = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    abandoned = r.abandoned;
+    // Nobody will compute with an abandoned fill: the slot is free once the fill is done.
+    if (slot_fill && abandoned) ++slots_[static_cast<size_t>(r.position.index)].releases;
+    // Once ready, the model may retire the request: `r` is not touched after this.
+    r.ready = true;
+    ++next_fetch_id_;
+    retire_locked();
+  }
+  if (slot_fill && abandoned) {
+    Stream& last = ctx_.options->world_size > 1 ? *ctx_.gather : *ctx_.h2d;
+    STRATA_RETURN_IF_ERROR(last.record(*target.released));
+  }
+  cv_.notify_all();
+  return {};
+}
+
+}  // namespace strata::engine_internal

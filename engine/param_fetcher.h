@@ -1,0 +1,179 @@
+// The parameter fetcher: brings each planned use's parameters to the device ahead of
+// compute, on its own worker with its own queue of requests:
+//
+//   NVMe --read (ahead, as staging frees)--> pinned staging --H2D--> device shard
+//        --all-gather--> the group in a gather slot (or a persistent group's buffer)
+//
+// Gather slots form a ring; a request's place in it is a PipelineState (slot index, and
+// phase: how many times the ring wrapped before it). A fill of phase p waits until its
+// slot's previous p occupants have been released (by the model after compute, or at
+// once for a use that was abandoned), so the number of gathered groups in flight is
+// bounded by the ring.
+//
+// Parameter versions come from the optimizer through a VersionBoard; a fill waits for
+// the version its use needs.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/engine_impl.h"
+#include "engine/stage_wait.h"
+#include "engine/use_planner.h"
+
+namespace strata::engine_internal {
+
+// The parameter version (updates applied) of every group's copy the fetcher reads.
+class VersionBoard {
+ public:
+  explicit VersionBoard(size_t groups) : versions_(groups, 0) {}
+  void publish(int g, int64_t version);  // versions only grow
+  int64_t version(int g) const;
+  Status wait_for(int g, int64_t version, const char* what, const std::function<std::string()>& describe);
+  Status wait_all(int64_t version, const char* what, const std::function<std::string()>& describe);
+  void abort(const Status& status);
+  void stop();
+  std::string describe() const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  StageHalt halt_;
+  std::vector<int64_t> versions_;
+};
+
+// A position in the gather-slot ring.
+struct PipelineState {
+  int index = -1;        // the slot; -1 = a persistent group's own buffer
+  uint64_t phase = 0;    // uses of the slot before this one
+};
+
+struct ParamFetcherContext {
+  const EngineOptions* options = nullptr;
+  const EnginePlan* plan = nullptr;
+  Device* device = nullptr;
+  Stream* h2d = nullptr;
+  Stream* gather = nullptr;
+  Stream* compute = nullptr;
+  Communicator* gather_comm = nullptr;
+  Tracer* tracer = nullptr;
+  std::vector<std::unique_ptr<GroupState>>* groups = nullptr;
+  NvmeStore* nvme = nullptr;
+  PinnedArena* arena = nullptr;
+  VersionBoard* versions = nullptr;
+};
+
+struct ParamFetcherHooks {
+  std::function<void(Status)> failed;
+  std::function<std::string()> describe_engine;
+};
+
+class ParamFetcher final : public FetchIssuer {
+ public:
+  static StatusOr<std::unique_ptr<ParamFetcher>> create(const ParamFetcherContext& context, ParamFetcherHooks hooks);
+  ~ParamFetcher() override;
+  ParamFetcher(const ParamFetcher&) = delete;
+  ParamFetcher& operator=(const ParamFetcher&) = delete;
+
+  Status allocate();  // the gather slots and persistent groups' buffers
+  void start();
+  void stop();
+  void abort(const Status& status);
+
+  // FetchIssuer (model thread).
+  uint64_t plan_fetch(int group, int64_t step, int64_t version) override;
+  void abandon(uint64_t request) override;
+  bool takes_slot(int group) const override;
+
+  // Model thread: waits until `request` is ready and takes it; returns where the group is
+  // gathered (the compute stream already waits for it).
+  StatusOr<void*> take(uint64_t request, PipelineState* position);
+  // Compute is enqueued up to the release of a use at `position`.
+  Status release(int group, const PipelineState& position);
+  // The step's uses are over (persistent buffers may be refilled for the next).
+  void set_steps_finished(int64_t steps);
+  // Every planned fetch has been carried out.
+  Status wait_idle();
+  // Persistent groups fetch again at their next use (after the parameters were rewritten).
+  void forget_persistent_fetches();
+  std::string describe() const;
+
+  ParamFetcher(const ParamFetcherContext& context, ParamFetcherHooks hooks) : ctx_(context), hooks_(std::move(hooks)) {}
+
+ private:
+  struct Slot {
+    DeviceBuffer full;                 // the gathered group
+    DeviceBuffer shard;                // device staging shard (world > 1 with host or NVMe parameters)
+    PinnedBuffer nvme_stage;           // NVMe read staging (NVMe parameters)
+    std::unique_ptr<Event> ready;      // recorded when `full` holds the gathered group
+    std::unique_ptr<Event> released;   // recorded when compute is done with `full`
+    std::unique_ptr<Event> h2d_done;   // recorded when the H2D copy out of the staging finished
+    uint64_t releases = 0;             // host fact: uses of the slot released so far
+  };
+  struct Request {
+    uint64_t id = 0;
+    int group = -1;
+    PipelineState position;
+    int64_t version = 0;               // the parameter version to fetch
+    int64_t step = 0;                  // the step whose use this is
+    bool abandoned = false;
+    bool ready = false;                // the ready event has been recorded
+    bool consumed = false;             // taken by the model, or abandoned
+    // Fetcher-private: the NVMe read in flight.
+    bool read_submitted = false;
+    IoTicket read_ticket;
+    TraceClock::time_point read_begin;
+  };
+  struct Persistent {
+    int64_t planned_version = -1;      // the version the latest planned fetch brings
+  };
+  // The buffers one fill writes.
+  struct Target {
+    void* dest = nullptr;
+    void* staging = nullptr;
+    PinnedBuffer* nvme_stage = nullptr;
+    Event* ready = nullptr;
+    Event* released = nullptr;
+    Event* h2d_done = nullptr;
+  };
+
+  void loop();
+  Status fetch(Request& r);
+  Status wait_until_fillable(const Request& r);
+  Target target_of(const Request& r);
+  // The NVMe read of r (and the reads of the requests behind it that can start now).
+  StatusOr<const void*> read_from_nvme(Request& r, const Target& target);
+  Status submit_read_ahead(const Request& r);
+  Status fill_device(const Request& r, const Target& target, const void* host_source);
+  void retire_locked();
+  Request& request_locked(uint64_t id) { return requests_[static_cast<size_t>(id - requests_.front().id)]; }
+  GroupState& group(int g) { return *(*ctx_.groups)[static_cast<size_t>(g)]; }
+  bool direct_view() const { return ctx_.options->param_tier == Tier::kDevice && ctx_.options->world_size == 1; }
+  int parity(int64_t version) const { return ctx_.options->overlap == OverlapMode::kDelayed ? static_cast<int>(version % 2) : 0; }
+  size_t param_bytes(size_t elements) const { return elements * dtype_size(ctx_.options->param_dtype); }
+  std::function<std::string()> describer() const;
+
+  ParamFetcherContext ctx_;
+  ParamFetcherHooks hooks_;
+  std::vector<Slot> slots_;
+  std::vector<Persistent> persistent_;  // per group (model thread)
+  std::vector<uint64_t> slot_fills_;    // per slot: fills enqueued so far (worker only)
+  uint64_t slot_uses_ = 0;              // slot-taking requests planned (model thread)
+
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  StageHalt halt_;
+  std::deque<Request> requests_;        // in id order, until ready and consumed
+  uint64_t next_request_id_ = 1;
+  uint64_t next_fetch_id_ = 1;          // the next request the worker fills
+  int64_t steps_finished_ = 0;
+  std::thread worker_;
+};
+
+}  // namespace strata::engine_internal
