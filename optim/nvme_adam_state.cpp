@@ -65,10 +65,14 @@ size_t NvmeAdamState::piece_alignment(const NvmeAdamStateOptions& options, size_
   return store_granularity / narrowest;
 }
 
+// The arrays of a slot sit one colour gap apart, so that pieces of 2^k elements do not
+// put the streams CPU Adam reads and writes together at addresses congruent modulo large
+// powers of two (which collide in the caches: see PinnedArena's colouring).
 size_t NvmeAdamState::slot_bytes(const NvmeAdamStateOptions& options, size_t piece, size_t store_alignment) {
-  size_t bytes = round_up(piece * 4, store_alignment) + 2 * round_up(piece * dtype_size(options.moment_type), store_alignment);
-  if (options.stored_gradient_type) bytes += round_up(piece * dtype_size(*options.stored_gradient_type), store_alignment);
-  if (options.staged_param_type) bytes += round_up(piece * dtype_size(*options.staged_param_type), store_alignment);
+  const size_t gap = round_up(PinnedArena::kColourGapBytes, store_alignment);
+  size_t bytes = round_up(piece * 4, store_alignment) + 2 * round_up(piece * dtype_size(options.moment_type), store_alignment) + 2 * gap;
+  if (options.stored_gradient_type) bytes += round_up(piece * dtype_size(*options.stored_gradient_type), store_alignment) + gap;
+  if (options.staged_param_type) bytes += round_up(piece * dtype_size(*options.staged_param_type), store_alignment) + gap;
   return bytes;
 }
 
@@ -118,16 +122,19 @@ StatusOr<std::unique_ptr<NvmeAdamState>> NvmeAdamState::create(NvmeStore& store,
     if (options.stored_gradient_type) slot->grad_capacity = round_up(piece * dtype_size(*options.stored_gradient_type), a);
     if (options.staged_param_type) slot->param_capacity = round_up(piece * dtype_size(*options.staged_param_type), a);
     STRATA_ASSIGN_OR_RETURN(slot->buffer, arena.allocate(slot_bytes(options, piece, a), "optimizer-state ring slot " + std::to_string(i)));
+    const size_t gap = round_up(PinnedArena::kColourGapBytes, a);
     char* next = slot->buffer.as<char>();
     slot->master = reinterpret_cast<float*>(next);
-    next += slot->master_capacity;
+    next += slot->master_capacity + gap;
     slot->exp_avg = next;
-    next += slot->moment_capacity;
+    next += slot->moment_capacity + gap;
     slot->exp_avg_sq = next;
     next += slot->moment_capacity;
-    if (slot->grad_capacity > 0) slot->grad = next;
-    next += slot->grad_capacity;
-    if (slot->param_capacity > 0) slot->param = next;
+    if (slot->grad_capacity > 0) {
+      slot->grad = next + gap;
+      next += gap + slot->grad_capacity;
+    }
+    if (slot->param_capacity > 0) slot->param = next + gap;
     state->slots_.push_back(std::move(slot));
   }
 

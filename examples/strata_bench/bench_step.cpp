@@ -41,7 +41,7 @@ constexpr const char* kUsage =
     "usage: strata-bench step --layers L --width W --batch B --micro-batches K --steps S --world-size N\n"
     "                         --device cpu|cuda --device-budget-mib M --offload-param device|cpu|nvme\n"
     "                         --offload-optimizer device|cpu|nvme --param-dtype bf16|fp32 --nvme-path D\n"
-    "                         [--prefetch-depth P] [--pinned-budget-mib M (0 = what the plan needs)] [--seed S]\n"
+    "                         [--prefetch-depth P (default: the deepest that fits)] [--pinned-budget-mib M (0 = what the plan needs)] [--seed S]\n"
     "                         [--store-gbps READ,WRITE | --store-measure-mib M=256] [--json] [--help]";
 
 struct StepBenchOptions {
@@ -55,7 +55,7 @@ struct StepBenchOptions {
   Tier optimizer = Tier::kPinned;
   DType param_dtype = DType::kBFloat16;
   std::string nvme_path;
-  int prefetch_depth = 2;
+  int prefetch_depth = EngineOptions::kAutoDepth;  // --prefetch-depth; unset = the deepest that fits
   size_t pinned_budget_bytes = 0;  // EngineOptions::pinned_budget_bytes
   std::optional<StoreBandwidth> store_bandwidth;  // --store-gbps; else measured when a tier is NVMe
   size_t store_measure_bytes = size_t{256} << 20;
@@ -99,7 +99,7 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
   STRATA_ASSIGN_OR_RETURN(int64_t steps, args.get_int("steps", 5));
   STRATA_ASSIGN_OR_RETURN(int64_t world, args.get_int("world-size", 1));
   STRATA_ASSIGN_OR_RETURN(int64_t budget_mib, args.get_int("device-budget-mib", 1024));
-  STRATA_ASSIGN_OR_RETURN(int64_t depth, args.get_int("prefetch-depth", 2));
+  STRATA_ASSIGN_OR_RETURN(int64_t depth, args.get_int("prefetch-depth", EngineOptions::kAutoDepth));
   STRATA_ASSIGN_OR_RETURN(int64_t seed, args.get_int("seed", 1234));
   STRATA_ASSIGN_OR_RETURN(int64_t pinned_budget_mib, args.get_int("pinned-budget-mib", 0));
   STRATA_ASSIGN_OR_RETURN(int64_t store_measure_mib, args.get_int("store-measure-mib", 256));
@@ -110,7 +110,7 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
   if (args.has("store-gbps")) {
     STRATA_ASSIGN_OR_RETURN(o.store_bandwidth, parse_store_gbps(args.get("store-gbps", "")));
   }
-  if (layers < 1 || width < 2 || batch < 1 || micro < 1 || steps < 2 || world < 1 || budget_mib < 1 || depth < 0)
+  if (layers < 1 || width < 2 || batch < 1 || micro < 1 || steps < 2 || world < 1 || budget_mib < 1 || (depth < 0 && depth != EngineOptions::kAutoDepth))
     return InvalidArgumentError("need --layers >= 1, --width >= 2, --batch >= 1, --micro-batches >= 1, --steps >= 2 "
                                 "(one is the warm-up), --world-size >= 1, --device-budget-mib >= 1, --prefetch-depth >= 0");
   o.model.layers = static_cast<int>(layers);
