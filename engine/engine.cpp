@@ -22,6 +22,7 @@
 #include "engine/gradient_path.h"
 #include "engine/optimizer_stage.h"
 #include "engine/param_fetcher.h"
+#include "engine/shard_store.h"
 #include "engine/use_planner.h"
 #include "kernels/cast.h"
 #include "kernels/transformer_ops.h"
@@ -139,8 +140,6 @@ class EngineImpl final : public Engine {
   Status initialize_group(GroupState& g, std::vector<float>& init);
 
   Status create_param_fetcher();
-  // Parameters converted from fp32 values into the parameter tier's copy `copy` of g.
-  Status store_parameters(GroupState& g, int copy, const float* values);
   void record_error(Status status);
   // A one-paragraph picture of where every stage stands (for errors and hangs).
   std::string describe_state();
@@ -199,6 +198,7 @@ class EngineImpl final : public Engine {
   std::unique_ptr<NvmeStore> nvme_;
   std::vector<std::unique_ptr<GroupState>> groups_;
   std::vector<int> declared_schedule_;
+  std::unique_ptr<ShardStore> shards_;  // the parameter copies
   // The stages (each with its own worker and queue but the use planner, which is the
   // model thread's), and the versions the optimizer publishes to the fetcher.
   std::unique_ptr<VersionBoard> versions_;
@@ -288,6 +288,8 @@ Status EngineImpl::allocate_and_initialize() {
   if (device_state() && options_.param_tier != Tier::kDevice) {
     STRATA_ASSIGN_OR_RETURN(param_out_device_, device_.allocate(param_bytes(all_max_shard), "new-parameter staging"));
   }
+  ShardStoreContext shard_context{&options_, &device_, update_stream_.get(), arena_.get(), nvme_.get(), &tracer_, &groups_};
+  shards_ = std::make_unique<ShardStore>(shard_context);
   versions_ = std::make_unique<VersionBoard>(groups_.size());
   STRATA_RETURN_IF_ERROR(create_optimizer_stage());
   STRATA_RETURN_IF_ERROR(create_gradient_path());
@@ -316,6 +318,7 @@ Status EngineImpl::create_optimizer_stage() {
   context.arena = arena_.get();
   context.param_out_stage = &param_out_stage_;
   context.param_out_device = &param_out_device_;
+  context.shards = shards_.get();
   OptimizerStageHooks hooks;
   hooks.group_updated = [this](int g, int64_t version) { versions_->publish(g, version); };
   hooks.job_done = [this] {
@@ -370,6 +373,7 @@ Status EngineImpl::create_param_fetcher() {
   context.nvme = nvme_.get();
   context.arena = arena_.get();
   context.versions = versions_.get();
+  context.shards = shards_.get();
   ParamFetcherHooks hooks;
   hooks.failed = [this](Status status) { record_error(std::move(status)); };
   hooks.describe_engine = [this] { return describe_state(); };
@@ -409,63 +413,12 @@ Status EngineImpl::submit_early_update(int g, int64_t step) {
   return {};
 }
 
-// Stores fp32 values as group g's parameter copy `copy`, in the parameter dtype and tier.
-Status EngineImpl::store_parameters(GroupState& g, int copy, const float* values) {
-  const size_t shard = g.layout.shard_numel;
-  const size_t bytes = param_bytes(shard);
-  std::vector<char> converted;
-  void* host = nullptr;
-  if (options_.param_tier == Tier::kPinned || options_.param_tier == Tier::kHost) {
-    host = g.param_host[static_cast<size_t>(copy)].data();
-  } else {
-    converted.resize(bytes);
-    host = converted.data();
-  }
-  if (options_.param_dtype == DType::kFloat32) std::memcpy(host, values, bytes);
-  else for (size_t i = 0; i < shard; ++i) store_from_float(host, options_.param_dtype, i, values[i]);
-  if (options_.param_tier == Tier::kDevice) {
-    STRATA_RETURN_IF_ERROR(device_.copy_async(g.param_device[static_cast<size_t>(copy)].data(), host, bytes, CopyKind::kHostToDevice, *update_stream_));
-    return update_stream_->synchronize();
-  }
-  if (options_.param_tier == Tier::kNvme) return nvme_->write(g.param_nvme[static_cast<size_t>(copy)], host, bytes);
-  return {};
-}
-
 Status EngineImpl::initialize_group(GroupState& g, std::vector<float>& init) {
-  const size_t shard = g.layout.shard_numel;
-  const std::string name = "group " + g.layout.name;
   g.decay_runs = decay_runs(g.layout, options_.rank);
   init_shard(g.layout, options_.rank, options_.seed, init.data());
-  for (int c = 0; c < param_copies(); ++c) {
-    std::string copy_name = name + " parameters";
-    if (param_copies() > 1) copy_name += " copy " + std::to_string(c);
-    switch (options_.param_tier) {
-      case Tier::kDevice: {
-        STRATA_ASSIGN_OR_RETURN(DeviceBuffer buffer, device_.allocate(param_bytes(shard), copy_name));
-        g.param_device.push_back(std::move(buffer));
-        break;
-      }
-      case Tier::kPinned:
-      case Tier::kHost: {
-        STRATA_ASSIGN_OR_RETURN(PinnedBuffer buffer, arena_->allocate(param_bytes(shard), copy_name));
-        g.param_host.push_back(std::move(buffer));
-        break;
-      }
-      case Tier::kNvme: {
-        std::string key = "g";
-        key += std::to_string(g.layout.id);
-        key += ".param";
-        key += std::to_string(c);
-        STRATA_ASSIGN_OR_RETURN(NvmeExtent extent, nvme_->allocate(key, param_bytes(shard)));
-        g.param_nvme.push_back(extent);
-        break;
-      }
-    }
-    STRATA_RETURN_IF_ERROR(store_parameters(g, c, init.data()));
-  }
+  STRATA_RETURN_IF_ERROR(shards_->allocate_group(g.layout.id, init.data()));
   // Optimizer state: master = the fp32 initial values, moments zero.
-  STRATA_RETURN_IF_ERROR(optimizer_stage_->initialize_group(g.layout.id, init.data()));
-  return {};
+  return optimizer_stage_->initialize_group(g.layout.id, init.data());
 }
 
 Status EngineImpl::start() {
@@ -609,7 +562,7 @@ StatusOr<GroupView> EngineImpl::gather(int g) {
   } else if (direct_view(state)) {
     const int64_t version = current_use_version();
     STRATA_RETURN_IF_ERROR(versions_->wait_for(g, version, "the group's update", describer()));
-    flat = state.param_device[static_cast<size_t>(parity(version))].data();
+    flat = const_cast<void*>(shards_->source(g, version).device);
   } else {
     // A persistent group whose fetch of this version was planned by an earlier use.
     STRATA_RETURN_IF_ERROR(compute_stream_->wait(*state.persistent_ready));
@@ -867,7 +820,7 @@ Status EngineImpl::refresh_parameters() {
     master.resize(g.layout.shard_numel);
     STRATA_RETURN_IF_ERROR(read_state_shard(g.layout.id, StateKind::kMaster, master));
     // Every copy gets the same values: the next fetch reads whichever its version picks.
-    for (int c = 0; c < param_copies(); ++c) STRATA_RETURN_IF_ERROR(store_parameters(g, c, master.data()));
+    for (int c = 0; c < shards_->copies(); ++c) STRATA_RETURN_IF_ERROR(shards_->store_values(g.layout.id, c, master.data()));
   }
   fetcher_->forget_persistent_fetches();
   return {};

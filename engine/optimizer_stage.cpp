@@ -117,7 +117,6 @@ const void* OptimizerStage::host_gradient(const GroupState& state, int64_t step_
 Status OptimizerStage::run_nvme_job(const OptimizerJob& job) {
   const EngineOptions& o = *ctx_.options;
   const int out_copy = parity(job.step_index + 1);
-  const bool host_params = o.param_tier == Tier::kPinned || o.param_tier == Tier::kHost;
   std::vector<std::vector<AdamPlanRun>> runs;
   runs.reserve(job.order.size());
   std::vector<NvmeAdamGroupStep> steps;
@@ -127,13 +126,13 @@ Status OptimizerStage::run_nvme_job(const OptimizerJob& job) {
     AdamGroupIo io;
     io.grad = host_gradient(state, job.step_index, &io.grad_type);
     io.stored_gradient_copy = static_cast<unsigned>(parity(job.step_index));
-    io.param = host_params ? state.param_host[static_cast<size_t>(out_copy)].data() : nullptr;
+    io.param = ctx_.shards->host_copy(g, out_copy);  // nullptr: staged in the ring, written out piece by piece
     io.param_type = o.param_dtype;
     steps.push_back({static_cast<size_t>(g), io, runs.back()});
   }
   NvmeAdamStepSinks sinks;
   sinks.staged_params = [&](size_t g, size_t begin, size_t end, const void* param) {
-    return write_parameters_out(static_cast<int>(g), out_copy, begin, end - begin, param, 0);
+    return ctx_.shards->write(static_cast<int>(g), out_copy, begin, end - begin, param, 0);
   };
   sinks.group_stepped = [&](size_t g) {
     hooks_.group_updated(static_cast<int>(g), job.step_index + 1);
@@ -145,26 +144,6 @@ Status OptimizerStage::run_nvme_job(const OptimizerJob& job) {
   };
   Tracer::Scope scope(ctx_.tracer, Stage::kOptimizer, job.order.empty() ? -1 : job.order.front(), "optimizer step (NVMe state)");
   return nvme_state_->step_groups(*adam_, steps, sinks);
-}
-
-Status OptimizerStage::write_parameters_out(int g, int copy, size_t begin, size_t count, const void* source, size_t capacity) {
-  const EngineOptions& o = *ctx_.options;
-  GroupState& state = group(g);
-  const size_t psize = dtype_size(o.param_dtype);
-  if (o.param_tier == Tier::kDevice) {
-    const auto start = TraceClock::now();
-    char* target = static_cast<char*>(state.param_device[static_cast<size_t>(copy)].data()) + begin * psize;
-    STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(target, source, count * psize, CopyKind::kHostToDevice, *ctx_.update_stream));
-    STRATA_RETURN_IF_ERROR(ctx_.update_stream->synchronize());
-    ctx_.tracer->record(Stage::kH2D, g, start, TraceClock::now(), state.layout.name + " update");
-    return {};
-  }
-  if (o.param_tier == Tier::kNvme) {
-    const auto start = TraceClock::now();
-    STRATA_RETURN_IF_ERROR(ctx_.nvme->write(state.param_nvme[static_cast<size_t>(copy)], source, count * psize, begin * psize, capacity));
-    ctx_.tracer->record(Stage::kNvmeWrite, g, start, TraceClock::now(), state.layout.name + " parameters");
-  }
-  return {};
 }
 
 // Host-resident state: CPU Adam on the group's buffers, the new parameters straight into
@@ -179,8 +158,8 @@ Status OptimizerStage::update_host_group(const OptimizerJob& job, int g) {
   buffers.exp_avg = s.exp_avg.data();
   buffers.exp_avg_sq = s.exp_avg_sq.data();
   buffers.moment_type = DType::kFloat32;
-  const bool host_params = o.param_tier == Tier::kPinned || o.param_tier == Tier::kHost;
-  void* param_out = host_params ? s.param_host[static_cast<size_t>(out_copy)].data() : ctx_.param_out_stage->data();
+  void* in_place = ctx_.shards->host_copy(g, out_copy);
+  void* param_out = in_place != nullptr ? in_place : ctx_.param_out_stage->data();
   buffers.param = param_out;
   buffers.param_type = o.param_dtype;
   const size_t grad_size = dtype_size(buffers.grad_type);
@@ -195,8 +174,8 @@ Status OptimizerStage::update_host_group(const OptimizerJob& job, int g) {
     part.count = run.end - run.begin;
     STRATA_RETURN_IF_ERROR(adam_->step(part, *run.plan));
   }
-  if (host_params) return {};
-  return write_parameters_out(g, out_copy, 0, s.layout.shard_numel, param_out, ctx_.param_out_stage->capacity());
+  if (in_place != nullptr) return {};
+  return ctx_.shards->write(g, out_copy, 0, s.layout.shard_numel, param_out, ctx_.param_out_stage->capacity());
 }
 
 // Device-resident state: the Adam kernel on the update stream, the new parameters written
@@ -207,7 +186,8 @@ Status OptimizerStage::update_device_group(const OptimizerJob& job, int g) {
   const size_t shard = s.layout.shard_numel;
   const int out_copy = parity(job.step_index + 1);
   float* state = s.state_device.as<float>();
-  void* param_out = o.param_tier == Tier::kDevice ? s.param_device[static_cast<size_t>(out_copy)].data() : ctx_.param_out_device->data();
+  void* on_device = ctx_.shards->device_copy(g, out_copy);
+  void* param_out = on_device != nullptr ? on_device : ctx_.param_out_device->data();
   const size_t param_size = dtype_size(o.param_dtype);
   for (const AdamPlanRun& run : plan_runs(job, s)) {
     kernels::AdamBuffers part;
@@ -222,17 +202,14 @@ Status OptimizerStage::update_device_group(const OptimizerJob& job, int g) {
     part.count = run.end - run.begin;
     STRATA_RETURN_IF_ERROR(kernels::adam_step(*ctx_.update_stream, part, run.plan->scalars));
   }
-  const size_t bytes = shard * param_size;
-  if (o.param_tier == Tier::kPinned || o.param_tier == Tier::kHost) {
-    STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(s.param_host[static_cast<size_t>(out_copy)].data(), param_out, bytes,
-                                                   CopyKind::kDeviceToHost, *ctx_.update_stream));
-  } else if (o.param_tier == Tier::kNvme) {
-    STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(ctx_.param_out_stage->data(), param_out, bytes, CopyKind::kDeviceToHost, *ctx_.update_stream));
-  }
+  if (on_device != nullptr) return ctx_.update_stream->synchronize();
+  // The new parameters go to the host copy, or through the staging to NVMe.
+  void* in_place = ctx_.shards->host_copy(g, out_copy);
+  void* host = in_place != nullptr ? in_place : ctx_.param_out_stage->data();
+  STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(host, param_out, shard * param_size, CopyKind::kDeviceToHost, *ctx_.update_stream));
   STRATA_RETURN_IF_ERROR(ctx_.update_stream->synchronize());
-  if (o.param_tier == Tier::kNvme)
-    return write_parameters_out(g, out_copy, 0, shard, ctx_.param_out_stage->data(), ctx_.param_out_stage->capacity());
-  return {};
+  if (in_place != nullptr) return {};
+  return ctx_.shards->write(g, out_copy, 0, shard, host, ctx_.param_out_stage->capacity());
 }
 
 // ----------------------------------------------------------------------------- state

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "engine/engine_impl.h"
+#include "engine/shard_store.h"
 #include "optim/nvme_adam_state.h"
 
 namespace strata::engine_internal {
@@ -46,6 +47,7 @@ struct OptimizerStageContext {
   PinnedArena* arena = nullptr;
   PinnedBuffer* param_out_stage = nullptr;   // new parameters on their way out (host state, device or NVMe params)
   DeviceBuffer* param_out_device = nullptr;  // device state: new parameters on their way to the host or NVMe
+  ShardStore* shards = nullptr;              // where the new parameters go
 };
 
 struct OptimizerStageHooks {
@@ -86,9 +88,6 @@ class OptimizerStage {
   Status run_nvme_job(const OptimizerJob& job);
   Status update_host_group(const OptimizerJob& job, int g);
   Status update_device_group(const OptimizerJob& job, int g);
-  // Writes new parameters [begin, begin + count) of group g's copy `copy` to the device
-  // or NVMe parameter tier from host memory; synchronous.
-  Status write_parameters_out(int g, int copy, size_t begin, size_t count, const void* source, size_t capacity);
   GroupState& group(int g) { return *(*ctx_.groups)[static_cast<size_t>(g)]; }
   std::vector<AdamPlanRun> plan_runs(const OptimizerJob& job, const GroupState& state) const;
   int parity(int64_t version) const;

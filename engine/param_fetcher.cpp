@@ -315,7 +315,7 @@ Status ParamFetcher::submit_read_ahead(const Request& r) {
     if (!staging_free) break;
     GroupState& state = group(next->group);
     next->read_begin = TraceClock::now();
-    STRATA_ASSIGN_OR_RETURN(next->read_ticket, ctx_.nvme->read_async(state.param_nvme[static_cast<size_t>(parity(next->version))],
+    STRATA_ASSIGN_OR_RETURN(next->read_ticket, ctx_.nvme->read_async(ctx_.shards->source(next->group, next->version).extent,
                                                                      slot.nvme_stage.data(), param_bytes(state.layout.shard_numel), 0,
                                                                      slot.nvme_stage.capacity()));
     next->read_submitted = true;
@@ -329,7 +329,7 @@ StatusOr<const void*> ParamFetcher::read_from_nvme(Request& r, const Target& tar
     // The staging buffer's previous H2D must be over before the read overwrites it.
     STRATA_RETURN_IF_ERROR(target.h2d_done->synchronize());
     r.read_begin = TraceClock::now();
-    STRATA_ASSIGN_OR_RETURN(r.read_ticket, ctx_.nvme->read_async(state.param_nvme[static_cast<size_t>(parity(r.version))],
+    STRATA_ASSIGN_OR_RETURN(r.read_ticket, ctx_.nvme->read_async(ctx_.shards->source(r.group, r.version).extent,
                                                                  target.nvme_stage->data(), param_bytes(state.layout.shard_numel), 0,
                                                                  target.nvme_stage->capacity()));
     r.read_submitted = true;
@@ -369,7 +369,7 @@ Status ParamFetcher::fill_device(const Request& r, const Target& t, const void* 
   if (world > 1) {
     if (host_source != nullptr) STRATA_RETURN_IF_ERROR(ctx_.gather->wait(*t.h2d_done));
     STRATA_RETURN_IF_ERROR(ctx_.gather->wait(*t.released));
-    const void* source = host_source != nullptr ? t.staging : state.param_device[static_cast<size_t>(parity(r.version))].data();
+    const void* source = host_source != nullptr ? t.staging : ctx_.shards->source(r.group, r.version).device;
     STRATA_RETURN_IF_ERROR(traced(*ctx_.tracer, *ctx_.gather, Stage::kAllGather, r.group, label, [&] {
       return ctx_.gather_comm->all_gather(source, t.dest, shard, o.param_dtype, *ctx_.gather);
     }));
@@ -382,10 +382,11 @@ Status ParamFetcher::fetch(Request& r) {
   STRATA_RETURN_IF_ERROR(wait_until_fillable(r));
   const Target target = target_of(r);
   const void* host_source = nullptr;
-  if (ctx_.options->param_tier == Tier::kNvme) {
+  const ParamSource where = ctx_.shards->source(r.group, r.version);
+  if (where.tier == Tier::kNvme) {
     STRATA_ASSIGN_OR_RETURN(host_source, read_from_nvme(r, target));
-  } else if (ctx_.options->param_tier == Tier::kPinned || ctx_.options->param_tier == Tier::kHost) {
-    host_source = group(r.group).param_host[static_cast<size_t>(parity(r.version))].data();
+  } else {
+    host_source = where.host;  // nullptr on the device tier: the all-gather reads the device copy
   }
   STRATA_RETURN_IF_ERROR(fill_device(r, target, host_source));
   const bool slot_fill = r.position.index >= 0;

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "engine/engine_impl.h"
+#include "engine/shard_store.h"
 #include "engine/stage_wait.h"
 #include "engine/use_planner.h"
 
@@ -67,6 +68,7 @@ struct ParamFetcherContext {
   NvmeStore* nvme = nullptr;
   PinnedArena* arena = nullptr;
   VersionBoard* versions = nullptr;
+  ShardStore* shards = nullptr;      // where each version of a group's shard lives
 };
 
 struct ParamFetcherHooks {

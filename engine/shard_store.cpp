@@ -1,0 +1,104 @@
+#include "engine/shard_store.h"
+
+#include <cstring>
+
+namespace strata::engine_internal {
+
+Status ShardStore::allocate_group(int g, const float* values) {
+  GroupState& state = group(g);
+  const size_t bytes = param_bytes(state.layout.shard_numel);
+  for (int c = 0; c < copies(); ++c) {
+    std::string name = "group " + state.layout.name + " parameters";
+    if (copies() > 1) name += " copy " + std::to_string(c);
+    switch (ctx_.options->param_tier) {
+      case Tier::kDevice: {
+        STRATA_ASSIGN_OR_RETURN(DeviceBuffer buffer, ctx_.device->allocate(bytes, name));
+        state.param_device.push_back(std::move(buffer));
+        break;
+      }
+      case Tier::kPinned:
+      case Tier::kHost: {
+        STRATA_ASSIGN_OR_RETURN(PinnedBuffer buffer, ctx_.arena->allocate(bytes, name));
+        state.param_host.push_back(std::move(buffer));
+        break;
+      }
+      case Tier::kNvme: {
+        std::string key = "g";
+        key += std::to_string(state.layout.id);
+        key += ".param";
+        key += std::to_string(c);
+        STRATA_ASSIGN_OR_RETURN(NvmeExtent extent, ctx_.nvme->allocate(key, bytes));
+        state.param_nvme.push_back(extent);
+        break;
+      }
+    }
+    STRATA_RETURN_IF_ERROR(store_values(g, c, values));
+  }
+  return {};
+}
+
+ParamSource ShardStore::source(int g, int64_t version) {
+  GroupState& state = group(g);
+  const size_t c = static_cast<size_t>(copy_of(version));
+  ParamSource where;
+  where.tier = ctx_.options->param_tier;
+  switch (where.tier) {
+    case Tier::kDevice: where.device = state.param_device[c].data(); break;
+    case Tier::kPinned:
+    case Tier::kHost: where.host = state.param_host[c].data(); break;
+    case Tier::kNvme: where.extent = state.param_nvme[c]; break;
+  }
+  return where;
+}
+
+void* ShardStore::host_copy(int g, int copy) {
+  GroupState& state = group(g);
+  return state.param_host.empty() ? nullptr : state.param_host[static_cast<size_t>(copy)].data();
+}
+
+void* ShardStore::device_copy(int g, int copy) {
+  GroupState& state = group(g);
+  return state.param_device.empty() ? nullptr : state.param_device[static_cast<size_t>(copy)].data();
+}
+
+Status ShardStore::write(int g, int copy, size_t begin, size_t count, const void* values, size_t capacity) {
+  GroupState& state = group(g);
+  const size_t psize = dtype_size(ctx_.options->param_dtype);
+  const auto start = TraceClock::now();
+  switch (ctx_.options->param_tier) {
+    case Tier::kDevice: {
+      char* target = static_cast<char*>(state.param_device[static_cast<size_t>(copy)].data()) + begin * psize;
+      STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(target, values, count * psize, CopyKind::kHostToDevice, *ctx_.stream));
+      STRATA_RETURN_IF_ERROR(ctx_.stream->synchronize());
+      ctx_.tracer->record(Stage::kH2D, g, start, TraceClock::now(), state.layout.name + " update");
+      return {};
+    }
+    case Tier::kNvme:
+      STRATA_RETURN_IF_ERROR(ctx_.nvme->write(state.param_nvme[static_cast<size_t>(copy)], values, count * psize, begin * psize, capacity));
+      ctx_.tracer->record(Stage::kNvmeWrite, g, start, TraceClock::now(), state.layout.name + " parameters");
+      return {};
+    case Tier::kPinned:
+    case Tier::kHost:
+      std::memcpy(static_cast<char*>(state.param_host[static_cast<size_t>(copy)].data()) + begin * psize, values, count * psize);
+      return {};
+  }
+  return InternalError("unknown parameter tier");
+}
+
+Status ShardStore::store_values(int g, int copy, const float* values) {
+  GroupState& state = group(g);
+  const size_t shard = state.layout.shard_numel;
+  const DType dtype = ctx_.options->param_dtype;
+  std::vector<char> converted;
+  void* host = host_copy(g, copy);
+  if (host == nullptr) {
+    converted.resize(param_bytes(shard));
+    host = converted.data();
+  }
+  if (dtype == DType::kFloat32) std::memcpy(host, values, param_bytes(shard));
+  else for (size_t i = 0; i < shard; ++i) store_from_float(host, dtype, i, values[i]);
+  if (converted.empty()) return {};
+  return write(g, copy, 0, shard, host, 0);
+}
+
+}  // namespace strata::engine_internal

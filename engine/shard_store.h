@@ -1,0 +1,62 @@
+// The shard store: where this rank's parameter shard copies live (device memory, pinned
+// or pageable host memory, or NVMe extents: one copy, or two in delayed mode indexed by
+// version parity), and the one place that branches on the parameter tier.
+//
+// The fetcher asks it where a version lives (source); the optimizer asks where to write
+// new values in place (host_copy: the host tiers) and hands it values staged elsewhere
+// (write: to the device or NVMe); start-up and checkpoint loads store fp32 values
+// (store_values). The optimizer state's tiers are the optimizer stage's.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "engine/engine_impl.h"
+
+namespace strata::engine_internal {
+
+// Where one copy of a group's shard is.
+struct ParamSource {
+  Tier tier = Tier::kPinned;
+  const void* host = nullptr;     // kPinned / kHost
+  const void* device = nullptr;   // kDevice
+  NvmeExtent extent;              // kNvme
+};
+
+struct ShardStoreContext {
+  const EngineOptions* options = nullptr;
+  Device* device = nullptr;
+  Stream* stream = nullptr;       // for host<->device copies of whole shards (start-up, updates)
+  PinnedArena* arena = nullptr;
+  NvmeStore* nvme = nullptr;
+  Tracer* tracer = nullptr;
+  std::vector<std::unique_ptr<GroupState>>* groups = nullptr;
+};
+
+class ShardStore {
+ public:
+  explicit ShardStore(const ShardStoreContext& context) : ctx_(context) {}
+
+  int copies() const { return ctx_.options->overlap == OverlapMode::kDelayed ? 2 : 1; }
+  int copy_of(int64_t version) const { return copies() == 1 ? 0 : static_cast<int>(version % 2); }
+  size_t param_bytes(size_t elements) const { return elements * dtype_size(ctx_.options->param_dtype); }
+
+  // Allocates group g's copies and stores `values` (fp32) in each.
+  Status allocate_group(int g, const float* values);
+  ParamSource source(int g, int64_t version);
+  // The copy the optimizer writes in place: host_copy for the host tiers, device_copy for
+  // the device tier (the device Adam); nullptr for the other tiers.
+  void* host_copy(int g, int copy);
+  void* device_copy(int g, int copy);
+  // Elements [begin, begin + count) of copy `copy` from host memory (the device and NVMe
+  // tiers); synchronous. `capacity` bytes at `values` may be read (0 = exactly the bytes).
+  Status write(int g, int copy, size_t begin, size_t count, const void* values, size_t capacity);
+  // fp32 values converted to the parameter dtype into copy `copy`.
+  Status store_values(int g, int copy, const float* values);
+
+ private:
+  GroupState& group(int g) { return *(*ctx_.groups)[static_cast<size_t>(g)]; }
+  ShardStoreContext ctx_;
+};
+
+}  // namespace strata::engine_internal
