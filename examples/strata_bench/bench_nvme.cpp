@@ -5,8 +5,11 @@
 //                     [--engine io_uring|psync] [--no-checksums] [--sqpoll] [--json]
 //                     [--no-huge-pages] [--unregistered]
 //
-// Compare with fio on the same directory:
-//   fio --name=x --directory=D --direct=1 --ioengine=io_uring --bs=1M --iodepth=32 --size=1G --rw=write
+// Compare with fio on the same directory, given the same advantages (huge-page buffers with
+// pages reserved in /proc/sys/vm/nr_hugepages, registered buffers and files):
+//   fio --name=x --filename=D/fio.dat --direct=1 --ioengine=io_uring --fixedbufs --registerfiles
+//       --iomem=mmaphuge --bs=1M --iodepth=32 --size=1G --rw=write   (then --rw=read)
+// scripts/bench-nvme-vs-fio.py runs both, alternating, and prints the medians.
 //
 // What is timed is what fio times: O_DIRECT requests from the first submission to the
 // last completion (the device has acknowledged every byte; nothing sits in the page

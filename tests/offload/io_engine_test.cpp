@@ -10,6 +10,7 @@
 #include <cstddef>
 
 #include <atomic>
+#include <chrono>
 #include <deque>
 #include <mutex>
 #include <thread>
@@ -318,6 +319,45 @@ TEST_P(IoEngineKindTest, SubmitFromOneThreadWaitFromOthers) {
   STRATA_ASSERT_OK(engine->wait_all());
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(first_pattern_mismatch(in, kRequests * kBlock, 9), -1);
+}
+
+// Callers that wait complete requests on their own thread; a request nobody waits for
+// must still complete (its hook runs) through the background reaper, and done() polled
+// in a loop must see it finish.
+TEST_P(IoEngineKindTest, RequestsNobodyWaitsForStillCompleteAndDonePollsThem) {
+  testing::TempDir dir;
+  const std::string path = dir.str() + "/unwaited";
+  File file(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644), path);
+  ASSERT_GE(file.fd(), 0);
+  MAKE_ENGINE_OR_SKIP(engine, GetParam(), 4);
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd(), path));
+  std::vector<char> data(64 * 1024);
+  fill_pattern(data.data(), data.size(), 5);
+  constexpr int kRequests = 8;
+  std::atomic<int> hooks_run{0};
+  std::vector<IoTicket> tickets;
+  for (int i = 0; i < kRequests; ++i) {
+    IoRequest request{IoOp::kWrite, io_file, data.data(), data.size(), static_cast<uint64_t>(i) * data.size(), nullptr};
+    request.on_complete = [&hooks_run](const Status& status) {
+      ++hooks_run;
+      return status;
+    };
+    STRATA_ASSERT_OK_AND_ASSIGN(IoTicket ticket, engine->submit(std::move(request)));
+    tickets.push_back(ticket);
+  }
+  // Nobody waits: the hooks run anyway (a generous deadline, not a timing assertion).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (hooks_run.load() < kRequests && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(hooks_run.load(), kRequests);
+  // done() in a polling loop sees a fresh request through.
+  STRATA_ASSERT_OK_AND_ASSIGN(IoTicket read, engine->submit({IoOp::kRead, io_file, data.data(), data.size(), 0, nullptr}));
+  while (!engine->done(read) && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+  EXPECT_TRUE(engine->done(read));
+  for (IoTicket ticket : tickets) STRATA_EXPECT_OK(engine->wait(ticket));
+  STRATA_EXPECT_OK(engine->wait(read));
+  EXPECT_EQ(first_pattern_mismatch(data.data(), data.size(), 5), -1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, IoEngineKindTest, ::testing::Values(IoEngineKind::kIoUring, IoEngineKind::kPsync),
