@@ -77,127 +77,26 @@ std::vector<uint64_t> chunk_checksums(const void* data, size_t bytes, size_t chu
   return sums;
 }
 
-// A heap buffer aligned for O_DIRECT.
-class AlignedBytes {
- public:
-  AlignedBytes() = default;
-  explicit AlignedBytes(size_t bytes)
-      : data_(static_cast<unsigned char*>(std::aligned_alloc(kDirectIoAlignment, round(bytes)))), bytes_(bytes) {}
-  ~AlignedBytes() { std::free(data_); }
-  AlignedBytes(const AlignedBytes&) = delete;
-  AlignedBytes& operator=(const AlignedBytes&) = delete;
-  unsigned char* data() const { return data_; }
-  size_t size() const { return bytes_; }
-  bool ok() const { return data_ != nullptr || bytes_ == 0; }
-
- private:
-  static size_t round(size_t bytes) {
-    return std::max<size_t>(kDirectIoAlignment, (bytes + kDirectIoAlignment - 1) / kDirectIoAlignment * kDirectIoAlignment);
+// Opens `path` with `flags`, with O_DIRECT when `direct` and the file system takes it at
+// 4 KiB (a file system that wants more alignment gets buffered I/O). *direct is set to what
+// was used.
+StatusOr<File> open_maybe_direct(const std::string& path, int flags, bool* direct) {
+  STRATA_ASSIGN_OR_RETURN(File file, File::open(path, {.flags = flags,
+                                                       .direct_io = *direct ? FileDirectIo::kPreferred : FileDirectIo::kOff,
+                                                       .max_direct_alignment = kDirectIoAlignment}));
+  if (*direct && !file.direct_io()) {
+    STRATA_LOG_ONCE(kWarn) << "checkpoint: the file system under '" << fs::path(path).parent_path().string()
+                           << "' refuses O_DIRECT at " << kDirectIoAlignment << " bytes; using buffered I/O for checkpoint files";
   }
-  unsigned char* data_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-// A file descriptor owner.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() { reset(); }
-  Fd(Fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-  Fd& operator=(Fd&& other) noexcept {
-    if (this != &other) {
-      reset();
-      fd_ = std::exchange(other.fd_, -1);
-    }
-    return *this;
-  }
-  int get() const { return fd_; }
-  void reset() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
-
-// Opens `path` with `flags`, adding O_DIRECT when `direct` and the file system takes it.
-// *direct is set to what was used.
-StatusOr<Fd> open_maybe_direct(const std::string& path, int flags, bool* direct) {
-  int fd = -1;
-  if (*direct) {
-    do {
-      fd = ::open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, 0644);
-    } while (fd < 0 && errno == EINTR);
-    if (fd < 0 && errno == EINVAL) {
-      STRATA_LOG_ONCE(kWarn) << "checkpoint: the file system under '" << fs::path(path).parent_path().string()
-                             << "' refuses O_DIRECT; using buffered I/O for checkpoint files";
-      *direct = false;
-    } else if (fd < 0) {
-      return Status::FromErrno(errno, "open(" + path + ")");
-    }
-  }
-  if (fd < 0) {
-    do {
-      fd = ::open(path.c_str(), flags | O_CLOEXEC, 0644);
-    } while (fd < 0 && errno == EINTR);
-    if (fd < 0) return Status::FromErrno(errno, "open(" + path + ")");
-  }
-  Fd owner(fd);
-#ifdef STATX_DIOALIGN
-  // A file system that wants more than 4 KiB alignment gets buffered I/O instead.
-  if (*direct) {
-    struct statx dio {};
-    if (::statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &dio) == 0 && (dio.stx_mask & STATX_DIOALIGN) != 0 &&
-        (dio.stx_dio_offset_align > kDirectIoAlignment || dio.stx_dio_mem_align > kDirectIoAlignment)) {
-      int plain;
-      STRATA_SYSCALL(plain, ::open(path.c_str(), (flags & ~O_TRUNC) | O_CLOEXEC, 0644));
-      *direct = false;
-      return Fd(plain);
-    }
-  }
-#endif
-  return owner;
-}
-
-Status fsync_fd(int fd, const std::string& path) {
-  int ret;
-  do {
-    ret = ::fsync(fd);
-  } while (ret != 0 && errno == EINTR);
-  if (ret != 0) return Status::FromErrno(errno, "fsync(" + path + ")");
-  return Status::Ok();
-}
-
-Status fsync_directory(const std::string& path) {
-  int fd;
-  do {
-    fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  } while (fd < 0 && errno == EINTR);
-  if (fd < 0) return Status::FromErrno(errno, "open(" + path + ")");
-  Fd owner(fd);
-  return fsync_fd(fd, path);
+  *direct = file.direct_io();
+  return file;
 }
 
 // Writes `data` to a new file at `path` (buffered) and fsyncs it.
 Status write_file_durably(const std::string& path, std::string_view data) {
-  int fd;
-  do {
-    fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  } while (fd < 0 && errno == EINTR);
-  if (fd < 0) return Status::FromErrno(errno, "open(" + path + ")");
-  Fd owner(fd);
-  size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t wrote = ::write(fd, data.data() + done, data.size() - done);
-    if (wrote < 0) {
-      if (errno == EINTR) continue;
-      return Status::FromErrno(errno, "write of " + std::to_string(data.size() - done) + " bytes to " + path);
-    }
-    done += static_cast<size_t>(wrote);
-  }
-  return fsync_fd(fd, path);
+  STRATA_ASSIGN_OR_RETURN(File file, File::open(path, {.flags = O_WRONLY | O_CREAT | O_TRUNC}));
+  STRATA_RETURN_IF_ERROR(file.write_all(data.data(), data.size()));
+  return file.sync();
 }
 
 StatusOr<std::string> read_small_file(const std::string& path) {
@@ -211,25 +110,6 @@ StatusOr<std::string> read_small_file(const std::string& path) {
   text << in.rdbuf();
   if (in.bad()) return IoError("reading " + path + " failed");
   return text.str();
-}
-
-// Reads exactly `bytes` at `offset`; a short file is kDataLoss.
-Status pread_exact(int fd, const std::string& path, void* buffer, size_t bytes, uint64_t offset) {
-  size_t done = 0;
-  while (done < bytes) {
-    const ssize_t got = ::pread(fd, static_cast<char*>(buffer) + done, bytes - done, static_cast<off_t>(offset + done));
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      return Status::FromErrno(errno, "read of " + std::to_string(bytes - done) + " bytes at offset " +
-                                          std::to_string(offset + done) + " from " + path);
-    }
-    if (got == 0) {
-      return DataLossError(path + " is truncated: reading " + std::to_string(bytes) + " bytes at offset " +
-                           std::to_string(offset) + " hit the end of the file after " + std::to_string(done) + " bytes");
-    }
-    done += static_cast<size_t>(got);
-  }
-  return Status::Ok();
 }
 
 // "step-<N>" -> N, or -1.
@@ -304,8 +184,6 @@ std::string checkpoint_path(const std::string& save_dir, int64_t step) {
 // RankSnapshot
 // ---------------------------------------------------------------------------------------
 
-void RankSnapshot::FreeAligned::operator()(float* data) const { std::free(data); }
-
 StatusOr<RankSnapshot> RankSnapshot::allocate(std::vector<GroupLayout> layouts, int rank, int64_t engine_steps) {
   if (layouts.empty()) return InvalidArgumentError("checkpoint snapshot: no groups");
   const int world_size = layouts.front().world_size;
@@ -329,13 +207,13 @@ StatusOr<RankSnapshot> RankSnapshot::allocate(std::vector<GroupLayout> layouts, 
                                   std::to_string(layout.shard_numel) + ", not a positive multiple of 1024 elements");
     }
     const size_t bytes = kCheckpointStateKinds * layout.shard_numel * sizeof(float);
-    auto* data = static_cast<float*>(std::aligned_alloc(kDirectIoAlignment, bytes));
-    if (data == nullptr) {
-      return OutOfMemoryError("checkpoint snapshot: cannot allocate " + std::to_string(bytes) + " bytes for group '" +
-                              layout.name + "'");
+    StatusOr<AlignedBuffer> block = AlignedBuffer::allocate(bytes, kDirectIoAlignment);
+    if (!block.ok()) {
+      return std::move(block).status().with_context("checkpoint snapshot: cannot allocate " + std::to_string(bytes) +
+                                                    " bytes for group '" + layout.name + "'");
     }
-    std::memset(data, 0, bytes);
-    snapshot.blocks_.emplace_back(data);
+    std::memset(block->data(), 0, bytes);
+    snapshot.blocks_.push_back(std::move(block).value());
   }
   snapshot.layouts_ = std::move(layouts);
   snapshot.rank_ = rank;
@@ -345,17 +223,17 @@ StatusOr<RankSnapshot> RankSnapshot::allocate(std::vector<GroupLayout> layouts, 
 
 std::span<float> RankSnapshot::shard(int group, CheckpointStateKind kind) {
   const size_t shard = layouts_[static_cast<size_t>(group)].shard_numel;
-  return {blocks_[static_cast<size_t>(group)].get() + static_cast<size_t>(kind) * shard, shard};
+  return {blocks_[static_cast<size_t>(group)].as<float>() + static_cast<size_t>(kind) * shard, shard};
 }
 
 std::span<const float> RankSnapshot::shard(int group, CheckpointStateKind kind) const {
   const size_t shard = layouts_[static_cast<size_t>(group)].shard_numel;
-  return {blocks_[static_cast<size_t>(group)].get() + static_cast<size_t>(kind) * shard, shard};
+  return {blocks_[static_cast<size_t>(group)].as<float>() + static_cast<size_t>(kind) * shard, shard};
 }
 
 std::span<const float> RankSnapshot::group_block(int group) const {
   const size_t shard = layouts_[static_cast<size_t>(group)].shard_numel;
-  return {blocks_[static_cast<size_t>(group)].get(), kCheckpointStateKinds * shard};
+  return {blocks_[static_cast<size_t>(group)].as<float>(), kCheckpointStateKinds * shard};
 }
 
 size_t RankSnapshot::bytes() const {
@@ -666,20 +544,15 @@ class CheckpointSaver::Impl {
     bool direct = options_.direct_io;
     auto opened = open_maybe_direct(path, O_WRONLY | O_CREAT | O_TRUNC, &direct);
     if (!opened.ok()) return std::move(opened).status().with_context(context);
-    Fd fd = std::move(opened).value();
+    const File file = std::move(opened).value();
     STRATA_RETURN_IF_ERROR_CTX(hook("rank_file_open", job.step), context);
 
     const uint64_t total = snapshot.bytes();
     // Reserve the space first: a full disk fails here, before any write, naming the file.
-    int ret;
-    do {
-      ret = ::fallocate(fd.get(), 0, 0, static_cast<off_t>(total));
-    } while (ret != 0 && errno == EINTR);
-    if (ret != 0 && errno != EOPNOTSUPP) {
-      return Status::FromErrno(errno, "fallocate(" + path + ", " + std::to_string(total) + " bytes)").with_context(context);
-    }
+    Status reserved = file.allocate(0, total);
+    if (!reserved.ok() && reserved.error_number() != EOPNOTSUPP) return std::move(reserved).with_context(context);
 
-    STRATA_ASSIGN_OR_RETURN(IoFile io_file, io_->register_file(fd.get(), path));
+    STRATA_ASSIGN_OR_RETURN(IoFile io_file, io_->register_file(file.fd(), path));
     uint64_t offset = 0;
     Status submit_status;
     for (int g = 0; g < snapshot.group_count() && submit_status.ok(); ++g) {
@@ -705,7 +578,7 @@ class CheckpointSaver::Impl {
     Status unregister = io_->unregister_file(io_file);
     STRATA_RETURN_IF_ERROR_CTX(std::move(status), context);
     STRATA_RETURN_IF_ERROR_CTX(std::move(unregister), context);
-    STRATA_RETURN_IF_ERROR_CTX(fsync_fd(fd.get(), path), context);
+    STRATA_RETURN_IF_ERROR_CTX(file.sync(), context);
     record->bytes = total;
     STRATA_RETURN_IF_ERROR_CTX(hook("rank_file_written", job.step), context);
     return Status::Ok();
@@ -850,7 +723,7 @@ struct CheckpointReader::File {
   int rank = -1;
   uint64_t bytes = 0;
   bool direct = false;
-  Fd fd;
+  ::strata::File fd;
   std::vector<Segment> segments;  // rank files: group * 3 + kind
 };
 
@@ -1095,13 +968,12 @@ Status CheckpointReader::read_segment(const File& file, const Segment& segment, 
                          std::to_string(bytes) + ") of " + std::to_string(segment.bytes));
   }
   const size_t chunk = chunk_bytes_;
-  AlignedBytes buffer(chunk);
-  if (!buffer.ok()) return OutOfMemoryError("checkpoint read: cannot allocate " + std::to_string(chunk) + " bytes");
+  STRATA_ASSIGN_OR_RETURN(const AlignedBuffer buffer, AlignedBuffer::allocate(chunk, kDirectIoAlignment));
   auto* destination = static_cast<unsigned char*>(out);
   for (uint64_t c = offset / chunk; c * chunk < offset + bytes; ++c) {
     const uint64_t chunk_begin = c * chunk;
     const size_t chunk_size = static_cast<size_t>(std::min<uint64_t>(chunk, segment.bytes - chunk_begin));
-    STRATA_RETURN_IF_ERROR(pread_exact(file.fd.get(), file.path, buffer.data(), chunk_size, segment.offset + chunk_begin));
+    STRATA_RETURN_IF_ERROR(file.fd.read_exact(buffer.data(), chunk_size, segment.offset + chunk_begin));
     if (options_.verify_checksums) {
       const uint64_t sum = xxhash64(buffer.data(), chunk_size);
       if (sum != segment.checksums[c]) {
@@ -1199,7 +1071,7 @@ Status CheckpointReader::load_shard(int group, CheckpointStateKind kind, int ran
 Status CheckpointReader::verify() const {
   for (size_t f = 0; f + 1 < files_.size(); ++f) {
     const File& file = files_[f];
-    AlignedBytes scratch(chunk_bytes_);
+    STRATA_ASSIGN_OR_RETURN(const AlignedBuffer scratch, AlignedBuffer::allocate(chunk_bytes_, kDirectIoAlignment));
     for (const Segment& segment : file.segments) {
       // read_segment checks every chunk; read a chunk at a time into scratch.
       for (uint64_t at = 0; at < segment.bytes; at += chunk_bytes_) {

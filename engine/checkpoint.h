@@ -56,6 +56,7 @@
 #include <string_view>
 #include <vector>
 
+#include "engine/core/file.h"
 #include "engine/core/status.h"
 #include "engine/engine.h"
 #include "engine/partition.h"
@@ -101,12 +102,9 @@ class RankSnapshot {
   size_t bytes() const;  // all groups, all kinds
 
  private:
-  struct FreeAligned {
-    void operator()(float* data) const;
-  };
   RankSnapshot() = default;
   std::vector<GroupLayout> layouts_;
-  std::vector<std::unique_ptr<float, FreeAligned>> blocks_;  // per group: 3 * shard_numel floats
+  std::vector<AlignedBuffer> blocks_;  // per group: 3 * shard_numel floats, aligned for O_DIRECT
   int rank_ = 0;
   int64_t engine_steps_ = 0;
   std::optional<LossScaler::State> loss_scaler_;

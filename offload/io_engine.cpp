@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -39,6 +40,11 @@ struct IoTransfer {
   int region = -1;         // the fixed buffer holding `buffer`, or -1
 };
 
+enum class ReapMode : uint8_t {
+  kWait,  // block until a completion arrives
+  kPoll,  // take what is there now
+};
+
 class IoBackend {
  public:
   virtual ~IoBackend() = default;
@@ -49,8 +55,14 @@ class IoBackend {
   virtual Status register_file(int slot, int fd) = 0;
   virtual void unregister_file(int slot) = 0;
   // Starts a transfer. Its result (bytes moved or -errno) arrives later through
-  // IoEngineState::complete_transfer on a backend thread.
+  // IoEngineState::complete_transfer, on a backend thread or in reap_batch().
   virtual void issue(IoTransfer* transfer) = 0;
+  // True when completions are consumed by whoever holds the engine's reaper token
+  // (reap_batch); false when the backend's own threads complete transfers (psync).
+  virtual bool reaps_in_callers() const { return false; }
+  // Completes every completion that has arrived; with kWait, first blocks until there is
+  // at least one. Called by the reaper token's holder only, without the engine mutex.
+  virtual void reap_batch(ReapMode) {}
   // Stops the backend's threads; no transfers are in flight.
   virtual void stop() = 0;
 };
@@ -88,12 +100,77 @@ struct IoEngineState {
   std::vector<PinnedRegion> regions;  // registered fixed buffers: regions[i] is fixed buffer i
   std::vector<IoFileEntry> files;     // by slot; fd -1 = free
 
+  // Completions (io_uring): one thread at a time holds the reaper token and consumes the
+  // completion queue. A caller that waits (wait, wait_all, a submit on a full queue) takes
+  // the token and completes requests itself, as fio's single thread does, so no hand-off
+  // to another thread sits between a completion and the next submission. The background
+  // reaper takes the token only while no caller waits, so hooks of requests nobody waits
+  // for still run.
+  bool reaper_busy = false;        // a thread holds the token (may be blocked in the ring)
+  unsigned waiting_callers = 0;    // callers inside drive_until
+  bool stopping = false;           // the background reaper must exit
+  std::condition_variable reaper_wanted;  // the background reaper's: work in flight, or stop
+  std::chrono::steady_clock::time_point last_caller_reap;  // when a caller last left drive_until
+
   // Called by a backend with a transfer's result: bytes moved, or -errno.
   void complete_transfer(IoTransfer* transfer, int64_t result);
   // Runs the hook and records the request's final status.
   void finish_request(uint64_t ticket, std::unique_lock<std::mutex>& lock);
   std::string describe(const IoTransfer& transfer) const;  // mutex held
+  // mutex held (through `lock`). Returns once `done()` holds, reaping completions on this
+  // thread while the token is free and transfers are in flight, else sleeping on `cv`.
+  template <class Done>
+  void drive_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done);
+  // mutex held. Takes the token, reaps one batch without the mutex, gives the token back.
+  void reap_with_token(std::unique_lock<std::mutex>& lock, ReapMode mode);
+  // The background reaper thread's loop (io_uring).
+  void run_background_reaper();
 };
+
+template <class Done>
+void IoEngineState::drive_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done) {
+  ++waiting_callers;
+  while (!done()) {
+    // Only with transfers in flight: a completion is then sure to come and end the reap.
+    if (backend->reaps_in_callers() && !reaper_busy && in_flight > 0) {
+      reap_with_token(lock, ReapMode::kWait);
+    } else {
+      cv.wait(lock);
+    }
+  }
+  --waiting_callers;
+  last_caller_reap = std::chrono::steady_clock::now();
+}
+
+void IoEngineState::reap_with_token(std::unique_lock<std::mutex>& lock, ReapMode mode) {
+  reaper_busy = true;
+  lock.unlock();
+  backend->reap_batch(mode);
+  lock.lock();
+  reaper_busy = false;
+  // Another waiter may take the token now; every waiter rechecks its condition.
+  request_finished.notify_all();
+  space_available.notify_all();
+}
+
+void IoEngineState::run_background_reaper() {
+  // While transfers are in flight the thread looks every kPollPeriod and takes the token
+  // only when no caller has reaped for kCallerGrace: a caller that submits and then
+  // waits comes back sooner and reaps for itself. No per-request wake-ups.
+  constexpr auto kPollPeriod = std::chrono::microseconds(500);
+  constexpr auto kCallerGrace = std::chrono::microseconds(200);
+  std::unique_lock<std::mutex> lock(mutex);
+  for (;;) {
+    reaper_wanted.wait(lock, [&] { return stopping || in_flight > 0; });
+    if (stopping) return;
+    if (!reaper_busy && waiting_callers == 0 && in_flight > 0 &&
+        std::chrono::steady_clock::now() - last_caller_reap >= kCallerGrace) {
+      reap_with_token(lock, ReapMode::kWait);
+      continue;
+    }
+    reaper_wanted.wait_for(lock, kPollPeriod, [&] { return stopping; });
+  }
+}
 
 std::string IoEngineState::describe(const IoTransfer& transfer) const {
   std::string text = transfer.op == IoOp::kRead ? "read of " : "write of ";
@@ -264,7 +341,7 @@ class IoUringBackend final : public IoBackend {
     } else {
       backend->fixed_files_ = true;
     }
-    backend->reaper_ = std::thread([raw = backend.get()] { raw->reap(); });
+    backend->reaper_ = std::thread([state] { state->run_background_reaper(); });
     return backend;
   }
 
@@ -331,16 +408,43 @@ class IoUringBackend final : public IoBackend {
     if (!ring_ready_) return;
     if (reaper_.joinable()) {
       {
-        std::lock_guard<std::mutex> lock(sq_mutex_);
-        io_uring_sqe* sqe = next_sqe();
-        io_uring_prep_nop(sqe);
-        io_uring_sqe_set_data(sqe, nullptr);  // the reaper's signal to stop
-        submit_queued();
+        std::lock_guard<std::mutex> lock(state_->mutex);
+        state_->stopping = true;
       }
+      state_->reaper_wanted.notify_all();
       reaper_.join();
     }
     io_uring_queue_exit(&ring_);
     ring_ready_ = false;
+  }
+
+  bool reaps_in_callers() const override { return true; }
+
+  void reap_batch(ReapMode mode) override {
+    constexpr unsigned kBatch = 64;
+    io_uring_cqe* cqes[kBatch];
+    std::pair<IoTransfer*, int> results[kBatch];
+    if (mode == ReapMode::kWait) {
+      io_uring_cqe* first = nullptr;
+      const int ret = io_uring_wait_cqe(&ring_, &first);
+      if (ret == -EINTR || ret == -EAGAIN || ret == -ETIME) return;
+      if (ret < 0) {
+        STRATA_LOG(kError) << "io_uring_wait_cqe failed: " << std::strerror(-ret) << " (errno " << -ret << ")";
+        sched_yield();
+        return;
+      }
+    }
+    const unsigned count = io_uring_peek_batch_cqe(&ring_, cqes, kBatch);
+    for (unsigned i = 0; i < count; ++i) {
+      results[i] = {static_cast<IoTransfer*>(io_uring_cqe_get_data(cqes[i])), cqes[i]->res};
+    }
+    // Free the CQ slots before resubmitting, so resubmissions always find room.
+    io_uring_cq_advance(&ring_, count);
+    // The kernel ordered each submission before its completion, but a race detector
+    // cannot see through the ring: taking the lock every submission was made under
+    // makes that order visible to it (one uncontended lock per batch).
+    { std::lock_guard<std::mutex> visible(sq_mutex_); }
+    for (unsigned i = 0; i < count; ++i) state_->complete_transfer(results[i].first, results[i].second);
   }
 
   bool fixed_files() const { return fixed_files_; }
@@ -374,40 +478,6 @@ class IoUringBackend final : public IoBackend {
       STRATA_LOG(kError) << "io_uring_submit failed: " << std::strerror(-ret) << " (errno " << -ret
                          << "); the request stays queued for the next submission";
       return;
-    }
-  }
-
-  void reap() {
-    constexpr unsigned kBatch = 64;
-    io_uring_cqe* cqes[kBatch];
-    std::pair<IoTransfer*, int> results[kBatch];
-    bool stopping = false;
-    while (!stopping) {
-      io_uring_cqe* first = nullptr;
-      const int ret = io_uring_wait_cqe(&ring_, &first);
-      if (ret == -EINTR || ret == -EAGAIN || ret == -ETIME) continue;
-      if (ret < 0) {
-        STRATA_LOG(kError) << "io_uring_wait_cqe failed: " << std::strerror(-ret) << " (errno " << -ret << ")";
-        sched_yield();
-        continue;
-      }
-      const unsigned count = io_uring_peek_batch_cqe(&ring_, cqes, kBatch);
-      for (unsigned i = 0; i < count; ++i) {
-        results[i] = {static_cast<IoTransfer*>(io_uring_cqe_get_data(cqes[i])), cqes[i]->res};
-      }
-      // Free the CQ slots before resubmitting, so resubmissions always find room.
-      io_uring_cq_advance(&ring_, count);
-      // The kernel ordered each submission before its completion, but a race detector
-      // cannot see through the ring: taking the lock every submission was made under
-      // makes that order visible to it (one uncontended lock per batch).
-      { std::lock_guard<std::mutex> visible(sq_mutex_); }
-      for (unsigned i = 0; i < count; ++i) {
-        if (results[i].first == nullptr) {
-          stopping = true;
-          continue;
-        }
-        state_->complete_transfer(results[i].first, results[i].second);
-      }
     }
   }
 
@@ -600,7 +670,7 @@ StatusOr<IoTicket> IoEngine::submit(IoRequest request) {
         piece = static_cast<size_t>(begin - cursor);
       }
     }
-    s.space_available.wait(lock, [&] { return s.in_flight < s.options.queue_depth; });
+    s.drive_until(lock, s.space_available, [&] { return s.in_flight < s.options.queue_depth; });
     auto transfer = std::make_unique<IoTransfer>();
     transfer->ticket = ticket;
     transfer->op = request.op;
@@ -616,7 +686,7 @@ StatusOr<IoTicket> IoEngine::submit(IoRequest request) {
     internal::IoRequestRecord& current = s.requests.at(ticket);
     current.transfers.push_back(std::move(transfer));
     ++current.pending;
-    ++s.in_flight;
+    if (s.in_flight++ == 0) s.reaper_wanted.notify_one();
     ++s.stats.transfers;
     if (region >= 0) ++s.stats.fixed_transfers;
     lock.unlock();
@@ -636,7 +706,7 @@ Status IoEngine::wait(IoTicket ticket) {
   if (!ticket.valid() || ticket.id >= s.next_ticket) {
     return InvalidArgumentError("I/O engine: ticket " + std::to_string(ticket.id) + " was never issued");
   }
-  s.request_finished.wait(lock, [&] { return s.requests.count(ticket.id) == 0; });
+  s.drive_until(lock, s.request_finished, [&] { return s.requests.count(ticket.id) == 0; });
   auto it = s.errors.find(ticket.id);
   if (it == s.errors.end()) return Status::Ok();
   it->second.claimed = true;
@@ -644,14 +714,20 @@ Status IoEngine::wait(IoTicket ticket) {
 }
 
 bool IoEngine::done(IoTicket ticket) const {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->requests.count(ticket.id) == 0;
+  IoEngineState& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mutex);
+  // A poller (done() in a loop) gets what has completed by now without waiting for the
+  // background reaper.
+  if (s.requests.count(ticket.id) != 0 && s.backend->reaps_in_callers() && !s.reaper_busy && s.in_flight > 0) {
+    s.reap_with_token(lock, internal::ReapMode::kPoll);
+  }
+  return s.requests.count(ticket.id) == 0;
 }
 
 Status IoEngine::wait_all() {
   IoEngineState& s = *state_;
   std::unique_lock<std::mutex> lock(s.mutex);
-  s.request_finished.wait(lock, [&] { return s.requests.empty(); });
+  s.drive_until(lock, s.request_finished, [&] { return s.requests.empty(); });
   Status first;
   size_t others = 0;
   for (auto& [ticket, error] : s.errors) {

@@ -3,8 +3,11 @@
 // Two implementations behind one interface:
 //   - io_uring (liburing): an explicit queue depth, fixed (registered) buffers for memory
 //     inside registered regions (the pinned arena's pieces) and plain READ/WRITE SQEs
-//     for any other memory, registered files, optional SQPOLL. One completion thread
-//     reaps CQEs.
+//     for any other memory, registered files, optional SQPOLL. A thread that waits
+//     (wait, wait_all, a submit on a full queue, done) reaps completions itself, one
+//     thread at a time, as fio's single thread does: no hand-off to another thread sits
+//     between a completion and the caller's next submission. A background thread reaps
+//     only while no caller waits, so hooks of requests nobody waits for still run.
 //   - psync: a pool of threads doing pread/pwrite, used where io_uring is unavailable
 //     (io_uring_queue_init fails: old kernel, seccomp, io_uring_disabled) or where the
 //     options ask for it. The log says so once per process.
@@ -68,7 +71,8 @@ struct IoTicket {
 };
 
 // Runs once a request's bytes have all moved (or one transfer failed), on an engine
-// thread (or the submitting thread); `transfer_status` is the request's status so far.
+// thread, a thread inside wait()/wait_all()/submit()/done() of this engine, or the
+// submitting thread; `transfer_status` is the request's status so far.
 // What it returns becomes the request's status. It must not call wait() on its engine.
 using IoCompletionHook = std::function<Status(const Status& transfer_status)>;
 

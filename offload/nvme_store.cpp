@@ -1,8 +1,6 @@
 #include "offload/nvme_store.h"
 
 #include <fcntl.h>
-#include <sys/file.h>
-#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -51,16 +49,6 @@ struct NvmeStore::Shared {
 
 namespace {
 
-// A heap buffer aligned for O_DIRECT, for transfers whose own buffer is not.
-struct BounceBuffer {
-  explicit BounceBuffer(size_t alignment, size_t bytes)
-      : data(static_cast<char*>(std::aligned_alloc(alignment, round_up(bytes, alignment)))) {}
-  ~BounceBuffer() { std::free(data); }
-  BounceBuffer(const BounceBuffer&) = delete;
-  BounceBuffer& operator=(const BounceBuffer&) = delete;
-  char* data;
-};
-
 std::string hex64(uint64_t value) {
   char text[24];
   std::snprintf(text, sizeof(text), "0x%016llx", static_cast<unsigned long long>(value));
@@ -99,7 +87,7 @@ StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::open(const NvmeStoreOptions& opt
     engine = store->owned_engine_.get();
   }
   store->engine_ = engine;
-  STRATA_ASSIGN_OR_RETURN(store->io_file_, engine->register_file(store->data_fd_, store->file_path_));
+  STRATA_ASSIGN_OR_RETURN(store->io_file_, engine->register_file(store->data_file_.fd(), store->file_path_));
   STRATA_LOG(kDebug) << "nvme store: " << store->file_path_ << " (" << format_bytes(store->shared_->file_bytes) << ", "
                      << (store->direct_io_ ? "O_DIRECT" : "buffered") << ", alignment " << store->alignment_ << ", "
                      << engine->name() << " queue depth " << engine->queue_depth() << ")";
@@ -121,28 +109,20 @@ Status NvmeStore::open_files() {
   }
 
   // The lock first: a second process must not touch the data file at all.
-  int fd = -1;
-  do {
-    fd = ::open(lock_path_.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  } while (fd < 0 && errno == EINTR);
-  if (fd < 0) {
-    const int open_errno = errno;
-    Status status = Status::FromErrno(open_errno, "open(" + lock_path_ + ")");
-    if (is_not_writable_errno(open_errno)) {
+  StatusOr<File> lock_file = File::open(lock_path_, {.flags = O_RDWR | O_CREAT});
+  if (!lock_file.ok()) {
+    Status status = std::move(lock_file).status();
+    if (is_not_writable_errno(status.error_number())) {
       return FailedPreconditionError("nvme store: nvme_path '" + directory_ + "' is not writable: " + status.message());
     }
-    return status.with_context("nvme store: cannot open the lock file of nvme_path '" + directory_ + "'");
+    return std::move(status).with_context("nvme store: cannot open the lock file of nvme_path '" + directory_ + "'");
   }
-  lock_fd_ = fd;
-  int ret;
-  do {
-    ret = ::flock(lock_fd_, LOCK_EX | LOCK_NB);
-  } while (ret != 0 && errno == EINTR);
-  if (ret != 0) {
-    const int lock_errno = errno;
-    if (lock_errno != EWOULDBLOCK) return Status::FromErrno(lock_errno, "flock(" + lock_path_ + ")");
+  lock_file_ = std::move(lock_file).value();
+  Status locked = lock_file_.try_lock_exclusive();
+  if (!locked.ok()) {
+    if (locked.error_number() != EWOULDBLOCK) return locked;
     char text[32] = {};
-    const ssize_t got = ::pread(lock_fd_, text, sizeof(text) - 1, 0);
+    const ssize_t got = ::pread(lock_file_.fd(), text, sizeof(text) - 1, 0);  // best effort: only names the holder
     const long holder = got > 0 ? std::strtol(text, nullptr, 10) : 0;
     std::string who = holder > 0 ? "pid " + std::to_string(holder) : "pid unknown";
     if (holder == static_cast<long>(::getpid())) who += ", this process: another NvmeStore of rank " + std::to_string(options_.rank) + " is open";
@@ -150,55 +130,39 @@ Status NvmeStore::open_files() {
                               ", holding " + lock_path_ + "); give each run its own nvme_path or rank");
   }
   const std::string pid_text = std::to_string(::getpid()) + "\n";
-  if (::ftruncate(lock_fd_, 0) != 0 ||
-      ::pwrite(lock_fd_, pid_text.data(), pid_text.size(), 0) != static_cast<ssize_t>(pid_text.size())) {
-    const int write_errno = errno;
-    Status status = Status::FromErrno(write_errno, "write(" + lock_path_ + ")");
-    return FailedPreconditionError("nvme store: nvme_path '" + directory_ + "' is not writable: " + status.message());
+  Status written = lock_file_.truncate(0);
+  if (written.ok()) written = lock_file_.write_exact(pid_text.data(), pid_text.size(), 0);
+  if (!written.ok()) {
+    return FailedPreconditionError("nvme store: nvme_path '" + directory_ + "' is not writable: " + written.message());
   }
 
-  // The data file: O_DIRECT where the file system takes it.
-  direct_io_ = options_.direct_io;
-  const int flags = O_RDWR | O_CREAT | O_CLOEXEC;
-  do {
-    fd = ::open(file_path_.c_str(), flags | (direct_io_ ? O_DIRECT : 0), 0644);
-  } while (fd < 0 && errno == EINTR);
-  if (fd < 0 && direct_io_ && errno == EINVAL) {
-    STRATA_LOG(kWarn) << "nvme store: the file system under '" << directory_
-                      << "' refuses O_DIRECT; using buffered I/O (the page cache) for " << file_path_;
-    direct_io_ = false;
-    do {
-      fd = ::open(file_path_.c_str(), flags, 0644);
-    } while (fd < 0 && errno == EINTR);
-  }
-  if (fd < 0) {
-    const int open_errno = errno;
-    Status status = Status::FromErrno(open_errno, "open(" + file_path_ + ")");
-    if (is_not_writable_errno(open_errno)) {
+  // The data file: O_DIRECT where the file system takes it, at the alignment it asks for.
+  StatusOr<File> data_file =
+      File::open(file_path_, {.flags = O_RDWR | O_CREAT,
+                              .direct_io = options_.direct_io ? FileDirectIo::kPreferred : FileDirectIo::kOff});
+  if (!data_file.ok()) {
+    Status status = std::move(data_file).status();
+    if (is_not_writable_errno(status.error_number())) {
       return FailedPreconditionError("nvme store: nvme_path '" + directory_ + "' is not writable: " + status.message());
     }
-    return status.with_context("nvme store: cannot open the data file");
+    return std::move(status).with_context("nvme store: cannot open the data file");
   }
-  data_fd_ = fd;
-
-  // Ask the file for its O_DIRECT alignment; never below 4 KiB (page-sized buffers).
-  alignment_ = 4096;
-#ifdef STATX_DIOALIGN
-  struct statx dio {};
-  if (::statx(data_fd_, "", AT_EMPTY_PATH, STATX_DIOALIGN, &dio) == 0 && (dio.stx_mask & STATX_DIOALIGN) != 0) {
-    const size_t asked = std::max<size_t>(dio.stx_dio_offset_align, dio.stx_dio_mem_align);
-    if (asked > alignment_ && (asked & (asked - 1)) == 0) alignment_ = asked;
+  data_file_ = std::move(data_file).value();
+  direct_io_ = data_file_.direct_io();
+  if (options_.direct_io && !direct_io_) {
+    STRATA_LOG(kWarn) << "nvme store: the file system under '" << directory_
+                      << "' refuses O_DIRECT; using buffered I/O (the page cache) for " << file_path_;
   }
-#endif
+  // Never below 4 KiB (page-sized buffers), also when buffered.
+  alignment_ = direct_io_ ? data_file_.direct_io_alignment() : kDirectIoMinAlignment;
   if (options_.checksum_block_bytes % alignment_ != 0) {
     return InvalidArgumentError("nvme store: checksum_block_bytes " + std::to_string(options_.checksum_block_bytes) +
                                 " is not a multiple of " + file_path_ + "'s O_DIRECT alignment " + std::to_string(alignment_));
   }
 
-  struct stat info {};
-  STRATA_SYSCALL(ret, ::fstat(data_fd_, &info));
+  STRATA_ASSIGN_OR_RETURN(const uint64_t file_size, data_file_.size());
   // A file a finished run left is reused: all of it is free space now.
-  const uint64_t reused = static_cast<uint64_t>(info.st_size) / alignment_ * alignment_;
+  const uint64_t reused = file_size / alignment_ * alignment_;
   shared_->file_bytes = reused;
   shared_->allocator = std::make_unique<internal::RangeAllocator>(reused, alignment_);
   if (reused > 0) STRATA_LOG(kDebug) << "nvme store: reusing " << file_path_ << " (" << format_bytes(reused) << ")";
@@ -220,8 +184,8 @@ NvmeStore::~NvmeStore() {
     if (!status.ok()) STRATA_LOG(kWarn) << "nvme store: " << status.to_string();
   }
   owned_engine_.reset();
-  if (data_fd_ >= 0) ::close(data_fd_);
-  if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock
+  data_file_.reset();
+  lock_file_.reset();  // releases the flock
 }
 
 // mutex held. Makes the allocator's free tail at least `needed_bytes` long, growing the
@@ -233,40 +197,33 @@ Status NvmeStore::grow_file(size_t needed_bytes, std::string_view key, size_t ex
   const size_t need = needed_bytes > tail ? needed_bytes - tail : 0;
   if (need == 0) return Status::Ok();
   size_t grow_by = round_up(std::max(need, growth_step), alignment_);
-  int ret = -1;
-  int grow_errno = 0;
+  Status grown;
   for (;;) {
-    do {
-      ret = ::fallocate(data_fd_, 0, static_cast<off_t>(old_size), static_cast<off_t>(grow_by));
-    } while (ret != 0 && errno == EINTR);
-    if (ret == 0) break;
-    grow_errno = errno;
-    if (grow_errno == EOPNOTSUPP) {
+    grown = data_file_.allocate(old_size, grow_by);
+    if (grown.ok()) break;
+    if (grown.error_number() == EOPNOTSUPP) {
       // The file system cannot reserve blocks: extend the size only. A full disk then shows
       // up as a failed write, which marks that extent unreadable and nothing else.
       STRATA_LOG_ONCE(kWarn) << "nvme store: fallocate is not supported under '" << directory_
                              << "'; growing " << file_path_ << " without reserving blocks";
-      do {
-        ret = ::ftruncate(data_fd_, static_cast<off_t>(old_size + grow_by));
-      } while (ret != 0 && errno == EINTR);
-      if (ret == 0) break;
-      grow_errno = errno;
+      grown = data_file_.truncate(old_size + grow_by);
+      if (grown.ok()) break;
     }
     // Out of room for the growth step: try the bare need before giving up.
+    const int grow_errno = grown.error_number();
     if ((grow_errno == ENOSPC || grow_errno == EDQUOT || grow_errno == EFBIG) && grow_by > need) {
       grow_by = need;
       continue;
     }
     break;
   }
-  if (ret != 0) {
-    Status status = Status::FromErrno(grow_errno, "fallocate(" + file_path_ + ", offset " + std::to_string(old_size) +
-                                                      ", " + std::to_string(grow_by) + " bytes)");
+  if (!grown.ok()) {
+    const int grow_errno = grown.error_number();
     return Status(grow_errno == ENOSPC || grow_errno == EDQUOT || grow_errno == EFBIG ? StatusCode::kResourceExhausted
-                                                                                       : status.code(),
+                                                                                       : grown.code(),
                   "nvme store: the disk under '" + directory_ + "' cannot hold " + format_bytes(need) +
                       " more for extent '" + std::string(key) + "' (" + format_bytes(extent_bytes) + "): " +
-                      status.message() + "; the file system has " + free_space_text(directory_) + ", " + file_path_ +
+                      grown.message() + "; the file system has " + free_space_text(directory_) + ", " + file_path_ +
                       " holds " + format_bytes(old_size));
   }
   s.file_bytes = old_size + grow_by;
@@ -384,15 +341,15 @@ StatusOr<IoTicket> NvmeStore::write_async(NvmeExtent handle, const void* src, si
   }
   const size_t capacity = src_capacity == 0 ? bytes : src_capacity;
   const bool direct = is_aligned(reinterpret_cast<uintptr_t>(src), alignment_) && capacity >= io_bytes;
-  std::shared_ptr<BounceBuffer> bounce;
+  std::shared_ptr<AlignedBuffer> bounce;
   const char* data = static_cast<const char*>(src);
   if (!direct) {
     STRATA_LOG_ONCE(kDebug) << "nvme store: a write from an unaligned or short buffer goes through a bounce buffer";
-    bounce = std::make_shared<BounceBuffer>(alignment_, io_bytes);
-    if (bounce->data == nullptr) return OutOfMemoryError("nvme store: no bounce buffer of " + format_bytes(io_bytes));
-    std::memcpy(bounce->data, src, bytes);
-    std::memset(bounce->data + bytes, 0, io_bytes - bytes);
-    data = bounce->data;
+    STRATA_ASSIGN_OR_RETURN(AlignedBuffer buffer, AlignedBuffer::allocate(io_bytes, alignment_));
+    bounce = std::make_shared<AlignedBuffer>(std::move(buffer));
+    std::memcpy(bounce->data(), src, bytes);
+    std::memset(bounce->data() + bytes, 0, io_bytes - bytes);
+    data = bounce->as<const char>();
   }
   // The blocks this write touches (with checksums on, it starts on a block boundary), and
   // their checksums from the caller's bytes.
@@ -464,7 +421,7 @@ StatusOr<IoTicket> NvmeStore::read_async(NvmeExtent handle, void* dst, size_t by
   const size_t first_block = extent_offset / block_bytes;
   const size_t blocks = (bytes + block_bytes - 1) / block_bytes;
   const size_t capacity = dst_capacity == 0 ? bytes : dst_capacity;
-  std::shared_ptr<BounceBuffer> bounce;
+  std::shared_ptr<AlignedBuffer> bounce;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     auto it = s.extents.find(handle.id);
@@ -488,8 +445,8 @@ StatusOr<IoTicket> NvmeStore::read_async(NvmeExtent handle, void* dst, size_t by
     const bool direct = is_aligned(reinterpret_cast<uintptr_t>(dst), alignment_) && capacity >= io_bytes;
     if (!direct) {
       STRATA_LOG_ONCE(kDebug) << "nvme store: a read into an unaligned or short buffer goes through a bounce buffer";
-      bounce = std::make_shared<BounceBuffer>(alignment_, io_bytes);
-      if (bounce->data == nullptr) return OutOfMemoryError("nvme store: no bounce buffer of " + format_bytes(io_bytes));
+      STRATA_ASSIGN_OR_RETURN(AlignedBuffer buffer, AlignedBuffer::allocate(io_bytes, alignment_));
+      bounce = std::make_shared<AlignedBuffer>(std::move(buffer));
       ++s.stats.bounce_transfers;
     }
     ++extent.inflight;
@@ -498,7 +455,7 @@ StatusOr<IoTicket> NvmeStore::read_async(NvmeExtent handle, void* dst, size_t by
   IoRequest request;
   request.op = IoOp::kRead;
   request.file = io_file_;
-  request.buffer = bounce ? bounce->data : dst;
+  request.buffer = bounce ? bounce->data() : dst;
   request.bytes = io_bytes;
   request.offset = file_offset;
   const uint64_t id = handle.id;
@@ -507,7 +464,7 @@ StatusOr<IoTicket> NvmeStore::read_async(NvmeExtent handle, void* dst, size_t by
   request.on_complete = [shared, id, key, bytes, extent_offset, file_offset, file_path, bounce, block_bytes,
                          expected = std::move(expected), dst](const Status& transfer) -> Status {
     Status status = transfer;
-    const char* data = bounce ? bounce->data : static_cast<const char*>(dst);
+    const char* data = bounce ? bounce->as<const char>() : static_cast<const char*>(dst);
     size_t mismatches = 0;
     if (status.ok()) {
       // Verify every block; report the first mismatch.
@@ -525,7 +482,7 @@ StatusOr<IoTicket> NvmeStore::read_async(NvmeExtent handle, void* dst, size_t by
         }
       }
       if (mismatches > 1) status.with_context(std::to_string(mismatches) + " blocks of the read failed their checksum");
-      if (status.ok() && bounce) std::memcpy(dst, bounce->data, bytes);
+      if (status.ok() && bounce) std::memcpy(dst, bounce->data(), bytes);
     } else {
       status.with_context("nvme store: read of extent '" + key + "' bytes [" + std::to_string(extent_offset) + ", " +
                           std::to_string(extent_offset + bytes) + ") at file offset " + std::to_string(file_offset) +

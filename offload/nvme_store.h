@@ -43,6 +43,7 @@
 #include <string_view>
 #include <unordered_map>
 
+#include "engine/core/file.h"
 #include "engine/core/status.h"
 #include "offload/io_engine.h"
 
@@ -156,8 +157,8 @@ class NvmeStore {
   std::string lock_path_;
   size_t alignment_ = 4096;
   bool direct_io_ = true;
-  int lock_fd_ = -1;
-  int data_fd_ = -1;
+  File lock_file_;  // holds the flock for this process
+  File data_file_;
   IoFile io_file_;
   std::unique_ptr<IoEngine> owned_engine_;
   IoEngine* engine_ = nullptr;

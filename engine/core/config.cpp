@@ -1,7 +1,5 @@
 #include "engine/core/config.h"
 
-#include <fcntl.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
@@ -16,6 +14,7 @@
 #include <vector>
 
 #include "engine/core/check.h"
+#include "engine/core/file.h"
 #include "engine/core/gpu.h"
 #include "engine/core/log.h"
 
@@ -1042,27 +1041,8 @@ void set_at_path(nlohmann::ordered_json& root, std::string_view path, const Json
 }
 
 StatusOr<std::string> read_whole_file(const std::string& path) {
-  int fd = -1;
-  do {
-    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  } while (fd < 0 && errno == EINTR);
-  if (fd < 0) return Status::FromErrno(errno, "open(" + path + ")");
-  std::string text;
-  char buffer[1 << 14];
-  Status status;
-  while (true) {
-    const ssize_t got = ::read(fd, buffer, sizeof(buffer));
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      status = Status::FromErrno(errno, "read(" + path + ")");
-      break;
-    }
-    if (got == 0) break;
-    text.append(buffer, static_cast<size_t>(got));
-  }
-  ::close(fd);
-  if (!status.ok()) return status;
-  return text;
+  STRATA_ASSIGN_OR_RETURN(const File file, File::open(path));
+  return file.read_to_end();
 }
 
 std::string overrides_note(const StrataConfig& config) {

@@ -22,21 +22,6 @@
 
 namespace strata {
 
-SocketFd& SocketFd::operator=(SocketFd&& other) noexcept {
-  if (this != &other) {
-    reset();
-    fd_ = other.release();
-  }
-  return *this;
-}
-
-int SocketFd::release() noexcept { return std::exchange(fd_, -1); }
-
-void SocketFd::reset() noexcept {
-  if (fd_ >= 0) ::close(fd_);  // close() must not be retried on EINTR on Linux
-  fd_ = -1;
-}
-
 // ---------------------------------------------------------------------------
 // Options from the environment
 // ---------------------------------------------------------------------------
@@ -287,10 +272,10 @@ uint16_t bound_port(int fd) {
 }
 
 // One non-blocking connect attempt, bounded by `deadline`.
-StatusOr<SocketFd> try_connect(const addrinfo& address, Clock::time_point deadline) {
+StatusOr<File> try_connect(const addrinfo& address, Clock::time_point deadline) {
   int fd = -1;
   STRATA_SYSCALL(fd, ::socket(address.ai_family, address.ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, address.ai_protocol));
-  SocketFd socket(fd);
+  File socket(fd, "socket");
   if (::connect(fd, address.ai_addr, address.ai_addrlen) != 0) {
     if (errno != EINPROGRESS && errno != EINTR) return Status::FromErrno(errno, "connect");
     std::vector<pollfd> fds{{fd, POLLOUT, 0}};
@@ -335,7 +320,7 @@ Status send_all(int fd, std::span<const std::byte> bytes, Clock::time_point dead
 
 // A connection with the bytes received so far that do not yet make a whole message.
 struct Rendezvous::Peer {
-  SocketFd socket;
+  File socket;
   int rank = -1;            // -1 while a hello is awaited
   std::string description;  // "rank 2 (host pid 123)"
   std::vector<std::byte> inbox;
@@ -373,7 +358,7 @@ struct Rendezvous::Peer {
   StatusOr<bool> read_available() {
     std::byte chunk[65536];
     while (true) {
-      const ssize_t got = ::recv(socket.get(), chunk, sizeof(chunk), 0);
+      const ssize_t got = ::recv(socket.fd(), chunk, sizeof(chunk), 0);
       if (got > 0) {
         inbox.insert(inbox.end(), chunk, chunk + got);
         continue;
@@ -388,7 +373,7 @@ struct Rendezvous::Peer {
 
   Status send(const MessageHeader& header, std::span<const std::byte> payload, Clock::time_point deadline) {
     const std::vector<std::byte> bytes = encode(header, payload);
-    return send_all(socket.get(), bytes, deadline, description);
+    return send_all(socket.fd(), bytes, deadline, description);
   }
 
   // Waits for one whole message by `deadline`; `waiting_for` completes the timeout message.
@@ -399,7 +384,7 @@ struct Rendezvous::Peer {
       if (closed)
         return UnavailableError("rendezvous: " + description + " closed the connection " + waiting_for +
                                 " (did that process exit or fail?)");
-      std::vector<pollfd> fds{{socket.get(), POLLIN, 0}};
+      std::vector<pollfd> fds{{socket.fd(), POLLIN, 0}};
       int ready = 0;
       STRATA_RETURN_IF_ERROR(poll_fds(fds, remaining_ms(deadline), &ready));
       if (ready == 0) return DeadlineExceededError("rendezvous: timed out " + waiting_for);
@@ -423,7 +408,7 @@ Status Rendezvous::fail(Status status) {
     const std::string text = "rank 0 failed: " + without_prefix(status.message());
     const Clock::time_point soon = Clock::now() + std::chrono::seconds(1);
     for (Peer& peer : peers_)
-      if (peer.socket.valid() && !peer.closed)
+      if (peer.socket.is_open() && !peer.closed)
         (void)peer.send(MessageHeader{.kind = MessageKind::kReject, .rank = 0}, as_bytes(text), soon);
   }
   return status;
@@ -457,7 +442,7 @@ StatusOr<Rendezvous> Rendezvous::start(const RendezvousOptions& options) {
       int fd = -1;
       STRATA_SYSCALL(fd, ::socket(address->ai_family, address->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC,
                                   address->ai_protocol));
-      SocketFd socket(fd);
+      File socket(fd, "socket");
       int result = 0;
       const int one = 1;
       STRATA_SYSCALL(result, ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)));
@@ -472,7 +457,7 @@ StatusOr<Rendezvous> Rendezvous::start(const RendezvousOptions& options) {
   if (!last_error.ok())
     return std::move(last_error).with_context("rendezvous: rank 0 cannot listen on " + host + ":" +
                                               std::to_string(options.master_port) + " (MASTER_ADDR:MASTER_PORT)");
-  rendezvous.port_ = bound_port(rendezvous.listener_.get());
+  rendezvous.port_ = bound_port(rendezvous.listener_.fd());
   STRATA_LOG(kDebug) << "rendezvous: rank 0 listening on " << host << ":" << rendezvous.port_ << " for "
                      << options.world_size << " ranks";
   return rendezvous;
@@ -515,21 +500,21 @@ Status Rendezvous::join_as_root() {
     MessageHeader header{.kind = MessageKind::kReject, .rank = 0};
     const Clock::time_point soon = Clock::now() + std::chrono::seconds(1);
     for (Peer& peer : peers_)
-      if (peer.socket.valid()) (void)peer.send(header, as_bytes(text), soon);
+      if (peer.socket.is_open()) (void)peer.send(header, as_bytes(text), soon);
     for (Peer& peer : pending)
-      if (peer.socket.valid()) (void)peer.send(header, as_bytes(text), soon);
+      if (peer.socket.is_open()) (void)peer.send(header, as_bytes(text), soon);
   };
 
   while (present < world) {
     std::vector<pollfd> fds;
-    fds.push_back({listener_.get(), POLLIN, 0});
-    for (const Peer& peer : pending) fds.push_back({peer.socket.get(), POLLIN, 0});
+    fds.push_back({listener_.fd(), POLLIN, 0});
+    for (const Peer& peer : pending) fds.push_back({peer.socket.fd(), POLLIN, 0});
     int ready = 0;
     STRATA_RETURN_IF_ERROR(poll_fds(fds, remaining_ms(deadline), &ready));
     if (ready == 0) {
       std::vector<int> missing;
       for (int rank = 1; rank < world; ++rank)
-        if (!peers_[static_cast<size_t>(rank)].socket.valid()) missing.push_back(rank);
+        if (!peers_[static_cast<size_t>(rank)].socket.is_open()) missing.push_back(rank);
       Status timeout = DeadlineExceededError(
           "rendezvous: rank 0 waited " + seconds_text(options_.timeout) + " on port " + std::to_string(port_) +
           " but rank" + (missing.size() == 1 ? " " : "s ") + rank_list_text(missing) + " of WORLD_SIZE=" +
@@ -570,7 +555,7 @@ Status Rendezvous::join_as_root() {
                                          std::to_string(hello.header.rank) + ", outside [1, " +
                                          std::to_string(world - 1) + "] for the non-root ranks of WORLD_SIZE=" +
                                          std::to_string(world));
-        } else if (peers_[static_cast<size_t>(hello.header.rank)].socket.valid()) {
+        } else if (peers_[static_cast<size_t>(hello.header.rank)].socket.is_open()) {
           problem = InvalidArgumentError("rendezvous: two processes have RANK=" + std::to_string(hello.header.rank) +
                                          ": " + peers_[static_cast<size_t>(hello.header.rank)].description + " and " +
                                          who + "; every process needs its own RANK");
@@ -594,14 +579,14 @@ Status Rendezvous::join_as_root() {
     // Then new connections.
     if (fds[0].revents != 0) {
       while (true) {
-        const int fd = ::accept4(listener_.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        const int fd = ::accept4(listener_.fd(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
           if (errno == EINTR || errno == ECONNABORTED) continue;
           if (errno == EAGAIN || errno == EWOULDBLOCK) break;
           return Status::FromErrno(errno, "rendezvous: accept on port " + std::to_string(port_));
         }
         Peer peer;
-        peer.socket = SocketFd(fd);
+        peer.socket = File(fd, "socket");
         peer.description = "a connecting process";
         STRATA_RETURN_IF_ERROR(set_socket_options(fd));
         pending.push_back(std::move(peer));
@@ -631,17 +616,17 @@ Status Rendezvous::join_as_peer() {
   root.description = "rank 0 at " + target;
   Status last_error;
   auto backoff = std::chrono::milliseconds(10);
-  while (!root.socket.valid()) {
-    for (const addrinfo* address = addresses.get(); address != nullptr && !root.socket.valid();
+  while (!root.socket.is_open()) {
+    for (const addrinfo* address = addresses.get(); address != nullptr && !root.socket.is_open();
          address = address->ai_next) {
-      StatusOr<SocketFd> socket = try_connect(*address, deadline);
+      StatusOr<File> socket = try_connect(*address, deadline);
       if (socket.ok()) {
         root.socket = std::move(socket).value();
       } else {
         last_error = socket.status();
       }
     }
-    if (root.socket.valid()) break;
+    if (root.socket.is_open()) break;
     if (Clock::now() >= deadline)
       return DeadlineExceededError("rendezvous: " + me + " could not connect to rank 0 at MASTER_ADDR:MASTER_PORT=" +
                                    target + " within " + seconds_text(options_.timeout) + " (last error: " +
@@ -769,7 +754,7 @@ StatusOr<std::vector<std::vector<std::byte>>> Rendezvous::gather_all(std::span<c
       if (peer.closed)
         return fail(UnavailableError("rendezvous: " + peer.description + " closed its connection during " + what +
                                      " (did that process exit or fail?)"));
-      fds.push_back({peer.socket.get(), POLLIN, 0});
+      fds.push_back({peer.socket.fd(), POLLIN, 0});
       fd_ranks.push_back(rank);
     }
     if (outstanding == 0) break;

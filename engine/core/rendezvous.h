@@ -32,29 +32,10 @@
 #include <string>
 #include <vector>
 
+#include "engine/core/file.h"
 #include "engine/core/status.h"
 
 namespace strata {
-
-// Move-only owner of a socket (any file descriptor); the destructor closes it.
-class SocketFd {
- public:
-  SocketFd() = default;
-  explicit SocketFd(int fd) : fd_(fd) {}
-  SocketFd(const SocketFd&) = delete;
-  SocketFd& operator=(const SocketFd&) = delete;
-  SocketFd(SocketFd&& other) noexcept : fd_(other.release()) {}
-  SocketFd& operator=(SocketFd&& other) noexcept;
-  ~SocketFd() { reset(); }
-
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  int release() noexcept;
-  void reset() noexcept;
-
- private:
-  int fd_ = -1;
-};
 
 struct RendezvousOptions {
   int rank = 0;                  // this process's rank, 0 <= rank < world_size
@@ -133,7 +114,7 @@ class Rendezvous {
 
   RendezvousOptions options_;
   uint16_t port_ = 0;
-  SocketFd listener_;           // rank 0 only
+  File listener_;               // rank 0 only
   std::vector<Peer> peers_;     // rank 0: one per rank (index 0 unused); others: [0] = rank 0
   uint64_t next_sequence_ = 0;  // collectives issued so far
   bool joined_ = false;

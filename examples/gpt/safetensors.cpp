@@ -92,82 +92,25 @@ std::string shape_text(std::span<const int64_t> shape) {
 // ---------------------------------------------------------------------------------------
 // Reader
 
-SafetensorsReader::SafetensorsReader(SafetensorsReader&& other) noexcept
-    : path_(std::move(other.path_)),
-      fd_(std::exchange(other.fd_, -1)),
-      file_bytes_(other.file_bytes_),
-      data_offset_(other.data_offset_),
-      options_(other.options_),
-      tensors_(std::move(other.tensors_)),
-      index_(std::move(other.index_)),
-      metadata_(std::move(other.metadata_)) {}
-
-SafetensorsReader& SafetensorsReader::operator=(SafetensorsReader&& other) noexcept {
-  if (this != &other) {
-    if (fd_ >= 0) ::close(fd_);
-    path_ = std::move(other.path_);
-    fd_ = std::exchange(other.fd_, -1);
-    file_bytes_ = other.file_bytes_;
-    data_offset_ = other.data_offset_;
-    options_ = other.options_;
-    tensors_ = std::move(other.tensors_);
-    index_ = std::move(other.index_);
-    metadata_ = std::move(other.metadata_);
-  }
-  return *this;
-}
-
-SafetensorsReader::~SafetensorsReader() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
-namespace {
-
-Status pread_all(int fd, const std::string& path, void* buffer, size_t bytes, uint64_t offset) {
-  size_t done = 0;
-  while (done < bytes) {
-    const ssize_t got = ::pread(fd, static_cast<char*>(buffer) + done, bytes - done, static_cast<off_t>(offset + done));
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      return errno_status(errno, "read of " + std::to_string(bytes - done) + " bytes at offset " +
-                                     std::to_string(offset + done) + " from " + path);
-    }
-    if (got == 0) {
-      return DataLossError(path + ": unexpected end of file at offset " + std::to_string(offset + done) + " (reading " +
-                           std::to_string(bytes) + " bytes at " + std::to_string(offset) + ")");
-    }
-    done += static_cast<size_t>(got);
-  }
-  return Status::Ok();
-}
-
-}  // namespace
-
 StatusOr<SafetensorsReader> SafetensorsReader::open(const std::string& path, const SafetensorsReadOptions& options) {
   SafetensorsReader reader;
   reader.path_ = path;
   reader.options_ = options;
   if (reader.options_.chunk_bytes < 64) reader.options_.chunk_bytes = 64;
-  int fd;
-  do {
-    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  } while (fd < 0 && errno == EINTR);
-  if (fd < 0) {
-    const int error = errno;
-    if (error == ENOENT) return NotFoundError("safetensors file " + path + " does not exist");
-    return errno_status(error, "open(" + path + ")");
+  StatusOr<File> file = File::open(path);
+  if (!file.ok()) {
+    if (file.status().error_number() == ENOENT) return NotFoundError("safetensors file " + path + " does not exist");
+    return std::move(file).status();
   }
-  reader.fd_ = fd;
-  struct stat info {};
-  if (::fstat(fd, &info) != 0) return errno_status(errno, "fstat(" + path + ")");
-  reader.file_bytes_ = static_cast<uint64_t>(info.st_size);
+  reader.file_ = std::move(file).value();
+  STRATA_ASSIGN_OR_RETURN(reader.file_bytes_, reader.file_.size());
   const std::string where = "safetensors file " + path;
   if (reader.file_bytes_ < 8) {
     return InvalidArgumentError(where + " is " + std::to_string(reader.file_bytes_) +
                                 " bytes, too short for the 8-byte header length (truncated?)");
   }
   unsigned char length_bytes[8];
-  STRATA_RETURN_IF_ERROR(pread_all(fd, path, length_bytes, 8, 0));
+  STRATA_RETURN_IF_ERROR(reader.file_.read_exact(length_bytes, 8, 0));
   uint64_t header_bytes = 0;
   for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | length_bytes[i];
   if (header_bytes > kMaxHeaderBytes) {
@@ -178,7 +121,7 @@ StatusOr<SafetensorsReader> SafetensorsReader::open(const std::string& path, con
                                 std::to_string(reader.file_bytes_) + " bytes; truncated?)");
   }
   std::string header(header_bytes, '\0');
-  STRATA_RETURN_IF_ERROR(pread_all(fd, path, header.data(), header.size(), 8));
+  STRATA_RETURN_IF_ERROR(reader.file_.read_exact(header.data(), header.size(), 8));
   reader.data_offset_ = 8 + header_bytes;
   STRATA_RETURN_IF_ERROR(reader.parse_header(header));
   return reader;
@@ -298,7 +241,7 @@ Status SafetensorsReader::read_bytes(const SafetensorsTensor& tensor, uint64_t b
   }
   for (size_t done = 0; done < out.size();) {
     const size_t bytes = std::min(options_.chunk_bytes, out.size() - done);
-    STRATA_RETURN_IF_ERROR(pread_all(fd_, path_, out.data() + done, bytes, data_offset_ + tensor.begin + byte_offset + done));
+    STRATA_RETURN_IF_ERROR(file_.read_exact(out.data() + done, bytes, data_offset_ + tensor.begin + byte_offset + done));
     done += bytes;
   }
   return Status::Ok();
@@ -323,7 +266,7 @@ Status SafetensorsReader::read_fp32(const SafetensorsTensor& tensor, uint64_t fi
   std::vector<unsigned char> scratch(std::min(out.size(), chunk_elements) * element_bytes);
   for (size_t done = 0; done < out.size();) {
     const size_t count = std::min(chunk_elements, out.size() - done);
-    STRATA_RETURN_IF_ERROR(pread_all(fd_, path_, scratch.data(), count * element_bytes,
+    STRATA_RETURN_IF_ERROR(file_.read_exact(scratch.data(), count * element_bytes,
                                      data_offset_ + tensor.begin + (first + done) * element_bytes));
     float* target = out.data() + done;
     switch (tensor.dtype) {
@@ -365,7 +308,7 @@ SafetensorsWriter& SafetensorsWriter::operator=(SafetensorsWriter&& other) noexc
     close_and_remove();
     path_ = std::move(other.path_);
     tmp_path_ = std::move(other.tmp_path_);
-    fd_ = std::exchange(other.fd_, -1);
+    file_ = std::move(other.file_);
     specs_ = std::move(other.specs_);
     sizes_ = std::move(other.sizes_);
     current_ = other.current_;
@@ -379,9 +322,8 @@ SafetensorsWriter& SafetensorsWriter::operator=(SafetensorsWriter&& other) noexc
 SafetensorsWriter::~SafetensorsWriter() { close_and_remove(); }
 
 void SafetensorsWriter::close_and_remove() {
-  if (fd_ >= 0) {
-    ::close(fd_);
-    fd_ = -1;
+  if (file_.is_open()) {
+    file_.reset();
     if (!finished_ && !tmp_path_.empty()) ::unlink(tmp_path_.c_str());
   }
 }
@@ -420,12 +362,7 @@ StatusOr<SafetensorsWriter> SafetensorsWriter::create(const std::string& path, s
   // Pad with spaces so the data section starts 8-byte aligned, as the reference writer does.
   text.append((8 - text.size() % 8) % 8, ' ');
 
-  int fd;
-  do {
-    fd = ::open(writer.tmp_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  } while (fd < 0 && errno == EINTR);
-  if (fd < 0) return errno_status(errno, "open(" + writer.tmp_path_ + ")");
-  writer.fd_ = fd;
+  STRATA_ASSIGN_OR_RETURN(writer.file_, File::open(writer.tmp_path_, {.flags = O_WRONLY | O_CREAT | O_TRUNC}));
   writer.buffer_.reserve(size_t{1} << 20);
   unsigned char length[8];
   uint64_t value = text.size();
@@ -445,21 +382,13 @@ Status SafetensorsWriter::write_out(const void* data, size_t bytes) {
 }
 
 Status SafetensorsWriter::flush() {
-  size_t done = 0;
-  while (done < buffer_.size()) {
-    const ssize_t wrote = ::write(fd_, buffer_.data() + done, buffer_.size() - done);
-    if (wrote < 0) {
-      if (errno == EINTR) continue;
-      return errno_status(errno, "write of " + std::to_string(buffer_.size() - done) + " bytes to " + tmp_path_);
-    }
-    done += static_cast<size_t>(wrote);
-  }
+  STRATA_RETURN_IF_ERROR(file_.write_all(buffer_.data(), buffer_.size()));
   buffer_.clear();
   return Status::Ok();
 }
 
 Status SafetensorsWriter::check_current(std::string_view name, uint64_t bytes) {
-  if (fd_ < 0 || finished_) return FailedPreconditionError("safetensors writer (" + path_ + "): already finished");
+  if (!file_.is_open() || finished_) return FailedPreconditionError("safetensors writer (" + path_ + "): already finished");
   if (current_ >= specs_.size()) {
     return InvalidArgumentError("safetensors writer (" + path_ + "): every tensor is complete; nothing more to write to '" +
                                 std::string(name) + "'");
@@ -528,20 +457,18 @@ Status SafetensorsWriter::write_tensor(std::string_view name, const Fp32Source& 
 }
 
 Status SafetensorsWriter::finish() {
-  if (fd_ < 0 || finished_) return FailedPreconditionError("safetensors writer (" + path_ + "): already finished");
+  if (!file_.is_open() || finished_) return FailedPreconditionError("safetensors writer (" + path_ + "): already finished");
   if (current_ < specs_.size()) {
     return FailedPreconditionError("safetensors writer (" + path_ + "): tensor '" + specs_[current_].name + "' has " +
                                    std::to_string(written_in_current_) + " of its " + std::to_string(sizes_[current_]) +
                                    " bytes" + (current_ + 1 < specs_.size() ? " (and later tensors none)" : ""));
   }
   STRATA_RETURN_IF_ERROR(flush());
-  int ret;
-  do {
-    ret = ::fsync(fd_);
-  } while (ret != 0 && errno == EINTR);
-  if (ret != 0) return errno_status(errno, "fsync(" + tmp_path_ + ")");
-  ::close(fd_);
-  fd_ = -1;
+  STRATA_RETURN_IF_ERROR(file_.sync());
+  if (Status closed = file_.close(); !closed.ok()) {
+    ::unlink(tmp_path_.c_str());
+    return closed;
+  }
   if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
     const int error = errno;
     ::unlink(tmp_path_.c_str());

@@ -35,6 +35,7 @@
 #include <string_view>
 #include <vector>
 
+#include "engine/core/file.h"
 #include "engine/core/status.h"
 
 namespace strata::gpt {
@@ -70,11 +71,11 @@ class SafetensorsReader {
   // Opens and validates `path`. Errors (kInvalidArgument for a malformed file, kNotFound
   // for a missing one) name the file and the problem.
   static StatusOr<SafetensorsReader> open(const std::string& path, const SafetensorsReadOptions& options = {});
-  SafetensorsReader(SafetensorsReader&& other) noexcept;
-  SafetensorsReader& operator=(SafetensorsReader&& other) noexcept;
+  SafetensorsReader(SafetensorsReader&& other) noexcept = default;
+  SafetensorsReader& operator=(SafetensorsReader&& other) noexcept = default;
   SafetensorsReader(const SafetensorsReader&) = delete;
   SafetensorsReader& operator=(const SafetensorsReader&) = delete;
-  ~SafetensorsReader();
+  ~SafetensorsReader() = default;
 
   const std::string& path() const { return path_; }
   uint64_t file_bytes() const { return file_bytes_; }
@@ -100,7 +101,7 @@ class SafetensorsReader {
   Status parse_header(std::string_view header);
 
   std::string path_;
-  int fd_ = -1;
+  File file_;
   uint64_t file_bytes_ = 0;
   uint64_t data_offset_ = 0;
   SafetensorsReadOptions options_;
@@ -155,7 +156,7 @@ class SafetensorsWriter {
 
   std::string path_;
   std::string tmp_path_;
-  int fd_ = -1;
+  File file_;  // "<path>.tmp" until finish()
   std::vector<SafetensorsTensorSpec> specs_;
   std::vector<uint64_t> sizes_;  // bytes per tensor
   size_t current_ = 0;           // tensor being written

@@ -1,8 +1,6 @@
 #include "examples/gpt/token_data.h"
 
 #include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -14,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/core/file.h"
 #include "engine/counter_rng.h"
 
 namespace strata::gpt {
@@ -92,37 +91,13 @@ class SampleRandom {
 constexpr uint32_t kTagSynthetic = 0x5359;
 constexpr uint32_t kTagWindow = 0x5749;
 
-Status errno_status(int error, const std::string& what) { return Status::FromErrno(error, what); }
 
-Status pread_all(int fd, const std::string& path, void* buffer, size_t bytes, uint64_t offset) {
-  size_t done = 0;
-  while (done < bytes) {
-    const ssize_t got = ::pread(fd, static_cast<char*>(buffer) + done, bytes - done, static_cast<off_t>(offset + done));
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      return errno_status(errno, "read of " + std::to_string(bytes - done) + " bytes at offset " + std::to_string(offset + done) +
-                                     " from " + path);
-    }
-    if (got == 0) {
-      return DataLossError(path + ": unexpected end of file at offset " + std::to_string(offset + done) +
-                           " (the file shrank after it was opened?)");
-    }
-    done += static_cast<size_t>(got);
+StatusOr<File> open_read_only(const std::string& path, std::string_view what) {
+  StatusOr<File> file = File::open(path);
+  if (!file.ok() && file.status().error_number() == ENOENT) {
+    return NotFoundError(std::string(what) + " " + path + " does not exist");
   }
-  return Status::Ok();
-}
-
-StatusOr<int> open_read_only(const std::string& path, std::string_view what) {
-  int fd;
-  do {
-    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  } while (fd < 0 && errno == EINTR);
-  if (fd < 0) {
-    const int error = errno;
-    if (error == ENOENT) return NotFoundError(std::string(what) + " " + path + " does not exist");
-    return errno_status(error, "open(" + path + ")");
-  }
-  return fd;
+  return file;
 }
 
 std::string format_nats(double value) {
@@ -188,10 +163,10 @@ class SyntheticDataset final : public TokenDataset {
 // A token stream in a file: `header_bytes` then tokens of `token_bytes` each.
 class FileDataset final : public TokenDataset {
  public:
-  FileDataset(std::string path, int fd, std::string kind, uint64_t header_bytes, size_t token_bytes, uint64_t tokens,
+  FileDataset(std::string path, File file, std::string kind, uint64_t header_bytes, size_t token_bytes, uint64_t tokens,
               int64_t vocab_size, double eval_fraction)
       : path_(std::move(path)),
-        fd_(fd),
+        file_(std::move(file)),
         kind_(std::move(kind)),
         header_bytes_(header_bytes),
         token_bytes_(token_bytes),
@@ -199,7 +174,6 @@ class FileDataset final : public TokenDataset {
         vocab_size_(vocab_size) {
     eval_tokens_ = static_cast<uint64_t>(std::llround(static_cast<double>(tokens) * eval_fraction));
   }
-  ~FileDataset() override { ::close(fd_); }
   FileDataset(const FileDataset&) = delete;
   FileDataset& operator=(const FileDataset&) = delete;
 
@@ -226,7 +200,7 @@ class FileDataset final : public TokenDataset {
     SampleRandom random(seed, split, index, kTagWindow);
     const uint64_t start = begin + random.below(end - begin - length + 1);
     std::vector<unsigned char> raw(length * token_bytes_);
-    STRATA_RETURN_IF_ERROR(pread_all(fd_, path_, raw.data(), raw.size(), header_bytes_ + start * token_bytes_));
+    STRATA_RETURN_IF_ERROR(file_.read_exact(raw.data(), raw.size(), header_bytes_ + start * token_bytes_));
     for (size_t i = 0; i < length; ++i) {
       uint32_t value = 0;
       if (token_bytes_ == 1) value = raw[i];
@@ -243,7 +217,7 @@ class FileDataset final : public TokenDataset {
 
  private:
   std::string path_;
-  int fd_;
+  File file_;
   std::string kind_;
   uint64_t header_bytes_;
   size_t token_bytes_;
@@ -268,21 +242,15 @@ std::string_view data_split_name(DataSplit split) { return split == DataSplit::k
 // Token files
 
 StatusOr<TokenFileHeader> read_token_file_header(const std::string& path) {
-  STRATA_ASSIGN_OR_RETURN(const int fd, open_read_only(path, "token file"));
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  struct stat info {};
-  if (::fstat(fd, &info) != 0) return errno_status(errno, "fstat(" + path + ")");
-  const auto size = static_cast<uint64_t>(info.st_size);
+  STRATA_ASSIGN_OR_RETURN(const File file, open_read_only(path, "token file"));
+  STRATA_ASSIGN_OR_RETURN(const uint64_t size, file.size());
   const std::string where = "token file " + path;
   if (size < kLlmcHeaderBytes) {
     return InvalidArgumentError(where + " is " + std::to_string(size) + " bytes, shorter than the llm.c header (" +
                                 std::to_string(kLlmcHeaderBytes) + " bytes: 256 int32)");
   }
   int32_t header[kLlmcHeaderInts];
-  STRATA_RETURN_IF_ERROR(pread_all(fd, path, header, sizeof(header), 0));
+  STRATA_RETURN_IF_ERROR(file.read_exact(header, sizeof(header), 0));
   TokenFileHeader result;
   result.magic = header[0];
   result.version = header[1];
@@ -341,23 +309,9 @@ Status write_token_file(const std::string& path, std::span<const int32_t> tokens
       std::memcpy(data.data() + kLlmcHeaderBytes + 4 * i, &token, 4);
     }
   }
-  int fd;
-  do {
-    fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  } while (fd < 0 && errno == EINTR);
-  if (fd < 0) return errno_status(errno, "open(" + path + ")");
-  size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t wrote = ::write(fd, data.data() + done, data.size() - done);
-    if (wrote < 0) {
-      if (errno == EINTR) continue;
-      const int error = errno;
-      ::close(fd);
-      return errno_status(error, "write of " + std::to_string(data.size() - done) + " bytes to " + path);
-    }
-    done += static_cast<size_t>(wrote);
-  }
-  if (::close(fd) != 0) return errno_status(errno, "close(" + path + ")");
+  STRATA_ASSIGN_OR_RETURN(File file, File::open(path, {.flags = O_WRONLY | O_CREAT | O_TRUNC}));
+  STRATA_RETURN_IF_ERROR(file.write_all(data.data(), data.size()));
+  STRATA_RETURN_IF_ERROR(file.close());
   return Status::Ok();
 }
 
@@ -380,19 +334,11 @@ StatusOr<std::shared_ptr<const TokenDataset>> TokenDataset::synthetic(const Synt
 
 StatusOr<std::shared_ptr<const TokenDataset>> TokenDataset::open_text_file(const std::string& path, const FileDataOptions& options) {
   STRATA_RETURN_IF_ERROR(check_eval_fraction(options.eval_fraction, path));
-  STRATA_ASSIGN_OR_RETURN(const int fd, open_read_only(path, "text file"));
-  struct stat info {};
-  if (::fstat(fd, &info) != 0) {
-    const int error = errno;
-    ::close(fd);
-    return errno_status(error, "fstat(" + path + ")");
-  }
-  if (info.st_size <= 0) {
-    ::close(fd);
-    return InvalidArgumentError("text file " + path + " is empty");
-  }
+  STRATA_ASSIGN_OR_RETURN(File file, open_read_only(path, "text file"));
+  STRATA_ASSIGN_OR_RETURN(const uint64_t size, file.size());
+  if (size == 0) return InvalidArgumentError("text file " + path + " is empty");
   return std::shared_ptr<const TokenDataset>(std::make_shared<FileDataset>(
-      path, fd, "text file", 0, 1, static_cast<uint64_t>(info.st_size), 256, options.eval_fraction));
+      path, std::move(file), "text file", 0, 1, size, 256, options.eval_fraction));
 }
 
 StatusOr<std::shared_ptr<const TokenDataset>> TokenDataset::open_token_file(const std::string& path, const FileDataOptions& options) {
@@ -401,9 +347,9 @@ StatusOr<std::shared_ptr<const TokenDataset>> TokenDataset::open_token_file(cons
   int64_t vocab = options.vocab_size;
   if (vocab == 0) vocab = header.token_bytes == 2 ? kGpt2VocabSize : (int64_t{1} << 31) - 1;
   if (vocab < 1) return InvalidArgumentError("token file " + path + ": vocab_size " + std::to_string(vocab) + " must be positive");
-  STRATA_ASSIGN_OR_RETURN(const int fd, open_read_only(path, "token file"));
+  STRATA_ASSIGN_OR_RETURN(File file, open_read_only(path, "token file"));
   return std::shared_ptr<const TokenDataset>(std::make_shared<FileDataset>(
-      path, fd, "token file", kLlmcHeaderBytes, header.token_bytes, header.token_count, vocab, options.eval_fraction));
+      path, std::move(file), "token file", kLlmcHeaderBytes, header.token_bytes, header.token_count, vocab, options.eval_fraction));
 }
 
 StatusOr<std::shared_ptr<const TokenDataset>> TokenDataset::open(const DataConfig& config, const SyntheticLanguageOptions& synthetic) {

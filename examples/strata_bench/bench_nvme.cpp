@@ -5,8 +5,11 @@
 //                     [--engine io_uring|psync] [--no-checksums] [--sqpoll] [--json]
 //                     [--no-huge-pages] [--unregistered]
 //
-// Compare with fio on the same directory:
-//   fio --name=x --directory=D --direct=1 --ioengine=io_uring --bs=1M --iodepth=32 --size=1G --rw=write
+// Compare with fio on the same directory, given the same advantages (huge-page buffers with
+// pages reserved in /proc/sys/vm/nr_hugepages, registered buffers and files):
+//   fio --name=x --filename=D/fio.dat --direct=1 --ioengine=io_uring --fixedbufs --registerfiles
+//       --iomem=mmaphuge --bs=1M --iodepth=32 --size=1G --rw=write   (then --rw=read)
+// scripts/bench-nvme-vs-fio.py runs both, alternating, and prints the medians.
 //
 // What is timed is what fio times: O_DIRECT requests from the first submission to the
 // last completion (the device has acknowledged every byte; nothing sits in the page
@@ -17,7 +20,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
-#include <deque>
+#include <vector>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -44,15 +47,26 @@ inline uint64_t pattern_word(uint64_t index) {
 }
 
 // Moves every block of the extent between it and `buffer`, keeping `depth` requests in
-// flight; returns the seconds from the first submission to the last completion.
+// flight as fio does: each time the oldest request completes, every request that has
+// completed by then (in any order) frees its slot for a new one. Returns the seconds from
+// the first submission to the last completion.
 StatusOr<double> run_phase(NvmeStore& store, NvmeExtent extent, char* buffer, size_t bytes, size_t block, size_t capacity,
                            unsigned depth, IoOp op) {
-  std::deque<IoTicket> in_flight;
+  std::vector<IoTicket> in_flight;  // oldest first
+  in_flight.reserve(depth);
   const auto start = std::chrono::steady_clock::now();
   for (size_t offset = 0; offset < bytes; offset += block) {
     if (in_flight.size() >= depth) {
       STRATA_RETURN_IF_ERROR(store.wait(in_flight.front()));
-      in_flight.pop_front();
+      size_t kept = 0;
+      for (size_t i = 1; i < in_flight.size(); ++i) {
+        if (store.io_engine().done(in_flight[i])) {
+          STRATA_RETURN_IF_ERROR(store.wait(in_flight[i]));  // finished: returns its status at once
+        } else {
+          in_flight[kept++] = in_flight[i];
+        }
+      }
+      in_flight.resize(kept);
     }
     const size_t length = std::min(block, bytes - offset);
     StatusOr<IoTicket> ticket = op == IoOp::kWrite
@@ -61,10 +75,7 @@ StatusOr<double> run_phase(NvmeStore& store, NvmeExtent extent, char* buffer, si
     STRATA_RETURN_IF_ERROR(ticket.status());
     in_flight.push_back(*ticket);
   }
-  while (!in_flight.empty()) {
-    STRATA_RETURN_IF_ERROR(store.wait(in_flight.front()));
-    in_flight.pop_front();
-  }
+  for (IoTicket ticket : in_flight) STRATA_RETURN_IF_ERROR(store.wait(ticket));
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 

@@ -10,6 +10,7 @@
 #include <cstddef>
 
 #include <atomic>
+#include <chrono>
 #include <deque>
 #include <mutex>
 #include <thread>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "engine/core/log.h"
+#include "engine/core/file.h"
 #include "tests/offload/offload_test_util.h"
 #include "tests/support/test_support.h"
 
@@ -28,17 +30,6 @@ using testing::fill_pattern;
 using testing::first_pattern_mismatch;
 
 constexpr size_t kMiB = 1024 * 1024;
-
-// Closes an fd on scope exit.
-struct Fd {
-  explicit Fd(int value) : fd(value) {}
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int fd;
-};
 
 StatusOr<std::unique_ptr<IoEngine>> make_engine(IoEngineKind kind, unsigned queue_depth = 8,
                                                 size_t max_request_bytes = size_t{1} << 30) {
@@ -77,9 +68,9 @@ TEST_P(IoEngineRoundTripTest, WriteThenReadBack) {
   testing::TempDir dir;
   const std::string path = dir.str() + "/data";
   const int flags = O_RDWR | O_CREAT | O_CLOEXEC | (mode == FileMode::kDirect ? O_DIRECT : 0);
-  Fd file(::open(path.c_str(), flags, 0644));
-  if (file.fd < 0 && mode == FileMode::kDirect && errno == EINVAL) GTEST_SKIP() << "O_DIRECT refused on " << path;
-  ASSERT_GE(file.fd, 0) << std::strerror(errno);
+  File file(::open(path.c_str(), flags, 0644), path);
+  if (file.fd() < 0 && mode == FileMode::kDirect && errno == EINVAL) GTEST_SKIP() << "O_DIRECT refused on " << path;
+  ASSERT_GE(file.fd(), 0) << std::strerror(errno);
   // O_DIRECT moves whole 4 KiB blocks; buffered I/O moves the exact size.
   const size_t io_bytes = mode == FileMode::kDirect ? (bytes + 4095) / 4096 * 4096 : bytes;
 
@@ -96,7 +87,7 @@ TEST_P(IoEngineRoundTripTest, WriteThenReadBack) {
 
   fill_pattern(out, io_bytes, bytes);
   std::memset(in, 0xEE, io_bytes);
-  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd, path));
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd(), path));
   STRATA_ASSERT_OK_AND_ASSIGN(IoTicket write, engine->submit({IoOp::kWrite, io_file, out, io_bytes, 0, nullptr}));
   STRATA_ASSERT_OK(engine->wait(write));
   STRATA_ASSERT_OK_AND_ASSIGN(IoTicket read, engine->submit({IoOp::kRead, io_file, in, io_bytes, 0, nullptr}));
@@ -138,21 +129,21 @@ class IoEngineKindTest : public ::testing::TestWithParam<IoEngineKind> {};
 TEST_P(IoEngineKindTest, RequestAcrossTwoRegionsIsSplit) {
   testing::TempDir dir;
   const std::string path = dir.str() + "/data";
-  Fd file(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
-  ASSERT_GE(file.fd, 0);
+  File file(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644), path);
+  ASSERT_GE(file.fd(), 0);
   MAKE_ENGINE_OR_SKIP(engine, GetParam(), 8);
   STRATA_ASSERT_OK_AND_ASSIGN(auto arena, PinnedArena::create({.bytes = 2 * kMiB}));
   char* base = static_cast<char*>(arena->data());
   const PinnedRegion halves[2] = {{base + kMiB, kMiB}, {base, kMiB}};  // out of address order on purpose
   STRATA_ASSERT_OK_AND_ASSIGN(bool registered, engine->register_buffers(halves));
   fill_pattern(base, 2 * kMiB, 11);
-  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd, path));
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd(), path));
   // Starts 4 KiB before the boundary and ends 4 KiB after it.
   STRATA_ASSERT_OK_AND_ASSIGN(IoTicket write,
                               engine->submit({IoOp::kWrite, io_file, base + kMiB - 4096, 8192, 0, nullptr}));
   STRATA_ASSERT_OK(engine->wait(write));
   std::vector<char> back(8192);
-  ASSERT_EQ(::pread(file.fd, back.data(), back.size(), 0), 8192);
+  ASSERT_EQ(::pread(file.fd(), back.data(), back.size(), 0), 8192);
   EXPECT_EQ(std::memcmp(back.data(), base + kMiB - 4096, 8192), 0);
   EXPECT_EQ(registered, GetParam() == IoEngineKind::kIoUring);
   EXPECT_EQ(engine->stats().transfers, registered ? 2u : 1u);
@@ -168,11 +159,11 @@ TEST_P(IoEngineKindTest, RequestAcrossTwoRegionsIsSplit) {
 TEST_P(IoEngineKindTest, ReadPastEndOfFileIsAnError) {
   testing::TempDir dir;
   const std::string path = dir.str() + "/short";
-  Fd file(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
-  ASSERT_GE(file.fd, 0);
-  ASSERT_EQ(::pwrite(file.fd, "abcd", 4, 0), 4);
+  File file(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644), path);
+  ASSERT_GE(file.fd(), 0);
+  ASSERT_EQ(::pwrite(file.fd(), "abcd", 4, 0), 4);
   MAKE_ENGINE_OR_SKIP(engine, GetParam());
-  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd, path));
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd(), path));
   std::vector<char> in(100);
   STRATA_ASSERT_OK_AND_ASSIGN(IoTicket read, engine->submit({IoOp::kRead, io_file, in.data(), in.size(), 0, nullptr}));
   const Status status = engine->wait(read);
@@ -190,11 +181,11 @@ TEST_P(IoEngineKindTest, ReadPastEndOfFileIsAnError) {
 TEST_P(IoEngineKindTest, BackgroundErrorsAreKeptForTheNextWait) {
   testing::TempDir dir;
   const std::string path = dir.str() + "/readonly";
-  { Fd create(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644)); }
-  Fd file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  ASSERT_GE(file.fd, 0);
+  { File create(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644), path); }
+  File file(::open(path.c_str(), O_RDONLY | O_CLOEXEC), path);
+  ASSERT_GE(file.fd(), 0);
   MAKE_ENGINE_OR_SKIP(engine, GetParam());
-  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd, path));
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd(), path));
   std::vector<char> out(4096, 'x');
   STRATA_ASSERT_OK_AND_ASSIGN(IoTicket failing,
                               engine->submit({IoOp::kWrite, io_file, out.data(), out.size(), 0, nullptr}));
@@ -220,10 +211,10 @@ TEST_P(IoEngineKindTest, BackgroundErrorsAreKeptForTheNextWait) {
 TEST_P(IoEngineKindTest, CompletionHookDecidesTheStatus) {
   testing::TempDir dir;
   const std::string path = dir.str() + "/hook";
-  Fd file(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
-  ASSERT_GE(file.fd, 0);
+  File file(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644), path);
+  ASSERT_GE(file.fd(), 0);
   MAKE_ENGINE_OR_SKIP(engine, GetParam());
-  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd, path));
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd(), path));
   std::vector<char> out(8192, 'y');
   std::atomic<int> calls{0};
   STRATA_ASSERT_OK_AND_ASSIGN(
@@ -243,13 +234,13 @@ TEST_P(IoEngineKindTest, CompletionHookDecidesTheStatus) {
 TEST_P(IoEngineKindTest, ShortTransfersAndEagainAreResubmitted) {
   int fds[2];
   ASSERT_EQ(::pipe2(fds, O_NONBLOCK | O_CLOEXEC), 0);
-  Fd read_end(fds[0]);
-  Fd write_end(fds[1]);
+  File read_end(fds[0], "test pipe (read end)");
+  File write_end(fds[1], "test pipe (write end)");
   MAKE_ENGINE_OR_SKIP(engine, GetParam());
-  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(read_end.fd, "test pipe"));
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(read_end.fd(), "test pipe"));
   std::vector<unsigned char> expected(64 * 1024);
   fill_pattern(expected.data(), expected.size(), 5);
-  ASSERT_EQ(::write(write_end.fd, expected.data(), 16 * 1024), 16 * 1024);
+  ASSERT_EQ(::write(write_end.fd(), expected.data(), 16 * 1024), 16 * 1024);
   std::vector<unsigned char> got(expected.size());
   STRATA_ASSERT_OK_AND_ASSIGN(IoTicket ticket,
                               engine->submit({IoOp::kRead, io_file, got.data(), got.size(), kIoStreamOffset, nullptr}));
@@ -260,7 +251,7 @@ TEST_P(IoEngineKindTest, ShortTransfersAndEagainAreResubmitted) {
   EXPECT_FALSE(engine->done(ticket));
   size_t sent = 16 * 1024;
   while (sent < expected.size()) {
-    const ssize_t n = ::write(write_end.fd, expected.data() + sent, std::min<size_t>(8192, expected.size() - sent));
+    const ssize_t n = ::write(write_end.fd(), expected.data() + sent, std::min<size_t>(8192, expected.size() - sent));
     if (n > 0) sent += static_cast<size_t>(n);
   }
   STRATA_ASSERT_OK(engine->wait(ticket));
@@ -272,14 +263,14 @@ TEST_P(IoEngineKindTest, ShortTransfersAndEagainAreResubmitted) {
 TEST_P(IoEngineKindTest, SubmitFromOneThreadWaitFromOthers) {
   testing::TempDir dir;
   const std::string path = dir.str() + "/concurrent";
-  Fd file(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_DIRECT, 0644));
-  ASSERT_GE(file.fd, 0);
+  File file(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_DIRECT, 0644), path);
+  ASSERT_GE(file.fd(), 0);
   MAKE_ENGINE_OR_SKIP(engine, GetParam(), 4);
   constexpr int kRequests = 64;
   constexpr size_t kBlock = 16 * 1024;
   STRATA_ASSERT_OK_AND_ASSIGN(auto arena, PinnedArena::create({.bytes = 2 * kRequests * kBlock}));
   STRATA_ASSERT_OK(engine->register_buffers(*arena));
-  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd, path));
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd(), path));
   char* out = static_cast<char*>(arena->data());
   char* in = out + kRequests * kBlock;
   fill_pattern(out, kRequests * kBlock, 9);
@@ -328,6 +319,45 @@ TEST_P(IoEngineKindTest, SubmitFromOneThreadWaitFromOthers) {
   STRATA_ASSERT_OK(engine->wait_all());
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(first_pattern_mismatch(in, kRequests * kBlock, 9), -1);
+}
+
+// Callers that wait complete requests on their own thread; a request nobody waits for
+// must still complete (its hook runs) through the background reaper, and done() polled
+// in a loop must see it finish.
+TEST_P(IoEngineKindTest, RequestsNobodyWaitsForStillCompleteAndDonePollsThem) {
+  testing::TempDir dir;
+  const std::string path = dir.str() + "/unwaited";
+  File file(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644), path);
+  ASSERT_GE(file.fd(), 0);
+  MAKE_ENGINE_OR_SKIP(engine, GetParam(), 4);
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd(), path));
+  std::vector<char> data(64 * 1024);
+  fill_pattern(data.data(), data.size(), 5);
+  constexpr int kRequests = 8;
+  std::atomic<int> hooks_run{0};
+  std::vector<IoTicket> tickets;
+  for (int i = 0; i < kRequests; ++i) {
+    IoRequest request{IoOp::kWrite, io_file, data.data(), data.size(), static_cast<uint64_t>(i) * data.size(), nullptr};
+    request.on_complete = [&hooks_run](const Status& status) {
+      ++hooks_run;
+      return status;
+    };
+    STRATA_ASSERT_OK_AND_ASSIGN(IoTicket ticket, engine->submit(std::move(request)));
+    tickets.push_back(ticket);
+  }
+  // Nobody waits: the hooks run anyway (a generous deadline, not a timing assertion).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (hooks_run.load() < kRequests && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(hooks_run.load(), kRequests);
+  // done() in a polling loop sees a fresh request through.
+  STRATA_ASSERT_OK_AND_ASSIGN(IoTicket read, engine->submit({IoOp::kRead, io_file, data.data(), data.size(), 0, nullptr}));
+  while (!engine->done(read) && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+  EXPECT_TRUE(engine->done(read));
+  for (IoTicket ticket : tickets) STRATA_EXPECT_OK(engine->wait(ticket));
+  STRATA_EXPECT_OK(engine->wait(read));
+  EXPECT_EQ(first_pattern_mismatch(data.data(), data.size(), 5), -1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, IoEngineKindTest, ::testing::Values(IoEngineKind::kIoUring, IoEngineKind::kPsync),
@@ -398,8 +428,8 @@ TEST(IoEngineTest, FallsBackToThePoolWhereIoUringIsRefused) {
 TEST(IoEngineTest, SqpollRoundTrip) {
   testing::TempDir dir;
   const std::string path = dir.str() + "/sqpoll";
-  Fd file(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_DIRECT, 0644));
-  ASSERT_GE(file.fd, 0);
+  File file(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_DIRECT, 0644), path);
+  ASSERT_GE(file.fd(), 0);
   IoEngineOptions options;
   options.kind = IoEngineKind::kIoUring;
   options.queue_depth = 4;
@@ -413,7 +443,7 @@ TEST(IoEngineTest, SqpollRoundTrip) {
   std::unique_ptr<IoEngine> engine = std::move(created).value();
   STRATA_ASSERT_OK_AND_ASSIGN(auto arena, PinnedArena::create({.bytes = 2 * kMiB}));
   STRATA_ASSERT_OK(engine->register_buffers(*arena));
-  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd, path));
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd(), path));
   char* out = static_cast<char*>(arena->data());
   char* in = out + kMiB;
   fill_pattern(out, kMiB, 21);

@@ -218,7 +218,7 @@ TEST(RendezvousTest, MissingRankZeroTimesOutNamingTheAddress) {
   // A socket bound but not listening holds a port that refuses connections.
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   ASSERT_GE(fd, 0);
-  SocketFd holder(fd);
+  File holder(fd, "socket");
   sockaddr_in address{};
   address.sin_family = AF_INET;
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
