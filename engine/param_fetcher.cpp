@@ -317,7 +317,7 @@ Status ParamFetcher::submit_read_ahead(const Request& r) {
     next->read_begin = TraceClock::now();
     STRATA_ASSIGN_OR_RETURN(next->read_ticket, ctx_.nvme->read_async(ctx_.shards->source(next->group, next->version).extent,
                                                                      slot.nvme_stage.data(), param_bytes(state.layout.shard_numel), 0,
-                                                                     slot.nvme_stage.capacity()));
+                                                                     slot.nvme_stage.capacity(), &next->read_completed));
     next->read_submitted = true;
   }
   return {};
@@ -331,7 +331,7 @@ StatusOr<const void*> ParamFetcher::read_from_nvme(Request& r, const Target& tar
     r.read_begin = TraceClock::now();
     STRATA_ASSIGN_OR_RETURN(r.read_ticket, ctx_.nvme->read_async(ctx_.shards->source(r.group, r.version).extent,
                                                                  target.nvme_stage->data(), param_bytes(state.layout.shard_numel), 0,
-                                                                 target.nvme_stage->capacity()));
+                                                                 target.nvme_stage->capacity(), &r.read_completed));
     r.read_submitted = true;
   }
   // While this read completes, keep starting the reads of the requests behind it as they
@@ -344,7 +344,7 @@ StatusOr<const void*> ParamFetcher::read_from_nvme(Request& r, const Target& tar
     cv_.wait_for(lock, std::chrono::microseconds(200));
   }
   STRATA_RETURN_IF_ERROR(ctx_.nvme->wait(r.read_ticket));
-  ctx_.tracer->record(Stage::kNvmeRead, r.group, r.read_begin, TraceClock::now(), state.layout.name);
+  ctx_.tracer->record(Stage::kNvmeRead, r.group, r.read_begin, r.read_completed, state.layout.name);
   return static_cast<const void*>(target.nvme_stage->data());
 }
 

@@ -131,6 +131,7 @@ class ParamFetcher final : public FetchIssuer {
     bool read_submitted = false;
     IoTicket read_ticket;
     TraceClock::time_point read_begin;
+    TraceClock::time_point read_completed;  // stamped by the store when the bytes are in
   };
   struct Persistent {
     int64_t planned_version = -1;      // the version the latest planned fetch brings

@@ -320,7 +320,7 @@ Status NvmeStore::check_range(const Extent& extent, size_t bytes, size_t extent_
 }
 
 StatusOr<IoTicket> NvmeStore::write_async(NvmeExtent handle, const void* src, size_t bytes, size_t extent_offset,
-                                          size_t src_capacity) {
+                                          size_t src_capacity, std::chrono::steady_clock::time_point* completed_at) {
   if (src == nullptr) return InvalidArgumentError("nvme store: write from a null buffer");
   Shared& s = *shared_;
   const size_t block_bytes = transfer_granularity();
@@ -381,7 +381,8 @@ StatusOr<IoTicket> NvmeStore::write_async(NvmeExtent handle, const void* src, si
   std::shared_ptr<Shared> shared = shared_;
   const std::string file_path = file_path_;
   request.on_complete = [shared, id, key, first_block, blocks, bytes, extent_offset, file_offset, file_path, bounce,
-                         sums = std::move(sums)](const Status& transfer) -> Status {
+                         sums = std::move(sums), completed_at](const Status& transfer) -> Status {
+    if (completed_at != nullptr) *completed_at = std::chrono::steady_clock::now();
     std::lock_guard<std::mutex> lock(shared->mutex);
     Extent& extent = shared->extents.at(id);
     if (transfer.ok()) {
@@ -410,7 +411,7 @@ StatusOr<IoTicket> NvmeStore::write_async(NvmeExtent handle, const void* src, si
 }
 
 StatusOr<IoTicket> NvmeStore::read_async(NvmeExtent handle, void* dst, size_t bytes, size_t extent_offset,
-                                         size_t dst_capacity) {
+                                         size_t dst_capacity, std::chrono::steady_clock::time_point* completed_at) {
   if (dst == nullptr) return InvalidArgumentError("nvme store: read into a null buffer");
   Shared& s = *shared_;
   const size_t block_bytes = transfer_granularity();
@@ -462,7 +463,8 @@ StatusOr<IoTicket> NvmeStore::read_async(NvmeExtent handle, void* dst, size_t by
   std::shared_ptr<Shared> shared = shared_;
   const std::string file_path = file_path_;
   request.on_complete = [shared, id, key, bytes, extent_offset, file_offset, file_path, bounce, block_bytes,
-                         expected = std::move(expected), dst](const Status& transfer) -> Status {
+                         expected = std::move(expected), dst, completed_at](const Status& transfer) -> Status {
+    if (completed_at != nullptr) *completed_at = std::chrono::steady_clock::now();
     Status status = transfer;
     const char* data = bounce ? bounce->as<const char>() : static_cast<const char*>(dst);
     size_t mismatches = 0;

@@ -37,6 +37,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -118,13 +119,15 @@ class NvmeStore {
 
   // Writes `bytes` from `src` to the extent at `extent_offset`; `src_capacity` (0 = bytes)
   // says how many bytes at src may be read (see "Buffers"). The checksums are computed
-  // before this returns; the blocks become readable when the write completes.
+  // before this returns; the blocks become readable when the write completes. When
+  // `completed_at` is given, the time the transfer finished is stored there before the
+  // ticket's wait returns (for traces that show the disk's work, not the waiting).
   StatusOr<IoTicket> write_async(NvmeExtent extent, const void* src, size_t bytes, size_t extent_offset = 0,
-                                 size_t src_capacity = 0);
+                                 size_t src_capacity = 0, std::chrono::steady_clock::time_point* completed_at = nullptr);
   // Reads `bytes` of the extent at `extent_offset` into `dst` (`dst_capacity` bytes may be
   // written; 0 = bytes). The checksums are verified before the ticket completes.
   StatusOr<IoTicket> read_async(NvmeExtent extent, void* dst, size_t bytes, size_t extent_offset = 0,
-                                size_t dst_capacity = 0);
+                                size_t dst_capacity = 0, std::chrono::steady_clock::time_point* completed_at = nullptr);
   // The engine's wait: the request's Status, with the store's context.
   Status wait(IoTicket ticket) { return engine_->wait(ticket); }
   Status wait_all() { return engine_->wait_all(); }

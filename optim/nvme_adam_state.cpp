@@ -36,6 +36,7 @@ struct NvmeAdamState::Slot {
   size_t grad_capacity = 0;
   size_t param_capacity = 0;
   IoTicket tickets[4];         // reads or writes of master, exp_avg, exp_avg_sq (and the gradient)
+  Clock::time_point completed[4];  // when each transfer finished (stamped by the store)
   bool writing = false;        // the tickets are write-backs
   Clock::time_point submitted;
   size_t group = 0;
@@ -219,16 +220,19 @@ Status NvmeAdamState::read_piece(const Piece& piece, const AdamGroupIo& io, Slot
   slot.writing = false;
   slot.group = piece.group;
   slot.submitted = Clock::now();
-  STRATA_ASSIGN_OR_RETURN(slot.tickets[0], store_.read_async(extents.master, slot.master, n * 4, piece.begin * 4, slot.master_capacity));
+  STRATA_ASSIGN_OR_RETURN(slot.tickets[0], store_.read_async(extents.master, slot.master, n * 4, piece.begin * 4, slot.master_capacity,
+                                                                           &slot.completed[0]));
   STRATA_ASSIGN_OR_RETURN(slot.tickets[1],
-                          store_.read_async(extents.exp_avg, slot.exp_avg, n * width, piece.begin * width, slot.moment_capacity));
+                          store_.read_async(extents.exp_avg, slot.exp_avg, n * width, piece.begin * width, slot.moment_capacity,
+                                            &slot.completed[1]));
   STRATA_ASSIGN_OR_RETURN(slot.tickets[2],
-                          store_.read_async(extents.exp_avg_sq, slot.exp_avg_sq, n * width, piece.begin * width, slot.moment_capacity));
+                          store_.read_async(extents.exp_avg_sq, slot.exp_avg_sq, n * width, piece.begin * width, slot.moment_capacity,
+                                            &slot.completed[2]));
   stats_.bytes_read += n * state_bytes_per_element();
   if (io.grad == nullptr) {
     const size_t gwidth = dtype_size(*options_.stored_gradient_type);
     STRATA_ASSIGN_OR_RETURN(slot.tickets[3], store_.read_async(extents.gradients[io.stored_gradient_copy], slot.grad, n * gwidth,
-                                                               piece.begin * gwidth, slot.grad_capacity));
+                                                               piece.begin * gwidth, slot.grad_capacity, &slot.completed[3]));
     stats_.bytes_read += n * gwidth;
   }
   return {};
@@ -241,11 +245,14 @@ Status NvmeAdamState::write_piece(const Piece& piece, Slot& slot) {
   slot.writing = true;
   slot.group = piece.group;
   slot.submitted = Clock::now();
-  STRATA_ASSIGN_OR_RETURN(slot.tickets[0], store_.write_async(extents.master, slot.master, n * 4, piece.begin * 4, slot.master_capacity));
+  STRATA_ASSIGN_OR_RETURN(slot.tickets[0], store_.write_async(extents.master, slot.master, n * 4, piece.begin * 4, slot.master_capacity,
+                                                                            &slot.completed[0]));
   STRATA_ASSIGN_OR_RETURN(slot.tickets[1],
-                          store_.write_async(extents.exp_avg, slot.exp_avg, n * width, piece.begin * width, slot.moment_capacity));
+                          store_.write_async(extents.exp_avg, slot.exp_avg, n * width, piece.begin * width, slot.moment_capacity,
+                                             &slot.completed[1]));
   STRATA_ASSIGN_OR_RETURN(slot.tickets[2],
-                          store_.write_async(extents.exp_avg_sq, slot.exp_avg_sq, n * width, piece.begin * width, slot.moment_capacity));
+                          store_.write_async(extents.exp_avg_sq, slot.exp_avg_sq, n * width, piece.begin * width, slot.moment_capacity,
+                                             &slot.completed[2]));
   stats_.bytes_written += n * state_bytes_per_element();
   return {};
 }
@@ -253,14 +260,18 @@ Status NvmeAdamState::write_piece(const Piece& piece, Slot& slot) {
 Status NvmeAdamState::wait_slot(Slot& slot) {
   Status first;
   bool any = false;
-  for (IoTicket& ticket : slot.tickets) {
+  Clock::time_point finished = slot.submitted;
+  for (size_t i = 0; i < std::size(slot.tickets); ++i) {
+    IoTicket& ticket = slot.tickets[i];
     if (!ticket.valid()) continue;
     any = true;
     Status status = store_.wait(ticket);
     ticket = IoTicket{};
+    finished = std::max(finished, slot.completed[i]);
     if (first.ok() && !status.ok()) first = std::move(status);
   }
-  if (any && sinks_ != nullptr && sinks_->transfer_done) sinks_->transfer_done(slot.group, slot.writing, slot.submitted, Clock::now());
+  // The transfers' interval ends when the last one finished, not when this wait came.
+  if (any && sinks_ != nullptr && sinks_->transfer_done) sinks_->transfer_done(slot.group, slot.writing, slot.submitted, finished);
   return first;
 }
 
