@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
 
 #include "engine/core/log.h"
 #include "engine/engine_plan.h"
@@ -53,31 +54,51 @@ size_t OptimizerStage::queued() const {
 }
 
 void OptimizerStage::loop() {
+  // Jobs stepped but not yet reported done: their NVMe write-backs may still be in flight.
+  size_t unflushed = 0;
   for (;;) {
-    OptimizerJob job;
+    std::vector<OptimizerJob> batch;
     {
       std::unique_lock<std::mutex> lock(mutex_);
       cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
       if (stopping_) return;
-      job = jobs_.front();
+      // NVMe-resident state: the jobs queued now go through the ring in one pass, so the
+      // reads of the next job's groups overlap the steps of this one's; a group steps at
+      // most once per pass (a second update of it must read what the first wrote).
+      std::set<int> groups;
+      for (const OptimizerJob& job : jobs_) {
+        const bool disjoint = std::none_of(job.order.begin(), job.order.end(), [&](int g) { return groups.count(g) != 0; });
+        if (!batch.empty() && (!nvme_state_ || !disjoint)) break;
+        groups.insert(job.order.begin(), job.order.end());
+        batch.push_back(job);
+      }
     }
-    Status status = run_job(job);
-    if (!status.ok()) {
-      hooks_.failed(std::move(status).with_context("optimizer step " + std::to_string(job.step_index)));
-      return;
-    }
+    Status status = run_jobs(batch);
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      jobs_.pop_front();
+      for (size_t i = 0; i < batch.size(); ++i) jobs_.pop_front();
     }
-    hooks_.job_done();
+    unflushed += batch.size();
+    // Idle now: the state write-backs are waited for before the jobs count as done (state
+    // access and finish() wait for done jobs).
+    if (status.ok() && queued() == 0 && nvme_state_) status = nvme_state_->flush();
+    if (!status.ok()) {
+      hooks_.failed(std::move(status).with_context("optimizer step " + std::to_string(batch.front().step_index)));
+      return;
+    }
+    if (queued() == 0 || !nvme_state_) {
+      for (; unflushed > 0; --unflushed) hooks_.job_done();
+    }
   }
 }
 
-Status OptimizerStage::run_job(const OptimizerJob& job) {
-  if (!job.skip && nvme_state_) {
-    STRATA_RETURN_IF_ERROR(run_nvme_job(job));
-  } else {
+Status OptimizerStage::run_jobs(const std::vector<OptimizerJob>& jobs) {
+  std::vector<const OptimizerJob*> nvme_jobs;
+  for (const OptimizerJob& job : jobs) {
+    if (!job.skip && nvme_state_) {
+      nvme_jobs.push_back(&job);
+      continue;
+    }
     for (int g : job.order) {
       if (!job.skip) {
         Tracer::Scope scope(ctx_.tracer, Stage::kOptimizer, g, group(g).layout.name);
@@ -86,8 +107,10 @@ Status OptimizerStage::run_job(const OptimizerJob& job) {
       hooks_.group_updated(g, job.step_index + 1);
     }
   }
-  // Versions count steps, skipped ones included: every group of the job moves on.
-  for (int g : job.order) hooks_.group_updated(g, job.step_index + 1);
+  if (!nvme_jobs.empty()) STRATA_RETURN_IF_ERROR(run_nvme_jobs(nvme_jobs));
+  // Versions count steps, skipped ones included: every group of every job moves on.
+  for (const OptimizerJob& job : jobs)
+    for (int g : job.order) hooks_.group_updated(g, job.step_index + 1);
   return {};
 }
 
@@ -112,37 +135,48 @@ const void* OptimizerStage::host_gradient(const GroupState& state, int64_t step_
   return state.grad_landing.empty() ? nullptr : state.grad_landing[copy].data();
 }
 
-// NVMe-resident state: every group of the job through the ring, pipelined across group
-// boundaries; each group's new parameters are in place before the engine hears of it.
-Status OptimizerStage::run_nvme_job(const OptimizerJob& job) {
-  const EngineOptions& o = *ctx_.options;
-  const int out_copy = parity(job.step_index + 1);
+// NVMe-resident state: every group of the jobs through the ring, pipelined across group
+// (and job) boundaries; each group's new parameters are in place before the engine hears
+// of it.
+Status OptimizerStage::run_nvme_jobs(const std::vector<const OptimizerJob*>& jobs) {
   std::vector<std::vector<AdamPlanRun>> runs;
-  runs.reserve(job.order.size());
   std::vector<NvmeAdamGroupStep> steps;
-  for (int g : job.order) {
-    GroupState& state = group(g);
-    runs.push_back(plan_runs(job, state));
-    AdamGroupIo io;
-    io.grad = host_gradient(state, job.step_index, &io.grad_type);
-    io.stored_gradient_copy = static_cast<unsigned>(parity(job.step_index));
-    io.param = ctx_.shards->host_copy(g, out_copy);  // nullptr: staged in the ring, written out piece by piece
-    io.param_type = o.param_dtype;
-    steps.push_back({static_cast<size_t>(g), io, runs.back()});
+  std::vector<const OptimizerJob*> job_of;  // per step
+  size_t groups = 0;
+  for (const OptimizerJob* job : jobs) groups += job->order.size();
+  runs.reserve(groups);
+  for (const OptimizerJob* job : jobs) {
+    for (int g : job->order) {
+      GroupState& state = group(g);
+      runs.push_back(plan_runs(*job, state));
+      AdamGroupIo io;
+      io.grad = host_gradient(state, job->step_index, &io.grad_type);
+      io.stored_gradient_copy = static_cast<unsigned>(parity(job->step_index));
+      io.param = ctx_.shards->host_copy(g, parity(job->step_index + 1));  // nullptr: staged, written out piece by piece
+      io.param_type = ctx_.options->param_dtype;
+      steps.push_back({static_cast<size_t>(g), io, runs.back()});
+      job_of.push_back(job);
+    }
   }
+  size_t current = 0;  // the step being stepped: group_stepped comes in step order
   NvmeAdamStepSinks sinks;
   sinks.staged_params = [&](size_t g, size_t begin, size_t end, const void* param) {
+    const int out_copy = parity(job_of[current]->step_index + 1);
     return ctx_.shards->write(static_cast<int>(g), out_copy, begin, end - begin, param, 0);
   };
   sinks.group_stepped = [&](size_t g) {
-    hooks_.group_updated(static_cast<int>(g), job.step_index + 1);
+    hooks_.group_updated(static_cast<int>(g), job_of[current]->step_index + 1);
+    ++current;
     return Status();
   };
-  sinks.transfer_done = [&](size_t g, bool write, TraceClock::time_point begin, TraceClock::time_point end) {
+  sinks.stepped = [this](size_t g, TraceClock::time_point begin, TraceClock::time_point end) {
+    ctx_.tracer->record(Stage::kOptimizer, static_cast<int>(g), begin, end, group(static_cast<int>(g)).layout.name);
+  };
+  // Reports may come after this call (write-backs left in flight): only `this` is captured.
+  sinks.transfer_done = [this](size_t g, bool write, TraceClock::time_point begin, TraceClock::time_point end) {
     ctx_.tracer->record(write ? Stage::kNvmeWrite : Stage::kNvmeRead, static_cast<int>(g), begin, end,
                         group(static_cast<int>(g)).layout.name + " optimizer state");
   };
-  Tracer::Scope scope(ctx_.tracer, Stage::kOptimizer, job.order.empty() ? -1 : job.order.front(), "optimizer step (NVMe state)");
   return nvme_state_->step_groups(*adam_, steps, sinks);
 }
 

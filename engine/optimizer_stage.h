@@ -84,8 +84,8 @@ class OptimizerStage {
 
  private:
   void loop();
-  Status run_job(const OptimizerJob& job);
-  Status run_nvme_job(const OptimizerJob& job);
+  Status run_jobs(const std::vector<OptimizerJob>& jobs);
+  Status run_nvme_jobs(const std::vector<const OptimizerJob*>& jobs);
   Status update_host_group(const OptimizerJob& job, int g);
   Status update_device_group(const OptimizerJob& job, int g);
   GroupState& group(int g) { return *(*ctx_.groups)[static_cast<size_t>(g)]; }

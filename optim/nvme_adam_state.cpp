@@ -40,6 +40,7 @@ struct NvmeAdamState::Slot {
   bool writing = false;        // the tickets are write-backs
   Clock::time_point submitted;
   size_t group = 0;
+  size_t begin = 0, end = 0;   // the piece's elements in the group
 };
 
 NvmeAdamState::NvmeAdamState(ConstructionKey, NvmeStore& store, PinnedArena& arena, std::vector<size_t> group_elements,
@@ -159,6 +160,7 @@ StatusOr<std::unique_ptr<NvmeAdamState>> NvmeAdamState::create(NvmeStore& store,
 }
 
 Status NvmeAdamState::store_group(size_t group, const float* master, const void* exp_avg, const void* exp_avg_sq) {
+  STRATA_RETURN_IF_ERROR(flush());
   if (group >= groups()) return InvalidArgumentError("nvme adam state: no group " + std::to_string(group) + " (of " + std::to_string(groups()) + ")");
   const size_t n = group_elements_[group];
   const size_t moment_bytes = n * dtype_size(options_.moment_type);
@@ -173,6 +175,7 @@ Status NvmeAdamState::store_group(size_t group, const float* master, const void*
 }
 
 Status NvmeAdamState::load_group(size_t group, float* master, void* exp_avg, void* exp_avg_sq) {
+  STRATA_RETURN_IF_ERROR(flush());
   if (group >= groups()) return InvalidArgumentError("nvme adam state: no group " + std::to_string(group) + " (of " + std::to_string(groups()) + ")");
   const size_t n = group_elements_[group];
   const size_t moment_bytes = n * dtype_size(options_.moment_type);
@@ -219,6 +222,8 @@ Status NvmeAdamState::read_piece(const Piece& piece, const AdamGroupIo& io, Slot
   const size_t width = dtype_size(options_.moment_type);
   slot.writing = false;
   slot.group = piece.group;
+  slot.begin = piece.begin;
+  slot.end = piece.end;
   slot.submitted = Clock::now();
   STRATA_ASSIGN_OR_RETURN(slot.tickets[0], store_.read_async(extents.master, slot.master, n * 4, piece.begin * 4, slot.master_capacity,
                                                                            &slot.completed[0]));
@@ -244,6 +249,8 @@ Status NvmeAdamState::write_piece(const Piece& piece, Slot& slot) {
   const size_t width = dtype_size(options_.moment_type);
   slot.writing = true;
   slot.group = piece.group;
+  slot.begin = piece.begin;
+  slot.end = piece.end;
   slot.submitted = Clock::now();
   STRATA_ASSIGN_OR_RETURN(slot.tickets[0], store_.write_async(extents.master, slot.master, n * 4, piece.begin * 4, slot.master_capacity,
                                                                             &slot.completed[0]));
@@ -271,7 +278,7 @@ Status NvmeAdamState::wait_slot(Slot& slot) {
     if (first.ok() && !status.ok()) first = std::move(status);
   }
   // The transfers' interval ends when the last one finished, not when this wait came.
-  if (any && sinks_ != nullptr && sinks_->transfer_done) sinks_->transfer_done(slot.group, slot.writing, slot.submitted, finished);
+  if (any && transfer_done_) transfer_done_(slot.group, slot.writing, slot.submitted, finished);
   return first;
 }
 
@@ -332,6 +339,7 @@ Status NvmeAdamState::step_piece(CpuAdam& adam, const Piece& piece, const NvmeAd
     if (begin < end) STRATA_RETURN_IF_ERROR(step_range(begin, end, *run.plan));
   }
   stats_.compute_seconds += seconds_since(start);
+  if (sinks.stepped) sinks.stepped(piece.group, start, Clock::now());
   if (staged && sinks.staged_params) STRATA_RETURN_IF_ERROR(sinks.staged_params(piece.group, piece.begin, piece.end, slot.param));
   return {};
 }
@@ -357,7 +365,8 @@ Status NvmeAdamState::step(CpuAdam& adam, std::span<const AdamGroupIo> io, const
     runs[i].end = group_elements_[g];
     steps.push_back({g, io[g], std::span<const AdamPlanRun>(&runs[i], 1)});
   }
-  return step_groups(adam, steps, {});
+  STRATA_RETURN_IF_ERROR(step_groups(adam, steps, {}));
+  return flush();
 }
 
 Status NvmeAdamState::step_groups(CpuAdam& adam, std::span<const NvmeAdamGroupStep> groups_to_step, const NvmeAdamStepSinks& sinks) {
@@ -371,24 +380,34 @@ Status NvmeAdamState::step_groups(CpuAdam& adam, std::span<const NvmeAdamGroupSt
     for (size_t begin = 0; begin < group_elements_[step.group]; begin += piece_elements_)
       pieces.push_back({i, step.group, begin, std::min(group_elements_[step.group], begin + piece_elements_)});
   }
-  sinks_ = &sinks;
+  transfer_done_ = sinks.transfer_done;
   const size_t slot_count = slots_.size();
   const size_t ahead = slot_count - 2;  // pieces read ahead of the one being stepped
+  // Piece k uses slot (base + k) mod count: the slots whose write-backs a previous call
+  // left in flight are reused last.
+  const size_t base = next_slot_;
+  auto slot_of = [&](size_t k) -> Slot& { return *slots_[(base + k) % slot_count]; };
+  auto read_into_slot = [&](size_t k) -> Status {
+    // The slot's last write-back must finish before the read overwrites its staging, and
+    // so must any write-back of the same elements (a group stepped again soon after).
+    Slot& slot = slot_of(k);
+    const Piece& piece = pieces[k];
+    const auto start = Clock::now();
+    for (auto& other : slots_) {
+      const bool same_elements = other->writing && other->group == piece.group && other->begin < piece.end && piece.begin < other->end;
+      if (same_elements) STRATA_RETURN_IF_ERROR(wait_slot(*other));
+    }
+    STRATA_RETURN_IF_ERROR(wait_slot(slot));
+    stats_.slot_wait_seconds += seconds_since(start);
+    return read_piece(pieces[k], groups_to_step[pieces[k].step_index].io, slot);
+  };
   auto run = [&]() -> Status {
-    for (size_t k = 0; k < std::min(ahead, pieces.size()); ++k)
-      STRATA_RETURN_IF_ERROR(read_piece(pieces[k], groups_to_step[pieces[k].step_index].io, *slots_[k % slot_count]));
+    for (size_t k = 0; k < std::min(ahead, pieces.size()); ++k) STRATA_RETURN_IF_ERROR(read_into_slot(k));
     for (size_t k = 0; k < pieces.size(); ++k) {
-      if (const size_t next = k + ahead; next < pieces.size()) {
-        // The slot of piece `next` last held piece next - slot_count: its write-back must finish first.
-        Slot& slot = *slots_[next % slot_count];
-        const auto start = Clock::now();
-        STRATA_RETURN_IF_ERROR(wait_slot(slot));
-        stats_.slot_wait_seconds += seconds_since(start);
-        STRATA_RETURN_IF_ERROR(read_piece(pieces[next], groups_to_step[pieces[next].step_index].io, slot));
-      }
+      if (k + ahead < pieces.size()) STRATA_RETURN_IF_ERROR(read_into_slot(k + ahead));
       const Piece& piece = pieces[k];
       const NvmeAdamGroupStep& step = groups_to_step[piece.step_index];
-      Slot& slot = *slots_[k % slot_count];
+      Slot& slot = slot_of(k);
       const auto start = Clock::now();
       STRATA_RETURN_IF_ERROR_CTX(wait_slot(slot), "reading the optimizer state of " + piece_name(piece.group, piece.begin, piece.end));
       stats_.read_wait_seconds += seconds_since(start);
@@ -401,14 +420,26 @@ Status NvmeAdamState::step_groups(CpuAdam& adam, std::span<const NvmeAdamGroupSt
     return {};
   };
   Status status = run();
-  // Every transfer finishes before the staging can be reused or freed, error or not.
+  next_slot_ = (base + pieces.size()) % slot_count;
+  if (!status.ok()) {
+    // Every transfer finishes before the staging can be reused, error or not.
+    const Status drained = flush();
+    (void)drained;  // the step's own error is the one to report
+    return status;
+  }
+  if (!pieces.empty()) ++stats_.steps;
+  // The last pieces' write-backs stay in flight: the next call overlaps them with its
+  // reads, and flush() (or any state access) waits for them.
+  return {};
+}
+
+Status NvmeAdamState::flush() {
+  Status first;
   for (auto& slot : slots_) {
     Status drained = wait_slot(*slot);
-    if (status.ok() && !drained.ok()) status = std::move(drained).with_context("writing the optimizer state back");
+    if (first.ok() && !drained.ok()) first = std::move(drained).with_context("writing the optimizer state back");
   }
-  sinks_ = nullptr;
-  if (status.ok() && !pieces.empty()) ++stats_.steps;
-  return status;
+  return first;
 }
 
 }  // namespace strata

@@ -90,6 +90,8 @@ struct NvmeAdamStepSinks {
   std::function<Status(size_t group, size_t begin, size_t end, const void* param)> staged_params;
   // Every piece of the group has been stepped (its state write-back may still be in flight).
   std::function<Status(size_t group)> group_stepped;
+  // A piece's CPU Adam ran from begin to end (the compute, without the waits for I/O).
+  std::function<void(size_t group, std::chrono::steady_clock::time_point begin, std::chrono::steady_clock::time_point end)> stepped;
   // A transfer of state finished: from submission to completion as seen by the pipeline.
   std::function<void(size_t group, bool write, std::chrono::steady_clock::time_point begin,
                       std::chrono::steady_clock::time_point end)> transfer_done;
@@ -137,12 +139,17 @@ class NvmeAdamState {
   Status load_group(size_t group, float* master, void* exp_avg, void* exp_avg_sq);
 
   // One optimizer step over the groups in `order` (every group in index order when
-  // empty), `io[g]` holding group g's gradient and parameter copy. A skipped plan
-  // touches nothing. Runs on the calling thread and `adam`'s workers.
+  // empty), `io[g]` holding group g's gradient and parameter copy, written back before it
+  // returns. A skipped plan touches nothing. Runs on the calling thread and `adam`'s workers.
   Status step(CpuAdam& adam, std::span<const AdamGroupIo> io, const AdamStepPlan& plan, std::span<const size_t> order = {});
   // The general form: the groups in the given order, each with its own io and plan runs,
-  // pipelined across group boundaries. Runs whose plan skips are left untouched.
+  // pipelined across group boundaries. Runs whose plan skips are left untouched. The last
+  // pieces' write-backs are left in flight, so that back-to-back calls keep the disk busy:
+  // flush() waits for them (state access does too). Sinks that report transfers may be
+  // called by a later call or flush(): they must outlive the state, not just this call.
   Status step_groups(CpuAdam& adam, std::span<const NvmeAdamGroupStep> groups, const NvmeAdamStepSinks& sinks = {});
+  // Waits for every write-back in flight; returns the first error.
+  Status flush();
 
   // The stored gradients (stored_gradient_type): a whole group's copy written from or
   // read into host memory (pinned and 4 KiB aligned for direct transfers), synchronously.
@@ -193,7 +200,9 @@ class NvmeAdamState {
   std::vector<GroupExtents> extents_;
   std::vector<std::unique_ptr<Slot>> slots_;
   NvmeAdamStateStats stats_;
-  const NvmeAdamStepSinks* sinks_ = nullptr;  // the running step's, for transfer_done
+  // The latest step's transfer_done (write-backs a step leaves in flight report later).
+  std::function<void(size_t, bool, std::chrono::steady_clock::time_point, std::chrono::steady_clock::time_point)> transfer_done_;
+  size_t next_slot_ = 0;  // the slot the next step's first piece uses
   std::atomic<uint64_t> gradient_bytes_read_{0};
   std::atomic<uint64_t> gradient_bytes_written_{0};
 };
