@@ -271,7 +271,7 @@ Status EngineImpl::allocate_and_initialize() {
     store.initial_bytes = plan_.nvme_bytes;
     store.io.queue_depth = static_cast<unsigned>(std::max(1, options_.nvme_queue_depth));
     store.io.max_request_bytes = std::max<size_t>(4096, options_.nvme_block_bytes);
-    STRATA_ASSIGN_OR_RETURN(store.io.kind, parse_io_engine_kind(options_.io_engine));
+    store.io.kind = options_.io_engine;
     STRATA_ASSIGN_OR_RETURN(nvme_, NvmeStore::open(store));
     if (arena_) {
       auto registered = nvme_->io_engine().register_buffers(*arena_);

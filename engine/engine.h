@@ -115,7 +115,7 @@ struct EngineOptions {
   size_t nvme_block_bytes = size_t{1} << 20; // aio.block_size
   int nvme_queue_depth = 32;                 // aio.queue_depth
   bool nvme_checksum = true;
-  std::string io_engine = "auto";            // "auto" | "io_uring" | "psync"
+  IoEngineKind io_engine = IoEngineKind::kAuto;  // strata.io_engine: io_uring where the kernel allows it, else psync
 
   std::string metrics_path;                  // JSONL, one object per step (rank 0 writes it)
   std::string trace_path;                    // Chrome trace written by finish() (rank 0 writes all ranks' tracks it has)

@@ -92,7 +92,7 @@ void set_io_and_reporting(const StrataConfig& config, EngineOptions& o) {
   o.nvme_block_bytes = static_cast<size_t>(config.aio.block_size);  // the loader keeps it >= 4096
   o.nvme_queue_depth = to_int(config.aio.queue_depth);
   o.nvme_checksum = config.strata.nvme_checksum;
-  o.io_engine = std::string(io_engine_kind_name(config.strata.io_engine));
+  o.io_engine = config.strata.io_engine;
   o.metrics_path = config.strata.metrics;
   o.trace_path = config.strata.trace;
   o.steps_per_print = to_int(config.steps_per_print);

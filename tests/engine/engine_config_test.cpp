@@ -100,7 +100,7 @@ TEST(EngineConfigTest, EveryEngineKeyLandsInItsField) {
   EXPECT_EQ(o.nvme_block_bytes, 262144u);
   EXPECT_EQ(o.nvme_queue_depth, 16);
   EXPECT_FALSE(o.nvme_checksum);
-  EXPECT_EQ(o.io_engine, "psync");
+  EXPECT_EQ(o.io_engine, IoEngineKind::kPsync);
   EXPECT_EQ(o.metrics_path, "m.jsonl");
   EXPECT_EQ(o.trace_path, "t.json");
   EXPECT_EQ(o.activation_bytes, 0u);  // the model's, not the config's
@@ -119,7 +119,7 @@ TEST(EngineConfigTest, UnsetKeysLeaveTheEnginesAutomaticChoices) {
   EXPECT_FALSE(o.wall_clock_breakdown);
   EXPECT_EQ(o.param_tier, Tier::kDevice);
   EXPECT_EQ(o.optimizer_tier, Tier::kDevice);
-  EXPECT_EQ(o.io_engine, "auto");
+  EXPECT_EQ(o.io_engine, IoEngineKind::kAuto);
   EXPECT_EQ(o.overlap, OverlapMode::kExact);
   // fp32 training keeps fp32 gradients end to end.
   EXPECT_EQ(o.param_dtype, DType::kFloat32);
