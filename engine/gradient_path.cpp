@@ -74,39 +74,19 @@ Status GradientPath::allocate() {
 }
 
 void GradientPath::start() {
-  worker_ = std::thread([this] { loop(); });
+  sync_.start([this] { loop(); });
 }
 
-void GradientPath::stop() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    halt_.stopping = true;
-  }
-  cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
-}
+void GradientPath::stop() { sync_.stop(); }
 
-void GradientPath::abort(const Status& status) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (halt_.failure.ok()) halt_.failure = status;
-  }
-  cv_.notify_all();
-}
+void GradientPath::abort(const Status& status) { sync_.abort(status); }
 
 std::function<std::string()> GradientPath::describer() const {
-  return [this] {
-    std::string text = describe();
-    if (hooks_.describe_engine) {
-      text += '\n';
-      text += hooks_.describe_engine();
-    }
-    return text;
-  };
+  return [this] { return StageSync::with_engine(describe(), hooks_.describe_engine); };
 }
 
 std::string GradientPath::describe() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(sync_.mutex);
   std::ostringstream text;
   text << "gradient path: landings " << done_ << "/" << queued_ << "; slots busy:";
   for (const Slot& slot : slots_) text << " " << slot.busy;
@@ -131,13 +111,13 @@ StatusOr<float*> GradientPath::buffer(int g) {
   if (facts.active_slot < 0) {
     int chosen = -1;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
+      std::unique_lock<std::mutex> lock(sync_.mutex);
       auto free_slot = [&] {
         for (size_t i = 0; i < slots_.size(); ++i)
           if (!slots_[i].busy) return static_cast<int>(i);
         return -1;
       };
-      STRATA_RETURN_IF_ERROR(stage_wait(lock, cv_, halt_, [&] { return free_slot() >= 0; }, "a free gradient buffer", describer()));
+      STRATA_RETURN_IF_ERROR(stage_wait(lock, sync_.cv, sync_.halt, [&] { return free_slot() >= 0; }, "a free gradient buffer", describer()));
       chosen = free_slot();
       slots_[static_cast<size_t>(chosen)].busy = true;
     }
@@ -174,14 +154,14 @@ Status GradientPath::reduce(int g, Slot& slot) {
 }
 
 StatusOr<void*> GradientPath::landing_target(int g, int64_t step, int* ring) {
-  std::unique_lock<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(sync_.mutex);
   if (ctx_.plan->gradients_spilled) {
     auto free_buffer = [&] {
       for (size_t i = 0; i < ring_busy_.size(); ++i)
         if (ring_busy_[i] == 0) return static_cast<int>(i);
       return -1;
     };
-    STRATA_RETURN_IF_ERROR(stage_wait(lock, cv_, halt_, [&] { return free_buffer() >= 0; }, "a free gradient landing buffer", describer()));
+    STRATA_RETURN_IF_ERROR(stage_wait(lock, sync_.cv, sync_.halt, [&] { return free_buffer() >= 0; }, "a free gradient landing buffer", describer()));
     *ring = free_buffer();
     ring_busy_[static_cast<size_t>(*ring)] = 1;
     return ring_[static_cast<size_t>(*ring)].data();
@@ -189,7 +169,7 @@ StatusOr<void*> GradientPath::landing_target(int g, int64_t step, int* ring) {
   // The group's own buffer is read by the lander after each copy: the next copy into it
   // waits until that is done.
   GroupFacts& facts = facts_[static_cast<size_t>(g)];
-  STRATA_RETURN_IF_ERROR(stage_wait(lock, cv_, halt_, [&] { return facts.processed == facts.sent; }, "the previous gradient landing", describer()));
+  STRATA_RETURN_IF_ERROR(stage_wait(lock, sync_.cv, sync_.halt, [&] { return facts.processed == facts.sent; }, "the previous gradient landing", describer()));
   *ring = -1;
   return group(g).grad_landing[static_cast<size_t>(copy_of(step))].data();
 }
@@ -251,18 +231,18 @@ Status GradientPath::hand_over(int g, int64_t step, int micro) {
     STRATA_RETURN_IF_ERROR(enqueue_copy(g, slot, transfer, shard * dtype_size(o.grad_transfer_dtype), landing));
   }
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(sync_.mutex);
     queue_.push_back({g, slot_index, step, micro, last, ring});
     ++queued_;
     ++facts.sent;
   }
-  cv_.notify_all();
+  sync_.cv.notify_all();
   return {};
 }
 
 StatusOr<GradientStats> GradientPath::wait_step_landed(int64_t step) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  STRATA_RETURN_IF_ERROR(stage_wait(lock, cv_, halt_, [&] {
+  std::unique_lock<std::mutex> lock(sync_.mutex);
+  STRATA_RETURN_IF_ERROR(stage_wait(lock, sync_.cv, sync_.halt, [&] {
     for (const GroupFacts& facts : facts_) if (facts.landed_step < step) return false;
     return true;
   }, "every group's gradients of this step", describer()));
@@ -272,8 +252,8 @@ StatusOr<GradientStats> GradientPath::wait_step_landed(int64_t step) {
 }
 
 Status GradientPath::wait_drained() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  return stage_wait(lock, cv_, halt_, [&] { return done_ == queued_; }, "outstanding gradient landings", describer());
+  std::unique_lock<std::mutex> lock(sync_.mutex);
+  return stage_wait(lock, sync_.cv, sync_.halt, [&] { return done_ == queued_; }, "outstanding gradient landings", describer());
 }
 
 // ----------------------------------------------------------------------- the lander
@@ -282,9 +262,9 @@ void GradientPath::loop() {
   for (;;) {
     Landing item;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [&] { return halt_.halted() || !queue_.empty(); });
-      if (halt_.halted()) return;
+      std::unique_lock<std::mutex> lock(sync_.mutex);
+      sync_.cv.wait(lock, [&] { return sync_.halt.halted() || !queue_.empty(); });
+      if (sync_.halt.halted()) return;
       item = queue_.front();
     }
     Status status = land(item);
@@ -293,12 +273,12 @@ void GradientPath::loop() {
       return;
     }
     {
-      std::lock_guard<std::mutex> lock(mutex_);
+      std::lock_guard<std::mutex> lock(sync_.mutex);
       queue_.pop_front();
       ++done_;
       ++facts_[static_cast<size_t>(item.group)].processed;
     }
-    cv_.notify_all();
+    sync_.cv.notify_all();
   }
 }
 
@@ -306,10 +286,10 @@ Status GradientPath::land(const Landing& item) {
   Slot& slot = slots_[static_cast<size_t>(item.slot)];
   STRATA_RETURN_IF_ERROR(slot.copied->synchronize());
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(sync_.mutex);
     slot.busy = false;
   }
-  cv_.notify_all();
+  sync_.cv.notify_all();
   const EngineOptions& o = *ctx_.options;
   GradientStats stats;
   {
@@ -329,7 +309,7 @@ Status GradientPath::land(const Landing& item) {
   // The engine hears of the landing before step() can see it: an update planned now
   // still belongs to this step (its learning rate and step number).
   if (item.last_micro) hooks_.landed(item.group, item.step);
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(sync_.mutex);
   if (item.ring >= 0) ring_busy_[static_cast<size_t>(item.ring)] = 0;
   if (item.last_micro) {
     GroupFacts& facts = facts_[static_cast<size_t>(item.group)];

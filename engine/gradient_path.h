@@ -127,14 +127,11 @@ class GradientPath {
   std::vector<PinnedBuffer> ring_;   // spilled: the landing ring
   PinnedBuffer scratch_;             // spilled with micro-batches: the fp32 running sum
 
-  mutable std::mutex mutex_;
-  std::condition_variable cv_;
-  StageHalt halt_;
+  mutable StageSync sync_;
   std::vector<char> ring_busy_;
   std::deque<Landing> queue_;
   std::vector<GroupFacts> facts_;
   uint64_t queued_ = 0, done_ = 0;
-  std::thread worker_;
 };
 
 }  // namespace strata::engine_internal

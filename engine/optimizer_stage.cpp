@@ -28,28 +28,21 @@ StatusOr<std::unique_ptr<OptimizerStage>> OptimizerStage::create(const Optimizer
 OptimizerStage::~OptimizerStage() { stop(); }
 
 void OptimizerStage::start() {
-  worker_ = std::thread([this] { loop(); });
+  sync_.start([this] { loop(); });
 }
 
-void OptimizerStage::stop() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
-  }
-  cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
-}
+void OptimizerStage::stop() { sync_.stop(); }
 
 void OptimizerStage::submit(OptimizerJob job) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(sync_.mutex);
     jobs_.push_back(std::move(job));
   }
-  cv_.notify_all();
+  sync_.cv.notify_all();
 }
 
 size_t OptimizerStage::queued() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(sync_.mutex);
   return jobs_.size();
 }
 
@@ -59,9 +52,9 @@ void OptimizerStage::loop() {
   for (;;) {
     std::vector<OptimizerJob> batch;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-      if (stopping_) return;
+      std::unique_lock<std::mutex> lock(sync_.mutex);
+      sync_.cv.wait(lock, [&] { return sync_.halt.stopping || !jobs_.empty(); });
+      if (sync_.halt.stopping) return;
       // NVMe-resident state: the jobs queued now go through the ring in one pass, so the
       // reads of the next job's groups overlap the steps of this one's; a group steps at
       // most once per pass (a second update of it must read what the first wrote).
@@ -75,7 +68,7 @@ void OptimizerStage::loop() {
     }
     Status status = run_jobs(batch);
     {
-      std::lock_guard<std::mutex> lock(mutex_);
+      std::lock_guard<std::mutex> lock(sync_.mutex);
       for (size_t i = 0; i < batch.size(); ++i) jobs_.pop_front();
     }
     unflushed += batch.size();

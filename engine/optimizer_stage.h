@@ -22,6 +22,7 @@
 
 #include "engine/engine_impl.h"
 #include "engine/shard_store.h"
+#include "engine/stage_wait.h"
 #include "optim/nvme_adam_state.h"
 
 namespace strata::engine_internal {
@@ -99,11 +100,8 @@ class OptimizerStage {
   std::optional<CpuAdam> adam_;
   std::unique_ptr<NvmeAdamState> nvme_state_;
 
-  mutable std::mutex mutex_;
-  std::condition_variable cv_;
+  mutable StageSync sync_;
   std::deque<OptimizerJob> jobs_;
-  bool stopping_ = false;
-  std::thread worker_;
 };
 
 }  // namespace strata::engine_internal

@@ -9,48 +9,36 @@ namespace strata::engine_internal {
 
 void VersionBoard::publish(int g, int64_t version) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(sync_.mutex);
     int64_t& v = versions_[static_cast<size_t>(g)];
     v = std::max(v, version);
   }
-  cv_.notify_all();
+  sync_.cv.notify_all();
 }
 
 int64_t VersionBoard::version(int g) const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(sync_.mutex);
   return versions_[static_cast<size_t>(g)];
 }
 
 Status VersionBoard::wait_for(int g, int64_t version, const char* what, const std::function<std::string()>& describe) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  return stage_wait(lock, cv_, halt_, [&] { return versions_[static_cast<size_t>(g)] >= version; }, what, describe);
+  std::unique_lock<std::mutex> lock(sync_.mutex);
+  return stage_wait(lock, sync_.cv, sync_.halt, [&] { return versions_[static_cast<size_t>(g)] >= version; }, what, describe);
 }
 
 Status VersionBoard::wait_all(int64_t version, const char* what, const std::function<std::string()>& describe) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  return stage_wait(lock, cv_, halt_, [&] {
+  std::unique_lock<std::mutex> lock(sync_.mutex);
+  return stage_wait(lock, sync_.cv, sync_.halt, [&] {
     return std::all_of(versions_.begin(), versions_.end(), [&](int64_t v) { return v >= version; });
   }, what, describe);
 }
 
-void VersionBoard::abort(const Status& status) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (halt_.failure.ok()) halt_.failure = status;
-  }
-  cv_.notify_all();
-}
+void VersionBoard::abort(const Status& status) { sync_.abort(status); }
 
-void VersionBoard::stop() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    halt_.stopping = true;
-  }
-  cv_.notify_all();
-}
+void VersionBoard::stop() { sync_.stop(); }
 
 std::string VersionBoard::describe() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(sync_.mutex);
   std::ostringstream text;
   text << "parameter versions:";
   for (int64_t v : versions_) text << " " << v;
@@ -106,39 +94,19 @@ Status ParamFetcher::allocate() {
 }
 
 void ParamFetcher::start() {
-  worker_ = std::thread([this] { loop(); });
+  sync_.start([this] { loop(); });
 }
 
-void ParamFetcher::stop() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    halt_.stopping = true;
-  }
-  cv_.notify_all();
-  if (worker_.joinable()) worker_.join();
-}
+void ParamFetcher::stop() { sync_.stop(); }
 
-void ParamFetcher::abort(const Status& status) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (halt_.failure.ok()) halt_.failure = status;
-  }
-  cv_.notify_all();
-}
+void ParamFetcher::abort(const Status& status) { sync_.abort(status); }
 
 std::function<std::string()> ParamFetcher::describer() const {
-  return [this] {
-    std::string text = describe();
-    if (hooks_.describe_engine) {
-      text += '\n';
-      text += hooks_.describe_engine();
-    }
-    return text;
-  };
+  return [this] { return StageSync::with_engine(describe(), hooks_.describe_engine); };
 }
 
 std::string ParamFetcher::describe() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(sync_.mutex);
   std::ostringstream text;
   text << "fetcher at request " << next_fetch_id_ << " of " << (next_request_id_ - 1) << " planned";
   if (!requests_.empty()) {
@@ -169,17 +137,17 @@ uint64_t ParamFetcher::plan_fetch(int g, int64_t step, int64_t version) {
     request.position = {static_cast<int>(use % slots_.size()), use / slots_.size()};
   }
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(sync_.mutex);
     request.id = next_request_id_++;
     requests_.push_back(request);
   }
-  cv_.notify_all();
+  sync_.cv.notify_all();
   return request.id;
 }
 
 void ParamFetcher::abandon(uint64_t id) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(sync_.mutex);
     Request& r = request_locked(id);
     r.abandoned = true;
     r.consumed = true;
@@ -190,14 +158,14 @@ void ParamFetcher::abandon(uint64_t id) {
     if (r.ready && r.position.index >= 0) ++slots_[static_cast<size_t>(r.position.index)].releases;
     retire_locked();
   }
-  cv_.notify_all();
+  sync_.cv.notify_all();
 }
 
 StatusOr<void*> ParamFetcher::take(uint64_t id, PipelineState* position) {
   int g = -1;
   {
-    std::unique_lock<std::mutex> lock(mutex_);
-    STRATA_RETURN_IF_ERROR(stage_wait(lock, cv_, halt_, [&] { return request_locked(id).ready; }, "a gathered group", describer()));
+    std::unique_lock<std::mutex> lock(sync_.mutex);
+    STRATA_RETURN_IF_ERROR(stage_wait(lock, sync_.cv, sync_.halt, [&] { return request_locked(id).ready; }, "a gathered group", describer()));
     Request& r = request_locked(id);
     r.consumed = true;
     *position = r.position;
@@ -219,24 +187,24 @@ Status ParamFetcher::release(int g, const PipelineState& position) {
   Slot& slot = slots_[static_cast<size_t>(position.index)];
   STRATA_RETURN_IF_ERROR(ctx_.compute->record(*slot.released));
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(sync_.mutex);
     ++slot.releases;
   }
-  cv_.notify_all();
+  sync_.cv.notify_all();
   return {};
 }
 
 void ParamFetcher::set_steps_finished(int64_t steps) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(sync_.mutex);
     steps_finished_ = steps;
   }
-  cv_.notify_all();
+  sync_.cv.notify_all();
 }
 
 Status ParamFetcher::wait_idle() {
-  std::unique_lock<std::mutex> lock(mutex_);
-  STRATA_RETURN_IF_ERROR(stage_wait(lock, cv_, halt_, [&] { return next_fetch_id_ == next_request_id_; }, "outstanding fetches", describer()));
+  std::unique_lock<std::mutex> lock(sync_.mutex);
+  STRATA_RETURN_IF_ERROR(stage_wait(lock, sync_.cv, sync_.halt, [&] { return next_fetch_id_ == next_request_id_; }, "outstanding fetches", describer()));
   retire_locked();
   return {};
 }
@@ -255,9 +223,9 @@ void ParamFetcher::loop() {
   for (;;) {
     Request* request = nullptr;
     {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [&] { return halt_.halted() || (!requests_.empty() && requests_.back().id >= next_fetch_id_); });
-      if (halt_.halted()) return;
+      std::unique_lock<std::mutex> lock(sync_.mutex);
+      sync_.cv.wait(lock, [&] { return sync_.halt.halted() || (!requests_.empty() && requests_.back().id >= next_fetch_id_); });
+      if (sync_.halt.halted()) return;
       // Requests stay put in the deque (push_back and pop_front keep references).
       request = &request_locked(next_fetch_id_);
     }
@@ -274,12 +242,12 @@ void ParamFetcher::loop() {
 // slot's previous occupants released, or (persistent) the previous step's uses over.
 Status ParamFetcher::wait_until_fillable(const Request& r) {
   STRATA_RETURN_IF_ERROR(ctx_.versions->wait_for(r.group, r.version, "a parameter update", describer()));
-  std::unique_lock<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(sync_.mutex);
   if (r.position.index >= 0) {
     const Slot& slot = slots_[static_cast<size_t>(r.position.index)];
-    return stage_wait(lock, cv_, halt_, [&] { return slot.releases >= r.position.phase; }, "a gather slot", describer());
+    return stage_wait(lock, sync_.cv, sync_.halt, [&] { return slot.releases >= r.position.phase; }, "a gather slot", describer());
   }
-  return stage_wait(lock, cv_, halt_, [&] { return steps_finished_ >= r.step; }, "the previous step", describer());
+  return stage_wait(lock, sync_.cv, sync_.halt, [&] { return steps_finished_ >= r.step; }, "the previous step", describer());
 }
 
 ParamFetcher::Target ParamFetcher::target_of(const Request& r) {
@@ -303,7 +271,7 @@ Status ParamFetcher::submit_read_ahead(const Request& r) {
   for (uint64_t id = r.id + 1; id <= r.id + depth; ++id) {
     Request* next = nullptr;
     {
-      std::lock_guard<std::mutex> lock(mutex_);
+      std::lock_guard<std::mutex> lock(sync_.mutex);
       if (requests_.empty() || id > requests_.back().id) break;
       next = &request_locked(id);
     }
@@ -339,9 +307,9 @@ StatusOr<const void*> ParamFetcher::read_from_nvme(Request& r, const Target& tar
   for (;;) {
     STRATA_RETURN_IF_ERROR(submit_read_ahead(r));
     if (ctx_.nvme->io_engine().done(r.read_ticket)) break;
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (halt_.halted()) break;
-    cv_.wait_for(lock, std::chrono::microseconds(200));
+    std::unique_lock<std::mutex> lock(sync_.mutex);
+    if (sync_.halt.halted()) break;
+    sync_.cv.wait_for(lock, std::chrono::microseconds(200));
   }
   STRATA_RETURN_IF_ERROR(ctx_.nvme->wait(r.read_ticket));
   ctx_.tracer->record(Stage::kNvmeRead, r.group, r.read_begin, r.read_completed, state.layout.name);
@@ -393,7 +361,7 @@ Status ParamFetcher::fetch(Request& r) {
   if (slot_fill) ++slot_fills_[static_cast<size_t>(r.position.index)];
   bool abandoned = false;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(sync_.mutex);
     abandoned = r.abandoned;
     // Nobody will compute with an abandoned fill: the slot is free once the fill is done.
     if (slot_fill && abandoned) ++slots_[static_cast<size_t>(r.position.index)].releases;
@@ -406,7 +374,7 @@ Status ParamFetcher::fetch(Request& r) {
     Stream& last = ctx_.options->world_size > 1 ? *ctx_.gather : *ctx_.h2d;
     STRATA_RETURN_IF_ERROR(last.record(*target.released));
   }
-  cv_.notify_all();
+  sync_.cv.notify_all();
   return {};
 }
 

@@ -43,9 +43,7 @@ class VersionBoard {
   std::string describe() const;
 
  private:
-  mutable std::mutex mutex_;
-  std::condition_variable cv_;
-  StageHalt halt_;
+  mutable StageSync sync_;
   std::vector<int64_t> versions_;
 };
 
@@ -169,14 +167,11 @@ class ParamFetcher final : public FetchIssuer {
   std::vector<uint64_t> slot_fills_;    // per slot: fills enqueued so far (worker only)
   uint64_t slot_uses_ = 0;              // slot-taking requests planned (model thread)
 
-  mutable std::mutex mutex_;
-  std::condition_variable cv_;
-  StageHalt halt_;
+  mutable StageSync sync_;
   std::deque<Request> requests_;        // in id order, until ready and consumed
   uint64_t next_request_id_ = 1;
   uint64_t next_fetch_id_ = 1;          // the next request the worker fills
   int64_t steps_finished_ = 0;
-  std::thread worker_;
 };
 
 }  // namespace strata::engine_internal

@@ -10,6 +10,7 @@
 #include <functional>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "engine/core/log.h"
 #include "engine/core/status.h"
@@ -22,6 +23,50 @@ struct StageHalt {
   Status failure;  // not ok: the engine failed; waits return this
 
   bool halted() const { return stopping || !failure.ok(); }
+};
+
+// What every stage with a queue shares: the mutex and condition variable guarding its
+// queue and facts, its halt facts, and its worker thread (where it has one).
+class StageSync {
+ public:
+  std::mutex mutex;
+  std::condition_variable cv;
+  StageHalt halt;  // guarded by mutex
+
+  StageSync() = default;
+  StageSync(const StageSync&) = delete;
+  StageSync& operator=(const StageSync&) = delete;
+  ~StageSync() { stop(); }
+
+  void start(std::function<void()> body) { worker_ = std::thread(std::move(body)); }
+  // Halts the stage (every wait returns, the worker leaves its loop) and joins the worker.
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      halt.stopping = true;
+    }
+    cv.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+  // An error elsewhere in the engine: every wait of the stage returns it (the first wins).
+  void abort(const Status& status) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (halt.failure.ok()) halt.failure = status;
+    }
+    cv.notify_all();
+  }
+  // A stage's own description followed by the engine's, for hang warnings.
+  static std::string with_engine(std::string own, const std::function<std::string()>& engine) {
+    if (engine) {
+      own += '\n';
+      own += engine();
+    }
+    return own;
+  }
+
+ private:
+  std::thread worker_;
 };
 
 // How long a wait may last before it is reported: STRATA_HANG_WARNING_S, default 120 s.
