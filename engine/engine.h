@@ -146,6 +146,9 @@ struct EnginePlan {
   size_t max_padded_elements = 0; // the largest group (padded), persistent or not
   size_t max_shard_elements = 0;  // the largest shard
   int gradient_slots = 0;         // device gradient buffers
+  // Elements (padded) each gradient slot holds: the first fits the largest group, the
+  // others the largest of the rest (a vocabulary-sized group takes the big one).
+  std::vector<size_t> gradient_slot_elements;
   size_t reduce_bucket_elements = 0;  // reduce-scatter pieces per rank (reduce_bucket_size); 0 = a group at a time
   // Gradient shards go to NVMe beside the optimizer state, through a ring of host landing
   // buffers, instead of a host buffer per group (optimizer state on NVMe).

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -47,6 +48,7 @@ NvmeAdamStateOptions ring_shape(const EngineOptions& o, const EnginePlan& plan) 
 struct ModelShape {
   size_t max_padded = 0, max_shard = 0;          // groups that take a gather slot
   size_t all_max_padded = 0, all_max_shard = 0;  // every group
+  size_t second_max_padded = 0;                  // the largest group but one (by padded size)
   size_t total_numel = 0, total_shard = 0;
   size_t persistent_full_bytes = 0, persistent_shard_bytes = 0, persistent_stage_bytes = 0;
   int slot_groups = 0;                           // groups that take a gather slot
@@ -89,6 +91,10 @@ class Planner {
 
   void measure_shape() {
     persistent_.clear();
+    std::vector<size_t> padded;
+    for (const auto& g : in_.layouts) padded.push_back(g.padded_numel);
+    std::sort(padded.begin(), padded.end(), std::greater<>());
+    shape_.second_max_padded = padded.size() > 1 ? padded[1] : padded.front();
     for (const auto& g : in_.layouts) {
       const bool persistent = g.padded_numel <= o_.persistence_threshold;
       persistent_.push_back(persistent ? 1 : 0);
@@ -132,6 +138,8 @@ class Planner {
     p.state_bytes = shape_.total_numel * (dtype_size(o_.param_dtype) + 12 + 4);
     size_gather_slots(p, requested_depth);
     p.gradient_slots = gradient_slot_count();
+    p.gradient_slot_elements.assign(static_cast<size_t>(p.gradient_slots), std::max<size_t>(shape_.second_max_padded, 1));
+    p.gradient_slot_elements.front() = shape_.all_max_padded;
     if (o_.world_size > 1 && o_.reduce_bucket_elements > 0 && o_.reduce_bucket_elements < shape_.all_max_shard)
       p.reduce_bucket_elements = o_.reduce_bucket_elements;
     p.gradients_spilled = o_.optimizer_tier == Tier::kNvme;
@@ -175,13 +183,16 @@ class Planner {
     if (world > 1 && o_.param_tier != Tier::kDevice) add(p, "device staging shards", Tier::kDevice, slots * param_bytes(shape_.max_shard));
     if (o_.param_tier == Tier::kDevice) add(p, "parameter shards (" + pname + ")", Tier::kDevice, copies() * param_bytes(shape_.total_shard));
     add(p, "persistent groups (gathered)", Tier::kDevice, shape_.persistent_full_bytes + shape_.persistent_shard_bytes);
-    add(p, "gradient buffers (" + std::to_string(gslots) + " x fp32 " + format_bytes(shape_.all_max_padded * 4) + ")", Tier::kDevice,
-        gslots * shape_.all_max_padded * 4);
-    if (world > 1) add(p, "reduce-scatter shards", Tier::kDevice, gslots * shape_.all_max_shard * 4);
+    size_t gradient_elements = 0;
+    for (size_t elements : p.gradient_slot_elements) gradient_elements += elements;
+    add(p, "gradient buffers (fp32: 1 x " + format_bytes(shape_.all_max_padded * 4) + " + " + std::to_string(gslots - 1) + " x " +
+               format_bytes(p.gradient_slot_elements.back() * 4) + ")",
+        Tier::kDevice, gradient_elements * 4);
+    if (world > 1) add(p, "reduce-scatter shards", Tier::kDevice, gradient_elements / static_cast<size_t>(world) * 4);
     add(p, "reduce-scatter buckets (reduce_bucket_size " + std::to_string(p.reduce_bucket_elements) + ")", Tier::kDevice,
         gslots * p.reduce_bucket_elements * 4 * static_cast<size_t>(world));
     if (o_.grad_transfer_dtype != DType::kFloat32)
-      add(p, "gradient transfer casts", Tier::kDevice, gslots * shape_.all_max_shard * dtype_size(o_.grad_transfer_dtype));
+      add(p, "gradient transfer cast (one, shared by the slots)", Tier::kDevice, shape_.all_max_shard * dtype_size(o_.grad_transfer_dtype));
     if (o_.optimizer_tier == Tier::kDevice) {
       size_t state = 0;
       for (const auto& g : in_.layouts) state += g.shard_numel * 16;

@@ -23,18 +23,17 @@ GradientPath::~GradientPath() { stop(); }
 Status GradientPath::allocate() {
   const EngineOptions& o = *ctx_.options;
   const EnginePlan& plan = *ctx_.plan;
-  const size_t max_padded = plan.max_padded_elements, max_shard = plan.max_shard_elements;
+  const size_t max_shard = plan.max_shard_elements;
   const size_t tsize = dtype_size(o.grad_transfer_dtype);
+  const size_t world = static_cast<size_t>(o.world_size);
   slots_.resize(static_cast<size_t>(plan.gradient_slots));
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& slot = slots_[i];
     const std::string name = "gradient slot " + std::to_string(i);
-    STRATA_ASSIGN_OR_RETURN(slot.full, ctx_.device->allocate(max_padded * 4, name));
-    if (o.world_size > 1) {
-      STRATA_ASSIGN_OR_RETURN(slot.shard, ctx_.device->allocate(max_shard * 4, name + " shard"));
-    }
-    if (o.grad_transfer_dtype != DType::kFloat32) {
-      STRATA_ASSIGN_OR_RETURN(slot.cast, ctx_.device->allocate(max_shard * tsize, name + " transfer cast"));
+    slot.elements = plan.gradient_slot_elements[i];
+    STRATA_ASSIGN_OR_RETURN(slot.full, ctx_.device->allocate(slot.elements * 4, name));
+    if (world > 1) {
+      STRATA_ASSIGN_OR_RETURN(slot.shard, ctx_.device->allocate(slot.elements / world * 4, name + " shard"));
     }
     if (plan.reduce_bucket_elements > 0) {
       STRATA_ASSIGN_OR_RETURN(slot.bucket, ctx_.device->allocate(plan.reduce_bucket_elements * 4 * static_cast<size_t>(o.world_size),
@@ -43,6 +42,11 @@ Status GradientPath::allocate() {
     STRATA_ASSIGN_OR_RETURN(slot.grads_done, ctx_.device->create_event());
     STRATA_ASSIGN_OR_RETURN(slot.reduced, ctx_.device->create_event());
     STRATA_ASSIGN_OR_RETURN(slot.copied, ctx_.device->create_event());
+  }
+  if (o.grad_transfer_dtype != DType::kFloat32 && o.optimizer_tier != Tier::kDevice) {
+    STRATA_ASSIGN_OR_RETURN(cast_, ctx_.device->allocate(max_shard * tsize, "gradient transfer cast"));
+    STRATA_ASSIGN_OR_RETURN(cast_free_, ctx_.device->create_event());
+    STRATA_RETURN_IF_ERROR(ctx_.d2h->record(*cast_free_));
   }
   if (plan.gradients_spilled) {
     for (int i = 0; i < plan.landing_buffers; ++i) {
@@ -110,15 +114,12 @@ StatusOr<float*> GradientPath::buffer(int g) {
                                    ") in the same micro-batch");
   if (facts.active_slot < 0) {
     int chosen = -1;
+    const size_t elements = group(g).layout.padded_numel;
     {
       std::unique_lock<std::mutex> lock(sync_.mutex);
-      auto free_slot = [&] {
-        for (size_t i = 0; i < slots_.size(); ++i)
-          if (!slots_[i].busy) return static_cast<int>(i);
-        return -1;
-      };
-      STRATA_RETURN_IF_ERROR(stage_wait(lock, sync_.cv, sync_.halt, [&] { return free_slot() >= 0; }, "a free gradient buffer", describer()));
-      chosen = free_slot();
+      STRATA_RETURN_IF_ERROR(
+          stage_wait(lock, sync_.cv, sync_.halt, [&] { return free_slot_for(elements) >= 0; }, "a free gradient buffer", describer()));
+      chosen = free_slot_for(elements);
       slots_[static_cast<size_t>(chosen)].busy = true;
     }
     facts.active_slot = chosen;
@@ -151,6 +152,16 @@ Status GradientPath::reduce(int g, Slot& slot) {
     }
     return {};
   });
+}
+
+int GradientPath::free_slot_for(size_t elements) const {
+  int best = -1;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const Slot& slot = slots_[i];
+    if (slot.busy || slot.elements < elements) continue;
+    if (best < 0 || slot.elements < slots_[static_cast<size_t>(best)].elements) best = static_cast<int>(i);
+  }
+  return best;
 }
 
 StatusOr<void*> GradientPath::landing_target(int g, int64_t step, int* ring) {
@@ -223,12 +234,15 @@ Status GradientPath::hand_over(int g, int64_t step, int micro) {
   } else {
     const void* transfer = o.world_size > 1 ? slot.shard.data() : slot.full.data();
     if (o.grad_transfer_dtype != DType::kFloat32) {
-      STRATA_RETURN_IF_ERROR(kernels::cast(*ctx_.reduce, transfer, DType::kFloat32, slot.cast.data(), o.grad_transfer_dtype, shard));
-      transfer = slot.cast.data();
+      // The shared cast buffer: the previous copy out of it must be done.
+      STRATA_RETURN_IF_ERROR(ctx_.reduce->wait(*cast_free_));
+      STRATA_RETURN_IF_ERROR(kernels::cast(*ctx_.reduce, transfer, DType::kFloat32, cast_.data(), o.grad_transfer_dtype, shard));
+      transfer = cast_.data();
     }
     STRATA_RETURN_IF_ERROR(ctx_.reduce->record(*slot.reduced));
     STRATA_ASSIGN_OR_RETURN(void* landing, landing_target(g, step, &ring));
     STRATA_RETURN_IF_ERROR(enqueue_copy(g, slot, transfer, shard * dtype_size(o.grad_transfer_dtype), landing));
+    if (cast_free_) STRATA_RETURN_IF_ERROR(ctx_.d2h->record(*cast_free_));
   }
   {
     std::lock_guard<std::mutex> lock(sync_.mutex);

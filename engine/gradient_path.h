@@ -88,7 +88,8 @@ class GradientPath {
   // A device gradient slot: the full-group buffer the model accumulates into, the
   // reduce-scatter output and the cast for the device->host copy.
   struct Slot {
-    DeviceBuffer full, shard, cast, bucket;
+    DeviceBuffer full, shard, bucket;
+    size_t elements = 0;             // the padded group elements it holds
     std::unique_ptr<Event> grads_done, reduced, copied;
     bool busy = false;               // handed out, not yet returned by the lander
   };
@@ -116,6 +117,8 @@ class GradientPath {
   Status land_on_device(int g, Slot& slot, int64_t step, int micro, bool last, void** landing);
   StatusOr<void*> landing_target(int g, int64_t step, int* ring);
   Status enqueue_copy(int g, Slot& slot, const void* source, size_t bytes, void* landing);
+  // The smallest free slot that holds `elements`, or -1.
+  int free_slot_for(size_t elements) const;
   GroupState& group(int g) { return *(*ctx_.groups)[static_cast<size_t>(g)]; }
   int copy_of(int64_t step) const { return ctx_.options->overlap == OverlapMode::kDelayed ? static_cast<int>(step % 2) : 0; }
   std::function<std::string()> describer() const;
@@ -124,6 +127,10 @@ class GradientPath {
   GradientPathHooks hooks_;
   std::optional<GradientOps> ops_;
   std::vector<Slot> slots_;
+  // The transfer-dtype cast of a shard on its way to the host: one, shared by the slots
+  // (a cast waits until the previous copy out of it is done).
+  DeviceBuffer cast_;
+  std::unique_ptr<Event> cast_free_;
   std::vector<PinnedBuffer> ring_;   // spilled: the landing ring
   PinnedBuffer scratch_;             // spilled with micro-batches: the fp32 running sum
 

@@ -112,9 +112,9 @@ TEST(EnginePlanTest, AutomaticPrefetchDepthIsTheDeepestThatFitsTheDeviceBudget) 
   options.param_tier = Tier::kPinned;
   options.optimizer_tier = Tier::kPinned;
   // Per gather slot: a bf16 4096 x 4096 layer (32 MiB); three fp32 gradient slots of
-  // 64 MiB with their bf16 transfer casts of 32 MiB. Room for two gather slots.
+  // 64 MiB and one bf16 transfer cast of 32 MiB. Room for two gather slots.
   options.activation_bytes = 200 * kMiB;
-  const size_t budget = 200 * kMiB + 3 * (64 + 32) * kMiB + 2 * 32 * kMiB + 4 * kMiB;
+  const size_t budget = 200 * kMiB + 3 * 64 * kMiB + 32 * kMiB + 2 * 32 * kMiB + 4 * kMiB;
   STRATA_ASSERT_OK_AND_ASSIGN(EnginePlan automatic, plan_for(options, layouts, budget));
   EXPECT_TRUE(automatic.prefetch_depth_chosen);
   EXPECT_EQ(automatic.prefetch_depth, 1) << automatic.text;
@@ -133,6 +133,25 @@ TEST(EnginePlanTest, AutomaticPrefetchDepthIsTheDeepestThatFitsTheDeviceBudget) 
   options.prefetch_depth = EngineOptions::kAutoDepth;
   STRATA_ASSERT_OK_AND_ASSIGN(EnginePlan roomy, plan_for(options, layouts, 4096 * kMiB));
   EXPECT_EQ(roomy.prefetch_depth, kMaxAutomaticPrefetchDepth);
+}
+
+// A vocabulary-sized group (a tied embedding) takes one gradient slot of its size; the
+// other slots are sized for the largest of the rest, and one transfer cast serves them all.
+TEST(EnginePlanTest, OnlyOneGradientSlotIsSizedForTheLargestGroup) {
+  std::vector<GroupLayout> layouts = linear_layers(6, 1024);
+  GroupSpec embedding;
+  embedding.name = "wte";
+  embedding.tensors.push_back({"weight", {8192, 1024}, TensorInit::normal(0.02f), true});
+  auto layout = layout_group(embedding, 6, 1);
+  STRATA_ASSERT_OK(layout.status());
+  layouts.push_back(std::move(layout).value());
+  EngineOptions options;
+  STRATA_ASSERT_OK_AND_ASSIGN(EnginePlan plan, plan_for(options, layouts, 4096 * kMiB));
+  ASSERT_EQ(plan.gradient_slot_elements.size(), static_cast<size_t>(plan.gradient_slots));
+  EXPECT_EQ(plan.gradient_slot_elements.front(), layouts.back().padded_numel);
+  for (size_t i = 1; i < plan.gradient_slot_elements.size(); ++i)
+    EXPECT_EQ(plan.gradient_slot_elements[i], layouts.front().padded_numel) << plan.text;
+  EXPECT_NE(plan.text.find("gradient transfer cast (one, shared by the slots)"), std::string::npos) << plan.text;
 }
 
 TEST(EnginePlanTest, TheAutomaticDepthAlsoFitsNvmeReadStagingIntoThePinnedBudget) {
