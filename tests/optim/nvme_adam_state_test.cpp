@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <chrono>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -121,6 +122,81 @@ INSTANTIATE_TEST_SUITE_P(
                       PipelineCase{"psync_fp32_5slots_nochecksum", IoEngineKind::kPsync, false, DType::kFloat32, 5, 5 * 300 * kKiB, true},
                       PipelineCase{"psync_bf16_3slots", IoEngineKind::kPsync, true, DType::kBFloat16, 3, 3 * 400 * kKiB, false}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// The engine's form: gradients stored beside the state and read with each piece, new
+// parameters staged in the slot and handed to a sink piece by piece, two plans per group
+// (decayed and not), groups stepped twice in back-to-back passes whose write-backs stay
+// in flight between them: the bits of the in-memory path, and transfers reported with
+// their completion times.
+TEST_P(NvmeAdamStateTest, StoredGradientsAndStagedParametersGiveTheBitsOfTheInMemoryPath) {
+  const PipelineCase& c = GetParam();
+  testing::TempDir dir;
+  auto setup_or = make_setup(dir.str() + "/nvme", c.io, c.checksums);
+  if (!setup_or.ok() && setup_or.status().code() == StatusCode::kUnavailable) GTEST_SKIP() << setup_or.status().message();
+  STRATA_ASSERT_OK(setup_or);
+  StoreSetup setup = std::move(setup_or).value();
+  const std::vector<size_t> sizes{100003, 7, 70000};
+  std::vector<AdamShardData> memory;
+  for (size_t g = 0; g < sizes.size(); ++g)
+    memory.push_back(AdamShardData::random(sizes[g], DType::kBFloat16, c.moment, true, DType::kBFloat16, 300 + static_cast<uint32_t>(g)));
+  NvmeAdamStateOptions options{.key_prefix = "engine", .moment_type = c.moment, .pinned_budget_bytes = 2 * c.budget, .slots = c.slots};
+  options.stored_gradient_type = DType::kBFloat16;
+  options.staged_param_type = DType::kBFloat16;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto state, NvmeAdamState::create(*setup.store, *setup.arena, sizes, options));
+  EXPECT_LT(state->piece_elements(), sizes[0]) << "the budget should split the largest group";
+  std::vector<std::vector<uint8_t>> staged(sizes.size());
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    const kernels::AdamBuffers b = memory[g].buffers();
+    STRATA_ASSERT_OK(state->store_group(g, b.master, b.exp_avg, b.exp_avg_sq));
+    STRATA_ASSERT_OK(state->store_gradient(g, 0, b.grad));
+    staged[g].assign(sizes[g] * 2, 0);
+  }
+  STRATA_ASSERT_OK_AND_ASSIGN(CpuAdam adam, CpuAdam::create({.threads = 2, .chunk_elements = 4096}));
+  size_t transfers = 0;
+  bool completion_in_order = true;
+  for (int64_t step = 1; step <= 2; ++step) {
+    const kernels::AdamHyperparams hyper{.lr = 1e-3, .weight_decay = 0.1};
+    STRATA_ASSERT_OK_AND_ASSIGN(AdamStepPlan decay, plan_adam_step(hyper, step, {}, {}));
+    STRATA_ASSERT_OK_AND_ASSIGN(AdamStepPlan no_decay, plan_adam_step({.lr = 1e-3, .weight_decay = 0.0}, step, {}, {}));
+    std::vector<std::vector<AdamPlanRun>> runs;
+    std::vector<NvmeAdamGroupStep> steps;
+    for (size_t g = 0; g < sizes.size(); ++g) {
+      const size_t half = sizes[g] / 2;
+      runs.push_back({{0, half, &decay}, {half, sizes[g], &no_decay}});
+      for (const AdamPlanRun& run : runs.back())
+        STRATA_ASSERT_OK(adam.step(adam_buffers_slice(memory[g].buffers(), run.begin, run.end), *run.plan));
+    }
+    for (size_t g = 0; g < sizes.size(); ++g) {
+      AdamGroupIo io;
+      io.grad_type = DType::kBFloat16;  // stored: read with each piece
+      io.param_type = DType::kBFloat16;  // staged: handed to the sink
+      steps.push_back({g, io, runs[g]});
+    }
+    NvmeAdamStepSinks sinks;
+    sinks.staged_params = [&](size_t g, size_t begin, size_t end, const void* param) {
+      std::memcpy(staged[g].data() + begin * 2, param, (end - begin) * 2);
+      return Status();
+    };
+    sinks.transfer_done = [&](size_t, bool, std::chrono::steady_clock::time_point begin, std::chrono::steady_clock::time_point end) {
+      ++transfers;
+      completion_in_order = completion_in_order && begin <= end;
+    };
+    STRATA_ASSERT_OK(state->step_groups(adam, steps, sinks));
+    for (size_t g = 0; g < sizes.size(); ++g) ASSERT_EQ(staged[g], memory[g].param) << "group " << g << " step " << step;
+  }
+  // The second pass read what the first wrote back, and load_group waits for the last
+  // write-backs left in flight.
+  for (size_t g = 0; g < sizes.size(); ++g) {
+    AdamShardData loaded = memory[g];
+    const kernels::AdamBuffers b = loaded.buffers();
+    STRATA_ASSERT_OK(state->load_group(g, b.master, b.exp_avg, b.exp_avg_sq));
+    EXPECT_EQ(loaded.master, memory[g].master) << "group " << g;
+    EXPECT_EQ(loaded.exp_avg, memory[g].exp_avg) << "group " << g;
+    EXPECT_EQ(loaded.exp_avg_sq, memory[g].exp_avg_sq) << "group " << g;
+  }
+  EXPECT_GT(transfers, 2 * sizes.size());
+  EXPECT_TRUE(completion_in_order) << "a transfer reported ending before it began";
+}
 
 TEST(NvmeAdamStateErrorsTest, SkippedStepDoesNoIoAndBadArgumentsAreNamed) {
   testing::TempDir dir;
