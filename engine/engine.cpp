@@ -1,25 +1,16 @@
 #include "engine/engine.h"
 
-#include <sys/resource.h>
-#include <sys/statvfs.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
-#include <fstream>
-#include <numeric>
 #include <set>
 #include <sstream>
-
-#include <nlohmann/json.hpp>
 
 #include "engine/core/log.h"
 #include "engine/engine_impl.h"
 #include "engine/engine_plan.h"
-#include "engine/metrics.h"
 #include "engine/gradient_path.h"
+#include "engine/metrics.h"
 #include "engine/optimizer_stage.h"
 #include "engine/param_fetcher.h"
 #include "engine/shard_store.h"

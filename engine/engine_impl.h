@@ -1,18 +1,18 @@
-// The engine's implementation (engine.h is the API). Internal to engine/.
+// The records the engine's stages share (engine.h is the API). Internal to engine/.
 //
-// Threads per rank:
-//   - the model's thread: calls the API, enqueues compute, gathers, gradient reductions;
-//   - the fetcher: follows the schedule ahead of compute, moving each upcoming group's
-//     shard NVMe -> pinned -> device and all-gathering it into a gather slot;
-//   - the lander: waits for each gradient shard's device->host copy, accumulates it in
-//     fp32 across micro-batches and takes its sum of squares and inf/NaN flag;
-//   - the optimizer stage (engine/optimizer_stage.h, its own queue and worker): steps
-//     each group's shard (CPU Adam, state in pinned memory or streamed from NVMe in
-//     chunks) and writes the new parameters where the next fetch reads them.
-// The model thread, fetcher and lander coordinate through the engine's mutex and
-// condition variable (host-side facts: which event was recorded for which use, which
-// parameter version a group holds); the optimizer stage reports through hooks; device
-// ordering goes through streams and events. The plan is engine/engine_plan.h.
+// Threads per rank, each stage with its own queue (engine/stage_wait.h):
+//   - the model's thread: calls the API (engine.cpp), enqueues compute, plans uses
+//     (use_planner.h) and hands gradients to the gradient path;
+//   - the parameter fetcher (param_fetcher.h): follows the planned uses ahead of compute,
+//     NVMe -> pinned -> device -> all-gather into the gather-slot ring;
+//   - the lander (gradient_path.h): waits for each gradient shard's device->host copy,
+//     accumulates it in fp32 across micro-batches, takes its statistics, spills it to NVMe
+//     when the optimizer state lives there;
+//   - the optimizer stage (optimizer_stage.h): steps each group's shard (CPU Adam on host
+//     state or on NVMe state streamed in chunks, or the device Adam) and writes the new
+//     parameters through the shard store (shard_store.h), publishing their version.
+// Device ordering goes through streams and events; host facts through each stage's own
+// mutex, and errors reach every stage's next wait.
 #pragma once
 
 #include <condition_variable>
