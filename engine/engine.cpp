@@ -156,8 +156,6 @@ class EngineImpl final : public Engine {
   bool device_state() const { return options_.optimizer_tier == Tier::kDevice; }
   bool direct_view(const GroupState& /*state*/) const { return options_.param_tier == Tier::kDevice && options_.world_size == 1; }
   size_t param_bytes(size_t elements) const { return elements * dtype_size(options_.param_dtype); }
-  int param_copies() const { return options_.overlap == OverlapMode::kDelayed ? 2 : 1; }
-  int parity(int64_t version) const { return param_copies() == 1 ? 0 : static_cast<int>(version % 2); }
   GroupView view_of(const GroupState& state, void* flat, DType dtype) const {
     GroupView view;
     view.group = state.layout.id;

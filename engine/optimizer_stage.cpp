@@ -107,7 +107,7 @@ Status OptimizerStage::run_jobs(const std::vector<OptimizerJob>& jobs) {
   return {};
 }
 
-int OptimizerStage::parity(int64_t version) const {
+int OptimizerStage::gradient_copy(int64_t version) const {
   return ctx_.options->overlap == OverlapMode::kDelayed ? static_cast<int>(version % 2) : 0;
 }
 
@@ -119,7 +119,7 @@ std::vector<AdamPlanRun> OptimizerStage::plan_runs(const OptimizerJob& job, cons
 
 const void* OptimizerStage::host_gradient(const GroupState& state, int64_t step_index, DType* type) const {
   const EngineOptions& o = *ctx_.options;
-  const size_t copy = static_cast<size_t>(parity(step_index));
+  const size_t copy = static_cast<size_t>(gradient_copy(step_index));
   if (o.gradient_accumulation_steps > 1) {
     *type = DType::kFloat32;
     return state.grad_accum.empty() ? nullptr : state.grad_accum[copy].data();
@@ -144,8 +144,8 @@ Status OptimizerStage::run_nvme_jobs(const std::vector<const OptimizerJob*>& job
       runs.push_back(plan_runs(*job, state));
       AdamGroupIo io;
       io.grad = host_gradient(state, job->step_index, &io.grad_type);
-      io.stored_gradient_copy = static_cast<unsigned>(parity(job->step_index));
-      io.param = ctx_.shards->host_copy(g, parity(job->step_index + 1));  // nullptr: staged, written out piece by piece
+      io.stored_gradient_copy = static_cast<unsigned>(gradient_copy(job->step_index));
+      io.param = ctx_.shards->host_copy(g, ctx_.shards->copy_of(job->step_index + 1));  // nullptr: staged, written out piece by piece
       io.param_type = ctx_.options->param_dtype;
       steps.push_back({static_cast<size_t>(g), io, runs.back()});
       job_of.push_back(job);
@@ -154,7 +154,7 @@ Status OptimizerStage::run_nvme_jobs(const std::vector<const OptimizerJob*>& job
   size_t current = 0;  // the step being stepped: group_stepped comes in step order
   NvmeAdamStepSinks sinks;
   sinks.staged_params = [&](size_t g, size_t begin, size_t end, const void* param) {
-    const int out_copy = parity(job_of[current]->step_index + 1);
+    const int out_copy = ctx_.shards->copy_of(job_of[current]->step_index + 1);
     return ctx_.shards->write(static_cast<int>(g), out_copy, begin, end - begin, param, 0);
   };
   sinks.group_stepped = [&](size_t g) {
@@ -178,7 +178,7 @@ Status OptimizerStage::run_nvme_jobs(const std::vector<const OptimizerJob*>& job
 Status OptimizerStage::update_host_group(const OptimizerJob& job, int g) {
   const EngineOptions& o = *ctx_.options;
   GroupState& s = group(g);
-  const int out_copy = parity(job.step_index + 1);
+  const int out_copy = ctx_.shards->copy_of(job.step_index + 1);
   kernels::AdamBuffers buffers;
   buffers.grad = host_gradient(s, job.step_index, &buffers.grad_type);
   buffers.master = s.master.as<float>();
@@ -211,7 +211,7 @@ Status OptimizerStage::update_device_group(const OptimizerJob& job, int g) {
   const EngineOptions& o = *ctx_.options;
   GroupState& s = group(g);
   const size_t shard = s.layout.shard_numel;
-  const int out_copy = parity(job.step_index + 1);
+  const int out_copy = ctx_.shards->copy_of(job.step_index + 1);
   float* state = s.state_device.as<float>();
   void* on_device = ctx_.shards->device_copy(g, out_copy);
   void* param_out = on_device != nullptr ? on_device : ctx_.param_out_device->data();

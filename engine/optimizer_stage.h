@@ -91,7 +91,8 @@ class OptimizerStage {
   Status update_device_group(const OptimizerJob& job, int g);
   GroupState& group(int g) { return *(*ctx_.groups)[static_cast<size_t>(g)]; }
   std::vector<AdamPlanRun> plan_runs(const OptimizerJob& job, const GroupState& state) const;
-  int parity(int64_t version) const;
+  // The gradient copy a step lands in (two in delayed mode, by step parity; as the gradient path).
+  int gradient_copy(int64_t step) const;
   // The host gradient a job reads for group g (nullptr: the copy stored on NVMe).
   const void* host_gradient(const GroupState& state, int64_t step_index, DType* type) const;
 

@@ -156,7 +156,6 @@ class ParamFetcher final : public FetchIssuer {
   Request& request_locked(uint64_t id) { return requests_[static_cast<size_t>(id - requests_.front().id)]; }
   GroupState& group(int g) { return *(*ctx_.groups)[static_cast<size_t>(g)]; }
   bool direct_view() const { return ctx_.options->param_tier == Tier::kDevice && ctx_.options->world_size == 1; }
-  int parity(int64_t version) const { return ctx_.options->overlap == OverlapMode::kDelayed ? static_cast<int>(version % 2) : 0; }
   size_t param_bytes(size_t elements) const { return elements * dtype_size(ctx_.options->param_dtype); }
   std::function<std::string()> describer() const;
 
