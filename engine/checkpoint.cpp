@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -23,6 +24,7 @@
 
 #include "engine/core/check.h"
 #include "engine/core/log.h"
+#include "engine/engine_plan.h"
 #include "offload/checksum.h"
 
 namespace strata {
@@ -282,8 +284,10 @@ json file_to_json(const FileRecord& file) {
 
 struct SaveJob {
   int64_t step = 0;
-  std::vector<std::optional<RankSnapshot>> pending;  // arrived, not yet taken by the writer
+  // Arrived snapshots, kept until the save commits or fails for good (a retry rewrites them).
+  std::vector<std::optional<RankSnapshot>> snapshots;
   std::vector<bool> arrived;
+  std::vector<bool> written;  // this attempt's rank file is written (or was skipped after a failure)
   int arrived_count = 0;
   int written_count = 0;
   std::optional<std::string> trainer_state;
@@ -317,6 +321,9 @@ class CheckpointSaver::Impl {
     if (!fs::is_directory(options_.directory, error)) {
       return InvalidArgumentError("checkpoint: save directory '" + options_.directory + "' is not a directory");
     }
+    STRATA_RETURN_IF_ERROR(probe_writable());
+    STRATA_RETURN_IF_ERROR(lock_directory());
+    STRATA_RETURN_IF_ERROR(check_free_space());
     STRATA_ASSIGN_OR_RETURN(io_, IoEngine::create(options_.io));
     thread_ = std::thread([this] { run(); });
     return Status::Ok();
@@ -349,7 +356,7 @@ class CheckpointSaver::Impl {
     }
     job->arrived[static_cast<size_t>(rank)] = true;
     ++job->arrived_count;
-    job->pending[static_cast<size_t>(rank)] = std::move(snapshot);
+    job->snapshots[static_cast<size_t>(rank)] = std::move(snapshot);
     work_cv_.notify_all();
     return Status::Ok();
   }
@@ -364,6 +371,11 @@ class CheckpointSaver::Impl {
     job->trainer_state = std::move(text);
     work_cv_.notify_all();
     return Status::Ok();
+  }
+
+  Status poll() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return take_errors_locked();
   }
 
   Status wait() {
@@ -410,8 +422,9 @@ class CheckpointSaver::Impl {
     if (SaveJob* existing = find()) return existing;
     auto job = std::make_unique<SaveJob>();
     job->step = step;
-    job->pending.resize(static_cast<size_t>(options_.world_size));
+    job->snapshots.resize(static_cast<size_t>(options_.world_size));
     job->arrived.assign(static_cast<size_t>(options_.world_size), false);
+    job->written.assign(static_cast<size_t>(options_.world_size), false);
     job->rank_files.resize(static_cast<size_t>(options_.world_size));
     jobs_.push_back(std::move(job));
     done_cv_.notify_all();  // ranks waiting to create the same step
@@ -441,25 +454,15 @@ class CheckpointSaver::Impl {
         continue;
       }
       SaveJob& job = *jobs_.front();
-      // A snapshot to write?
-      int rank = -1;
-      for (size_t r = 0; r < job.pending.size(); ++r) {
-        if (job.pending[r].has_value()) {
-          rank = static_cast<int>(r);
-          break;
-        }
-      }
+      // A snapshot to write? It stays in the job (submit() only fills other slots).
+      const int rank = unwritten_rank_locked(job);
       if (rank >= 0) {
-        RankSnapshot snapshot = std::move(*job.pending[static_cast<size_t>(rank)]);
-        job.pending[static_cast<size_t>(rank)].reset();
         const bool failed = !job.status.ok();
         lock.unlock();
         FileRecord record;
-        Status status = failed ? Status::Ok() : write_rank_file(job, snapshot, &record);
-        {
-          RankSnapshot released = std::move(snapshot);  // frees the memory before relocking
-        }
+        Status status = failed ? Status::Ok() : write_rank_file(job, *job.snapshots[static_cast<size_t>(rank)], &record);
         lock.lock();
+        job.written[static_cast<size_t>(rank)] = true;
         ++job.written_count;
         bytes_written_ += record.bytes;
         if (!status.ok()) {
@@ -484,29 +487,112 @@ class CheckpointSaver::Impl {
       }
       lock.unlock();
       Status status = job.status;
-      if (status.ok()) {
-        status = commit(job);
+      if (status.ok()) status = commit(job);
+      for (int attempt = 2; !status.ok() && complete && attempt <= options_.save_attempts; ++attempt) {
+        STRATA_LOG(kWarn) << "checkpoint: saving step " << job.step << " to " << options_.directory
+                          << " failed: " << status.to_string() << "; trying again (attempt " << attempt << " of "
+                          << options_.save_attempts << ")";
+        remove_tmp(job);
+        status = rewrite(job);
       }
       if (!status.ok()) remove_tmp(job);
+      for (auto& snapshot : job.snapshots) snapshot.reset();  // frees the memory before relocking
       lock.lock();
       if (status.ok()) {
         last_committed_ = std::max(last_committed_, job.step);
       } else {
-        errors_.push_back(std::move(status).with_context("checkpoint step " + std::to_string(job.step) + " in " +
-                                                         options_.directory + " was not saved"));
+        status.with_context("checkpoint step " + std::to_string(job.step) + " in " + options_.directory + " was not saved");
+        STRATA_LOG(kError) << status.to_string();
+        errors_.push_back(std::move(status));
       }
       jobs_.pop_front();
       done_cv_.notify_all();
     }
   }
 
+  static int unwritten_rank_locked(const SaveJob& job) {
+    for (size_t r = 0; r < job.snapshots.size(); ++r) {
+      if (job.snapshots[r].has_value() && !job.written[r]) return static_cast<int>(r);
+    }
+    return -1;
+  }
+
   bool has_work_locked() const {
     if (jobs_.empty()) return false;
     const SaveJob& job = *jobs_.front();
-    for (const auto& pending : job.pending) {
-      if (pending.has_value()) return true;
-    }
+    if (unwritten_rank_locked(job) >= 0) return true;
     return job.written_count == options_.world_size && job.trainer_state.has_value();
+  }
+
+  // Writer thread, with every snapshot and the trainer state at hand: the whole save again.
+  Status rewrite(SaveJob& job) {
+    for (size_t r = 0; r < job.snapshots.size(); ++r) {
+      FileRecord record;
+      Status status = write_rank_file(job, *job.snapshots[r], &record);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        bytes_written_ += record.bytes;
+      }
+      STRATA_RETURN_IF_ERROR(std::move(status));
+      job.rank_files[r] = std::move(record);
+    }
+    return commit(job);
+  }
+
+  // Start-up: a file can be created, written, fsynced and removed in D.
+  Status probe_writable() {
+    const std::string path = (fs::path(options_.directory) / (".strata-write-probe-" + std::to_string(::getpid()))).string();
+    auto not_writable = [&](const Status& status) {
+      return FailedPreconditionError("checkpoint: save directory '" + options_.directory + "' is not writable: " + status.message() +
+                                     "; choose a writable --save-dir");
+    };
+    StatusOr<File> probe = File::open(path, {.flags = O_WRONLY | O_CREAT | O_TRUNC});
+    if (!probe.ok()) return not_writable(probe.status());
+    const std::vector<char> block(kDirectIoAlignment, 0);
+    Status status = probe->write_exact(block.data(), block.size(), 0);
+    if (status.ok()) status = probe->sync();
+    probe->reset();
+    if (::unlink(path.c_str()) != 0 && status.ok()) status = Status::FromErrno(errno, "unlink(" + path + ")");
+    if (!status.ok()) return not_writable(status);
+    return Status::Ok();
+  }
+
+  // Start-up: flock(D/.strata-save.lock) for the saver's life, so two runs never commit
+  // into one directory. The file holds the owner's pid to name it in the refusal.
+  Status lock_directory() {
+    const std::string path = (fs::path(options_.directory) / kCheckpointLockName).string();
+    STRATA_ASSIGN_OR_RETURN(lock_file_, File::open(path, {.flags = O_RDWR | O_CREAT}));
+    Status locked = lock_file_.try_lock_exclusive();
+    if (!locked.ok()) {
+      if (locked.error_number() != EWOULDBLOCK) return std::move(locked).with_context("checkpoint: locking the save directory");
+      char text[32] = {};
+      const ssize_t got = ::pread(lock_file_.fd(), text, sizeof(text) - 1, 0);  // best effort: only names the holder
+      const long holder = got > 0 ? std::strtol(text, nullptr, 10) : 0;
+      std::string who = holder > 0 ? "pid " + std::to_string(holder) : "pid unknown";
+      if (holder == static_cast<long>(::getpid())) who += ", this process: another checkpoint saver is open";
+      return AlreadyExistsError("checkpoint: save directory '" + options_.directory + "' is in use by another run (" + who +
+                                ", holding " + path + "); give each run its own --save-dir");
+    }
+    const std::string pid_text = std::to_string(::getpid()) + "\n";
+    Status written = lock_file_.truncate(0);
+    if (written.ok()) written = lock_file_.write_exact(pid_text.data(), pid_text.size(), 0);
+    return written;
+  }
+
+  // Start-up: room for checkpoints_of_room checkpoints of the plan's size.
+  Status check_free_space() {
+    if (options_.checkpoint_elements == 0 || options_.checkpoints_of_room <= 0) return Status::Ok();
+    struct statvfs info {};
+    if (::statvfs(options_.directory.c_str(), &info) != 0) return Status::FromErrno(errno, "statvfs(" + options_.directory + ")");
+    const uint64_t free_bytes = static_cast<uint64_t>(info.f_bavail) * static_cast<uint64_t>(info.f_frsize);
+    const uint64_t one = checkpoint_bytes(options_.checkpoint_elements, options_.world_size);
+    const uint64_t need = one * static_cast<uint64_t>(options_.checkpoints_of_room);
+    if (free_bytes >= need) return Status::Ok();
+    return FailedPreconditionError(
+        "checkpoint: save directory '" + options_.directory + "' has " + engine_internal::format_bytes(free_bytes) + " free, but " +
+        std::to_string(options_.checkpoints_of_room) + " checkpoints need " + engine_internal::format_bytes(need) + " (one: 12 B x " +
+        std::to_string(options_.checkpoint_elements) + " parameters of fp32 master, exp_avg and exp_avg_sq + manifest and trainer state = " +
+        engine_internal::format_bytes(one) + "); free space there or choose another --save-dir");
   }
 
   std::string final_dir(const SaveJob& job) const { return checkpoint_path(options_.directory, job.step); }
@@ -649,7 +735,7 @@ class CheckpointSaver::Impl {
     return Status::Ok();
   }
 
-  // Keeps the newest keep_last step-* directories.
+  // Keeps the newest keep_last step-* directories, and the newest healthy one.
   void prune() {
     if (options_.keep_last <= 0) return;
     std::vector<std::pair<int64_t, fs::path>> steps;
@@ -659,11 +745,28 @@ class CheckpointSaver::Impl {
       if (step >= 0) steps.emplace_back(step, entry.path());
     }
     std::sort(steps.begin(), steps.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    size_t fallback = steps.size();
+    for (size_t i = 0; i < steps.size() && fallback == steps.size(); ++i) {
+      if (is_healthy(steps[i].second)) fallback = i;
+    }
     for (size_t i = static_cast<size_t>(options_.keep_last); i < steps.size(); ++i) {
+      if (i == fallback) {
+        STRATA_LOG(kInfo) << "checkpoint: keeping " << steps[i].second.string() << " beyond keep_last " << options_.keep_last
+                          << ": it is the newest whose step ended with a finite loss";
+        continue;
+      }
       fs::remove_all(steps[i].second, error);
       if (error) STRATA_LOG(kWarn) << "checkpoint: cannot remove old " << steps[i].second.string() << ": " << error.message();
       else STRATA_LOG(kDebug) << "checkpoint: removed old " << steps[i].second.string() << " (keep_last " << options_.keep_last << ")";
     }
+  }
+
+  // A checkpoint to fall back to: options_.is_healthy accepts its trainer state (one that
+  // cannot be read is not).
+  bool is_healthy(const fs::path& checkpoint) const {
+    if (!options_.is_healthy) return true;
+    auto text = read_small_file((checkpoint / kTrainerStateName).string());
+    return text.ok() && options_.is_healthy(*text);
   }
 
   const CheckpointSaverOptions options_;
@@ -677,7 +780,14 @@ class CheckpointSaver::Impl {
   int64_t last_committed_ = -1;
   uint64_t bytes_written_ = 0;
   std::thread thread_;
+  File lock_file_;  // holds the save directory's flock for the saver's life
 };
+
+uint64_t checkpoint_bytes(uint64_t elements, int world_size) {
+  const uint64_t ranks = static_cast<uint64_t>(std::max(1, world_size));
+  const uint64_t per_rank = (elements * 12 / ranks + kDirectIoAlignment - 1) / kDirectIoAlignment * kDirectIoAlignment;
+  return per_rank * ranks + (uint64_t{64} << 10);
+}
 
 StatusOr<std::unique_ptr<CheckpointSaver>> CheckpointSaver::create(const CheckpointSaverOptions& options) {
   if (options.directory.empty()) return InvalidArgumentError("checkpoint: the save directory is empty");
@@ -700,6 +810,7 @@ Status CheckpointSaver::submit(int64_t step, RankSnapshot snapshot) { return imp
 Status CheckpointSaver::submit_trainer_state(int64_t step, std::string json_text) {
   return impl_->submit_trainer_state(step, std::move(json_text));
 }
+Status CheckpointSaver::poll() { return impl_->poll(); }
 Status CheckpointSaver::wait() { return impl_->wait(); }
 Status CheckpointSaver::finish() { return impl_->finish(); }
 int64_t CheckpointSaver::last_committed_step() const { return impl_->last_committed_step(); }

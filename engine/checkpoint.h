@@ -22,8 +22,20 @@
 // and the directory, renames the directory to D/step-<N>/ (atomically replacing an older
 // save of the same step) and fsyncs D. A crash at any point leaves either the previous
 // state or the complete checkpoint; a failed save (disk full, I/O error) removes its
-// temporary directory and leaves every earlier checkpoint as it was. Errors are kept and
-// returned by the next wait()/finish(), naming the step and the file.
+// temporary directory and leaves every earlier checkpoint as it was. A failed save is
+// logged when it fails (naming the step and the file) and tried once more from the
+// snapshots it still holds; a save that fails again is kept as an error, returned by the
+// next poll() (which does not block), wait() or finish().
+//
+// At create() the saver checks D before any step runs: created if missing, writable (a
+// probe file is created, fsynced and removed), and, given checkpoint_elements, with free
+// space for checkpoints_of_room checkpoints (statvfs). It locks D for its life with
+// flock(D/.strata-save.lock), which holds the owner's pid: a second saver on D, in this
+// process or another, is refused naming D and the holder.
+//
+// Rotation (keep_last) never deletes the newest checkpoint is_healthy() accepts (the
+// trainer marks one whose step ended with a finite loss), even when it is older than the
+// newest keep_last.
 //
 // Loading (CheckpointReader): open() checks the manifest and every file's size (a short
 // file is kDataLoss "truncated"); read_range()/load_shard() read any element range of a
@@ -42,7 +54,8 @@
 // set_steps_taken).
 //
 // Memory: a RankSnapshot is a full copy of the rank's fp32 optimizer state (12 bytes per
-// parameter / world size); the saver keeps at most max_pending_saves steps of them.
+// parameter / world size); the saver keeps at most max_pending_saves steps of them, each
+// until its save has committed or failed for good (the retry rewrites them).
 #pragma once
 
 #include <array>
@@ -122,7 +135,23 @@ struct CheckpointSaverOptions {
   // "before_manifest", "before_rename"; an error it returns fails the save there (the
   // hook may also end the process to simulate a crash).
   std::function<Status(std::string_view point, int64_t step)> fault_hook;
+  // Free space: the fp32 state elements of one checkpoint (every group's padded_numel, all
+  // ranks); create() refuses D unless it has room for checkpoints_of_room checkpoints of
+  // checkpoint_bytes(checkpoint_elements, world_size) each. 0 = no space check.
+  uint64_t checkpoint_elements = 0;
+  int checkpoints_of_room = 2;
+  int save_attempts = 2;  // a failed save is written again, from its snapshots, up to this many tries in all
+  // Rotation: whether a committed checkpoint's trainer state marks it as one to fall back
+  // to; the newest such checkpoint is never rotated away. Unset: every checkpoint is.
+  std::function<bool(std::string_view trainer_state)> is_healthy;
 };
+
+// The bytes one checkpoint of `elements` fp32 state elements (all ranks) takes on disk:
+// 12 B per element (master, exp_avg, exp_avg_sq), each rank file rounded to 4 KiB, and
+// 64 KiB for the manifest and the trainer state.
+uint64_t checkpoint_bytes(uint64_t elements, int world_size);
+// The name of the lock file create() holds in the save directory.
+inline constexpr std::string_view kCheckpointLockName = ".strata-save.lock";
 
 class CheckpointSaver {
  public:
@@ -143,6 +172,9 @@ class CheckpointSaver {
   // stored byte for byte. Exactly once per step, from any one rank.
   Status submit_trainer_state(int64_t step, std::string json);
 
+  // Does not block: the first save failure (after its retry) not yet returned, naming its
+  // step and file; Ok while none. For a trainer to learn of a failure at the next step.
+  Status poll();
   // Blocks until every save submitted so far has committed or failed; returns the first
   // failure not yet returned (naming its step, and how many others failed).
   Status wait();

@@ -287,7 +287,8 @@ Status EngineImpl::allocate_and_initialize() {
     STRATA_ASSIGN_OR_RETURN(LossScaler scaler, LossScaler::create(options_.loss_scaler));
     loss_scaler_.emplace(scaler);
   }
-  early_update_ = options_.overlap == OverlapMode::kExact && options_.gradient_clipping <= 0.0f && !options_.fp16_loss_scaling;
+  early_update_ = options_.overlap == OverlapMode::kExact && options_.gradient_clipping <= 0.0f && !options_.fp16_loss_scaling &&
+                  !options_.skip_non_finite_updates;
 
   // Per group: storage, then the initial values of the local shards.
   std::vector<float> init(all_max_shard);

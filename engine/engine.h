@@ -107,6 +107,11 @@ struct EngineOptions {
   OverlapMode overlap = OverlapMode::kExact;
   float gradient_clipping = 0.0f;            // global-norm clipping; 0 = off
   bool fp16_loss_scaling = false;            // dynamic loss scaling (fp16 training)
+  // true: no update starts before the step's global gradient statistics are known (exact
+  // mode gives up starting Adam(g) as g lands), so a step whose gradient norm is NaN/inf is
+  // skipped with every weight untouched, as an fp16 overflow is. The trainer sets it when
+  // strata.max_nonfinite_steps lets it skip such steps.
+  bool skip_non_finite_updates = false;
   LossScalerOptions loss_scaler;
   kernels::AdamHyperparams adam;             // lr here is the default; step() may override it
   int optimizer_threads = 0;                 // CPU Adam threads; 0 = available cores

@@ -79,6 +79,7 @@ void set_optimizer(const StrataConfig& config, EngineOptions& o) {
   o.gradient_accumulation_steps = to_int(*config.gradient_accumulation_steps);
   o.overlap = config.strata.optimizer_overlap;
   o.gradient_clipping = static_cast<float>(config.gradient_clipping);
+  o.skip_non_finite_updates = config.strata.max_nonfinite_steps > 0;
   o.adam.lr = config.optimizer.lr;
   o.adam.beta1 = config.optimizer.betas[0];
   o.adam.beta2 = config.optimizer.betas[1];

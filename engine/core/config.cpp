@@ -49,6 +49,10 @@ StatusOr<Tier> parse_placement(std::string_view text, bool pin_memory) {
 
 std::string_view overlap_mode_name(OverlapMode mode) { return mode == OverlapMode::kDelayed ? "delayed" : "exact"; }
 
+std::string_view save_failure_policy_name(SaveFailurePolicy policy) {
+  return policy == SaveFailurePolicy::kContinue ? "continue" : "stop";
+}
+
 StatusOr<OverlapMode> parse_overlap_mode(std::string_view text) {
   if (text == "exact") return OverlapMode::kExact;
   if (text == "delayed") return OverlapMode::kDelayed;
@@ -750,6 +754,9 @@ std::vector<KeySpec> build_schema() {
   add(value_key("strata.trace", FIELD(strata.trace), StringCodec{}));
   add(value_key("strata.seed", FIELD(strata.seed), non_negative()));
   add(value_key("strata.steps", FIELD(strata.steps), non_negative()));
+  add(value_key("strata.checkpoint.on_save_failure", FIELD(strata.on_save_failure),
+                named_codec({SaveFailurePolicy::kStop, SaveFailurePolicy::kContinue}, save_failure_policy_name)));
+  add(value_key("strata.max_nonfinite_steps", FIELD(strata.max_nonfinite_steps), non_negative()));
   // strata.model and strata.data: the GPT trainer's keys.
   add(value_key("strata.model.preset", FIELD(strata.model.preset), StringCodec{}));
   add(value_key("strata.model.n_layer", FIELD(strata.model.n_layer), non_negative()));

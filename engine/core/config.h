@@ -63,6 +63,13 @@ enum class OverlapMode : uint8_t {
   kDelayed,
 };
 std::string_view overlap_mode_name(OverlapMode mode);  // "exact" | "delayed"
+
+// What the trainer does when a checkpoint save fails twice (the save and its one retry).
+enum class SaveFailurePolicy : uint8_t {
+  kStop,      // stop the run with an error (the last good checkpoint stays)
+  kContinue,  // warn and keep training; the next save tries again
+};
+std::string_view save_failure_policy_name(SaveFailurePolicy policy);  // "stop" | "continue"
 StatusOr<OverlapMode> parse_overlap_mode(std::string_view text);
 
 // Which implementation of offload/io_engine.h moves NVMe bytes.
@@ -212,6 +219,8 @@ struct StrataSection {
   std::string trace;                  // trace file (Chrome trace JSON); empty = none
   int64_t seed = 1234;
   int64_t steps = 0;                  // optimizer steps to run; 0 = the trainer's default
+  SaveFailurePolicy on_save_failure = SaveFailurePolicy::kStop;  // strata.checkpoint.on_save_failure
+  int64_t max_nonfinite_steps = 0;    // steps with a non-finite loss or gradient norm skipped before the run stops; 0 = stop at the first
   ModelConfig model;
   DataConfig data;
 };
