@@ -66,6 +66,18 @@ bool is_not_writable_errno(int error) { return error == EROFS || error == EACCES
 
 }  // namespace
 
+// "pid N" from the pid file the lock holder wrote, "pid unknown" when it is gone.
+std::string NvmeStore::lock_holder() const {
+  char text[32] = {};
+  const int fd = ::open(lock_path_.c_str(), O_RDONLY | O_CLOEXEC);
+  const ssize_t got = fd >= 0 ? ::pread(fd, text, sizeof(text) - 1, 0) : -1;  // best effort: only names the holder
+  if (fd >= 0) ::close(fd);
+  const long holder = got > 0 ? std::strtol(text, nullptr, 10) : 0;
+  std::string who = holder > 0 ? "pid " + std::to_string(holder) : "pid unknown";
+  if (holder == static_cast<long>(::getpid())) who += ", this process: another NvmeStore of rank " + std::to_string(options_.rank) + " is open";
+  return who;
+}
+
 NvmeStore::NvmeStore(ConstructionKey) : shared_(std::make_shared<Shared>()) {}
 
 StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::open(const NvmeStoreOptions& options, IoEngine* engine) {
@@ -108,35 +120,9 @@ Status NvmeStore::open_files() {
                   "nvme store: cannot create nvme_path '" + directory_ + "': " + error.message());
   }
 
-  // The lock first: a second process must not touch the data file at all.
-  StatusOr<File> lock_file = File::open(lock_path_, {.flags = O_RDWR | O_CREAT});
-  if (!lock_file.ok()) {
-    Status status = std::move(lock_file).status();
-    if (is_not_writable_errno(status.error_number())) {
-      return FailedPreconditionError("nvme store: nvme_path '" + directory_ + "' is not writable: " + status.message());
-    }
-    return std::move(status).with_context("nvme store: cannot open the lock file of nvme_path '" + directory_ + "'");
-  }
-  lock_file_ = std::move(lock_file).value();
-  Status locked = lock_file_.try_lock_exclusive();
-  if (!locked.ok()) {
-    if (locked.error_number() != EWOULDBLOCK) return locked;
-    char text[32] = {};
-    const ssize_t got = ::pread(lock_file_.fd(), text, sizeof(text) - 1, 0);  // best effort: only names the holder
-    const long holder = got > 0 ? std::strtol(text, nullptr, 10) : 0;
-    std::string who = holder > 0 ? "pid " + std::to_string(holder) : "pid unknown";
-    if (holder == static_cast<long>(::getpid())) who += ", this process: another NvmeStore of rank " + std::to_string(options_.rank) + " is open";
-    return AlreadyExistsError("nvme store: nvme_path '" + directory_ + "' is in use by another live process (" + who +
-                              ", holding " + lock_path_ + "); give each run its own nvme_path or rank");
-  }
-  const std::string pid_text = std::to_string(::getpid()) + "\n";
-  Status written = lock_file_.truncate(0);
-  if (written.ok()) written = lock_file_.write_exact(pid_text.data(), pid_text.size(), 0);
-  if (!written.ok()) {
-    return FailedPreconditionError("nvme store: nvme_path '" + directory_ + "' is not writable: " + written.message());
-  }
-
   // The data file: O_DIRECT where the file system takes it, at the alignment it asks for.
+  // It is its own lock (flock), taken before anything reads or writes it: a side file
+  // could be deleted, after which a second process would write into this one's data.
   StatusOr<File> data_file =
       File::open(file_path_, {.flags = O_RDWR | O_CREAT,
                               .direct_io = options_.direct_io ? FileDirectIo::kPreferred : FileDirectIo::kOff});
@@ -147,7 +133,21 @@ Status NvmeStore::open_files() {
     }
     return std::move(status).with_context("nvme store: cannot open the data file");
   }
+  Status locked = data_file->try_lock_exclusive();
+  if (!locked.ok()) {
+    if (locked.error_number() != EWOULDBLOCK) return locked;
+    return AlreadyExistsError("nvme store: nvme_path '" + directory_ + "' is in use by another live process (" + lock_holder() +
+                              ", holding a lock on " + file_path_ + "); give each run its own nvme_path or rank");
+  }
   data_file_ = std::move(data_file).value();
+  // The owner's pid, only to name it in a refusal.
+  StatusOr<File> pid_file = File::open(lock_path_, {.flags = O_RDWR | O_CREAT | O_TRUNC});
+  Status written = pid_file.ok() ? Status::Ok() : pid_file.status();
+  const std::string pid_text = std::to_string(::getpid()) + "\n";
+  if (written.ok()) written = pid_file->write_exact(pid_text.data(), pid_text.size(), 0);
+  if (!written.ok()) {
+    return FailedPreconditionError("nvme store: nvme_path '" + directory_ + "' is not writable: " + written.message());
+  }
   direct_io_ = data_file_.direct_io();
   if (options_.direct_io && !direct_io_) {
     STRATA_LOG(kWarn) << "nvme store: the file system under '" << directory_
@@ -184,8 +184,7 @@ NvmeStore::~NvmeStore() {
     if (!status.ok()) STRATA_LOG(kWarn) << "nvme store: " << status.to_string();
   }
   owned_engine_.reset();
-  data_file_.reset();
-  lock_file_.reset();  // releases the flock
+  data_file_.reset();  // releases the flock
 }
 
 // mutex held. Makes the allocator's free tail at least `needed_bytes` long, growing the

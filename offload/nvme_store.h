@@ -3,16 +3,17 @@
 //
 // nvme_path (DESIGN.md): the directory is created if missing and creatable; an error
 // names the path when it cannot be created or written. The store holds
-//   <nvme_path>/strata-rank<R>.lock  flock'ed for the store's life, holding the owner's pid:
+//   <nvme_path>/strata-rank<R>.swap  the data file, flock'ed for the store's life (the file
+//                                    itself, so deleting any other file cannot unlock it):
 //                                    a second live process (or a second store in this
 //                                    process) on the same nvme_path and rank is refused
 //                                    with an error naming the path and the holder's pid.
 //                                    Ranks lock separately, so one process per GPU can
-//                                    share a node's nvme_path.
-//   <nvme_path>/strata-rank<R>.swap  the data file, preallocated with fallocate and grown
-//                                    as extents need room. A file a finished run left is
-//                                    reused (its contents are scratch; nothing of it is
-//                                    trusted).
+//                                    share a node's nvme_path. Preallocated with fallocate
+//                                    and grown as extents need room. A file a finished run
+//                                    left is reused (its contents are scratch; nothing of
+//                                    it is trusted).
+//   <nvme_path>/strata-rank<R>.lock  the holder's pid, only to name it in that refusal.
 //
 // Extents are named by a key, 4 KiB (the file's O_DIRECT alignment) aligned and freed for
 // reuse. Every checksum block (1 MiB by default) of an extent carries an XXH64 checksum
@@ -150,6 +151,7 @@ class NvmeStore {
   struct Shared;
 
   Status open_files();
+  std::string lock_holder() const;  // "pid N" of the store holding file_path_'s lock
   Status grow_file(size_t needed_bytes, std::string_view key, size_t extent_bytes, size_t growth_step);
   // Checks a ranged transfer against the extent and the alignment rules (mutex held).
   Status check_range(const Extent& extent, size_t bytes, size_t extent_offset, const char* what) const;
@@ -160,7 +162,6 @@ class NvmeStore {
   std::string lock_path_;
   size_t alignment_ = 4096;
   bool direct_io_ = true;
-  File lock_file_;  // holds the flock for this process
   File data_file_;
   IoFile io_file_;
   std::unique_ptr<IoEngine> owned_engine_;

@@ -346,6 +346,26 @@ TEST(NvmeStoreTest, SecondStoreOnTheSamePathAndRankIsRefused) {
   EXPECT_NE(other_rank->file_path(), first->file_path());
 }
 
+// The lock is the data file's own: deleting every other file in nvme_path (the pid file
+// included) does not let a second store write into the first one's data.
+TEST(NvmeStoreTest, DeletingTheSideFilesDoesNotUnlockTheDataFile) {
+  testing::TempDir dir;
+  OPEN_STORE_OR_SKIP(first, store_options(dir.str()));
+  int removed = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
+    if (entry.path().string() == first->file_path()) continue;
+    std::filesystem::remove(entry.path());
+    ++removed;
+  }
+  EXPECT_GE(removed, 1);  // the pid file
+  auto second = NvmeStore::open(store_options(dir.str()));
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kAlreadyExists);
+  EXPECT_TRUE(contains(second.status().message(), "nvme_path '" + dir.str() + "' is in use")) << second.status().to_string();
+  EXPECT_TRUE(contains(second.status().message(), first->file_path())) << second.status().to_string();
+  EXPECT_TRUE(contains(second.status().message(), "pid unknown")) << second.status().to_string();
+}
+
 TEST(NvmeStoreTest, SecondLiveProcessIsRefusedWithItsPid) {
   testing::TempDir dir;
   const std::string path = dir.str() + "/shared";
