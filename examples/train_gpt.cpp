@@ -24,6 +24,7 @@
 #include "examples/gpt/gpt_model.h"
 #include "examples/gpt/gpt_trainer.h"
 #include "examples/gpt/gpt_weights.h"
+#include "examples/gpt/preemption.h"
 #include "examples/gpt/safetensors.h"
 #include "examples/gpt/token_data.h"
 
@@ -261,6 +262,12 @@ int main(int argc, char** argv) {
   }
   options->out = &std::cout;
   options->live_bar = isatty(STDOUT_FILENO) != 0;
+  // SIGTERM/SIGINT: finish the step, save, exit 128 + the signal (a second one: at once).
+  if (Status installed = install_preemption_handlers("train_gpt"); !installed.ok()) {
+    std::cerr << "train_gpt: " << installed.to_string() << "\n";
+    return 1;
+  }
+  options->stop_requested = preemption_requested;
   auto result = run_gpt_training(*options);
   if (!result.ok()) {
     std::cout << std::flush;
@@ -268,5 +275,5 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::cout << summary_json(*result) << std::endl;
-  return 0;
+  return result->stopped_by_signal != 0 ? 128 + result->stopped_by_signal : 0;
 }

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <csignal>
 #include <filesystem>
 #include <iomanip>
 #include <map>
@@ -191,6 +192,121 @@ class StepBoard {
   bool bar_shown_ = false;
 };
 
+// What one rank knows of a step's health.
+struct RankHealth {
+  double loss_sum = 0.0;
+  int64_t tokens = 0;
+  double grad_norm = 0.0;
+  bool skipped = false;  // the engine left the weights untouched
+};
+
+// What every rank does after a step, decided once (by rank 0, between two barriers).
+struct StepOutcome {
+  bool non_finite = false;  // a NaN/inf loss or gradient norm (not an fp16 overflow): the step is not saved as good
+  Status stop;              // divergence, or a failed save under on_save_failure=stop: every rank returns it
+  int stop_signal = 0;      // a stop request: end the loop after this step
+};
+
+// Rank 0's side of the per-step agreement: divergence, save failures and stop requests.
+class StepJudge {
+ public:
+  StepJudge(const TrainerOptions& options, CheckpointSaver* saver, bool loss_scaling, std::string resumed_from)
+      : options_(options), saver_(saver), loss_scaling_(loss_scaling), resumed_from_(std::move(resumed_from)) {}
+
+  StepOutcome judge(int64_t step_index, const std::vector<RankHealth>& ranks) {
+    StepOutcome outcome;
+    double loss_sum = 0.0;
+    int64_t tokens = 0;
+    for (const RankHealth& r : ranks) {
+      loss_sum += r.loss_sum;
+      tokens += r.tokens;
+    }
+    const double loss = tokens > 0 ? loss_sum / double(tokens) : 0.0;
+    const RankHealth& lead = ranks.front();  // the gradient norm is global: every rank has it
+    // With fp16 loss scaling a non-finite norm is an overflow the scaler already skipped.
+    outcome.non_finite = !std::isfinite(loss) || (!std::isfinite(lead.grad_norm) && !loss_scaling_);
+    if (saver_) {
+      Status saved = saver_->poll();
+      if (!saved.ok()) outcome.stop = on_save_failure(step_index, std::move(saved));
+    }
+    if (outcome.non_finite && outcome.stop.ok()) outcome.stop = on_non_finite(step_index, loss, lead);
+    if (options_.stop_requested) outcome.stop_signal = options_.stop_requested();
+    return outcome;
+  }
+
+  int64_t skipped_steps() const { return skipped_; }
+
+  // The newest checkpoint that holds a state this run trusts, after pending saves settle.
+  std::string last_good_checkpoint() {
+    std::string note;
+    if (saver_) {
+      Status pending = saver_->wait();
+      if (!pending.ok()) note = " (a later save failed: " + pending.message() + ")";
+      if (saver_->last_committed_step() >= 0) return checkpoint_path(options_.save_dir, saver_->last_committed_step()) + note;
+    }
+    if (!resumed_from_.empty()) return resumed_from_ + " (resumed from)" + note;
+    return "none (no checkpoint was saved" + std::string(options_.save_dir.empty() ? "; no --save-dir" : "") + ")" + note;
+  }
+
+ private:
+  Status on_save_failure(int64_t step_index, Status failure) {
+    const int64_t step = step_index + 1;
+    if (options_.config.strata.on_save_failure == SaveFailurePolicy::kContinue) {
+      STRATA_LOG(kWarn) << "after step " << step << ": " << failure.to_string()
+                        << "\n  training goes on (strata.checkpoint.on_save_failure=continue); the next save tries again";
+      return {};
+    }
+    return failure.with_context("after step " + std::to_string(step) + ": stopping the run (strata.checkpoint.on_save_failure=stop); " +
+                                "the last good checkpoint is " + last_good_checkpoint());
+  }
+
+  Status on_non_finite(int64_t step_index, double loss, const RankHealth& lead) {
+    const int64_t step = step_index + 1;
+    std::ostringstream what;
+    what << "step " << step << ": the loss is " << loss << " and the gradient norm " << lead.grad_norm;
+    const int64_t allowed = options_.config.strata.max_nonfinite_steps;
+    if (!lead.skipped) {
+      if (allowed > 0)
+        what << "; the engine applied the update (a non-finite loss with a finite gradient norm), so the step cannot be skipped";
+    } else if (skipped_ < allowed) {
+      ++skipped_;
+      STRATA_LOG(kWarn) << what.str() << ": step skipped, weights unchanged (" << skipped_ << " of strata.max_nonfinite_steps="
+                        << allowed << ")";
+      return {};
+    }
+    what << ": training diverged; stopped without saving this state (" << skipped_ << " step(s) skipped before, strata.max_nonfinite_steps="
+         << allowed << "). The last good checkpoint is " << last_good_checkpoint()
+         << ". Lower the learning rate, check the data and the initial weights, or raise strata.max_nonfinite_steps to skip such steps";
+    return FailedPreconditionError(what.str());
+  }
+
+  const TrainerOptions& options_;
+  CheckpointSaver* saver_;
+  const bool loss_scaling_;
+  const std::string resumed_from_;
+  int64_t skipped_ = 0;
+};
+
+// The ranks' per-step agreement: each posts its health, rank 0 judges, all read the
+// outcome. Two barriers of the trainer's RankSync, so a failing rank breaks it.
+class StepAgreement {
+ public:
+  StepAgreement(int world, RankSync& sync) : sync_(sync), health_(static_cast<size_t>(world)) {}
+
+  StatusOr<StepOutcome> agree(int64_t step_index, int rank, const RankHealth& mine, StepJudge& judge) {
+    health_[static_cast<size_t>(rank)] = mine;
+    STRATA_RETURN_IF_ERROR(sync_.arrive_and_wait());  // every rank's health is in
+    if (rank == 0) outcome_ = judge.judge(step_index, health_);
+    STRATA_RETURN_IF_ERROR(sync_.arrive_and_wait());  // the outcome is out
+    return outcome_;  // rank 0 writes the next one only after every rank arrives again
+  }
+
+ private:
+  RankSync& sync_;
+  std::vector<RankHealth> health_;
+  StepOutcome outcome_;
+};
+
 std::string model_json(const GptConfig& c) {
   return nlohmann::json{{"n_layer", c.n_layer}, {"n_head", c.n_head}, {"n_embd", c.n_embd}, {"n_ctx", c.n_ctx}, {"vocab_size", c.vocab_size}}
       .dump();
@@ -299,6 +415,15 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     saver_options.directory = options.save_dir;
     saver_options.world_size = world;
     saver_options.keep_last = options.keep_checkpoints;
+    for (const auto& spec : gpt_group_specs(options.model)) {
+      STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, world));
+      saver_options.checkpoint_elements += layout.padded_numel;
+    }
+    // Rotation keeps the newest checkpoint whose step ended with a finite loss.
+    saver_options.is_healthy = [](std::string_view state) {
+      const auto parsed = nlohmann::json::parse(state, nullptr, /*allow_exceptions=*/false);
+      return parsed.is_object() && parsed.value("loss_finite", true);
+    };
     STRATA_ASSIGN_OR_RETURN(saver, CheckpointSaver::create(saver_options));
   }
 
@@ -321,6 +446,10 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
   result.resumed_from_step = start_step;
 
   RankSync sync(world);
+  StepAgreement agreement(world, sync);
+  StepJudge judge(options, saver.get(), config.fp16.enabled, resume ? resume->path() : std::string());
+  int64_t end_step = total_steps;  // the step the loop ends after (earlier when stopped)
+  int stop_signal = 0;
   std::vector<float> exchange;  // export: one full group at a time
   if (!options.export_dir.empty()) {
     size_t largest = 0;
@@ -415,7 +544,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       if (engine_options.optimizer_tier != Tier::kNvme) return {};
       return engine->finish();
     };
-    auto save = [&](int64_t steps_done) -> Status {
+    auto save = [&](int64_t steps_done, bool loss_finite) -> Status {
       STRATA_RETURN_IF_ERROR(settle_state());
       STRATA_ASSIGN_OR_RETURN(RankSnapshot snapshot, snapshot_engine_state(*engine, rank));
       STRATA_RETURN_IF_ERROR(saver->submit(steps_done, std::move(snapshot)));
@@ -427,11 +556,9 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
                               {"schedule", nlohmann::json::parse(schedule.state_json())},
                               {"data", nlohmann::json::parse(loader.state_json())},
                               {"world_size", world},
-                              {"data_seed", options.data_seed}};  // the loss scaler is in the manifest
-      STRATA_RETURN_IF_ERROR(saver->submit_trainer_state(steps_done, state.dump()));
-      std::lock_guard<std::mutex> lock(result_mutex);
-      result.last_checkpoint = checkpoint_path(options.save_dir, steps_done);
-      return {};
+                              {"data_seed", options.data_seed},
+                              {"loss_finite", loss_finite}};  // the loss scaler is in the manifest
+      return saver->submit_trainer_state(steps_done, state.dump());
     };
 
     // Training.
@@ -440,6 +567,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     uint64_t nvme_read = 0, nvme_written = 0;
     const auto train_begin = std::chrono::steady_clock::now();
     int64_t last_saved = -1;
+    bool last_loss_finite = true;
     for (int64_t s = start_step; s < total_steps; ++s) {
       const double lr = schedule.current_lr();
       STRATA_RETURN_IF_ERROR(engine->begin_step(lr));
@@ -469,13 +597,26 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       nvme_read = report.nvme_bytes_read;
       nvme_written = report.nvme_bytes_written;
       board->post(s, rank, numbers, lr);
+      const RankHealth health{numbers.loss_sum, numbers.tokens, report.grad_norm, report.skipped};
+      STRATA_ASSIGN_OR_RETURN(const StepOutcome outcome, agreement.agree(s, rank, health, judge));
+      STRATA_RETURN_IF_ERROR(outcome.stop);
+      last_loss_finite = !outcome.non_finite;
       if (saver && options.save_every > 0 && (s + 1) % options.save_every == 0) {
-        STRATA_RETURN_IF_ERROR(save(s + 1));
+        STRATA_RETURN_IF_ERROR(save(s + 1, last_loss_finite));
         last_saved = s + 1;
+      }
+      if (outcome.stop_signal != 0) {
+        if (rank == 0) {
+          std::lock_guard<std::mutex> lock(result_mutex);
+          end_step = s + 1;
+          stop_signal = outcome.stop_signal;
+        }
+        break;
       }
     }
     const double train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - train_begin).count();
-    if (saver && total_steps > start_step && last_saved != total_steps) STRATA_RETURN_IF_ERROR(save(total_steps));
+    STRATA_RETURN_IF_ERROR(sync.arrive_and_wait());  // rank 0 has set end_step
+    if (saver && end_step > start_step && last_saved != end_step) STRATA_RETURN_IF_ERROR(save(end_step, last_loss_finite));
 
     // The weights' checksum, from this rank's master shards.
     STRATA_RETURN_IF_ERROR(settle_state());
@@ -490,7 +631,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     checksum.fetch_add(part);
 
     // Export: every rank puts its shard of a group into one host buffer, rank 0 writes it.
-    if (!options.export_dir.empty()) {
+    if (!options.export_dir.empty() && stop_signal == 0) {
       auto contribute = [&](int g) -> Status {
         const GroupLayout& layout = engine->layout(g);
         shard.resize(layout.shard_numel);
@@ -526,7 +667,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     }
 
     // Evaluation after the last step: a forward-only pass with the final weights.
-    if (eval_loader) {
+    if (eval_loader && stop_signal == 0) {
       STRATA_RETURN_IF_ERROR(engine->begin_forward(gpt_forward_order(options.model)));
       STRATA_ASSIGN_OR_RETURN(MicroBatchLosses eval_losses, model->run_micro_batch(nullptr, &eval_batch, 0.0f));
       STRATA_RETURN_IF_ERROR(engine->end_forward());
@@ -552,14 +693,34 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
   if (board) board->finish_output();
   if (saver) {
     Status saved = saver->finish();
-    if (status.ok()) status = saved;
+    if (!saved.ok() && status.ok()) {
+      if (config.strata.on_save_failure == SaveFailurePolicy::kContinue)
+        STRATA_LOG(kWarn) << saved.to_string() << "\n  (strata.checkpoint.on_save_failure=continue: the run still succeeds)";
+      else
+        status = std::move(saved).with_context("the last good checkpoint is " +
+                                               (saver->last_committed_step() >= 0 ? checkpoint_path(options.save_dir, saver->last_committed_step())
+                                                                                  : std::string("none")));
+    }
+    if (saver->last_committed_step() >= 0) result.last_checkpoint = checkpoint_path(options.save_dir, saver->last_committed_step());
   }
   STRATA_RETURN_IF_ERROR(status);
+  result.stopped_by_signal = stop_signal;
+  result.nonfinite_steps = judge.skipped_steps();
+  if (stop_signal != 0 && options.out) {
+    *options.out << "stopped by " << (stop_signal == SIGINT ? "SIGINT" : stop_signal == SIGTERM ? "SIGTERM" : "signal " + std::to_string(stop_signal))
+                 << " after step " << end_step << " of " << total_steps << "; "
+                 << (saver ? (result.last_checkpoint == checkpoint_path(options.save_dir, end_step)
+                                  ? "checkpoint saved to " + result.last_checkpoint + " (continue with --resume " + options.save_dir + ")"
+                                  : "the checkpoint of step " + std::to_string(end_step) + " was not saved")
+                           : std::string("no --save-dir: nothing saved"))
+                 << "\n"
+                 << std::flush;
+  }
   result.steps = board ? board->records() : std::vector<StepRecord>{};
   if (!result.steps.empty()) result.final_loss = result.steps.back().loss;
   if (eval_tokens_final > 0) result.eval_loss = eval_sum_final / double(eval_tokens_final);
   result.param_checksum = checksum.load();
-  const double tokens = double(global_tokens_per_step) * double(total_steps - start_step);
+  const double tokens = double(global_tokens_per_step) * double(end_step - start_step);
   result.tokens_per_s = result.train_seconds > 0 ? tokens / result.train_seconds : 0.0;
   return result;
 }
@@ -594,6 +755,8 @@ std::string summary_json(const TrainerResult& r) {
   j["first_step"] = r.steps.empty() ? r.resumed_from_step : r.steps.front().step;
   j["losses"] = losses;
   if (!r.last_checkpoint.empty()) j["checkpoint"] = r.last_checkpoint;
+  if (r.stopped_by_signal != 0) j["stopped_by_signal"] = r.stopped_by_signal;
+  if (r.nonfinite_steps != 0) j["nonfinite_steps"] = r.nonfinite_steps;
   return j.dump();
 }
 

@@ -8,7 +8,17 @@
 //   for each micro-batch m: [begin_micro_batch]; model.run_micro_batch(train batch (step, m),
 //                           the evaluation batch when it is due and m == 0, grad_scale)
 //   report = engine.step(loss);  schedule.step() unless the update was skipped
+//   the ranks agree on the step's outcome: a non-finite loss or gradient norm (not an
+//     fp16 overflow) stops the run naming the step, the value and the last good
+//     checkpoint, or is skipped while strata.max_nonfinite_steps allows; a checkpoint
+//     save that failed (after its retry) stops the run under
+//     strata.checkpoint.on_save_failure=stop; a stop request (SIGTERM/SIGINT, through
+//     stop_requested) ends the loop after this step
 //   every save_every steps: snapshot the rank's state into the checkpoint saver
+//
+// The save directory is checked and locked before step 1 (CheckpointSaver). A stopped
+// run saves a checkpoint of the step it stopped after (when save_dir is set) and skips
+// the final evaluation and the export.
 //
 // An evaluation "at step s" (the weights after s updates) rides along the first forward
 // of step s + 1, with the same gathered parameters; the one after the last step is a
@@ -21,6 +31,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <ostream>
 #include <string>
@@ -50,6 +61,10 @@ struct TrainerOptions {
   std::string resume_dir;      // resume from the latest complete checkpoint in it
   std::string init_from;       // a GPT-2 safetensors file to start from
   std::string export_dir;      // write model.safetensors + config.json here at the end
+
+  // Polled between steps: a signal number asks the run to stop after the current step
+  // (preemption_requested(), installed by the program), 0 to go on. Unset: never stops.
+  std::function<int()> stop_requested;
 
   std::ostream* out = nullptr;  // plan and progress lines (nullptr: none)
   bool live_bar = false;        // redraw a progress bar under the lines (a terminal)
@@ -93,6 +108,8 @@ struct TrainerResult {
   int world_size = 1;
   std::string device;               // "cpu" | "cuda"
   std::string last_checkpoint;      // the newest checkpoint this run wrote
+  int stopped_by_signal = 0;        // the signal that stopped the run early (0: ran every step)
+  int64_t nonfinite_steps = 0;      // steps skipped for a non-finite loss or gradient norm
 };
 
 StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options);
