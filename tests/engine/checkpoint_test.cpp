@@ -15,8 +15,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <atomic>
 #include <cmath>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "engine/core/check.h"
@@ -694,6 +696,143 @@ TEST(CheckpointLossScalerTest, ResumeRestoresTheLossScaler) {
 
 INSTANTIATE_TEST_SUITE_P(OptimizerTiers, CheckpointEngineTest, ::testing::Values(Tier::kPinned, Tier::kNvme),
                          [](const auto& info) { return std::string(tier_name(info.param)); });
+
+// ---------------------------------------------------------------------------------------
+// Saves that fail loudly and early: the save directory checked and locked at create(),
+// a failed save retried once and then reported by poll(), rotation that keeps a
+// checkpoint to fall back to.
+// ---------------------------------------------------------------------------------------
+
+// A tmpfs the test mounts (root only) and unmounts whatever happens.
+struct ScopedTmpfs {
+  fs::path path;
+  bool mounted = false;
+  ScopedTmpfs(const fs::path& at, const std::string& options) : path(at) {
+    fs::create_directories(path);
+    mounted = ::mount("tmpfs", path.c_str(), "tmpfs", 0, options.c_str()) == 0;
+  }
+  ~ScopedTmpfs() {
+    if (mounted) ::umount2(path.c_str(), MNT_DETACH);
+  }
+};
+
+TEST(CheckpointSaverChecksTest, ASecondSaverOnTheSameDirectoryIsRefusedWithTheHoldersPid) {
+  testing::TempDir dir;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto first, CheckpointSaver::create(saver_options(dir.str(), 1)));
+  auto second = CheckpointSaver::create(saver_options(dir.str(), 1));
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), StatusCode::kAlreadyExists);
+  EXPECT_TRUE(contains(second.status().message(), "save directory '" + dir.str() + "' is in use by another run")) << second.status().to_string();
+  EXPECT_TRUE(contains(second.status().message(), "pid " + std::to_string(::getpid()))) << second.status().to_string();
+  STRATA_ASSERT_OK(first->finish());
+  first.reset();
+  // Once the first saver is gone the directory is free again.
+  STRATA_ASSERT_OK_AND_ASSIGN(auto third, CheckpointSaver::create(saver_options(dir.str(), 1)));
+}
+
+TEST(CheckpointSaverChecksTest, AReadOnlySaveDirectoryIsRefusedAtCreate) {
+  testing::TempDir dir;
+  const fs::path save = dir.path() / "ro";
+  std::optional<ScopedTmpfs> tmpfs;
+  if (::geteuid() == 0) {
+    // Root writes through permission bits: a read-only mount it is.
+    tmpfs.emplace(save, "size=1m,ro");
+    if (!tmpfs->mounted) GTEST_SKIP() << "cannot mount a read-only tmpfs at " << save << " (" << std::strerror(errno) << ")";
+  } else {
+    fs::create_directories(save);
+    fs::permissions(save, fs::perms::owner_read | fs::perms::owner_exec);
+  }
+  auto saver = CheckpointSaver::create(saver_options(save.string(), 1));
+  if (!tmpfs) fs::permissions(save, fs::perms::owner_all);
+  ASSERT_FALSE(saver.ok());
+  EXPECT_EQ(saver.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(contains(saver.status().message(), "save directory '" + save.string() + "' is not writable")) << saver.status().to_string();
+}
+
+TEST(CheckpointSaverChecksTest, TooLittleFreeSpaceForTwoCheckpointsIsRefusedAtCreateWithTheFigures) {
+  testing::TempDir dir;
+  ScopedTmpfs tmpfs(dir.path() / "small", "size=256k");
+  if (!tmpfs.mounted) GTEST_SKIP() << "cannot mount a tmpfs (" << std::strerror(errno) << "): this test needs root (CAP_SYS_ADMIN)";
+  CheckpointSaverOptions options = saver_options((tmpfs.path / "ckpt").string(), 1);
+  options.checkpoint_elements = 10000;  // 120 KB a checkpoint: one fits, two do not
+  auto saver = CheckpointSaver::create(options);
+  ASSERT_FALSE(saver.ok());
+  EXPECT_EQ(saver.status().code(), StatusCode::kFailedPrecondition);
+  const std::string text = saver.status().message();
+  EXPECT_TRUE(contains(text, "save directory '" + options.directory + "' has ")) << text;
+  EXPECT_TRUE(contains(text, "2 checkpoints need")) << text;
+  EXPECT_TRUE(contains(text, "12 B x 10000 parameters")) << text;
+  options.checkpoint_elements = 4000;  // 48 KB + 64 KiB: two fit
+  STRATA_ASSERT_OK_AND_ASSIGN(auto fits, CheckpointSaver::create(options));
+}
+
+TEST(CheckpointSaverChecksTest, AFailedSaveIsRetriedOnceAndCommits) {
+  testing::TempDir dir;
+  CheckpointSaverOptions options = saver_options(dir.str(), 2);
+  std::atomic<int> failures{0};
+  options.fault_hook = [&](std::string_view point, int64_t) -> Status {
+    if (point == "before_manifest" && failures.fetch_add(1) == 0) return IoError("injected failure, once");
+    return Status::Ok();
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(options));
+  for (int rank = 0; rank < 2; ++rank) STRATA_ASSERT_OK(saver->submit(5, make_snapshot(rank, 2, 5)));
+  STRATA_ASSERT_OK(saver->submit_trainer_state(5, "{}"));
+  STRATA_ASSERT_OK(saver->wait());
+  EXPECT_EQ(saver->last_committed_step(), 5);
+  EXPECT_EQ(failures.load(), 2);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto reader, CheckpointReader::open((dir.path() / "step-5").string()));
+  STRATA_ASSERT_OK(reader->verify());
+  expect_shards_match(*reader, 2, 5);
+}
+
+TEST(CheckpointSaverChecksTest, ASaveThatFailsTwiceIsReportedByPollWithoutWaiting) {
+  testing::TempDir dir;
+  CheckpointSaverOptions options = saver_options(dir.str(), 1);
+  std::atomic<int> attempts{0};
+  options.fault_hook = [&](std::string_view point, int64_t step) -> Status {
+    if (point == "rank_file_written" && step == 2) {
+      attempts.fetch_add(1);
+      return IoError("injected failure after the rank file");
+    }
+    return Status::Ok();
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(options));
+  STRATA_ASSERT_OK(saver->poll());
+  for (int64_t step : {1, 2, 3}) {
+    // With one save pending at most, submitting step 3 waits until step 2 has failed.
+    STRATA_ASSERT_OK(saver->submit(step, make_snapshot(0, 1, static_cast<uint32_t>(step))));
+    STRATA_ASSERT_OK(saver->submit_trainer_state(step, "{}"));
+  }
+  const Status failed = saver->poll();
+  EXPECT_EQ(failed.code(), StatusCode::kIoError) << failed.to_string();
+  EXPECT_TRUE(contains(failed.to_string(), "checkpoint step 2 in " + dir.str() + " was not saved")) << failed.to_string();
+  EXPECT_TRUE(contains(failed.to_string(), "rank-0-of-1.bin") || contains(failed.to_string(), "rank 0")) << failed.to_string();
+  EXPECT_EQ(attempts.load(), 2);  // the save and its retry
+  STRATA_ASSERT_OK(saver->poll());  // handed over once
+  STRATA_ASSERT_OK(saver->finish());
+  EXPECT_EQ(saver->last_committed_step(), 3);
+  EXPECT_TRUE(fs::exists(dir.path() / "step-1"));
+  EXPECT_FALSE(fs::exists(dir.path() / "step-2"));
+}
+
+TEST(CheckpointSaverChecksTest, RotationKeepsTheNewestHealthyCheckpoint) {
+  testing::TempDir dir;
+  CheckpointSaverOptions options = saver_options(dir.str(), 1);
+  options.keep_last = 1;
+  options.is_healthy = [](std::string_view state) { return state.find("\"healthy\": true") != std::string_view::npos; };
+  STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(options));
+  const std::vector<std::pair<int64_t, bool>> saves = {{1, true}, {2, true}, {3, false}, {4, false}};
+  for (const auto& [step, healthy] : saves) {
+    STRATA_ASSERT_OK(saver->submit(step, make_snapshot(0, 1, static_cast<uint32_t>(step))));
+    STRATA_ASSERT_OK(saver->submit_trainer_state(step, std::string("{\"healthy\": ") + (healthy ? "true" : "false") + "}"));
+    STRATA_ASSERT_OK(saver->wait());
+  }
+  STRATA_ASSERT_OK(saver->finish());
+  EXPECT_FALSE(fs::exists(dir.path() / "step-1"));
+  EXPECT_TRUE(fs::exists(dir.path() / "step-2"));  // the newest healthy one, older than keep_last allows
+  EXPECT_FALSE(fs::exists(dir.path() / "step-3"));
+  EXPECT_TRUE(fs::exists(dir.path() / "step-4"));
+}
 
 }  // namespace
 }  // namespace strata
