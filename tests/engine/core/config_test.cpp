@@ -287,6 +287,9 @@ TEST_F(ConfigTest, IllTypedAndOutOfRangeValues) {
       {R"({"strata": {"model": {"n_layer": -2}}})", "strata.model.n_layer: expected a non-negative integer, got -2 in "},
       {R"({"strata": {"nvme_path": 7}})", "strata.nvme_path: expected a string, got 7 in "},
       {R"({"strata": {"world_size": 0}})", "strata.world_size: expected an integer in [1, 1048576], got 0 in "},
+      {R"({"strata": {"checkpoint": {"on_save_failure": "retry"}}})",
+       R"(strata.checkpoint.on_save_failure: expected one of "stop", "continue", got "retry" in )"},
+      {R"({"strata": {"max_nonfinite_steps": -1}})", "strata.max_nonfinite_steps: expected a non-negative integer, got -1 in "},
   };
   for (const Case& c : cases) {
     std::string path;
@@ -424,6 +427,14 @@ TEST_F(ConfigTest, PlacementAndEnumSpellings) {
   }
   EXPECT_EQ(io_engine_kind_name(IoEngineKind::kIoUring), "io_uring");
   EXPECT_EQ(overlap_mode_name(OverlapMode::kDelayed), "delayed");
+  EXPECT_EQ(config.strata.on_save_failure, SaveFailurePolicy::kStop);
+  for (SaveFailurePolicy policy : {SaveFailurePolicy::kContinue, SaveFailurePolicy::kStop}) {
+    STRATA_ASSERT_OK(apply_override(config, "strata.checkpoint.on_save_failure", save_failure_policy_name(policy)));
+    EXPECT_EQ(config.strata.on_save_failure, policy);
+  }
+  EXPECT_EQ(config.strata.max_nonfinite_steps, 0);
+  STRATA_ASSERT_OK(apply_override(config, "strata.max_nonfinite_steps", "5"));
+  EXPECT_EQ(config.strata.max_nonfinite_steps, 5);
 }
 
 TEST_F(ConfigTest, PinMemoryFalseMakesEveryHostPlacementPageable) {
