@@ -307,8 +307,13 @@ TEST(GptTrainerTest, MaxNonfiniteStepsSkipsStepsWithoutTouchingTheWeightsThenSto
   const std::string nan_weights = write_with_a_nan(exported + "/model.safetensors", dir.path() / "nan");
   const TrainRun initial = train_gpt(dir, tiny({"--init-from", nan_weights, "--steps", "0"}));
   ASSERT_RAN(initial);
-  const TrainRun skipped = train_gpt(dir, tiny({"--init-from", nan_weights, "--steps", "3", "--set", "strata.max_nonfinite_steps=3"}));
+  const std::string save = (dir.path() / "ckpt").string();
+  const TrainRun skipped = train_gpt(dir, tiny({"--init-from", nan_weights, "--steps", "3", "--set", "strata.max_nonfinite_steps=3",
+                                                "--save-dir", save}));
   ASSERT_RAN(skipped);
+  // The checkpoint records that its step's loss was not finite, for rotation to tell.
+  const auto state = nlohmann::json::parse(read_file(fs::path(save) / "step-3" / "trainer_state.json"), nullptr, false);
+  EXPECT_EQ(state.value("loss_finite", true), false) << state.dump();
   EXPECT_EQ(skipped.summary["nonfinite_steps"], 3);
   EXPECT_EQ(skipped.summary["param_checksum"], initial.summary["param_checksum"]);  // no step touched the weights
   EXPECT_TRUE(contains(skipped.err, "step 3: the loss is nan")) << skipped.err;
