@@ -347,6 +347,18 @@ std::string traffic_note(const TrainerOptions& options, const EngineOptions& eng
   return "h2d " + bytes_text(h2d) + " d2h " + bytes_text(d2h) + " per rank |";
 }
 
+// The line a run stopped by a signal prints: when, and where its checkpoint went.
+std::string stopped_line(const TrainerOptions& options, const TrainerResult& result, int stop_signal, int64_t end_step) {
+  const std::string signal_name = stop_signal == SIGINT    ? "SIGINT"
+                                  : stop_signal == SIGTERM ? "SIGTERM"
+                                                           : "signal " + std::to_string(stop_signal);
+  std::string line = "stopped by " + signal_name + " after step " + std::to_string(end_step) + " of " + std::to_string(result.total_steps) + "; ";
+  if (options.save_dir.empty()) return line + "no --save-dir: nothing saved";
+  if (result.last_checkpoint != checkpoint_path(options.save_dir, end_step))
+    return line + "the checkpoint of step " + std::to_string(end_step) + " was not saved";
+  return line + "checkpoint saved to " + result.last_checkpoint + " (continue with --resume " + options.save_dir + ")";
+}
+
 }  // namespace
 
 StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
@@ -706,16 +718,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
   STRATA_RETURN_IF_ERROR(status);
   result.stopped_by_signal = stop_signal;
   result.nonfinite_steps = judge.skipped_steps();
-  if (stop_signal != 0 && options.out) {
-    *options.out << "stopped by " << (stop_signal == SIGINT ? "SIGINT" : stop_signal == SIGTERM ? "SIGTERM" : "signal " + std::to_string(stop_signal))
-                 << " after step " << end_step << " of " << total_steps << "; "
-                 << (saver ? (result.last_checkpoint == checkpoint_path(options.save_dir, end_step)
-                                  ? "checkpoint saved to " + result.last_checkpoint + " (continue with --resume " + options.save_dir + ")"
-                                  : "the checkpoint of step " + std::to_string(end_step) + " was not saved")
-                           : std::string("no --save-dir: nothing saved"))
-                 << "\n"
-                 << std::flush;
-  }
+  if (stop_signal != 0 && options.out) *options.out << stopped_line(options, result, stop_signal, end_step) << "\n" << std::flush;
   result.steps = board ? board->records() : std::vector<StepRecord>{};
   if (!result.steps.empty()) result.final_loss = result.steps.back().loss;
   if (eval_tokens_final > 0) result.eval_loss = eval_sum_final / double(eval_tokens_final);
