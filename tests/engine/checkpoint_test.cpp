@@ -510,6 +510,9 @@ struct TrainSegment {
   int save_after = -1;                    // save a checkpoint once this many steps are done
   const CheckpointReader* resume = nullptr;
   Tier optimizer_tier = Tier::kPinned;
+  Tier param_tier = Tier::kPinned;
+  DType param_dtype = DType::kFloat32;
+  OverlapMode overlap = OverlapMode::kExact;
   bool loss_scaling = false;              // dynamic loss scaling, growing every 2 clean steps
 };
 
@@ -547,11 +550,12 @@ StatusOr<TrainResult> train_segment(const TrainSegment& segment, const std::stri
     EngineOptions options;
     options.rank = rank;
     options.world_size = segment.world;
-    options.param_dtype = DType::kFloat32;
+    options.param_dtype = segment.param_dtype;
     options.grad_wire_dtype = DType::kFloat32;
     options.grad_transfer_dtype = DType::kFloat32;
-    options.param_tier = Tier::kPinned;
+    options.param_tier = segment.param_tier;
     options.optimizer_tier = segment.optimizer_tier;
+    options.overlap = segment.overlap;
     options.nvme_path = work_dir + "/nvme-" + std::to_string(segment.world);
     options.adam.lr = 1e-2;
     options.adam.weight_decay = 0.01;
@@ -691,6 +695,62 @@ TEST(CheckpointLossScalerTest, ResumeRestoresTheLossScaler) {
   resumed.loss_scaling = false;
   STRATA_ASSERT_OK(train_segment(resumed, dir.str() + "/c", nullptr).status());
 }
+
+// Delayed overlap: each step computes with parameters one update behind the masters.
+// The checkpoint carries that stale copy, so a resumed run computes its first step with
+// the parameters the straight run used and ends on the straight run's bits (on the saving
+// world size; on others within rounding, as the reductions add in another order), for
+// every tier the parameters and the optimizer state live in and either parameter dtype.
+struct DelayedResumeCase {
+  const char* name;
+  Tier param_tier;
+  Tier optimizer_tier;
+  DType param_dtype;
+};
+
+class CheckpointDelayedResumeTest : public ::testing::TestWithParam<DelayedResumeCase> {};
+
+TEST_P(CheckpointDelayedResumeTest, ResumeContinuesBitIdentically) {
+  const DelayedResumeCase& tiers = GetParam();
+  testing::TempDir dir;
+  const std::string save_dir = (dir.path() / "ckpt").string();
+  TrainSegment straight;
+  straight.end_step = 6;
+  straight.save_after = 3;
+  straight.overlap = OverlapMode::kDelayed;
+  straight.param_tier = tiers.param_tier;
+  straight.optimizer_tier = tiers.optimizer_tier;
+  straight.param_dtype = tiers.param_dtype;
+  STRATA_ASSERT_OK_AND_ASSIGN(TrainResult reference, train_and_save(straight, save_dir, dir.str() + "/a"));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto reader, CheckpointReader::open(checkpoint_path(save_dir, 3)));
+  EXPECT_TRUE(reader->has_stale_parameters());
+  for (int world : {2, 1, 4}) {
+    SCOPED_TRACE("resumed on " + std::to_string(world) + " ranks");
+    TrainSegment resumed = straight;
+    resumed.world = world;
+    resumed.first_step = 3;
+    resumed.save_after = -1;
+    resumed.resume = reader.get();
+    STRATA_ASSERT_OK_AND_ASSIGN(TrainResult result, train_segment(resumed, dir.str() + "/b" + std::to_string(world), nullptr));
+    for (size_t g = 0; g < reference.masters.size(); ++g) {
+      if (world == 2) {
+        EXPECT_EQ(std::memcmp(result.masters[g].data(), reference.masters[g].data(), reference.masters[g].size() * 4), 0)
+            << "group " << g << " differs after resuming on the saving world size";
+      } else {
+        EXPECT_LT(relative_error(result.masters[g], reference.masters[g]), 1e-5) << "group " << g;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Placements, CheckpointDelayedResumeTest,
+    ::testing::Values(DelayedResumeCase{"pinned_pinned_fp32", Tier::kPinned, Tier::kPinned, DType::kFloat32},
+                      DelayedResumeCase{"pinned_pinned_bf16", Tier::kPinned, Tier::kPinned, DType::kBFloat16},
+                      DelayedResumeCase{"device_device_bf16", Tier::kDevice, Tier::kDevice, DType::kBFloat16},
+                      DelayedResumeCase{"nvme_nvme_bf16", Tier::kNvme, Tier::kNvme, DType::kBFloat16},
+                      DelayedResumeCase{"pinned_device_fp32", Tier::kPinned, Tier::kDevice, DType::kFloat32}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 INSTANTIATE_TEST_SUITE_P(OptimizerTiers, CheckpointEngineTest, ::testing::Values(Tier::kPinned, Tier::kNvme),
                          [](const auto& info) { return std::string(tier_name(info.param)); });
