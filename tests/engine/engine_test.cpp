@@ -429,6 +429,38 @@ TEST(EngineTest, DelayedOverlapTrainsAndDiffersFromExact) {
   EXPECT_LT(delayed.losses.back(), delayed.losses.front());
 }
 
+// Delayed overlap with the optimizer state on the device: step s's device Adam reads the
+// group's device gradient accumulator while step s+1 runs its forward and backward, whose
+// first micro-batch overwrites that accumulator. The CPU device's streams are real queues
+// on their own threads, so without the ordering the update reads the next step's partial
+// sums; with it, the run gives the bits of the same run with the state in pinned memory
+// (two host gradient copies by step parity, no sharing). Large groups make each update
+// slow next to the model's compute, so an unordered write lands inside it.
+TEST(EngineTest, DelayedDeviceUpdateReadsItsStepsGradientsBeforeTheNextStepWritesThem) {
+  RunSpec spec;
+  spec.model.features = 64;
+  spec.model.width = 1024;
+  spec.model.layers = 4;
+  spec.model.global_rows = 4;
+  spec.world = 2;
+  spec.micro_batches = 3;
+  spec.steps = 6;
+  EngineOptions options = fp32_options();
+  options.overlap = OverlapMode::kDelayed;
+  options.gradient_clipping = 0.0f;
+  std::map<Tier, EngineRun> runs;
+  for (Tier tier : {Tier::kPinned, Tier::kDevice}) {
+    options.optimizer_tier = tier;
+    runs[tier] = run_engine(options, spec);
+    ASSERT_TRUE(runs[tier].status.ok()) << tier_name(tier) << ": " << runs[tier].status.to_string();
+  }
+  for (size_t g = 0; g < runs[Tier::kPinned].masters.size(); ++g)
+    EXPECT_EQ(std::memcmp(runs[Tier::kDevice].masters[g].data(), runs[Tier::kPinned].masters[g].data(),
+                          runs[Tier::kPinned].masters[g].size() * 4),
+              0)
+        << "group " << g << ": the device update of a step read gradients of the next";
+}
+
 // Forward-only passes between steps and after the last one (an evaluation) see the
 // weights of every step taken, change no bit of training, and leave finish() nothing to
 // wait for that never comes.
