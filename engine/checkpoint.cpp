@@ -231,11 +231,13 @@ StatusOr<RankSnapshot> RankSnapshot::allocate(std::vector<GroupLayout> layouts, 
 }
 
 std::span<float> RankSnapshot::shard(int group, CheckpointStateKind kind) {
+  if (static_cast<int>(kind) >= kinds_) return {};
   const size_t shard = layouts_[static_cast<size_t>(group)].shard_numel;
   return {blocks_[static_cast<size_t>(group)].as<float>() + static_cast<size_t>(kind) * shard, shard};
 }
 
 std::span<const float> RankSnapshot::shard(int group, CheckpointStateKind kind) const {
+  if (static_cast<int>(kind) >= kinds_) return {};
   const size_t shard = layouts_[static_cast<size_t>(group)].shard_numel;
   return {blocks_[static_cast<size_t>(group)].as<float>() + static_cast<size_t>(kind) * shard, shard};
 }
@@ -1185,7 +1187,8 @@ namespace {
 Status load_stale_parameters(Engine& engine, int rank, const CheckpointReader& reader) {
   const bool delayed = engine.overlap_mode() == OverlapMode::kDelayed;
   if (reader.has_stale_parameters() && !delayed) {
-    STRATA_LOG(kInfo) << "checkpoint " << reader.path() << " was saved in delayed overlap mode; this run is exact and "
+    if (rank == 0)
+      STRATA_LOG(kInfo) << "checkpoint " << reader.path() << " was saved in delayed overlap mode; this run is exact and "
                       << "computes with the masters (the saved stale parameters are not used)";
     return Status::Ok();
   }

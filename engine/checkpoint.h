@@ -12,9 +12,10 @@
 //   D/step-<N>/trainer_state.json       the caller's JSON blob, byte for byte
 //
 // The manifest holds the format version, the step, the engine's step count, the world
-// size, whether the rank files carry stale parameters, every group's layout (id, name, numel, shard_numel, tensors with their offsets
-// and shapes), and for every file its size and the XXH64 checksum of every chunk
-// (chunk_bytes, 1 MiB by default) of every segment; and its own checksum.
+// size, whether the rank files carry stale parameters, every group's layout (id, name,
+// numel, shard_numel, tensors with their offsets and shapes), and for every file its size
+// and the XXH64 checksum of every chunk (chunk_bytes, 1 MiB by default) of every segment;
+// and its own checksum.
 //
 // Stale parameters (format version 2): in delayed overlap mode each step computes with
 // parameters one update behind the masters; a save from such an engine (once a step was
@@ -115,8 +116,8 @@ class RankSnapshot {
   int group_count() const { return static_cast<int>(layouts_.size()); }
   bool has_stale_parameters() const { return kinds_ > kCheckpointStateKinds; }
   int kinds() const { return kinds_; }  // shards per group: 3, or 4 with stale parameters
-  // Group `group`'s shard of `kind`: layouts()[group].shard_numel floats (kStaleParams only
-  // with has_stale_parameters()).
+  // Group `group`'s shard of `kind`: layouts()[group].shard_numel floats (kStaleParams:
+  // empty without has_stale_parameters()).
   std::span<float> shard(int group, CheckpointStateKind kind);
   std::span<const float> shard(int group, CheckpointStateKind kind) const;
   // The group's shards back to back (master, exp_avg, exp_avg_sq[, stale params]), as they go to disk.

@@ -828,17 +828,13 @@ Status EngineImpl::write_stale_parameters(int g, std::span<const float> in) {
 }
 
 // Before the first step the next two steps would both read version 0 (there is nothing
-// older). With a stale copy, version 0 is that copy and version 1 the masters: the engine
-// stands where one step has finished and its update has been published.
+// older). With a stale copy, version 0 is that copy and version 1 the masters (every copy
+// holds them after refresh_parameters()): the engine stands where one step has finished
+// and its update has been published.
 Status EngineImpl::enter_stale_position() {
   uses_->restart(step_index_);
   STRATA_RETURN_IF_ERROR(drain());
-  for (int g = 0; g < group_count(); ++g) {
-    std::vector<float> master(group(g).layout.shard_numel);
-    STRATA_RETURN_IF_ERROR(optimizer_stage_->read_state(g, StateKind::kMaster, master));
-    STRATA_RETURN_IF_ERROR(shards_->store_values(g, shards_->copy_of(1), master.data()));
-    versions_->publish(g, 1);
-  }
+  for (int g = 0; g < group_count(); ++g) versions_->publish(g, 1);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     steps_finished_ = 1;

@@ -199,8 +199,11 @@ Status GradientPath::enqueue_copy(int g, Slot& slot, const void* source, size_t 
 //
 // The previous step's update reads the accumulator on the update stream. In exact mode it
 // is done before this step gathers the group; in delayed mode it runs beside this step's
-// forward and backward, so the first write waits for it (the optimizer stage publishes a
-// version once the device update has finished, and the accumulator is not worth doubling).
+// forward and backward, so the first write waits for it: the optimizer stage publishes
+// the group's version once its device update has finished (it synchronizes the update
+// stream), so a host wait orders the streams. A second accumulator per step parity would
+// cost 4 bytes per parameter of device memory to spare a wait for a device update that
+// is short next to a step's forward pass.
 Status GradientPath::land_on_device(int g, Slot& slot, int64_t step, int micro, bool last, void** landing) {
   GroupState& state = group(g);
   const size_t shard = state.layout.shard_numel;
