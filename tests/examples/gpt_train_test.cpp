@@ -138,6 +138,8 @@ TEST(TrainGptTest, ResumingAfterFourStepsGivesTheStraightRunsLossesAndWeights) {
   EXPECT_LT(all.back(), all.front());
 }
 
+std::vector<double> metric_of(const fs::path& metrics, const std::string& key);
+
 // Resuming is exact in both overlap modes (delayed: the checkpoint carries the
 // parameters one update behind the masters that the next step computes with), with the
 // parameters and optimizer state in pinned memory or on NVMe, with gradient accumulation.
@@ -164,9 +166,11 @@ TEST_P(TrainGptResumeTest, AResumedRunEndsOnTheStraightRunsChecksum) {
   const std::string save = (dir.path() / "ckpt").string();
   TrainRun first = train_gpt(dir, with({"--steps", "3", "--save-dir", save}));
   ASSERT_RAN(first);
-  TrainRun second = train_gpt(dir, with({"--steps", "8", "--resume", save}));
+  const fs::path metrics = dir.path() / "resumed.jsonl";
+  TrainRun second = train_gpt(dir, with({"--steps", "8", "--resume", save, "--metrics", metrics.string()}));
   ASSERT_RAN(second);
   EXPECT_EQ(second.summary["resumed_from_step"], 3);
+  EXPECT_EQ(metric_of(metrics, "step"), (std::vector<double>{4, 5, 6, 7, 8}));
   EXPECT_EQ(second.summary["param_checksum"], straight.summary["param_checksum"]);
   const auto all = losses_of(straight), b = losses_of(second);
   ASSERT_EQ(all.size(), 8u);
