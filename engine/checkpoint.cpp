@@ -35,7 +35,9 @@ using json = nlohmann::json;
 namespace {
 
 constexpr std::string_view kFormatName = "strata-checkpoint";
-constexpr int kFormatVersion = 1;
+constexpr int kFormatVersion = 1;            // master, exp_avg, exp_avg_sq per group
+constexpr int kFormatVersionStale = 2;       // and the stale parameters (delayed overlap mode)
+constexpr int kStaleKinds = kCheckpointStateKinds + 1;
 constexpr size_t kDirectIoAlignment = 4096;
 constexpr std::string_view kManifestName = "manifest.json";
 constexpr std::string_view kTrainerStateName = "trainer_state.json";
@@ -43,6 +45,9 @@ constexpr std::string_view kTmpPrefix = ".tmp-";
 
 constexpr std::array<CheckpointStateKind, kCheckpointStateKinds> kAllKinds = {
     CheckpointStateKind::kMaster, CheckpointStateKind::kExpAvg, CheckpointStateKind::kExpAvgSq};
+// Segment s of a group in a rank file, for either layout.
+constexpr std::array<CheckpointStateKind, kStaleKinds> kSegmentKinds = {
+    CheckpointStateKind::kMaster, CheckpointStateKind::kExpAvg, CheckpointStateKind::kExpAvgSq, CheckpointStateKind::kStaleParams};
 
 std::string hex64(uint64_t value) {
   char text[20];
@@ -173,6 +178,7 @@ std::string_view checkpoint_state_kind_name(CheckpointStateKind kind) {
     case CheckpointStateKind::kMaster: return "master";
     case CheckpointStateKind::kExpAvg: return "exp_avg";
     case CheckpointStateKind::kExpAvgSq: return "exp_avg_sq";
+    case CheckpointStateKind::kStaleParams: return "stale_params";
   }
   return "?";
 }
@@ -186,8 +192,10 @@ std::string checkpoint_path(const std::string& save_dir, int64_t step) {
 // RankSnapshot
 // ---------------------------------------------------------------------------------------
 
-StatusOr<RankSnapshot> RankSnapshot::allocate(std::vector<GroupLayout> layouts, int rank, int64_t engine_steps) {
+StatusOr<RankSnapshot> RankSnapshot::allocate(std::vector<GroupLayout> layouts, int rank, int64_t engine_steps,
+                                               StaleParameters stale) {
   if (layouts.empty()) return InvalidArgumentError("checkpoint snapshot: no groups");
+  const int kinds = stale == StaleParameters::kPresent ? kStaleKinds : kCheckpointStateKinds;
   const int world_size = layouts.front().world_size;
   if (rank < 0 || rank >= world_size) {
     return InvalidArgumentError("checkpoint snapshot: rank " + std::to_string(rank) + " is outside world size " +
@@ -208,7 +216,7 @@ StatusOr<RankSnapshot> RankSnapshot::allocate(std::vector<GroupLayout> layouts, 
       return InvalidArgumentError("checkpoint snapshot: group '" + layout.name + "' has shard_numel " +
                                   std::to_string(layout.shard_numel) + ", not a positive multiple of 1024 elements");
     }
-    const size_t bytes = kCheckpointStateKinds * layout.shard_numel * sizeof(float);
+    const size_t bytes = static_cast<size_t>(kinds) * layout.shard_numel * sizeof(float);
     StatusOr<AlignedBuffer> block = AlignedBuffer::allocate(bytes, kDirectIoAlignment);
     if (!block.ok()) {
       return std::move(block).status().with_context("checkpoint snapshot: cannot allocate " + std::to_string(bytes) +
@@ -218,29 +226,32 @@ StatusOr<RankSnapshot> RankSnapshot::allocate(std::vector<GroupLayout> layouts, 
     snapshot.blocks_.push_back(std::move(block).value());
   }
   snapshot.layouts_ = std::move(layouts);
+  snapshot.kinds_ = kinds;
   snapshot.rank_ = rank;
   snapshot.engine_steps_ = engine_steps;
   return snapshot;
 }
 
 std::span<float> RankSnapshot::shard(int group, CheckpointStateKind kind) {
+  if (static_cast<int>(kind) >= kinds_) return {};
   const size_t shard = layouts_[static_cast<size_t>(group)].shard_numel;
   return {blocks_[static_cast<size_t>(group)].as<float>() + static_cast<size_t>(kind) * shard, shard};
 }
 
 std::span<const float> RankSnapshot::shard(int group, CheckpointStateKind kind) const {
+  if (static_cast<int>(kind) >= kinds_) return {};
   const size_t shard = layouts_[static_cast<size_t>(group)].shard_numel;
   return {blocks_[static_cast<size_t>(group)].as<float>() + static_cast<size_t>(kind) * shard, shard};
 }
 
 std::span<const float> RankSnapshot::group_block(int group) const {
   const size_t shard = layouts_[static_cast<size_t>(group)].shard_numel;
-  return {blocks_[static_cast<size_t>(group)].as<float>(), kCheckpointStateKinds * shard};
+  return {blocks_[static_cast<size_t>(group)].as<float>(), static_cast<size_t>(kinds_) * shard};
 }
 
 size_t RankSnapshot::bytes() const {
   size_t total = 0;
-  for (const GroupLayout& layout : layouts_) total += kCheckpointStateKinds * layout.shard_numel * sizeof(float);
+  for (const GroupLayout& layout : layouts_) total += static_cast<size_t>(kinds_) * layout.shard_numel * sizeof(float);
   return total;
 }
 
@@ -293,6 +304,7 @@ struct SaveJob {
   std::optional<std::string> trainer_state;
   std::vector<GroupLayout> layouts;  // from the first snapshot
   int64_t engine_steps = 0;
+  bool stale_parameters = false;                 // from the first snapshot
   std::optional<LossScaler::State> loss_scaler;  // from the first snapshot
   std::vector<FileRecord> rank_files;  // indexed by rank
   Status status;                       // the first failure
@@ -346,12 +358,18 @@ class CheckpointSaver::Impl {
     if (job->arrived_count == 0) {
       job->layouts = snapshot.layouts();
       job->engine_steps = snapshot.engine_steps();
+      job->stale_parameters = snapshot.has_stale_parameters();
       job->loss_scaler = snapshot.loss_scaler();
     } else {
       STRATA_RETURN_IF_ERROR_CTX(check_same_layouts(job->layouts, snapshot.layouts(), rank), what);
       if (snapshot.engine_steps() != job->engine_steps) {
         return InvalidArgumentError(what + ": engine step count " + std::to_string(snapshot.engine_steps()) +
                                     " differs from another rank's " + std::to_string(job->engine_steps));
+      }
+      if (snapshot.has_stale_parameters() != job->stale_parameters) {
+        return InvalidArgumentError(what + std::string(": the snapshot ") + (job->stale_parameters ? "lacks" : "has") +
+                                    " stale parameters and another rank's " + (job->stale_parameters ? "has" : "lacks") +
+                                    " them (all ranks must run in the same overlap mode)");
       }
     }
     job->arrived[static_cast<size_t>(rank)] = true;
@@ -585,13 +603,13 @@ class CheckpointSaver::Impl {
     struct statvfs info {};
     if (::statvfs(options_.directory.c_str(), &info) != 0) return Status::FromErrno(errno, "statvfs(" + options_.directory + ")");
     const uint64_t free_bytes = static_cast<uint64_t>(info.f_bavail) * static_cast<uint64_t>(info.f_frsize);
-    const uint64_t one = checkpoint_bytes(options_.checkpoint_elements, options_.world_size);
+    const uint64_t one = checkpoint_bytes(options_.checkpoint_elements, options_.world_size, options_.state_segments);
     const uint64_t need = one * static_cast<uint64_t>(options_.checkpoints_of_room);
     if (free_bytes >= need) return Status::Ok();
     return FailedPreconditionError(
         "checkpoint: save directory '" + options_.directory + "' has " + engine_internal::format_bytes(free_bytes) + " free, but " +
-        std::to_string(options_.checkpoints_of_room) + " checkpoints need " + engine_internal::format_bytes(need) + " (one: 12 B x " +
-        std::to_string(options_.checkpoint_elements) + " parameters of fp32 master, exp_avg and exp_avg_sq + manifest and trainer state = " +
+        std::to_string(options_.checkpoints_of_room) + " checkpoints need " + engine_internal::format_bytes(need) + " (one: " + std::to_string(4 * options_.state_segments) + " B x " +
+        std::to_string(options_.checkpoint_elements) + " parameters of fp32 optimizer state + manifest and trainer state = " +
         engine_internal::format_bytes(one) + "); free space there or choose another --save-dir");
   }
 
@@ -643,7 +661,8 @@ class CheckpointSaver::Impl {
     Status submit_status;
     for (int g = 0; g < snapshot.group_count() && submit_status.ok(); ++g) {
       const size_t shard_bytes = snapshot.layouts()[static_cast<size_t>(g)].shard_numel * sizeof(float);
-      for (CheckpointStateKind kind : kAllKinds) {
+      for (int k = 0; k < snapshot.kinds(); ++k) {
+        const CheckpointStateKind kind = kSegmentKinds[static_cast<size_t>(k)];
         const std::span<const float> data = snapshot.shard(g, kind);
         record->segments.push_back(SegmentRecord{g, kind, offset + static_cast<size_t>(kind) * shard_bytes, shard_bytes,
                                                  chunk_checksums(data.data(), shard_bytes, options_.chunk_bytes)});
@@ -689,7 +708,7 @@ class CheckpointSaver::Impl {
     for (const FileRecord& file : job.rank_files) files.push_back(file_to_json(file));
     files.push_back(file_to_json(state_record));
     json manifest = {{"format", kFormatName},
-                     {"version", kFormatVersion},
+                     {"version", job.stale_parameters ? kFormatVersionStale : kFormatVersion},
                      {"step", job.step},
                      {"engine_steps", job.engine_steps},
                      {"world_size", options_.world_size},
@@ -697,6 +716,7 @@ class CheckpointSaver::Impl {
                      {"chunk_bytes", options_.chunk_bytes},
                      {"groups", std::move(groups)},
                      {"files", std::move(files)}};
+    if (job.stale_parameters) manifest["stale_parameters"] = true;
     if (job.loss_scaler) {
       const LossScaler::State& scaler = *job.loss_scaler;
       manifest["loss_scaler"] = {{"scale", scaler.scale},
@@ -783,9 +803,9 @@ class CheckpointSaver::Impl {
   File lock_file_;  // holds the save directory's flock for the saver's life
 };
 
-uint64_t checkpoint_bytes(uint64_t elements, int world_size) {
+uint64_t checkpoint_bytes(uint64_t elements, int world_size, int state_segments) {
   const uint64_t ranks = static_cast<uint64_t>(std::max(1, world_size));
-  const uint64_t per_rank = (elements * 12 / ranks + kDirectIoAlignment - 1) / kDirectIoAlignment * kDirectIoAlignment;
+  const uint64_t per_rank = (elements * 4 * static_cast<uint64_t>(std::max(1, state_segments)) / ranks + kDirectIoAlignment - 1) / kDirectIoAlignment * kDirectIoAlignment;
   return per_rank * ranks + (uint64_t{64} << 10);
 }
 
@@ -835,7 +855,7 @@ struct CheckpointReader::File {
   uint64_t bytes = 0;
   bool direct = false;
   ::strata::File fd;
-  std::vector<Segment> segments;  // rank files: group * 3 + kind
+  std::vector<Segment> segments;  // rank files: group * kinds_ + kind
 };
 
 CheckpointReader::~CheckpointReader() = default;
@@ -897,9 +917,21 @@ StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::st
   STRATA_ASSIGN_OR_RETURN(const std::string format, fields.get<std::string>(manifest, "format", "the manifest"));
   if (format != kFormatName) return fields.error("format is '" + format + "', expected '" + std::string(kFormatName) + "'");
   STRATA_ASSIGN_OR_RETURN(const int version, fields.get<int>(manifest, "version", "the manifest"));
-  if (version != kFormatVersion) {
-    return fields.error("format version " + std::to_string(version) + " is not the supported " + std::to_string(kFormatVersion));
+  if (version != kFormatVersion && version != kFormatVersionStale) {
+    return fields.error("format version " + std::to_string(version) + " is not one of the supported " + std::to_string(kFormatVersion) +
+                        " and " + std::to_string(kFormatVersionStale));
   }
+  bool stale_parameters = false;
+  if (manifest.contains("stale_parameters")) {
+    STRATA_ASSIGN_OR_RETURN(stale_parameters, fields.get<bool>(manifest, "stale_parameters", "the manifest"));
+  }
+  if (stale_parameters != (version == kFormatVersionStale)) {
+    return fields.error("format version " + std::to_string(version) + (stale_parameters ? " with" : " without") +
+                        " stale_parameters (version " + std::to_string(kFormatVersionStale) + " has them, version " +
+                        std::to_string(kFormatVersion) + " does not)");
+  }
+  reader->kinds_ = stale_parameters ? kStaleKinds : kCheckpointStateKinds;
+  const size_t kinds = static_cast<size_t>(reader->kinds_);
   STRATA_ASSIGN_OR_RETURN(const std::string stored_sum, fields.get<std::string>(manifest, "manifest_checksum", "the manifest"));
   uint64_t expected_sum = 0;
   if (!parse_hex64(stored_sum, &expected_sum)) return fields.error("manifest_checksum '" + stored_sum + "' is not hex");
@@ -957,7 +989,7 @@ StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::st
       group.tensors.push_back(std::move(tensor));
     }
     reader->group_base_.push_back(block_offset);
-    block_offset += kCheckpointStateKinds * group.shard_numel * sizeof(float);
+    block_offset += kinds * group.shard_numel * sizeof(float);
     reader->groups_.push_back(std::move(group));
   }
   const uint64_t rank_file_bytes = block_offset;
@@ -989,7 +1021,7 @@ StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::st
     }
     if (file.name.find('/') != std::string::npos) return fields.error(where + " names a path, not a file");
     STRATA_ASSIGN_OR_RETURN(const json* segments, fields.array(entry, "segments", where));
-    const size_t expected_segments = is_rank_file ? reader->groups_.size() * kCheckpointStateKinds : 1;
+    const size_t expected_segments = is_rank_file ? reader->groups_.size() * kinds : 1;
     if (segments->size() != expected_segments) {
       return fields.error(where + " ('" + file.name + "') has " + std::to_string(segments->size()) + " segments, expected " +
                           std::to_string(expected_segments));
@@ -1002,11 +1034,11 @@ StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::st
       STRATA_ASSIGN_OR_RETURN(segment.bytes, fields.get<uint64_t>(sentry, "bytes", swhere));
       STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> sums, fields.get<std::vector<std::string>>(sentry, "checksums", swhere));
       if (is_rank_file) {
-        segment.group = static_cast<int>(s / kCheckpointStateKinds);
-        segment.kind = kAllKinds[s % kCheckpointStateKinds];
+        segment.group = static_cast<int>(s / kinds);
+        segment.kind = kSegmentKinds[s % kinds];
         const size_t shard_bytes = reader->groups_[static_cast<size_t>(segment.group)].shard_numel * sizeof(float);
         const uint64_t expected_offset = reader->group_base_[static_cast<size_t>(segment.group)] +
-                                         static_cast<uint64_t>(s % kCheckpointStateKinds) * shard_bytes;
+                                         static_cast<uint64_t>(s % kinds) * shard_bytes;
         if (segment.offset != expected_offset || segment.bytes != shard_bytes) {
           return fields.error(swhere + " is at [" + std::to_string(segment.offset) + ", +" + std::to_string(segment.bytes) +
                               "), expected [" + std::to_string(expected_offset) + ", +" + std::to_string(shard_bytes) + ")");
@@ -1143,6 +1175,10 @@ Status CheckpointReader::read_range(int group, CheckpointStateKind kind, uint64_
     return InvalidArgumentError("checkpoint " + path_ + ": no group " + std::to_string(group) + " (it has " +
                                 std::to_string(groups_.size()) + ")");
   }
+  if (static_cast<int>(kind) >= kinds_) {
+    return InvalidArgumentError("checkpoint " + path_ + " has no " + std::string(checkpoint_state_kind_name(kind)) +
+                                " (not a delayed-mode save)");
+  }
   const SavedGroup& saved = groups_[static_cast<size_t>(group)];
   const uint64_t end = first + out.size();
   const uint64_t data_end = std::min<uint64_t>(end, saved.numel);
@@ -1151,7 +1187,7 @@ Status CheckpointReader::read_range(int group, CheckpointStateKind kind, uint64_
     const uint64_t rank = element / saved.shard_numel;
     const uint64_t rank_end = std::min<uint64_t>(data_end, (rank + 1) * saved.shard_numel);
     const File& file = files_[static_cast<size_t>(rank)];
-    const Segment& segment = file.segments[static_cast<size_t>(group) * kCheckpointStateKinds + static_cast<size_t>(kind)];
+    const Segment& segment = file.segments[static_cast<size_t>(group) * static_cast<size_t>(kinds_) + static_cast<size_t>(kind)];
     const uint64_t local = element - rank * saved.shard_numel;
     STRATA_RETURN_IF_ERROR_CTX(read_segment(file, segment, local * sizeof(float), (rank_end - element) * sizeof(float),
                                             out.data() + (element - first)),
@@ -1242,10 +1278,12 @@ StatusOr<CheckpointRef> latest_complete(const std::string& save_dir, const Lates
 StatusOr<RankSnapshot> snapshot_engine_state(Engine& engine, int rank) {
   std::vector<GroupLayout> layouts;
   for (int g = 0; g < engine.group_count(); ++g) layouts.push_back(engine.layout(g));
-  STRATA_ASSIGN_OR_RETURN(RankSnapshot snapshot, RankSnapshot::allocate(std::move(layouts), rank, engine.steps_taken()));
+  const StaleParameters stale = engine.has_stale_parameters() ? StaleParameters::kPresent : StaleParameters::kAbsent;
+  STRATA_ASSIGN_OR_RETURN(RankSnapshot snapshot, RankSnapshot::allocate(std::move(layouts), rank, engine.steps_taken(), stale));
   snapshot.set_loss_scaler(engine.loss_scaler_state());
   for (int g = 0; g < snapshot.group_count(); ++g) {
-    for (CheckpointStateKind kind : kAllKinds) {
+    for (int k = 0; k < snapshot.kinds(); ++k) {
+      const CheckpointStateKind kind = kSegmentKinds[static_cast<size_t>(k)];
       STRATA_RETURN_IF_ERROR_CTX(engine.read_state_shard(g, kind, snapshot.shard(g, kind)),
                                  "checkpoint snapshot: group '" + snapshot.layouts()[static_cast<size_t>(g)].name + "' " +
                                      std::string(checkpoint_state_kind_name(kind)));
@@ -1253,6 +1291,37 @@ StatusOr<RankSnapshot> snapshot_engine_state(Engine& engine, int rank) {
   }
   return snapshot;
 }
+
+namespace {
+
+// After refresh_parameters(): the delayed-mode stale copy, where both sides have one.
+Status load_stale_parameters(Engine& engine, int rank, const CheckpointReader& reader) {
+  const bool delayed = engine.overlap_mode() == OverlapMode::kDelayed;
+  if (reader.has_stale_parameters() && !delayed) {
+    if (rank == 0)
+      STRATA_LOG(kInfo) << "checkpoint " << reader.path() << " was saved in delayed overlap mode; this run is exact and "
+                      << "computes with the masters (the saved stale parameters are not used)";
+    return Status::Ok();
+  }
+  if (!reader.has_stale_parameters()) {
+    if (delayed && rank == 0) {
+      STRATA_LOG(kInfo) << "checkpoint " << reader.path() << " has no stale parameters (saved in exact mode, or before "
+                        << "the first step): this delayed-mode run starts from the masters";
+    }
+    return Status::Ok();
+  }
+  std::vector<float> shard;
+  for (int g = 0; g < engine.group_count(); ++g) {
+    const GroupLayout& layout = engine.layout(g);
+    shard.resize(layout.shard_numel);
+    STRATA_RETURN_IF_ERROR(reader.load_shard(g, CheckpointStateKind::kStaleParams, rank, layout.world_size, shard));
+    STRATA_RETURN_IF_ERROR_CTX(engine.write_state_shard(g, CheckpointStateKind::kStaleParams, shard),
+                               "loading checkpoint " + reader.path() + " into group '" + layout.name + "'");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
 
 Status load_engine_state(Engine& engine, int rank, const CheckpointReader& reader) {
   if (static_cast<size_t>(engine.group_count()) != reader.groups().size()) {
@@ -1271,6 +1340,7 @@ Status load_engine_state(Engine& engine, int rank, const CheckpointReader& reade
     }
   }
   STRATA_RETURN_IF_ERROR_CTX(engine.refresh_parameters(), "loading checkpoint " + reader.path());
+  STRATA_RETURN_IF_ERROR(load_stale_parameters(engine, rank, reader));
   engine.set_steps_taken(reader.engine_steps());
   engine.set_step_number(reader.step());
   if (reader.loss_scaler() && engine.loss_scaler_state()) {

@@ -7,13 +7,27 @@
 //   D/step-<N>/manifest.json            written last; its presence marks the checkpoint complete
 //   D/step-<N>/rank-<r>-of-<W>.bin      rank r's shards: for each group in id order, the fp32
 //                                       master, exp_avg and exp_avg_sq shards (shard_numel
-//                                       floats each, little-endian), back to back
+//                                       floats each, little-endian), back to back, then (a
+//                                       delayed-mode save) the stale parameter shard
 //   D/step-<N>/trainer_state.json       the caller's JSON blob, byte for byte
 //
 // The manifest holds the format version, the step, the engine's step count, the world
-// size, every group's layout (id, name, numel, shard_numel, tensors with their offsets
-// and shapes), and for every file its size and the XXH64 checksum of every chunk
-// (chunk_bytes, 1 MiB by default) of every segment; and its own checksum.
+// size, whether the rank files carry stale parameters, every group's layout (id, name,
+// numel, shard_numel, tensors with their offsets and shapes), and for every file its size
+// and the XXH64 checksum of every chunk (chunk_bytes, 1 MiB by default) of every segment;
+// and its own checksum.
+//
+// Stale parameters (format version 2): in delayed overlap mode each step computes with
+// parameters one update behind the masters; a save from such an engine (once a step was
+// taken) adds that copy per group, as fp32 values of the parameter dtype ("stale_params"
+// segments after exp_avg_sq; the manifest says "stale_parameters": true and "version": 2).
+// Loading puts it back, so the resumed run computes its first step with the parameters
+// the saving run used and ends on the same bits. Saves without it (exact mode) are format
+// version 1, byte for byte what they were; both versions load. A delayed-mode checkpoint
+// loaded into an exact-mode run drops the stale copy (exact mode computes with the
+// masters); a checkpoint without one loaded into a delayed-mode run starts as a fresh
+// delayed run does from the masters (its first two steps compute with them). Both say so
+// in an info line.
 //
 // Saving (CheckpointSaver): every rank hands over a RankSnapshot — its shards copied into
 // host memory the snapshot owns — and returns to training; the saver's thread writes the
@@ -54,8 +68,9 @@
 // set_steps_taken).
 //
 // Memory: a RankSnapshot is a full copy of the rank's fp32 optimizer state (12 bytes per
-// parameter / world size); the saver keeps at most max_pending_saves steps of them, each
-// until its save has committed or failed for good (the retry rewrites them).
+// parameter / world size, 16 with stale parameters); the saver keeps at most
+// max_pending_saves steps of them, each until its save has committed or failed for good
+// (the retry rewrites them).
 #pragma once
 
 #include <array>
@@ -78,8 +93,12 @@
 namespace strata {
 
 using CheckpointStateKind = Engine::StateKind;
-inline constexpr int kCheckpointStateKinds = 3;  // master, exp_avg, exp_avg_sq
-std::string_view checkpoint_state_kind_name(CheckpointStateKind kind);  // "master" | "exp_avg" | "exp_avg_sq"
+inline constexpr int kCheckpointStateKinds = 3;  // master, exp_avg, exp_avg_sq: in every checkpoint
+// "master" | "exp_avg" | "exp_avg_sq" | "stale_params"
+std::string_view checkpoint_state_kind_name(CheckpointStateKind kind);
+
+// Whether a snapshot or checkpoint carries the stale parameter copy of delayed overlap mode.
+enum class StaleParameters : uint8_t { kAbsent, kPresent };
 
 // "step-<N>" and the path D/step-<N>.
 std::string checkpoint_dir_name(int64_t step);
@@ -91,7 +110,8 @@ class RankSnapshot {
  public:
   // `layouts` are the groups' layouts for this world size, group i at index i (layout.id
   // == i), all with the same world_size. The buffers start zeroed.
-  static StatusOr<RankSnapshot> allocate(std::vector<GroupLayout> layouts, int rank, int64_t engine_steps);
+  static StatusOr<RankSnapshot> allocate(std::vector<GroupLayout> layouts, int rank, int64_t engine_steps,
+                                         StaleParameters stale = StaleParameters::kAbsent);
 
   RankSnapshot(RankSnapshot&&) noexcept = default;
   RankSnapshot& operator=(RankSnapshot&&) noexcept = default;
@@ -107,17 +127,21 @@ class RankSnapshot {
   void set_loss_scaler(const std::optional<LossScaler::State>& state) { loss_scaler_ = state; }
   const std::vector<GroupLayout>& layouts() const { return layouts_; }
   int group_count() const { return static_cast<int>(layouts_.size()); }
-  // Group `group`'s shard of `kind`: layouts()[group].shard_numel floats.
+  bool has_stale_parameters() const { return kinds_ > kCheckpointStateKinds; }
+  int kinds() const { return kinds_; }  // shards per group: 3, or 4 with stale parameters
+  // Group `group`'s shard of `kind`: layouts()[group].shard_numel floats (kStaleParams:
+  // empty without has_stale_parameters()).
   std::span<float> shard(int group, CheckpointStateKind kind);
   std::span<const float> shard(int group, CheckpointStateKind kind) const;
-  // The group's three shards back to back (master, exp_avg, exp_avg_sq), as they go to disk.
+  // The group's shards back to back (master, exp_avg, exp_avg_sq[, stale params]), as they go to disk.
   std::span<const float> group_block(int group) const;
   size_t bytes() const;  // all groups, all kinds
 
  private:
   RankSnapshot() = default;
   std::vector<GroupLayout> layouts_;
-  std::vector<AlignedBuffer> blocks_;  // per group: 3 * shard_numel floats, aligned for O_DIRECT
+  std::vector<AlignedBuffer> blocks_;  // per group: kinds_ * shard_numel floats, aligned for O_DIRECT
+  int kinds_ = kCheckpointStateKinds;
   int rank_ = 0;
   int64_t engine_steps_ = 0;
   std::optional<LossScaler::State> loss_scaler_;
@@ -139,6 +163,7 @@ struct CheckpointSaverOptions {
   // ranks); create() refuses D unless it has room for checkpoints_of_room checkpoints of
   // checkpoint_bytes(checkpoint_elements, world_size) each. 0 = no space check.
   uint64_t checkpoint_elements = 0;
+  int state_segments = kCheckpointStateKinds;  // 4 where the engine saves stale parameters (delayed overlap)
   int checkpoints_of_room = 2;
   int save_attempts = 2;  // a failed save is written again, from its snapshots, up to this many tries in all
   // Rotation: whether a committed checkpoint's trainer state marks it as one to fall back
@@ -147,9 +172,10 @@ struct CheckpointSaverOptions {
 };
 
 // The bytes one checkpoint of `elements` fp32 state elements (all ranks) takes on disk:
-// 12 B per element (master, exp_avg, exp_avg_sq), each rank file rounded to 4 KiB, and
-// 64 KiB for the manifest and the trainer state.
-uint64_t checkpoint_bytes(uint64_t elements, int world_size);
+// 4 B per element per segment (master, exp_avg, exp_avg_sq, and stale parameters in
+// delayed overlap), each rank file rounded to 4 KiB, and 64 KiB for the manifest and the
+// trainer state.
+uint64_t checkpoint_bytes(uint64_t elements, int world_size, int state_segments = kCheckpointStateKinds);
 // The name of the lock file create() holds in the save directory.
 inline constexpr std::string_view kCheckpointLockName = ".strata-save.lock";
 
@@ -230,6 +256,8 @@ class CheckpointReader {
   int world_size() const { return world_size_; }
   const std::string& trainer_state() const { return trainer_state_; }  // as submitted
   const std::vector<SavedGroup>& groups() const { return groups_; }
+  // The rank files carry the stale parameters of a delayed-mode save (kStaleParams reads them).
+  bool has_stale_parameters() const { return kinds_ > kCheckpointStateKinds; }
 
   // Checks that `layout` (any world size) describes the saved group with its id: same
   // name, numel and tensors (names, shapes, offsets). The error names the difference.
@@ -260,6 +288,7 @@ class CheckpointReader {
   std::optional<LossScaler::State> loss_scaler_;
   int world_size_ = 1;
   size_t chunk_bytes_ = 0;
+  int kinds_ = kCheckpointStateKinds;  // segments per group in the rank files
   std::string trainer_state_;
   std::vector<SavedGroup> groups_;
   std::vector<File> files_;        // rank files in rank order, then trainer_state.json
@@ -284,10 +313,12 @@ StatusOr<CheckpointRef> latest_complete(const std::string& save_dir, const Lates
 
 // Engine glue. `rank` is the engine's rank (EngineOptions::rank).
 // Copies this rank's master, exp_avg and exp_avg_sq shards of every group out of the
-// engine (waiting for pending updates), with engine.steps_taken(). Call between steps.
+// engine (waiting for pending updates), and the stale parameters when the engine has them
+// (delayed overlap mode), with engine.steps_taken(). Call between steps.
 StatusOr<RankSnapshot> snapshot_engine_state(Engine& engine, int rank);
 // Loads this rank's shards of every group from `reader` (any saved world size): checks
-// every group's layout, write_state_shard() for the three kinds, refresh_parameters(),
+// every group's layout, write_state_shard() for the three kinds, refresh_parameters(), the
+// stale parameters when both the checkpoint and the engine are delayed-mode (see above),
 // set_steps_taken(reader.engine_steps()), set_step_number(reader.step()), and the loss
 // scaler's state when both the checkpoint and the engine have one. Call after start(),
 // between steps.

@@ -118,6 +118,8 @@ class EngineImpl final : public Engine {
   Status read_state_shard(int group, StateKind kind, std::span<float> out) override;
   Status write_state_shard(int group, StateKind kind, std::span<const float> in) override;
   Status refresh_parameters() override;
+  bool has_stale_parameters() const override { return options_.overlap == OverlapMode::kDelayed && step_index_ >= 1; }
+  OverlapMode overlap_mode() const override { return options_.overlap; }
   Status wait_for_state_access(int g, size_t elements, const char* call);
 
  private:
@@ -173,6 +175,11 @@ class EngineImpl final : public Engine {
   Status finish_report(StepReport& report);
   // Waits until everything planned is carried out (landings, updates, fetches).
   Status drain();
+  // Delayed mode, loading a stale copy before any step: the engine moves to the position
+  // after one (empty) step, where the next step reads the copy one version behind the
+  // masters, and the step number the metrics give is kept.
+  Status enter_stale_position();
+  Status write_stale_parameters(int g, std::span<const float> in);
 
   EngineOptions options_;
   Device& device_;
@@ -345,6 +352,9 @@ Status EngineImpl::create_gradient_path() {
   };
   hooks.failed = [this](Status status) { record_error(std::move(status)); };
   hooks.describe_engine = [this] { return describe_state(); };
+  hooks.wait_for_update = [this](int g, int64_t version) {
+    return versions_->wait_for(g, version, "the previous step's update of the group (it reads the device gradient)", describer());
+  };
   STRATA_ASSIGN_OR_RETURN(gradient_path_, GradientPath::create(context, std::move(hooks)));
   return gradient_path_->allocate();
 }
@@ -790,12 +800,51 @@ Status EngineImpl::wait_for_state_access(int g, size_t elements, const char* cal
 
 Status EngineImpl::read_state_shard(int g, StateKind kind, std::span<float> out) {
   STRATA_RETURN_IF_ERROR(wait_for_state_access(g, out.size(), "read_state_shard"));
-  return optimizer_stage_->read_state(g, kind, out);
+  if (kind != StateKind::kStaleParams) return optimizer_stage_->read_state(g, kind, out);
+  if (!has_stale_parameters())
+    return FailedPreconditionError("read_state_shard(" + std::to_string(g) + ", stale parameters): there is no stale copy (" +
+                                   (options_.overlap == OverlapMode::kExact ? "exact overlap mode" : "no step taken yet") +
+                                   "); ask has_stale_parameters() first");
+  // Between steps: the copy the next step reads, one version behind the masters.
+  return shards_->load_values(g, shards_->copy_of(uses_->step_version(step_index_)), out.data());
 }
 
 Status EngineImpl::write_state_shard(int g, StateKind kind, std::span<const float> in) {
   STRATA_RETURN_IF_ERROR(wait_for_state_access(g, in.size(), "write_state_shard"));
+  if (kind == StateKind::kStaleParams) return write_stale_parameters(g, in);
   return optimizer_stage_->write_state(g, kind, in);
+}
+
+Status EngineImpl::write_stale_parameters(int g, std::span<const float> in) {
+  if (options_.overlap != OverlapMode::kDelayed)
+    return FailedPreconditionError("write_state_shard(" + std::to_string(g) +
+                                   ", stale parameters): exact overlap mode computes with the masters and keeps no stale copy");
+  if (micro_ >= 0 || forward_only_) return FailedPreconditionError("write_state_shard(stale parameters) inside a step or a forward-only pass");
+  if (step_index_ == 0) STRATA_RETURN_IF_ERROR(enter_stale_position());
+  // The next step reads version step_index_ - 1; the masters' version step_index_ is in the
+  // other copy (refresh_parameters() wrote it).
+  STRATA_RETURN_IF_ERROR(shards_->store_values(g, shards_->copy_of(uses_->step_version(step_index_)), in.data()));
+  fetcher_->forget_persistent_fetches();
+  return {};
+}
+
+// Before the first step the next two steps would both read version 0 (there is nothing
+// older). With a stale copy, version 0 is that copy and version 1 the masters (every copy
+// holds them after refresh_parameters()): the engine stands where one step has finished
+// and its update has been published.
+Status EngineImpl::enter_stale_position() {
+  uses_->restart(step_index_);
+  STRATA_RETURN_IF_ERROR(drain());
+  for (int g = 0; g < group_count(); ++g) versions_->publish(g, 1);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    steps_finished_ = 1;
+  }
+  fetcher_->set_steps_finished(1);
+  step_index_ = 1;
+  --step_number_base_;  // the metrics' numbering stays where it was
+  uses_->restart(step_index_);
+  return {};
 }
 
 Status EngineImpl::refresh_parameters() {

@@ -245,11 +245,23 @@ class Engine {
   virtual Status end_forward() = 0;
 
   // State access (waits for pending updates of the group). Shards are this rank's.
-  enum class StateKind : uint8_t { kMaster, kExpAvg, kExpAvgSq };
+  //
+  // kStaleParams exists in delayed overlap mode once a step was taken (has_stale_parameters()):
+  // the parameter copy the next step computes with, one update behind the master, as fp32
+  // (the parameter dtype's values, widened exactly). Written after refresh_parameters(),
+  // it makes the next step compute with those values and the step after with the masters
+  // (the next step's update then reads the masters as usual), so a run resumed from a
+  // checkpoint takes the steps the saving run took. Writing it in exact mode is an error.
+  enum class StateKind : uint8_t { kMaster, kExpAvg, kExpAvgSq, kStaleParams };
   virtual Status read_state_shard(int group, StateKind kind, std::span<float> out) = 0;
   virtual Status write_state_shard(int group, StateKind kind, std::span<const float> in) = 0;
-  // After write_state_shard(kMaster, ...) calls: refreshes the parameter copies from masters.
+  // After write_state_shard(kMaster, ...) calls: refreshes every parameter copy from the
+  // masters (a stale copy included: write kStaleParams after this).
   virtual Status refresh_parameters() = 0;
+  // Delayed overlap after at least one step (or a kStaleParams write): the next step's
+  // parameters are one update behind the masters.
+  virtual bool has_stale_parameters() const = 0;
+  virtual OverlapMode overlap_mode() const = 0;
   virtual int64_t steps_taken() const = 0;
   virtual void set_steps_taken(int64_t steps) = 0;
   // The number the metrics give the next step() is this + 1 (a resumed run continues the

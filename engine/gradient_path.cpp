@@ -11,6 +11,8 @@ namespace strata::engine_internal {
 StatusOr<std::unique_ptr<GradientPath>> GradientPath::create(const GradientPathContext& context, GradientPathHooks hooks) {
   if (context.plan->gradients_spilled && context.spill == nullptr)
     return InternalError("gradient path: the plan spills gradients but there is no NVMe state to spill them to");
+  if (context.options->optimizer_tier == Tier::kDevice && !hooks.wait_for_update)
+    return InternalError("gradient path: device-resident optimizer state needs the wait for the previous update");
   auto path = std::make_unique<GradientPath>(context, std::move(hooks));
   STRATA_ASSIGN_OR_RETURN(GradientOps ops, GradientOps::create(*context.executor));
   path->ops_.emplace(std::move(ops));
@@ -196,12 +198,21 @@ Status GradientPath::enqueue_copy(int g, Slot& slot, const void* source, size_t 
 // Device-resident optimizer state: the reduced shard accumulates into the group's device
 // gradient accumulator; after the last micro-batch its fp32 copy goes to the host for the
 // statistics (the update itself reads the device copy).
+//
+// The previous step's update reads the accumulator on the update stream. In exact mode it
+// is done before this step gathers the group; in delayed mode it runs beside this step's
+// forward and backward, so the first write waits for it: the optimizer stage publishes
+// the group's version once its device update has finished (it synchronizes the update
+// stream), so a host wait orders the streams. A second accumulator per step parity would
+// cost 4 bytes per parameter of device memory to spare a wait for a device update that
+// is short next to a step's forward pass.
 Status GradientPath::land_on_device(int g, Slot& slot, int64_t step, int micro, bool last, void** landing) {
   GroupState& state = group(g);
   const size_t shard = state.layout.shard_numel;
   const float* reduced = ctx_.options->world_size > 1 ? slot.shard.as<float>() : slot.full.as<float>();
   float* accum = state.state_device.as<float>() + 3 * shard;
   if (micro == 0) {
+    STRATA_RETURN_IF_ERROR(hooks_.wait_for_update(g, step));
     STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(accum, reduced, shard * 4, CopyKind::kDeviceToDevice, *ctx_.reduce));
   } else {
     STRATA_RETURN_IF_ERROR(kernels::residual_forward(*ctx_.reduce, DType::kFloat32, accum, reduced, accum, shard));

@@ -52,6 +52,10 @@ struct GradientPathHooks {
   std::function<void(int group, int64_t step)> landed;
   std::function<void(Status)> failed;
   std::function<std::string()> describe_engine;  // for hang warnings
+  // Waits until group g's parameters reach `version` (the update of step version - 1 is
+  // done): device-resident optimizer state has one gradient accumulator per group, which
+  // that update reads and the next step's gradients overwrite.
+  std::function<Status(int group, int64_t version)> wait_for_update;
 };
 
 class GradientPath {

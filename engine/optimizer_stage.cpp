@@ -272,6 +272,7 @@ Status OptimizerStage::initialize_group(int g, const float* master) {
 }
 
 Status OptimizerStage::read_state(int g, Engine::StateKind kind, std::span<float> out) {
+  if (kind == Engine::StateKind::kStaleParams) return InternalError("the optimizer stage keeps no parameter copies");
   GroupState& s = group(g);
   const size_t shard = s.layout.shard_numel;
   const size_t k = static_cast<size_t>(kind);
@@ -294,6 +295,7 @@ Status OptimizerStage::read_state(int g, Engine::StateKind kind, std::span<float
 }
 
 Status OptimizerStage::write_state(int g, Engine::StateKind kind, std::span<const float> in) {
+  if (kind == Engine::StateKind::kStaleParams) return InternalError("the optimizer stage keeps no parameter copies");
   GroupState& s = group(g);
   const size_t shard = s.layout.shard_numel;
   const size_t k = static_cast<size_t>(kind);

@@ -101,4 +101,32 @@ Status ShardStore::store_values(int g, int copy, const float* values) {
   return write(g, copy, 0, shard, host, 0);
 }
 
+Status ShardStore::load_values(int g, int copy, float* values) {
+  GroupState& state = group(g);
+  const size_t shard = state.layout.shard_numel;
+  const size_t bytes = param_bytes(shard);
+  const DType dtype = ctx_.options->param_dtype;
+  const void* host = host_copy(g, copy);
+  std::vector<char> staged;
+  if (host == nullptr) {
+    staged.resize(bytes);
+    switch (ctx_.options->param_tier) {
+      case Tier::kDevice:
+        STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(staged.data(), device_copy(g, copy), bytes, CopyKind::kDeviceToHost, *ctx_.stream));
+        STRATA_RETURN_IF_ERROR(ctx_.stream->synchronize());
+        break;
+      case Tier::kNvme:
+        STRATA_RETURN_IF_ERROR(ctx_.nvme->read(state.param_nvme[static_cast<size_t>(copy)], staged.data(), bytes));
+        break;
+      case Tier::kPinned:
+      case Tier::kHost:
+        return InternalError("group " + state.layout.name + ": host parameter tier without a host copy");
+    }
+    host = staged.data();
+  }
+  if (dtype == DType::kFloat32) std::memcpy(values, host, bytes);
+  else for (size_t i = 0; i < shard; ++i) values[i] = load_as_float(host, dtype, i);
+  return {};
+}
+
 }  // namespace strata::engine_internal

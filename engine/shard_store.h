@@ -5,7 +5,7 @@
 // The fetcher asks it where a version lives (source); the optimizer asks where to write
 // new values in place (host_copy: the host tiers) and hands it values staged elsewhere
 // (write: to the device or NVMe); start-up and checkpoint loads store fp32 values
-// (store_values). The optimizer state's tiers are the optimizer stage's.
+// (store_values) and checkpoints read them back (load_values). The optimizer state's tiers are the optimizer stage's.
 #pragma once
 
 #include <memory>
@@ -53,6 +53,9 @@ class ShardStore {
   Status write(int g, int copy, size_t begin, size_t count, const void* values, size_t capacity);
   // fp32 values converted to the parameter dtype into copy `copy`.
   Status store_values(int g, int copy, const float* values);
+  // Copy `copy` as fp32 values (exact: every parameter dtype widens to fp32); synchronous.
+  // For checkpoints of the stale copy in delayed mode.
+  Status load_values(int g, int copy, float* values);
 
  private:
   GroupState& group(int g) { return *(*ctx_.groups)[static_cast<size_t>(g)]; }

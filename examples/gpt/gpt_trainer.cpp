@@ -431,6 +431,8 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, world));
       saver_options.checkpoint_elements += layout.padded_numel;
     }
+    // Delayed overlap saves the stale parameter copy as a fourth segment.
+    if (config.strata.optimizer_overlap == OverlapMode::kDelayed) saver_options.state_segments = kCheckpointStateKinds + 1;
     // Rotation keeps the newest checkpoint whose step ended with a finite loss.
     saver_options.is_healthy = [](std::string_view state) {
       const auto parsed = nlohmann::json::parse(state, nullptr, /*allow_exceptions=*/false);

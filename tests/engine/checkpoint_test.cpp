@@ -67,12 +67,15 @@ float state_value(int group, Kind kind, size_t element, uint32_t salt) {
   return static_cast<float>(static_cast<double>(x >> 11) / static_cast<double>(1ull << 53) * 2.0 - 1.0);
 }
 
-RankSnapshot make_snapshot(int rank, int world_size, uint32_t salt, int64_t engine_steps = 7) {
-  auto snapshot = RankSnapshot::allocate(layouts_for(world_size), rank, engine_steps);
+RankSnapshot make_snapshot(int rank, int world_size, uint32_t salt, int64_t engine_steps = 7,
+                           StaleParameters stale = StaleParameters::kAbsent) {
+  auto snapshot = RankSnapshot::allocate(layouts_for(world_size), rank, engine_steps, stale);
   STRATA_CHECK_OK(snapshot);
+  std::vector<Kind> kinds(kKinds.begin(), kKinds.end());
+  if (stale == StaleParameters::kPresent) kinds.push_back(Kind::kStaleParams);
   for (int g = 0; g < snapshot->group_count(); ++g) {
     const GroupLayout& layout = snapshot->layouts()[static_cast<size_t>(g)];
-    for (Kind kind : kKinds) {
+    for (Kind kind : kinds) {
       std::span<float> shard = snapshot->shard(g, kind);
       for (size_t i = 0; i < shard.size(); ++i) {
         const size_t element = layout.shard_begin(rank) + i;
@@ -187,6 +190,74 @@ TEST(CheckpointTest, ReshardsTwoRanksOntoOneThreeAndFour) {
   // Shards that do not cover the group are refused.
   std::vector<float> small(10);
   EXPECT_EQ(from_four->load_shard(3, Kind::kMaster, 0, 2, small).code(), StatusCode::kInvalidArgument);
+}
+
+// A delayed-mode save carries the stale parameters as a fourth segment per group
+// (format version 2, declared in the manifest) and reshards like the other kinds; a save
+// without them stays format version 1 at 12 bytes per element, as before.
+TEST(CheckpointTest, StaleParametersAreAnOptionalFourthSegmentAndExactSavesStayVersion1) {
+  testing::TempDir dir;
+  const std::string delayed_dir = (dir.path() / "delayed").string(), exact_dir = (dir.path() / "exact").string();
+  {
+    STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(saver_options(delayed_dir, 2)));
+    for (int rank = 0; rank < 2; ++rank)
+      STRATA_ASSERT_OK(saver->submit(5, make_snapshot(rank, 2, 3, 7, StaleParameters::kPresent)));
+    STRATA_ASSERT_OK(saver->submit_trainer_state(5, "{}"));
+    STRATA_ASSERT_OK(saver->finish());
+  }
+  STRATA_ASSERT_OK(save_checkpoint(exact_dir, 2, 5, 3));
+
+  size_t shard_elements = 0;
+  for (const GroupLayout& layout : layouts_for(2)) shard_elements += layout.shard_numel;
+  const std::string delayed_path = checkpoint_path(delayed_dir, 5), exact_path = checkpoint_path(exact_dir, 5);
+  const std::string delayed_manifest = [&] {
+    std::ifstream in(delayed_path + "/manifest.json");
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }();
+  const std::string exact_manifest = [&] {
+    std::ifstream in(exact_path + "/manifest.json");
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }();
+  EXPECT_TRUE(contains(delayed_manifest, "\"version\": 2")) << delayed_manifest.substr(0, 300);
+  EXPECT_TRUE(contains(delayed_manifest, "\"stale_parameters\": true"));
+  EXPECT_TRUE(contains(delayed_manifest, "\"state\": \"stale_params\""));
+  EXPECT_TRUE(contains(exact_manifest, "\"version\": 1"));
+  EXPECT_FALSE(contains(exact_manifest, "stale"));
+  EXPECT_EQ(std::filesystem::file_size(exact_path + "/rank-0-of-2.bin"), shard_elements * 12);
+  EXPECT_EQ(std::filesystem::file_size(delayed_path + "/rank-0-of-2.bin"), shard_elements * 16);
+
+  STRATA_ASSERT_OK_AND_ASSIGN(auto delayed, CheckpointReader::open(delayed_path));
+  STRATA_ASSERT_OK(delayed->verify());
+  EXPECT_TRUE(delayed->has_stale_parameters());
+  for (int world : {1, 2, 3}) {
+    expect_shards_match(*delayed, world, 3);
+    for (const GroupLayout& layout : layouts_for(world)) {
+      std::vector<float> shard(layout.shard_numel);
+      for (int rank = 0; rank < world; ++rank) {
+        STRATA_ASSERT_OK(delayed->load_shard(layout.id, Kind::kStaleParams, rank, world, shard));
+        size_t mismatches = 0;
+        for (size_t i = 0; i < shard.size(); ++i) {
+          const size_t element = layout.shard_begin(rank) + i;
+          const float expected = element < layout.numel ? state_value(layout.id, Kind::kStaleParams, element, 3) : 0.0f;
+          mismatches += std::memcmp(&shard[i], &expected, sizeof(float)) != 0;
+        }
+        EXPECT_EQ(mismatches, 0u) << layout.name << " rank " << rank << " of " << world;
+      }
+    }
+  }
+  STRATA_ASSERT_OK_AND_ASSIGN(auto exact, CheckpointReader::open(exact_path));
+  EXPECT_FALSE(exact->has_stale_parameters());
+  std::vector<float> shard(layouts_for(2)[0].shard_numel);
+  const Status missing = exact->load_shard(0, Kind::kStaleParams, 0, 2, shard);
+  EXPECT_EQ(missing.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(contains(missing.message(), "stale_params")) << missing.to_string();
+
+  // The ranks of one save agree on it.
+  STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(saver_options((dir.path() / "mixed").string(), 2)));
+  STRATA_ASSERT_OK(saver->submit(1, make_snapshot(0, 2, 3, 7, StaleParameters::kPresent)));
+  const Status mixed = saver->submit(1, make_snapshot(1, 2, 3, 7));
+  EXPECT_EQ(mixed.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(contains(mixed.message(), "stale parameters")) << mixed.to_string();
 }
 
 TEST(CheckpointTest, LayoutMismatchIsNamed) {
@@ -512,6 +583,9 @@ struct TrainSegment {
   int save_after = -1;                    // save a checkpoint once this many steps are done
   const CheckpointReader* resume = nullptr;
   Tier optimizer_tier = Tier::kPinned;
+  Tier param_tier = Tier::kPinned;
+  DType param_dtype = DType::kFloat32;
+  OverlapMode overlap = OverlapMode::kExact;
   bool loss_scaling = false;              // dynamic loss scaling, growing every 2 clean steps
 };
 
@@ -549,11 +623,12 @@ StatusOr<TrainResult> train_segment(const TrainSegment& segment, const std::stri
     EngineOptions options;
     options.rank = rank;
     options.world_size = segment.world;
-    options.param_dtype = DType::kFloat32;
+    options.param_dtype = segment.param_dtype;
     options.grad_wire_dtype = DType::kFloat32;
     options.grad_transfer_dtype = DType::kFloat32;
-    options.param_tier = Tier::kPinned;
+    options.param_tier = segment.param_tier;
     options.optimizer_tier = segment.optimizer_tier;
+    options.overlap = segment.overlap;
     options.nvme_path = work_dir + "/nvme-" + std::to_string(segment.world);
     options.adam.lr = 1e-2;
     options.adam.weight_decay = 0.01;
@@ -693,6 +768,107 @@ TEST(CheckpointLossScalerTest, ResumeRestoresTheLossScaler) {
   resumed.loss_scaling = false;
   STRATA_ASSERT_OK(train_segment(resumed, dir.str() + "/c", nullptr).status());
 }
+
+// Delayed overlap: each step computes with parameters one update behind the masters.
+// The checkpoint carries that stale copy, so a resumed run computes its first step with
+// the parameters the straight run used and ends on the straight run's bits (on the saving
+// world size; on others within rounding, as the reductions add in another order), for
+// every tier the parameters and the optimizer state live in and either parameter dtype.
+struct DelayedResumeCase {
+  const char* name;
+  Tier param_tier;
+  Tier optimizer_tier;
+  DType param_dtype;
+};
+
+class CheckpointDelayedResumeTest : public ::testing::TestWithParam<DelayedResumeCase> {};
+
+// Saves after `saved_step` steps of a 6-step delayed run, resumes on 2, 1 and 4 ranks.
+void expect_delayed_resume_is_exact(const DelayedResumeCase& tiers, int saved_step, const testing::TempDir& dir) {
+  SCOPED_TRACE("saved after step " + std::to_string(saved_step));
+  const std::string save_dir = (dir.path() / ("ckpt" + std::to_string(saved_step))).string();
+  TrainSegment straight;
+  straight.end_step = 6;
+  straight.save_after = saved_step;
+  straight.overlap = OverlapMode::kDelayed;
+  straight.param_tier = tiers.param_tier;
+  straight.optimizer_tier = tiers.optimizer_tier;
+  straight.param_dtype = tiers.param_dtype;
+  STRATA_ASSERT_OK_AND_ASSIGN(TrainResult reference, train_and_save(straight, save_dir, dir.str() + "/a"));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto reader, CheckpointReader::open(checkpoint_path(save_dir, saved_step)));
+  EXPECT_TRUE(reader->has_stale_parameters());
+  for (int world : {2, 1, 4}) {
+    SCOPED_TRACE("resumed on " + std::to_string(world) + " ranks");
+    TrainSegment resumed = straight;
+    resumed.world = world;
+    resumed.first_step = saved_step;
+    resumed.save_after = -1;
+    resumed.resume = reader.get();
+    STRATA_ASSERT_OK_AND_ASSIGN(TrainResult result, train_segment(resumed, dir.str() + "/b" + std::to_string(world), nullptr));
+    for (size_t g = 0; g < reference.masters.size(); ++g) {
+      if (world == 2) {
+        EXPECT_EQ(std::memcmp(result.masters[g].data(), reference.masters[g].data(), reference.masters[g].size() * 4), 0)
+            << "group " << g << " differs after resuming on the saving world size";
+      } else {
+        EXPECT_LT(relative_error(result.masters[g], reference.masters[g]), 1e-5) << "group " << g;
+      }
+    }
+  }
+}
+
+// After one step the stale copy is the initial parameters; after three, an update's.
+TEST_P(CheckpointDelayedResumeTest, ResumeContinuesBitIdentically) {
+  testing::TempDir dir;
+  for (int saved_step : {3, 1}) expect_delayed_resume_is_exact(GetParam(), saved_step, dir);
+}
+
+// Across overlap modes a checkpoint loads and trains on: an exact-mode run drops a
+// delayed save's stale parameters (it computes with the masters), and a delayed-mode run
+// from an exact save starts from the masters as a fresh delayed run does, so its first
+// step is the exact run's step.
+TEST(CheckpointOverlapTest, ACheckpointLoadsIntoTheOtherOverlapMode) {
+  testing::TempDir dir;
+  const std::string delayed_dir = (dir.path() / "delayed").string(), exact_dir = (dir.path() / "exact").string();
+  TrainSegment straight;
+  straight.end_step = 3;
+  straight.save_after = 3;
+  straight.overlap = OverlapMode::kDelayed;
+  STRATA_ASSERT_OK(train_and_save(straight, delayed_dir, dir.str() + "/a").status());
+  STRATA_ASSERT_OK_AND_ASSIGN(auto delayed, CheckpointReader::open(checkpoint_path(delayed_dir, 3)));
+  ASSERT_TRUE(delayed->has_stale_parameters());
+
+  // The exact run from the delayed save, saving again after one more step: that save is
+  // an exact one (no stale parameters).
+  TrainSegment exact_run;
+  exact_run.first_step = 3;
+  exact_run.end_step = 5;
+  exact_run.save_after = 4;
+  exact_run.resume = delayed.get();
+  STRATA_ASSERT_OK_AND_ASSIGN(TrainResult from_delayed, train_and_save(exact_run, exact_dir, dir.str() + "/b"));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto exact, CheckpointReader::open(checkpoint_path(exact_dir, 4)));
+  EXPECT_FALSE(exact->has_stale_parameters());
+
+  // The delayed run from that exact save: its first step (step 4) computes with the
+  // masters, as the exact run's step 4 did, so after it the two agree bit for bit.
+  TrainSegment delayed_run;
+  delayed_run.first_step = 4;
+  delayed_run.end_step = 5;
+  delayed_run.overlap = OverlapMode::kDelayed;
+  delayed_run.resume = exact.get();
+  STRATA_ASSERT_OK_AND_ASSIGN(TrainResult from_exact, train_segment(delayed_run, dir.str() + "/c", nullptr));
+  for (size_t g = 0; g < from_exact.masters.size(); ++g)
+    EXPECT_EQ(std::memcmp(from_exact.masters[g].data(), from_delayed.masters[g].data(), from_exact.masters[g].size() * 4), 0)
+        << "group " << g;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Placements, CheckpointDelayedResumeTest,
+    ::testing::Values(DelayedResumeCase{"pinned_pinned_fp32", Tier::kPinned, Tier::kPinned, DType::kFloat32},
+                      DelayedResumeCase{"pinned_pinned_bf16", Tier::kPinned, Tier::kPinned, DType::kBFloat16},
+                      DelayedResumeCase{"device_device_bf16", Tier::kDevice, Tier::kDevice, DType::kBFloat16},
+                      DelayedResumeCase{"nvme_nvme_bf16", Tier::kNvme, Tier::kNvme, DType::kBFloat16},
+                      DelayedResumeCase{"pinned_device_fp32", Tier::kPinned, Tier::kDevice, DType::kFloat32}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 INSTANTIATE_TEST_SUITE_P(OptimizerTiers, CheckpointEngineTest, ::testing::Values(Tier::kPinned, Tier::kNvme),
                          [](const auto& info) { return std::string(tier_name(info.param)); });

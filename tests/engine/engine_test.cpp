@@ -429,6 +429,38 @@ TEST(EngineTest, DelayedOverlapTrainsAndDiffersFromExact) {
   EXPECT_LT(delayed.losses.back(), delayed.losses.front());
 }
 
+// Delayed overlap with the optimizer state on the device: step s's device Adam reads the
+// group's device gradient accumulator while step s+1 runs its forward and backward, whose
+// first micro-batch overwrites that accumulator. The CPU device's streams are real queues
+// on their own threads, so without the ordering the update reads the next step's partial
+// sums; with it, the run gives the bits of the same run with the state in pinned memory
+// (two host gradient copies by step parity, no sharing). Large groups make each update
+// slow next to the model's compute, so an unordered write lands inside it.
+TEST(EngineTest, DelayedDeviceUpdateReadsItsStepsGradientsBeforeTheNextStepWritesThem) {
+  RunSpec spec;
+  spec.model.features = 64;
+  spec.model.width = 1024;
+  spec.model.layers = 4;
+  spec.model.global_rows = 4;
+  spec.world = 2;
+  spec.micro_batches = 3;
+  spec.steps = 6;
+  EngineOptions options = fp32_options();
+  options.overlap = OverlapMode::kDelayed;
+  options.gradient_clipping = 0.0f;
+  std::map<Tier, EngineRun> runs;
+  for (Tier tier : {Tier::kPinned, Tier::kDevice}) {
+    options.optimizer_tier = tier;
+    runs[tier] = run_engine(options, spec);
+    ASSERT_TRUE(runs[tier].status.ok()) << tier_name(tier) << ": " << runs[tier].status.to_string();
+  }
+  for (size_t g = 0; g < runs[Tier::kPinned].masters.size(); ++g)
+    EXPECT_EQ(std::memcmp(runs[Tier::kDevice].masters[g].data(), runs[Tier::kPinned].masters[g].data(),
+                          runs[Tier::kPinned].masters[g].size() * 4),
+              0)
+        << "group " << g << ": the device update of a step read gradients of the next";
+}
+
 // Forward-only passes between steps and after the last one (an evaluation) see the
 // weights of every step taken, change no bit of training, and leave finish() nothing to
 // wait for that never comes.
@@ -710,6 +742,66 @@ TEST(EngineTest, WritesMetricsLinesAndAChromeTrace) {
     if (event["ph"] == "X") ++slices_per_track[event["cat"].get<std::string>()];
   for (const char* stage : {"compute", "nvme_read", "nvme_write", "h2d", "allgather", "reduce_scatter", "d2h", "optimizer"})
     EXPECT_GT(slices_per_track[stage], 0) << stage;
+}
+
+// One group trained by hand: a step gathers it, writes a fixed gradient and steps.
+Status hand_step(Engine& engine, float gradient) {
+  STRATA_RETURN_IF_ERROR(engine.begin_step());
+  STRATA_RETURN_IF_ERROR(engine.gather(0).status());
+  STRATA_RETURN_IF_ERROR(engine.release(0));
+  STRATA_ASSIGN_OR_RETURN(GroupView grads, engine.gradient_buffer(0));
+  const size_t numel = engine.layout(0).numel;
+  std::vector<float> values(numel);
+  for (size_t i = 0; i < numel; ++i) values[i] = gradient * static_cast<float>(i % 7 + 1);
+  STRATA_RETURN_IF_ERROR(engine.device().copy_async(grads.flat, values.data(), numel * 4, CopyKind::kHostToDevice, engine.compute_stream()));
+  STRATA_RETURN_IF_ERROR(engine.compute_stream().synchronize());
+  STRATA_RETURN_IF_ERROR(engine.grads_ready(0));
+  return engine.step(0.0).status();
+}
+
+// Delayed overlap: after each step the stale copy (what the next step computes with) is
+// the master of one update before, rounded to the parameter dtype; exact mode has none,
+// and writing one there is an error.
+TEST(EngineTest, TheStaleCopyIsTheMasterOfOneUpdateBefore) {
+  for (OverlapMode overlap : {OverlapMode::kDelayed, OverlapMode::kExact}) {
+    LocalClusterOptions cluster_options;
+    STRATA_ASSERT_OK_AND_ASSIGN(auto cluster, LocalCluster::create(cluster_options));
+    EngineOptions options;  // bf16 parameters
+    options.overlap = overlap;
+    STRATA_ASSERT_OK_AND_ASSIGN(auto engine, Engine::create(options, cluster->device(0), cluster->gather_communicator(0),
+                                                            cluster->reduce_communicator(0)));
+    STRATA_ASSERT_OK(engine->register_group({"g", {{"w", {40, 33}}}}).status());
+    STRATA_ASSERT_OK(engine->start());
+    const size_t shard = engine->layout(0).shard_numel;
+    std::vector<float> previous(shard), master(shard), stale(shard);
+    EXPECT_FALSE(engine->has_stale_parameters());
+    EXPECT_EQ(engine->read_state_shard(0, Engine::StateKind::kStaleParams, stale).code(), StatusCode::kFailedPrecondition);
+    for (int step = 0; step < 3; ++step) {
+      STRATA_ASSERT_OK(engine->read_state_shard(0, Engine::StateKind::kMaster, previous));
+      STRATA_ASSERT_OK(hand_step(*engine, 0.01f * static_cast<float>(step + 1)));
+      EXPECT_EQ(engine->has_stale_parameters(), overlap == OverlapMode::kDelayed);
+      if (overlap == OverlapMode::kExact) continue;
+      STRATA_ASSERT_OK(engine->read_state_shard(0, Engine::StateKind::kStaleParams, stale));
+      STRATA_ASSERT_OK(engine->read_state_shard(0, Engine::StateKind::kMaster, master));
+      size_t mismatches = 0, unchanged = 0;
+      for (size_t i = 0; i < shard; ++i) {
+        char rounded[2];
+        store_from_float(rounded, DType::kBFloat16, 0, previous[i]);
+        mismatches += std::bit_cast<uint32_t>(stale[i]) != std::bit_cast<uint32_t>(load_as_float(rounded, DType::kBFloat16, 0));
+        unchanged += master[i] == previous[i];
+      }
+      EXPECT_EQ(mismatches, 0u) << "after step " << step + 1;
+      EXPECT_LT(unchanged, shard / 2) << "the update changed too little to tell the copies apart";
+    }
+    const Status write = engine->write_state_shard(0, Engine::StateKind::kStaleParams, stale);
+    if (overlap == OverlapMode::kExact) {
+      EXPECT_EQ(write.code(), StatusCode::kFailedPrecondition);
+      EXPECT_NE(write.message().find("exact overlap mode"), std::string::npos) << write.to_string();
+    } else {
+      STRATA_EXPECT_OK(write);
+    }
+    STRATA_ASSERT_OK(engine->finish());
+  }
 }
 
 TEST(EngineTest, MisuseGetsClearErrors) {
