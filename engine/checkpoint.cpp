@@ -23,6 +23,7 @@
 
 #include "engine/core/check.h"
 #include "engine/core/log.h"
+#include "engine/core/thread.h"
 #include "offload/checksum.h"
 
 namespace strata {
@@ -318,7 +319,7 @@ class CheckpointSaver::Impl {
       return InvalidArgumentError("checkpoint: save directory '" + options_.directory + "' is not a directory");
     }
     STRATA_ASSIGN_OR_RETURN(io_, IoEngine::create(options_.io));
-    thread_ = std::thread([this] { run(); });
+    STRATA_ASSIGN_OR_RETURN(thread_, spawn_thread("strata:ckpt", [this] { run(); }));
     return Status::Ok();
   }
 
