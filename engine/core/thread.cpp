@@ -57,10 +57,7 @@ Status injected_thread_spawn_failure(std::string_view name) {
   return thread_spawn_error(name, EAGAIN);
 }
 
-void set_thread_name(std::thread& thread, std::string_view name) {
-  const std::string cut(name.substr(0, 15));
-  (void)pthread_setname_np(thread.native_handle(), cut.c_str());
-}
+void set_current_thread_name(const std::string& name) { (void)pthread_setname_np(pthread_self(), name.substr(0, 15).c_str()); }
 
 }  // namespace internal
 

@@ -23,8 +23,8 @@ Status thread_spawn_error(std::string_view name, int error);
 // Test-only fault injection (see ThreadSpawnFailureForTest): the failure to report
 // instead of starting `name`, when one is armed for this spawn.
 Status injected_thread_spawn_failure(std::string_view name);
-// Linux limits thread names to 15 characters; longer names are cut.
-void set_thread_name(std::thread& thread, std::string_view name);
+// Names the calling thread; Linux keeps 15 characters, longer names are cut.
+void set_current_thread_name(const std::string& name);
 }  // namespace internal
 
 // Starts `body` on a new thread named `name` (as `top` and debuggers show it). Fails with
@@ -34,9 +34,11 @@ template <class F>
 StatusOr<std::thread> spawn_thread(std::string_view name, F&& body) {
   STRATA_RETURN_IF_ERROR(internal::injected_thread_spawn_failure(name));
   try {
-    std::thread thread(std::forward<F>(body));
-    internal::set_thread_name(thread, name);
-    return thread;
+    // The thread names itself before the body runs, so the body always sees its name.
+    return std::thread([thread_name = std::string(name), body = std::forward<F>(body)]() mutable {
+      internal::set_current_thread_name(thread_name);
+      body();
+    });
   } catch (const std::system_error& e) {
     return internal::thread_spawn_error(name, e.code().value());
   } catch (const std::bad_alloc&) {
