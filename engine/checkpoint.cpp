@@ -25,6 +25,7 @@
 #include "engine/core/check.h"
 #include "engine/core/log.h"
 #include "engine/engine_plan.h"
+#include "engine/core/thread.h"
 #include "offload/checksum.h"
 
 namespace strata {
@@ -337,7 +338,7 @@ class CheckpointSaver::Impl {
     STRATA_RETURN_IF_ERROR(lock_directory());
     STRATA_RETURN_IF_ERROR(check_free_space());
     STRATA_ASSIGN_OR_RETURN(io_, IoEngine::create(options_.io));
-    thread_ = std::thread([this] { run(); });
+    STRATA_ASSIGN_OR_RETURN(thread_, spawn_thread("strata:ckpt", [this] { run(); }));
     return Status::Ok();
   }
 

@@ -442,9 +442,9 @@ Status EngineImpl::start() {
   metrics.rank = options_.rank;
   STRATA_RETURN_IF_ERROR(metrics_.open(metrics));
   started_ = true;
-  fetcher_->start();
-  gradient_path_->start();
-  optimizer_stage_->start();
+  STRATA_RETURN_IF_ERROR(fetcher_->start());
+  STRATA_RETURN_IF_ERROR(gradient_path_->start());
+  STRATA_RETURN_IF_ERROR(optimizer_stage_->start());
   return {};
 }
 

@@ -79,8 +79,8 @@ Status GradientPath::allocate() {
   return {};
 }
 
-void GradientPath::start() {
-  sync_.start([this] { loop(); });
+Status GradientPath::start() {
+  return sync_.start("strata:gradient", [this] { loop(); });
 }
 
 void GradientPath::stop() { sync_.stop(); }

@@ -67,7 +67,7 @@ class GradientPath {
 
   // Device slots, the landing ring or the per-group host buffers, as the plan says.
   Status allocate();
-  void start();
+  Status start();  // starts the worker thread (an error at the thread limit)
   void stop();
   // An error elsewhere in the engine: every wait here returns it.
   void abort(const Status& status);

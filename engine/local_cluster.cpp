@@ -5,6 +5,7 @@
 
 #include "engine/core/host_communicator.h"
 #include "engine/core/log.h"
+#include "engine/core/thread.h"
 
 #if defined(STRATA_HAVE_CUDA)
 #include "engine/core/nccl_communicator.h"
@@ -87,7 +88,20 @@ Status LocalCluster::run(const std::function<Status(int rank)>& body) {
     results[static_cast<size_t>(rank)] = std::move(status);
   };
   std::vector<std::thread> threads;
-  for (int r = 1; r < world; ++r) threads.emplace_back(run_rank, r);
+  for (int r = 1; r < world; ++r) {
+    StatusOr<std::thread> thread = spawn_thread("strata:rank" + std::to_string(r), [&run_rank, r] { run_rank(r); });
+    if (!thread.ok()) {
+      // The ranks already running would wait for this one in their first collective.
+      const Status failed = std::move(thread).status().with_context("while starting rank " + std::to_string(r) + " of " + std::to_string(world));
+      for (size_t peer = 0; peer < static_cast<size_t>(world); ++peer) {
+        gather_[peer]->abort("rank " + std::to_string(r) + " could not start: " + failed.message());
+        reduce_[peer]->abort("rank " + std::to_string(r) + " could not start: " + failed.message());
+      }
+      for (auto& t : threads) t.join();
+      return failed;
+    }
+    threads.push_back(*std::move(thread));
+  }
   run_rank(0);
   for (auto& t : threads) t.join();
   // The root cause is usually the first rank that failed on its own; report the first

@@ -27,8 +27,8 @@ StatusOr<std::unique_ptr<OptimizerStage>> OptimizerStage::create(const Optimizer
 
 OptimizerStage::~OptimizerStage() { stop(); }
 
-void OptimizerStage::start() {
-  sync_.start([this] { loop(); });
+Status OptimizerStage::start() {
+  return sync_.start("strata:optimizer", [this] { loop(); });
 }
 
 void OptimizerStage::stop() { sync_.stop(); }

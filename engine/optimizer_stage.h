@@ -64,7 +64,7 @@ class OptimizerStage {
   OptimizerStage(const OptimizerStage&) = delete;
   OptimizerStage& operator=(const OptimizerStage&) = delete;
 
-  void start();
+  Status start();  // starts the worker thread (an error at the thread limit)
   // Drops queued jobs and joins the worker (after the running job's group).
   void stop();
   void submit(OptimizerJob job);

@@ -93,8 +93,8 @@ Status ParamFetcher::allocate() {
   return {};
 }
 
-void ParamFetcher::start() {
-  sync_.start([this] { loop(); });
+Status ParamFetcher::start() {
+  return sync_.start("strata:fetcher", [this] { loop(); });
 }
 
 void ParamFetcher::stop() { sync_.stop(); }

@@ -82,7 +82,7 @@ class ParamFetcher final : public FetchIssuer {
   ParamFetcher& operator=(const ParamFetcher&) = delete;
 
   Status allocate();  // the gather slots and persistent groups' buffers
-  void start();
+  Status start();  // starts the worker thread (an error at the thread limit)
   void stop();
   void abort(const Status& status);
 

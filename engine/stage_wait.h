@@ -14,6 +14,7 @@
 
 #include "engine/core/log.h"
 #include "engine/core/status.h"
+#include "engine/core/thread.h"
 
 namespace strata::engine_internal {
 
@@ -38,7 +39,11 @@ class StageSync {
   StageSync& operator=(const StageSync&) = delete;
   ~StageSync() { stop(); }
 
-  void start(std::function<void()> body) { worker_ = std::thread(std::move(body)); }
+  // Starts the worker thread, named `name`; an error (the thread limit) instead of a throw.
+  Status start(std::string_view name, std::function<void()> body) {
+    STRATA_ASSIGN_OR_RETURN(worker_, spawn_thread(name, std::move(body)));
+    return {};
+  }
   // Halts the stage (every wait returns, the worker leaves its loop) and joins the worker.
   void stop() {
     {

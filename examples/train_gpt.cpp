@@ -21,6 +21,7 @@
 
 #include "engine/core/config.h"
 #include "engine/core/log.h"
+#include "examples/gpt/flags.h"
 #include "examples/gpt/gpt_model.h"
 #include "examples/gpt/gpt_trainer.h"
 #include "examples/gpt/gpt_weights.h"
@@ -61,79 +62,7 @@ Any config key
   --set KEY=VALUE            e.g. --set zero_optimization.offload_param.pin_memory=false
 )";
 
-struct Args {
-  std::string config_path;
-  std::vector<std::pair<std::string, std::string>> overrides;  // config key, value (in order)
-  std::string data_spec;
-  std::optional<std::string> checkpointing;
-  std::map<std::string, std::string> trainer;  // trainer-only flags
-};
-
-// Flags that set no config key.
-const std::vector<std::string> kTrainerFlags = {"init-from", "export", "save-dir", "save-every", "keep-checkpoints", "resume",
-                                                "eval-every", "eval-sequences", "data-seed", "synthetic-order",
-                                                "synthetic-successors", "head-chunk-rows"};
-
-std::optional<std::string> model_or_data_key(std::string_view flag) {
-  static const std::map<std::string_view, std::string_view> kKeys = {
-      {"preset", "strata.model.preset"},       {"n-layer", "strata.model.n_layer"}, {"n-head", "strata.model.n_head"},
-      {"n-embd", "strata.model.n_embd"},       {"n-ctx", "strata.model.n_ctx"},     {"vocab-size", "strata.model.vocab_size"},
-      {"seq-len", "strata.data.seq_len"},      {"eval-fraction", "strata.data.eval_fraction"},
-  };
-  auto it = kKeys.find(flag);
-  if (it == kKeys.end()) return std::nullopt;
-  return std::string(it->second);
-}
-
-StatusOr<Args> parse_args(int argc, char** argv) {
-  Args args;
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg == "--help" || arg == "-h") return CancelledError("help");
-    if (arg.rfind("--", 0) != 0) return InvalidArgumentError("unexpected argument \"" + arg + "\" (flags start with --; see --help)");
-    std::string flag = arg.substr(2), value;
-    if (const size_t eq = flag.find('='); eq != std::string::npos) {
-      value = flag.substr(eq + 1);
-      flag = flag.substr(0, eq);
-    } else {
-      if (i + 1 >= argc) return InvalidArgumentError("--" + flag + " needs a value");
-      value = argv[++i];
-    }
-    if (flag == "config") {
-      args.config_path = value;
-    } else if (flag == "set") {
-      const size_t eq = value.find('=');
-      if (eq == std::string::npos) return InvalidArgumentError("--set needs KEY=VALUE, got \"" + value + "\"");
-      args.overrides.emplace_back(value.substr(0, eq), value.substr(eq + 1));
-    } else if (flag == "data") {
-      args.data_spec = value;
-    } else if (flag == "activation-checkpointing") {
-      args.checkpointing = value;
-    } else if (std::find(kTrainerFlags.begin(), kTrainerFlags.end(), flag) != kTrainerFlags.end()) {
-      args.trainer[flag] = value;
-    } else if (auto key = model_or_data_key(flag)) {
-      args.overrides.emplace_back(*key, value);
-    } else if (auto key = config_key_for_flag(flag)) {
-      args.overrides.emplace_back(*key, value);
-    } else {
-      return InvalidArgumentError("unknown flag --" + flag + " (see --help; --set KEY=VALUE sets any config key)");
-    }
-  }
-  return args;
-}
-
-StatusOr<int64_t> parse_int(const Args& args, const std::string& flag, int64_t fallback) {
-  auto it = args.trainer.find(flag);
-  if (it == args.trainer.end()) return fallback;
-  char* end = nullptr;
-  errno = 0;
-  const long long value = std::strtoll(it->second.c_str(), &end, 10);
-  if (errno != 0 || end == it->second.c_str() || *end != '\0' || value < 0)
-    return InvalidArgumentError("--" + flag + " needs a non-negative integer, got \"" + it->second + "\"");
-  return static_cast<int64_t>(value);
-}
-
-std::string trainer_string(const Args& args, const std::string& flag) {
+std::string trainer_string(const TrainGptArgs& args, const std::string& flag) {
   auto it = args.trainer.find(flag);
   return it == args.trainer.end() ? std::string() : it->second;
 }
@@ -155,12 +84,26 @@ Status apply_data_spec(StrataConfig& config, const std::string& spec) {
   return apply_override(config, "strata.data.path", path);
 }
 
-StatusOr<TrainerOptions> build_options(const Args& args) {
+// The files a run writes as it goes or at its end are checked (their directories made)
+// before step 1, so a typo in --trace does not cost the run. (--save-dir is checked where
+// checkpoints are locked.)
+Status check_output_paths(const StrataConfig& config, const TrainerOptions& options) {
+  using flags::OutputKind;
+  if (!config.strata.metrics.empty())
+    STRATA_RETURN_IF_ERROR(flags::prepare_output_path("--metrics (strata.metrics)", config.strata.metrics, OutputKind::kFile));
+  if (!config.strata.trace.empty())
+    STRATA_RETURN_IF_ERROR(flags::prepare_output_path("--trace (strata.trace)", config.strata.trace, OutputKind::kFile));
+  if (!options.export_dir.empty())
+    STRATA_RETURN_IF_ERROR(flags::prepare_output_path("--export", options.export_dir, OutputKind::kDirectory));
+  return {};
+}
+
+StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
   StrataConfig config;
   if (!args.config_path.empty()) {
     STRATA_ASSIGN_OR_RETURN(config, load_config_file(args.config_path));
   }
-  for (const auto& [key, value] : args.overrides) STRATA_RETURN_IF_ERROR(apply_override(config, key, value));
+  STRATA_RETURN_IF_ERROR(apply_train_gpt_overrides(config, args));
   STRATA_RETURN_IF_ERROR(apply_data_spec(config, args.data_spec));
   if (config.strata.steps == 0 && !config.was_given("strata.steps")) config.strata.steps = 50;
   // The engine keeps optimizer state on the host or NVMe (the CPU Adam); unless asked
@@ -220,25 +163,22 @@ StatusOr<TrainerOptions> build_options(const Args& args) {
     options.checkpointing = m.checkpoints_in_pinned_memory ? ActivationCheckpointing::kPinnedHost : ActivationCheckpointing::kDevice;
   }
 
-  STRATA_ASSIGN_OR_RETURN(int64_t order, parse_int(args, "synthetic-order", 1));
-  STRATA_ASSIGN_OR_RETURN(int64_t successors, parse_int(args, "synthetic-successors", 4));
-  options.synthetic.order = static_cast<int>(order);
-  options.synthetic.successors = successors;
+  STRATA_ASSIGN_OR_RETURN(options.synthetic.order, trainer_integer<int>(args, "synthetic-order", 1));
+  STRATA_ASSIGN_OR_RETURN(options.synthetic.successors, trainer_integer<int64_t>(args, "synthetic-successors", 4));
   options.synthetic.seed = static_cast<uint64_t>(config.strata.seed) + 20240520;
-  STRATA_ASSIGN_OR_RETURN(int64_t data_seed, parse_int(args, "data-seed", config.strata.seed));
-  options.data_seed = static_cast<uint64_t>(data_seed);
+  STRATA_ASSIGN_OR_RETURN(options.data_seed, trainer_integer<uint64_t>(args, "data-seed", static_cast<uint64_t>(config.strata.seed)));
   const int64_t world = config.strata.world_size;
   const int64_t global_batch = config.train_micro_batch_size_per_gpu.value_or(1) * world;
-  STRATA_ASSIGN_OR_RETURN(options.eval_sequences, parse_int(args, "eval-sequences", std::max<int64_t>(global_batch, 8)));
-  STRATA_ASSIGN_OR_RETURN(options.eval_every, parse_int(args, "eval-every", std::max<int64_t>(1, config.strata.steps / 10)));
-  STRATA_ASSIGN_OR_RETURN(options.head_chunk_rows, parse_int(args, "head-chunk-rows", 0));
+  STRATA_ASSIGN_OR_RETURN(options.eval_sequences, trainer_integer<int64_t>(args, "eval-sequences", std::max<int64_t>(global_batch, 8)));
+  STRATA_ASSIGN_OR_RETURN(options.eval_every, trainer_integer<int64_t>(args, "eval-every", std::max<int64_t>(1, config.strata.steps / 10)));
+  STRATA_ASSIGN_OR_RETURN(options.head_chunk_rows, trainer_integer<int64_t>(args, "head-chunk-rows", 0));
   options.save_dir = trainer_string(args, "save-dir");
-  STRATA_ASSIGN_OR_RETURN(options.save_every, parse_int(args, "save-every", 0));
-  STRATA_ASSIGN_OR_RETURN(int64_t keep, parse_int(args, "keep-checkpoints", 0));
-  options.keep_checkpoints = static_cast<int>(keep);
+  STRATA_ASSIGN_OR_RETURN(options.save_every, trainer_integer<int64_t>(args, "save-every", 0));
+  STRATA_ASSIGN_OR_RETURN(options.keep_checkpoints, trainer_integer<int>(args, "keep-checkpoints", 0));
   options.resume_dir = trainer_string(args, "resume");
   options.export_dir = trainer_string(args, "export");
   if (options.save_every > 0 && options.save_dir.empty()) return InvalidArgumentError("--save-every needs --save-dir");
+  STRATA_RETURN_IF_ERROR(check_output_paths(config, options));
   options.config = std::move(config);
   return options;
 }
@@ -246,14 +186,15 @@ StatusOr<TrainerOptions> build_options(const Args& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  auto args = parse_args(argc, argv);
+  const std::vector<std::string> arguments(argv + 1, argv + argc);
+  auto args = strata::gpt::parse_train_gpt_args(arguments);
   if (!args.ok()) {
-    if (args.status().code() == strata::StatusCode::kCancelled) {
-      std::cout << kUsage;
-      return 0;
-    }
     std::cerr << "train_gpt: " << args.status().message() << "\n";
     return 2;
+  }
+  if (args->help) {
+    std::cout << kUsage;
+    return 0;
   }
   auto options = build_options(*args);
   if (!options.ok()) {

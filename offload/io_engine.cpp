@@ -19,6 +19,7 @@
 
 #include "engine/core/check.h"
 #include "engine/core/log.h"
+#include "engine/core/thread.h"
 #include "offload/offload_util.h"
 
 namespace strata {
@@ -250,9 +251,15 @@ namespace {
 // ---------------------------------------------------------------------------------------
 class PsyncBackend final : public IoBackend {
  public:
-  PsyncBackend(IoEngineState* state, unsigned threads) : state_(state) {
+  explicit PsyncBackend(IoEngineState* state) : state_(state) {}
+  // Starts the pool; on an error the threads already started are stopped by stop().
+  Status start(unsigned threads) {
     workers_.reserve(threads);
-    for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
+    for (unsigned i = 0; i < threads; ++i) {
+      STRATA_ASSIGN_OR_RETURN(std::thread worker, spawn_thread("strata:psync", [this] { run(); }));
+      workers_.push_back(std::move(worker));
+    }
+    return {};
   }
   ~PsyncBackend() override { stop(); }
 
@@ -341,7 +348,7 @@ class IoUringBackend final : public IoBackend {
     } else {
       backend->fixed_files_ = true;
     }
-    backend->reaper_ = std::thread([state] { state->run_background_reaper(); });
+    STRATA_ASSIGN_OR_RETURN(backend->reaper_, spawn_thread("strata:reaper", [state] { state->run_background_reaper(); }));
     return backend;
   }
 
@@ -528,7 +535,9 @@ StatusOr<std::unique_ptr<IoEngine>> IoEngine::create(const IoEngineOptions& opti
   }
   if (state->backend == nullptr) {
     const unsigned threads = options.psync_threads != 0 ? options.psync_threads : std::min(options.queue_depth, 64u);
-    state->backend = std::make_unique<internal::PsyncBackend>(state.get(), threads);
+    auto psync = std::make_unique<internal::PsyncBackend>(state.get());
+    STRATA_RETURN_IF_ERROR(psync->start(threads));
+    state->backend = std::move(psync);
   }
   return std::make_unique<IoEngine>(ConstructionKey(), std::move(state));
 }

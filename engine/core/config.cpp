@@ -514,6 +514,9 @@ KeySpec restricted_key(std::string path, Json allowed, std::string reason) {
 
 IntCodec positive() { return IntCodec{.min = 1}; }
 IntCodec non_negative() { return IntCodec{.min = 0}; }
+// For counts the engine holds in an `int`: larger values are refused here, never narrowed later.
+IntCodec positive_int() { return IntCodec{.min = 1, .max = std::numeric_limits<int>::max()}; }
+IntCodec non_negative_int() { return IntCodec{.min = 0, .max = std::numeric_limits<int>::max()}; }
 DoubleCodec non_negative_number() { return DoubleCodec{.min = 0.0}; }
 DoubleCodec positive_number() { return DoubleCodec{.min = 0.0, .min_exclusive = true}; }
 template <class C>
@@ -570,8 +573,8 @@ std::vector<KeySpec> build_schema() {
   // --- DeepSpeed: batch size, logging, clipping -------------------------------------
   add(value_key("train_batch_size", FIELD(train_batch_size), optional_of(positive())));
   add(value_key("train_micro_batch_size_per_gpu", FIELD(train_micro_batch_size_per_gpu), optional_of(positive())));
-  add(value_key("gradient_accumulation_steps", FIELD(gradient_accumulation_steps), optional_of(positive())));
-  add(value_key("steps_per_print", FIELD(steps_per_print), non_negative()));
+  add(value_key("gradient_accumulation_steps", FIELD(gradient_accumulation_steps), optional_of(positive_int())));
+  add(value_key("steps_per_print", FIELD(steps_per_print), non_negative_int()));
   add(value_key("wall_clock_breakdown", FIELD(wall_clock_breakdown), BoolCodec{}));
   add(value_key("gradient_clipping", FIELD(gradient_clipping), non_negative_number()));
 
@@ -580,7 +583,7 @@ std::vector<KeySpec> build_schema() {
   add(value_key("zero_optimization.offload_param.device", FIELD(zero.offload_param.device), placement_codec()));
   add(alias_key("zero_optimization.offload_param.nvme_path", "strata.nvme_path"));
   add(value_key("zero_optimization.offload_param.pin_memory", FIELD(zero.offload_param.pin_memory), BoolCodec{}));
-  add(value_key("zero_optimization.offload_param.buffer_count", FIELD(zero.offload_param.buffer_count), optional_of(positive())));
+  add(value_key("zero_optimization.offload_param.buffer_count", FIELD(zero.offload_param.buffer_count), optional_of(positive_int())));
   add(ignored_key("zero_optimization.offload_param.buffer_size",
                   "Strata sizes each parameter staging buffer by the largest group shard it must hold"));
   add(ignored_key("zero_optimization.offload_param.max_in_cpu", "host memory is bounded by strata.pinned_budget_mib"));
@@ -588,7 +591,7 @@ std::vector<KeySpec> build_schema() {
   add(alias_key("zero_optimization.offload_optimizer.nvme_path", "strata.nvme_path"));
   add(value_key("zero_optimization.offload_optimizer.pin_memory", FIELD(zero.offload_optimizer.pin_memory), BoolCodec{}));
   add(value_key("zero_optimization.offload_optimizer.buffer_count", FIELD(zero.offload_optimizer.buffer_count),
-                optional_of(IntCodec{.min = 3})));
+                optional_of(IntCodec{.min = 3, .max = std::numeric_limits<int>::max()})));
   add(ignored_key("zero_optimization.offload_optimizer.ratio", "all of the optimizer state goes where offload_optimizer.device says"));
   add(ignored_key("zero_optimization.offload_optimizer.pipeline_read", "Strata's optimizer-state pipeline always overlaps NVMe reads with the optimizer"));
   add(ignored_key("zero_optimization.offload_optimizer.pipeline_write", "Strata's optimizer-state pipeline always overlaps NVMe writes with the optimizer"));
@@ -654,8 +657,8 @@ std::vector<KeySpec> build_schema() {
   add(value_key("fp16.enabled", FIELD(fp16.enabled), BoolCodec{}));
   add(value_key("fp16.loss_scale", FIELD(fp16.loss_scale), non_negative_number()));
   add(value_key("fp16.initial_scale_power", FIELD(fp16.initial_scale_power), IntCodec{.min = 0, .max = 64}));
-  add(value_key("fp16.loss_scale_window", FIELD(fp16.loss_scale_window), positive()));
-  add(value_key("fp16.hysteresis", FIELD(fp16.hysteresis), positive()));
+  add(value_key("fp16.loss_scale_window", FIELD(fp16.loss_scale_window), positive_int()));
+  add(value_key("fp16.hysteresis", FIELD(fp16.hysteresis), positive_int()));
   add(value_key("fp16.min_loss_scale", FIELD(fp16.min_loss_scale), positive_number()));
   add(ignored_key("fp16.auto_cast", "Strata has no input auto-casting"));
   add(ignored_key("fp16.consecutive_hysteresis", "not configurable in Strata"));
@@ -959,6 +962,20 @@ class DuplicateKeyTracker {
   std::vector<std::string> duplicates_;
 };
 
+// Deeper documents are refused while parsing: nlohmann's parser is iterative but dump()
+// (used to quote a value in an error) recurses once per level, and 100k levels overflow
+// the stack. No DeepSpeed or Strata key nests more than a few levels.
+constexpr int kMaxJsonDepth = 64;
+
+// Thrown by the parse callback to stop at the first over-deep container; caught in
+// parse_config_json and never escapes this file.
+struct JsonTooDeep {};
+
+Status too_deep_error(std::string_view source) {
+  return InvalidArgumentError("the JSON in " + std::string(source) + " nests objects and arrays more than " +
+                              std::to_string(kMaxJsonDepth) + " levels deep; a config never needs that many (is it the intended file?)");
+}
+
 Status malformed_json_error(const Json::parse_error& error, std::string_view text, std::string_view source) {
   // Line and column of the byte where parsing stopped (1-based, as editors count).
   const size_t stop = std::min<size_t>(error.byte == 0 ? 0 : error.byte - 1, text.size());
@@ -1069,10 +1086,15 @@ StatusOr<StrataConfig> parse_config_json(std::string_view text, std::string_view
   DuplicateKeyTracker duplicates;
   Json document;
   try {
-    Json::parser_callback_t callback = [&duplicates](int /*depth*/, Json::parse_event_t event, Json& parsed) {
+    Json::parser_callback_t callback = [&duplicates](int depth, Json::parse_event_t event, Json& parsed) {
+      const bool opens = event == Json::parse_event_t::object_start || event == Json::parse_event_t::array_start;
+      // `depth` counts the containers around this one; the top-level object is at 0.
+      if (opens && depth >= kMaxJsonDepth) throw JsonTooDeep{};
       return duplicates.on_event(event, parsed);
     };
     document = Json::parse(text.begin(), text.end(), callback, /*allow_exceptions=*/true, /*ignore_comments=*/true);
+  } catch (const JsonTooDeep&) {
+    return too_deep_error(source_name);
   } catch (const Json::parse_error& error) {
     return malformed_json_error(error, text, source_name);
   } catch (const Json::exception& error) {

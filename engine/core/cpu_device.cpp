@@ -18,6 +18,7 @@
 
 #include "engine/core/device_internal.h"
 #include "engine/core/log.h"
+#include "engine/core/thread.h"
 
 namespace strata {
 
@@ -204,12 +205,10 @@ class CpuEvent final : public Event {
 
 class CpuStream final : public Stream {
  public:
-  CpuStream(CpuDevice& device, std::shared_ptr<StreamCore> core) : device_(device), core_(std::move(core)) {
-    worker_ = std::thread([core = core_] { core->run_worker(); });
+  // `worker` runs core->run_worker() (started by create_stream, which can fail).
+  CpuStream(CpuDevice& device, std::shared_ptr<StreamCore> core, std::thread worker)
+      : device_(device), core_(std::move(core)), worker_(std::move(worker)) {
     core_->set_worker_id(worker_.get_id());
-    // Linux limits thread names to 15 characters.
-    const std::string thread_name = ("strata:" + core_->name()).substr(0, 15);
-    (void)pthread_setname_np(worker_.native_handle(), thread_name.c_str());
   }
 
   // Drains the queue: everything enqueued runs (or is skipped after an error) first.
@@ -399,12 +398,9 @@ Status CpuDevice::check_device_range(const void* data, size_t bytes, std::string
 
 StatusOr<std::unique_ptr<Stream>> CpuDevice::create_stream(std::string name) {
   auto core = std::make_shared<StreamCore>(std::move(name), this->name());
-  std::unique_ptr<CpuStream> stream;
-  try {
-    stream = std::make_unique<CpuStream>(*this, core);
-  } catch (const std::system_error& e) {
-    return ResourceExhaustedError(this->name() + ": cannot start the worker thread of stream '" + core->name() + "': " + e.what());
-  }
+  StatusOr<std::thread> worker = spawn_thread("strata:" + core->name(), [core] { core->run_worker(); });
+  if (!worker.ok()) return std::move(worker).status().with_context(this->name() + ": the worker of stream '" + core->name() + "'");
+  auto stream = std::make_unique<CpuStream>(*this, core, *std::move(worker));
   std::lock_guard<std::mutex> lock(streams_mutex_);
   streams_.push_back(std::move(core));
   ++live_stream_count_;

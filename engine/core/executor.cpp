@@ -19,6 +19,7 @@
 #endif
 
 #include "engine/core/log.h"
+#include "engine/core/thread.h"
 
 namespace strata {
 
@@ -51,13 +52,17 @@ void pin_current_thread(const std::vector<int>& cpus, size_t slot) {
 // through an atomic counter, and the caller works too.
 class ThreadExecutor final : public Executor {
  public:
-  ThreadExecutor(int threads, std::vector<int> affinity) : threads_(threads), affinity_(std::move(affinity)) {
+  ThreadExecutor(int threads, std::vector<int> affinity) : threads_(threads), affinity_(std::move(affinity)) {}
+  // Starts the workers (the caller is worker 0); the destructor joins those started.
+  Status start() {
     for (int i = 1; i < threads_; ++i) {
-      workers_.emplace_back([this, i] {
-        pin_current_thread(affinity_, static_cast<size_t>(i));
-        worker_loop();
-      });
+      STRATA_ASSIGN_OR_RETURN(std::thread worker, spawn_thread("strata:exec", [this, i] {
+                                pin_current_thread(affinity_, static_cast<size_t>(i));
+                                worker_loop();
+                              }));
+      workers_.push_back(std::move(worker));
     }
+    return {};
   }
   ~ThreadExecutor() override {
     {
@@ -213,7 +218,11 @@ StatusOr<std::unique_ptr<Executor>> make_executor(const ExecutorOptions& options
   const int threads = options.threads == 0 ? available_cpu_count() : options.threads;
   ExecutorKind kind = options.kind;
   if (kind == ExecutorKind::kDefault) kind = built_with_thread_sanitizer() ? ExecutorKind::kThreads : ExecutorKind::kTbb;
-  if (kind == ExecutorKind::kThreads) return std::unique_ptr<Executor>(std::make_unique<ThreadExecutor>(threads, options.cpu_affinity));
+  if (kind == ExecutorKind::kThreads) {
+    auto executor = std::make_unique<ThreadExecutor>(threads, options.cpu_affinity);
+    STRATA_RETURN_IF_ERROR(executor->start().with_context("while starting a " + std::to_string(threads) + "-thread executor"));
+    return std::unique_ptr<Executor>(std::move(executor));
+  }
 #if defined(STRATA_SANITIZER_THREAD)
   return UnavailableError("the oneTBB executor is not built into ThreadSanitizer builds (its synchronization is invisible to TSan)");
 #else

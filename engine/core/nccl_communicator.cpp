@@ -15,6 +15,7 @@
 
 #include "engine/core/cuda_check.h"
 #include "engine/core/log.h"
+#include "engine/core/thread.h"
 
 namespace strata {
 
@@ -335,7 +336,7 @@ StatusOr<std::vector<std::unique_ptr<NcclCommunicator>>> NcclCommunicator::creat
     STRATA_NCCL_ENTER_DEVICE(state.ordinal);
     STRATA_ASSIGN_OR_RETURN(state.barrier_word, communicator->device_.allocate(sizeof(float), "nccl barrier word"));
     STRATA_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&state.scratch_released, cudaEventDisableTiming));
-    state.watchdog = std::thread([raw = &state] { raw->run_watchdog(); });
+    STRATA_ASSIGN_OR_RETURN(state.watchdog, spawn_thread("strata:nccl-dog", [raw = &state] { raw->run_watchdog(); }));
   }
   return communicators;
 }

@@ -1,6 +1,7 @@
 #include "examples/gpt/token_data.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <array>
@@ -9,11 +10,14 @@
 #include <cstring>
 #include <numeric>
 #include <sstream>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
 #include "engine/core/file.h"
+#include "engine/core/executor.h"
 #include "engine/counter_rng.h"
+#include "examples/gpt/token_scan.h"
 
 namespace strata::gpt {
 
@@ -341,12 +345,60 @@ StatusOr<std::shared_ptr<const TokenDataset>> TokenDataset::open_text_file(const
       path, std::move(file), "text file", 0, 1, size, 256, options.eval_fraction));
 }
 
+namespace {
+
+// A read-only memory map of a whole file; unmapped by the destructor.
+class ReadOnlyMapping {
+ public:
+  static StatusOr<ReadOnlyMapping> map(const File& file, uint64_t bytes) {
+    void* data = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, file.fd(), 0);
+    if (data == MAP_FAILED) return IoError("mmap " + file.path() + " (" + std::to_string(bytes) + " bytes): " + std::strerror(errno));
+    // One pass front to back: let the kernel read ahead.
+    ::madvise(data, bytes, MADV_SEQUENTIAL);
+    return ReadOnlyMapping(data, bytes);
+  }
+  ReadOnlyMapping(ReadOnlyMapping&& other) noexcept : data_(std::exchange(other.data_, nullptr)), bytes_(other.bytes_) {}
+  ReadOnlyMapping& operator=(ReadOnlyMapping&&) = delete;
+  ReadOnlyMapping(const ReadOnlyMapping&) = delete;
+  ~ReadOnlyMapping() {
+    if (data_ != nullptr) ::munmap(data_, bytes_);
+  }
+  const unsigned char* bytes() const { return static_cast<const unsigned char*>(data_); }
+
+ private:
+  ReadOnlyMapping(void* data, uint64_t bytes) : data_(data), bytes_(bytes) {}
+  void* data_;
+  uint64_t bytes_;
+};
+
+}  // namespace
+
+Status check_token_file_vocabulary(const std::string& path, int64_t vocab_size, const TokenScanOptions& options) {
+  if (vocab_size < 1) return InvalidArgumentError("token file " + path + ": vocab_size " + std::to_string(vocab_size) + " must be positive");
+  STRATA_ASSIGN_OR_RETURN(const TokenFileHeader header, read_token_file_header(path));
+  STRATA_ASSIGN_OR_RETURN(const File file, open_read_only(path, "token file"));
+  const uint64_t file_bytes = kLlmcHeaderBytes + header.token_count * header.token_bytes;  // the header check proved the size
+  STRATA_ASSIGN_OR_RETURN(const ReadOnlyMapping mapping, ReadOnlyMapping::map(file, file_bytes));
+  STRATA_ASSIGN_OR_RETURN(const TokenScanKernels kernels, token_scan_kernels(options.isa.value_or(best_cpu_isa())));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Executor> executor, make_executor({.threads = options.threads}));
+  const TokenSpan tokens{.data = mapping.bytes() + kLlmcHeaderBytes, .token_bytes = header.token_bytes, .count = header.token_count};
+  const std::optional<uint64_t> bad = find_token_at_or_above(tokens, static_cast<uint64_t>(vocab_size), kernels, *executor);
+  if (!bad) return {};
+  uint32_t value = 0;
+  std::memcpy(&value, mapping.bytes() + kLlmcHeaderBytes + *bad * header.token_bytes, header.token_bytes);  // little-endian host
+  return InvalidArgumentError("token file " + path + ": token " + std::to_string(*bad) + " (byte offset " +
+                              std::to_string(kLlmcHeaderBytes + *bad * header.token_bytes) + ") is " + std::to_string(value) +
+                              ", at or above the vocabulary size " + std::to_string(vocab_size) +
+                              " (the first such token; was the file tokenized for another model?)");
+}
+
 StatusOr<std::shared_ptr<const TokenDataset>> TokenDataset::open_token_file(const std::string& path, const FileDataOptions& options) {
   STRATA_RETURN_IF_ERROR(check_eval_fraction(options.eval_fraction, path));
   STRATA_ASSIGN_OR_RETURN(const TokenFileHeader header, read_token_file_header(path));
   int64_t vocab = options.vocab_size;
   if (vocab == 0) vocab = header.token_bytes == 2 ? kGpt2VocabSize : (int64_t{1} << 31) - 1;
   if (vocab < 1) return InvalidArgumentError("token file " + path + ": vocab_size " + std::to_string(vocab) + " must be positive");
+  STRATA_RETURN_IF_ERROR(check_token_file_vocabulary(path, vocab));
   STRATA_ASSIGN_OR_RETURN(File file, open_read_only(path, "token file"));
   return std::shared_ptr<const TokenDataset>(std::make_shared<FileDataset>(
       path, std::move(file), "token file", kLlmcHeaderBytes, header.token_bytes, header.token_count, vocab, options.eval_fraction));
@@ -362,6 +414,8 @@ StatusOr<std::shared_ptr<const TokenDataset>> TokenDataset::open(const DataConfi
       return open_text_file(config.path, file_options);
     case DataKind::kTokens:
       if (config.path.empty()) return InvalidArgumentError("strata.data.path is required for data kind 'tokens'");
+      // The model's vocabulary bounds the tokens, whatever the file's format allows.
+      file_options.vocab_size = synthetic.vocab_size;
       return open_token_file(config.path, file_options);
   }
   return InvalidArgumentError("unknown data kind");

@@ -6,7 +6,9 @@
 //   - llm.c token files: a header of 256 little-endian int32 (magic 20240520, version 1,
 //     token count, the rest zero) followed by the tokens as uint16 — how GPT-2-tokenized
 //     datasets are commonly shipped (llm.c dev/data/data_common.py write_datafile); its
-//     uint32 variant (magic 20240801, version 7) is read too.
+//     uint32 variant (magic 20240801, version 7) is read too. Opening one checks every
+//     token against the vocabulary (the model's, for the trainer) with a vectorized scan
+//     of the memory-mapped file, about 0.2 s per GiB (docs/benchmarks.md).
 //
 // The synthetic language. A Markov chain of order 1 or 2 over V tokens: with random
 // permutations sigma, tau, rho of the vocabulary and k distinct offsets d_0..d_{k-1}, the
@@ -41,6 +43,7 @@
 
 #include "engine/core/config.h"
 #include "engine/core/status.h"
+#include "optim/cpu_isa.h"
 
 namespace strata::gpt {
 
@@ -87,18 +90,33 @@ struct SyntheticLanguageOptions {
 
 struct FileDataOptions {
   double eval_fraction = 0.0;  // share of the tokens held out for eval (the end of the file), in [0, 1)
-  int64_t vocab_size = 0;      // token files: 0 = the format's (50257 for GPT-2 files); tokens must be below it
+  int64_t vocab_size = 0;      // token files: the model's vocabulary, 0 = the format's (50257 for GPT-2 files);
+                               // every token must be below it (checked at open)
 };
+
+// How check_token_file_vocabulary scans (the defaults are what opening a file uses).
+struct TokenScanOptions {
+  std::optional<CpuIsa> isa;  // unset = the fastest this CPU runs (optim/cpu_isa.h)
+  int threads = 0;            // 0 = the cores this process may run on
+};
+
+// Every token of the llm.c token file `path` (header as read_token_file_header checks it)
+// is below `vocab_size`, scanned over the memory-mapped file with the vectorized scan of
+// examples/gpt/token_scan.h. The error names the file, the first offending token's index
+// and byte offset, its value and the vocabulary size. Cost: docs/benchmarks.md.
+Status check_token_file_vocabulary(const std::string& path, int64_t vocab_size, const TokenScanOptions& options = {});
 
 class TokenDataset {
  public:
   static StatusOr<std::shared_ptr<const TokenDataset>> synthetic(const SyntheticLanguageOptions& options);
   // A text file read as bytes: vocabulary 256.
   static StatusOr<std::shared_ptr<const TokenDataset>> open_text_file(const std::string& path, const FileDataOptions& options);
-  // An llm.c token file (header checked as read_token_file_header does).
+  // An llm.c token file (header checked as read_token_file_header does, every token
+  // checked against the vocabulary as check_token_file_vocabulary does).
   static StatusOr<std::shared_ptr<const TokenDataset>> open_token_file(const std::string& path, const FileDataOptions& options);
   // From the config's strata.data section; `synthetic` gives the synthetic language's
-  // shape (the trainer sets its vocab_size from the model).
+  // shape (the trainer sets its vocab_size from the model), and its vocab_size is the
+  // bound every token of a token file is checked against.
   static StatusOr<std::shared_ptr<const TokenDataset>> open(const DataConfig& config, const SyntheticLanguageOptions& synthetic);
 
   virtual ~TokenDataset() = default;

@@ -10,11 +10,13 @@
 #include <vector>
 
 #include "engine/core/status.h"
+#include "examples/gpt/flags.h"
 #include "offload/io_engine.h"
 
 namespace strata::bench {
 
-// A tiny flag parser: `--name value`, `--name=value` and boolean `--name`.
+// A tiny flag parser: `--name value`, `--name=value` and boolean `--name`, over the
+// tokenizer and number parsing train_gpt uses (examples/gpt/flags.h).
 class Args {
  public:
   // `boolean_flags` take no value. Unknown flags are an error naming the flag and the
@@ -24,6 +26,14 @@ class Args {
   bool has(const std::string& name) const { return values_.count(name) != 0; }
   std::string get(const std::string& name, const std::string& fallback) const;
   StatusOr<int64_t> get_int(const std::string& name, int64_t fallback) const;
+  // The value as a T in [min, max], parsed in T (flags::parse_flag_integer).
+  template <std::integral T>
+  StatusOr<T> get_integer(const std::string& name, T fallback, T min = std::numeric_limits<T>::min(),
+                          T max = std::numeric_limits<T>::max()) const {
+    auto it = values_.find(name);
+    if (it == values_.end()) return fallback;
+    return flags::parse_flag_integer<T>(name, it->second, min, max);
+  }
   StatusOr<double> get_double(const std::string& name, double fallback) const;
   bool flag(const std::string& name) const { return has(name); }
 
@@ -62,6 +72,7 @@ int run_nvme(int argc, char** argv);
 int run_copy(int argc, char** argv);
 int run_adam(int argc, char** argv);
 int run_step(int argc, char** argv);
+int run_token_scan(int argc, char** argv);
 
 // Prints "strata-bench <subcommand>: <status>" to stderr and returns 1 (or 2 for usage errors).
 int report_failure(const char* subcommand, const Status& status);

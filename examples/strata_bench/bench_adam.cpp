@@ -159,8 +159,7 @@ StatusOr<Config> parse_config(int argc, char** argv) {
   Config c;
   if (args.flag("help")) return InvalidArgumentError(kUsage);
   STRATA_ASSIGN_OR_RETURN(c.params, args.get_int("params", c.params));
-  STRATA_ASSIGN_OR_RETURN(int64_t threads, args.get_int("threads", c.threads));
-  c.threads = static_cast<int>(threads);
+  STRATA_ASSIGN_OR_RETURN(c.threads, args.get_integer<int>("threads", c.threads));
   STRATA_ASSIGN_OR_RETURN(c.grad_type, parse_dtype(args.get("grad-dtype", "bf16")));
   const std::string param = args.get("param-dtype", "bf16");
   if (param == "none") {
@@ -175,20 +174,16 @@ StatusOr<Config> parse_config(int argc, char** argv) {
     STRATA_ASSIGN_OR_RETURN(c.isa, parse_cpu_isa(args.get("isa", "")));
   }
   STRATA_ASSIGN_OR_RETURN(c.group_params, args.get_int("group-params", c.group_params));
-  STRATA_ASSIGN_OR_RETURN(int64_t steps, args.get_int("steps", c.steps));
-  STRATA_ASSIGN_OR_RETURN(int64_t warmup, args.get_int("warmup", c.warmup));
-  c.steps = static_cast<int>(steps);
-  c.warmup = static_cast<int>(warmup);
+  STRATA_ASSIGN_OR_RETURN(c.steps, args.get_integer<int>("steps", c.steps));
+  STRATA_ASSIGN_OR_RETURN(c.warmup, args.get_integer<int>("warmup", c.warmup));
   STRATA_ASSIGN_OR_RETURN(c.chunk_elements, args.get_int("chunk-elements", c.chunk_elements));
   STRATA_ASSIGN_OR_RETURN(c.stagger_bytes, args.get_int("stagger-bytes", c.stagger_bytes));
   STRATA_ASSIGN_OR_RETURN(c.stores.param, parse_store_kind(args.get("param-stores", "streaming"), "param-stores"));
   STRATA_ASSIGN_OR_RETURN(c.stores.state, parse_store_kind(args.get("state-stores", "cached"), "state-stores"));
   c.use_avx512_bf16 = !args.flag("no-avx512-bf16");
   STRATA_ASSIGN_OR_RETURN(c.pinned_budget, args.get_int("pinned-budget", c.pinned_budget));
-  STRATA_ASSIGN_OR_RETURN(int64_t slots, args.get_int("slots", c.slots));
-  STRATA_ASSIGN_OR_RETURN(int64_t queue_depth, args.get_int("queue-depth", c.queue_depth));
-  c.slots = static_cast<int>(slots);
-  c.queue_depth = static_cast<int>(queue_depth);
+  STRATA_ASSIGN_OR_RETURN(c.slots, args.get_integer<int>("slots", c.slots));
+  STRATA_ASSIGN_OR_RETURN(c.queue_depth, args.get_integer<int>("queue-depth", c.queue_depth));
   c.checksums = !args.flag("no-checksums");
   c.json = args.flag("json");
   if (c.params < 1) return InvalidArgumentError("--params must be >= 1");

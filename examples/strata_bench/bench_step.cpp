@@ -92,14 +92,14 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
                                                  {"json", "help"}));
   StepBenchOptions o;
   if (args.flag("help")) return StepBenchOptions{.help = true};
-  STRATA_ASSIGN_OR_RETURN(int64_t layers, args.get_int("layers", 8));
-  STRATA_ASSIGN_OR_RETURN(int64_t width, args.get_int("width", 1024));
-  STRATA_ASSIGN_OR_RETURN(int64_t batch, args.get_int("batch", 64));
-  STRATA_ASSIGN_OR_RETURN(int64_t micro, args.get_int("micro-batches", 1));
-  STRATA_ASSIGN_OR_RETURN(int64_t steps, args.get_int("steps", 5));
-  STRATA_ASSIGN_OR_RETURN(int64_t world, args.get_int("world-size", 1));
+  STRATA_ASSIGN_OR_RETURN(const int layers, args.get_integer<int>("layers", 8));
+  STRATA_ASSIGN_OR_RETURN(const int width, args.get_integer<int>("width", 1024));
+  STRATA_ASSIGN_OR_RETURN(const int batch, args.get_integer<int>("batch", 64));
+  STRATA_ASSIGN_OR_RETURN(const int micro, args.get_integer<int>("micro-batches", 1));
+  STRATA_ASSIGN_OR_RETURN(const int steps, args.get_integer<int>("steps", 5));
+  STRATA_ASSIGN_OR_RETURN(const int world, args.get_integer<int>("world-size", 1));
   STRATA_ASSIGN_OR_RETURN(int64_t budget_mib, args.get_int("device-budget-mib", 1024));
-  STRATA_ASSIGN_OR_RETURN(int64_t depth, args.get_int("prefetch-depth", EngineOptions::kAutoDepth));
+  STRATA_ASSIGN_OR_RETURN(const int depth, args.get_integer<int>("prefetch-depth", EngineOptions::kAutoDepth));
   STRATA_ASSIGN_OR_RETURN(int64_t seed, args.get_int("seed", 1234));
   STRATA_ASSIGN_OR_RETURN(int64_t pinned_budget_mib, args.get_int("pinned-budget-mib", 0));
   STRATA_ASSIGN_OR_RETURN(int64_t store_measure_mib, args.get_int("store-measure-mib", 256));
@@ -116,7 +116,9 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
   o.model.layers = static_cast<int>(layers);
   o.model.width = static_cast<int>(width);
   o.model.features = static_cast<int>(width);  // square everywhere, the tied projection too
-  o.model.global_rows = static_cast<int>(batch * world);
+  if (static_cast<int64_t>(batch) * world > std::numeric_limits<int>::max())
+    return InvalidArgumentError("--batch x --world-size must fit an int, got " + std::to_string(int64_t{batch} * world));
+  o.model.global_rows = batch * world;
   o.micro_batches = static_cast<int>(micro);
   o.steps = static_cast<int>(steps);
   o.world = static_cast<int>(world);

@@ -18,11 +18,12 @@ constexpr Subcommand kSubcommands[] = {
     {"copy", strata::bench::run_copy, "host<->device copy bandwidth from pinned and pageable memory"},
     {"adam", strata::bench::run_adam, "fused CPU Adam step throughput against the memory ceiling"},
     {"step", strata::bench::run_step, "a synthetic layer stack through the full offload engine"},
+    {"token-scan", strata::bench::run_token_scan, "the vocabulary check of a token file at open, per ISA and thread count"},
 };
 
 void print_usage() {
   std::fprintf(stderr, "usage: strata-bench <subcommand> [flags] [--json]\n\nsubcommands:\n");
-  for (const auto& sub : kSubcommands) std::fprintf(stderr, "  %-6s %s\n", sub.name, sub.summary);
+  for (const auto& sub : kSubcommands) std::fprintf(stderr, "  %-10s %s\n", sub.name, sub.summary);
   std::fprintf(stderr, "\n%s\n", strata::build_description().c_str());
 }
 

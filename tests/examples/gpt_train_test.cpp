@@ -309,6 +309,42 @@ TEST(TrainGptTest, ExportThenInitFromGivesBackTheSameWeights) {
   EXPECT_LT(losses_of(tuned).front(), std::log(64.0) - 0.05);
 }
 
+// Each of these used to train first: a wrapped count ran (--grad-accum 4294967297 ran with
+// 1), a flag became a value (--save-dir --steps=8), an unwritable --trace or --export
+// failed after the last step, a token past the vocabulary failed when a window hit it.
+TEST(TrainGptTest, HostileFlagsOutputsAndTokensFailBeforeTheFirstStep) {
+  testing::TempDir dir;
+  const fs::path plain = dir.path() / "plain-file";
+  std::ofstream(plain) << "x";
+  struct Case {
+    std::vector<std::string> args;
+    std::string expected;
+  };
+  const fs::path tokens = dir.path() / "tokens.bin";
+  std::vector<int32_t> ids(100);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i % 64);
+  ids[10] = 64;  // tiny() has a vocabulary of 64
+  STRATA_ASSERT_OK(write_token_file(tokens.string(), ids));
+  const Case cases[] = {
+      {{"--grad-accum", "4294967297"}, "--grad-accum 4294967297: gradient_accumulation_steps: expected an integer in [1, 2147483647]"},
+      {{"--keep-checkpoints", "4294967297"}, "--keep-checkpoints is out of range: got \"4294967297\", expected an integer in [0, 2147483647]"},
+      {{"--save-dir", "--steps=8"}, "--save-dir needs a value, but the next argument is the flag \"--steps=8\""},
+      {{"--trace", (plain / "t.json").string()}, "--trace (strata.trace) " + (plain / "t.json").string() + ": cannot create its directory"},
+      {{"--metrics", (plain / "m.jsonl").string()}, "--metrics (strata.metrics) " + (plain / "m.jsonl").string() + ": cannot create its directory"},
+      {{"--export", (plain / "x").string()}, "--export " + (plain / "x").string() + ": cannot be created: " + plain.string() + " is not a directory"},
+      {{"--data", "tokens:" + tokens.string()}, tokens.string() + ": token 10 (byte offset 1044) is 64, at or above the vocabulary size 64"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> args = c.args;
+    args.insert(args.end(), {"--steps", "2"});
+    TrainRun run = train_gpt(dir, tiny(args));
+    EXPECT_NE(run.exit_code, 0) << c.args[0];
+    EXPECT_TRUE(contains(run.err, c.expected)) << run.err;
+    EXPECT_FALSE(contains(run.out, "step 1/")) << c.args[0] << " trained:\n" << run.out;
+  }
+  EXPECT_FALSE(fs::exists(fs::current_path() / "--steps=8"));
+}
+
 TEST(TrainGptTest, BadInputGetsAClearError) {
   testing::TempDir dir;
   {

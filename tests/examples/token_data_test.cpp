@@ -83,13 +83,82 @@ TEST(TokenFileTest, Llama3FormatAndVocabularyCheck) {
   std::vector<int32_t> all(6);
   STRATA_ASSERT_OK(dataset->sample(DataSplit::kTrain, 1, 0, all));
   EXPECT_EQ(all, tokens);
-  // A token past the vocabulary is named with its position.
+  // A token past the vocabulary is named with its position when the file is opened (it
+  // used to be found only when a sampled window hit it).
   options.vocab_size = 1000;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto small_vocab, TokenDataset::open_token_file(path, options));
-  const Status status = small_vocab->sample(DataSplit::kTrain, 1, 0, all);
-  EXPECT_TRUE(contains(status.message(), path + ": token 1 is 100000, outside the vocabulary of 1000")) << status.to_string();
+  const auto small_vocab = TokenDataset::open_token_file(path, options);
+  ASSERT_FALSE(small_vocab.ok());
+  EXPECT_TRUE(contains(small_vocab.status().message(),
+                       path + ": token 1 (byte offset 1028) is 100000, at or above the vocabulary size 1000"))
+      << small_vocab.status().to_string();
   // A GPT-2 file cannot hold tokens above 65535.
   EXPECT_FALSE(write_token_file(path, std::vector<int32_t>{70000}).ok());
+}
+
+// Token files of odd lengths with one token at the vocabulary size at the first, a middle
+// or the last position, in both formats: the open fails naming that token.
+struct OffenderCase {
+  size_t tokens;
+  size_t position;
+  TokenFileFormat format;
+};
+
+class TokenFileVocabularyTest : public ::testing::TestWithParam<OffenderCase> {};
+
+TEST_P(TokenFileVocabularyTest, ATokenAtOrAboveTheVocabularyFailsTheOpenNamingItsPosition) {
+  const OffenderCase c = GetParam();
+  testing::TempDir dir;
+  const std::string path = (dir.path() / "tokens.bin").string();
+  constexpr int64_t kVocab = 50257;
+  std::vector<int32_t> tokens(c.tokens);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 7919) % kVocab);
+  STRATA_ASSERT_OK(write_token_file(path, tokens, c.format));
+  STRATA_ASSERT_OK(TokenDataset::open_token_file(path, {.vocab_size = kVocab}).status());
+  // A later, larger offender too: the first is the one named.
+  tokens[c.position] = static_cast<int32_t>(kVocab);
+  if (c.position + 1 < tokens.size()) tokens.back() = 65535;
+  STRATA_ASSERT_OK(write_token_file(path, tokens, c.format));
+  const auto dataset = TokenDataset::open_token_file(path, {.vocab_size = kVocab});
+  ASSERT_FALSE(dataset.ok());
+  const size_t token_bytes = c.format == TokenFileFormat::kGpt2 ? 2 : 4;
+  EXPECT_EQ(dataset.status().message(),
+            "token file " + path + ": token " + std::to_string(c.position) + " (byte offset " +
+                std::to_string(kLlmcHeaderBytes + c.position * token_bytes) +
+                ") is 50257, at or above the vocabulary size 50257 (the first such token; was the file tokenized for another model?)");
+}
+
+std::vector<OffenderCase> offender_cases() {
+  std::vector<OffenderCase> cases;
+  for (TokenFileFormat format : {TokenFileFormat::kGpt2, TokenFileFormat::kLlama3})
+    for (size_t n : {size_t{1}, size_t{7}, size_t{4097}})
+      for (size_t position : std::set<size_t>{0, n / 2, n - 1}) cases.push_back({n, position, format});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(OddSizes, TokenFileVocabularyTest, ::testing::ValuesIn(offender_cases()),
+                         [](const ::testing::TestParamInfo<OffenderCase>& info) {
+                           return std::string(info.param.format == TokenFileFormat::kGpt2 ? "uint16_" : "uint32_") +
+                                  std::to_string(info.param.tokens) + "_tokens_at_" + std::to_string(info.param.position);
+                         });
+
+// The trainer opens data through TokenDataset::open with the model's vocabulary as the
+// synthetic vocab_size: that, not the file format's 50257, bounds a GPT-2 file's tokens.
+TEST(TokenFileTest, TheModelsVocabularyBoundsTheTokensThroughOpen) {
+  testing::TempDir dir;
+  const std::string path = (dir.path() / "tokens.bin").string();
+  STRATA_ASSERT_OK(write_token_file(path, std::vector<int32_t>{1, 2, 999, 3}));
+  DataConfig config;
+  config.kind = DataKind::kTokens;
+  config.path = path;
+  SyntheticLanguageOptions model_vocab;
+  model_vocab.vocab_size = 1000;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dataset, TokenDataset::open(config, model_vocab));
+  EXPECT_EQ(dataset->vocab_size(), 1000);
+  model_vocab.vocab_size = 999;
+  const auto refused = TokenDataset::open(config, model_vocab);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(contains(refused.status().message(), ": token 2 (byte offset 1028) is 999, at or above the vocabulary size 999"))
+      << refused.status().to_string();
 }
 
 struct HeaderCase {
@@ -417,7 +486,8 @@ TEST(DataLoaderTest, FileSplitsAndOptionErrors) {
   config.kind = DataKind::kTokens;
   config.path = path;
   config.eval_fraction = 0.5;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto from_config, TokenDataset::open(config, {}));
+  // (The synthetic options' vocab_size is the model's, the bound for the file's tokens.)
+  STRATA_ASSERT_OK_AND_ASSIGN(auto from_config, TokenDataset::open(config, {.vocab_size = kGpt2VocabSize}));
   EXPECT_EQ(*from_config->split_tokens(DataSplit::kEval), 150u);
   config.kind = DataKind::kSynthetic;
   STRATA_ASSERT_OK_AND_ASSIGN(auto synthetic, TokenDataset::open(config, {.vocab_size = 50}));

@@ -263,7 +263,7 @@ TEST_F(ConfigTest, IllTypedAndOutOfRangeValues) {
       {R"({"train_batch_size": "32"})", R"(train_batch_size: expected a positive integer, got "32" in )"},
       {R"({"train_batch_size": 0})", "train_batch_size: expected a positive integer, got 0 in "},
       {R"({"zero_optimization": {"offload_param": {"buffer_count": 2.5}}})",
-       "zero_optimization.offload_param.buffer_count: expected a positive integer, got 2.5 in "},
+       "zero_optimization.offload_param.buffer_count: expected an integer in [1, 2147483647], got 2.5 in "},
       {R"({"aio": {"block_size": 1000}})", "aio.block_size: expected an integer >= 4096 that is a multiple of 4096, got 1000 in "},
       {R"({"aio": {"queue_depth": 0}})", "aio.queue_depth: expected an integer in [1, 32768], got 0 in "},
       {R"({"zero_optimization": {"stage": 4}})", "zero_optimization.stage: expected an integer in [0, 3], got 4 in "},
@@ -323,6 +323,36 @@ TEST_F(ConfigTest, MalformedJsonGivesFileLineAndColumn) {
 
   message = load_error("[1, 2]", &path);
   EXPECT_EQ(message, "the config in " + path + " must be a JSON object, got [1,2]");
+}
+
+// 100k levels used to overflow the stack (a segfault) while the error quoting the value
+// was built: nlohmann's dump() recurses once per level.
+TEST_F(ConfigTest, DeeplyNestedJsonIsRefusedWithAClearErrorInsteadOfOverflowingTheStack) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  for (const std::string& text : {R"({"train_batch_size": )" + deep + "}", R"({"not_a_key": )" + deep + "}", deep}) {
+    std::string path;
+    const std::string message = load_error(text, &path);
+    EXPECT_EQ(message, "the JSON in " + path +
+                           " nests objects and arrays more than 64 levels deep; a config never needs that many (is it the intended file?)");
+  }
+  // 64 levels (the object and 63 arrays) are still read, and judged by the key's type.
+  const std::string message = load_error(R"({"train_batch_size": )" + std::string(63, '[') + std::string(63, ']') + "}");
+  EXPECT_TRUE(Contains(message, "train_batch_size: expected a positive integer, got an array")) << message;
+}
+
+// A count the engine holds in an int is range-checked as one: 2^32 + 1 used to pass the
+// int64 check and reach the trainer as static_cast<int>(4294967297) == 1.
+TEST_F(ConfigTest, IntCountsAboveIntMaxAreRefusedNamingKeyValueAndRange) {
+  for (const char* key : {"gradient_accumulation_steps", "steps_per_print", "fp16.loss_scale_window", "fp16.hysteresis",
+                          "zero_optimization.offload_param.buffer_count", "zero_optimization.offload_optimizer.buffer_count"}) {
+    StrataConfig config;
+    const Status status = apply_override(config, key, "4294967297");
+    ASSERT_FALSE(status.ok()) << key;
+    EXPECT_TRUE(Contains(status.message(), std::string(key) + ": expected an integer in [")) << status.message();
+    EXPECT_TRUE(Contains(status.message(), ", 2147483647], got 4294967297 on the command line")) << status.message();
+  }
+  StrataConfig config;
+  EXPECT_TRUE(apply_override(config, "gradient_accumulation_steps", "2147483647").ok());
 }
 
 TEST_F(ConfigTest, DuplicateKeysAreErrors) {
@@ -492,7 +522,7 @@ TEST_F(ConfigTest, KeysWithoutAMeaningHereAreWarnedOrRejected) {
   STRATA_ASSERT_OK(parse_config_json(R"({"optimizer": {"params": {"bias_correction": true}}})", "t.json"));
   // The optimizer-state ring needs a chunk to read, one to step and one to write.
   message = load_error(R"({"zero_optimization": {"offload_optimizer": {"buffer_count": 2}}})", &path);
-  EXPECT_TRUE(Contains(message, "zero_optimization.offload_optimizer.buffer_count: expected an integer >= 3, got 2")) << message;
+  EXPECT_TRUE(Contains(message, "zero_optimization.offload_optimizer.buffer_count: expected an integer in [3, 2147483647], got 2")) << message;
 }
 
 TEST_F(ConfigTest, AdamWModeFollowsDeepSpeed) {
