@@ -599,7 +599,9 @@ std::optional<IoFaultInjector::Decision> IoFaultInjector::decide(IoOp op, std::s
     if (match.op && *match.op != op) continue;
     if (!match.file_contains.empty() && file.find(match.file_contains) == std::string_view::npos) continue;
     const uint64_t ordinal = ++matched_[i];
-    const bool due = ordinal >= match.first && (match.count == 0 || ordinal - match.first < match.count);
+    const uint64_t since_first = ordinal - match.first;  // meaningful once ordinal >= first
+    const bool due = ordinal >= match.first && (match.count == 0 || since_first < match.count) &&
+                     since_first % std::max<uint64_t>(match.every, 1) == 0;
     // A short transfer needs something left to move after it.
     const bool applicable = rule.action != IoFaultAction::kShort || (rule.short_bytes > 0 && bytes > rule.short_bytes);
     if (decision || !due || !applicable) continue;

@@ -96,6 +96,7 @@ struct IoFaultMatch {
   std::string file_contains;    // a substring of the registered file's name; empty = any file
   uint64_t first = 1;           // the first matching transfer hit (1 = the first one)
   uint64_t count = 1;           // how many matching transfers from `first` on are hit (0 = all of them)
+  uint64_t every = 1;           // of those, every `every`-th one (first, first + every, ...)
 };
 
 struct IoFaultRule {
