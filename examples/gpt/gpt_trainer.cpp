@@ -5,11 +5,16 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <iomanip>
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <thread>
+
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -231,6 +236,23 @@ std::string traffic_note(const TrainerOptions& options, const EngineOptions& eng
   return "h2d " + bytes_text(h2d) + " d2h " + bytes_text(d2h) + " per rank |";
 }
 
+// Tests only (tests/examples/kill_resume_test.cpp): STRATA_TEST_CHECKPOINT_PAUSE_MS=N makes
+// the saver announce each point of a save on stderr ("strata-test: checkpoint <point> step
+// <S>") and pause there N ms, so a test can SIGKILL the process inside a save. Unset (the
+// normal case): no hook.
+std::function<Status(std::string_view, int64_t)> checkpoint_pause_hook_from_env() {
+  const char* text = std::getenv("STRATA_TEST_CHECKPOINT_PAUSE_MS");
+  if (text == nullptr || *text == '\0') return nullptr;
+  const long pause_ms = std::clamp(std::strtol(text, nullptr, 10), 0L, 10'000L);
+  return [pause_ms](std::string_view point, int64_t step) -> Status {
+    const std::string line = "strata-test: checkpoint " + std::string(point) + " step " + std::to_string(step) + "\n";
+    // One write(2): the line arrives whole even as other threads log.
+    if (::write(STDERR_FILENO, line.data(), line.size()) < 0) return Status::FromErrno(errno, "write(stderr)");
+    std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+    return Status::Ok();
+  };
+}
+
 }  // namespace
 
 StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
@@ -299,6 +321,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     saver_options.directory = options.save_dir;
     saver_options.world_size = world;
     saver_options.keep_last = options.keep_checkpoints;
+    saver_options.fault_hook = checkpoint_pause_hook_from_env();
     STRATA_ASSIGN_OR_RETURN(saver, CheckpointSaver::create(saver_options));
   }
 
