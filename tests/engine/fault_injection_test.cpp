@@ -287,10 +287,12 @@ struct SaveFault {
   bool absorbed;  // the save must commit anyway
 };
 
-// Saves after steps 2 and 3 of a 4-step run; the faults hit only step 3's files. For each
-// of step 3's writes in turn and each fault: the save fails naming the rank file and the
-// operation (or commits, when the engine absorbs the fault), latest_complete() picks the
-// newest committed step, and a run resumed from it ends at the straight run's weights.
+// A checkpoint of step 2 is made once; each case copies it, resumes from it and saves
+// step 3 with a fault on one of that save's writes. EIO hits each write in turn; ENOSPC
+// and a short write hit the first, a middle and the last. A failing save is reported
+// naming the rank file and the operation, leaves no trace, and latest_complete() picks
+// step 2; an absorbed fault commits step 3, which verifies. Either way a run resumed from
+// the newest checkpoint ends at the straight run's weights, bit for bit.
 TEST(CheckpointFaultTest, EachSaveWriteFailingKeepsThePreviousCheckpointAndResumesExactly) {
   testing::TempDir dir;
   RunSpec straight;
@@ -300,76 +302,88 @@ TEST(CheckpointFaultTest, EachSaveWriteFailingKeepsThePreviousCheckpointAndResum
   const RunResult reference = train(straight, dir.str() + "/straight");
   STRATA_ASSERT_OK(reference.status);
 
-  // How many writes step 3's save makes (small requests: several per rank file).
+  // Small requests: several writes per rank file. The first run also counts the writes
+  // of a save (a rule that never fires).
   CheckpointSaverOptions saver_base;
   saver_base.world_size = 1;
   saver_base.io.max_request_bytes = 4096;
+  const std::string step2_dir = dir.str() + "/base/ckpt";
   uint64_t save_writes = 0;
   {
     auto counter = std::make_shared<IoFaultInjector>(
-        std::vector<IoFaultRule>{rule_for(IoOp::kWrite, ".tmp-step-3/", IoFaultAction::kFail, EIO, ~uint64_t{0})});
+        std::vector<IoFaultRule>{rule_for(IoOp::kWrite, ".tmp-step-2/", IoFaultAction::kFail, EIO, ~uint64_t{0})});
     CheckpointSaverOptions options = saver_base;
-    options.directory = dir.str() + "/count/ckpt";
+    options.directory = step2_dir;
     options.io.faults = counter;
     STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(options));
     RunSpec spec = straight;
-    spec.end_step = 3;
+    spec.end_step = 2;
     spec.saver = saver.get();
-    spec.save_after = {3};
-    STRATA_ASSERT_OK(train(spec, dir.str() + "/count").status);
+    spec.save_after = {2};
+    const RunResult run = train(spec, dir.str() + "/base");
+    STRATA_ASSERT_OK(run.status);
+    STRATA_ASSERT_OK(run.save_status[0]);
     STRATA_ASSERT_OK(saver->finish());
     save_writes = counter->matched(0);
   }
   ASSERT_GE(save_writes, 3u);
 
+  std::vector<std::pair<SaveFault, uint64_t>> cases;
+  for (uint64_t ordinal = 1; ordinal <= save_writes; ++ordinal) cases.push_back({{"EIO", IoFaultAction::kFail, EIO, false}, ordinal});
+  for (uint64_t ordinal : {uint64_t{1}, (save_writes + 1) / 2, save_writes}) {
+    cases.push_back({{"ENOSPC", IoFaultAction::kFail, ENOSPC, false}, ordinal});
+    cases.push_back({{"short write", IoFaultAction::kShort, 0, true}, ordinal});
+  }
   int case_index = 0;
-  for (const SaveFault& fault : {SaveFault{"EIO", IoFaultAction::kFail, EIO, false},
-                                 SaveFault{"ENOSPC", IoFaultAction::kFail, ENOSPC, false},
-                                 SaveFault{"short write", IoFaultAction::kShort, 0, true}}) {
-    for (uint64_t ordinal = 1; ordinal <= save_writes; ++ordinal) {
-      SCOPED_TRACE(fault.name + " at save write " + std::to_string(ordinal) + " of " + std::to_string(save_writes));
-      const std::string work_dir = dir.str() + "/case-" + std::to_string(case_index++);
-      const std::string save_dir = work_dir + "/ckpt";
-      IoFaultRule rule = rule_for(IoOp::kWrite, ".tmp-step-3/", fault.action, fault.error_number, ordinal);
-      rule.short_bytes = 1024;  // the saver's requests here are 4 KiB; buffered files take any length
-      auto injector = std::make_shared<IoFaultInjector>(std::vector<IoFaultRule>{rule});
-      CheckpointSaverOptions options = saver_base;
-      options.directory = save_dir;
-      options.direct_io = fault.action != IoFaultAction::kShort;  // O_DIRECT cannot move 1 KiB
-      options.io.faults = injector;
-      STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(options));
-      RunSpec first = straight;
-      first.saver = saver.get();
-      first.save_after = {2, 3};
-      const RunResult run = train_within(first, work_dir, std::chrono::seconds(120));
-      STRATA_ASSERT_OK(run.status);  // a failed save does not stop this test's loop
-      STRATA_ASSERT_OK(saver->finish());
-      ASSERT_EQ(injector->injected().size(), 1u);
-      STRATA_ASSERT_OK(run.save_status[0]);
-      const Status& faulted = run.save_status[1];
-      if (fault.absorbed) {
-        STRATA_ASSERT_OK(faulted);
-      } else {
-        ASSERT_FALSE(faulted.ok());
-        const std::string text = faulted.to_string();
-        EXPECT_TRUE(contains(text, "write of ")) << text;
-        EXPECT_TRUE(contains(text, " to " + save_dir + "/.tmp-step-3/rank-0-of-1.bin: " + std::strerror(fault.error_number)))
-            << text;
-        EXPECT_TRUE(contains(text, "checkpoint step 3 in " + save_dir + " was not saved")) << text;
-        EXPECT_FALSE(fs::exists(save_dir + "/.tmp-step-3"));
-        EXPECT_FALSE(fs::exists(save_dir + "/step-3"));
-      }
-      STRATA_ASSERT_OK_AND_ASSIGN(CheckpointRef latest, latest_complete(save_dir));
-      EXPECT_EQ(latest.step, fault.absorbed ? 3 : 2);
-      STRATA_ASSERT_OK_AND_ASSIGN(auto reader, CheckpointReader::open(latest.path));
-      STRATA_ASSERT_OK(reader->verify());
-      RunSpec resumed = straight;
-      resumed.first_step = static_cast<int>(latest.step);
-      resumed.resume = reader.get();
-      const RunResult finished = train_within(resumed, work_dir + "/resumed", std::chrono::seconds(120));
-      STRATA_ASSERT_OK(finished.status);
-      expect_same_masters(finished, reference, "resumed from step " + std::to_string(latest.step));
+  for (const auto& [fault, ordinal] : cases) {
+    SCOPED_TRACE(fault.name + " at save write " + std::to_string(ordinal) + " of " + std::to_string(save_writes));
+    const std::string work_dir = dir.str() + "/case-" + std::to_string(case_index++);
+    const std::string save_dir = work_dir + "/ckpt";
+    fs::create_directories(work_dir);
+    fs::copy(step2_dir, save_dir, fs::copy_options::recursive);
+    STRATA_ASSERT_OK_AND_ASSIGN(auto step2, CheckpointReader::open(checkpoint_path(save_dir, 2)));
+
+    IoFaultRule rule = rule_for(IoOp::kWrite, ".tmp-step-3/", fault.action, fault.error_number, ordinal);
+    rule.short_bytes = 1024;  // the saver's requests here are 4 KiB; a buffered file takes any length
+    auto injector = std::make_shared<IoFaultInjector>(std::vector<IoFaultRule>{rule});
+    CheckpointSaverOptions options = saver_base;
+    options.directory = save_dir;
+    options.direct_io = fault.action != IoFaultAction::kShort;  // O_DIRECT cannot move 1 KiB
+    options.io.faults = injector;
+    STRATA_ASSERT_OK_AND_ASSIGN(auto saver, CheckpointSaver::create(options));
+    RunSpec saving = straight;
+    saving.first_step = 2;
+    saving.end_step = 3;
+    saving.resume = step2.get();
+    saving.saver = saver.get();
+    saving.save_after = {3};
+    const RunResult run = train_within(saving, work_dir, std::chrono::seconds(120));
+    STRATA_ASSERT_OK(run.status);  // the save's failure is the saver's to report
+    STRATA_ASSERT_OK(saver->finish());
+    ASSERT_EQ(injector->injected().size(), 1u);
+    const Status& faulted = run.save_status[0];
+    if (fault.absorbed) {
+      STRATA_ASSERT_OK(faulted);
+    } else {
+      ASSERT_FALSE(faulted.ok());
+      const std::string text = faulted.to_string();
+      EXPECT_TRUE(contains(text, "write of ")) << text;
+      EXPECT_TRUE(contains(text, " to " + save_dir + "/.tmp-step-3/rank-0-of-1.bin: " + std::strerror(fault.error_number)))
+          << text;
+      EXPECT_TRUE(contains(text, "checkpoint step 3 in " + save_dir + " was not saved")) << text;
+      EXPECT_FALSE(fs::exists(save_dir + "/.tmp-step-3"));
+      EXPECT_FALSE(fs::exists(save_dir + "/step-3"));
     }
+    STRATA_ASSERT_OK_AND_ASSIGN(CheckpointRef latest, latest_complete(save_dir));
+    EXPECT_EQ(latest.step, fault.absorbed ? 3 : 2);
+    STRATA_ASSERT_OK_AND_ASSIGN(auto reader, CheckpointReader::open(latest.path));
+    STRATA_ASSERT_OK(reader->verify());
+    RunSpec resumed = straight;
+    resumed.first_step = static_cast<int>(latest.step);
+    resumed.resume = reader.get();
+    const RunResult finished = train_within(resumed, work_dir + "/resumed", std::chrono::seconds(120));
+    STRATA_ASSERT_OK(finished.status);
+    expect_same_masters(finished, reference, "resumed from step " + std::to_string(latest.step));
   }
 }
 
