@@ -247,6 +247,8 @@ TEST(KillResumeTest, SigkillDuringSavesThenResumingEndsAtTheStraightChecksum) {
           const int occurrence = std::uniform_int_distribution<int>(1, 2)(random);
           target = point + (occurrence == 1 ? " of the run's first save" : " of the run's second save");
           reached = run.wait_for_line("strata-test: checkpoint " + point + " step", occurrence, deadline);
+          ASSERT_LT(Clock::now(), deadline) << "a run neither reached " << target << " nor ended within "
+                                            << kRunLimit.count() << " s:\n" << run.stderr_text();
           std::this_thread::sleep_for(std::chrono::milliseconds(std::uniform_int_distribution<int>(0, kPauseMs * 3 / 2)(random)));
         }
         const int status = run.kill_and_reap();
