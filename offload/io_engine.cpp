@@ -511,12 +511,8 @@ class IoUringBackend final : public IoBackend {
       }
     }
     const unsigned count = io_uring_peek_batch_cqe(&ring_, cqes, kBatch);
-    unsigned transfers = 0;
     for (unsigned i = 0; i < count; ++i) {
-      auto* transfer = static_cast<IoTransfer*>(io_uring_cqe_get_data(cqes[i]));
-      if (transfer == nullptr) continue;  // an injected delay's timeout fired
-      const int result = transfer->fault.result ? static_cast<int>(*transfer->fault.result) : cqes[i]->res;
-      results[transfers++] = {transfer, result};
+      results[i] = {static_cast<IoTransfer*>(io_uring_cqe_get_data(cqes[i])), cqes[i]->res};
     }
     // Free the CQ slots before resubmitting, so resubmissions always find room.
     io_uring_cq_advance(&ring_, count);
@@ -524,7 +520,13 @@ class IoUringBackend final : public IoBackend {
     // cannot see through the ring: taking the lock every submission was made under
     // makes that order visible to it (one uncontended lock per batch).
     { std::lock_guard<std::mutex> visible(sq_mutex_); }
-    for (unsigned i = 0; i < transfers; ++i) state_->complete_transfer(results[i].first, results[i].second);
+    for (unsigned i = 0; i < count; ++i) {
+      IoTransfer* transfer = results[i].first;
+      if (transfer == nullptr) continue;  // an injected delay's timeout fired
+      // An injected result rode a NOP: the transfer carries it.
+      const int64_t result = transfer->fault.result ? *transfer->fault.result : results[i].second;
+      state_->complete_transfer(transfer, result);
+    }
   }
 
   bool fixed_files() const { return fixed_files_; }
