@@ -268,6 +268,7 @@ Status EngineImpl::allocate_and_initialize() {
     store.io.queue_depth = static_cast<unsigned>(std::max(1, options_.nvme_queue_depth));
     store.io.max_request_bytes = std::max<size_t>(4096, options_.nvme_block_bytes);
     store.io.kind = options_.io_engine;
+    store.io.faults = options_.io_faults;
     STRATA_ASSIGN_OR_RETURN(nvme_, NvmeStore::open(store));
     if (arena_) {
       auto registered = nvme_->io_engine().register_buffers(*arena_);

@@ -59,6 +59,8 @@ namespace strata {
 
 // OverlapMode (exact | delayed), its name and its parser live in engine/core/config.h.
 
+class IoFaultInjector;
+
 struct EngineOptions {
   int rank = 0;
   int world_size = 1;
@@ -121,6 +123,7 @@ struct EngineOptions {
   int nvme_queue_depth = 32;                 // aio.queue_depth
   bool nvme_checksum = true;
   IoEngineKind io_engine = IoEngineKind::kAuto;  // strata.io_engine: io_uring where the kernel allows it, else psync
+  std::shared_ptr<IoFaultInjector> io_faults;   // tests only: faults the NVMe store's I/O engine injects (offload/io_engine.h)
 
   std::string metrics_path;                  // JSONL, one object per step (rank 0 writes it)
   std::string trace_path;                    // Chrome trace written by finish() (rank 0 writes all ranks' tracks it has)

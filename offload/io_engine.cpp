@@ -39,6 +39,16 @@ struct IoTransfer {
   size_t remaining = 0;    // bytes still to move
   uint64_t offset = 0;     // where they go in the file, or kIoStreamOffset
   int region = -1;         // the fixed buffer holding `buffer`, or -1
+  unsigned again_in_a_row = 0;  // -EAGAIN/-EINTR results since the last byte moved
+  // An injected fault for the issue in progress (IoEngineOptions::faults); reset at every issue.
+  struct Fault {
+    std::optional<int64_t> result;        // complete with this instead of doing the I/O
+    size_t length = 0;                    // > 0: move at most this many bytes
+    std::chrono::milliseconds delay{0};   // issue (or deliver `result`) this late
+    __kernel_timespec timeout{};          // io_uring: the linked timeout's time, alive until it fires
+  } fault;
+  // Bytes this issue asks the kernel to move.
+  size_t issue_bytes() const { return fault.length > 0 ? std::min(fault.length, remaining) : remaining; }
 };
 
 enum class ReapMode : uint8_t {
@@ -113,6 +123,9 @@ struct IoEngineState {
   std::condition_variable reaper_wanted;  // the background reaper's: work in flight, or stop
   std::chrono::steady_clock::time_point last_caller_reap;  // when a caller last left drive_until
 
+  // Hands a transfer (a new one or a resubmission) to the backend, with any fault the
+  // injector picks for it. Called without the mutex.
+  void issue(IoTransfer* transfer);
   // Called by a backend with a transfer's result: bytes moved, or -errno.
   void complete_transfer(IoTransfer* transfer, int64_t result);
   // Runs the hook and records the request's final status.
@@ -182,19 +195,47 @@ std::string IoEngineState::describe(const IoTransfer& transfer) const {
   return text;
 }
 
+void IoEngineState::issue(IoTransfer* transfer) {
+  transfer->fault = IoTransfer::Fault{};
+  if (options.faults != nullptr) {
+    std::string file;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      file = files.at(static_cast<size_t>(transfer->slot)).name;
+    }
+    const std::optional<IoFaultInjector::Decision> decision =
+        options.faults->decide(transfer->op, file, transfer->offset, transfer->remaining);
+    if (decision) {
+      if (decision->action == IoFaultAction::kFail) transfer->fault.result = -static_cast<int64_t>(decision->error_number);
+      if (decision->action == IoFaultAction::kShort) transfer->fault.length = decision->length;
+      transfer->fault.delay = decision->delay;
+      std::lock_guard<std::mutex> lock(mutex);
+      ++stats.injected_faults;
+    }
+  }
+  backend->issue(transfer);
+}
+
 void IoEngineState::complete_transfer(IoTransfer* transfer, int64_t result) {
-  if (result == -EAGAIN || result == -EINTR) {
+  if ((result == -EAGAIN || result == -EINTR) && transfer->again_in_a_row < kIoMaxAgainRetries) {
+    const unsigned attempt = ++transfer->again_in_a_row;
     {
       std::lock_guard<std::mutex> lock(mutex);
       ++stats.again_retries;
       ++stats.transfers;
     }
     // The file had nothing to give right now (a non-blocking file, a busy device): try
-    // again after letting others run.
-    sched_yield();
-    backend->issue(transfer);
+    // again after letting others run, then backing off to 10 ms, so a file that never
+    // becomes ready fails in about a second instead of spinning for ever.
+    if (attempt <= 8) {
+      sched_yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(attempt - 8, 10u)));
+    }
+    issue(transfer);
     return;
   }
+  if (result > 0) transfer->again_in_a_row = 0;
   if (result > 0 && static_cast<uint64_t>(result) < transfer->remaining) {
     {
       std::lock_guard<std::mutex> lock(mutex);
@@ -205,12 +246,19 @@ void IoEngineState::complete_transfer(IoTransfer* transfer, int64_t result) {
     transfer->buffer += result;
     transfer->remaining -= static_cast<size_t>(result);
     if (transfer->offset != kIoStreamOffset) transfer->offset += static_cast<uint64_t>(result);
-    backend->issue(transfer);
+    issue(transfer);
     return;
   }
   std::unique_lock<std::mutex> lock(mutex);
   IoRequestRecord& record = requests.at(transfer->ticket);
-  if (result < 0) {
+  if (result == -EAGAIN || result == -EINTR) {
+    if (record.status.ok()) {
+      record.status = UnavailableError(describe(*transfer) + ": the file returned " +
+                                       (result == -EAGAIN ? "EAGAIN" : "EINTR") + " " +
+                                       std::to_string(transfer->again_in_a_row + 1) +
+                                       " times in a row without moving a byte (is it a non-blocking file that never becomes ready?)");
+    }
+  } else if (result < 0) {
     if (record.status.ok()) record.status = Status::FromErrno(static_cast<int>(-result), describe(*transfer));
   } else if (result == 0) {
     if (record.status.ok()) {
@@ -298,14 +346,20 @@ class PsyncBackend final : public IoBackend {
         transfer = queue_.front();
         queue_.pop_front();
       }
+      if (transfer->fault.delay.count() > 0) std::this_thread::sleep_for(transfer->fault.delay);
+      if (transfer->fault.result) {
+        state_->complete_transfer(transfer, *transfer->fault.result);
+        continue;
+      }
       ssize_t moved;
       const bool stream = transfer->offset == kIoStreamOffset;
+      const size_t length = transfer->issue_bytes();
       if (transfer->op == IoOp::kRead) {
-        moved = stream ? ::read(transfer->fd, transfer->buffer, transfer->remaining)
-                       : ::pread(transfer->fd, transfer->buffer, transfer->remaining, static_cast<off_t>(transfer->offset));
+        moved = stream ? ::read(transfer->fd, transfer->buffer, length)
+                       : ::pread(transfer->fd, transfer->buffer, length, static_cast<off_t>(transfer->offset));
       } else {
-        moved = stream ? ::write(transfer->fd, transfer->buffer, transfer->remaining)
-                       : ::pwrite(transfer->fd, transfer->buffer, transfer->remaining, static_cast<off_t>(transfer->offset));
+        moved = stream ? ::write(transfer->fd, transfer->buffer, length)
+                       : ::pwrite(transfer->fd, transfer->buffer, length, static_cast<off_t>(transfer->offset));
       }
       state_->complete_transfer(transfer, moved < 0 ? -static_cast<int64_t>(errno) : static_cast<int64_t>(moved));
     }
@@ -334,7 +388,9 @@ class IoUringBackend final : public IoBackend {
       params.flags |= IORING_SETUP_SQPOLL;
       params.sq_thread_idle = options.sqpoll_idle_ms;
     }
-    const int ret = io_uring_queue_init_params(options.queue_depth, &backend->ring_, &params);
+    // An injected delay takes two SQEs (a timeout linked before the transfer).
+    const unsigned entries = options.faults != nullptr ? std::max(options.queue_depth, 2u) : options.queue_depth;
+    const int ret = io_uring_queue_init_params(entries, &backend->ring_, &params);
     if (ret < 0) {
       return UnavailableError(std::string("io_uring_queue_init(") + std::to_string(options.queue_depth) +
                               (options.sqpoll ? ", SQPOLL" : "") + ") failed: " + std::strerror(-ret) + " (errno " +
@@ -390,9 +446,29 @@ class IoUringBackend final : public IoBackend {
 
   void issue(IoTransfer* transfer) override {
     std::lock_guard<std::mutex> lock(sq_mutex_);
+    IoTransfer::Fault& fault = transfer->fault;
+    if (fault.delay.count() > 0) {
+      // An injected delay: a timeout hard-linked before the transfer, so the transfer
+      // starts when it fires. Both SQEs must go to the kernel in one submission.
+      wait_for_sq_space(2);
+      const auto nanoseconds = std::chrono::duration_cast<std::chrono::nanoseconds>(fault.delay).count();
+      fault.timeout.tv_sec = nanoseconds / 1'000'000'000;
+      fault.timeout.tv_nsec = nanoseconds % 1'000'000'000;
+      io_uring_sqe* timer = next_sqe();
+      io_uring_prep_timeout(timer, &fault.timeout, 0, 0);
+      timer->flags |= IOSQE_IO_HARDLINK;
+      io_uring_sqe_set_data(timer, nullptr);  // its completion carries no transfer
+    }
     io_uring_sqe* sqe = next_sqe();
+    if (fault.result) {
+      // An injected result: a NOP whose completion reap_batch() reads as this result.
+      io_uring_prep_nop(sqe);
+      io_uring_sqe_set_data(sqe, transfer);
+      submit_queued();
+      return;
+    }
     const int fd = transfer->fixed_file ? transfer->slot : transfer->fd;
-    const auto length = static_cast<unsigned>(transfer->remaining);
+    const auto length = static_cast<unsigned>(transfer->issue_bytes());
     if (transfer->op == IoOp::kRead) {
       if (transfer->region >= 0) {
         io_uring_prep_read_fixed(sqe, fd, transfer->buffer, length, transfer->offset, transfer->region);
@@ -451,7 +527,13 @@ class IoUringBackend final : public IoBackend {
     // cannot see through the ring: taking the lock every submission was made under
     // makes that order visible to it (one uncontended lock per batch).
     { std::lock_guard<std::mutex> visible(sq_mutex_); }
-    for (unsigned i = 0; i < count; ++i) state_->complete_transfer(results[i].first, results[i].second);
+    for (unsigned i = 0; i < count; ++i) {
+      IoTransfer* transfer = results[i].first;
+      if (transfer == nullptr) continue;  // an injected delay's timeout fired
+      // An injected result rode a NOP: the transfer carries it.
+      const int64_t result = transfer->fault.result ? *transfer->fault.result : results[i].second;
+      state_->complete_transfer(transfer, result);
+    }
   }
 
   bool fixed_files() const { return fixed_files_; }
@@ -463,6 +545,18 @@ class IoUringBackend final : public IoBackend {
     for (;;) {
       io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
       if (sqe != nullptr) return sqe;
+      submit_queued();
+      if (sqpoll_) {
+        io_uring_sqring_wait(&ring_);
+      } else {
+        sched_yield();
+      }
+    }
+  }
+
+  // sq_mutex_ held. Returns once the SQ has `entries` free slots.
+  void wait_for_sq_space(unsigned entries) {
+    while (io_uring_sq_space_left(&ring_) < entries) {
       submit_queued();
       if (sqpoll_) {
         io_uring_sqring_wait(&ring_);
@@ -503,6 +597,38 @@ class IoUringBackend final : public IoBackend {
 
 using internal::IoEngineState;
 using internal::IoTransfer;
+
+std::optional<IoFaultInjector::Decision> IoFaultInjector::decide(IoOp op, std::string_view file, uint64_t offset,
+                                                                 size_t bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::optional<Decision> decision;
+  for (size_t i = 0; i < rules_.size(); ++i) {
+    const IoFaultRule& rule = rules_[i];
+    const IoFaultMatch& match = rule.match;
+    if (match.op && *match.op != op) continue;
+    if (!match.file_contains.empty() && file.find(match.file_contains) == std::string_view::npos) continue;
+    const uint64_t ordinal = ++matched_[i];
+    const uint64_t since_first = ordinal - match.first;  // meaningful once ordinal >= first
+    const bool due = ordinal >= match.first && (match.count == 0 || since_first < match.count) &&
+                     since_first % std::max<uint64_t>(match.every, 1) == 0;
+    // A short transfer needs something left to move after it.
+    const bool applicable = rule.action != IoFaultAction::kShort || (rule.short_bytes > 0 && bytes > rule.short_bytes);
+    if (decision || !due || !applicable) continue;
+    decision = Decision{rule.action, rule.error_number, rule.short_bytes, rule.delay};
+    injected_.push_back(IoFaultRecord{i, op, std::string(file), offset, bytes, ordinal});
+  }
+  return decision;
+}
+
+uint64_t IoFaultInjector::matched(size_t rule) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return rule < matched_.size() ? matched_[rule] : 0;
+}
+
+std::vector<IoFaultRecord> IoFaultInjector::injected() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return injected_;
+}
 
 IoEngine::IoEngine(ConstructionKey, std::unique_ptr<IoEngineState> state) : state_(std::move(state)) {}
 
@@ -699,7 +825,7 @@ StatusOr<IoTicket> IoEngine::submit(IoRequest request) {
     ++s.stats.transfers;
     if (region >= 0) ++s.stats.fixed_transfers;
     lock.unlock();
-    s.backend->issue(raw);
+    s.issue(raw);
     lock.lock();
     cursor += piece;
     remaining -= piece;

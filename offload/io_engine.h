@@ -23,19 +23,32 @@
 // (the first one, naming how many others failed), and the destructor logs any that are
 // still unclaimed. Nothing is ever dropped silently.
 //
+// Fault injection (tests only): IoEngineOptions::faults, when set, makes chosen transfers
+// fail with an errno (EIO, ENOSPC, EAGAIN, ...), move fewer bytes than asked, or complete
+// late. Injected results travel the backend's own completion path (an io_uring NOP or
+// timeout, a psync worker), so the engine handles them exactly as it would the kernel's:
+// short transfers are resubmitted for the remainder, -EAGAIN is retried (at most
+// kIoMaxAgainRetries times in a row), anything else fails the request naming the
+// operation and the file. Without a plan the engine checks one null pointer per transfer.
+//
 // Thread-safety: every method may be called from any thread; submit() may block while
 // queue_depth transfers are in flight; any number of threads may wait() at once.
 // register_buffers() and register_file()/unregister_file() must not race with transfers
 // that use the same memory or file. The engine does not own the file descriptors.
 #pragma once
 
+#include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "engine/core/config.h"
 #include "engine/core/status.h"
@@ -46,6 +59,10 @@ namespace strata {
 // IoEngineKind (auto | io_uring | psync), its name and its parser live in
 // engine/core/config.h, where the config's strata.io_engine needs them.
 
+enum class IoOp : uint8_t { kRead, kWrite };
+
+class IoFaultInjector;
+
 struct IoEngineOptions {
   IoEngineKind kind = IoEngineKind::kAuto;
   unsigned queue_depth = 32;                   // transfers in flight at most (io_uring SQ entries, psync threads)
@@ -54,9 +71,78 @@ struct IoEngineOptions {
   unsigned psync_threads = 0;                  // psync: worker threads; 0 = queue_depth (at most 64)
   size_t max_request_bytes = size_t{1} << 30;  // larger requests are split into transfers of at most this
   unsigned max_files = 64;                     // files that can be registered at once
+  std::shared_ptr<IoFaultInjector> faults;     // tests only: faults to inject (null = none)
 };
 
-enum class IoOp : uint8_t { kRead, kWrite };
+// A transfer that gets -EAGAIN (or -EINTR) this many times in a row, without moving a
+// byte in between, fails with kUnavailable instead of spinning for ever.
+inline constexpr unsigned kIoMaxAgainRetries = 100;  // with backoff: about a second
+
+// ---------------------------------------------------------------------------------------
+// Fault injection (tests only).
+// ---------------------------------------------------------------------------------------
+
+enum class IoFaultAction : uint8_t {
+  kFail,   // the transfer completes with -error_number and moves nothing
+  kShort,  // the transfer moves short_bytes, as a real short read/write would
+  kDelay,  // the transfer is issued `delay` late and then runs normally
+};
+
+// Which transfers a rule hits. Every transfer the engine issues counts, resubmissions of
+// the remainder of a short transfer and retries after -EAGAIN included: they are
+// operations the kernel sees.
+struct IoFaultMatch {
+  std::optional<IoOp> op;       // kRead or kWrite; nullopt = both
+  std::string file_contains;    // a substring of the registered file's name; empty = any file
+  uint64_t first = 1;           // the first matching transfer hit (1 = the first one)
+  uint64_t count = 1;           // how many matching transfers from `first` on are hit (0 = all of them)
+  uint64_t every = 1;           // of those, every `every`-th one (first, first + every, ...)
+};
+
+struct IoFaultRule {
+  IoFaultMatch match;
+  IoFaultAction action = IoFaultAction::kFail;
+  int error_number = EIO;                 // kFail: EIO, ENOSPC, EAGAIN, ...
+  size_t short_bytes = 4096;              // kShort: bytes moved (keep it a multiple of 4 KiB for O_DIRECT files); a transfer of no more than this is left alone
+  std::chrono::milliseconds delay{0};     // kDelay; with kFail or kShort, the injected result arrives this late
+};
+
+// What an injector did to one transfer, for tests to check against.
+struct IoFaultRecord {
+  size_t rule = 0;       // index in the plan
+  IoOp op = IoOp::kRead;
+  std::string file;      // the registered file's name
+  uint64_t offset = 0;   // the transfer's file offset
+  size_t bytes = 0;      // the transfer's length as asked
+  uint64_t ordinal = 0;  // which matching transfer of its rule it was (1-based)
+};
+
+// A set of rules shared by the engines it is given to (thread-safe). The first rule that
+// matches a transfer and is due decides its fault; every rule counts the transfers it
+// matches, due or not.
+class IoFaultInjector {
+ public:
+  explicit IoFaultInjector(std::vector<IoFaultRule> rules) : rules_(std::move(rules)), matched_(rules_.size(), 0) {}
+
+  // The fault for a transfer about to be issued, or nullopt.
+  struct Decision {
+    IoFaultAction action = IoFaultAction::kFail;
+    int error_number = 0;
+    size_t length = 0;  // kShort: bytes to move
+    std::chrono::milliseconds delay{0};
+  };
+  std::optional<Decision> decide(IoOp op, std::string_view file, uint64_t offset, size_t bytes);
+
+  // Transfers rule `rule` matched so far (hit or not); all injected faults so far.
+  uint64_t matched(size_t rule) const;
+  std::vector<IoFaultRecord> injected() const;
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<IoFaultRule> rules_;
+  std::vector<uint64_t> matched_;
+  std::vector<IoFaultRecord> injected_;
+};
 
 // A file registered with an engine (a slot in its file table).
 struct IoFile {
@@ -95,6 +181,7 @@ struct IoEngineStats {
   uint64_t short_transfers = 0;    // transfers that moved fewer bytes than asked and were resubmitted
   uint64_t again_retries = 0;      // transfers resubmitted after -EAGAIN
   uint64_t failed_requests = 0;    // requests that finished with an error
+  uint64_t injected_faults = 0;    // transfers IoEngineOptions::faults changed
   uint64_t bytes_read = 0;
   uint64_t bytes_written = 0;
 };

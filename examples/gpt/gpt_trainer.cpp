@@ -6,11 +6,16 @@
 #include <cmath>
 #include <condition_variable>
 #include <csignal>
+#include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <iomanip>
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <thread>
+
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -359,6 +364,23 @@ std::string stopped_line(const TrainerOptions& options, const TrainerResult& res
   return line + "checkpoint saved to " + result.last_checkpoint + " (continue with --resume " + options.save_dir + ")";
 }
 
+// Tests only (tests/examples/kill_resume_test.cpp): STRATA_TEST_CHECKPOINT_PAUSE_MS=N makes
+// the saver announce each point of a save on stderr ("strata-test: checkpoint <point> step
+// <S>") and pause there N ms, so a test can SIGKILL the process inside a save. Unset (the
+// normal case): no hook.
+std::function<Status(std::string_view, int64_t)> checkpoint_pause_hook_from_env() {
+  const char* text = std::getenv("STRATA_TEST_CHECKPOINT_PAUSE_MS");
+  if (text == nullptr || *text == '\0') return nullptr;
+  const long pause_ms = std::clamp(std::strtol(text, nullptr, 10), 0L, 10'000L);
+  return [pause_ms](std::string_view point, int64_t step) -> Status {
+    const std::string line = "strata-test: checkpoint " + std::string(point) + " step " + std::to_string(step) + "\n";
+    // One write(2): the line arrives whole even as other threads log.
+    if (::write(STDERR_FILENO, line.data(), line.size()) < 0) return Status::FromErrno(errno, "write(stderr)");
+    std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+    return Status::Ok();
+  };
+}
+
 }  // namespace
 
 StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
@@ -438,6 +460,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       const auto parsed = nlohmann::json::parse(state, nullptr, /*allow_exceptions=*/false);
       return parsed.is_object() && parsed.value("loss_finite", true);
     };
+    saver_options.fault_hook = checkpoint_pause_hook_from_env();
     STRATA_ASSIGN_OR_RETURN(saver, CheckpointSaver::create(saver_options));
   }
 

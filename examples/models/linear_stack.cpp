@@ -80,6 +80,11 @@ size_t linear_stack_activation_bytes(const LinearStackConfig& config, int local_
   return bytes;
 }
 
+LinearStackModel::~LinearStackModel() {
+  // The stream's error (if any) was the failed step's, already returned to its caller.
+  if (!x_.empty()) (void)engine_.compute_stream().synchronize();
+}
+
 StatusOr<std::unique_ptr<LinearStackModel>> LinearStackModel::create(Engine& engine, const LinearStackConfig& config, int rank,
                                                                       int world_size, bool declare_schedule) {
   if (config.features < 2 || config.width < 1 || config.layers < 1)

@@ -47,6 +47,13 @@ class LinearStackModel {
   // lets the engine record it on the first step.
   static StatusOr<std::unique_ptr<LinearStackModel>> create(Engine& engine, const LinearStackConfig& config, int rank,
                                                             int world_size, bool declare_schedule);
+  // Waits for the kernels still queued on the engine's compute stream (a step that failed
+  // part-way leaves some) before the activations they use are freed. Destroy the model
+  // before the engine.
+  ~LinearStackModel();
+  LinearStackModel(const LinearStackModel&) = delete;
+  LinearStackModel& operator=(const LinearStackModel&) = delete;
+
   // After engine.start(): allocates activations on the engine's device.
   Status allocate();
   // One step: micro_batches micro-batches forward and backward, then engine.step().
