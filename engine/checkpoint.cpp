@@ -14,10 +14,13 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <sstream>
 #include <thread>
+#include <type_traits>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -733,11 +736,35 @@ class ManifestFields {
     if (!object.is_object()) return error(std::string(where) + " is not an object");
     const auto it = object.find(key);
     if (it == object.end()) return error(std::string(where) + " has no field '" + std::string(key) + "'");
-    try {
-      return it->template get<T>();
-    } catch (const json::exception& e) {
-      return error(std::string(where) + "." + std::string(key) + " has the wrong type (" + e.what() + ")");
+    const std::string field = std::string(where) + "." + std::string(key);
+    // json's own conversion truncates 1.5, wraps -1 into a size_t and makes 1e300 an
+    // undefined int: integers are checked here, in their own type.
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      return integer<T>(*it, field);
+    } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+      if (!it->is_array()) return error(field + " is not an array");
+      std::vector<int64_t> values;
+      for (size_t i = 0; i < it->size(); ++i) {
+        STRATA_ASSIGN_OR_RETURN(const int64_t value, integer<int64_t>((*it)[i], field + "[" + std::to_string(i) + "]"));
+        values.push_back(value);
+      }
+      return values;
+    } else {
+      try {
+        return it->template get<T>();
+      } catch (const json::exception& e) {
+        return error(field + " has the wrong type (" + e.what() + ")");
+      }
     }
+  }
+  template <class T>
+  StatusOr<T> integer(const json& value, const std::string& field) const {
+    if (value.is_number_unsigned() && std::in_range<T>(value.get<uint64_t>())) return static_cast<T>(value.get<uint64_t>());
+    if (value.is_number_integer() && !value.is_number_unsigned() && std::in_range<T>(value.get<int64_t>())) {
+      return static_cast<T>(value.get<int64_t>());
+    }
+    return error(field + " is " + (value.is_structured() ? std::string("an ") + value.type_name() : value.dump()) + ", not an integer in [" + std::to_string(std::numeric_limits<T>::min()) + ", " +
+                 std::to_string(std::numeric_limits<T>::max()) + "]");
   }
   StatusOr<const json*> array(const json& object, std::string_view key, std::string_view where) const {
     if (!object.is_object()) return error(std::string(where) + " is not an object");
@@ -767,7 +794,16 @@ Status parse_manifest_groups(const json& manifest, const ManifestFields& fields,
     STRATA_ASSIGN_OR_RETURN(group.numel, fields.get<size_t>(entry, "numel", where));
     STRATA_ASSIGN_OR_RETURN(group.shard_numel, fields.get<size_t>(entry, "shard_numel", where));
     if (group.id != static_cast<int>(g)) return fields.error(where + " has id " + std::to_string(group.id));
-    if (group.shard_numel == 0 || group.shard_numel * static_cast<size_t>(out.world_size) < group.numel) {
+    // A rank file holds three shards of every group; its size must fit 64 bits.
+    uint64_t block_bytes = 0;
+    uint64_t block_end = 0;
+    if (__builtin_mul_overflow(uint64_t{group.shard_numel}, kCheckpointStateKinds * sizeof(float), &block_bytes) ||
+        __builtin_add_overflow(block_offset, block_bytes, &block_end)) {
+      return fields.error(where + " ('" + group.name + "'): shard_numel " + std::to_string(group.shard_numel) +
+                          " makes the rank files larger than 2^64 bytes");
+    }
+    if (group.shard_numel == 0 || group.shard_numel < group.numel / static_cast<size_t>(out.world_size) +
+                                                          (group.numel % static_cast<size_t>(out.world_size) != 0)) {
       return fields.error(where + " ('" + group.name + "'): shard_numel " + std::to_string(group.shard_numel) + " x " +
                           std::to_string(out.world_size) + " ranks does not cover its " + std::to_string(group.numel) +
                           " elements");
@@ -780,11 +816,14 @@ Status parse_manifest_groups(const json& manifest, const ManifestFields& fields,
       STRATA_ASSIGN_OR_RETURN(tensor.shape, fields.get<std::vector<int64_t>>((*tensors)[t], "shape", twhere));
       STRATA_ASSIGN_OR_RETURN(tensor.offset, fields.get<size_t>((*tensors)[t], "offset", twhere));
       STRATA_ASSIGN_OR_RETURN(tensor.numel, fields.get<size_t>((*tensors)[t], "numel", twhere));
-      if (tensor.offset + tensor.numel > group.numel) return fields.error(twhere + " ends past its group's numel");
+      if (tensor.offset > group.numel || tensor.numel > group.numel - tensor.offset) {
+        return fields.error(twhere + " (offset " + std::to_string(tensor.offset) + ", numel " + std::to_string(tensor.numel) +
+                            ") ends past its group's numel " + std::to_string(group.numel));
+      }
       group.tensors.push_back(std::move(tensor));
     }
     out.group_base.push_back(block_offset);
-    block_offset += kCheckpointStateKinds * group.shard_numel * sizeof(float);
+    block_offset = block_end;
     out.groups.push_back(std::move(group));
   }
   out.rank_file_bytes = block_offset;
@@ -820,7 +859,7 @@ Status parse_manifest_segments(const json& entry, const ManifestFields& fields, 
     } else if (segment.offset != 0 || segment.bytes != file.bytes) {
       return fields.error(swhere + " does not cover the whole trainer state");
     }
-    const size_t chunks = (segment.bytes + manifest.chunk_bytes - 1) / manifest.chunk_bytes;
+    const uint64_t chunks = segment.bytes / manifest.chunk_bytes + (segment.bytes % manifest.chunk_bytes != 0);
     if (sums.size() != chunks) {
       return fields.error(swhere + " has " + std::to_string(sums.size()) + " checksums for " + std::to_string(chunks) + " chunks");
     }
