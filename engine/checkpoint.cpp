@@ -25,6 +25,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/core/check.h"
+#include "engine/core/json_depth.h"
 #include "engine/core/log.h"
 #include "offload/checksum.h"
 
@@ -39,6 +40,10 @@ constexpr std::string_view kFormatName = "strata-checkpoint";
 constexpr int kFormatVersion = 1;
 constexpr size_t kDirectIoAlignment = 4096;
 constexpr std::string_view kManifestName = "manifest.json";
+// A manifest nests 6 levels (manifest, files, file, segments, segment, checksums); deeper
+// is damage, refused before parsing (dumping it for its checksum recurses per level).
+constexpr size_t kManifestDepth = 6;
+constexpr size_t kMaxManifestDepth = 8;
 constexpr std::string_view kTrainerStateName = "trainer_state.json";
 constexpr std::string_view kTmpPrefix = ".tmp-";
 
@@ -908,6 +913,10 @@ Status parse_manifest_files(const json& manifest, const ManifestFields& fields, 
 }  // namespace
 
 StatusOr<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, const std::string& manifest_path) {
+  if (const size_t depth = json_nesting_depth(text); depth > kMaxManifestDepth) {
+    return DataLossError(manifest_path + " nests " + std::to_string(depth) + " levels of objects and arrays; a manifest has " +
+                         std::to_string(kManifestDepth) + ": the manifest is damaged");
+  }
   json manifest = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (manifest.is_discarded() || !manifest.is_object()) {
     return DataLossError(manifest_path + " is not a JSON object (" + std::to_string(text.size()) + " bytes): the manifest is damaged");
@@ -953,6 +962,7 @@ StatusOr<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, co
 }
 
 StatusOr<std::string> reseal_checkpoint_manifest(std::string_view text) {
+  if (json_nesting_depth(text) > kMaxManifestDepth) return InvalidArgumentError("reseal_checkpoint_manifest: nested too deeply");
   json manifest = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (manifest.is_discarded() || !manifest.is_object()) return InvalidArgumentError("reseal_checkpoint_manifest: not a JSON object");
   manifest["manifest_checksum"] = hex64(manifest_checksum(manifest));

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/core/dtype.h"
+#include "engine/core/json_depth.h"
 #include "engine/core/log.h"
 
 namespace strata::gpt {
@@ -27,6 +28,8 @@ using ordered_json = nlohmann::ordered_json;
 
 // The safetensors library refuses headers above 100 MB; so do we.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+// A header nests 3 levels (header, tensor, shape); deeper is damage, refused before parsing.
+constexpr size_t kMaxHeaderDepth = 8;
 constexpr std::string_view kMetadataKey = "__metadata__";
 constexpr std::string_view kGpt2Prefix = "transformer.";
 
@@ -140,6 +143,9 @@ StatusOr<SafetensorsReader> SafetensorsReader::open(const std::string& path, con
 
 StatusOr<SafetensorsHeader> parse_safetensors_header(std::string_view header_json, uint64_t data_bytes, std::string_view where_view) {
   const std::string where(where_view);
+  if (const size_t depth = json_nesting_depth(header_json); depth > kMaxHeaderDepth) {
+    return InvalidArgumentError(where + ": the header nests " + std::to_string(depth) + " levels of objects and arrays; a safetensors header has 3 (damaged?)");
+  }
   SafetensorsHeader header;
   json root;
   try {

@@ -50,6 +50,20 @@ TEST(CheckpointManifestTest, AnEditThatIsNotResealedFailsTheManifestsOwnChecksum
   EXPECT_NE(parsed.status().message().find("checksum mismatch of the manifest itself"), std::string::npos);
 }
 
+// Computing the manifest's checksum dumps it, recursing once per level: 100k levels
+// overflowed the stack.
+TEST(CheckpointManifestTest, AManifestNestedDeeperThanItsFormatIsRefusedBeforeParsing) {
+  json manifest = seed_manifest();
+  const std::string text = manifest.dump();
+  const std::string deep = text.substr(0, text.size() - 1) + R"(,"extra":)" + std::string(100000, '[') + std::string(100000, ']') + "}";
+  StatusOr<CheckpointManifest> parsed = parse_checkpoint_manifest(deep, "step-1/manifest.json");
+  ASSERT_FALSE(parsed.ok());
+  EXPECT_EQ(parsed.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(parsed.status().message().find("step-1/manifest.json nests 100001 levels of objects and arrays; a manifest has 6"),
+            std::string::npos)
+      << parsed.status().message();
+}
+
 struct ManifestDamage {
   std::string name;
   std::function<void(json&)> edit;
