@@ -150,7 +150,7 @@ StatusOr<SafetensorsHeader> parse_safetensors_header(std::string_view header_jso
   json root;
   try {
     root = json::parse(header_json);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1e999
     return InvalidArgumentError(where + ": the header is not valid JSON: " + e.what());
   }
   if (!root.is_object()) return InvalidArgumentError(where + ": the header is not a JSON object");
