@@ -2,11 +2,13 @@
 // the trainer's own flag parser and the option building behind it (config overrides,
 // finalize, the model and data checks), stopping before any training.
 //
-// LEAD: train_gpt's parser is moving into examples/gpt/flags.{h,cpp}. Until it has, this
-// file reaches parse_args() and build_options() by compiling examples/train_gpt.cpp into
-// itself with its main() renamed. Once flags.h exists, include it instead, call its
-// parse function in run_command_line() below, link strata_gpt as now, and delete the
-// three lines marked "until flags.h".
+// LEAD: train_gpt's parser is moving into examples/gpt/flags.{h,cpp} (branch wt-input).
+// Until it has, this file reaches parse_args() and build_options() by compiling
+// examples/train_gpt.cpp into itself with its main() renamed (the three lines marked
+// "until flags.h"). After the merge: include "examples/gpt/flags.h" instead; in
+// run_command_line() call gpt::parse_train_gpt_args(arguments), then on success
+// gpt::apply_train_gpt_overrides() onto a StrataConfig and finalize(); and in
+// tests/fuzz/CMakeLists.txt link the flags harness with strata_flags, not strata_gpt.
 #include <string>
 #include <string_view>
 #include <vector>
