@@ -15,14 +15,18 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <sstream>
 #include <thread>
+#include <type_traits>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
 #include "engine/core/check.h"
+#include "engine/core/json_depth.h"
 #include "engine/core/log.h"
 #include "engine/engine_plan.h"
 #include "engine/core/thread.h"
@@ -41,6 +45,10 @@ constexpr int kFormatVersionStale = 2;       // and the stale parameters (delaye
 constexpr int kStaleKinds = kCheckpointStateKinds + 1;
 constexpr size_t kDirectIoAlignment = 4096;
 constexpr std::string_view kManifestName = "manifest.json";
+// A manifest nests 6 levels (manifest, files, file, segments, segment, checksums); deeper
+// is damage, refused before parsing (dumping it for its checksum recurses per level).
+constexpr size_t kManifestDepth = 6;
+constexpr size_t kMaxManifestDepth = 8;
 constexpr std::string_view kTrainerStateName = "trainer_state.json";
 constexpr std::string_view kTmpPrefix = ".tmp-";
 
@@ -841,14 +849,6 @@ uint64_t CheckpointSaver::bytes_written() const { return impl_->bytes_written();
 // CheckpointReader
 // ---------------------------------------------------------------------------------------
 
-struct CheckpointReader::Segment {
-  int group = 0;
-  CheckpointStateKind kind = CheckpointStateKind::kMaster;
-  uint64_t offset = 0;
-  uint64_t bytes = 0;
-  std::vector<uint64_t> checksums;
-};
-
 struct CheckpointReader::File {
   std::string name;
   std::string path;
@@ -873,11 +873,35 @@ class ManifestFields {
     if (!object.is_object()) return error(std::string(where) + " is not an object");
     const auto it = object.find(key);
     if (it == object.end()) return error(std::string(where) + " has no field '" + std::string(key) + "'");
-    try {
-      return it->template get<T>();
-    } catch (const json::exception& e) {
-      return error(std::string(where) + "." + std::string(key) + " has the wrong type (" + e.what() + ")");
+    const std::string field = std::string(where) + "." + std::string(key);
+    // json's own conversion truncates 1.5, wraps -1 into a size_t and makes 1e300 an
+    // undefined int: integers are checked here, in their own type.
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      return integer<T>(*it, field);
+    } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+      if (!it->is_array()) return error(field + " is not an array");
+      std::vector<int64_t> values;
+      for (size_t i = 0; i < it->size(); ++i) {
+        STRATA_ASSIGN_OR_RETURN(const int64_t value, integer<int64_t>((*it)[i], field + "[" + std::to_string(i) + "]"));
+        values.push_back(value);
+      }
+      return values;
+    } else {
+      try {
+        return it->template get<T>();
+      } catch (const json::exception& e) {
+        return error(field + " has the wrong type (" + e.what() + ")");
+      }
     }
+  }
+  template <class T>
+  StatusOr<T> integer(const json& value, const std::string& field) const {
+    if (value.is_number_unsigned() && std::in_range<T>(value.get<uint64_t>())) return static_cast<T>(value.get<uint64_t>());
+    if (value.is_number_integer() && !value.is_number_unsigned() && std::in_range<T>(value.get<int64_t>())) {
+      return static_cast<T>(value.get<int64_t>());
+    }
+    return error(field + " is " + (value.is_structured() ? std::string("an ") + value.type_name() : value.dump()) + ", not an integer in [" + std::to_string(std::numeric_limits<T>::min()) + ", " +
+                 std::to_string(std::numeric_limits<T>::max()) + "]");
   }
   StatusOr<const json*> array(const json& object, std::string_view key, std::string_view where) const {
     if (!object.is_object()) return error(std::string(where) + " is not an object");
@@ -893,26 +917,143 @@ class ManifestFields {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::string& checkpoint_dir,
-                                                                   const CheckpointReadOptions& options) {
-  std::unique_ptr<CheckpointReader> reader(new CheckpointReader());
-  reader->options_ = options;
-  reader->path_ = checkpoint_dir;
-  std::error_code error;
-  if (!fs::is_directory(checkpoint_dir, error)) return NotFoundError("checkpoint " + checkpoint_dir + " is not a directory");
-  const std::string manifest_path = (fs::path(checkpoint_dir) / kManifestName).string();
-  auto manifest_text = read_small_file(manifest_path);
-  if (!manifest_text.ok()) {
-    if (manifest_text.status().code() == StatusCode::kNotFound) {
-      return NotFoundError("checkpoint " + checkpoint_dir + " has no " + std::string(kManifestName) +
-                           " (an incomplete save)");
+namespace {
+
+Status parse_manifest_groups(const json& manifest, const ManifestFields& fields, CheckpointManifest& out) {
+  STRATA_ASSIGN_OR_RETURN(const json* groups, fields.array(manifest, "groups", "the manifest"));
+  uint64_t block_offset = 0;
+  for (size_t g = 0; g < groups->size(); ++g) {
+    const json& entry = (*groups)[g];
+    const std::string where = "groups[" + std::to_string(g) + "]";
+    SavedGroup group;
+    STRATA_ASSIGN_OR_RETURN(group.id, fields.get<int>(entry, "id", where));
+    STRATA_ASSIGN_OR_RETURN(group.name, fields.get<std::string>(entry, "name", where));
+    STRATA_ASSIGN_OR_RETURN(group.numel, fields.get<size_t>(entry, "numel", where));
+    STRATA_ASSIGN_OR_RETURN(group.shard_numel, fields.get<size_t>(entry, "shard_numel", where));
+    if (group.id != static_cast<int>(g)) return fields.error(where + " has id " + std::to_string(group.id));
+    // A rank file holds three (or, with stale parameters, four) shards of every group; its
+    // size must fit 64 bits.
+    uint64_t block_bytes = 0;
+    uint64_t block_end = 0;
+    if (__builtin_mul_overflow(uint64_t{group.shard_numel}, static_cast<uint64_t>(out.kinds) * sizeof(float), &block_bytes) ||
+        __builtin_add_overflow(block_offset, block_bytes, &block_end)) {
+      return fields.error(where + " ('" + group.name + "'): shard_numel " + std::to_string(group.shard_numel) +
+                          " makes the rank files larger than 2^64 bytes");
     }
-    return std::move(manifest_text).status();
+    if (group.shard_numel == 0 || group.shard_numel < group.numel / static_cast<size_t>(out.world_size) +
+                                                          (group.numel % static_cast<size_t>(out.world_size) != 0)) {
+      return fields.error(where + " ('" + group.name + "'): shard_numel " + std::to_string(group.shard_numel) + " x " +
+                          std::to_string(out.world_size) + " ranks does not cover its " + std::to_string(group.numel) +
+                          " elements");
+    }
+    STRATA_ASSIGN_OR_RETURN(const json* tensors, fields.array(entry, "tensors", where));
+    for (size_t t = 0; t < tensors->size(); ++t) {
+      const std::string twhere = where + ".tensors[" + std::to_string(t) + "]";
+      SavedTensor tensor;
+      STRATA_ASSIGN_OR_RETURN(tensor.name, fields.get<std::string>((*tensors)[t], "name", twhere));
+      STRATA_ASSIGN_OR_RETURN(tensor.shape, fields.get<std::vector<int64_t>>((*tensors)[t], "shape", twhere));
+      STRATA_ASSIGN_OR_RETURN(tensor.offset, fields.get<size_t>((*tensors)[t], "offset", twhere));
+      STRATA_ASSIGN_OR_RETURN(tensor.numel, fields.get<size_t>((*tensors)[t], "numel", twhere));
+      if (tensor.offset > group.numel || tensor.numel > group.numel - tensor.offset) {
+        return fields.error(twhere + " (offset " + std::to_string(tensor.offset) + ", numel " + std::to_string(tensor.numel) +
+                            ") ends past its group's numel " + std::to_string(group.numel));
+      }
+      group.tensors.push_back(std::move(tensor));
+    }
+    out.group_base.push_back(block_offset);
+    block_offset = block_end;
+    out.groups.push_back(std::move(group));
   }
-  json manifest = json::parse(*manifest_text, nullptr, /*allow_exceptions=*/false);
+  out.rank_file_bytes = block_offset;
+  return Status::Ok();
+}
+
+Status parse_manifest_segments(const json& entry, const ManifestFields& fields, const std::string& where,
+                               const CheckpointManifest& manifest, ManifestFile& file) {
+  const bool is_rank_file = file.rank >= 0;
+  STRATA_ASSIGN_OR_RETURN(const json* segments, fields.array(entry, "segments", where));
+  const size_t kinds = static_cast<size_t>(manifest.kinds);
+  const size_t expected_segments = is_rank_file ? manifest.groups.size() * kinds : 1;
+  if (segments->size() != expected_segments) {
+    return fields.error(where + " ('" + file.name + "') has " + std::to_string(segments->size()) + " segments, expected " +
+                        std::to_string(expected_segments));
+  }
+  for (size_t s = 0; s < segments->size(); ++s) {
+    const json& sentry = (*segments)[s];
+    const std::string swhere = where + ".segments[" + std::to_string(s) + "]";
+    ManifestSegment segment;
+    STRATA_ASSIGN_OR_RETURN(segment.offset, fields.get<uint64_t>(sentry, "offset", swhere));
+    STRATA_ASSIGN_OR_RETURN(segment.bytes, fields.get<uint64_t>(sentry, "bytes", swhere));
+    STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> sums, fields.get<std::vector<std::string>>(sentry, "checksums", swhere));
+    if (is_rank_file) {
+      segment.group = static_cast<int>(s / kinds);
+      segment.kind = kSegmentKinds[s % kinds];
+      const size_t shard_bytes = manifest.groups[static_cast<size_t>(segment.group)].shard_numel * sizeof(float);
+      const uint64_t expected_offset = manifest.group_base[static_cast<size_t>(segment.group)] +
+                                       static_cast<uint64_t>(s % kinds) * shard_bytes;
+      if (segment.offset != expected_offset || segment.bytes != shard_bytes) {
+        return fields.error(swhere + " is at [" + std::to_string(segment.offset) + ", +" + std::to_string(segment.bytes) +
+                            "), expected [" + std::to_string(expected_offset) + ", +" + std::to_string(shard_bytes) + ")");
+      }
+    } else if (segment.offset != 0 || segment.bytes != file.bytes) {
+      return fields.error(swhere + " does not cover the whole trainer state");
+    }
+    const uint64_t chunks = segment.bytes / manifest.chunk_bytes + (segment.bytes % manifest.chunk_bytes != 0);
+    if (sums.size() != chunks) {
+      return fields.error(swhere + " has " + std::to_string(sums.size()) + " checksums for " + std::to_string(chunks) + " chunks");
+    }
+    for (const std::string& text : sums) {
+      uint64_t value = 0;
+      if (!parse_hex64(text, &value)) return fields.error(swhere + " has a checksum that is not hex: '" + text + "'");
+      segment.checksums.push_back(value);
+    }
+    file.segments.push_back(std::move(segment));
+  }
+  return Status::Ok();
+}
+
+Status parse_manifest_files(const json& manifest, const ManifestFields& fields, CheckpointManifest& out) {
+  STRATA_ASSIGN_OR_RETURN(const json* files, fields.array(manifest, "files", "the manifest"));
+  if (files->size() != static_cast<size_t>(out.world_size) + 1) {
+    return fields.error("lists " + std::to_string(files->size()) + " files, expected " + std::to_string(out.world_size) +
+                        " rank files and the trainer state");
+  }
+  for (size_t f = 0; f < files->size(); ++f) {
+    const json& entry = (*files)[f];
+    const std::string where = "files[" + std::to_string(f) + "]";
+    ManifestFile file;
+    STRATA_ASSIGN_OR_RETURN(file.name, fields.get<std::string>(entry, "name", where));
+    STRATA_ASSIGN_OR_RETURN(file.bytes, fields.get<uint64_t>(entry, "bytes", where));
+    const bool is_rank_file = f < static_cast<size_t>(out.world_size);
+    if (is_rank_file) {
+      STRATA_ASSIGN_OR_RETURN(file.rank, fields.get<int>(entry, "rank", where));
+      if (file.rank != static_cast<int>(f) || file.name != rank_file_name(file.rank, out.world_size)) {
+        return fields.error(where + " ('" + file.name + "') is not rank " + std::to_string(f) + "'s file");
+      }
+      if (file.bytes != out.rank_file_bytes) {
+        return fields.error(where + " ('" + file.name + "') has " + std::to_string(file.bytes) + " bytes, the groups need " +
+                            std::to_string(out.rank_file_bytes));
+      }
+    } else if (file.name != kTrainerStateName) {
+      return fields.error(where + " is '" + file.name + "', expected " + std::string(kTrainerStateName));
+    }
+    if (file.name.find('/') != std::string::npos) return fields.error(where + " names a path, not a file");
+    STRATA_RETURN_IF_ERROR(parse_manifest_segments(entry, fields, where, out, file));
+    out.files.push_back(std::move(file));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+StatusOr<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, const std::string& manifest_path) {
+  if (const size_t depth = json_nesting_depth(text); depth > kMaxManifestDepth) {
+    return DataLossError(manifest_path + " nests " + std::to_string(depth) + " levels of objects and arrays; a manifest has " +
+                         std::to_string(kManifestDepth) + ": the manifest is damaged");
+  }
+  json manifest = json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (manifest.is_discarded() || !manifest.is_object()) {
-    return DataLossError(manifest_path + " is not a JSON object (" + std::to_string(manifest_text->size()) +
-                         " bytes): the manifest is damaged");
+    return DataLossError(manifest_path + " is not a JSON object (" + std::to_string(text.size()) + " bytes): the manifest is damaged");
   }
   const ManifestFields fields(manifest_path);
   STRATA_ASSIGN_OR_RETURN(const std::string format, fields.get<std::string>(manifest, "format", "the manifest"));
@@ -931,8 +1072,6 @@ StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::st
                         " stale_parameters (version " + std::to_string(kFormatVersionStale) + " has them, version " +
                         std::to_string(kFormatVersion) + " does not)");
   }
-  reader->kinds_ = stale_parameters ? kStaleKinds : kCheckpointStateKinds;
-  const size_t kinds = static_cast<size_t>(reader->kinds_);
   STRATA_ASSIGN_OR_RETURN(const std::string stored_sum, fields.get<std::string>(manifest, "manifest_checksum", "the manifest"));
   uint64_t expected_sum = 0;
   if (!parse_hex64(stored_sum, &expected_sum)) return fields.error("manifest_checksum '" + stored_sum + "' is not hex");
@@ -941,8 +1080,10 @@ StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::st
     return fields.error("checksum mismatch of the manifest itself: stored " + stored_sum + ", computed " + hex64(actual_sum));
   }
 
-  STRATA_ASSIGN_OR_RETURN(reader->step_, fields.get<int64_t>(manifest, "step", "the manifest"));
-  STRATA_ASSIGN_OR_RETURN(reader->engine_steps_, fields.get<int64_t>(manifest, "engine_steps", "the manifest"));
+  CheckpointManifest out;
+  out.kinds = stale_parameters ? kStaleKinds : kCheckpointStateKinds;
+  STRATA_ASSIGN_OR_RETURN(out.step, fields.get<int64_t>(manifest, "step", "the manifest"));
+  STRATA_ASSIGN_OR_RETURN(out.engine_steps, fields.get<int64_t>(manifest, "engine_steps", "the manifest"));
   if (manifest.contains("loss_scaler")) {
     const json& entry = manifest["loss_scaler"];
     const std::string where = "the manifest's loss_scaler";
@@ -952,113 +1093,61 @@ StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::st
     STRATA_ASSIGN_OR_RETURN(scaler.remaining_hysteresis, fields.get<int>(entry, "remaining_hysteresis", where));
     STRATA_ASSIGN_OR_RETURN(scaler.skipped_steps, fields.get<uint64_t>(entry, "skipped_steps", where));
     if (!(scaler.scale > 0.0f) || !std::isfinite(scaler.scale)) return fields.error(where + ": scale " + std::to_string(scaler.scale) + " is not positive");
-    reader->loss_scaler_ = scaler;
+    out.loss_scaler = scaler;
   }
-  STRATA_ASSIGN_OR_RETURN(reader->world_size_, fields.get<int>(manifest, "world_size", "the manifest"));
-  STRATA_ASSIGN_OR_RETURN(reader->chunk_bytes_, fields.get<size_t>(manifest, "chunk_bytes", "the manifest"));
-  if (reader->world_size_ < 1) return fields.error("world_size " + std::to_string(reader->world_size_) + " is below 1");
-  if (reader->chunk_bytes_ == 0 || reader->chunk_bytes_ % kDirectIoAlignment != 0) {
-    return fields.error("chunk_bytes " + std::to_string(reader->chunk_bytes_) + " is not a positive multiple of 4096");
+  STRATA_ASSIGN_OR_RETURN(out.world_size, fields.get<int>(manifest, "world_size", "the manifest"));
+  STRATA_ASSIGN_OR_RETURN(out.chunk_bytes, fields.get<size_t>(manifest, "chunk_bytes", "the manifest"));
+  if (out.world_size < 1) return fields.error("world_size " + std::to_string(out.world_size) + " is below 1");
+  if (out.chunk_bytes == 0 || out.chunk_bytes % kDirectIoAlignment != 0) {
+    return fields.error("chunk_bytes " + std::to_string(out.chunk_bytes) + " is not a positive multiple of 4096");
   }
+  STRATA_RETURN_IF_ERROR(parse_manifest_groups(manifest, fields, out));
+  STRATA_RETURN_IF_ERROR(parse_manifest_files(manifest, fields, out));
+  return out;
+}
 
-  // Groups.
-  STRATA_ASSIGN_OR_RETURN(const json* groups, fields.array(manifest, "groups", "the manifest"));
-  uint64_t block_offset = 0;
-  for (size_t g = 0; g < groups->size(); ++g) {
-    const json& entry = (*groups)[g];
-    const std::string where = "groups[" + std::to_string(g) + "]";
-    SavedGroup group;
-    STRATA_ASSIGN_OR_RETURN(group.id, fields.get<int>(entry, "id", where));
-    STRATA_ASSIGN_OR_RETURN(group.name, fields.get<std::string>(entry, "name", where));
-    STRATA_ASSIGN_OR_RETURN(group.numel, fields.get<size_t>(entry, "numel", where));
-    STRATA_ASSIGN_OR_RETURN(group.shard_numel, fields.get<size_t>(entry, "shard_numel", where));
-    if (group.id != static_cast<int>(g)) return fields.error(where + " has id " + std::to_string(group.id));
-    if (group.shard_numel == 0 || group.shard_numel * static_cast<size_t>(reader->world_size_) < group.numel) {
-      return fields.error(where + " ('" + group.name + "'): shard_numel " + std::to_string(group.shard_numel) + " x " +
-                          std::to_string(reader->world_size_) + " ranks does not cover its " + std::to_string(group.numel) +
-                          " elements");
-    }
-    STRATA_ASSIGN_OR_RETURN(const json* tensors, fields.array(entry, "tensors", where));
-    for (size_t t = 0; t < tensors->size(); ++t) {
-      const std::string twhere = where + ".tensors[" + std::to_string(t) + "]";
-      SavedTensor tensor;
-      STRATA_ASSIGN_OR_RETURN(tensor.name, fields.get<std::string>((*tensors)[t], "name", twhere));
-      STRATA_ASSIGN_OR_RETURN(tensor.shape, fields.get<std::vector<int64_t>>((*tensors)[t], "shape", twhere));
-      STRATA_ASSIGN_OR_RETURN(tensor.offset, fields.get<size_t>((*tensors)[t], "offset", twhere));
-      STRATA_ASSIGN_OR_RETURN(tensor.numel, fields.get<size_t>((*tensors)[t], "numel", twhere));
-      if (tensor.offset + tensor.numel > group.numel) return fields.error(twhere + " ends past its group's numel");
-      group.tensors.push_back(std::move(tensor));
-    }
-    reader->group_base_.push_back(block_offset);
-    block_offset += kinds * group.shard_numel * sizeof(float);
-    reader->groups_.push_back(std::move(group));
-  }
-  const uint64_t rank_file_bytes = block_offset;
+StatusOr<std::string> reseal_checkpoint_manifest(std::string_view text) {
+  if (json_nesting_depth(text) > kMaxManifestDepth) return InvalidArgumentError("reseal_checkpoint_manifest: nested too deeply");
+  json manifest = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (manifest.is_discarded() || !manifest.is_object()) return InvalidArgumentError("reseal_checkpoint_manifest: not a JSON object");
+  manifest["manifest_checksum"] = hex64(manifest_checksum(manifest));
+  return manifest.dump(1) + "\n";
+}
 
-  // Files.
-  STRATA_ASSIGN_OR_RETURN(const json* files, fields.array(manifest, "files", "the manifest"));
-  if (files->size() != static_cast<size_t>(reader->world_size_) + 1) {
-    return fields.error("lists " + std::to_string(files->size()) + " files, expected " +
-                        std::to_string(reader->world_size_) + " rank files and the trainer state");
+StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::string& checkpoint_dir,
+                                                                   const CheckpointReadOptions& options) {
+  std::unique_ptr<CheckpointReader> reader(new CheckpointReader());
+  reader->options_ = options;
+  reader->path_ = checkpoint_dir;
+  std::error_code error;
+  if (!fs::is_directory(checkpoint_dir, error)) return NotFoundError("checkpoint " + checkpoint_dir + " is not a directory");
+  const std::string manifest_path = (fs::path(checkpoint_dir) / kManifestName).string();
+  auto manifest_text = read_small_file(manifest_path);
+  if (!manifest_text.ok()) {
+    if (manifest_text.status().code() == StatusCode::kNotFound) {
+      return NotFoundError("checkpoint " + checkpoint_dir + " has no " + std::string(kManifestName) +
+                           " (an incomplete save)");
+    }
+    return std::move(manifest_text).status();
   }
-  for (size_t f = 0; f < files->size(); ++f) {
-    const json& entry = (*files)[f];
-    const std::string where = "files[" + std::to_string(f) + "]";
+  STRATA_ASSIGN_OR_RETURN(CheckpointManifest manifest, parse_checkpoint_manifest(*manifest_text, manifest_path));
+  reader->step_ = manifest.step;
+  reader->engine_steps_ = manifest.engine_steps;
+  reader->loss_scaler_ = manifest.loss_scaler;
+  reader->world_size_ = manifest.world_size;
+  reader->chunk_bytes_ = manifest.chunk_bytes;
+  reader->kinds_ = manifest.kinds;
+  reader->groups_ = std::move(manifest.groups);
+  reader->group_base_ = std::move(manifest.group_base);
+
+  for (ManifestFile& entry : manifest.files) {
     File file;
-    STRATA_ASSIGN_OR_RETURN(file.name, fields.get<std::string>(entry, "name", where));
-    STRATA_ASSIGN_OR_RETURN(file.bytes, fields.get<uint64_t>(entry, "bytes", where));
-    const bool is_rank_file = f < static_cast<size_t>(reader->world_size_);
-    if (is_rank_file) {
-      STRATA_ASSIGN_OR_RETURN(file.rank, fields.get<int>(entry, "rank", where));
-      if (file.rank != static_cast<int>(f) || file.name != rank_file_name(file.rank, reader->world_size_)) {
-        return fields.error(where + " ('" + file.name + "') is not rank " + std::to_string(f) + "'s file");
-      }
-      if (file.bytes != rank_file_bytes) {
-        return fields.error(where + " ('" + file.name + "') has " + std::to_string(file.bytes) +
-                            " bytes, the groups need " + std::to_string(rank_file_bytes));
-      }
-    } else if (file.name != kTrainerStateName) {
-      return fields.error(where + " is '" + file.name + "', expected " + std::string(kTrainerStateName));
-    }
-    if (file.name.find('/') != std::string::npos) return fields.error(where + " names a path, not a file");
-    STRATA_ASSIGN_OR_RETURN(const json* segments, fields.array(entry, "segments", where));
-    const size_t expected_segments = is_rank_file ? reader->groups_.size() * kinds : 1;
-    if (segments->size() != expected_segments) {
-      return fields.error(where + " ('" + file.name + "') has " + std::to_string(segments->size()) + " segments, expected " +
-                          std::to_string(expected_segments));
-    }
-    for (size_t s = 0; s < segments->size(); ++s) {
-      const json& sentry = (*segments)[s];
-      const std::string swhere = where + ".segments[" + std::to_string(s) + "]";
-      Segment segment;
-      STRATA_ASSIGN_OR_RETURN(segment.offset, fields.get<uint64_t>(sentry, "offset", swhere));
-      STRATA_ASSIGN_OR_RETURN(segment.bytes, fields.get<uint64_t>(sentry, "bytes", swhere));
-      STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> sums, fields.get<std::vector<std::string>>(sentry, "checksums", swhere));
-      if (is_rank_file) {
-        segment.group = static_cast<int>(s / kinds);
-        segment.kind = kSegmentKinds[s % kinds];
-        const size_t shard_bytes = reader->groups_[static_cast<size_t>(segment.group)].shard_numel * sizeof(float);
-        const uint64_t expected_offset = reader->group_base_[static_cast<size_t>(segment.group)] +
-                                         static_cast<uint64_t>(s % kinds) * shard_bytes;
-        if (segment.offset != expected_offset || segment.bytes != shard_bytes) {
-          return fields.error(swhere + " is at [" + std::to_string(segment.offset) + ", +" + std::to_string(segment.bytes) +
-                              "), expected [" + std::to_string(expected_offset) + ", +" + std::to_string(shard_bytes) + ")");
-        }
-      } else if (segment.offset != 0 || segment.bytes != file.bytes) {
-        return fields.error(swhere + " does not cover the whole trainer state");
-      }
-      const size_t chunks = (segment.bytes + reader->chunk_bytes_ - 1) / reader->chunk_bytes_;
-      if (sums.size() != chunks) {
-        return fields.error(swhere + " has " + std::to_string(sums.size()) + " checksums for " + std::to_string(chunks) + " chunks");
-      }
-      for (const std::string& text : sums) {
-        uint64_t value = 0;
-        if (!parse_hex64(text, &value)) return fields.error(swhere + " has a checksum that is not hex: '" + text + "'");
-        segment.checksums.push_back(value);
-      }
-      file.segments.push_back(std::move(segment));
-    }
+    file.name = std::move(entry.name);
+    file.rank = entry.rank;
+    file.bytes = entry.bytes;
+    file.segments = std::move(entry.segments);
     file.path = (fs::path(checkpoint_dir) / file.name).string();
+    const bool is_rank_file = file.rank >= 0;
 
     // Size: a short file is truncated.
     struct stat info {};

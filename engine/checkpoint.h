@@ -232,6 +232,44 @@ struct SavedGroup {
   std::vector<SavedTensor> tensors;
 };
 
+// What the manifest says about one stored range of a file: a rank file holds one segment
+// per (group, kind), group-major; the trainer state one segment covering it.
+struct ManifestSegment {
+  int group = 0;
+  CheckpointStateKind kind = CheckpointStateKind::kMaster;
+  uint64_t offset = 0;              // bytes into the file
+  uint64_t bytes = 0;
+  std::vector<uint64_t> checksums;  // XXH64 of each chunk_bytes chunk, the last one short
+};
+struct ManifestFile {
+  std::string name;  // within the checkpoint directory
+  int rank = -1;     // -1 for the trainer state
+  uint64_t bytes = 0;
+  std::vector<ManifestSegment> segments;
+};
+// A manifest parsed and checked on its own, before any file it lists is touched.
+struct CheckpointManifest {
+  int64_t step = 0;
+  int64_t engine_steps = 0;
+  std::optional<LossScaler::State> loss_scaler;
+  int world_size = 1;
+  size_t chunk_bytes = 0;
+  int kinds = kCheckpointStateKinds;  // segments per group in the rank files: 4 with stale parameters (version 2)
+  std::vector<SavedGroup> groups;
+  std::vector<uint64_t> group_base;  // per group: byte offset of its block in every rank file
+  uint64_t rank_file_bytes = 0;      // every rank file's size: the groups' blocks back to back
+  std::vector<ManifestFile> files;   // rank files in rank order, then trainer_state.json
+};
+
+// Parses manifest.json's text and checks it: a JSON object, the format and version, its
+// own checksum, the field types, a layout whose groups, files, segments and checksum
+// counts agree. kDataLoss naming `manifest_path` and the field.
+StatusOr<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, const std::string& manifest_path);
+// `text` (a manifest's JSON object) with manifest_checksum set to match the rest: for
+// tests and the fuzz harness, which edit manifests and must pass the checksum to reach
+// the checks behind it. kInvalidArgument when `text` is not a JSON object.
+StatusOr<std::string> reseal_checkpoint_manifest(std::string_view text);
+
 struct CheckpointReadOptions {
   bool verify_checksums = true;  // verify every chunk read
   bool direct_io = true;         // O_DIRECT reads where the file system takes them
@@ -274,7 +312,7 @@ class CheckpointReader {
   Status verify() const;
 
  private:
-  struct Segment;
+  using Segment = ManifestSegment;
   struct File;
   CheckpointReader() = default;
   // Reads [segment_offset, segment_offset + bytes) of a segment into `out`, verifying the

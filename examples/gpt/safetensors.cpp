@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/core/dtype.h"
+#include "engine/core/json_depth.h"
 #include "engine/core/log.h"
 
 namespace strata::gpt {
@@ -27,6 +28,8 @@ using ordered_json = nlohmann::ordered_json;
 
 // The safetensors library refuses headers above 100 MB; so do we.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+// A header nests 3 levels (header, tensor, shape); deeper is damage, refused before parsing.
+constexpr size_t kMaxHeaderDepth = 8;
 constexpr std::string_view kMetadataKey = "__metadata__";
 constexpr std::string_view kGpt2Prefix = "transformer.";
 
@@ -92,6 +95,21 @@ std::string shape_text(std::span<const int64_t> shape) {
 // ---------------------------------------------------------------------------------------
 // Reader
 
+StatusOr<uint64_t> parse_safetensors_header_length(std::span<const unsigned char, 8> prefix, uint64_t file_bytes,
+                                                   std::string_view where_view) {
+  const std::string where(where_view);
+  uint64_t header_bytes = 0;
+  for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | prefix[static_cast<size_t>(i)];
+  if (header_bytes > kMaxHeaderBytes) {
+    return InvalidArgumentError(where + ": header length " + std::to_string(header_bytes) + " exceeds the 100 MB limit");
+  }
+  if (8 + header_bytes > file_bytes) {
+    return InvalidArgumentError(where + ": header length " + std::to_string(header_bytes) + " runs past the end of the file (" +
+                                std::to_string(file_bytes) + " bytes; truncated?)");
+  }
+  return header_bytes;
+}
+
 StatusOr<SafetensorsReader> SafetensorsReader::open(const std::string& path, const SafetensorsReadOptions& options) {
   SafetensorsReader reader;
   reader.path_ = path;
@@ -111,32 +129,31 @@ StatusOr<SafetensorsReader> SafetensorsReader::open(const std::string& path, con
   }
   unsigned char length_bytes[8];
   STRATA_RETURN_IF_ERROR(reader.file_.read_exact(length_bytes, 8, 0));
-  uint64_t header_bytes = 0;
-  for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | length_bytes[i];
-  if (header_bytes > kMaxHeaderBytes) {
-    return InvalidArgumentError(where + ": header length " + std::to_string(header_bytes) + " exceeds the 100 MB limit");
-  }
-  if (8 + header_bytes > reader.file_bytes_) {
-    return InvalidArgumentError(where + ": header length " + std::to_string(header_bytes) + " runs past the end of the file (" +
-                                std::to_string(reader.file_bytes_) + " bytes; truncated?)");
-  }
-  std::string header(header_bytes, '\0');
-  STRATA_RETURN_IF_ERROR(reader.file_.read_exact(header.data(), header.size(), 8));
+  STRATA_ASSIGN_OR_RETURN(const uint64_t header_bytes,
+                          parse_safetensors_header_length(std::span<const unsigned char, 8>(length_bytes), reader.file_bytes_, where));
+  std::string header_json(header_bytes, '\0');
+  STRATA_RETURN_IF_ERROR(reader.file_.read_exact(header_json.data(), header_json.size(), 8));
   reader.data_offset_ = 8 + header_bytes;
-  STRATA_RETURN_IF_ERROR(reader.parse_header(header));
+  STRATA_ASSIGN_OR_RETURN(SafetensorsHeader header, parse_safetensors_header(header_json, reader.file_bytes_ - reader.data_offset_, where));
+  reader.tensors_ = std::move(header.tensors);
+  reader.metadata_ = std::move(header.metadata);
+  for (size_t i = 0; i < reader.tensors_.size(); ++i) reader.index_.emplace(reader.tensors_[i].name, i);
   return reader;
 }
 
-Status SafetensorsReader::parse_header(std::string_view header) {
-  const std::string where = "safetensors file " + path_;
+StatusOr<SafetensorsHeader> parse_safetensors_header(std::string_view header_json, uint64_t data_bytes, std::string_view where_view) {
+  const std::string where(where_view);
+  if (const size_t depth = json_nesting_depth(header_json); depth > kMaxHeaderDepth) {
+    return InvalidArgumentError(where + ": the header nests " + std::to_string(depth) + " levels of objects and arrays; a safetensors header has 3 (damaged?)");
+  }
+  SafetensorsHeader header;
   json root;
   try {
-    root = json::parse(header);
-  } catch (const json::parse_error& e) {
+    root = json::parse(header_json);
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1e999
     return InvalidArgumentError(where + ": the header is not valid JSON: " + e.what());
   }
   if (!root.is_object()) return InvalidArgumentError(where + ": the header is not a JSON object");
-  const uint64_t data_bytes = file_bytes_ - data_offset_;
   for (auto it = root.begin(); it != root.end(); ++it) {
     const std::string& name = it.key();
     const json& entry = it.value();
@@ -146,7 +163,7 @@ Status SafetensorsReader::parse_header(std::string_view header) {
         if (!m.value().is_string()) {
           return InvalidArgumentError(where + ": __metadata__." + m.key() + " is not a string");
         }
-        metadata_[m.key()] = m.value().get<std::string>();
+        header.metadata[m.key()] = m.value().get<std::string>();
       }
       continue;
     }
@@ -198,21 +215,20 @@ Status SafetensorsReader::parse_header(std::string_view header) {
                                   shape_text(tensor.shape) + " needs " + std::to_string(needed) + " bytes, but data_offsets " +
                                   offsets_text(tensor.begin, tensor.end) + " hold " + std::to_string(tensor.bytes()));
     }
-    tensors_.push_back(std::move(tensor));
+    header.tensors.push_back(std::move(tensor));
   }
-  std::sort(tensors_.begin(), tensors_.end(), [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
+  std::sort(header.tensors.begin(), header.tensors.end(), [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
-  for (size_t i = 1; i < tensors_.size(); ++i) {
-    const SafetensorsTensor& a = tensors_[i - 1];
-    const SafetensorsTensor& b = tensors_[i];
+  for (size_t i = 1; i < header.tensors.size(); ++i) {
+    const SafetensorsTensor& a = header.tensors[i - 1];
+    const SafetensorsTensor& b = header.tensors[i];
     if (b.begin < a.end) {
       return InvalidArgumentError(where + ": tensors '" + a.name + "' " + offsets_text(a.begin, a.end) + " and '" + b.name +
                                   "' " + offsets_text(b.begin, b.end) + " overlap");
     }
   }
-  for (size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
-  return Status::Ok();
+  return header;
 }
 
 const SafetensorsTensor* SafetensorsReader::find(std::string_view name) const {

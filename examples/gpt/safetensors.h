@@ -62,6 +62,22 @@ struct SafetensorsTensor {
   uint64_t bytes() const { return end - begin; }
 };
 
+// A file's parsed header: what SafetensorsReader::open checks before it reads any data.
+struct SafetensorsHeader {
+  std::vector<SafetensorsTensor> tensors;  // in data-offset order
+  std::map<std::string, std::string> metadata;
+};
+
+// The first 8 bytes of a file of `file_bytes` bytes, as the header's length: within the
+// 100 MB limit and the file. `where` ("safetensors file <path>") starts every message.
+StatusOr<uint64_t> parse_safetensors_header_length(std::span<const unsigned char, 8> prefix, uint64_t file_bytes,
+                                                   std::string_view where);
+// Parses and validates the JSON header of a file whose data section holds `data_bytes`
+// bytes: known dtypes, non-negative shapes, data_offsets inside the data section, byte
+// counts equal to dtype size x element count, no two tensors overlapping.
+// kInvalidArgument starting with `where` and naming the tensor and the field.
+StatusOr<SafetensorsHeader> parse_safetensors_header(std::string_view header_json, uint64_t data_bytes, std::string_view where);
+
 struct SafetensorsReadOptions {
   size_t chunk_bytes = size_t{4} << 20;  // the most one pread moves (and the reader's scratch buffer per call)
 };
@@ -98,7 +114,6 @@ class SafetensorsReader {
 
  private:
   SafetensorsReader() = default;
-  Status parse_header(std::string_view header);
 
   std::string path_;
   File file_;

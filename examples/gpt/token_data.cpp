@@ -248,13 +248,20 @@ std::string_view data_split_name(DataSplit split) { return split == DataSplit::k
 StatusOr<TokenFileHeader> read_token_file_header(const std::string& path) {
   STRATA_ASSIGN_OR_RETURN(const File file, open_read_only(path, "token file"));
   STRATA_ASSIGN_OR_RETURN(const uint64_t size, file.size());
-  const std::string where = "token file " + path;
-  if (size < kLlmcHeaderBytes) {
-    return InvalidArgumentError(where + " is " + std::to_string(size) + " bytes, shorter than the llm.c header (" +
+  std::array<std::byte, kLlmcHeaderBytes> prefix{};
+  const size_t prefix_bytes = static_cast<size_t>(std::min<uint64_t>(size, kLlmcHeaderBytes));
+  STRATA_RETURN_IF_ERROR(file.read_exact(prefix.data(), prefix_bytes, 0));
+  return parse_token_file_header(std::span<const std::byte>(prefix.data(), prefix_bytes), size, "token file " + path);
+}
+
+StatusOr<TokenFileHeader> parse_token_file_header(std::span<const std::byte> prefix, uint64_t file_bytes, std::string_view where_view) {
+  const std::string where(where_view);
+  if (file_bytes < kLlmcHeaderBytes || prefix.size() < kLlmcHeaderBytes) {
+    return InvalidArgumentError(where + " is " + std::to_string(file_bytes) + " bytes, shorter than the llm.c header (" +
                                 std::to_string(kLlmcHeaderBytes) + " bytes: 256 int32)");
   }
   int32_t header[kLlmcHeaderInts];
-  STRATA_RETURN_IF_ERROR(file.read_exact(header, sizeof(header), 0));
+  std::memcpy(header, prefix.data(), sizeof(header));
   TokenFileHeader result;
   result.magic = header[0];
   result.version = header[1];
@@ -280,10 +287,10 @@ StatusOr<TokenFileHeader> read_token_file_header(const std::string& path) {
   }
   result.token_count = static_cast<uint64_t>(header[2]);
   const uint64_t expected = kLlmcHeaderBytes + result.token_count * result.token_bytes;
-  if (size != expected) {
+  if (file_bytes != expected) {
     return InvalidArgumentError(where + ": header[2] (token count) is " + std::to_string(result.token_count) + ", so the file should be " +
-                                std::to_string(expected) + " bytes, but it is " + std::to_string(size) +
-                                (size < expected ? " (truncated?)" : ""));
+                                std::to_string(expected) + " bytes, but it is " + std::to_string(file_bytes) +
+                                (file_bytes < expected ? " (truncated?)" : ""));
   }
   return result;
 }

@@ -72,6 +72,10 @@ struct TokenFileHeader {
 // header[2] (token count) is positive and the file is exactly 1024 + count x token bytes.
 // Errors (kInvalidArgument; kNotFound for a missing file) name the file and the field.
 StatusOr<TokenFileHeader> read_token_file_header(const std::string& path);
+// The checks of read_token_file_header on bytes in memory: `prefix` is the file's first
+// min(file_bytes, 1024) bytes (more are ignored), `file_bytes` its size; `where` ("token
+// file <path>") starts every message.
+StatusOr<TokenFileHeader> parse_token_file_header(std::span<const std::byte> prefix, uint64_t file_bytes, std::string_view where);
 // Writes `tokens` in the llm.c format (each must fit the format's token type).
 Status write_token_file(const std::string& path, std::span<const int32_t> tokens, TokenFileFormat format = TokenFileFormat::kGpt2);
 

@@ -351,7 +351,17 @@ INSTANTIATE_TEST_SUITE_P(
         BadHeaderCase{"missing_offsets", R"({"w":{"dtype":"F32","shape":[1]}})", k16Bytes, std::nullopt,
                       "tensor 'w' has no 'data_offsets' pair"},
         BadHeaderCase{"metadata_not_string", R"({"__metadata__":{"epoch":3}})", {}, std::nullopt,
-                      "__metadata__.epoch is not a string"}),
+                      "__metadata__.epoch is not a string"},
+        // nlohmann throws out_of_range, not parse_error, for a number past double's range:
+        // it escaped and ended the process in std::terminate (found by tests/fuzz).
+        BadHeaderCase{"number_past_double_range", R"({"w":{"dtype":"F32","shape":[1e999],"data_offsets":[0,4]}})", k16Bytes,
+                      std::nullopt, "the header is not valid JSON: [json.exception.out_of_range.406] number overflow parsing '1e999'"},
+        // Quoting the shape in the error recursed once per level: 100k levels overflowed the
+        // stack (found by tests/fuzz; refused before parsing now).
+        BadHeaderCase{"shape_nested_100k_deep",
+                      R"({"w":{"dtype":"F32","shape":)" + std::string(100000, '[') + std::string(100000, ']') +
+                          R"(,"data_offsets":[0,4]}})",
+                      k16Bytes, std::nullopt, "the header nests 100002 levels of objects and arrays; a safetensors header has 3"}),
     [](const auto& info) { return info.param.name; });
 
 TEST(SafetensorsTest, TruncatedAndMissingFiles) {
