@@ -6,7 +6,6 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -535,15 +534,11 @@ TEST(CheckpointTest, RankThreadsSubmitConcurrently) {
 TEST(CheckpointTest, DiskFullDuringSaveKeepsThePreviousCheckpoint) {
   testing::TempDir dir;
   const fs::path mount_point = dir.path() / "small";
-  fs::create_directories(mount_point);
-  if (::mount("tmpfs", mount_point.c_str(), "tmpfs", 0, "size=4m") != 0) {
+  const testing::ScopedTmpfs tmpfs(mount_point, "size=4m");
+  if (!tmpfs.mounted) {
     GTEST_SKIP() << "cannot mount a tmpfs at " << mount_point << " (" << std::strerror(errno)
                  << "): this test needs root (CAP_SYS_ADMIN)";
   }
-  struct Unmount {
-    fs::path path;
-    ~Unmount() { ::umount2(path.c_str(), MNT_DETACH); }
-  } unmount{mount_point};
 
   const std::string save_dir = (mount_point / "ckpt").string();
   STRATA_ASSERT_OK(save_checkpoint(save_dir, 2, 1, 1));
@@ -879,18 +874,7 @@ INSTANTIATE_TEST_SUITE_P(OptimizerTiers, CheckpointEngineTest, ::testing::Values
 // checkpoint to fall back to.
 // ---------------------------------------------------------------------------------------
 
-// A tmpfs the test mounts (root only) and unmounts whatever happens.
-struct ScopedTmpfs {
-  fs::path path;
-  bool mounted = false;
-  ScopedTmpfs(const fs::path& at, const std::string& options) : path(at) {
-    fs::create_directories(path);
-    mounted = ::mount("tmpfs", path.c_str(), "tmpfs", 0, options.c_str()) == 0;
-  }
-  ~ScopedTmpfs() {
-    if (mounted) ::umount2(path.c_str(), MNT_DETACH);
-  }
-};
+using testing::ScopedTmpfs;
 
 TEST(CheckpointSaverChecksTest, ASecondSaverOnTheSameDirectoryIsRefusedWithTheHoldersPid) {
   testing::TempDir dir;

@@ -18,6 +18,7 @@
 
 #include "examples/gpt/safetensors.h"
 #include "examples/gpt/token_data.h"
+#include "tests/examples/train_gpt_runner.h"
 #include "tests/support/test_support.h"
 
 namespace strata::gpt {
@@ -25,52 +26,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-bool contains(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
-
-struct TrainRun {
-  int exit_code = -1;
-  std::string out, err;
-  nlohmann::json summary;  // the last line of stdout, when it parses
-};
-
-std::string read_file(const fs::path& path) {
-  std::ifstream in(path);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-TrainRun train_gpt(const testing::TempDir& dir, const std::vector<std::string>& args) {
-  static int counter = 0;
-  const fs::path out = dir.path() / ("run" + std::to_string(counter) + ".out");
-  const fs::path err = dir.path() / ("run" + std::to_string(counter++) + ".err");
-  std::string command = (testing::binary_dir() / "bin" / "train_gpt").string();
-  for (const auto& a : args) command += " '" + a + "'";
-  command += " > " + out.string() + " 2> " + err.string();
-  const int status = std::system(command.c_str());
-  TrainRun run;
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  run.out = read_file(out);
-  run.err = read_file(err);
-  std::string last;
-  std::istringstream lines(run.out);
-  for (std::string line; std::getline(lines, line);)
-    if (!line.empty()) last = line;
-  run.summary = nlohmann::json::parse(last, nullptr, /*allow_exceptions=*/false);
-  return run;
-}
-
-// The shared settings: the tiny preset shrunk further, fp32, a warmup-cosine schedule
-// whose length is fixed (so a 4-step run and an 8-step run follow the same rates).
-std::vector<std::string> tiny(std::vector<std::string> more) {
-  std::vector<std::string> args = {"--preset", "tiny", "--n-layer", "2", "--n-embd", "32", "--n-ctx", "16", "--vocab-size", "64",
-                                   "--seq-len", "16", "--lr", "3e-3", "--seed", "11", "--eval-every", "2",
-                                   "--set", "scheduler.type=WarmupCosineLR", "--set", "scheduler.params.warmup_num_steps=3",
-                                   "--set", "scheduler.params.total_num_steps=8", "--set", "optimizer.params.weight_decay=0.01",
-                                   "--set", "strata.compute_threads=1", "--set", "strata.optimizer_threads=1"};
-  args.insert(args.end(), more.begin(), more.end());
-  return args;
-}
-
-#define ASSERT_RAN(run) ASSERT_EQ((run).exit_code, 0) << (run).err << (run).out
+using testing::contains;
+using testing::read_file;
+using testing::train_gpt;
+using testing::TrainRun;
+std::vector<std::string> tiny(std::vector<std::string> more) { return testing::tiny_train_gpt_args(std::move(more)); }
 
 std::vector<double> losses_of(const TrainRun& run) { return run.summary["losses"].get<std::vector<double>>(); }
 

@@ -8,7 +8,6 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,6 +24,7 @@
 
 #include "engine/checkpoint.h"
 #include "examples/gpt/safetensors.h"
+#include "tests/examples/train_gpt_runner.h"
 #include "tests/support/test_support.h"
 
 namespace strata::gpt {
@@ -32,78 +32,13 @@ namespace {
 
 namespace fs = std::filesystem;
 
-bool contains(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
-
-std::string read_file(const fs::path& path) {
-  std::ifstream in(path);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-struct TrainRun {
-  int exit_code = -1;
-  std::string out, err;
-  nlohmann::json summary;  // the last line of stdout, when it parses
-};
-
-// train_gpt started in the background, its stdout and stderr going to files. A process
-// nobody waited for (a failed assertion) is killed and reaped.
-struct Started {
-  pid_t pid = -1;
-  fs::path out, err;
-  bool reaped = false;
-  Started() = default;
-  Started(const Started&) = delete;
-  Started& operator=(const Started&) = delete;
-  Started(Started&& other) noexcept : pid(other.pid), out(other.out), err(other.err), reaped(other.reaped) { other.reaped = true; }
-  ~Started() {
-    if (reaped || pid <= 0) return;
-    ::kill(pid, SIGKILL);
-    ::waitpid(pid, nullptr, 0);
-  }
-};
-
-Started start_train_gpt(const testing::TempDir& dir, const std::vector<std::string>& args) {
-  static int counter = 0;
-  Started started;
-  started.out = dir.path() / ("run" + std::to_string(counter) + ".out");
-  started.err = dir.path() / ("run" + std::to_string(counter++) + ".err");
-  const std::string binary = (testing::binary_dir() / "bin" / "train_gpt").string();
-  std::vector<std::string> argv_text = {binary};
-  argv_text.insert(argv_text.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : argv_text) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  started.pid = ::fork();
-  if (started.pid == 0) {
-    const int out = ::open(started.out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const int err = ::open(started.err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (out < 0 || err < 0 || ::dup2(out, STDOUT_FILENO) < 0 || ::dup2(err, STDERR_FILENO) < 0) ::_exit(126);
-    ::execv(binary.c_str(), argv.data());
-    ::_exit(127);
-  }
-  return started;
-}
-
-TrainRun finish_run(Started& started) {
-  int status = 0;
-  ::waitpid(started.pid, &status, 0);
-  started.reaped = true;
-  TrainRun run;
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : WIFSIGNALED(status) ? 1000 + WTERMSIG(status) : -1;
-  run.out = read_file(started.out);
-  run.err = read_file(started.err);
-  std::string last;
-  std::istringstream lines(run.out);
-  for (std::string line; std::getline(lines, line);)
-    if (!line.empty()) last = line;
-  run.summary = nlohmann::json::parse(last, nullptr, /*allow_exceptions=*/false);
-  return run;
-}
-
-TrainRun train_gpt(const testing::TempDir& dir, const std::vector<std::string>& args) {
-  Started started = start_train_gpt(dir, args);
-  return finish_run(started);
-}
+using testing::contains;
+using testing::finish_run;
+using testing::read_file;
+using testing::start_train_gpt;
+using testing::train_gpt;
+using testing::TrainRun;
+using Started = testing::StartedRun;
 
 // Waits (up to a minute: a loaded machine) until the file holds `needle`.
 bool wait_for_text(const fs::path& path, const std::string& needle) {
@@ -115,31 +50,9 @@ bool wait_for_text(const fs::path& path, const std::string& needle) {
   return false;
 }
 
-// gpt_train_test's settings: the tiny preset shrunk further, fp32, a fixed-length schedule.
-std::vector<std::string> tiny(std::vector<std::string> more) {
-  std::vector<std::string> args = {"--preset", "tiny", "--n-layer", "2", "--n-embd", "32", "--n-ctx", "16", "--vocab-size", "64",
-                                   "--seq-len", "16", "--lr", "3e-3", "--seed", "11", "--eval-every", "2",
-                                   "--set", "scheduler.type=WarmupCosineLR", "--set", "scheduler.params.warmup_num_steps=3",
-                                   "--set", "scheduler.params.total_num_steps=8", "--set", "optimizer.params.weight_decay=0.01",
-                                   "--set", "strata.compute_threads=1", "--set", "strata.optimizer_threads=1"};
-  args.insert(args.end(), more.begin(), more.end());
-  return args;
-}
+std::vector<std::string> tiny(std::vector<std::string> more) { return testing::tiny_train_gpt_args(std::move(more)); }
 
-#define ASSERT_RAN(run) ASSERT_EQ((run).exit_code, 0) << (run).err << (run).out
-
-// A tmpfs the test mounts (root only) and unmounts whatever happens.
-struct ScopedTmpfs {
-  fs::path path;
-  bool mounted = false;
-  ScopedTmpfs(const fs::path& at, const std::string& options) : path(at) {
-    fs::create_directories(path);
-    mounted = ::mount("tmpfs", path.c_str(), "tmpfs", 0, options.c_str()) == 0;
-  }
-  ~ScopedTmpfs() {
-    if (mounted) ::umount2(path.c_str(), MNT_DETACH);
-  }
-};
+using testing::ScopedTmpfs;
 
 uint64_t directory_bytes(const fs::path& path) {
   uint64_t bytes = 0;

@@ -1,5 +1,6 @@
 #include "tests/support/test_support.h"
 
+#include <sys/mount.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -36,6 +37,15 @@ std::filesystem::path source_dir() {
 std::filesystem::path binary_dir() {
   const char* dir = std::getenv("STRATA_BINARY_DIR");
   return dir != nullptr ? std::filesystem::path(dir) : std::filesystem::current_path();
+}
+
+ScopedTmpfs::ScopedTmpfs(const std::filesystem::path& at, const std::string& options) : path(at) {
+  std::filesystem::create_directories(path);
+  mounted = ::mount("tmpfs", path.c_str(), "tmpfs", 0, options.c_str()) == 0;
+}
+
+ScopedTmpfs::~ScopedTmpfs() {
+  if (mounted) ::umount2(path.c_str(), MNT_DETACH);
 }
 
 }  // namespace strata::testing

@@ -25,6 +25,18 @@ class TempDir {
   std::filesystem::path path_;
 };
 
+// A tmpfs of the given mount options (e.g. "size=256k", "ro") mounted at `at` (created if
+// missing) and unmounted on destruction, whatever the test did. Mounting needs root:
+// `mounted` is false where it was refused, and the test skips with the reason.
+struct ScopedTmpfs {
+  std::filesystem::path path;
+  bool mounted = false;
+  ScopedTmpfs(const std::filesystem::path& at, const std::string& options);
+  ~ScopedTmpfs();
+  ScopedTmpfs(const ScopedTmpfs&) = delete;
+  ScopedTmpfs& operator=(const ScopedTmpfs&) = delete;
+};
+
 // The source tree's root (STRATA_SOURCE_DIR) and the build tree's (STRATA_BINARY_DIR).
 std::filesystem::path source_dir();
 std::filesystem::path binary_dir();
