@@ -12,17 +12,6 @@
 #include "examples/gpt/token_scan.h"
 
 namespace strata::gpt::internal {
-namespace {
-
-template <class T>
-size_t first_from(const T* tokens, size_t begin, size_t count, uint64_t bound) {
-  for (size_t i = begin; i < count; ++i)
-    if (tokens[i] >= bound) return i;
-  return count;
-}
-
-}  // namespace
-
 size_t token_scan_u16_avx2(const uint16_t* tokens, size_t count, uint64_t bound) {
   if (bound > 0xFFFF) return count;
   const __m256i limit = _mm256_set1_epi16(static_cast<int16_t>(static_cast<uint16_t>(bound)));
@@ -34,9 +23,9 @@ size_t token_scan_u16_avx2(const uint16_t* tokens, size_t count, uint64_t bound)
                                        _mm256_max_epu16(_mm256_loadu_si256(p + 2), _mm256_loadu_si256(p + 3)));
     // m >= limit lane-wise exactly where max(m, limit) == m.
     const __m256i at_or_above = _mm256_cmpeq_epi16(_mm256_max_epu16(m, limit), m);
-    if (!_mm256_testz_si256(at_or_above, at_or_above)) return first_from(tokens, i, i + kBlock, bound);
+    if (!_mm256_testz_si256(at_or_above, at_or_above)) return i + token_scan_u16_scalar(tokens + i, kBlock, bound);
   }
-  return first_from(tokens, i, count, bound);
+  return i + token_scan_u16_scalar(tokens + i, count - i, bound);
 }
 
 size_t token_scan_u32_avx2(const uint32_t* tokens, size_t count, uint64_t bound) {
@@ -49,9 +38,9 @@ size_t token_scan_u32_avx2(const uint32_t* tokens, size_t count, uint64_t bound)
     const __m256i m = _mm256_max_epu32(_mm256_max_epu32(_mm256_loadu_si256(p), _mm256_loadu_si256(p + 1)),
                                        _mm256_max_epu32(_mm256_loadu_si256(p + 2), _mm256_loadu_si256(p + 3)));
     const __m256i at_or_above = _mm256_cmpeq_epi32(_mm256_max_epu32(m, limit), m);
-    if (!_mm256_testz_si256(at_or_above, at_or_above)) return first_from(tokens, i, i + kBlock, bound);
+    if (!_mm256_testz_si256(at_or_above, at_or_above)) return i + token_scan_u32_scalar(tokens + i, kBlock, bound);
   }
-  return first_from(tokens, i, count, bound);
+  return i + token_scan_u32_scalar(tokens + i, count - i, bound);
 }
 
 }  // namespace strata::gpt::internal

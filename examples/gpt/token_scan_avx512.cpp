@@ -18,17 +18,6 @@
 #include "examples/gpt/token_scan.h"
 
 namespace strata::gpt::internal {
-namespace {
-
-template <class T>
-size_t first_from(const T* tokens, size_t begin, size_t count, uint64_t bound) {
-  for (size_t i = begin; i < count; ++i)
-    if (tokens[i] >= bound) return i;
-  return count;
-}
-
-}  // namespace
-
 size_t token_scan_u16_avx512(const uint16_t* tokens, size_t count, uint64_t bound) {
   if (bound > 0xFFFF) return count;
   const __m512i limit = _mm512_set1_epi16(static_cast<int16_t>(static_cast<uint16_t>(bound)));
@@ -38,9 +27,9 @@ size_t token_scan_u16_avx512(const uint16_t* tokens, size_t count, uint64_t boun
     const uint16_t* p = tokens + i;
     const __m512i m = _mm512_max_epu16(_mm512_max_epu16(_mm512_loadu_si512(p), _mm512_loadu_si512(p + 32)),
                                        _mm512_max_epu16(_mm512_loadu_si512(p + 64), _mm512_loadu_si512(p + 96)));
-    if (_mm512_cmpge_epu16_mask(m, limit) != 0) return first_from(tokens, i, i + kBlock, bound);
+    if (_mm512_cmpge_epu16_mask(m, limit) != 0) return i + token_scan_u16_scalar(tokens + i, kBlock, bound);
   }
-  return first_from(tokens, i, count, bound);
+  return i + token_scan_u16_scalar(tokens + i, count - i, bound);
 }
 
 size_t token_scan_u32_avx512(const uint32_t* tokens, size_t count, uint64_t bound) {
@@ -52,9 +41,9 @@ size_t token_scan_u32_avx512(const uint32_t* tokens, size_t count, uint64_t boun
     const uint32_t* p = tokens + i;
     const __m512i m = _mm512_max_epu32(_mm512_max_epu32(_mm512_loadu_si512(p), _mm512_loadu_si512(p + 16)),
                                        _mm512_max_epu32(_mm512_loadu_si512(p + 32), _mm512_loadu_si512(p + 48)));
-    if (_mm512_cmpge_epu32_mask(m, limit) != 0) return first_from(tokens, i, i + kBlock, bound);
+    if (_mm512_cmpge_epu32_mask(m, limit) != 0) return i + token_scan_u32_scalar(tokens + i, kBlock, bound);
   }
-  return first_from(tokens, i, count, bound);
+  return i + token_scan_u32_scalar(tokens + i, count - i, bound);
 }
 
 }  // namespace strata::gpt::internal
