@@ -23,6 +23,7 @@
 #include "engine/core/log.h"
 #include "examples/gpt/flags.h"
 #include "examples/gpt/gpt_model.h"
+#include "examples/gpt/gpt_architecture.h"
 #include "examples/gpt/gpt_trainer.h"
 #include "examples/gpt/gpt_weights.h"
 #include "examples/gpt/preemption.h"
@@ -150,7 +151,7 @@ StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
   if (config.strata.data.seq_len > model.n_ctx)
     return InvalidArgumentError("strata.data.seq_len (" + std::to_string(config.strata.data.seq_len) + ") is longer than n_ctx (" +
                                 std::to_string(model.n_ctx) + ")");
-  options.model = model;
+  STRATA_ASSIGN_OR_RETURN(options.model, GptArchitecture::create(model));
 
   if (args.checkpointing) {
     if (*args.checkpointing == "off") options.checkpointing = ActivationCheckpointing::kOff;

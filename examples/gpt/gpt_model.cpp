@@ -175,15 +175,6 @@ std::string hf_tensor_name(std::string_view group_name, std::string_view tensor_
 
 std::string hf_tensor_name(const GroupLayout& group, const TensorLayout& tensor) { return hf_tensor_name(group.name, tensor.name); }
 
-std::string_view activation_checkpointing_name(ActivationCheckpointing mode) {
-  switch (mode) {
-    case ActivationCheckpointing::kOff: return "off";
-    case ActivationCheckpointing::kDevice: return "device";
-    case ActivationCheckpointing::kPinnedHost: return "pinned";
-  }
-  return "?";
-}
-
 DType gpt_compute_dtype(DType param_dtype, DeviceKind device) {
   return device == DeviceKind::kCuda && param_dtype == DType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
 }
@@ -579,6 +570,25 @@ Status GptModel::embed(const std::vector<const void*>& wte_params, const void* d
                                     wte_params[0], wte_params[1], out);
 }
 
+namespace {
+
+// GPT-2's positions are places in the sequence: its learned table has no use for
+// position ids that restart (packed documents), so a batch carrying such ids is refused
+// rather than trained on positions it does not have.
+Status check_default_positions(const TokenBatch* batch, size_t seq_len) {
+  if (batch == nullptr || batch->positions == nullptr) return {};
+  const size_t count = static_cast<size_t>(batch->sequences) * seq_len;
+  for (size_t i = 0; i < count; ++i) {
+    if (batch->positions[i] != static_cast<int32_t>(i % seq_len))
+      return InvalidArgumentError("GPT model: token " + std::to_string(i % seq_len) + " of sequence " + std::to_string(i / seq_len) +
+                                  " has position id " + std::to_string(batch->positions[i]) +
+                                  "; GPT-2 takes positions 0 .. seq_len-1 only (use unpacked data, or a family with position ids)");
+  }
+  return {};
+}
+
+}  // namespace
+
 StatusOr<MicroBatchLosses> GptModel::run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {
   if (!buffers_) return FailedPreconditionError("GptModel::run_micro_batch() before allocate()");
   if (train == nullptr && eval == nullptr) return InvalidArgumentError("GptModel::run_micro_batch(): neither a training nor an evaluation batch");
@@ -603,6 +613,8 @@ StatusOr<MicroBatchLosses> GptModel::run_micro_batch(const TokenBatch* train, co
                                 " sequences, the model was planned for 1 to " + std::to_string(options_.eval_batch));
   const size_t rows = static_cast<size_t>(d.rows);
   const size_t erows = eval ? static_cast<size_t>(eval->sequences) * T : 0;
+  STRATA_RETURN_IF_ERROR(check_default_positions(train, T));
+  STRATA_RETURN_IF_ERROR(check_default_positions(eval, T));
 
   // Inputs: copied to the model's own host staging first, so the caller's memory is free
   // at once and the asynchronous copies read memory that outlives them.

@@ -54,6 +54,7 @@
 #include "engine/core/device.h"
 #include "engine/core/dtype.h"
 #include "engine/engine.h"
+#include "examples/lm/causal_lm.h"
 #include "kernels/blas_context.h"
 #include "offload/pinned_arena.h"
 
@@ -97,13 +98,11 @@ std::vector<int> gpt_forward_order(const GptConfig& config);
 std::string hf_tensor_name(const GroupLayout& group, const TensorLayout& tensor);
 std::string hf_tensor_name(std::string_view group_name, std::string_view tensor_name);
 
-// Where block inputs are kept between forward and backward.
-enum class ActivationCheckpointing : uint8_t {
-  kOff,         // keep every block's intermediates on the device (no recompute)
-  kDevice,      // keep block inputs on the device, recompute each block in backward
-  kPinnedHost,  // keep block inputs in pinned host memory, recompute each block in backward
-};
-std::string_view activation_checkpointing_name(ActivationCheckpointing mode);  // "off" | "device" | "pinned"
+// Where block inputs are kept, the batches and the losses: the family-neutral types.
+using lm::ActivationCheckpointing;
+using lm::activation_checkpointing_name;
+using lm::MicroBatchLosses;
+using lm::TokenBatch;
 
 struct GptModelOptions {
   GptConfig config;
@@ -134,31 +133,16 @@ StatusOr<GptActivationPlan> plan_gpt_activations(const GptModelOptions& options,
 // The dtype activations are computed in for these parameters on this device.
 DType gpt_compute_dtype(DType param_dtype, DeviceKind device);
 
-// One micro-batch of token ids on the host: inputs and targets, [batch, seq_len] each,
-// row-major. Targets equal to -1 are ignored.
-struct TokenBatch {
-  const int32_t* inputs = nullptr;
-  const int32_t* targets = nullptr;
-  int64_t sequences = 0;
-};
-
-struct MicroBatchLosses {
-  double train_loss_sum = 0.0;  // sum of this rank's per-token training losses
-  int64_t train_tokens = 0;     // tokens that contributed (targets not ignored)
-  double eval_loss_sum = 0.0;
-  int64_t eval_tokens = 0;
-};
-
-class GptModel {
+class GptModel : public lm::CausalLm {
  public:
   // Registers the groups with `engine` and declares the schedule (before engine.start()).
   static StatusOr<std::unique_ptr<GptModel>> create(Engine& engine, const GptModelOptions& options);
-  ~GptModel();
+  ~GptModel() override;
   GptModel(const GptModel&) = delete;
   GptModel& operator=(const GptModel&) = delete;
 
   // After engine.start(): allocates the activations (and pinned checkpoints).
-  Status allocate();
+  Status allocate() override;
 
   const GptModelOptions& options() const { return options_; }
   const GptActivationPlan& activation_plan() const { return plan_; }
@@ -173,7 +157,8 @@ class GptModel {
   // an evaluation-only pass (no gradients), run inside engine.begin_forward() ...
   // engine.end_forward() to see the weights after every step taken.
   // Waits for the micro-batch's compute to finish.
-  StatusOr<MicroBatchLosses> run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale);
+  // TokenBatch::positions must be null or 0 .. seq_len-1 (GPT-2's position table is indexed by place).
+  StatusOr<MicroBatchLosses> run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) override;
 
   // capture_gradients: the last captured full gradient (numel floats) per group id.
   const std::map<int, std::vector<float>>& captured_gradients() const { return captured_; }

@@ -312,19 +312,15 @@ class StepAgreement {
   StepOutcome outcome_;
 };
 
-std::string model_json(const GptConfig& c) {
-  return nlohmann::json{{"n_layer", c.n_layer}, {"n_head", c.n_head}, {"n_embd", c.n_embd}, {"n_ctx", c.n_ctx}, {"vocab_size", c.vocab_size}}
-      .dump();
-}
-
 // Per-rank bytes one step moves between host and device, from the plan (the engine
 // reports NVMe traffic, not copies): every gather of a group whose parameters live off
 // the device brings this rank's shard (all of it at world size 1) over, every group's
 // gradient shard comes back once per micro-batch, and pinned activation checkpoints go
 // out and back.
-std::string traffic_note(const TrainerOptions& options, const EngineOptions& engine_options, const GptModelOptions& model_options,
-                         const GptActivationPlan& activations) {
-  const auto specs = gpt_group_specs(options.model);
+std::string traffic_note(const TrainerOptions& options, const EngineOptions& engine_options, const lm::ModelRunOptions& model_options,
+                         const lm::ActivationPlan& activations) {
+  const lm::Architecture& model = *options.model;
+  const auto specs = model.group_specs();
   std::vector<GroupLayout> layouts;
   for (size_t g = 0; g < specs.size(); ++g) {
     auto layout = layout_group(specs[g], static_cast<int>(g), engine_options.world_size);
@@ -334,7 +330,7 @@ std::string traffic_note(const TrainerOptions& options, const EngineOptions& eng
   const int accumulation = engine_options.gradient_accumulation_steps;
   double h2d = 0.0, d2h = 0.0;
   if (engine_options.param_tier != Tier::kDevice) {
-    for (int g : gpt_schedule(options.model)) {
+    for (int g : model.schedule()) {
       const GroupLayout& l = layouts[static_cast<size_t>(g)];
       if (l.padded_numel <= engine_options.persistence_threshold) continue;
       h2d += double(l.shard_numel * dtype_size(engine_options.param_dtype));
@@ -344,10 +340,10 @@ std::string traffic_note(const TrainerOptions& options, const EngineOptions& eng
     for (const auto& l : layouts) d2h += double(l.shard_numel * dtype_size(engine_options.grad_transfer_dtype));
   h2d *= accumulation;
   d2h *= accumulation;
-  if (model_options.checkpointing == ActivationCheckpointing::kPinnedHost && options.model.n_layer > 1) {
-    const double per_block = double(model_options.batch * model_options.seq_len * options.model.n_embd) * double(dtype_size(activations.compute_dtype));
-    h2d += per_block * double(options.model.n_layer - 1) * accumulation;
-    d2h += per_block * double(options.model.n_layer - 1) * accumulation;
+  if (model_options.checkpointing == ActivationCheckpointing::kPinnedHost && model.layers() > 1) {
+    const double per_block = double(model_options.batch * model_options.seq_len * model.hidden_size()) * double(dtype_size(activations.compute_dtype));
+    h2d += per_block * double(model.layers() - 1) * accumulation;
+    d2h += per_block * double(model.layers() - 1) * accumulation;
   }
   return "h2d " + bytes_text(h2d) + " d2h " + bytes_text(d2h) + " per rank |";
 }
@@ -388,21 +384,22 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
   const int world = static_cast<int>(config.strata.world_size);
   const int accumulation = static_cast<int>(config.gradient_accumulation_steps.value_or(1));
   const int64_t micro = config.train_micro_batch_size_per_gpu.value_or(1);
-  const int64_t seq_len = config.strata.data.seq_len > 0 ? config.strata.data.seq_len : options.model.n_ctx;
+  if (options.model == nullptr) return InvalidArgumentError("the trainer was given no model architecture");
+  const lm::Architecture& model = *options.model;
+  const int64_t seq_len = config.strata.data.seq_len > 0 ? config.strata.data.seq_len : model.context_length();
   const int64_t total_steps = config.strata.steps;
   const DeviceKind device_kind = resolve_device(config);
-  STRATA_RETURN_IF_ERROR(validate_gpt_config(options.model));
-  if (seq_len > options.model.n_ctx)
+  if (seq_len > model.context_length())
     return InvalidArgumentError("strata.data.seq_len (" + std::to_string(seq_len) + ") is longer than the model's context (" +
-                                std::to_string(options.model.n_ctx) + ")");
+                                std::to_string(model.context_length()) + ")");
 
   // Data.
   SyntheticLanguageOptions synthetic = options.synthetic;
-  synthetic.vocab_size = options.model.vocab_size;
+  synthetic.vocab_size = model.vocab_size();
   STRATA_ASSIGN_OR_RETURN(std::shared_ptr<const TokenDataset> dataset, TokenDataset::open(config.strata.data, synthetic));
-  if (dataset->vocab_size() > options.model.vocab_size)
+  if (dataset->vocab_size() > model.vocab_size())
     return InvalidArgumentError("the data's vocabulary (" + std::to_string(dataset->vocab_size()) + " tokens, " + dataset->describe() +
-                                ") is larger than the model's vocab_size (" + std::to_string(options.model.vocab_size) + ")");
+                                ") is larger than the model's vocab_size (" + std::to_string(model.vocab_size()) + ")");
   int64_t eval_sequences = options.eval_sequences;
   if (eval_sequences > 0 && eval_sequences % world != 0) eval_sequences = (eval_sequences + world - 1) / world * world;
   if (eval_sequences > 0 && config.strata.data.kind != DataKind::kSynthetic && config.strata.data.eval_fraction <= 0.0) {
@@ -421,16 +418,14 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
         !trainer_state["step"].is_number_integer() || trainer_state["step"].get<int64_t>() < 0)
       return DataLossError("the trainer state of " + latest.path + " is not the JSON object train_gpt writes");
     const std::string saved_model = trainer_state.value("model", nlohmann::json::object()).dump();
-    if (saved_model != model_json(options.model))
+    if (saved_model != model.model_json())
       return InvalidArgumentError("checkpoint " + latest.path + " holds a model " + saved_model + " but this run's model is " +
-                                  model_json(options.model));
+                                  model.model_json());
     STRATA_LOG(kInfo) << "resuming from " << latest.path << " (step " << latest.step << ", saved with " << resume->world_size() << " ranks)";
   }
-  std::optional<SafetensorsReader> init_reader;
+  std::unique_ptr<lm::WeightSource> init_weights;
   if (!options.init_from.empty() && !resume) {
-    STRATA_ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::open(options.init_from));
-    STRATA_RETURN_IF_ERROR(check_gpt2_file(reader, gpt2_dims(options.model)));
-    init_reader.emplace(std::move(reader));
+    STRATA_ASSIGN_OR_RETURN(init_weights, model.open_weights(options.init_from));
   }
 
   // Ranks.
@@ -449,7 +444,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     saver_options.directory = options.save_dir;
     saver_options.world_size = world;
     saver_options.keep_last = options.keep_checkpoints;
-    for (const auto& spec : gpt_group_specs(options.model)) {
+    for (const auto& spec : model.group_specs()) {
       STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, world));
       saver_options.checkpoint_elements += layout.padded_numel;
     }
@@ -464,8 +459,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     STRATA_ASSIGN_OR_RETURN(saver, CheckpointSaver::create(saver_options));
   }
 
-  GptModelOptions model_options;
-  model_options.config = options.model;
+  lm::ModelRunOptions model_options;
   model_options.batch = micro;
   model_options.seq_len = seq_len;
   model_options.eval_batch = eval_sequences / world;
@@ -474,9 +468,9 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
 
   TrainerResult result;
   result.total_steps = total_steps;
-  result.vocab_size = options.model.vocab_size;
+  result.vocab_size = model.vocab_size();
   result.entropy_floor = dataset->entropy_floor();
-  result.parameters = gpt_parameter_count(options.model);
+  result.parameters = model.parameter_count();
   result.world_size = world;
   result.device = std::string(device_kind_name(device_kind));
   const int64_t start_step = resume ? trainer_state["step"].get<int64_t>() : 0;
@@ -490,7 +484,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
   std::vector<float> exchange;  // export: one full group at a time
   if (!options.export_dir.empty()) {
     size_t largest = 0;
-    for (const auto& spec : gpt_group_specs(options.model)) {
+    for (const auto& spec : model.group_specs()) {
       STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, world));
       largest = std::max(largest, layout.padded_numel);
     }
@@ -505,16 +499,16 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
 
   auto rank_body = [&](int rank) -> Status {
     STRATA_ASSIGN_OR_RETURN(EngineOptions engine_options, engine_options_from_config(config, rank));
-    GptModelOptions rank_model_options = model_options;
+    lm::ModelRunOptions rank_model_options = model_options;
     rank_model_options.param_dtype = engine_options.param_dtype;
-    STRATA_ASSIGN_OR_RETURN(GptActivationPlan activations, plan_gpt_activations(rank_model_options, device_kind));
+    STRATA_ASSIGN_OR_RETURN(lm::ActivationPlan activations, model.plan_activations(rank_model_options, device_kind));
     engine_options.activation_bytes = activations.device_bytes;
     Device& device = cluster->device(rank);
     STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(engine_options, device, cluster->gather_communicator(rank),
                                                                           cluster->reduce_communicator(rank)));
-    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GptModel> model, GptModel::create(*engine, rank_model_options));
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<lm::CausalLm> rank_model, model.create(*engine, rank_model_options));
     STRATA_RETURN_IF_ERROR(engine->start());
-    STRATA_RETURN_IF_ERROR(model->allocate());
+    STRATA_RETURN_IF_ERROR(rank_model->allocate());
     {
       std::lock_guard<std::mutex> lock(result_mutex);
       result.pinned_bytes += engine->plan().pinned_bytes;
@@ -528,11 +522,11 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       result.device_budget_bytes = engine->plan().device_budget_bytes;
       result.activation_bytes = activations.device_bytes;
       if (options.out) {
-        *options.out << "model: GPT-2, " << describe_gpt_config(options.model) << "\n"
+        *options.out << "model: " << model.family() << ", " << model.describe() << "\n"
                      << "data: " << dataset->describe() << "; " << world << " rank(s) x " << micro << " sequence(s) x " << seq_len
                      << " tokens x " << accumulation << " micro-batch(es) = " << global_tokens_per_step << " tokens per step\n"
                      << engine->plan().text << "\n"
-                     << activations.text() << "activation checkpointing: " << activation_checkpointing_name(options.checkpointing)
+                     << activations.text << "activation checkpointing: " << activation_checkpointing_name(options.checkpointing)
                      << "\n"
                      << std::flush;
       }
@@ -570,8 +564,8 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       STRATA_RETURN_IF_ERROR(load_engine_state(*engine, rank, *resume));
       STRATA_RETURN_IF_ERROR(schedule.restore_json(trainer_state["schedule"].dump()));
       STRATA_RETURN_IF_ERROR(loader.restore_json(trainer_state["data"].dump()));
-    } else if (init_reader) {
-      STRATA_RETURN_IF_ERROR(load_gpt2_weights(*engine, rank, *init_reader, options.model));
+    } else if (init_weights) {
+      STRATA_RETURN_IF_ERROR(model.load_weights(*engine, rank, *init_weights));
     }
 
     // read_state_shard() waits for a group's update but, with optimizer state on NVMe, not
@@ -589,7 +583,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       loader.set_position(static_cast<uint64_t>(steps_done) * static_cast<uint64_t>(accumulation));
       nlohmann::json state = {{"format", "strata-gpt-trainer/1"},
                               {"step", steps_done},
-                              {"model", nlohmann::json::parse(model_json(options.model))},
+                              {"model", nlohmann::json::parse(model.model_json())},
                               {"schedule", nlohmann::json::parse(schedule.state_json())},
                               {"data", nlohmann::json::parse(loader.state_json())},
                               {"world_size", world},
@@ -616,7 +610,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
         const TokenBatch train{inputs.data(), targets.data(), micro};
         const bool with_eval = evaluate && m == 0;
         STRATA_ASSIGN_OR_RETURN(MicroBatchLosses losses,
-                                model->run_micro_batch(&train, with_eval ? &eval_batch : nullptr, engine->loss_scale() * loss_scale_base));
+                                rank_model->run_micro_batch(&train, with_eval ? &eval_batch : nullptr, engine->loss_scale() * loss_scale_base));
         numbers.loss_sum += losses.train_loss_sum;
         numbers.tokens += losses.train_tokens;
         if (with_eval) {
@@ -679,22 +673,20 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
         return sync.arrive_and_wait();  // every part is in
       };
       if (rank == 0) {
-        std::error_code ec;
-        std::filesystem::create_directories(options.export_dir, ec);
-        if (ec) return IoError("cannot create the export directory " + options.export_dir + ": " + ec.message());
-        const std::string path = (std::filesystem::path(options.export_dir) / "model.safetensors").string();
-        ExportOptions export_options;
-        export_options.metadata = {{"strata_model", model_json(options.model)}, {"strata_steps", std::to_string(total_steps)}};
-        STRATA_RETURN_IF_ERROR(write_gpt2_safetensors(
-            path, options.model,
+        lm::ExportSettings settings = options.export_settings;
+        settings.metadata["strata_model"] = model.model_json();
+        settings.metadata["strata_steps"] = std::to_string(total_steps);
+        if (settings.source_dir.empty() && !options.init_from.empty() && std::filesystem::is_directory(options.init_from))
+          settings.source_dir = options.init_from;
+        STRATA_RETURN_IF_ERROR(model.export_weights(
+            options.export_dir,
             [&](int g, std::span<float> out) -> Status {
               STRATA_RETURN_IF_ERROR(contribute(g));
               std::copy(exchange.begin(), exchange.begin() + static_cast<std::ptrdiff_t>(out.size()), out.begin());
               return sync.arrive_and_wait();  // the buffer may be reused
             },
-            export_options));
-        STRATA_RETURN_IF_ERROR(write_gpt2_config_json((std::filesystem::path(options.export_dir) / "config.json").string(), options.model));
-        STRATA_LOG(kInfo) << "exported " << path;
+            settings));
+        STRATA_LOG(kInfo) << "exported " << options.export_dir;
       } else {
         for (int g = 0; g < engine->group_count(); ++g) {
           STRATA_RETURN_IF_ERROR(contribute(g));
@@ -705,15 +697,15 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
 
     // Evaluation after the last step: a forward-only pass with the final weights.
     if (eval_loader && stop_signal == 0) {
-      STRATA_RETURN_IF_ERROR(engine->begin_forward(gpt_forward_order(options.model)));
-      STRATA_ASSIGN_OR_RETURN(MicroBatchLosses eval_losses, model->run_micro_batch(nullptr, &eval_batch, 0.0f));
+      STRATA_RETURN_IF_ERROR(engine->begin_forward(model.forward_order()));
+      STRATA_ASSIGN_OR_RETURN(MicroBatchLosses eval_losses, rank_model->run_micro_batch(nullptr, &eval_batch, 0.0f));
       STRATA_RETURN_IF_ERROR(engine->end_forward());
       std::lock_guard<std::mutex> lock(result_mutex);
       eval_sum_final += eval_losses.eval_loss_sum;
       eval_tokens_final += eval_losses.eval_tokens;
     }
     STRATA_RETURN_IF_ERROR(engine->finish());
-    model.reset();
+    rank_model.reset();
     std::lock_guard<std::mutex> lock(result_mutex);
     result.device_peak_bytes = std::max(result.device_peak_bytes, device.memory_stats().high_water_bytes);
     result.nvme_bytes_read += nvme_read;

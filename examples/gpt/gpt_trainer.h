@@ -32,6 +32,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <ostream>
 #include <string>
@@ -41,13 +42,14 @@
 #include "engine/core/status.h"
 #include "engine/engine.h"
 #include "examples/gpt/gpt_model.h"
+#include "examples/lm/causal_lm.h"
 #include "examples/gpt/token_data.h"
 
 namespace strata::gpt {
 
 struct TrainerOptions {
   StrataConfig config;  // finalized; steps, device, placement, optimizer, schedule, data, model preset
-  GptConfig model;      // the resolved architecture
+  std::shared_ptr<const lm::Architecture> model;  // the resolved architecture (any family)
   ActivationCheckpointing checkpointing = ActivationCheckpointing::kDevice;
   int64_t head_chunk_rows = 0;
   SyntheticLanguageOptions synthetic;  // vocab_size is set from the model
@@ -59,8 +61,9 @@ struct TrainerOptions {
   int64_t save_every = 0;      // steps between saves; 0 = only at the end (when save_dir is set)
   int keep_checkpoints = 0;    // newest kept; 0 = all
   std::string resume_dir;      // resume from the latest complete checkpoint in it
-  std::string init_from;       // a GPT-2 safetensors file to start from
-  std::string export_dir;      // write model.safetensors + config.json here at the end
+  std::string init_from;       // weights to start from, in the family's form (open_weights)
+  std::string export_dir;      // write the weights in the family's Hugging Face form here at the end
+  lm::ExportSettings export_settings;  // dtype, shard size; metadata and source_dir are filled in by the trainer
 
   // Polled between steps: a signal number asks the run to stop after the current step
   // (preemption_requested(), installed by the program), 0 to go on. Unset: never stops.

@@ -16,6 +16,7 @@
 #include "engine/engine.h"
 #include "examples/gpt/gpt_model.h"
 #include "examples/gpt/safetensors.h"
+#include "examples/lm/causal_lm.h"
 
 namespace strata::gpt {
 
@@ -36,7 +37,7 @@ StatusOr<GptConfig> gpt_config_from_safetensors(const SafetensorsReader& reader,
 Status load_gpt2_weights(Engine& engine, int rank, const SafetensorsReader& reader, const GptConfig& config);
 
 // Fills `out` (layout(group).numel floats) with the full, unpadded fp32 group.
-using FullGroupSource = std::function<Status(int group, std::span<float> out)>;
+using FullGroupSource = lm::FullGroupSource;
 
 struct ExportOptions {
   SafetensorsDType dtype = SafetensorsDType::kF32;  // F32, BF16 or F16

@@ -1,0 +1,51 @@
+// GPT-2 as a family the trainer runs (examples/lm/causal_lm.h): the architecture from a
+// GptConfig, GptModel as one rank's model, and Hugging Face GPT-2 safetensors in and out.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "examples/gpt/gpt_model.h"
+#include "examples/lm/causal_lm.h"
+
+namespace strata::gpt {
+
+class GptArchitecture final : public lm::Architecture {
+ public:
+  // Checks the config (validate_gpt_config).
+  static StatusOr<std::shared_ptr<const GptArchitecture>> create(const GptConfig& config);
+
+  const GptConfig& config() const { return config_; }
+
+  std::string family() const override { return "GPT-2"; }
+  std::string describe() const override;
+  std::string model_json() const override;
+  int64_t parameter_count() const override;
+  int64_t vocab_size() const override { return config_.vocab_size; }
+  int64_t context_length() const override { return config_.n_ctx; }
+  int64_t hidden_size() const override { return config_.n_embd; }
+  int64_t layers() const override { return config_.n_layer; }
+  bool takes_position_ids() const override { return false; }
+
+  std::vector<GroupSpec> group_specs() const override;
+  std::vector<int> schedule() const override;
+  std::vector<int> forward_order() const override;
+
+  StatusOr<lm::ActivationPlan> plan_activations(const lm::ModelRunOptions& options, DeviceKind device) const override;
+  StatusOr<std::unique_ptr<lm::CausalLm>> create(Engine& engine, const lm::ModelRunOptions& options) const override;
+
+  // A single GPT-2 safetensors file (a directory: its model.safetensors).
+  StatusOr<std::unique_ptr<lm::WeightSource>> open_weights(const std::string& path) const override;
+  Status load_weights(Engine& engine, int rank, const lm::WeightSource& source) const override;
+  // model.safetensors and config.json (GPT-2 checkpoints are one file; shard_bytes is not used).
+  Status export_weights(const std::string& dir, const lm::FullGroupSource& source, const lm::ExportSettings& settings) const override;
+
+ private:
+  explicit GptArchitecture(const GptConfig& config) : config_(config) {}
+  GptModelOptions model_options(const lm::ModelRunOptions& options) const;
+
+  GptConfig config_;
+};
+
+}  // namespace strata::gpt
