@@ -12,12 +12,16 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "engine/core/config.h"
 #include "engine/core/log.h"
@@ -58,7 +62,10 @@ Placement
 Files
   --metrics FILE --trace FILE
   --save-dir DIR --save-every N --keep-checkpoints N --resume DIR
+  --model DIR                a Hugging Face model directory (config.json + weights) to fine-tune
   --init-from FILE.safetensors --export DIR
+  --export-dtype auto|fp32|bf16|fp16   (auto: the dtype --init-from/--model is stored in, else fp32)
+  --export-shard-mib N       largest export file (families that shard their exports)
 Any config key
   --set KEY=VALUE            e.g. --set zero_optimization.offload_param.pin_memory=false
 )";
@@ -99,6 +106,18 @@ Status check_output_paths(const StrataConfig& config, const TrainerOptions& opti
   return {};
 }
 
+// The "model_type" of a Hugging Face model directory's config.json.
+StatusOr<std::string> hf_model_type(const std::string& dir) {
+  const std::filesystem::path path = std::filesystem::path(dir) / "config.json";
+  std::ifstream in(path);
+  if (!in) return NotFoundError("--model " + dir + ": no config.json in it (a Hugging Face model directory has one)");
+  const nlohmann::json json = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (json.is_discarded() || !json.is_object()) return InvalidArgumentError(path.string() + " is not a JSON object");
+  if (!json.contains("model_type") || !json["model_type"].is_string())
+    return InvalidArgumentError(path.string() + " has no string \"model_type\"");
+  return json["model_type"].get<std::string>();
+}
+
 StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
   StrataConfig config;
   if (!args.config_path.empty()) {
@@ -128,6 +147,13 @@ StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
   if (m.n_ctx > 0) model.n_ctx = m.n_ctx;
   if (m.vocab_size > 0) model.vocab_size = m.vocab_size;
   options.init_from = trainer_string(args, "init-from");
+  if (const std::string dir = trainer_string(args, "model"); !dir.empty()) {
+    if (!options.init_from.empty()) return InvalidArgumentError("--model and --init-from both name weights to start from; give one");
+    STRATA_ASSIGN_OR_RETURN(const std::string model_type, hf_model_type(dir));
+    if (model_type != "gpt2")
+      return InvalidArgumentError("--model " + dir + ": config.json says model_type \"" + model_type + "\"; this program trains gpt2");
+    options.init_from = (std::filesystem::path(dir) / "model.safetensors").string();
+  }
   if (!options.init_from.empty()) {
     STRATA_ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::open(options.init_from));
     STRATA_ASSIGN_OR_RETURN(GptConfig from_file, gpt_config_from_safetensors(reader, model));
@@ -178,6 +204,13 @@ StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
   STRATA_ASSIGN_OR_RETURN(options.keep_checkpoints, trainer_integer<int>(args, "keep-checkpoints", 0));
   options.resume_dir = trainer_string(args, "resume");
   options.export_dir = trainer_string(args, "export");
+  STRATA_ASSIGN_OR_RETURN(const int64_t shard_mib, trainer_integer<int64_t>(args, "export-shard-mib", 0));
+  options.export_shard_bytes = static_cast<uint64_t>(shard_mib) << 20;
+  if (const std::string dtype = trainer_string(args, "export-dtype"); !dtype.empty() && dtype != "auto") {
+    auto parsed = parse_dtype(dtype);
+    if (!parsed.ok()) return InvalidArgumentError("--export-dtype takes auto, fp32, bf16 or fp16, got \"" + dtype + "\"");
+    options.export_dtype = *parsed;
+  }
   if (options.save_every > 0 && options.save_dir.empty()) return InvalidArgumentError("--save-every needs --save-dir");
   STRATA_RETURN_IF_ERROR(check_output_paths(config, options));
   options.config = std::move(config);

@@ -115,9 +115,20 @@ constexpr IntegerFlag kIntegerFlags[] = {
     {"synthetic-order", 1, 2},
     {"synthetic-successors", 1, kInt64Max},
     {"head-chunk-rows", 0, kInt64Max},
+    {"export-shard-mib", 1, kInt64Max / (int64_t{1} << 20)},
 };
 // Flags that set no config key (strings, and the integers above).
-constexpr std::string_view kStringFlags[] = {"init-from", "export", "save-dir", "resume"};
+constexpr std::string_view kStringFlags[] = {"init-from", "export", "save-dir", "resume", "model", "export-dtype"};
+// Switches: `--name` alone means true; `--name=true|false` also reads.
+constexpr std::string_view kSwitchFlags[] = {"eval-only"};
+
+// A switch's value: absent (bare `--name`) is true.
+StatusOr<std::string> switch_value(const flags::FlagToken& token) {
+  if (!token.inline_value || *token.inline_value == "true" || *token.inline_value == "1") return std::string("true");
+  if (*token.inline_value == "false" || *token.inline_value == "0") return std::string("false");
+  return InvalidArgumentError("--" + token.name + " is a switch: write --" + token.name + " or --" + token.name + "=false, got \"" +
+                              *token.inline_value + "\"");
+}
 
 std::optional<std::string> model_or_data_key(std::string_view flag) {
   static const std::map<std::string_view, std::string_view> kKeys = {
@@ -159,6 +170,10 @@ StatusOr<TrainGptArgs> parse_train_gpt_args(std::span<const std::string> args) {
       return parsed;
     }
     STRATA_ASSIGN_OR_RETURN(const flags::FlagToken token, flags::split_flag(args[i]));
+    if (std::find(std::begin(kSwitchFlags), std::end(kSwitchFlags), token.name) != std::end(kSwitchFlags)) {
+      STRATA_ASSIGN_OR_RETURN(parsed.trainer[token.name], switch_value(token));
+      continue;
+    }
     STRATA_ASSIGN_OR_RETURN(const std::string value, flags::take_flag_value(args, i, token));
     const std::string& flag = token.name;
     if (flag == "config") {

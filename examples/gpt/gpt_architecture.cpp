@@ -15,6 +15,14 @@ class Gpt2WeightFile final : public lm::WeightSource {
  public:
   explicit Gpt2WeightFile(SafetensorsReader reader) : reader_(std::move(reader)) {}
   std::string describe() const override { return reader_.path(); }
+  DType stored_dtype() const override {
+    for (const SafetensorsTensor& tensor : reader_.tensors()) {
+      if (tensor.dtype == SafetensorsDType::kBF16) return DType::kBFloat16;
+      if (tensor.dtype == SafetensorsDType::kF16) return DType::kFloat16;
+      if (tensor.dtype == SafetensorsDType::kF32) return DType::kFloat32;
+    }
+    return DType::kFloat32;
+  }
   const SafetensorsReader& reader() const { return reader_; }
 
  private:

@@ -673,7 +673,9 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
         return sync.arrive_and_wait();  // every part is in
       };
       if (rank == 0) {
-        lm::ExportSettings settings = options.export_settings;
+        lm::ExportSettings settings;
+        settings.dtype = options.export_dtype.value_or(init_weights ? init_weights->stored_dtype() : DType::kFloat32);
+        settings.shard_bytes = options.export_shard_bytes;
         settings.metadata["strata_model"] = model.model_json();
         settings.metadata["strata_steps"] = std::to_string(total_steps);
         if (settings.source_dir.empty() && !options.init_from.empty() && std::filesystem::is_directory(options.init_from))

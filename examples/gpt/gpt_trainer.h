@@ -63,7 +63,8 @@ struct TrainerOptions {
   std::string resume_dir;      // resume from the latest complete checkpoint in it
   std::string init_from;       // weights to start from, in the family's form (open_weights)
   std::string export_dir;      // write the weights in the family's Hugging Face form here at the end
-  lm::ExportSettings export_settings;  // dtype, shard size; metadata and source_dir are filled in by the trainer
+  std::optional<DType> export_dtype;  // unset: the dtype init_from's weights are stored in, else fp32
+  uint64_t export_shard_bytes = 0;    // largest export file; 0 = the family's default
 
   // Polled between steps: a signal number asks the run to stop after the current step
   // (preemption_requested(), installed by the program), 0 to go on. Unset: never stops.

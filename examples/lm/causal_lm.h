@@ -87,6 +87,8 @@ class WeightSource {
  public:
   virtual ~WeightSource() = default;
   virtual std::string describe() const = 0;  // the path(s), for logs
+  // The dtype the weights are stored in (the export's default): fp32, bf16 or fp16.
+  virtual DType stored_dtype() const = 0;
 };
 
 // Fills `out` (layout(group).numel floats) with the full, unpadded fp32 group.

@@ -100,6 +100,20 @@ TEST(FlagsTest, IntegerParsingChecksTheRangeOfItsOwnType) {
   EXPECT_DOUBLE_EQ(*flags::parse_flag_number("lr", "-1.5e-3"), -1.5e-3);
 }
 
+TEST(FlagsTest, ASwitchTakesNoValueButMaySayFalse) {
+  StatusOr<TrainGptArgs> args = parse({"--eval-only", "--steps", "3"});
+  ASSERT_TRUE(args.ok()) << args.status().to_string();
+  EXPECT_EQ(args->trainer.at("eval-only"), "true");
+  ASSERT_EQ(args->overrides.size(), 1u);  // "--steps 3" was not eaten as the switch's value
+  EXPECT_EQ(parse({"--eval-only=false"})->trainer.at("eval-only"), "false");
+  EXPECT_EQ(error_of({"--eval-only=maybe"}), "--eval-only is a switch: write --eval-only or --eval-only=false, got \"maybe\"");
+}
+
+TEST(FlagsTest, ExportShardSizeIsAPositiveNumberOfMebibytes) {
+  EXPECT_EQ(parse({"--export-shard-mib", "4768", "--model", "dir", "--export-dtype", "bf16"})->trainer.at("export-shard-mib"), "4768");
+  EXPECT_EQ(error_of({"--export-shard-mib", "0"}).substr(0, 40), "--export-shard-mib is out of range: got ");
+}
+
 TEST(FlagsTest, UnknownFlagsAndBareWordsAreErrors) {
   EXPECT_EQ(error_of({"--no-such-flag", "1"}), "unknown flag --no-such-flag (see --help; --set KEY=VALUE sets any config key)");
   EXPECT_EQ(error_of({"steps"}), "unexpected argument \"steps\" (flags start with --; see --help)");

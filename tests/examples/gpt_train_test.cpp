@@ -269,6 +269,31 @@ TEST(TrainGptTest, ExportThenInitFromGivesBackTheSameWeights) {
   EXPECT_LT(losses_of(tuned).front(), std::log(64.0) - 0.05);
 }
 
+// --model DIR reads a Hugging Face directory (config.json names the family); the export's
+// dtype follows the weights it started from unless --export-dtype says otherwise.
+TEST(TrainGptTest, AModelDirectoryLoadsAndItsExportKeepsOrChangesTheDtype) {
+  testing::TempDir dir;
+  const std::string fp32 = (dir.path() / "fp32").string();
+  ASSERT_RAN(train_gpt(dir, tiny({"--steps", "1", "--export", fp32})));
+  const std::string bf16 = (dir.path() / "bf16").string();
+  TrainRun from_dir = train_gpt(dir, {"--model", fp32, "--steps", "0", "--seq-len", "16", "--export", bf16, "--export-dtype", "bf16"});
+  ASSERT_RAN(from_dir);
+  const std::string again = (dir.path() / "again").string();
+  TrainRun from_bf16 = train_gpt(dir, {"--model", bf16, "--steps", "0", "--seq-len", "16", "--export", again});
+  ASSERT_RAN(from_bf16);
+  for (const auto& [path, dtype] : {std::pair{fp32, SafetensorsDType::kF32}, {bf16, SafetensorsDType::kBF16}, {again, SafetensorsDType::kBF16}}) {
+    STRATA_ASSERT_OK_AND_ASSIGN(SafetensorsReader reader, SafetensorsReader::open(path + "/model.safetensors"));
+    for (const auto& tensor : reader.tensors()) EXPECT_EQ(tensor.dtype, dtype) << path << " " << tensor.name;
+  }
+  // bf16 -> fp32 masters -> bf16 is exact: the round trip through the directory keeps the weights.
+  EXPECT_EQ(from_bf16.summary["param_checksum"], train_gpt(dir, {"--model", again, "--steps", "0", "--seq-len", "16"}).summary["param_checksum"]);
+  TrainRun both = train_gpt(dir, {"--model", fp32, "--init-from", fp32 + "/model.safetensors", "--steps", "0"});
+  EXPECT_NE(both.exit_code, 0);
+  EXPECT_NE(both.err.find("--model and --init-from both name weights to start from; give one"), std::string::npos) << both.err;
+  TrainRun missing = train_gpt(dir, {"--model", dir.str(), "--steps", "0"});
+  EXPECT_NE(missing.err.find("no config.json in it"), std::string::npos) << missing.err;
+}
+
 // Each of these used to train first: a wrapped count ran (--grad-accum 4294967297 ran with
 // 1), a flag became a value (--save-dir --steps=8), an unwritable --trace or --export
 // failed after the last step, a token past the vocabulary failed when a window hit it.
