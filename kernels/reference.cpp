@@ -13,7 +13,7 @@ void embedding_forward(const EmbeddingShape& shape, const int32_t* tokens, const
   for (size_t b = 0; b < shape.batch; ++b) {
     for (size_t t = 0; t < shape.seq_len; ++t) {
       const size_t i = b * shape.seq_len + t;
-      for (size_t c = 0; c < C; ++c) out[i * C + c] = wte[static_cast<size_t>(tokens[i]) * C + c] + wpe[t * C + c];
+      for (size_t c = 0; c < C; ++c) out[i * C + c] = wte[static_cast<size_t>(tokens[i]) * C + c] + (wpe != nullptr ? wpe[t * C + c] : 0.0);
     }
   }
 }
@@ -22,13 +22,13 @@ void embedding_backward(const EmbeddingShape& shape, const int32_t* tokens, cons
                         double* dwpe) {
   const size_t C = shape.channels;
   std::fill_n(dwte, shape.vocab_size * C, 0.0);
-  std::fill_n(dwpe, shape.seq_len * C, 0.0);
+  if (dwpe != nullptr) std::fill_n(dwpe, shape.seq_len * C, 0.0);
   for (size_t b = 0; b < shape.batch; ++b) {
     for (size_t t = 0; t < shape.seq_len; ++t) {
       const size_t i = b * shape.seq_len + t;
       for (size_t c = 0; c < C; ++c) {
         dwte[static_cast<size_t>(tokens[i]) * C + c] += dout[i * C + c];
-        dwpe[t * C + c] += dout[i * C + c];
+        if (dwpe != nullptr) dwpe[t * C + c] += dout[i * C + c];
       }
     }
   }

@@ -11,6 +11,7 @@
 
 namespace strata::kernels::reference {
 
+// wpe and dwpe may be null (no position table).
 void embedding_forward(const EmbeddingShape& shape, const int32_t* tokens, const double* wte, const double* wpe,
                        double* out);
 void embedding_backward(const EmbeddingShape& shape, const int32_t* tokens, const double* dout, double* dwte,

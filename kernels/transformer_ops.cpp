@@ -52,13 +52,12 @@ Status embedding_forward(Stream& stream, const EmbeddingShape& shape, DType dtyp
   constexpr const char* kOp = "embedding_forward";
   if (shape.batch == 0 || shape.seq_len == 0 || shape.channels == 0) return {};
   STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
-  if (shape.seq_len > shape.max_positions) {
+  if (wpe != nullptr && shape.seq_len > shape.max_positions) {
     return InvalidArgumentError(std::string(kOp) + ": seq_len " + std::to_string(shape.seq_len) + " exceeds max_positions " +
                                 std::to_string(shape.max_positions));
   }
   STRATA_RETURN_IF_ERROR(check_present(tokens, kOp, "tokens"));
   STRATA_RETURN_IF_ERROR(check_present(wte, kOp, "wte"));
-  STRATA_RETURN_IF_ERROR(check_present(wpe, kOp, "wpe"));
   STRATA_RETURN_IF_ERROR(check_present(out, kOp, "out"));
   return stream.launch([=](const LaunchContext& ctx) -> Status {
     if (ctx.native_stream != nullptr) STRATA_OP_ON_CUDA(cuda::embedding_forward(ctx.native_stream, shape, dtype, tokens, wte, wpe, out));
@@ -71,7 +70,7 @@ Status embedding_backward(Stream& stream, const EmbeddingShape& shape, DType dty
   constexpr const char* kOp = "embedding_backward";
   if (shape.batch == 0 || shape.seq_len == 0 || shape.channels == 0 || (dwte == nullptr && dwpe == nullptr)) return {};
   STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
-  if (shape.seq_len > shape.max_positions) {
+  if (dwpe != nullptr && shape.seq_len > shape.max_positions) {
     return InvalidArgumentError(std::string(kOp) + ": seq_len " + std::to_string(shape.seq_len) + " exceeds max_positions " +
                                 std::to_string(shape.max_positions));
   }

@@ -132,7 +132,8 @@ __global__ void embedding_forward_kernel(const int32_t* tokens, const T* wte, co
     const size_t c = i % channels;
     const int32_t token = tokens[position];
     const float token_part = (token >= 0 && size_t(token) < vocab) ? load(wte, size_t(token) * channels + c) : 0.0f;
-    store(out, i, token_part + load(wpe, (position % seq_len) * channels + c));
+    const float position_part = wpe != nullptr ? load(wpe, (position % seq_len) * channels + c) : 0.0f;
+    store(out, i, token_part + position_part);
   }
 }
 

@@ -48,7 +48,9 @@ struct GradOptions {
 // Token + position embedding.
 //   out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]
 // tokens: int32 [batch, seq_len] in [0, vocab_size); wte: [vocab_size, channels];
-// wpe: [max_positions, channels] with seq_len <= max_positions; out: [batch, seq_len, channels].
+// wpe: [max_positions, channels] with seq_len <= max_positions, or null for a model with
+// no position table (Llama: rotary positions; max_positions is then ignored);
+// out: [batch, seq_len, channels].
 // A token outside [0, vocab_size): the CPU twin fails with InvalidArgument naming it;
 // the CUDA kernel, which cannot report, uses a zero token embedding for it.
 struct EmbeddingShape {
@@ -62,7 +64,8 @@ Status embedding_forward(Stream& stream, const EmbeddingShape& shape, DType dtyp
                          const void* wpe, void* out);
 // dwte[v,:] (+)= sum of dout[b,t,:] over positions with tokens[b,t] == v (added in
 // position order); dwpe[t,:] (+)= sum over b of dout[b,t,:]. Only the first seq_len rows
-// of dwpe are written. Either gradient may be null (not wanted). Saved from forward:
+// of dwpe are written. Either gradient may be null (not wanted; dwpe must be null when
+// the forward had no wpe, and max_positions is then ignored). Saved from forward:
 // the tokens only. Deterministic on the GPU too: each block owns a range of vocabulary
 // rows and adds the matching positions in order (no atomics, no sort).
 Status embedding_backward(Stream& stream, const EmbeddingShape& shape, DType dtype, const int32_t* tokens, const void* dout,

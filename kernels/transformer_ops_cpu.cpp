@@ -219,8 +219,12 @@ Status embedding_forward(Executor& executor, const EmbeddingShape& shape, const 
   executor.parallel_for(0, positions, row_grain(channels), [&](size_t lo, size_t hi) {
     for (size_t i = lo; i < hi; ++i) {
       const float* token_row = wte + static_cast<size_t>(tokens[i]) * channels;
-      const float* position_row = wpe + (i % shape.seq_len) * channels;
       float* out_row = out + i * channels;
+      if (wpe == nullptr) {
+        std::memcpy(out_row, token_row, channels * sizeof(float));
+        continue;
+      }
+      const float* position_row = wpe + (i % shape.seq_len) * channels;
       for (size_t c = 0; c < channels; ++c) out_row[c] = token_row[c] + position_row[c];
     }
   });
