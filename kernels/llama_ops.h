@@ -97,8 +97,8 @@ StatusOr<std::vector<float>> rope_inverse_frequencies(size_t head_dim, double th
 // gate, up, out: count elements each (dense). out may alias gate or up.
 Status swiglu_forward(Stream& stream, DType dtype, const void* gate, const void* up, void* out, size_t count);
 // Needs gate and up. dgate = dout * up * silu'(gate), dup = dout * silu(gate), each
-// (+)= per input_grad; either may be null (not wanted). Neither may alias gate, up or
-// the other.
+// (+)= per input_grad; either may be null (not wanted). Neither may alias gate, up, dout
+// or the other (InvalidArgument).
 Status swiglu_backward(Stream& stream, DType dtype, const void* dout, const void* gate, const void* up, void* dgate,
                        void* dup, size_t count, GradWrite input_grad);
 

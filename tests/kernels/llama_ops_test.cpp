@@ -179,11 +179,20 @@ TEST(LlamaReferenceGradientTest, GroupedQueryAttentionOfFusedQkvIsGpt2Attention)
 
 // Inverse frequencies ---------------------------------------------------------------
 
-// transformers 4.44's inv_freq, computed with torch 1.13 (float32) by
-//   _compute_default_rope_parameters / _compute_linear_scaling_rope_parameters /
-//   _compute_llama3_parameters written out in /usr/bin/python3 (see the commit message).
-// Our float32 evaluation follows the same operations, so the tolerance is 2 ulp
-// (relative 2.4e-7): torch's vectorized pow may round differently from glibc's powf.
+// transformers 4.44's inv_freq (_compute_default_rope_parameters,
+// _compute_linear_scaling_rope_parameters, _compute_llama3_parameters), computed with
+// torch 1.13 in float32 by their steps written out in Python:
+//   inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+//   linear: inv /= factor
+//   llama3: wl = 2 * math.pi / inv
+//           out = torch.where(wl > old / low, inv / factor, inv)
+//           s = (old / wl - low) / (high - low)
+//           smooth = (1 - s) * out / factor + s * out
+//           out = torch.where(~(wl < old / high) * ~(wl > old / low), smooth, out)
+//   printed with "%.9e" (round-trips float32).
+// Our float32 evaluation follows the same operations and matches these bit for bit with
+// glibc; the tolerance is 2 ulp (relative 2.4e-7) because another libm's powf, or
+// torch's vectorized pow elsewhere, may round the last bit differently.
 constexpr double kTwoUlp = 2.4e-7;
 
 void expect_within_ulps(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
