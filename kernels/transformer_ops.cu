@@ -14,71 +14,11 @@
 #include <string>
 
 #include "engine/core/cuda_check.h"
-#include "kernels/blas_context_impl.h"
+#include "kernels/cuda_common.cuh"
 #include "kernels/transformer_ops_cuda.h"
 
 namespace strata::kernels::cuda {
 namespace {
-
-using bf16 = __nv_bfloat16;
-
-// Loads and stores in fp32 ------------------------------------------------------------
-
-__device__ __forceinline__ float load(const float* p, size_t i) { return p[i]; }
-__device__ __forceinline__ float load(const bf16* p, size_t i) { return __bfloat162float(p[i]); }
-__device__ __forceinline__ void store(float* p, size_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(bf16* p, size_t i, float v) { p[i] = __float2bfloat16_rn(v); }
-template <class T>
-__device__ __forceinline__ void store_grad(T* p, size_t i, float v, bool accumulate) {
-  store(p, i, accumulate ? load(p, i) + v : v);
-}
-
-template <class T>
-struct TypeTag {
-  using type = T;
-};
-
-// Calls f(TypeTag<float>) or f(TypeTag<bf16>) for `dtype`.
-template <class F>
-Status dispatch(DType dtype, const char* op, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: return f(TypeTag<float>{});
-    case DType::kBFloat16: return f(TypeTag<bf16>{});
-    case DType::kFloat16: break;
-  }
-  return UnimplementedError(std::string(op) + ": dtype " + std::string(dtype_name(dtype)) + " has no CUDA kernel");
-}
-
-cudaStream_t native(void* stream) { return static_cast<cudaStream_t>(stream); }
-
-constexpr int kThreads = 256;
-constexpr int kWarpsPerBlock = kThreads / 32;
-
-unsigned blocks_for(size_t work_items, int threads = kThreads) {
-  const size_t wanted = (work_items + threads - 1) / threads;
-  constexpr size_t kMaxBlocks = size_t{1} << 20;  // grid-stride loops cover the rest
-  return static_cast<unsigned>(wanted < 1 ? 1 : (wanted > kMaxBlocks ? kMaxBlocks : wanted));
-}
-
-Status check_launch() {
-  STRATA_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-  return {};
-}
-
-// Butterfly reductions: every lane ends with the same bits (each step adds the same two
-// values, commutatively), so the result does not depend on the lane that reads it.
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-__device__ __forceinline__ double warp_sum(double v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
 
 // Running (max, sum of exp(x - max)) pairs, combined commutatively.
 struct SoftmaxStats {
@@ -132,7 +72,8 @@ __global__ void embedding_forward_kernel(const int32_t* tokens, const T* wte, co
     const size_t c = i % channels;
     const int32_t token = tokens[position];
     const float token_part = (token >= 0 && size_t(token) < vocab) ? load(wte, size_t(token) * channels + c) : 0.0f;
-    store(out, i, token_part + load(wpe, (position % seq_len) * channels + c));
+    const float position_part = wpe != nullptr ? load(wpe, (position % seq_len) * channels + c) : 0.0f;
+    store(out, i, token_part + position_part);
   }
 }
 
@@ -248,48 +189,6 @@ __global__ void layernorm_backward_dx_kernel(const T* dy, const T* x, const T* g
   }
 }
 
-// Column sums over rows for dgamma / dbeta (LayerNorm, x != nullptr) or dbias (x ==
-// nullptr, result in dsum). Block (32, 32): threadIdx.x picks the column of a 32-wide
-// tile, threadIdx.y strides over rows; the 32 partials are added in a fixed order.
-template <class T>
-__global__ void column_grads_kernel(const T* dy, const T* x, const float* mean, const float* rstd, float* dscaled,
-                                    float* dsum, size_t rows, size_t channels, bool accumulate) {
-  __shared__ float scaled_part[32][33];
-  __shared__ float sum_part[32][33];
-  const size_t c = blockIdx.x * size_t(32) + threadIdx.x;
-  float scaled = 0.0f;
-  float sum = 0.0f;
-  if (c < channels) {
-    for (size_t r = threadIdx.y; r < rows; r += 32) {
-      const float d = load(dy, r * channels + c);
-      sum += d;
-      if (x != nullptr) scaled += d * ((load(x, r * channels + c) - mean[r]) * rstd[r]);
-    }
-  }
-  scaled_part[threadIdx.y][threadIdx.x] = scaled;
-  sum_part[threadIdx.y][threadIdx.x] = sum;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < channels) {
-    float total_scaled = 0.0f;
-    float total_sum = 0.0f;
-    for (int y = 0; y < 32; ++y) {
-      total_scaled += scaled_part[y][threadIdx.x];
-      total_sum += sum_part[y][threadIdx.x];
-    }
-    if (dscaled != nullptr) dscaled[c] = accumulate ? dscaled[c] + total_scaled : total_scaled;
-    if (dsum != nullptr) dsum[c] = accumulate ? dsum[c] + total_sum : total_sum;
-  }
-}
-
-template <class T>
-Status launch_column_grads(cudaStream_t stream, const T* dy, const T* x, const float* mean, const float* rstd,
-                           float* dscaled, float* dsum, size_t rows, size_t channels, bool accumulate) {
-  const dim3 block(32, 32);
-  const dim3 grid(static_cast<unsigned>((channels + 31) / 32));
-  column_grads_kernel<T><<<grid, block, 0, stream>>>(dy, x, mean, rstd, dscaled, dsum, rows, channels, accumulate);
-  return check_launch();
-}
-
 // Element-wise ------------------------------------------------------------------------
 
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
@@ -339,110 +238,6 @@ __global__ void broadcast_rows_kernel(const T* bias, T* y, size_t rows, size_t c
     y[i] = bias[i % columns];
   }
 }
-
-// GEMMs -------------------------------------------------------------------------------
-
-template <class T>
-constexpr cudaDataType_t cuda_type() {
-  if constexpr (sizeof(T) == 4) {
-    return CUDA_R_32F;
-  } else {
-    return CUDA_R_16BF;
-  }
-}
-
-// One operand of a row-major GEMM: `data` stored row-major with row length `ld`;
-// `trans` means the product uses its transpose; `stride` is the distance in elements
-// between consecutive matrices of a batch.
-struct Operand {
-  const void* data;
-  cudaDataType_t type;
-  size_t ld;
-  long long stride;
-  bool trans;
-};
-
-// Row-major C[m,n] = alpha op(A)[m,k] op(B)[k,n] + beta C, `batch` times. cuBLAS is
-// column-major, where a row-major matrix reads as its transpose, so this computes
-// C^T = op(B)^T op(A)^T with the operands swapped.
-Status gemm(cublasHandle_t handle, cublasComputeType_t compute, size_t m, size_t n, size_t k, float alpha, Operand a,
-            Operand b, float beta, void* c, cudaDataType_t c_type, size_t ldc, long long stride_c, int batch) {
-  for (size_t dim : {m, n, k, a.ld, b.ld, ldc}) {
-    if (dim > size_t(INT_MAX)) return InvalidArgumentError("GEMM dimension " + std::to_string(dim) + " exceeds INT_MAX");
-  }
-  const cublasOperation_t op_a = a.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const cublasOperation_t op_b = b.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
-  if (batch == 1) {
-    STRATA_RETURN_IF_CUBLAS_ERROR(cublasGemmEx(handle, op_b, op_a, int(n), int(m), int(k), &alpha, b.data, b.type, int(b.ld),
-                                               a.data, a.type, int(a.ld), &beta, c, c_type, int(ldc), compute,
-                                               CUBLAS_GEMM_DEFAULT));
-  } else {
-    STRATA_RETURN_IF_CUBLAS_ERROR(cublasGemmStridedBatchedEx(handle, op_b, op_a, int(n), int(m), int(k), &alpha, b.data,
-                                                             b.type, int(b.ld), b.stride, a.data, a.type, int(a.ld),
-                                                             a.stride, &beta, c, c_type, int(ldc), stride_c, batch, compute,
-                                                             CUBLAS_GEMM_DEFAULT));
-  }
-  return {};
-}
-
-cublasComputeType_t compute_type(const BlasContext& blas, DType dtype) {
-  if (dtype == DType::kFloat32 && blas.options().fp32_math == Fp32Math::kTf32) return CUBLAS_COMPUTE_32F_FAST_TF32;
-  return CUBLAS_COMPUTE_32F;
-}
-
-Status check_handle(BlasContext& blas, const char* op) {
-  if (blas.impl().handle == nullptr) {
-    return InvalidArgumentError(std::string(op) + ": the BlasContext has no cuBLAS handle (made for " +
-                                blas.device().description() + ")");
-  }
-  return {};
-}
-
-// Attention ---------------------------------------------------------------------------
-
-// Scores are [heads, T, T] fp32 for one batch element; one warp per (head, query) row.
-// Writes probs (zero above the diagonal) and, when `lse_out` is set, the row's
-// logsumexp; with `lse_in` it recomputes the probabilities from a saved logsumexp.
-template <class T>
-__global__ void causal_softmax_kernel(const float* scores, T* probs, const float* lse_in, float* lse_out, size_t rows,
-                                      size_t seq_len) {
-  const size_t row = blockIdx.x * size_t(kWarpsPerBlock) + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (row >= rows) return;
-  const size_t t = row % seq_len;
-  const float* s = scores + row * seq_len;
-  T* p = probs + row * seq_len;
-  float row_lse;
-  if (lse_in != nullptr) {
-    row_lse = lse_in[row];
-  } else {
-    float max_score = -INFINITY;
-    for (size_t j = lane; j <= t; j += 32) max_score = fmaxf(max_score, s[j]);
-    max_score = warp_max(max_score);
-    float sum = 0.0f;
-    for (size_t j = lane; j <= t; j += 32) sum += expf(s[j] - max_score);
-    row_lse = max_score + logf(warp_sum(sum));
-    if (lane == 0) lse_out[row] = row_lse;
-  }
-  for (size_t j = lane; j < seq_len; j += 32) store(p, j, j <= t ? expf(s[j] - row_lse) : 0.0f);
-}
-
-// dS = P o (dP - D), D = sum_j P_j dP_j, written over P. One warp per row.
-template <class T>
-__global__ void softmax_backward_kernel(T* probs_then_dscores, const float* dprobs, size_t rows, size_t seq_len) {
-  const size_t row = blockIdx.x * size_t(kWarpsPerBlock) + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (row >= rows) return;
-  const size_t t = row % seq_len;
-  T* p = probs_then_dscores + row * seq_len;
-  const float* dp = dprobs + row * seq_len;
-  float d = 0.0f;
-  for (size_t j = lane; j <= t; j += 32) d += load(p, j) * dp[j];
-  d = warp_sum(d);  // every lane has read its P values before any lane writes
-  for (size_t j = lane; j < seq_len; j += 32) store(p, j, j <= t ? load(p, j) * (dp[j] - d) : 0.0f);
-}
-
-size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 // Cross-entropy -----------------------------------------------------------------------
 
@@ -730,115 +525,6 @@ Status residual_backward(void* cuda_stream, DType dtype, const void* dout, void*
     residual_backward_kernel<T><<<blocks_for(count), kThreads, 0, native(cuda_stream)>>>(
         static_cast<const T*>(dout), static_cast<T*>(da), static_cast<T*>(db), count, input_grad == GradWrite::kAccumulate);
     return check_launch();
-  });
-}
-
-// Attention: per batch element, GEMMs batched over heads. Head h of q, k, v is a
-// [T, head_dim] matrix with row length 3C starting at h * head_dim (+ C, + 2C), so one
-// strided-batched GEMM covers all heads without a permute; out's heads have row length C.
-
-Status attention_forward(void* cuda_stream, BlasContext& blas, const AttentionShape& shape, DType dtype, const void* qkv,
-                         void* out, float* lse, void* workspace) {
-  STRATA_RETURN_IF_ERROR(check_handle(blas, "attention_forward"));
-  return dispatch(dtype, "attention_forward", [&](auto tag) -> Status {
-    using T = typename decltype(tag)::type;
-    const size_t seq = shape.seq_len;
-    const size_t heads = shape.heads;
-    const size_t head_dim = shape.head_dim;
-    const size_t channels = heads * head_dim;
-    const size_t row = 3 * channels;
-    const long long square = static_cast<long long>(seq * seq);
-    const float scale = 1.0f / sqrtf(float(head_dim));
-    float* scores = static_cast<float*>(workspace);
-    T* probs = reinterpret_cast<T*>(static_cast<char*>(workspace) + round_up(heads * seq * seq * sizeof(float), 256));
-    const cudaDataType_t type = cuda_type<T>();
-    const cublasComputeType_t compute = compute_type(blas, dtype);
-    const int batch_heads = static_cast<int>(heads);
-    const unsigned softmax_blocks = static_cast<unsigned>((heads * seq + kWarpsPerBlock - 1) / kWarpsPerBlock);
-    std::lock_guard lock(blas.impl().mutex);
-    STRATA_RETURN_IF_ERROR(bind_cublas_to_stream(blas.impl(), cuda_stream));
-    cublasHandle_t handle = blas.impl().handle;
-    for (size_t b = 0; b < shape.batch; ++b) {
-      const T* q = static_cast<const T*>(qkv) + b * seq * row;
-      const T* k = q + channels;
-      const T* v = q + 2 * channels;
-      // S_h = scale Q_h K_h^T (fp32)
-      STRATA_RETURN_IF_ERROR(gemm(handle, compute, seq, seq, head_dim, scale,
-                                  Operand{q, type, row, static_cast<long long>(head_dim), false},
-                                  Operand{k, type, row, static_cast<long long>(head_dim), true}, 0.0f, scores, CUDA_R_32F,
-                                  seq, square, batch_heads));
-      causal_softmax_kernel<T><<<softmax_blocks, kThreads, 0, native(cuda_stream)>>>(scores, probs, nullptr,
-                                                                                     lse + b * heads * seq, heads * seq, seq);
-      STRATA_RETURN_IF_ERROR(check_launch());
-      // O_h = P_h V_h
-      T* out_b = static_cast<T*>(out) + b * seq * channels;
-      STRATA_RETURN_IF_ERROR(gemm(handle, compute, seq, head_dim, seq, 1.0f, Operand{probs, type, seq, square, false},
-                                  Operand{v, type, row, static_cast<long long>(head_dim), false}, 0.0f, out_b, type, channels,
-                                  static_cast<long long>(head_dim), batch_heads));
-    }
-    return {};
-  });
-}
-
-Status attention_backward(void* cuda_stream, BlasContext& blas, const AttentionShape& shape, DType dtype,
-                          const void* dout, const void* qkv, const float* lse, void* dqkv, void* workspace,
-                          GradWrite input_grad) {
-  STRATA_RETURN_IF_ERROR(check_handle(blas, "attention_backward"));
-  return dispatch(dtype, "attention_backward", [&](auto tag) -> Status {
-    using T = typename decltype(tag)::type;
-    const size_t seq = shape.seq_len;
-    const size_t heads = shape.heads;
-    const size_t head_dim = shape.head_dim;
-    const size_t channels = heads * head_dim;
-    const size_t row = 3 * channels;
-    const long long square = static_cast<long long>(seq * seq);
-    const long long head_stride = static_cast<long long>(head_dim);
-    const float scale = 1.0f / sqrtf(float(head_dim));
-    const float beta = input_grad == GradWrite::kAccumulate ? 1.0f : 0.0f;
-    float* scores = static_cast<float*>(workspace);  // S, then dP
-    T* probs = reinterpret_cast<T*>(static_cast<char*>(workspace) + round_up(heads * seq * seq * sizeof(float), 256));
-    const cudaDataType_t type = cuda_type<T>();
-    const cublasComputeType_t compute = compute_type(blas, dtype);
-    const int batch_heads = static_cast<int>(heads);
-    const unsigned row_blocks = static_cast<unsigned>((heads * seq + kWarpsPerBlock - 1) / kWarpsPerBlock);
-    std::lock_guard lock(blas.impl().mutex);
-    STRATA_RETURN_IF_ERROR(bind_cublas_to_stream(blas.impl(), cuda_stream));
-    cublasHandle_t handle = blas.impl().handle;
-    for (size_t b = 0; b < shape.batch; ++b) {
-      const T* q = static_cast<const T*>(qkv) + b * seq * row;
-      const T* k = q + channels;
-      const T* v = q + 2 * channels;
-      const T* dout_b = static_cast<const T*>(dout) + b * seq * channels;
-      T* dq = static_cast<T*>(dqkv) + b * seq * row;
-      T* dk = dq + channels;
-      T* dv = dq + 2 * channels;
-      // Recompute P from the saved logsumexp.
-      STRATA_RETURN_IF_ERROR(gemm(handle, compute, seq, seq, head_dim, scale, Operand{q, type, row, head_stride, false},
-                                  Operand{k, type, row, head_stride, true}, 0.0f, scores, CUDA_R_32F, seq, square,
-                                  batch_heads));
-      causal_softmax_kernel<T><<<row_blocks, kThreads, 0, native(cuda_stream)>>>(scores, probs, lse + b * heads * seq,
-                                                                                 nullptr, heads * seq, seq);
-      STRATA_RETURN_IF_ERROR(check_launch());
-      // dV_h = P_h^T dO_h
-      STRATA_RETURN_IF_ERROR(gemm(handle, compute, seq, head_dim, seq, 1.0f, Operand{probs, type, seq, square, true},
-                                  Operand{dout_b, type, channels, head_stride, false}, beta, dv, type, row, head_stride,
-                                  batch_heads));
-      // dP_h = dO_h V_h^T (fp32, over the scores)
-      STRATA_RETURN_IF_ERROR(gemm(handle, compute, seq, seq, head_dim, 1.0f,
-                                  Operand{dout_b, type, channels, head_stride, false},
-                                  Operand{v, type, row, head_stride, true}, 0.0f, scores, CUDA_R_32F, seq, square,
-                                  batch_heads));
-      softmax_backward_kernel<T><<<row_blocks, kThreads, 0, native(cuda_stream)>>>(probs, scores, heads * seq, seq);
-      STRATA_RETURN_IF_ERROR(check_launch());
-      // dQ_h = scale dS_h K_h; dK_h = scale dS_h^T Q_h
-      STRATA_RETURN_IF_ERROR(gemm(handle, compute, seq, head_dim, seq, scale, Operand{probs, type, seq, square, false},
-                                  Operand{k, type, row, head_stride, false}, beta, dq, type, row, head_stride,
-                                  batch_heads));
-      STRATA_RETURN_IF_ERROR(gemm(handle, compute, seq, head_dim, seq, scale, Operand{probs, type, seq, square, true},
-                                  Operand{q, type, row, head_stride, false}, beta, dk, type, row, head_stride,
-                                  batch_heads));
-    }
-    return {};
   });
 }
 

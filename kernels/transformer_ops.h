@@ -48,7 +48,9 @@ struct GradOptions {
 // Token + position embedding.
 //   out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]
 // tokens: int32 [batch, seq_len] in [0, vocab_size); wte: [vocab_size, channels];
-// wpe: [max_positions, channels] with seq_len <= max_positions; out: [batch, seq_len, channels].
+// wpe: [max_positions, channels] with seq_len <= max_positions, or null for a model with
+// no position table (Llama: rotary positions; max_positions is then ignored);
+// out: [batch, seq_len, channels].
 // A token outside [0, vocab_size): the CPU twin fails with InvalidArgument naming it;
 // the CUDA kernel, which cannot report, uses a zero token embedding for it.
 struct EmbeddingShape {
@@ -62,7 +64,8 @@ Status embedding_forward(Stream& stream, const EmbeddingShape& shape, DType dtyp
                          const void* wpe, void* out);
 // dwte[v,:] (+)= sum of dout[b,t,:] over positions with tokens[b,t] == v (added in
 // position order); dwpe[t,:] (+)= sum over b of dout[b,t,:]. Only the first seq_len rows
-// of dwpe are written. Either gradient may be null (not wanted). Saved from forward:
+// of dwpe are written. Either gradient may be null (not wanted; dwpe must be null when
+// the forward had no wpe, and max_positions is then ignored). Saved from forward:
 // the tokens only. Deterministic on the GPU too: each block owns a range of vocabulary
 // rows and adds the matching positions in order (no atomics, no sort).
 Status embedding_backward(Stream& stream, const EmbeddingShape& shape, DType dtype, const int32_t* tokens, const void* dout,
@@ -132,6 +135,8 @@ Status residual_backward(Stream& stream, DType dtype, const void* dout, void* da
 // with key j visible from query t iff j <= t.
 // lse: fp32 [batch, heads, seq_len], the logsumexp of each query's scaled scores, saved
 // for the backward, which recomputes the probabilities from it (nothing T x T is kept).
+// This is gqa_attention_forward/backward (kernels/llama_ops.h) with kv_heads == heads
+// on the fused row (gqa_shape_of_fused_qkv): one attention implementation per device.
 struct AttentionShape {
   size_t batch = 0;
   size_t seq_len = 0;
@@ -140,7 +145,8 @@ struct AttentionShape {
 };
 // Scratch the op needs from the caller's device memory (0 on a CpuDevice): on the GPU,
 // per batch element, the fp32 scores and the dtype probabilities of every head,
-// heads * seq_len^2 * (4 + dtype size) bytes (plus alignment padding), the same for forward and backward.
+// heads * seq_len^2 * (4 + dtype size) bytes (each rounded up to 256), the same for
+// forward and backward: gqa_attention_workspace_bytes of the fused shape.
 size_t attention_workspace_bytes(const AttentionShape& shape, DType dtype, DeviceKind kind);
 Status attention_forward(Stream& stream, BlasContext& blas, const AttentionShape& shape, DType dtype, const void* qkv,
                          void* out, float* lse, void* workspace, size_t workspace_bytes);
