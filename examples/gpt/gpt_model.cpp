@@ -601,6 +601,8 @@ StatusOr<MicroBatchLosses> GptModel::run_micro_batch(const TokenBatch* train, co
   if (eval != nullptr && (eval->sequences < 1 || eval->sequences > options_.eval_batch))
     return InvalidArgumentError("GPT model: an evaluation batch has " + std::to_string(eval->sequences) +
                                 " sequences, the model was planned for 1 to " + std::to_string(options_.eval_batch));
+  if ((train != nullptr && train->positions != nullptr) || (eval != nullptr && eval->positions != nullptr))
+    return InvalidArgumentError("GPT model: TokenBatch::positions is set, but GPT-2's positions are the tokens' places 0..seq_len-1");
   const size_t rows = static_cast<size_t>(d.rows);
   const size_t erows = eval ? static_cast<size_t>(eval->sequences) * T : 0;
 

@@ -140,6 +140,10 @@ struct TokenBatch {
   const int32_t* inputs = nullptr;
   const int32_t* targets = nullptr;
   int64_t sequences = 0;
+  // Each token's position id, [batch, seq_len] (packed sequences restart at 0); null =
+  // 0..seq_len-1 in every sequence. Rotary models only (examples/llama); GptModel, whose
+  // learned position table is indexed by place, refuses a non-null one.
+  const int32_t* positions = nullptr;
 };
 
 struct MicroBatchLosses {
