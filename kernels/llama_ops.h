@@ -123,6 +123,9 @@ struct GqaAttentionShape {
   size_t k_stride = 0;  // the same for k; 0 = kv_heads * head_dim
   size_t v_stride = 0;  // the same for v; 0 = kv_heads * head_dim
 };
+// GPT-2's fused qkv [batch, seq_len, 3 * channels] as this op sees it: q, k, v at
+// offsets 0, channels, 2 * channels of each row, strides 3 * channels, kv_heads == heads.
+GqaAttentionShape gqa_shape_of_fused_qkv(const AttentionShape& shape);
 // Scratch the op needs from the caller's device memory, forward and backward alike
 // (0 on a CpuDevice).
 size_t gqa_attention_workspace_bytes(const GqaAttentionShape& shape, DType dtype, DeviceKind kind);

@@ -277,4 +277,192 @@ void cross_entropy_backward(const CrossEntropyShape& shape, const double* logits
   }
 }
 
+// Llama-family ops -------------------------------------------------------------------
+
+namespace {
+double root_mean_square_inverse(const double* x_row, size_t channels, double epsilon) {
+  double squares = 0.0;
+  for (size_t c = 0; c < channels; ++c) squares += x_row[c] * x_row[c];
+  return 1.0 / std::sqrt(squares / static_cast<double>(channels) + epsilon);
+}
+}  // namespace
+
+void rmsnorm_forward(const RmsNormShape& shape, const double* x, const double* gamma, double* y, double* rstd) {
+  const size_t C = shape.channels;
+  for (size_t r = 0; r < shape.rows; ++r) {
+    const double inv_rms = root_mean_square_inverse(x + r * C, C, shape.epsilon);
+    for (size_t c = 0; c < C; ++c) y[r * C + c] = x[r * C + c] * inv_rms * gamma[c];
+    if (rstd != nullptr) rstd[r] = inv_rms;
+  }
+}
+
+// y_c = g_c x_c s, s = (mean(x^2) + eps)^(-1/2), ds/dx_j = -s^3 x_j / C, so
+// dx_j = s g_j dy_j - x_j s^3 / C sum_c dy_c g_c x_c.
+void rmsnorm_backward(const RmsNormShape& shape, const double* dy, const double* x, const double* gamma, double* dx,
+                      double* dgamma) {
+  const size_t C = shape.channels;
+  std::fill_n(dgamma, C, 0.0);
+  for (size_t r = 0; r < shape.rows; ++r) {
+    const double* x_row = x + r * C;
+    const double* dy_row = dy + r * C;
+    const double s = root_mean_square_inverse(x_row, C, shape.epsilon);
+    double projection = 0.0;
+    for (size_t c = 0; c < C; ++c) projection += dy_row[c] * gamma[c] * x_row[c];
+    for (size_t c = 0; c < C; ++c) {
+      dx[r * C + c] = s * gamma[c] * dy_row[c] - x_row[c] * s * s * s / static_cast<double>(C) * projection;
+      dgamma[c] += dy_row[c] * x_row[c] * s;
+    }
+  }
+}
+
+namespace {
+// y = R(sign * angle) x for every head of every row.
+void rope_rotate(const RopeShape& shape, const int32_t* positions, const float* inv_freq, const double* x, double* y,
+                 double sign) {
+  const size_t half = shape.head_dim / 2;
+  const size_t stride = shape.row_stride != 0 ? shape.row_stride : shape.heads * shape.head_dim;
+  for (size_t r = 0; r < shape.rows; ++r) {
+    for (size_t h = 0; h < shape.heads; ++h) {
+      const size_t base = r * stride + h * shape.head_dim;
+      for (size_t i = 0; i < half; ++i) {
+        const double angle = static_cast<float>(static_cast<float>(positions[r]) * inv_freq[i]);
+        const double c = std::cos(angle);
+        const double s = sign * std::sin(angle);
+        const double a = x[base + i];
+        const double b = x[base + i + half];
+        y[base + i] = a * c - b * s;
+        y[base + i + half] = b * c + a * s;
+      }
+    }
+  }
+}
+}  // namespace
+
+void rope_forward(const RopeShape& shape, const int32_t* positions, const float* inv_freq, const double* x, double* y) {
+  rope_rotate(shape, positions, inv_freq, x, y, 1.0);
+}
+
+void rope_backward(const RopeShape& shape, const int32_t* positions, const float* inv_freq, const double* dy, double* dx) {
+  rope_rotate(shape, positions, inv_freq, dy, dx, -1.0);
+}
+
+void swiglu_forward(const double* gate, const double* up, double* out, size_t count) {
+  for (size_t i = 0; i < count; ++i) out[i] = gate[i] / (1.0 + std::exp(-gate[i])) * up[i];
+}
+
+void swiglu_backward(const double* dout, const double* gate, const double* up, double* dgate, double* dup, size_t count) {
+  for (size_t i = 0; i < count; ++i) {
+    const double sigmoid = 1.0 / (1.0 + std::exp(-gate[i]));
+    dgate[i] = dout[i] * up[i] * (sigmoid + gate[i] * sigmoid * (1.0 - sigmoid));
+    dup[i] = dout[i] * gate[i] * sigmoid;
+  }
+}
+
+namespace {
+// Element (b, t, head, d) of a strided [batch, seq_len, heads * head_dim] tensor.
+struct StridedView {
+  size_t seq_len;
+  size_t head_dim;
+  size_t stride;
+  size_t index(size_t b, size_t t, size_t head, size_t d) const { return (b * seq_len + t) * stride + head * head_dim + d; }
+};
+
+struct GqaViews {
+  StridedView q, k, v, out;
+  explicit GqaViews(const GqaAttentionShape& s)
+      : q{s.seq_len, s.head_dim, s.q_stride != 0 ? s.q_stride : s.heads * s.head_dim},
+        k{s.seq_len, s.head_dim, s.k_stride != 0 ? s.k_stride : s.kv_heads * s.head_dim},
+        v{s.seq_len, s.head_dim, s.v_stride != 0 ? s.v_stride : s.kv_heads * s.head_dim},
+        out{s.seq_len, s.head_dim, s.heads * s.head_dim} {}
+};
+
+// P[t][j] of query head h (zero above the diagonal), and the rows' logsumexp.
+std::vector<double> gqa_probabilities(const GqaAttentionShape& shape, const double* q, const double* k, size_t b, size_t h,
+                                      double* lse_row) {
+  const GqaViews views(shape);
+  const size_t T = shape.seq_len;
+  const size_t kv = h / (shape.heads / shape.kv_heads);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(shape.head_dim));
+  std::vector<double> p(T * T, 0.0);
+  for (size_t t = 0; t < T; ++t) {
+    double max_score = -std::numeric_limits<double>::infinity();
+    for (size_t j = 0; j <= t; ++j) {
+      double s = 0.0;
+      for (size_t d = 0; d < shape.head_dim; ++d) s += q[views.q.index(b, t, h, d)] * k[views.k.index(b, j, kv, d)];
+      p[t * T + j] = s * scale;
+      max_score = std::max(max_score, p[t * T + j]);
+    }
+    double sum = 0.0;
+    for (size_t j = 0; j <= t; ++j) sum += std::exp(p[t * T + j] - max_score);
+    for (size_t j = 0; j <= t; ++j) p[t * T + j] = std::exp(p[t * T + j] - max_score) / sum;
+    if (lse_row != nullptr) lse_row[t] = max_score + std::log(sum);
+  }
+  return p;
+}
+}  // namespace
+
+void gqa_attention_forward(const GqaAttentionShape& shape, const double* q, const double* k, const double* v, double* out,
+                           double* lse) {
+  const GqaViews views(shape);
+  const size_t T = shape.seq_len;
+  for (size_t b = 0; b < shape.batch; ++b) {
+    for (size_t h = 0; h < shape.heads; ++h) {
+      const size_t kv = h / (shape.heads / shape.kv_heads);
+      const std::vector<double> p = gqa_probabilities(shape, q, k, b, h, lse + (b * shape.heads + h) * T);
+      for (size_t t = 0; t < T; ++t) {
+        for (size_t d = 0; d < shape.head_dim; ++d) {
+          double sum = 0.0;
+          for (size_t j = 0; j <= t; ++j) sum += p[t * T + j] * v[views.v.index(b, j, kv, d)];
+          out[views.out.index(b, t, h, d)] = sum;
+        }
+      }
+    }
+  }
+}
+
+// With P the probabilities: dV += P^T dO; dP = dO V^T; dS = P o (dP - rowsum(P o dP));
+// dQ = scale dS K; dK += scale dS^T Q.
+void gqa_attention_backward(const GqaAttentionShape& shape, const double* dout, const double* q, const double* k,
+                            const double* v, double* dq, double* dk, double* dv) {
+  const GqaViews views(shape);
+  const size_t T = shape.seq_len;
+  const size_t hd = shape.head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  for (size_t b = 0; b < shape.batch; ++b) {
+    for (size_t t = 0; t < T; ++t) {
+      for (size_t d = 0; d < hd; ++d) {
+        for (size_t h = 0; h < shape.heads; ++h) dq[views.q.index(b, t, h, d)] = 0.0;
+        for (size_t g = 0; g < shape.kv_heads; ++g) {
+          dk[views.k.index(b, t, g, d)] = 0.0;
+          dv[views.v.index(b, t, g, d)] = 0.0;
+        }
+      }
+    }
+  }
+  for (size_t b = 0; b < shape.batch; ++b) {
+    for (size_t h = 0; h < shape.heads; ++h) {
+      const size_t kv = h / (shape.heads / shape.kv_heads);
+      const std::vector<double> p = gqa_probabilities(shape, q, k, b, h, nullptr);
+      for (size_t t = 0; t < T; ++t) {
+        std::vector<double> dp(t + 1);
+        double row_dot = 0.0;
+        for (size_t j = 0; j <= t; ++j) {
+          double sum = 0.0;
+          for (size_t d = 0; d < hd; ++d) sum += dout[views.out.index(b, t, h, d)] * v[views.v.index(b, j, kv, d)];
+          dp[j] = sum;
+          row_dot += p[t * T + j] * sum;
+        }
+        for (size_t j = 0; j <= t; ++j) {
+          const double ds = p[t * T + j] * (dp[j] - row_dot) * scale;
+          for (size_t d = 0; d < hd; ++d) {
+            dv[views.v.index(b, j, kv, d)] += p[t * T + j] * dout[views.out.index(b, t, h, d)];
+            dq[views.q.index(b, t, h, d)] += ds * k[views.k.index(b, j, kv, d)];
+            dk[views.k.index(b, j, kv, d)] += ds * q[views.q.index(b, t, h, d)];
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace strata::kernels::reference

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/llama_ops.h"
 #include "kernels/transformer_ops.h"
 
 namespace strata::kernels::reference {
@@ -43,5 +44,29 @@ double cross_entropy_forward(const CrossEntropyShape& shape, const double* logit
                              double* lse);
 void cross_entropy_backward(const CrossEntropyShape& shape, const double* logits, const int32_t* targets, double grad_scale,
                             double* dlogits);
+
+// Llama-family ops (kernels/llama_ops.h) ---------------------------------------------
+
+// rstd may be null.
+void rmsnorm_forward(const RmsNormShape& shape, const double* x, const double* gamma, double* y, double* rstd);
+// Recomputes rstd from x.
+void rmsnorm_backward(const RmsNormShape& shape, const double* dy, const double* x, const double* gamma, double* dx,
+                      double* dgamma);
+
+// The angle is rounded to fp32 (float(position) * inv_freq[i]) as Hugging Face's fp32
+// product rounds it; cos, sin and the rotation are in double. Rows are strided as in
+// RopeShape (0 = dense); elements outside the heads are left as they are.
+void rope_forward(const RopeShape& shape, const int32_t* positions, const float* inv_freq, const double* x, double* y);
+void rope_backward(const RopeShape& shape, const int32_t* positions, const float* inv_freq, const double* dy, double* dx);
+
+void swiglu_forward(const double* gate, const double* up, double* out, size_t count);
+void swiglu_backward(const double* dout, const double* gate, const double* up, double* dgate, double* dup, size_t count);
+
+// Strides as in GqaAttentionShape (0 = dense); lse: [batch, heads, seq_len]. The
+// backward writes only the heads' elements of dq, dk, dv (zeroed first).
+void gqa_attention_forward(const GqaAttentionShape& shape, const double* q, const double* k, const double* v, double* out,
+                           double* lse);
+void gqa_attention_backward(const GqaAttentionShape& shape, const double* dout, const double* q, const double* k,
+                            const double* v, double* dq, double* dk, double* dv);
 
 }  // namespace strata::kernels::reference

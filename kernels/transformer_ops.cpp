@@ -3,47 +3,16 @@
 #include "kernels/transformer_ops.h"
 
 #include <string>
+#include <type_traits>
 
+#include "kernels/llama_ops.h"
+#include "kernels/op_checks.h"
 #include "kernels/transformer_ops_cpu.h"
 #include "kernels/transformer_ops_cuda.h"
 
 namespace strata::kernels {
-namespace {
 
-// Inside a launched kernel: the CUDA call, or an error in a build without CUDA (a
-// native stream cannot exist there).
-#if defined(STRATA_HAVE_CUDA)
-#define STRATA_OP_ON_CUDA(call) return (call)
-#else
-#define STRATA_OP_ON_CUDA(call) return InternalError("a native stream in a build without CUDA")
-#endif
-
-const float* f32(const void* p) { return static_cast<const float*>(p); }
-float* f32(void* p) { return static_cast<float*>(p); }
-
-Status check_dtype(Stream& stream, DType dtype, const char* op) {
-  const DeviceKind kind = stream.device().kind();
-  if (dtype == DType::kFloat32) return {};
-  if (kind == DeviceKind::kCuda && dtype == DType::kBFloat16) return {};
-  return UnimplementedError(std::string(op) + ": dtype " + std::string(dtype_name(dtype)) + " is not supported on " +
-                            stream.device().description() +
-                            (kind == DeviceKind::kCpu ? " (the CPU ops are fp32)" : " (fp32 and bf16 only)"));
-}
-
-Status check_present(const void* pointer, const char* op, const char* name) {
-  if (pointer == nullptr) return InvalidArgumentError(std::string(op) + ": " + name + " is null");
-  return {};
-}
-
-Status check_blas(Stream& stream, BlasContext& blas, const char* op) {
-  if (&blas.device() != &stream.device()) {
-    return InvalidArgumentError(std::string(op) + ": the BlasContext was made for " + blas.device().description() +
-                                ", the stream '" + stream.name() + "' belongs to " + stream.device().description());
-  }
-  return {};
-}
-
-}  // namespace
+using namespace op_checks;  // NOLINT: the argument checks of kernels/op_checks.h
 
 // Embedding --------------------------------------------------------------------------
 
@@ -230,71 +199,43 @@ Status residual_backward(Stream& stream, DType dtype, const void* dout, void* da
 }
 
 // Attention --------------------------------------------------------------------------
-
-size_t attention_workspace_bytes(const AttentionShape& shape, DType dtype, DeviceKind kind) {
-  if (kind == DeviceKind::kCpu) return 0;
-  // fp32 scores (rounded up to 256 bytes so the probabilities start aligned), then probabilities.
-  const size_t square = shape.heads * shape.seq_len * shape.seq_len;
-  return (square * sizeof(float) + 255) / 256 * 256 + square * dtype_size(dtype);
-}
+// GPT-2's fused qkv is grouped-query attention with kv_heads == heads reading q, k, v
+// from one row of 3C (kernels/llama_ops.h): one attention implementation per device.
 
 namespace {
-Status check_attention(Stream& stream, BlasContext& blas, const AttentionShape& shape, DType dtype, const void* workspace,
-                       size_t workspace_bytes, const char* op) {
-  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, op));
-  STRATA_RETURN_IF_ERROR(check_blas(stream, blas, op));
-  const size_t needed = attention_workspace_bytes(shape, dtype, stream.device().kind());
-  if (workspace_bytes < needed || (needed > 0 && workspace == nullptr)) {
-    return InvalidArgumentError(std::string(op) + ": the workspace has " + std::to_string(workspace_bytes) +
-                                " bytes, attention_workspace_bytes() asks " + std::to_string(needed) + " for heads " +
-                                std::to_string(shape.heads) + " x seq_len " + std::to_string(shape.seq_len) + " on " +
-                                stream.device().description());
-  }
-  return {};
+
+// The start of slice `index` (0 q, 1 k, 2 v) of a fused qkv row.
+template <class Pointer>
+Pointer qkv_slice(Pointer qkv, const AttentionShape& shape, DType dtype, size_t index) {
+  if (qkv == nullptr) return qkv;
+  using Byte = std::conditional_t<std::is_const_v<std::remove_pointer_t<Pointer>>, const char, char>;
+  return static_cast<Byte*>(qkv) + index * shape.heads * shape.head_dim * dtype_size(dtype);
 }
+
 }  // namespace
+
+size_t attention_workspace_bytes(const AttentionShape& shape, DType dtype, DeviceKind kind) {
+  return gqa_attention_workspace_bytes(gqa_shape_of_fused_qkv(shape), dtype, kind);
+}
 
 Status attention_forward(Stream& stream, BlasContext& blas, const AttentionShape& shape, DType dtype, const void* qkv,
                          void* out, float* lse, void* workspace, size_t workspace_bytes) {
-  constexpr const char* kOp = "attention_forward";
-  if (shape.batch == 0 || shape.seq_len == 0 || shape.heads == 0 || shape.head_dim == 0) return {};
-  STRATA_RETURN_IF_ERROR(check_attention(stream, blas, shape, dtype, workspace, workspace_bytes, kOp));
-  STRATA_RETURN_IF_ERROR(check_present(qkv, kOp, "qkv"));
-  STRATA_RETURN_IF_ERROR(check_present(out, kOp, "out"));
-  STRATA_RETURN_IF_ERROR(check_present(lse, kOp, "lse"));
-  BlasContext* context = &blas;
-  return stream.launch([=](const LaunchContext& ctx) -> Status {
-    if (ctx.native_stream != nullptr) {
-      STRATA_OP_ON_CUDA(cuda::attention_forward(ctx.native_stream, *context, shape, dtype, qkv, out, lse, workspace));
-    }
-    (void)context;
-    (void)workspace;
-    cpu::attention_forward(*ctx.executor, shape, f32(qkv), f32(out), lse);
-    return {};
-  });
+  STRATA_RETURN_IF_ERROR_CTX(
+      gqa_attention_forward(stream, blas, gqa_shape_of_fused_qkv(shape), dtype, qkv, qkv_slice(qkv, shape, dtype, 1),
+                            qkv_slice(qkv, shape, dtype, 2), out, lse, workspace, workspace_bytes),
+      "attention_forward (GPT-2's fused qkv)");
+  return {};
 }
 
 Status attention_backward(Stream& stream, BlasContext& blas, const AttentionShape& shape, DType dtype, const void* dout,
                           const void* qkv, const float* lse, void* dqkv, void* workspace, size_t workspace_bytes,
                           GradWrite input_grad) {
-  constexpr const char* kOp = "attention_backward";
-  if (shape.batch == 0 || shape.seq_len == 0 || shape.heads == 0 || shape.head_dim == 0) return {};
-  STRATA_RETURN_IF_ERROR(check_attention(stream, blas, shape, dtype, workspace, workspace_bytes, kOp));
-  STRATA_RETURN_IF_ERROR(check_present(dout, kOp, "dout"));
-  STRATA_RETURN_IF_ERROR(check_present(qkv, kOp, "qkv"));
-  STRATA_RETURN_IF_ERROR(check_present(lse, kOp, "lse"));
-  STRATA_RETURN_IF_ERROR(check_present(dqkv, kOp, "dqkv"));
-  BlasContext* context = &blas;
-  return stream.launch([=](const LaunchContext& ctx) -> Status {
-    if (ctx.native_stream != nullptr) {
-      STRATA_OP_ON_CUDA(
-          cuda::attention_backward(ctx.native_stream, *context, shape, dtype, dout, qkv, lse, dqkv, workspace, input_grad));
-    }
-    (void)context;
-    (void)workspace;
-    cpu::attention_backward(*ctx.executor, shape, f32(dout), f32(qkv), lse, f32(dqkv), input_grad);
-    return {};
-  });
+  STRATA_RETURN_IF_ERROR_CTX(
+      gqa_attention_backward(stream, blas, gqa_shape_of_fused_qkv(shape), dtype, dout, qkv, qkv_slice(qkv, shape, dtype, 1),
+                             qkv_slice(qkv, shape, dtype, 2), lse, dqkv, qkv_slice(dqkv, shape, dtype, 1),
+                             qkv_slice(dqkv, shape, dtype, 2), workspace, workspace_bytes, input_grad),
+      "attention_backward (GPT-2's fused qkv)");
+  return {};
 }
 
 // Cross-entropy ----------------------------------------------------------------------

@@ -12,68 +12,18 @@
 #include <string>
 #include <vector>
 
+#include "kernels/cpu_elements.h"
+#include "kernels/llama_ops_cpu.h"
+
 #if __has_include(<cblas.h>)
 #include <cblas.h>
 #define STRATA_KERNELS_HAVE_CBLAS 1
 #endif
 
-// Kernels in three layers (STYLE.md #9): inline element functions, span functions over
-// contiguous runs, parallel drivers. The span functions are compiled for AVX-512, AVX2
-// and baseline x86-64 and the CPU picks one at load time (GCC target_clones, an ifunc).
-// Their loops are branch-free so they vectorize; no-trapping-math (the pragma at the top)
-// lets GCC turn the clamps of exp_approx into blends (nothing enables FP traps).
-// Not under ThreadSanitizer: the loader runs the ifunc resolvers before the TSan runtime
-// is up, and their instrumented code crashes there.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(STRATA_SANITIZER_THREAD)
-#define STRATA_SIMD_SPAN __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define STRATA_SIMD_SPAN
-#endif
-
 namespace strata::kernels::cpu {
 namespace {
 
-// Rows per parallel chunk so that a chunk holds roughly this many elements.
-constexpr size_t kElementsPerChunk = size_t{1} << 14;
-// Columns per chunk of a column sum: 64 floats = 4 cache lines per row visited.
-constexpr size_t kColumnsPerChunk = 64;
-
-size_t row_grain(size_t columns) { return std::max<size_t>(1, kElementsPerChunk / std::max<size_t>(1, columns)); }
-
-// Element functions ------------------------------------------------------------------
-// Always inlined, so each span function compiles them for its own instruction set.
-
-// y += alpha * x
-[[gnu::always_inline]] inline void axpy(float alpha, const float* x, float* y, size_t n) {
-  for (size_t i = 0; i < n; ++i) y[i] += alpha * x[i];
-}
-
-// e^x without branches, so loops over it vectorize (glibc's expf does not). Cody-Waite
-// reduction x = n ln2 + r with |r| <= ln2 / 2, then a degree-7 Taylor polynomial of e^r
-// (truncation error < 6e-9) and 2^n from the exponent bits: within a few ulp of expf.
-// x is clamped to [-87, 88], so results stay normal and finite: e^-87 ~ 1.6e-38 stands
-// in for anything smaller (softmax tails), e^88 ~ 1.7e38 for anything larger.
-[[gnu::always_inline]] inline float exp_approx(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  x = x > 88.0f ? 88.0f : x;
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kRoundShift = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits
-  constexpr float kLn2High = 0.693145751953125f;  // ln 2 split so n * kLn2High is exact
-  constexpr float kLn2Low = 1.428606765330187045e-06f;
-  const float shifted = x * kLog2e + kRoundShift;
-  const float n = shifted - kRoundShift;
-  const float r = (x - n * kLn2High) - n * kLn2Low;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t exponent = std::bit_cast<int32_t>(shifted) - std::bit_cast<int32_t>(kRoundShift);  // n, in [-126, 127]
-  return p * std::bit_cast<float>(static_cast<int32_t>(static_cast<uint32_t>(exponent + 127) << 23));
-}
+using namespace elements;  // NOLINT: the shared element functions of kernels/cpu_elements.h
 
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluCubic = 0.044715f;
@@ -91,29 +41,6 @@ constexpr float kGeluCubic = 0.044715f;
   const float s = 1.0f / (1.0f + exp_approx(-2.0f * u));
   const float du_dx = kGeluScale * (1.0f + 3.0f * kGeluCubic * x * x);
   return s + 2.0f * x * s * (1.0f - s) * du_dx;
-}
-
-inline void write_grad(float* dst, float value, GradWrite mode) {
-  if (mode == GradWrite::kAccumulate) {
-    *dst += value;
-  } else {
-    *dst = value;
-  }
-}
-
-// Sums `columns` values per row over `rows` rows in row order, split by column chunks:
-// out[c] (+)= sum_r value(r, c). `value(r, c0, c1, acc)` adds row r's columns [c0, c1)
-// into acc[0 .. c1-c0).
-template <class RowTerms>
-void column_sums(Executor& executor, size_t rows, size_t columns, float* out, GradWrite mode, const RowTerms& row_terms) {
-  executor.parallel_for(0, columns, kColumnsPerChunk, [&](size_t lo, size_t hi) {
-    for (size_t c0 = lo; c0 < hi; c0 += kColumnsPerChunk) {
-      const size_t c1 = std::min(hi, c0 + kColumnsPerChunk);
-      float acc[kColumnsPerChunk] = {};
-      for (size_t r = 0; r < rows; ++r) row_terms(r, c0, c1, acc);
-      for (size_t c = c0; c < c1; ++c) write_grad(&out[c], acc[c - c0], mode);
-    }
-  });
 }
 
 // One row-major GEMM on the calling thread: C[M,N] = alpha * op(A)[M,K] op(B)[K,N] +
@@ -442,29 +369,45 @@ void residual_backward(Executor& executor, const float* dout, float* da, float* 
 
 // Attention --------------------------------------------------------------------------
 //
-// The same algorithm as the CUDA path, one (batch, head) at a time: single-threaded
-// BLAS GEMMs on the head's [T, head_dim] slices of qkv (row length 3C, so no permute)
+// One implementation for GPT-2's fused-qkv attention and grouped-query attention: the
+// same algorithm as the CUDA path, one (batch, head) at a time: single-threaded BLAS
+// GEMMs on the head's [T, head_dim] slices of q, k, v (strided rows, so no permute)
 // and vectorized softmax rows over a T x T scratch. The GEMMs compute the whole square;
-// the causal softmax zeroes the upper triangle of P, so it adds nothing. Each (b, h) is
-// one task and the only writer of its slices, so results do not depend on threads.
+// the causal softmax zeroes the upper triangle of P, so it adds nothing. The forward's
+// task is one (b, h); the backward's one (b, kv head), which runs the query heads that
+// share the KV head in head order, the first writing dk/dv per GradWrite and the others
+// adding, so each task is the only writer of its slices and results do not depend on
+// threads. With kv_heads == heads this is exactly the per-(b, h) multi-head computation.
 
 namespace {
 
 struct AttentionGeometry {
-  size_t seq;       // T
-  size_t heads;     // H
-  size_t head_dim;  // hd
-  size_t channels;  // C = H * hd
-  size_t stride;    // 3C, the row length of qkv
-  float scale;      // 1 / sqrt(hd)
+  size_t seq;          // T
+  size_t heads;        // H
+  size_t group;        // query heads per KV head, H / kv_heads
+  size_t head_dim;     // hd
+  size_t q_stride;     // elements between rows of q (and dq)
+  size_t k_stride;     // ... of k (and dk)
+  size_t v_stride;     // ... of v (and dv)
+  size_t out_stride;   // H * hd, the row length of out (and dout)
+  float scale;         // 1 / sqrt(hd)
 
-  explicit AttentionGeometry(const AttentionShape& shape)
+  explicit AttentionGeometry(const GqaAttentionShape& shape)
       : seq(shape.seq_len),
         heads(shape.heads),
+        group(shape.heads / shape.kv_heads),
         head_dim(shape.head_dim),
-        channels(shape.heads * shape.head_dim),
-        stride(3 * shape.heads * shape.head_dim),
+        q_stride(shape.q_stride != 0 ? shape.q_stride : shape.heads * shape.head_dim),
+        k_stride(shape.k_stride != 0 ? shape.k_stride : shape.kv_heads * shape.head_dim),
+        v_stride(shape.v_stride != 0 ? shape.v_stride : shape.kv_heads * shape.head_dim),
+        out_stride(shape.heads * shape.head_dim),
         scale(1.0f / std::sqrt(static_cast<float>(shape.head_dim))) {}
+
+  // Offsets of the first row of batch element b for query head h (q, out) and KV head g.
+  size_t q_offset(size_t b, size_t h) const { return b * seq * q_stride + h * head_dim; }
+  size_t k_offset(size_t b, size_t g) const { return b * seq * k_stride + g * head_dim; }
+  size_t v_offset(size_t b, size_t g) const { return b * seq * v_stride + g * head_dim; }
+  size_t out_offset(size_t b, size_t h) const { return b * seq * out_stride + h * head_dim; }
 };
 
 // Rows of a [T, T] score matrix in place: P[t, j] = exp(S[t, j] - lse_t) for j <= t, 0
@@ -503,62 +446,94 @@ STRATA_SIMD_SPAN void softmax_backward_rows(const float* probs, float* dprobs, s
   }
 }
 
-void attention_forward_head(const AttentionGeometry& g, const float* qkv, float* out, float* lse, size_t b, size_t h,
-                            float* scores) {
+void attention_forward_head(const AttentionGeometry& g, const float* q_all, const float* k_all, const float* v_all,
+                            float* out, float* lse, size_t b, size_t h, float* scores) {
   const size_t T = g.seq;
-  const float* q = qkv + b * T * g.stride + h * g.head_dim;
-  const float* k = q + g.channels;
-  const float* v = q + 2 * g.channels;
-  gemm_tile(false, true, T, T, g.head_dim, g.scale, q, g.stride, k, g.stride, 0.0f, scores, T);  // S = scale Q K^T
+  const size_t kv = h / g.group;
+  const float* q = q_all + g.q_offset(b, h);
+  const float* k = k_all + g.k_offset(b, kv);
+  const float* v = v_all + g.v_offset(b, kv);
+  gemm_tile(false, true, T, T, g.head_dim, g.scale, q, g.q_stride, k, g.k_stride, 0.0f, scores, T);  // S = scale Q K^T
   causal_softmax_rows(scores, T, nullptr, lse + (b * g.heads + h) * T);
-  float* o = out + b * T * g.channels + h * g.head_dim;
-  gemm_tile(false, false, T, g.head_dim, T, 1.0f, scores, T, v, g.stride, 0.0f, o, g.channels);  // O = P V
+  float* o = out + g.out_offset(b, h);
+  gemm_tile(false, false, T, g.head_dim, T, 1.0f, scores, T, v, g.v_stride, 0.0f, o, g.out_stride);  // O = P V
 }
 
-void attention_backward_head(const AttentionGeometry& g, const float* dout, const float* qkv, const float* lse,
-                             float* dqkv, size_t b, size_t h, GradWrite mode, float* probs, float* dprobs) {
+struct AttentionGradients {
+  float* dq;
+  float* dk;
+  float* dv;
+};
+
+// One query head's backward; kv_beta is 0 (overwrite dk, dv) or 1 (add to them).
+void attention_backward_head(const AttentionGeometry& g, const float* dout, const float* q_all, const float* k_all,
+                             const float* v_all, const float* lse, const AttentionGradients& grads, size_t b, size_t h,
+                             float q_beta, float kv_beta, float* probs, float* dprobs) {
   const size_t T = g.seq;
   const size_t hd = g.head_dim;
-  const float beta = mode == GradWrite::kAccumulate ? 1.0f : 0.0f;
-  const float* q = qkv + b * T * g.stride + h * hd;
-  const float* k = q + g.channels;
-  const float* v = q + 2 * g.channels;
-  const float* d_o = dout + b * T * g.channels + h * hd;
-  float* dq = dqkv + b * T * g.stride + h * hd;
-  float* dk = dq + g.channels;
-  float* dv = dq + 2 * g.channels;
-  gemm_tile(false, true, T, T, hd, g.scale, q, g.stride, k, g.stride, 0.0f, probs, T);  // S
-  causal_softmax_rows(probs, T, lse + (b * g.heads + h) * T, nullptr);                  // P from the saved lse
-  gemm_tile(true, false, T, hd, T, 1.0f, probs, T, d_o, g.channels, beta, dv, g.stride);   // dV = P^T dO
-  gemm_tile(false, true, T, T, hd, 1.0f, d_o, g.channels, v, g.stride, 0.0f, dprobs, T);  // dP = dO V^T
-  softmax_backward_rows(probs, dprobs, T);                                               // dS
-  gemm_tile(false, false, T, hd, T, g.scale, dprobs, T, k, g.stride, beta, dq, g.stride);  // dQ = scale dS K
-  gemm_tile(true, false, T, hd, T, g.scale, dprobs, T, q, g.stride, beta, dk, g.stride);   // dK = scale dS^T Q
+  const size_t kv = h / g.group;
+  const float* q = q_all + g.q_offset(b, h);
+  const float* k = k_all + g.k_offset(b, kv);
+  const float* v = v_all + g.v_offset(b, kv);
+  const float* d_o = dout + g.out_offset(b, h);
+  float* dq = grads.dq + g.q_offset(b, h);
+  float* dk = grads.dk + g.k_offset(b, kv);
+  float* dv = grads.dv + g.v_offset(b, kv);
+  gemm_tile(false, true, T, T, hd, g.scale, q, g.q_stride, k, g.k_stride, 0.0f, probs, T);        // S
+  causal_softmax_rows(probs, T, lse + (b * g.heads + h) * T, nullptr);                           // P from the saved lse
+  gemm_tile(true, false, T, hd, T, 1.0f, probs, T, d_o, g.out_stride, kv_beta, dv, g.v_stride);   // dV (+)= P^T dO
+  gemm_tile(false, true, T, T, hd, 1.0f, d_o, g.out_stride, v, g.v_stride, 0.0f, dprobs, T);     // dP = dO V^T
+  softmax_backward_rows(probs, dprobs, T);                                                       // dS
+  gemm_tile(false, false, T, hd, T, g.scale, dprobs, T, k, g.k_stride, q_beta, dq, g.q_stride);   // dQ = scale dS K
+  gemm_tile(true, false, T, hd, T, g.scale, dprobs, T, q, g.q_stride, kv_beta, dk, g.k_stride);   // dK (+)= scale dS^T Q
 }
 
 }  // namespace
 
-void attention_forward(Executor& executor, const AttentionShape& shape, const float* qkv, float* out, float* lse) {
+void gqa_attention_forward(Executor& executor, const GqaAttentionShape& shape, const float* q, const float* k,
+                           const float* v, float* out, float* lse) {
   const AttentionGeometry g(shape);
   keep_blas_single_threaded();
   executor.parallel_for(0, shape.batch * shape.heads, 1, [&](size_t lo, size_t hi) {
     std::vector<float> scores(g.seq * g.seq);
-    for (size_t task = lo; task < hi; ++task) attention_forward_head(g, qkv, out, lse, task / g.heads, task % g.heads, scores.data());
+    for (size_t task = lo; task < hi; ++task) {
+      attention_forward_head(g, q, k, v, out, lse, task / g.heads, task % g.heads, scores.data());
+    }
   });
+}
+
+void gqa_attention_backward(Executor& executor, const GqaAttentionShape& shape, const float* dout, const float* q,
+                            const float* k, const float* v, const float* lse, float* dq, float* dk, float* dv,
+                            GradWrite input_grad) {
+  const AttentionGeometry g(shape);
+  const AttentionGradients grads{dq, dk, dv};
+  const float beta = input_grad == GradWrite::kAccumulate ? 1.0f : 0.0f;
+  keep_blas_single_threaded();
+  executor.parallel_for(0, shape.batch * shape.kv_heads, 1, [&](size_t lo, size_t hi) {
+    std::vector<float> probs(g.seq * g.seq);
+    std::vector<float> dprobs(g.seq * g.seq);
+    for (size_t task = lo; task < hi; ++task) {
+      const size_t b = task / shape.kv_heads;
+      const size_t first = (task % shape.kv_heads) * g.group;
+      for (size_t h = first; h < first + g.group; ++h) {
+        attention_backward_head(g, dout, q, k, v, lse, grads, b, h, beta, h == first ? beta : 1.0f, probs.data(),
+                                dprobs.data());
+      }
+    }
+  });
+}
+
+// GPT-2's fused qkv: q | k | v in one row of 3C.
+void attention_forward(Executor& executor, const AttentionShape& shape, const float* qkv, float* out, float* lse) {
+  const size_t channels = shape.heads * shape.head_dim;
+  gqa_attention_forward(executor, gqa_shape_of_fused_qkv(shape), qkv, qkv + channels, qkv + 2 * channels, out, lse);
 }
 
 void attention_backward(Executor& executor, const AttentionShape& shape, const float* dout, const float* qkv,
                         const float* lse, float* dqkv, GradWrite input_grad) {
-  const AttentionGeometry g(shape);
-  keep_blas_single_threaded();
-  executor.parallel_for(0, shape.batch * shape.heads, 1, [&](size_t lo, size_t hi) {
-    std::vector<float> probs(g.seq * g.seq);
-    std::vector<float> dprobs(g.seq * g.seq);
-    for (size_t task = lo; task < hi; ++task) {
-      attention_backward_head(g, dout, qkv, lse, dqkv, task / g.heads, task % g.heads, input_grad, probs.data(),
-                              dprobs.data());
-    }
-  });
+  const size_t channels = shape.heads * shape.head_dim;
+  gqa_attention_backward(executor, gqa_shape_of_fused_qkv(shape), dout, qkv, qkv + channels, qkv + 2 * channels, lse, dqkv,
+                         dqkv + channels, dqkv + 2 * channels, input_grad);
 }
 
 // Cross-entropy ----------------------------------------------------------------------

@@ -7,7 +7,8 @@
 //
 // Parallel splits never change the order of a sum: rows are independent, column sums
 // (dgamma, dbeta, dbias, dwpe, dwte) are split by column and run over rows in order,
-// attention is split by (batch, head), matrix products by fixed 64-row/column tiles of
+// attention is split by (batch, head) (kernels/llama_ops_cpu.h: GPT-2's attention is
+// the grouped-query attention on its fused qkv), matrix products by fixed 64-row/column tiles of
 // the result (one single-threaded BLAS call each). So results do not depend on the
 // thread count.
 #pragma once

@@ -1,0 +1,264 @@
+// Host entry points of the Llama-family ops: check the arguments at once, then enqueue
+// the CUDA launcher (CudaDevice) or the CPU twin (CpuDevice) in stream order.
+#include "kernels/llama_ops.h"
+
+#include <string>
+
+#include "kernels/llama_ops_cpu.h"
+#include "kernels/llama_ops_cuda.h"
+#include "kernels/op_checks.h"
+
+namespace strata::kernels {
+
+using namespace op_checks;  // NOLINT: the argument checks of kernels/op_checks.h
+
+// RMSNorm -----------------------------------------------------------------------------
+
+Status rmsnorm_forward(Stream& stream, const RmsNormShape& shape, DType dtype, const void* x, const void* gamma, void* y,
+                       float* rstd) {
+  constexpr const char* kOp = "rmsnorm_forward";
+  if (shape.rows == 0 || shape.channels == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
+  STRATA_RETURN_IF_ERROR(check_present(x, kOp, "x"));
+  STRATA_RETURN_IF_ERROR(check_present(gamma, kOp, "gamma"));
+  STRATA_RETURN_IF_ERROR(check_present(y, kOp, "y"));
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) STRATA_OP_ON_CUDA(cuda::rmsnorm_forward(ctx.native_stream, shape, dtype, x, gamma, y, rstd));
+    cpu::rmsnorm_forward(*ctx.executor, shape, f32(x), f32(gamma), f32(y), rstd);
+    return {};
+  });
+}
+
+Status rmsnorm_backward(Stream& stream, const RmsNormShape& shape, DType dtype, const void* dy, const void* x,
+                        const void* gamma, const float* rstd, void* dx, float* dgamma, const GradOptions& options) {
+  constexpr const char* kOp = "rmsnorm_backward";
+  if (shape.rows == 0 || shape.channels == 0 || (dx == nullptr && dgamma == nullptr)) return {};
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
+  STRATA_RETURN_IF_ERROR(check_present(dy, kOp, "dy"));
+  STRATA_RETURN_IF_ERROR(check_present(x, kOp, "x"));
+  STRATA_RETURN_IF_ERROR(check_present(rstd, kOp, "rstd"));
+  if (dx != nullptr) STRATA_RETURN_IF_ERROR(check_present(gamma, kOp, "gamma"));
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(cuda::rmsnorm_backward(ctx.native_stream, shape, dtype, dy, x, gamma, rstd, dx, dgamma, options));
+    }
+    cpu::rmsnorm_backward(*ctx.executor, shape, f32(dy), f32(x), f32(gamma), rstd, f32(dx), dgamma, options);
+    return {};
+  });
+}
+
+// RoPE --------------------------------------------------------------------------------
+
+namespace {
+Status check_rope(Stream& stream, const RopeShape& shape, DType dtype, const int32_t* positions, const float* inv_freq,
+                  const void* in, const void* out, const char* op) {
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, op));
+  if (shape.head_dim % 2 != 0) {
+    return InvalidArgumentError(std::string(op) + ": head_dim must be even, got " + std::to_string(shape.head_dim));
+  }
+  const size_t width = shape.heads * shape.head_dim;
+  if (shape.row_stride != 0 && shape.row_stride < width) {
+    return InvalidArgumentError(std::string(op) + ": row_stride " + std::to_string(shape.row_stride) + " is less than heads " +
+                                std::to_string(shape.heads) + " x head_dim " + std::to_string(shape.head_dim));
+  }
+  STRATA_RETURN_IF_ERROR(check_present(positions, op, "positions"));
+  STRATA_RETURN_IF_ERROR(check_present(inv_freq, op, "inv_freq"));
+  STRATA_RETURN_IF_ERROR(check_present(in, op, "the input"));
+  return check_present(out, op, "the output");
+}
+}  // namespace
+
+Status rope_forward(Stream& stream, const RopeShape& shape, DType dtype, const int32_t* positions, const float* inv_freq,
+                    const void* x, void* y) {
+  constexpr const char* kOp = "rope_forward";
+  if (shape.rows == 0 || shape.heads == 0 || shape.head_dim == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_rope(stream, shape, dtype, positions, inv_freq, x, y, kOp));
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(cuda::rope_forward(ctx.native_stream, shape, dtype, positions, inv_freq, x, y));
+    }
+    cpu::rope_forward(*ctx.executor, shape, positions, inv_freq, f32(x), f32(y));
+    return {};
+  });
+}
+
+Status rope_backward(Stream& stream, const RopeShape& shape, DType dtype, const int32_t* positions, const float* inv_freq,
+                     const void* dy, void* dx, GradWrite input_grad) {
+  constexpr const char* kOp = "rope_backward";
+  if (shape.rows == 0 || shape.heads == 0 || shape.head_dim == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_rope(stream, shape, dtype, positions, inv_freq, dy, dx, kOp));
+  if (dx == dy && input_grad == GradWrite::kAccumulate) {
+    return InvalidArgumentError(std::string(kOp) + ": dx aliases dy, which only GradWrite::kOverwrite allows");
+  }
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(cuda::rope_backward(ctx.native_stream, shape, dtype, positions, inv_freq, dy, dx, input_grad));
+    }
+    cpu::rope_backward(*ctx.executor, shape, positions, inv_freq, f32(dy), f32(dx), input_grad);
+    return {};
+  });
+}
+
+// SwiGLU ------------------------------------------------------------------------------
+
+Status swiglu_forward(Stream& stream, DType dtype, const void* gate, const void* up, void* out, size_t count) {
+  constexpr const char* kOp = "swiglu_forward";
+  if (count == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
+  STRATA_RETURN_IF_ERROR(check_present(gate, kOp, "gate"));
+  STRATA_RETURN_IF_ERROR(check_present(up, kOp, "up"));
+  STRATA_RETURN_IF_ERROR(check_present(out, kOp, "out"));
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) STRATA_OP_ON_CUDA(cuda::swiglu_forward(ctx.native_stream, dtype, gate, up, out, count));
+    cpu::swiglu_forward(*ctx.executor, f32(gate), f32(up), f32(out), count);
+    return {};
+  });
+}
+
+Status swiglu_backward(Stream& stream, DType dtype, const void* dout, const void* gate, const void* up, void* dgate,
+                       void* dup, size_t count, GradWrite input_grad) {
+  constexpr const char* kOp = "swiglu_backward";
+  if (count == 0 || (dgate == nullptr && dup == nullptr)) return {};
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
+  STRATA_RETURN_IF_ERROR(check_present(dout, kOp, "dout"));
+  STRATA_RETURN_IF_ERROR(check_present(gate, kOp, "gate"));
+  STRATA_RETURN_IF_ERROR(check_present(up, kOp, "up"));
+  for (const void* grad : {dgate, dup}) {
+    if (grad != nullptr && (grad == gate || grad == up || grad == dout || dgate == dup)) {
+      return InvalidArgumentError(std::string(kOp) + ": dgate and dup may not alias gate, up, dout or each other");
+    }
+  }
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(cuda::swiglu_backward(ctx.native_stream, dtype, dout, gate, up, dgate, dup, count, input_grad));
+    }
+    cpu::swiglu_backward(*ctx.executor, f32(dout), f32(gate), f32(up), f32(dgate), f32(dup), count, input_grad);
+    return {};
+  });
+}
+
+// Grouped-query attention -------------------------------------------------------------
+
+namespace {
+
+size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// The shape with every stride spelled out (0 = dense).
+GqaAttentionShape with_strides(GqaAttentionShape shape) {
+  if (shape.q_stride == 0) shape.q_stride = shape.heads * shape.head_dim;
+  if (shape.k_stride == 0) shape.k_stride = shape.kv_heads * shape.head_dim;
+  if (shape.v_stride == 0) shape.v_stride = shape.kv_heads * shape.head_dim;
+  return shape;
+}
+
+Status check_gqa_attention(Stream& stream, BlasContext& blas, const GqaAttentionShape& shape, DType dtype,
+                           const void* workspace, size_t workspace_bytes, const char* op) {
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, op));
+  STRATA_RETURN_IF_ERROR(check_blas(stream, blas, op));
+  if (shape.kv_heads == 0 || shape.heads % shape.kv_heads != 0) {
+    return InvalidArgumentError(std::string(op) + ": heads " + std::to_string(shape.heads) +
+                                " is not a multiple of kv_heads " + std::to_string(shape.kv_heads));
+  }
+  const struct {
+    const char* name;
+    size_t stride;
+    size_t width;
+  } rows[] = {{"q_stride", shape.q_stride, shape.heads * shape.head_dim},
+              {"k_stride", shape.k_stride, shape.kv_heads * shape.head_dim},
+              {"v_stride", shape.v_stride, shape.kv_heads * shape.head_dim}};
+  for (const auto& row : rows) {
+    if (row.stride != 0 && row.stride < row.width) {
+      return InvalidArgumentError(std::string(op) + ": " + row.name + " " + std::to_string(row.stride) +
+                                  " is less than the row's width " + std::to_string(row.width));
+    }
+  }
+  const size_t needed = gqa_attention_workspace_bytes(shape, dtype, stream.device().kind());
+  if (workspace_bytes < needed || (needed > 0 && workspace == nullptr)) {
+    return InvalidArgumentError(std::string(op) + ": the workspace has " + std::to_string(workspace_bytes) +
+                                " bytes, gqa_attention_workspace_bytes() asks " + std::to_string(needed) + " for heads " +
+                                std::to_string(shape.heads) + " x seq_len " + std::to_string(shape.seq_len) + " on " +
+                                stream.device().description());
+  }
+  return {};
+}
+
+bool nothing_to_attend(const GqaAttentionShape& shape) {
+  return shape.batch == 0 || shape.seq_len == 0 || shape.heads == 0 || shape.head_dim == 0;
+}
+
+}  // namespace
+
+GqaAttentionShape gqa_shape_of_fused_qkv(const AttentionShape& shape) {
+  const size_t row = 3 * shape.heads * shape.head_dim;
+  return GqaAttentionShape{.batch = shape.batch,
+                           .seq_len = shape.seq_len,
+                           .heads = shape.heads,
+                           .kv_heads = shape.heads,
+                           .head_dim = shape.head_dim,
+                           .q_stride = row,
+                           .k_stride = row,
+                           .v_stride = row};
+}
+
+size_t gqa_attention_workspace_bytes(const GqaAttentionShape& shape, DType dtype, DeviceKind kind) {
+  if (kind == DeviceKind::kCpu) return 0;
+  // Per batch element: fp32 scores, then dtype probabilities (each start 256-byte
+  // aligned); with grouped KV heads, fp32 accumulators for dk and dv as well, so the
+  // sum over a group's query heads is rounded to dtype once.
+  const size_t square = shape.heads * shape.seq_len * shape.seq_len;
+  size_t bytes = round_up_256(square * sizeof(float)) + round_up_256(square * dtype_size(dtype));
+  if (shape.kv_heads != 0 && shape.kv_heads < shape.heads) {
+    bytes += 2 * round_up_256(shape.seq_len * shape.kv_heads * shape.head_dim * sizeof(float));
+  }
+  return bytes;
+}
+
+Status gqa_attention_forward(Stream& stream, BlasContext& blas, const GqaAttentionShape& shape, DType dtype, const void* q,
+                             const void* k, const void* v, void* out, float* lse, void* workspace,
+                             size_t workspace_bytes) {
+  constexpr const char* kOp = "gqa_attention_forward";
+  if (nothing_to_attend(shape)) return {};
+  STRATA_RETURN_IF_ERROR(check_gqa_attention(stream, blas, shape, dtype, workspace, workspace_bytes, kOp));
+  for (const auto& [pointer, name] : {std::pair<const void*, const char*>{q, "q"}, {k, "k"}, {v, "v"}, {out, "out"}, {lse, "lse"}}) {
+    STRATA_RETURN_IF_ERROR(check_present(pointer, kOp, name));
+  }
+  const GqaAttentionShape strided = with_strides(shape);
+  BlasContext* context = &blas;
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(
+          cuda::gqa_attention_forward(ctx.native_stream, *context, strided, dtype, q, k, v, out, lse, workspace));
+    }
+    (void)context;
+    (void)workspace;
+    cpu::gqa_attention_forward(*ctx.executor, strided, f32(q), f32(k), f32(v), f32(out), lse);
+    return {};
+  });
+}
+
+Status gqa_attention_backward(Stream& stream, BlasContext& blas, const GqaAttentionShape& shape, DType dtype,
+                              const void* dout, const void* q, const void* k, const void* v, const float* lse, void* dq,
+                              void* dk, void* dv, void* workspace, size_t workspace_bytes, GradWrite input_grad) {
+  constexpr const char* kOp = "gqa_attention_backward";
+  if (nothing_to_attend(shape)) return {};
+  STRATA_RETURN_IF_ERROR(check_gqa_attention(stream, blas, shape, dtype, workspace, workspace_bytes, kOp));
+  for (const auto& [pointer, name] : {std::pair<const void*, const char*>{dout, "dout"}, {q, "q"}, {k, "k"}, {v, "v"},
+                                      {lse, "lse"}, {dq, "dq"}, {dk, "dk"}, {dv, "dv"}}) {
+    STRATA_RETURN_IF_ERROR(check_present(pointer, kOp, name));
+  }
+  const GqaAttentionShape strided = with_strides(shape);
+  BlasContext* context = &blas;
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(cuda::gqa_attention_backward(ctx.native_stream, *context, strided, dtype, dout, q, k, v, lse, dq,
+                                                     dk, dv, workspace, input_grad));
+    }
+    (void)context;
+    (void)workspace;
+    cpu::gqa_attention_backward(*ctx.executor, strided, f32(dout), f32(q), f32(k), f32(v), lse, f32(dq), f32(dk), f32(dv),
+                                input_grad);
+    return {};
+  });
+}
+
+}  // namespace strata::kernels
