@@ -57,6 +57,7 @@
 // another dtype are cast into fp32 scratch after each gather.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <map>

@@ -200,52 +200,58 @@ Status write_batch(const std::string& path, const Batch& batch, int64_t sequence
 
 TEST(LlamaModelTest, LossAndEveryGradientMatchAFloat64PyTorchLlama) {
   if (!fs::exists("/usr/bin/python3")) GTEST_SKIP() << "/usr/bin/python3 is not installed";
-  for (const Case& c : reference_cases()) {
+  testing::TempDir dir;
+  const std::vector<Case> cases = reference_cases();
+  std::string case_dirs;
+  std::vector<LlamaConfig> configs;
+  for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    testing::TempDir dir;
-    const std::string config_path = (dir.path() / "config.json").string();
+    const fs::path case_dir = dir.path() / c.name;
+    fs::create_directories(case_dir);
+    case_dirs.append(" ").append(case_dir.string());
+    const std::string config_path = (case_dir / "config.json").string();
     std::ofstream(config_path) << c.config.dump(1);
-    STRATA_ASSERT_OK_AND_ASSIGN(LlamaConfig config, read_llama_config(config_path));
+    STRATA_ASSERT_OK_AND_ASSIGN(LlamaConfig config, read_llama_config(case_dir.string()));
+    configs.push_back(config);
     const LlamaModelOptions options = tiny_options(config, ActivationCheckpointing::kDevice);
     SingleRank rank;
     STRATA_ASSERT_OK(rank.init(options, fp32_engine_options()));
     const VocabChunks chunks = rank.model->activation_plan().chunks;
     ASSERT_EQ(chunks.count, 4);
     STRATA_ASSERT_OK_AND_ASSIGN(auto masters, rank.masters());
-    const std::string model_path = (dir.path() / "model.safetensors").string();
-    STRATA_ASSERT_OK(write_tensors(model_path, config, to_hf(*rank.engine, options, chunks, masters)));
+    STRATA_ASSERT_OK(write_tensors((case_dir / "model.safetensors").string(), config, to_hf(*rank.engine, options, chunks, masters)));
 
     const Batch batch = make_batch(config.vocab_size, 3, 11, 17);
     STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses losses, rank.gradients(batch, 3));
     ASSERT_EQ(losses.train_tokens, 3 * 11 - 2);
     const double loss = losses.train_loss_sum / double(losses.train_tokens);
     EXPECT_NEAR(loss, std::log(double(config.vocab_size)), 0.1);  // N(0, 0.02) weights predict nearly uniformly
-    const std::string batch_path = (dir.path() / "batch.safetensors").string();
-    STRATA_ASSERT_OK(write_batch(batch_path, batch, 3, 11));
+    STRATA_ASSERT_OK(write_batch((case_dir / "batch.safetensors").string(), batch, 3, 11));
     char loss_text[64];
     std::snprintf(loss_text, sizeof(loss_text), "%.17g", loss);
     const auto& captured = rank.model->captured_gradients();
     ASSERT_EQ(captured.size(), size_t(rank.engine->group_count()));
-    const std::string grads_path = (dir.path() / "grads.safetensors").string();
-    STRATA_ASSERT_OK(write_tensors(grads_path, config, to_hf(*rank.engine, options, chunks, captured), {{"loss", loss_text}}));
+    STRATA_ASSERT_OK(
+        write_tensors((case_dir / "grads.safetensors").string(), config, to_hf(*rank.engine, options, chunks, captured), {{"loss", loss_text}}));
+  }
 
-    const std::string report_path = (dir.path() / "report.json").string();
-    const std::string log_path = (dir.path() / "reference.log").string();
-    const std::string command = "/usr/bin/python3 " + (testing::source_dir() / "tests/examples/llama_reference.py").string() + " --model " +
-                                model_path + " --config " + config_path + " --batch " + batch_path + " --grads " + grads_path + " --out " +
-                                report_path + " > " + log_path + " 2>&1";
-    const int status = std::system(command.c_str());
-    std::ifstream log_file(log_path);
-    const std::string log((std::istreambuf_iterator<char>(log_file)), std::istreambuf_iterator<char>());
-    ASSERT_TRUE(WIFEXITED(status)) << command;
-    if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "PyTorch is not available to /usr/bin/python3: " << log;
-    ASSERT_EQ(WEXITSTATUS(status), 0) << command << "\n" << log;
-    std::cout << c.name << ": llama_reference.py: " << log;
-    std::ifstream report_file(report_path);
+  const std::string log_path = (dir.path() / "reference.log").string();
+  const std::string command = "/usr/bin/python3 " + (testing::source_dir() / "tests/examples/llama_reference.py").string() + case_dirs + " > " +
+                              log_path + " 2>&1";
+  const int status = std::system(command.c_str());
+  std::ifstream log_file(log_path);
+  const std::string log((std::istreambuf_iterator<char>(log_file)), std::istreambuf_iterator<char>());
+  ASSERT_TRUE(WIFEXITED(status)) << command;
+  if (WEXITSTATUS(status) == 77) GTEST_SKIP() << "PyTorch is not available to /usr/bin/python3: " << log;
+  ASSERT_EQ(WEXITSTATUS(status), 0) << command << "\n" << log;
+  std::cout << "llama_reference.py:\n" << log;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(cases[i].name);
+    std::ifstream report_file(dir.path() / cases[i].name / "report.json");
     const nlohmann::json report = nlohmann::json::parse(report_file);
     EXPECT_LT(report["loss_relative_error"].get<double>(), 1e-5) << report.dump(1);
     EXPECT_TRUE(report["missing"].empty()) << report.dump(1);
-    ASSERT_EQ(report["gradients"].size(), llama_hf_tensors(config).size());
+    ASSERT_EQ(report["gradients"].size(), llama_hf_tensors(configs[i]).size());
     for (const auto& [name, error] : report["gradients"].items()) EXPECT_LT(error.get<double>(), 1e-5) << name;
   }
 }
@@ -287,30 +293,53 @@ TEST(LlamaModelTest, CheckpointingOnAndOffGiveBitIdenticalGradients) {
   }
 }
 
-TEST(LlamaModelTest, OneVocabularyChunkAndManyAgreeToFp32Rounding) {
-  const LlamaConfig config = tiny_config("llama", true);
-  const Batch batch = make_batch(config.vocab_size, 3, 11, 8);
-  LlamaModelOptions many = tiny_options(config, ActivationCheckpointing::kDevice);
-  LlamaModelOptions one = many;
-  one.vocab_chunk_bytes = kDefaultVocabChunkBytes;
-  one.head_chunk_rows = 0;
-  const auto [loss_many, grads_many] = run_once(many, batch, 3);
-  const auto [loss_one, grads_one] = run_once(one, batch, 3);
-  ASSERT_FALSE(grads_many.empty());
-  EXPECT_NEAR(loss_many, loss_one, 1e-6 * std::abs(loss_one));
-  // One chunk: groups embed, layer 0, layer 1, norm; four chunks: embed 0..3, layers, norm.
-  ASSERT_EQ(grads_one.size(), 4u);
-  ASSERT_EQ(grads_many.size(), 7u);
-  std::vector<float> joined;
-  for (int g = 0; g < 4; ++g) joined.insert(joined.end(), grads_many.at(g).begin(), grads_many.at(g).end());
-  const std::vector<float>& whole = grads_one.at(0);
-  ASSERT_EQ(joined.size(), whole.size());
-  double diff = 0.0, norm = 0.0;
-  for (size_t i = 0; i < whole.size(); ++i) {
-    diff += (double(joined[i]) - whole[i]) * (double(joined[i]) - whole[i]);
-    norm += double(whole[i]) * whole[i];
+// Writes full Hugging Face tensors into every group's master weights (world size 1).
+Status load_hf(SingleRank& rank, const LlamaModelOptions& options, const std::map<std::string, std::vector<float>>& tensors) {
+  const VocabChunks chunks = rank.model->activation_plan().chunks;
+  for (int g = 0; g < rank.engine->group_count(); ++g) {
+    const GroupLayout& layout = rank.engine->layout(g);
+    std::vector<float> shard(layout.shard_numel, 0.0f);
+    for (const TensorLayout& t : layout.tensors) {
+      const HfTensorSlice slice = llama_tensor_source(options.config, chunks, layout.name, t.name);
+      const std::vector<float>& src = tensors.at(slice.hf_name);
+      const size_t row = src.size() / static_cast<size_t>(slice.hf_shape[0]);
+      std::copy_n(src.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(slice.row_offset) * row), t.numel,
+                  shard.begin() + static_cast<std::ptrdiff_t>(t.offset));
+    }
+    STRATA_RETURN_IF_ERROR(rank.engine->write_state_shard(g, Engine::StateKind::kMaster, shard));
   }
-  EXPECT_LT(std::sqrt(diff / norm), 1e-6);
+  return rank.engine->refresh_parameters();
+}
+
+TEST(LlamaModelTest, OneVocabularyChunkAndManyAgreeToFp32Rounding) {
+  for (bool tied : {true, false}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    const LlamaConfig config = tiny_config("llama", tied);
+    const Batch batch = make_batch(config.vocab_size, 3, 11, 8);
+    LlamaModelOptions many = tiny_options(config, ActivationCheckpointing::kDevice);
+    LlamaModelOptions one = many;
+    one.vocab_chunk_bytes = kDefaultVocabChunkBytes;
+    one.head_chunk_rows = 0;
+    SingleRank chunked, whole;
+    STRATA_ASSERT_OK(chunked.init(many, fp32_engine_options()));
+    STRATA_ASSERT_OK(whole.init(one, fp32_engine_options()));
+    STRATA_ASSERT_OK_AND_ASSIGN(auto masters, chunked.masters());
+    STRATA_ASSERT_OK(load_hf(whole, one, to_hf(*chunked.engine, many, chunked.model->activation_plan().chunks, masters)));
+    STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses a, chunked.gradients(batch, 3));
+    STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses b, whole.gradients(batch, 3));
+    EXPECT_NEAR(a.train_loss_sum, b.train_loss_sum, 1e-6 * std::abs(b.train_loss_sum));
+    const auto grads_many = to_hf(*chunked.engine, many, chunked.model->activation_plan().chunks, chunked.model->captured_gradients());
+    const auto grads_one = to_hf(*whole.engine, one, whole.model->activation_plan().chunks, whole.model->captured_gradients());
+    for (const auto& [name, want] : grads_one) {
+      const std::vector<float>& got = grads_many.at(name);
+      double diff = 0.0, norm = 0.0;
+      for (size_t i = 0; i < want.size(); ++i) {
+        diff += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+        norm += double(want[i]) * want[i];
+      }
+      EXPECT_LT(std::sqrt(diff / norm), 1e-6) << name;
+    }
+  }
 }
 
 TEST(LlamaModelTest, NullPositionsMeanZeroToSeqLenInEverySequence) {

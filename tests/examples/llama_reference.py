@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """The Llama-family forward and backward in plain PyTorch, for tests/examples/llama_model_test.cpp.
 
-Reads a model (Hugging Face names: model.embed_tokens.weight, model.layers.{i}.self_attn.
+For each case directory (one process for all: importing torch is the slow part), reads a model (Hugging Face names: model.embed_tokens.weight, model.layers.{i}.self_attn.
 {q,k,v,o}_proj.{weight,bias}, mlp.{gate,up,down}_proj.*, input_layernorm / post_attention_
 layernorm / model.norm weights, lm_head.weight when untied), its Hugging Face config.json, a
 batch (inputs, targets with -1 = no loss, positions) and Strata's loss and gradients, all
@@ -146,20 +146,13 @@ def relative_error(got, want):
     return diff / norm if norm > 0 else diff
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", required=True, help="model.safetensors (Hugging Face Llama names)")
-    parser.add_argument("--config", required=True, help="the model's config.json")
-    parser.add_argument("--batch", required=True, help="safetensors with I32 'inputs', 'targets', 'positions' [batch, seq_len]")
-    parser.add_argument("--grads", required=True, help="Strata's gradients, same names as the model; metadata 'loss'")
-    parser.add_argument("--out", required=True, help="the JSON report")
-    args = parser.parse_args()
-
-    with open(args.config) as f:
+def check_case(directory):
+    """One case directory: model.safetensors, config.json, batch.safetensors, grads.safetensors -> report.json."""
+    with open(f"{directory}/config.json") as f:
         config = json.load(f)
-    model, _ = read_safetensors(args.model)
-    batch, _ = read_safetensors(args.batch)
-    grads, grads_meta = read_safetensors(args.grads)
+    model, _ = read_safetensors(f"{directory}/model.safetensors")
+    batch, _ = read_safetensors(f"{directory}/batch.safetensors")
+    grads, grads_meta = read_safetensors(f"{directory}/grads.safetensors")
 
     params = {name: tensor.to(torch.float64).requires_grad_(True) for name, tensor in model.items()}
     loss = llama_loss(params, config, batch["inputs"].long(), batch["targets"], batch["positions"].long())
@@ -178,10 +171,23 @@ def main():
             report["missing"].append(name)
             continue
         report["gradients"][name] = relative_error(grads[name].to(torch.float64), param.grad)
-    with open(args.out, "w") as f:
+    with open(f"{directory}/report.json", "w") as f:
         json.dump(report, f, indent=1)
     worst = max(report["gradients"].items(), key=lambda item: item[1]) if report["gradients"] else ("-", float("nan"))
-    print(f"loss torch {loss.item():.8f} strata {strata_loss:.8f}; worst gradient relative error {worst[1]:.3e} ({worst[0]})")
+    print(f"{directory}: loss torch {loss.item():.8f} strata {strata_loss:.8f}; "
+          f"worst gradient relative error {worst[1]:.3e} ({worst[0]})")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("cases", nargs="+",
+                        help="directories, each with model.safetensors (Hugging Face Llama names), config.json, "
+                             "batch.safetensors (I32 'inputs', 'targets', 'positions' [batch, seq_len]) and "
+                             "grads.safetensors (Strata's gradients, the model's names, metadata 'loss'); "
+                             "the report goes to report.json there")
+    args = parser.parse_args()
+    for directory in args.cases:
+        check_case(directory)
     return 0
 
 
