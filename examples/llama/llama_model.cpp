@@ -1,0 +1,921 @@
+#include "examples/llama/llama_model.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <iomanip>
+#include <sstream>
+
+#include "kernels/cast.h"
+#include "kernels/llama_ops.h"
+#include "kernels/transformer_ops.h"
+
+namespace strata::llama {
+namespace {
+
+constexpr size_t kSubBufferAlignment = 256;
+// cuBLAS's workspace: 4 MiB serves GEMMs of this size class; it comes out of the device budget.
+constexpr size_t kCudaBlasWorkspaceBytes = size_t{4} << 20;
+// The LM head's logits and their gradient, each [head rows, vocabulary chunk].
+constexpr size_t kHeadLogitsTargetBytes = size_t{32} << 20;
+
+size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+std::string bytes_text(size_t bytes) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1);
+  if (bytes >= (size_t{1} << 30)) out << double(bytes) / double(size_t{1} << 30) << " GiB";
+  else if (bytes >= (size_t{1} << 20)) out << double(bytes) / double(size_t{1} << 20) << " MiB";
+  else if (bytes >= 1024) out << double(bytes) / 1024.0 << " KiB";
+  else out << bytes << " B";
+  return out.str();
+}
+
+// What the device's allocator reserves for a request of `bytes` (as GptModel's plan).
+size_t device_reservation(size_t bytes, DeviceKind kind) {
+  if (bytes == 0) return 0;
+  if (kind == DeviceKind::kCpu) return round_up(bytes, bytes >= (size_t{1} << 20) ? 4096 : 256);
+  constexpr size_t kMinBlock = 512;
+  constexpr size_t kMaxGranule = size_t{2} << 20;
+  if (bytes <= kMinBlock) return kMinBlock;
+  const size_t granule = std::clamp(std::bit_floor(bytes) / 8, kMinBlock, kMaxGranule);
+  return round_up(bytes, granule);
+}
+
+DType compute_dtype_for(DType param_dtype, DeviceKind device) {
+  return device == DeviceKind::kCuda && param_dtype == DType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+}
+
+// Where each tensor of a block sits in its group (registration order); -1 = absent.
+struct BlockIndex {
+  int q = -1, q_bias = -1, k = -1, k_bias = -1, v = -1, v_bias = -1, o = -1, o_bias = -1;
+  int gate = -1, gate_bias = -1, up = -1, up_bias = -1, down = -1, down_bias = -1;
+  int input_norm = -1, post_norm = -1;
+};
+
+// The block's tensors in Hugging Face's module order (self_attn, mlp, the two norms).
+std::vector<TensorSpec> block_tensors(const LlamaConfig& c, BlockIndex* index) {
+  const int64_t H = c.hidden_size, I = c.intermediate_size;
+  const int64_t q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
+  const float std_dev = static_cast<float>(c.initializer_range);
+  std::vector<TensorSpec> t;
+  BlockIndex ix;
+  auto add = [&](int* slot, std::string name, std::vector<int64_t> shape, TensorInit init, bool decay) {
+    *slot = static_cast<int>(t.size());
+    t.push_back({std::move(name), std::move(shape), init, decay});
+  };
+  auto linear = [&](int* weight, int* bias, const std::string& name, int64_t out, int64_t in, bool with_bias) {
+    add(weight, name + ".weight", {out, in}, TensorInit::normal(std_dev), true);
+    if (with_bias) add(bias, name + ".bias", {out}, TensorInit::zeros(), false);
+  };
+  linear(&ix.q, &ix.q_bias, "self_attn.q_proj", q, H, c.qkv_bias);
+  linear(&ix.k, &ix.k_bias, "self_attn.k_proj", kv, H, c.qkv_bias);
+  linear(&ix.v, &ix.v_bias, "self_attn.v_proj", kv, H, c.qkv_bias);
+  linear(&ix.o, &ix.o_bias, "self_attn.o_proj", H, q, c.o_proj_bias);
+  linear(&ix.gate, &ix.gate_bias, "mlp.gate_proj", I, H, c.mlp_bias);
+  linear(&ix.up, &ix.up_bias, "mlp.up_proj", I, H, c.mlp_bias);
+  linear(&ix.down, &ix.down_bias, "mlp.down_proj", H, I, c.mlp_bias);
+  add(&ix.input_norm, "input_layernorm.weight", {H}, TensorInit::ones(), false);
+  add(&ix.post_norm, "post_attention_layernorm.weight", {H}, TensorInit::ones(), false);
+  if (index != nullptr) *index = ix;
+  return t;
+}
+
+std::string embed_group_name(int64_t chunk) { return "model.embed_tokens." + std::to_string(chunk); }
+std::string head_group_name(int64_t chunk) { return "lm_head." + std::to_string(chunk); }
+std::string layer_group_name(int64_t layer) { return "model.layers." + std::to_string(layer); }
+constexpr const char* kNormGroupName = "model.norm";
+
+// "<prefix>.<chunk>" -> chunk, or -1.
+int64_t chunk_of(std::string_view group, std::string_view prefix) {
+  if (group.size() <= prefix.size() + 1 || group.substr(0, prefix.size()) != prefix || group[prefix.size()] != '.') return -1;
+  int64_t value = 0;
+  for (char ch : group.substr(prefix.size() + 1)) {
+    if (ch < '0' || ch > '9') return -1;
+    value = value * 10 + (ch - '0');
+  }
+  return value;
+}
+
+}  // namespace
+
+// =====================================================================================
+// Chunks, groups, names
+// =====================================================================================
+
+VocabChunks vocab_chunks(const LlamaConfig& c, size_t chunk_bytes) {
+  VocabChunks chunks;
+  const int64_t row_bytes = std::max<int64_t>(c.hidden_size, 1) * 4;
+  chunks.rows_per_chunk = std::clamp<int64_t>(static_cast<int64_t>(chunk_bytes) / row_bytes, 1, std::max<int64_t>(c.vocab_size, 1));
+  chunks.count = (c.vocab_size + chunks.rows_per_chunk - 1) / chunks.rows_per_chunk;
+  return chunks;
+}
+
+LlamaGroups llama_groups(const LlamaConfig& c, const VocabChunks& chunks) {
+  return LlamaGroups{c.num_hidden_layers, chunks.count, c.tie_word_embeddings};
+}
+
+std::vector<GroupSpec> llama_group_specs(const LlamaConfig& c, const VocabChunks& chunks) {
+  const float std_dev = static_cast<float>(c.initializer_range);
+  std::vector<GroupSpec> groups;
+  for (int64_t k = 0; k < chunks.count; ++k)
+    groups.push_back({embed_group_name(k), {{"weight", {chunks.rows(k, c.vocab_size), c.hidden_size}, TensorInit::normal(std_dev), false}}});
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) groups.push_back({layer_group_name(l), block_tensors(c, nullptr)});
+  groups.push_back({kNormGroupName, {{"weight", {c.hidden_size}, TensorInit::ones(), false}}});
+  if (!c.tie_word_embeddings)
+    for (int64_t k = 0; k < chunks.count; ++k)
+      groups.push_back({head_group_name(k), {{"weight", {chunks.rows(k, c.vocab_size), c.hidden_size}, TensorInit::normal(std_dev), false}}});
+  return groups;
+}
+
+std::vector<int> llama_forward_order(const LlamaConfig& c, const VocabChunks& chunks) {
+  const LlamaGroups g = llama_groups(c, chunks);
+  std::vector<int> uses;
+  for (int64_t k = 0; k < g.chunks; ++k) uses.push_back(g.embed(k));
+  for (int64_t l = 0; l < g.layers; ++l) uses.push_back(g.layer(l));
+  uses.push_back(g.norm());
+  for (int64_t k = 0; k < g.chunks; ++k) uses.push_back(g.head(k));  // pass 1: the loss
+  return uses;
+}
+
+std::vector<int> llama_schedule(const LlamaConfig& c, const VocabChunks& chunks) {
+  const LlamaGroups g = llama_groups(c, chunks);
+  std::vector<int> uses = llama_forward_order(c, chunks);
+  for (int64_t k = 0; k < g.chunks; ++k) uses.push_back(g.head(k));  // pass 2: the input gradient
+  for (int64_t l = g.layers - 1; l >= 0; --l) uses.push_back(g.layer(l));
+  if (g.tied)
+    for (int64_t k = 0; k < g.chunks; ++k) uses.push_back(g.embed(k));  // pass 3: the weight gradient
+  return uses;
+}
+
+HfTensorSlice llama_tensor_source(const LlamaConfig& c, const VocabChunks& chunks, std::string_view group, std::string_view tensor) {
+  HfTensorSlice slice;
+  const std::vector<int64_t> table_shape{c.vocab_size, c.hidden_size};
+  for (const auto& [prefix, hf_name] : {std::pair<std::string_view, const char*>{"model.embed_tokens", "model.embed_tokens.weight"},
+                                        std::pair<std::string_view, const char*>{"lm_head", "lm_head.weight"}}) {
+    const int64_t chunk = chunk_of(group, prefix);
+    if (chunk >= 0) {
+      slice.hf_name = hf_name;
+      slice.hf_shape = table_shape;
+      slice.row_offset = chunks.first_row(chunk);
+      slice.rows = chunks.rows(chunk, c.vocab_size);
+      return slice;
+    }
+  }
+  slice.hf_name = std::string(group) + "." + std::string(tensor);
+  if (group == kNormGroupName) {
+    slice.hf_shape = {c.hidden_size};
+  } else {
+    for (const TensorSpec& t : block_tensors(c, nullptr))
+      if (t.name == tensor) slice.hf_shape = t.shape;
+  }
+  slice.rows = slice.hf_shape.empty() ? 0 : slice.hf_shape[0];
+  return slice;
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> llama_hf_tensors(const LlamaConfig& c) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  out.push_back({"model.embed_tokens.weight", {c.vocab_size, c.hidden_size}});
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    for (const TensorSpec& t : block_tensors(c, nullptr)) out.push_back({layer_group_name(l) + "." + t.name, t.shape});
+  out.push_back({"model.norm.weight", {c.hidden_size}});
+  if (!c.tie_word_embeddings) out.push_back({"lm_head.weight", {c.vocab_size, c.hidden_size}});
+  return out;
+}
+
+// =====================================================================================
+// The activation layout: one device buffer, carved into aligned sub-buffers
+// =====================================================================================
+
+namespace {
+
+// Offsets (bytes) of one block's working activations.
+struct ActsLayout {
+  size_t norm1, rstd1, q, k, v, att, lse, x2, norm2, rstd2, gate, up, act;
+};
+
+struct DeviceLayout {
+  size_t total = 0;
+  std::deque<std::pair<std::string, size_t>> lines;  // a deque: add() keeps pointers to its entries
+  int64_t rows = 0;       // token rows of the largest pass (training or evaluation)
+  int64_t head_rows = 0;  // rows per LM-head block
+  int64_t head_blocks = 0;
+  VocabChunks chunks;
+  // Inputs, per micro-batch.
+  size_t tokens = 0, positions = 0, embed_tokens = 0, chunk_targets = 0, head_targets = 0, head_stand_in_targets = 0, fix_coef = 0;
+  std::vector<size_t> resid;     // block inputs + the final residual
+  std::vector<ActsLayout> acts;  // per block (kOff) or one shared set
+  size_t dresid = 0, narrow = 0, datt = 0, dq = 0, dk = 0, dv = 0, wide = 0, wide2 = 0;
+  size_t norm_out = 0, norm_rstd = 0, norm_gamma = 0;
+  size_t logits = 0, dlogits = 0, chunk_lse = 0, chunk_losses = 0, lse_matrix = 0, identity = 0, lse_full = 0, loss_lse = 0;
+  size_t inv_freq = 0;
+  size_t embed_scratch = 0, embed_grad_scratch = 0;
+  size_t attention_workspace = 0, attention_workspace_bytes = 0;
+  size_t param_scratch = 0, param_scratch_bytes = 0;
+
+  size_t add(size_t bytes, size_t* line_total) {
+    const size_t offset = total;
+    const size_t reserved = round_up(std::max<size_t>(bytes, 1), kSubBufferAlignment);
+    total += reserved;
+    *line_total += reserved;
+    return offset;
+  }
+};
+
+Status check_options(const LlamaModelOptions& o) {
+  STRATA_RETURN_IF_ERROR(validate_llama_config(o.config));
+  if (o.seq_len < 1) return InvalidArgumentError("Llama model: seq_len must be set (>= 1), got " + std::to_string(o.seq_len));
+  STRATA_RETURN_IF_ERROR(check_sequence_length(o.config, o.seq_len));
+  if (o.batch < 1) return InvalidArgumentError("Llama model: batch must be at least 1 sequence per rank, got " + std::to_string(o.batch));
+  if (o.eval_batch < 0) return InvalidArgumentError("Llama model: eval_batch must be >= 0");
+  if (o.head_chunk_rows < 0) return InvalidArgumentError("Llama model: head_chunk_rows must be >= 0");
+  if (o.vocab_chunk_bytes < static_cast<size_t>(o.config.hidden_size) * 4)
+    return InvalidArgumentError("Llama model: vocab_chunk_bytes (" + std::to_string(o.vocab_chunk_bytes) + ") is less than one fp32 embedding row (" +
+                                std::to_string(o.config.hidden_size * 4) + " bytes)");
+  if (o.checkpointing == ActivationCheckpointing::kPinnedHost)
+    return UnimplementedError("Llama model: activation checkpointing to pinned host memory is not implemented; use \"device\" or \"off\"");
+  return {};
+}
+
+StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) {
+  STRATA_RETURN_IF_ERROR(check_options(o));
+  const LlamaConfig& c = o.config;
+  const DType compute = compute_dtype_for(o.param_dtype, kind);
+  const size_t cs = dtype_size(compute);
+  const size_t H = static_cast<size_t>(c.hidden_size), I = static_cast<size_t>(c.intermediate_size);
+  const size_t D = static_cast<size_t>(c.head_dim), NH = static_cast<size_t>(c.num_attention_heads);
+  const size_t QD = NH * D, KVD = static_cast<size_t>(c.num_key_value_heads) * D;
+  const size_t L = static_cast<size_t>(c.num_hidden_layers), T = static_cast<size_t>(o.seq_len);
+
+  DeviceLayout d;
+  d.chunks = vocab_chunks(c, o.vocab_chunk_bytes);
+  const size_t E = static_cast<size_t>(d.chunks.count), VC = static_cast<size_t>(d.chunks.rows_per_chunk);
+  const int64_t sequences = std::max(o.batch, o.eval_batch);
+  d.rows = sequences * o.seq_len;
+  const size_t rows = static_cast<size_t>(d.rows);
+  int64_t head_rows = o.head_chunk_rows;
+  if (head_rows == 0) head_rows = static_cast<int64_t>(std::max<size_t>(1, kHeadLogitsTargetBytes / (VC * cs)));
+  d.head_rows = std::min<int64_t>(head_rows, d.rows);
+  d.head_blocks = (d.rows + d.head_rows - 1) / d.head_rows;
+  const size_t R = static_cast<size_t>(d.head_rows), NB = static_cast<size_t>(d.head_blocks);
+
+  auto line = [&](const std::string& what) -> size_t* {
+    d.lines.emplace_back(what, 0);
+    return &d.lines.back().second;
+  };
+  size_t* l_inputs = line("token ids, positions and per-chunk targets");
+  d.tokens = d.add(rows * 4, l_inputs);
+  d.positions = d.add(rows * 4, l_inputs);
+  d.embed_tokens = d.add(E * rows * 4, l_inputs);
+  d.chunk_targets = d.add(rows * 4, l_inputs);
+  d.head_targets = d.add(E * rows * 4, l_inputs);
+  d.head_stand_in_targets = d.add(E * rows * 4, l_inputs);
+  d.fix_coef = d.add(E * rows * cs, l_inputs);
+  d.inv_freq = d.add(D / 2 * 4, l_inputs);
+
+  size_t* l_resid = line("block inputs (" + std::to_string(L) + " + the final residual)");
+  for (size_t i = 0; i < L + 1; ++i) d.resid.push_back(d.add(rows * H * cs, l_resid));
+  const bool keep_all = o.checkpointing == ActivationCheckpointing::kOff;
+  const size_t act_sets = keep_all ? L : 1;
+  size_t* l_acts = line(keep_all ? "block activations (" + std::to_string(act_sets) + " sets)" : "block activations (1 set, recomputed in backward)");
+  for (size_t s = 0; s < act_sets; ++s) {
+    ActsLayout a{};
+    a.norm1 = d.add(rows * H * cs, l_acts);
+    a.rstd1 = d.add(rows * 4, l_acts);
+    a.q = d.add(rows * QD * cs, l_acts);
+    a.k = d.add(rows * KVD * cs, l_acts);
+    a.v = d.add(rows * KVD * cs, l_acts);
+    a.att = d.add(rows * QD * cs, l_acts);
+    a.lse = d.add(rows * NH * 4, l_acts);
+    a.x2 = d.add(rows * H * cs, l_acts);
+    a.norm2 = d.add(rows * H * cs, l_acts);
+    a.rstd2 = d.add(rows * 4, l_acts);
+    a.gate = d.add(rows * I * cs, l_acts);
+    a.up = d.add(rows * I * cs, l_acts);
+    a.act = d.add(rows * I * cs, l_acts);
+    d.acts.push_back(a);
+  }
+  size_t* l_grads = line("activation gradients");
+  d.dresid = d.add(rows * H * cs, l_grads);
+  d.narrow = d.add(rows * H * cs, l_grads);
+  d.datt = d.add(rows * QD * cs, l_grads);
+  d.dq = d.add(rows * QD * cs, l_grads);
+  d.dk = d.add(rows * KVD * cs, l_grads);
+  d.dv = d.add(rows * KVD * cs, l_grads);
+  d.wide = d.add(rows * I * cs, l_grads);
+  d.wide2 = d.add(rows * I * cs, l_grads);
+  size_t* l_head = line("norm and LM head (" + std::to_string(R) + "-row blocks x " + std::to_string(VC) + "-row vocabulary chunks, " +
+                        std::to_string(E) + " chunks)");
+  d.norm_out = d.add(rows * H * cs, l_head);
+  d.norm_rstd = d.add(rows * 4, l_head);
+  d.norm_gamma = d.add(H * cs, l_head);
+  d.logits = d.add(R * VC * cs, l_head);
+  d.dlogits = d.add(R * VC * cs, l_head);
+  d.chunk_lse = d.add(NB * E * R * 4, l_head);
+  d.chunk_losses = d.add(E * rows * 4, l_head);
+  d.lse_matrix = d.add(R * E * 4, l_head);
+  d.identity = d.add(R * R * 4, l_head);
+  d.lse_full = d.add(rows * 4, l_head);
+  d.loss_lse = d.add(rows * 4, l_head);
+  size_t* l_embed = line("embedding chunk (+ a zero row) and its fp32 gradient");
+  d.embed_scratch = d.add((VC + 1) * H * cs, l_embed);
+  d.embed_grad_scratch = d.add((VC + 1) * H * 4, l_embed);
+  {
+    kernels::GqaAttentionShape shape{static_cast<size_t>(sequences), T, NH, static_cast<size_t>(c.num_key_value_heads), D, 0, 0, 0};
+    d.attention_workspace_bytes = kernels::gqa_attention_workspace_bytes(shape, compute, kind);
+    if (d.attention_workspace_bytes > 0) d.attention_workspace = d.add(d.attention_workspace_bytes, line("attention workspace"));
+  }
+  if (o.param_dtype != compute) {
+    size_t max_numel = 0;
+    for (const auto& spec : llama_group_specs(c, d.chunks)) {
+      STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, 1));
+      max_numel = std::max(max_numel, layout.numel);
+    }
+    d.param_scratch_bytes = max_numel * cs;
+    d.param_scratch = d.add(d.param_scratch_bytes, line(std::string(dtype_name(compute)) + " copy of the gathered group (parameters are " +
+                                                        std::string(dtype_name(o.param_dtype)) + ")"));
+  }
+  return d;
+}
+
+}  // namespace
+
+std::string LlamaActivationPlan::text() const {
+  std::ostringstream out;
+  out << "Llama activations (" << dtype_name(compute_dtype) << "): " << bytes_text(device_bytes) << " on the device\n";
+  for (const auto& [what, bytes] : lines) out << "  " << what << " = " << bytes_text(bytes) << "\n";
+  return out.str();
+}
+
+StatusOr<LlamaActivationPlan> plan_llama_activations(const LlamaModelOptions& options, DeviceKind device) {
+  STRATA_ASSIGN_OR_RETURN(DeviceLayout layout, make_layout(options, device));
+  LlamaActivationPlan plan;
+  plan.compute_dtype = compute_dtype_for(options.param_dtype, device);
+  plan.chunks = layout.chunks;
+  plan.head_rows = layout.head_rows;
+  plan.lines.assign(layout.lines.begin(), layout.lines.end());
+  plan.device_bytes = device_reservation(layout.total, device);
+  if (device == DeviceKind::kCuda) {
+    plan.device_bytes += device_reservation(kCudaBlasWorkspaceBytes, device);
+    plan.lines.emplace_back("cuBLAS workspace", kCudaBlasWorkspaceBytes);
+  }
+  return plan;
+}
+
+// =====================================================================================
+// The model
+// =====================================================================================
+
+struct LlamaModel::BlockActs {
+  void *norm1, *q, *k, *v, *att, *x2, *norm2, *gate, *up, *act;
+  float *rstd1, *lse, *rstd2;
+};
+
+// One pass's rows: how many sequences, and the loss scale.
+struct LlamaModel::Rows {
+  int64_t sequences = 0;
+  size_t count = 0;   // sequences * seq_len
+  size_t blocks = 0;  // LM-head row blocks
+  float grad_scale = 0.0f;
+};
+
+struct LlamaModel::Buffers {
+  DeviceLayout layout;
+  BlockIndex index;
+  DeviceBuffer arena;
+  // Host staging of each pass's inputs (copied from, asynchronously) and outputs.
+  std::vector<int32_t> tokens, positions, embed_tokens, chunk_targets, head_targets, stand_in_targets;
+  std::vector<std::byte> fix_coef;
+  std::vector<int32_t> targets;
+  std::vector<float> chunk_losses, loss_lse;
+
+  void* at(size_t offset) const { return static_cast<char*>(arena.data()) + offset; }
+  template <class T>
+  T* as(size_t offset) const { return static_cast<T*>(at(offset)); }
+  BlockActs acts(size_t set) const {
+    const ActsLayout& a = layout.acts[set];
+    return {at(a.norm1), at(a.q), at(a.k), at(a.v), at(a.att), at(a.x2), at(a.norm2), at(a.gate), at(a.up), at(a.act),
+            as<float>(a.rstd1), as<float>(a.lse), as<float>(a.rstd2)};
+  }
+};
+
+LlamaModel::LlamaModel(Engine& engine, const LlamaModelOptions& options, const LlamaActivationPlan& plan)
+    : engine_(engine), options_(options), plan_(plan), groups_(llama_groups(options.config, plan.chunks)) {}
+
+LlamaModel::~LlamaModel() {
+  // Buffers must not be freed while the stream still uses them; an error here was already
+  // reported by the call that enqueued the work (or is the engine's to report).
+  if (buffers_ && !buffers_->arena.empty()) (void)engine_.compute_stream().synchronize();
+}
+
+StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::create(Engine& engine, const LlamaModelOptions& options) {
+  LlamaModelOptions resolved = options;
+  if (resolved.eval_batch == 0) resolved.eval_batch = resolved.batch;
+  STRATA_ASSIGN_OR_RETURN(LlamaActivationPlan plan, plan_llama_activations(resolved, DeviceKind::kCpu));
+  std::unique_ptr<LlamaModel> model(new LlamaModel(engine, resolved, plan));
+  const auto specs = llama_group_specs(resolved.config, plan.chunks);
+  for (size_t g = 0; g < specs.size(); ++g) {
+    STRATA_ASSIGN_OR_RETURN(int id, engine.register_group(specs[g]));
+    if (id != static_cast<int>(g))
+      return FailedPreconditionError("Llama model: the engine gave group " + specs[g].name + " id " + std::to_string(id) + ", expected " +
+                                     std::to_string(g) + " (register the model's groups first)");
+  }
+  // Tied: see the header (the engine would plan a gradient buffer per embedding chunk).
+  if (!resolved.config.tie_word_embeddings) STRATA_RETURN_IF_ERROR(engine.declare_schedule(llama_schedule(resolved.config, plan.chunks)));
+  return model;
+}
+
+Status LlamaModel::allocate() {
+  if (buffers_) return FailedPreconditionError("LlamaModel::allocate() called twice");
+  Device& device = engine_.device();
+  STRATA_ASSIGN_OR_RETURN(plan_, plan_llama_activations(options_, device.kind()));
+  auto b = std::make_unique<Buffers>();
+  STRATA_ASSIGN_OR_RETURN(b->layout, make_layout(options_, device.kind()));
+  block_tensors(options_.config, &b->index);
+  kernels::BlasOptions blas_options;
+  blas_options.cuda_workspace_bytes = kCudaBlasWorkspaceBytes;
+  STRATA_ASSIGN_OR_RETURN(kernels::BlasContext blas, kernels::BlasContext::create(device, blas_options));
+  blas_ = std::make_unique<kernels::BlasContext>(std::move(blas));
+  STRATA_ASSIGN_OR_RETURN(b->arena, device.allocate(b->layout.total, "Llama activations"));
+  const DeviceLayout& d = b->layout;
+  const size_t rows = static_cast<size_t>(d.rows), E = static_cast<size_t>(d.chunks.count), R = static_cast<size_t>(d.head_rows);
+  b->tokens.resize(rows);
+  b->positions.resize(rows);
+  b->targets.resize(rows);
+  b->embed_tokens.resize(E * rows);
+  b->chunk_targets.resize(rows);
+  b->head_targets.resize(E * rows);
+  b->stand_in_targets.resize(E * rows);
+  b->fix_coef.resize(E * rows * dtype_size(plan_.compute_dtype));
+  b->chunk_losses.resize(E * rows);
+  b->loss_lse.resize(rows);
+
+  // Constants: the rotary inverse frequencies, the identity that transposes the chunks'
+  // log-sum-exps, and zeros where a partial row block leaves the chunk_lse tail unwritten
+  // (the identity's zeros multiply it).
+  Stream& stream = engine_.compute_stream();
+  const LlamaConfig& c = options_.config;
+  STRATA_ASSIGN_OR_RETURN(std::vector<float> inv_freq,
+                          kernels::rope_inverse_frequencies(static_cast<size_t>(c.head_dim), c.rope_theta, c.rope_scaling));
+  std::vector<float> identity(R * R, 0.0f);
+  for (size_t i = 0; i < R; ++i) identity[i * R + i] = 1.0f;
+  STRATA_RETURN_IF_ERROR(device.memset_async(b->at(d.chunk_lse), 0, static_cast<size_t>(d.head_blocks) * E * R * 4, stream));
+  STRATA_RETURN_IF_ERROR(device.copy_async(b->at(d.inv_freq), inv_freq.data(), inv_freq.size() * 4, CopyKind::kHostToDevice, stream));
+  STRATA_RETURN_IF_ERROR(device.copy_async(b->at(d.identity), identity.data(), identity.size() * 4, CopyKind::kHostToDevice, stream));
+  STRATA_RETURN_IF_ERROR(stream.synchronize());
+  buffers_ = std::move(b);
+  return {};
+}
+
+StatusOr<std::vector<const void*>> LlamaModel::params_of(int group, const GroupView& view) {
+  if (view.dtype != options_.param_dtype)
+    return FailedPreconditionError("Llama model: the engine gathers " + std::string(dtype_name(view.dtype)) +
+                                   " parameters but the model was planned for " + std::string(dtype_name(options_.param_dtype)) +
+                                   " (set LlamaModelOptions::param_dtype to EngineOptions::param_dtype)");
+  const GroupLayout& layout = engine_.layout(group);
+  std::vector<const void*> params;
+  params.reserve(layout.tensors.size());
+  const DType compute = plan_.compute_dtype;
+  if (view.dtype == compute) {
+    for (void* p : view.tensors) params.push_back(p);
+    return params;
+  }
+  const DeviceLayout& d = buffers_->layout;
+  if (layout.numel * dtype_size(compute) > d.param_scratch_bytes)
+    return InternalError("Llama model: parameter scratch too small for group " + layout.name);
+  void* scratch = buffers_->at(d.param_scratch);
+  STRATA_RETURN_IF_ERROR(kernels::cast(engine_.compute_stream(), view.flat, view.dtype, scratch, compute, layout.numel));
+  for (const auto& t : layout.tensors) params.push_back(static_cast<const char*>(scratch) + t.offset * dtype_size(compute));
+  return params;
+}
+
+Status LlamaModel::capture(int group, const GroupView& grads) {
+  if (!options_.capture_gradients) return {};
+  const size_t numel = engine_.layout(group).numel;
+  std::vector<float>& out = captured_[group];
+  out.assign(numel, 0.0f);
+  STRATA_RETURN_IF_ERROR(engine_.device().copy_async(out.data(), grads.flat, numel * 4, CopyKind::kDeviceToHost, engine_.compute_stream()));
+  return engine_.compute_stream().synchronize();
+}
+
+// Checks the batch and fills the device's per-pass inputs: tokens and positions, and for
+// every vocabulary chunk k the row's token in the chunk (or the chunk's zero row), the
+// target in the chunk (or -1), the stand-in target (0 when the target is elsewhere) and
+// the coefficient that takes the stand-in's gradient back.
+Status LlamaModel::stage_inputs(const TokenBatch& batch, float grad_scale, Rows& rows) {
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
+  const LlamaConfig& c = options_.config;
+  const size_t T = static_cast<size_t>(options_.seq_len);
+  const size_t n = static_cast<size_t>(batch.sequences) * T;
+  const size_t E = static_cast<size_t>(d.chunks.count);
+  const int64_t per_chunk = d.chunks.rows_per_chunk;
+  const DType dt = plan_.compute_dtype;
+  rows.sequences = batch.sequences;
+  rows.count = n;
+  rows.blocks = (n + static_cast<size_t>(d.head_rows) - 1) / static_cast<size_t>(d.head_rows);
+  rows.grad_scale = grad_scale;
+  if (batch.inputs == nullptr || batch.targets == nullptr) return InvalidArgumentError("Llama model: a batch without inputs or targets");
+  for (size_t r = 0; r < n; ++r) {
+    const int32_t token = batch.inputs[r], target = batch.targets[r];
+    if (token < 0 || token >= c.vocab_size)
+      return InvalidArgumentError("Llama model: token " + std::to_string(token) + " at sequence " + std::to_string(r / T) + ", position " +
+                                  std::to_string(r % T) + " is outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
+    if (target < -1 || target >= c.vocab_size)
+      return InvalidArgumentError("Llama model: target " + std::to_string(target) + " at sequence " + std::to_string(r / T) + ", position " +
+                                  std::to_string(r % T) + " is neither -1 (no loss) nor in the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
+    const int32_t position = batch.positions ? batch.positions[r] : static_cast<int32_t>(r % T);
+    if (position < 0)
+      return InvalidArgumentError("Llama model: position id " + std::to_string(position) + " at sequence " + std::to_string(r / T) + ", position " +
+                                  std::to_string(r % T) + " is negative");
+    b.tokens[r] = token;
+    b.targets[r] = target;
+    b.positions[r] = position;
+    const int64_t token_chunk = token / per_chunk, target_chunk = target < 0 ? -1 : target / per_chunk;
+    b.chunk_targets[r] = static_cast<int32_t>(target_chunk);
+    for (size_t k = 0; k < E; ++k) {
+      const int64_t first = d.chunks.first_row(static_cast<int64_t>(k));
+      const size_t i = k * n + r;
+      b.embed_tokens[i] = static_cast<int32_t>(token_chunk == int64_t(k) ? token - first : d.chunks.rows(int64_t(k), c.vocab_size));
+      const bool here = target_chunk == int64_t(k);
+      b.head_targets[i] = here ? static_cast<int32_t>(target - first) : -1;
+      b.stand_in_targets[i] = target < 0 ? -1 : (here ? static_cast<int32_t>(target - first) : 0);
+      store_from_float(b.fix_coef.data(), dt, i, target >= 0 && !here ? grad_scale : 0.0f);
+    }
+  }
+  Device& device = engine_.device();
+  Stream& stream = engine_.compute_stream();
+  auto up = [&](size_t offset, const void* host, size_t bytes) {
+    return device.copy_async(b.at(offset), host, bytes, CopyKind::kHostToDevice, stream);
+  };
+  STRATA_RETURN_IF_ERROR(up(d.tokens, b.tokens.data(), n * 4));
+  STRATA_RETURN_IF_ERROR(up(d.positions, b.positions.data(), n * 4));
+  STRATA_RETURN_IF_ERROR(up(d.chunk_targets, b.chunk_targets.data(), n * 4));
+  STRATA_RETURN_IF_ERROR(up(d.embed_tokens, b.embed_tokens.data(), E * n * 4));
+  STRATA_RETURN_IF_ERROR(up(d.head_targets, b.head_targets.data(), E * n * 4));
+  STRATA_RETURN_IF_ERROR(up(d.head_stand_in_targets, b.stand_in_targets.data(), E * n * 4));
+  return up(d.fix_coef, b.fix_coef.data(), E * n * dtype_size(dt));
+}
+
+// x_0 = the sum over chunks of each chunk's rows (zero for tokens of other chunks: each
+// token is in exactly one chunk, so the sum is exact).
+Status LlamaModel::embed_forward(const Rows& rows) {
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
+  Stream& stream = engine_.compute_stream();
+  Device& device = engine_.device();
+  const DType dt = plan_.compute_dtype;
+  const size_t cs = dtype_size(dt);
+  const size_t H = static_cast<size_t>(options_.config.hidden_size);
+  const size_t n = rows.count;
+  void* x0 = b.at(d.resid[0]);
+  for (int64_t k = 0; k < d.chunks.count; ++k) {
+    const int g = groups_.embed(k);
+    const size_t chunk_rows = static_cast<size_t>(d.chunks.rows(k, options_.config.vocab_size));
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
+    if (view.dtype != options_.param_dtype) STRATA_RETURN_IF_ERROR(params_of(g, view).status());  // the dtype error
+    void* table = b.at(d.embed_scratch);
+    if (view.dtype == dt) {
+      STRATA_RETURN_IF_ERROR(device.copy_async(table, view.tensors[0], chunk_rows * H * cs, CopyKind::kDeviceToDevice, stream));
+    } else {
+      STRATA_RETURN_IF_ERROR(kernels::cast(stream, view.tensors[0], view.dtype, table, dt, chunk_rows * H));
+    }
+    STRATA_RETURN_IF_ERROR(device.memset_async(static_cast<char*>(table) + chunk_rows * H * cs, 0, H * cs, stream));
+    STRATA_RETURN_IF_ERROR(engine_.release(g));
+    const kernels::EmbeddingShape shape{static_cast<size_t>(rows.sequences), static_cast<size_t>(options_.seq_len), H, chunk_rows + 1, 0};
+    void* out = k == 0 ? x0 : b.at(d.narrow);
+    STRATA_RETURN_IF_ERROR(
+        kernels::embedding_forward(stream, shape, dt, b.as<int32_t>(d.embed_tokens) + static_cast<size_t>(k) * n, table, nullptr, out));
+    if (k > 0) STRATA_RETURN_IF_ERROR(kernels::residual_forward(stream, dt, x0, out, x0, n * H));
+  }
+  return {};
+}
+
+// The embedding chunk's gradient from d x_0 (in dresid): through a scratch with the zero
+// row (which collects the other chunks' tokens), then added into the group's gradient.
+Status LlamaModel::embed_backward(int64_t chunk, float* dweight) {
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
+  Stream& stream = engine_.compute_stream();
+  const size_t H = static_cast<size_t>(options_.config.hidden_size);
+  const size_t chunk_rows = static_cast<size_t>(d.chunks.rows(chunk, options_.config.vocab_size));
+  const size_t n = static_cast<size_t>(options_.batch * options_.seq_len);
+  const kernels::EmbeddingShape shape{static_cast<size_t>(options_.batch), static_cast<size_t>(options_.seq_len), H, chunk_rows + 1, 0};
+  float* scratch = b.as<float>(d.embed_grad_scratch);
+  STRATA_RETURN_IF_ERROR(kernels::embedding_backward(stream, shape, plan_.compute_dtype, b.as<int32_t>(d.embed_tokens) + static_cast<size_t>(chunk) * n,
+                                                     b.at(d.dresid), scratch, nullptr, kernels::GradWrite::kOverwrite));
+  return kernels::residual_forward(stream, DType::kFloat32, dweight, scratch, dweight, chunk_rows * H);
+}
+
+Status LlamaModel::block_forward(const std::vector<const void*>& p, const void* x, void* y, const BlockActs& a, const Rows& rows) {
+  Stream& stream = engine_.compute_stream();
+  kernels::BlasContext& blas = *blas_;
+  const DeviceLayout& d = buffers_->layout;
+  const BlockIndex& ix = buffers_->index;
+  const LlamaConfig& c = options_.config;
+  const DType dt = plan_.compute_dtype;
+  const size_t n = rows.count, H = static_cast<size_t>(c.hidden_size), I = static_cast<size_t>(c.intermediate_size);
+  const size_t D = static_cast<size_t>(c.head_dim), NH = static_cast<size_t>(c.num_attention_heads), NKV = static_cast<size_t>(c.num_key_value_heads);
+  const size_t QD = NH * D, KVD = NKV * D;
+  auto bias = [&](int i) { return i < 0 ? nullptr : p[static_cast<size_t>(i)]; };
+  const kernels::RmsNormShape norm{n, H, static_cast<float>(c.rms_norm_eps)};
+  const int32_t* positions = buffers_->as<int32_t>(d.positions);
+  const float* inv_freq = buffers_->as<float>(d.inv_freq);
+  void* workspace = d.attention_workspace_bytes > 0 ? buffers_->at(d.attention_workspace) : nullptr;
+  using kernels::WeightLayout;
+  STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, norm, dt, x, p[ix.input_norm], a.norm1, a.rstd1));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, QD, WeightLayout::kOutIn}, dt, a.norm1, p[ix.q], bias(ix.q_bias), a.q));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, a.norm1, p[ix.k], bias(ix.k_bias), a.k));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, a.norm1, p[ix.v], bias(ix.v_bias), a.v));
+  STRATA_RETURN_IF_ERROR(kernels::rope_forward(stream, {n, NH, D, 0}, dt, positions, inv_freq, a.q, a.q));
+  STRATA_RETURN_IF_ERROR(kernels::rope_forward(stream, {n, NKV, D, 0}, dt, positions, inv_freq, a.k, a.k));
+  const kernels::GqaAttentionShape attention{static_cast<size_t>(rows.sequences), static_cast<size_t>(options_.seq_len), NH, NKV, D, 0, 0, 0};
+  STRATA_RETURN_IF_ERROR(
+      kernels::gqa_attention_forward(stream, blas, attention, dt, a.q, a.k, a.v, a.att, a.lse, workspace, d.attention_workspace_bytes));
+  // o_proj through x2 (free until the residual add).
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, QD, H, WeightLayout::kOutIn}, dt, a.att, p[ix.o], bias(ix.o_bias), a.x2));
+  STRATA_RETURN_IF_ERROR(kernels::residual_forward(stream, dt, x, a.x2, a.x2, n * H));
+  STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, norm, dt, a.x2, p[ix.post_norm], a.norm2, a.rstd2));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, a.norm2, p[ix.gate], bias(ix.gate_bias), a.gate));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, a.norm2, p[ix.up], bias(ix.up_bias), a.up));
+  STRATA_RETURN_IF_ERROR(kernels::swiglu_forward(stream, dt, a.gate, a.up, a.act, n * I));
+  if (y == nullptr) return {};  // a recompute: the block's output is not needed again
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, I, H, WeightLayout::kOutIn}, dt, a.act, p[ix.down], bias(ix.down_bias), y));
+  return kernels::residual_forward(stream, dt, y, a.x2, y, n * H);
+}
+
+Status LlamaModel::block_backward(const std::vector<const void*>& p, const std::vector<float*>& g, const void* x, const BlockActs& a,
+                                  const Rows& rows) {
+  Stream& stream = engine_.compute_stream();
+  kernels::BlasContext& blas = *blas_;
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
+  const BlockIndex& ix = b.index;
+  const LlamaConfig& c = options_.config;
+  const DType dt = plan_.compute_dtype;
+  const size_t n = rows.count, H = static_cast<size_t>(c.hidden_size), I = static_cast<size_t>(c.intermediate_size);
+  const size_t D = static_cast<size_t>(c.head_dim), NH = static_cast<size_t>(c.num_attention_heads), NKV = static_cast<size_t>(c.num_key_value_heads);
+  const size_t QD = NH * D, KVD = NKV * D;
+  auto grad = [&](int i) { return i < 0 ? nullptr : g[static_cast<size_t>(i)]; };
+  const kernels::RmsNormShape norm{n, H, static_cast<float>(c.rms_norm_eps)};
+  const int32_t* positions = b.as<int32_t>(d.positions);
+  const float* inv_freq = b.as<float>(d.inv_freq);
+  void* workspace = d.attention_workspace_bytes > 0 ? b.at(d.attention_workspace) : nullptr;
+  void* dresid = b.at(d.dresid);  // in: d loss / d block output; out: d loss / d block input
+  void* narrow = b.at(d.narrow);
+  void* wide = b.at(d.wide);
+  void* wide2 = b.at(d.wide2);
+  using kernels::WeightLayout;
+  const kernels::GradOptions fresh{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
+  const kernels::GradOptions add{kernels::GradWrite::kAccumulate, kernels::GradWrite::kAccumulate};
+  // MLP: d act, then the gate's and up's gradients (dup into act, free once down_proj's
+  // weight gradient has read it).
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, I, H, WeightLayout::kOutIn}, dt, dresid, a.act, p[ix.down], wide, g[ix.down],
+                                                  grad(ix.down_bias), fresh));
+  STRATA_RETURN_IF_ERROR(kernels::swiglu_backward(stream, dt, wide, a.gate, a.up, wide2, a.act, n * I, kernels::GradWrite::kOverwrite));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, wide2, a.norm2, p[ix.gate], narrow, g[ix.gate],
+                                                  grad(ix.gate_bias), fresh));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, a.act, a.norm2, p[ix.up], narrow, g[ix.up],
+                                                  grad(ix.up_bias), add));
+  // dresid += the post-attention norm's input gradient: now d loss / d x2.
+  STRATA_RETURN_IF_ERROR(kernels::rmsnorm_backward(stream, norm, dt, narrow, a.x2, p[ix.post_norm], a.rstd2, dresid, g[ix.post_norm], add));
+  // Attention.
+  void* datt = b.at(d.datt);
+  void* dq = b.at(d.dq);
+  void* dk = b.at(d.dk);
+  void* dv = b.at(d.dv);
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, QD, H, WeightLayout::kOutIn}, dt, dresid, a.att, p[ix.o], datt, g[ix.o],
+                                                  grad(ix.o_bias), fresh));
+  const kernels::GqaAttentionShape attention{static_cast<size_t>(rows.sequences), static_cast<size_t>(options_.seq_len), NH, NKV, D, 0, 0, 0};
+  STRATA_RETURN_IF_ERROR(kernels::gqa_attention_backward(stream, blas, attention, dt, datt, a.q, a.k, a.v, a.lse, dq, dk, dv, workspace,
+                                                         d.attention_workspace_bytes, kernels::GradWrite::kOverwrite));
+  STRATA_RETURN_IF_ERROR(kernels::rope_backward(stream, {n, NH, D, 0}, dt, positions, inv_freq, dq, dq, kernels::GradWrite::kOverwrite));
+  STRATA_RETURN_IF_ERROR(kernels::rope_backward(stream, {n, NKV, D, 0}, dt, positions, inv_freq, dk, dk, kernels::GradWrite::kOverwrite));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, QD, WeightLayout::kOutIn}, dt, dq, a.norm1, p[ix.q], narrow, g[ix.q],
+                                                  grad(ix.q_bias), fresh));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, dk, a.norm1, p[ix.k], narrow, g[ix.k],
+                                                  grad(ix.k_bias), add));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, dv, a.norm1, p[ix.v], narrow, g[ix.v],
+                                                  grad(ix.v_bias), add));
+  // dresid += the input norm's input gradient: d loss / d x.
+  return kernels::rmsnorm_backward(stream, norm, dt, narrow, x, p[ix.input_norm], a.rstd1, dresid, g[ix.input_norm], add);
+}
+
+// Pass 1, one vocabulary chunk: each row's log-sum-exp over the chunk (into chunk_lse,
+// [block][chunk][row in block]) and, in the chunk holding its target, lse_k - logit.
+Status LlamaModel::head_pass1(int64_t chunk, const void* weight, const Rows& rows) {
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
+  Stream& stream = engine_.compute_stream();
+  const DType dt = plan_.compute_dtype;
+  const size_t cs = dtype_size(dt);
+  const size_t H = static_cast<size_t>(options_.config.hidden_size);
+  const size_t V = static_cast<size_t>(d.chunks.rows(chunk, options_.config.vocab_size));
+  const size_t R = static_cast<size_t>(d.head_rows), E = static_cast<size_t>(d.chunks.count), k = static_cast<size_t>(chunk);
+  for (size_t block = 0; block < rows.blocks; ++block) {
+    const size_t r0 = block * R, n = std::min(R, rows.count - r0);
+    const void* x = static_cast<const char*>(b.at(d.norm_out)) + r0 * H * cs;
+    STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, {n, H, V, kernels::WeightLayout::kOutIn}, dt, x, weight, nullptr, b.at(d.logits)));
+    STRATA_RETURN_IF_ERROR(kernels::cross_entropy_forward(stream, {n, V, -1}, dt, b.at(d.logits), b.as<int32_t>(d.head_targets) + k * rows.count + r0,
+                                                          b.as<float>(d.chunk_losses) + k * rows.count + r0,
+                                                          b.as<float>(d.chunk_lse) + (block * E + k) * R, nullptr));
+  }
+  return {};
+}
+
+// After pass 1: per row block, the [E, rows] chunk log-sum-exps transposed to [rows, E]
+// (identity . chunk_lse^T, exact), then a cross-entropy over the chunks with the target's
+// chunk as target: lse_full = the full vocabulary's log-sum-exp, loss_lse = it minus the
+// target chunk's.
+Status LlamaModel::head_combine(const Rows& rows) {
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
+  Stream& stream = engine_.compute_stream();
+  const size_t R = static_cast<size_t>(d.head_rows), E = static_cast<size_t>(d.chunks.count);
+  for (size_t block = 0; block < rows.blocks; ++block) {
+    const size_t r0 = block * R, n = std::min(R, rows.count - r0);
+    STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, {n, R, E, kernels::WeightLayout::kOutIn}, DType::kFloat32, b.at(d.identity),
+                                                   b.at(d.chunk_lse + block * E * R * 4), nullptr, b.at(d.lse_matrix)));
+    STRATA_RETURN_IF_ERROR(kernels::cross_entropy_forward(stream, {n, E, -1}, DType::kFloat32, b.at(d.lse_matrix), b.as<int32_t>(d.chunk_targets) + r0,
+                                                          b.as<float>(d.loss_lse) + r0, b.as<float>(d.lse_full) + r0, nullptr));
+  }
+  return {};
+}
+
+// Pass 2 (and the tied pass 3), one vocabulary chunk: dlogits = grad_scale (softmax -
+// onehot) with the full log-sum-exp; dx (+)= dlogits . W_k and/or dW_k += dlogits^T . x.
+// A row whose target is in another chunk had the stand-in target 0 (its -grad_scale at
+// column 0), taken back by the rank-1 product with fix_coef (grad_scale on those rows).
+Status LlamaModel::head_pass2(int64_t chunk, const void* weight, float* dweight, void* dx, const Rows& rows) {
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
+  Stream& stream = engine_.compute_stream();
+  const DType dt = plan_.compute_dtype;
+  const size_t cs = dtype_size(dt);
+  const size_t H = static_cast<size_t>(options_.config.hidden_size);
+  const size_t V = static_cast<size_t>(d.chunks.rows(chunk, options_.config.vocab_size));
+  const size_t R = static_cast<size_t>(d.head_rows), k = static_cast<size_t>(chunk);
+  using kernels::GradWrite;
+  for (size_t block = 0; block < rows.blocks; ++block) {
+    const size_t r0 = block * R, n = std::min(R, rows.count - r0);
+    const void* x = static_cast<const char*>(b.at(d.norm_out)) + r0 * H * cs;
+    void* dx_rows = dx == nullptr ? nullptr : static_cast<char*>(dx) + r0 * H * cs;
+    const kernels::MatmulShape shape{n, H, V, kernels::WeightLayout::kOutIn};
+    STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, shape, dt, x, weight, nullptr, b.at(d.logits)));
+    STRATA_RETURN_IF_ERROR(kernels::cross_entropy_backward(stream, {n, V, -1}, dt, b.at(d.logits),
+                                                           b.as<int32_t>(d.head_stand_in_targets) + k * rows.count + r0,
+                                                           b.as<float>(d.lse_full) + r0, rows.grad_scale, b.at(d.dlogits), GradWrite::kOverwrite));
+    const kernels::GradOptions write{chunk == 0 ? GradWrite::kOverwrite : GradWrite::kAccumulate, GradWrite::kAccumulate};
+    STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, shape, dt, b.at(d.dlogits), x, weight, dx_rows, dweight, nullptr, write));
+    const void* coef = static_cast<const char*>(b.at(d.fix_coef)) + (k * rows.count + r0) * cs;
+    STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, {n, H, 1, kernels::WeightLayout::kOutIn}, dt, coef, x, weight, dx_rows, dweight,
+                                                    nullptr, {GradWrite::kAccumulate, GradWrite::kAccumulate}));
+  }
+  return {};
+}
+
+StatusOr<MicroBatchLosses> LlamaModel::run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {
+  if (!buffers_) return FailedPreconditionError("LlamaModel::run_micro_batch() before allocate()");
+  if (train == nullptr && eval == nullptr) return InvalidArgumentError("LlamaModel::run_micro_batch(): neither a training nor an evaluation batch");
+  if (train != nullptr && eval != nullptr)
+    return InvalidArgumentError("LlamaModel::run_micro_batch(): an evaluation batch riding along a training micro-batch is not supported; run an "
+                                "evaluation-only pass (engine.begin_forward())");
+  if (train != nullptr && train->sequences != options_.batch)
+    return InvalidArgumentError("Llama model: a training micro-batch has " + std::to_string(train->sequences) +
+                                " sequences, the model was planned for " + std::to_string(options_.batch));
+  if (eval != nullptr && (eval->sequences < 1 || eval->sequences > options_.eval_batch))
+    return InvalidArgumentError("Llama model: an evaluation batch has " + std::to_string(eval->sequences) + " sequences, the model was planned for 1 to " +
+                                std::to_string(options_.eval_batch));
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
+  Device& device = engine_.device();
+  Stream& stream = engine_.compute_stream();
+  const LlamaConfig& c = options_.config;
+  const int64_t L = c.num_hidden_layers;
+  const size_t H = static_cast<size_t>(c.hidden_size);
+  const DType dt = plan_.compute_dtype;
+  const size_t cs = dtype_size(dt);
+  const bool training = train != nullptr;
+  const bool keep_all = options_.checkpointing == ActivationCheckpointing::kOff;
+  const TokenBatch& batch = training ? *train : *eval;
+
+  MicroBatchLosses result;
+  Rows rows;
+  STRATA_RETURN_IF_ERROR(stage_inputs(batch, training ? grad_scale : 0.0f, rows));
+  int64_t counted = 0;
+  for (size_t r = 0; r < rows.count; ++r) counted += b.targets[r] != -1;
+  auto resid = [&](int64_t l) { return b.at(d.resid[static_cast<size_t>(l)]); };
+  auto acts = [&](int64_t l) { return b.acts(keep_all ? static_cast<size_t>(l) : 0); };
+
+  // ---- Forward.
+  STRATA_RETURN_IF_ERROR(embed_forward(rows));
+  for (int64_t l = 0; l < L; ++l) {
+    const int g = groups_.layer(l);
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
+    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
+    STRATA_RETURN_IF_ERROR(block_forward(p, resid(l), resid(l + 1), acts(l), rows));
+    STRATA_RETURN_IF_ERROR(engine_.release(g));
+  }
+  const kernels::RmsNormShape final_norm{rows.count, H, static_cast<float>(c.rms_norm_eps)};
+  {
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(groups_.norm()));
+    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(groups_.norm(), view));
+    STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, final_norm, dt, resid(L), p[0], b.at(d.norm_out), b.as<float>(d.norm_rstd)));
+    // The norm's backward runs without gathering it again: keep its gain.
+    STRATA_RETURN_IF_ERROR(device.copy_async(b.at(d.norm_gamma), p[0], H * cs, CopyKind::kDeviceToDevice, stream));
+    STRATA_RETURN_IF_ERROR(engine_.release(groups_.norm()));
+  }
+  for (int64_t k = 0; k < d.chunks.count; ++k) {
+    const int g = groups_.head(k);
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
+    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
+    STRATA_RETURN_IF_ERROR(head_pass1(k, p[0], rows));
+    STRATA_RETURN_IF_ERROR(engine_.release(g));
+  }
+  STRATA_RETURN_IF_ERROR(head_combine(rows));
+
+  // ---- Backward.
+  if (training) {
+    for (int64_t k = 0; k < d.chunks.count; ++k) {
+      const int g = groups_.head(k);
+      STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
+      STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
+      GroupView grads;
+      if (!groups_.tied) {
+        STRATA_ASSIGN_OR_RETURN(grads, engine_.gradient_buffer(g));
+      }
+      // The head's input gradient goes to `narrow`, the final norm's backward reads it there.
+      STRATA_RETURN_IF_ERROR(head_pass2(k, p[0], groups_.tied ? nullptr : static_cast<float*>(grads.tensors[0]), b.at(d.narrow), rows));
+      STRATA_RETURN_IF_ERROR(engine_.release(g));
+      if (!groups_.tied) {
+        STRATA_RETURN_IF_ERROR(capture(g, grads));
+        STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
+      }
+    }
+    {
+      const int g = groups_.norm();
+      STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
+      const kernels::GradOptions options{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
+      STRATA_RETURN_IF_ERROR(kernels::rmsnorm_backward(stream, final_norm, dt, b.at(d.narrow), resid(L), b.at(d.norm_gamma), b.as<float>(d.norm_rstd),
+                                                       b.at(d.dresid), static_cast<float*>(grads.tensors[0]), options));
+      STRATA_RETURN_IF_ERROR(capture(g, grads));
+      STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
+    }
+    for (int64_t l = L - 1; l >= 0; --l) {
+      const int g = groups_.layer(l);
+      STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
+      STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
+      STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
+      std::vector<float*> gp;
+      for (void* t : grads.tensors) gp.push_back(static_cast<float*>(t));
+      const BlockActs a = acts(l);
+      if (!keep_all) STRATA_RETURN_IF_ERROR(block_forward(p, resid(l), nullptr, a, rows));
+      STRATA_RETURN_IF_ERROR(block_backward(p, gp, resid(l), a, rows));
+      STRATA_RETURN_IF_ERROR(engine_.release(g));
+      STRATA_RETURN_IF_ERROR(capture(g, grads));
+      STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
+    }
+    // dresid is d loss / d x_0: the embedding chunks' gradients (tied: plus the head's).
+    for (int64_t k = 0; k < d.chunks.count; ++k) {
+      const int g = groups_.embed(k);
+      STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
+      float* dweight = static_cast<float*>(grads.tensors[0]);
+      if (groups_.tied) {
+        STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
+        STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
+        STRATA_RETURN_IF_ERROR(head_pass2(k, p[0], dweight, nullptr, rows));
+        STRATA_RETURN_IF_ERROR(engine_.release(g));
+      }
+      STRATA_RETURN_IF_ERROR(embed_backward(k, dweight));
+      STRATA_RETURN_IF_ERROR(capture(g, grads));
+      STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
+    }
+  }
+
+  // ---- Losses: each row's is loss_lse (LSE - the target chunk's lse) plus its target
+  // chunk's piece (that lse - the target's logit); the other chunks' pieces are 0.
+  const size_t E = static_cast<size_t>(d.chunks.count);
+  STRATA_RETURN_IF_ERROR(device.copy_async(b.loss_lse.data(), b.at(d.loss_lse), rows.count * 4, CopyKind::kDeviceToHost, stream));
+  for (size_t k = 0; k < E; ++k)
+    STRATA_RETURN_IF_ERROR(device.copy_async(b.chunk_losses.data() + k * rows.count, b.as<float>(d.chunk_losses) + k * rows.count, rows.count * 4,
+                                             CopyKind::kDeviceToHost, stream));
+  STRATA_RETURN_IF_ERROR(stream.synchronize());
+  double sum = 0.0;
+  for (size_t r = 0; r < rows.count; ++r) {
+    if (b.targets[r] == -1) continue;
+    const size_t k = static_cast<size_t>(b.chunk_targets[r]);
+    sum += static_cast<double>(b.loss_lse[r]) + static_cast<double>(b.chunk_losses[k * rows.count + r]);
+  }
+  if (training) {
+    result.train_loss_sum = sum;
+    result.train_tokens = counted;
+  } else {
+    result.eval_loss_sum = sum;
+    result.eval_tokens = counted;
+  }
+  return result;
+}
+
+}  // namespace strata::llama

@@ -1,0 +1,208 @@
+// A Llama-family language model (Llama 2/3/3.1/3.2, Mistral, Qwen2) on the engine.
+//
+//   x_0    = embed_tokens[tokens]                                 groups "model.embed_tokens.<k>" (vocabulary chunks)
+//   x_l+1  = layer_l(x_l), l = 0 .. L-1                           group  "model.layers.<l>"
+//            a = x + o_proj(attention(rope(q_proj(n)), rope(k_proj(n)), v_proj(n))),  n = input_layernorm(x)
+//            y = a + down_proj(silu(gate_proj(m)) * up_proj(m)),                       m = post_attention_layernorm(a)
+//   logits = norm(x_L) . W^T, W = lm_head (untied) or embed_tokens  group "model.norm"; groups "lm_head.<k>" (untied)
+//   loss   = mean cross-entropy over the targets that are not -1
+//
+// Names and layouts are Hugging Face's (LlamaForCausalLM, MistralForCausalLM,
+// Qwen2ForCausalLM): nn.Linear weights [out, in] (WeightLayout::kOutIn); a block's
+// tensor's full name is "<group>.<tensor>" ("model.layers.3.self_attn.q_proj.weight").
+// The token embedding and an untied lm_head are split into groups of whole vocabulary
+// rows, so no gather slot, gradient buffer or scratch is vocabulary-sized: chunk k holds
+// rows [k*R, min((k+1)*R, vocab)) of "model.embed_tokens.weight" (or "lm_head.weight")
+// where R keeps a chunk within LlamaModelOptions::vocab_chunk_bytes of fp32. See
+// llama_tensor_source() for the mapping a checkpoint loader streams through.
+//
+// Initialization as transformers' LlamaPreTrainedModel._init_weights: every weight matrix
+// and the embedding N(0, initializer_range), biases 0, RMSNorm gains 1. Weight decay on the
+// block matrices only (not on biases, gains or the embeddings).
+//
+// One micro-batch uses the groups in this order:
+//   forward   embed 0..E-1, layers 0..L-1, norm, head chunks 0..E-1 (pass 1: log-sum-exp),
+//             head chunks 0..E-1 (pass 2: the input gradient; untied: lm_head's gradient)
+//   backward  layers L-1..0, and when tied: embed 0..E-1 again (pass 3: the head's weight
+//             gradient plus the embedding's, then grads_ready).
+// The embedding's backward needs no parameters (untied: no gather). The schedule is
+// declared for untied models; for tied ones the engine records it on the first step,
+// because a declared schedule with four uses of each embedding chunk would make the engine
+// plan a gradient buffer per chunk (it assumes a group used more than twice holds its
+// gradient between uses; this model never holds more than one).
+//
+// The LM head over vocabulary chunks. Only one chunk of the head's weight is gathered at a
+// time, so the full-vocabulary cross-entropy is assembled from per-chunk pieces with the
+// existing kernels, exactly up to fp32 rounding:
+//   pass 1  per chunk k and row block: logits = x . W_k^T; cross_entropy_forward gives each
+//           row's chunk log-sum-exp lse_k and, in the chunk holding its target, lse_k - logit.
+//           Then the rows' [E] vector of lse_k (transposed by a product with an identity)
+//           goes through cross_entropy_forward once more, with the target's chunk as the
+//           target: its lse is the full log-sum-exp LSE, its loss LSE - lse_k(target).
+//           The row's loss is the sum of the two pieces.
+//   pass 2  per chunk: logits again, cross_entropy_backward with LSE, so dlogits are the
+//           full softmax's; rows whose target is in another chunk are given column 0 as a
+//           stand-in target, and the -grad_scale it put there is taken back by one
+//           rank-1 product (matmul_backward with a [rows, 1] coefficient) on dx and dW_k.
+// The head therefore costs four vocabulary-sized GEMMs (five when tied, whose weight
+// gradient waits for pass 3) instead of three; an online-softmax cross-entropy kernel
+// would remove the recomputation.
+//
+// Activations: with checkpointing (default) each block's input is kept and the block is
+// recomputed in backward; kOff keeps every block's intermediates. kPinnedHost is not
+// offered yet. Everything the model allocates on the device is one buffer whose size
+// plan_llama_activations() computes; declare it as EngineOptions::activation_bytes.
+//
+// Compute dtype: fp32, or bf16 on a CudaDevice when parameters are bf16; parameters in
+// another dtype are cast into fp32 scratch after each gather.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "engine/core/device.h"
+#include "engine/core/dtype.h"
+#include "engine/engine.h"
+#include "examples/gpt/gpt_model.h"
+#include "examples/llama/llama_config.h"
+#include "kernels/blas_context.h"
+
+namespace strata::llama {
+
+using gpt::ActivationCheckpointing;
+using gpt::MicroBatchLosses;
+using gpt::TokenBatch;
+
+// fp32 bytes a vocabulary chunk may hold by default (the embedding and an untied lm_head).
+inline constexpr size_t kDefaultVocabChunkBytes = size_t{64} << 20;
+
+// How the vocabulary is split into chunks of whole rows.
+struct VocabChunks {
+  int64_t rows_per_chunk = 0;  // every chunk but the last
+  int64_t count = 0;
+  int64_t first_row(int64_t chunk) const { return chunk * rows_per_chunk; }
+  int64_t rows(int64_t chunk, int64_t vocab) const { return std::min(rows_per_chunk, vocab - first_row(chunk)); }
+};
+// Rows per chunk: as many as fit `chunk_bytes` of fp32 (at least one).
+VocabChunks vocab_chunks(const LlamaConfig& config, size_t chunk_bytes);
+
+// Group ids, with E = chunks.count embedding chunks.
+struct LlamaGroups {
+  int64_t layers = 0;
+  int64_t chunks = 0;
+  bool tied = false;
+  int embed(int64_t chunk) const { return static_cast<int>(chunk); }
+  int layer(int64_t l) const { return static_cast<int>(chunks + l); }
+  int norm() const { return static_cast<int>(chunks + layers); }
+  // The group holding the head's chunk k: the embedding's when tied.
+  int head(int64_t chunk) const { return tied ? embed(chunk) : static_cast<int>(chunks + layers + 1 + chunk); }
+  int count() const { return static_cast<int>(chunks * (tied ? 1 : 2) + layers + 1); }
+};
+LlamaGroups llama_groups(const LlamaConfig& config, const VocabChunks& chunks);
+
+// The groups in registration order, one micro-batch's uses, and the gathers of an
+// evaluation-only pass (embedding, layers, norm, head pass 1), for engine.begin_forward().
+std::vector<GroupSpec> llama_group_specs(const LlamaConfig& config, const VocabChunks& chunks);
+std::vector<int> llama_schedule(const LlamaConfig& config, const VocabChunks& chunks);
+std::vector<int> llama_forward_order(const LlamaConfig& config, const VocabChunks& chunks);
+
+// Where a group's tensor lives in a Hugging Face checkpoint: rows [row_offset, row_offset +
+// rows) of tensor `hf_name` (whose shape is hf_shape); the group tensor is exactly those rows.
+struct HfTensorSlice {
+  std::string hf_name;            // "model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", ...
+  std::vector<int64_t> hf_shape;  // the whole tensor's shape in the checkpoint
+  int64_t row_offset = 0;         // first row (dimension 0) the group tensor holds
+  int64_t rows = 0;               // rows it holds (hf_shape[0] unless chunked; 1 for a vector's single "row" of all of it)
+};
+HfTensorSlice llama_tensor_source(const LlamaConfig& config, const VocabChunks& chunks, std::string_view group_name,
+                                  std::string_view tensor_name);
+// Every Hugging Face tensor the model has, in checkpoint order, with its full shape
+// (lm_head.weight only when untied).
+std::vector<std::pair<std::string, std::vector<int64_t>>> llama_hf_tensors(const LlamaConfig& config);
+
+struct LlamaModelOptions {
+  LlamaConfig config;
+  DType param_dtype = DType::kFloat32;  // the engine's EngineOptions::param_dtype (checked at every gather)
+  int64_t batch = 1;                    // sequences per training micro-batch on this rank
+  int64_t seq_len = 0;                  // tokens per sequence (<= max_position_embeddings); required
+  int64_t eval_batch = 0;               // sequences of an evaluation-only pass (0 = batch)
+  ActivationCheckpointing checkpointing = ActivationCheckpointing::kDevice;  // kOff or kDevice
+  size_t vocab_chunk_bytes = kDefaultVocabChunkBytes;  // fp32 bytes per embedding / lm_head chunk
+  int64_t head_chunk_rows = 0;          // token rows per LM-head block; 0 = as many as keep the logits under 32 MiB
+  // Tests: copy every group's full fp32 gradient to the host before grads_ready()
+  // (see captured_gradients()). Synchronizes the compute stream per group.
+  bool capture_gradients = false;
+};
+
+struct LlamaActivationPlan {
+  size_t device_bytes = 0;  // everything the model allocates on the device (declare as activation_bytes)
+  DType compute_dtype = DType::kFloat32;
+  VocabChunks chunks;
+  int64_t head_rows = 0;    // token rows per LM-head block
+  std::vector<std::pair<std::string, size_t>> lines;  // what the device bytes hold, for the log
+  std::string text() const;
+};
+StatusOr<LlamaActivationPlan> plan_llama_activations(const LlamaModelOptions& options, DeviceKind device);
+
+class LlamaModel {
+ public:
+  // Registers the groups with `engine` (first: ids from 0) and declares the schedule
+  // (untied), before engine.start().
+  static StatusOr<std::unique_ptr<LlamaModel>> create(Engine& engine, const LlamaModelOptions& options);
+  ~LlamaModel();
+  LlamaModel(const LlamaModel&) = delete;
+  LlamaModel& operator=(const LlamaModel&) = delete;
+
+  // After engine.start(): allocates the activations and the rotary frequencies.
+  Status allocate();
+
+  const LlamaModelOptions& options() const { return options_; }
+  const LlamaActivationPlan& activation_plan() const { return plan_; }
+  const LlamaGroups& groups() const { return groups_; }
+  DType compute_dtype() const { return plan_.compute_dtype; }
+
+  // One micro-batch inside engine.begin_step()/begin_micro_batch() ... engine.step(), as
+  // GptModel::run_micro_batch: `train` (options.batch sequences) runs forward and
+  // backward with gradients scaled by grad_scale and grads_ready() for every group; an
+  // evaluation-only pass (train null, eval up to eval_batch sequences) runs inside
+  // engine.begin_forward() ... end_forward(). Both at once is not supported yet
+  // (InvalidArgument). TokenBatch::positions (null = 0..T-1 in each sequence) gives each
+  // token's rotary position; targets of -1 carry no loss. Waits for the compute.
+  StatusOr<MicroBatchLosses> run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale);
+
+  const std::map<int, std::vector<float>>& captured_gradients() const { return captured_; }
+
+ private:
+  struct Buffers;
+  struct BlockActs;
+  struct Rows;
+  LlamaModel(Engine& engine, const LlamaModelOptions& options, const LlamaActivationPlan& plan);
+
+  StatusOr<std::vector<const void*>> params_of(int group, const GroupView& view);
+  Status stage_inputs(const TokenBatch& batch, float grad_scale, Rows& rows);
+  Status embed_forward(const Rows& rows);
+  Status embed_backward(int64_t chunk, float* dweight);
+  Status block_forward(const std::vector<const void*>& p, const void* x, void* y, const BlockActs& a, const Rows& rows);
+  Status block_backward(const std::vector<const void*>& p, const std::vector<float*>& g, const void* x, const BlockActs& a,
+                        const Rows& rows);
+  Status head_pass1(int64_t chunk, const void* weight, const Rows& rows);
+  Status head_combine(const Rows& rows);
+  Status head_pass2(int64_t chunk, const void* weight, float* dweight, void* dx, const Rows& rows);
+  Status capture(int group, const GroupView& grads);
+
+  Engine& engine_;
+  LlamaModelOptions options_;
+  LlamaActivationPlan plan_;
+  LlamaGroups groups_;
+  std::unique_ptr<kernels::BlasContext> blas_;
+  std::unique_ptr<Buffers> buffers_;
+  std::map<int, std::vector<float>> captured_;
+};
+
+}  // namespace strata::llama
