@@ -679,24 +679,21 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
         return sync.arrive_and_wait();  // every part is in
       };
       if (rank == 0) {
-        std::error_code ec;
-        std::filesystem::create_directories(options.export_dir, ec);
-        if (ec) return IoError("cannot create the export directory " + options.export_dir + ": " + ec.message());
-        const std::string path = (std::filesystem::path(options.export_dir) / "model.safetensors").string();
         ExportOptions export_options;
         export_options.metadata = {{"strata_model", model_json(options.model)}, {"strata_steps", std::to_string(total_steps)}};
-        STRATA_RETURN_IF_ERROR(write_gpt2_safetensors(
-            path, options.model,
+        if (!options.init_from.empty())
+          export_options.tokenizer_source_dir = std::filesystem::path(options.init_from).parent_path().string();
+        STRATA_RETURN_IF_ERROR(export_gpt2_checkpoint(
+            options.export_dir, options.model,
             [&](int g, std::span<float> out) -> Status {
               STRATA_RETURN_IF_ERROR(contribute(g));
               std::copy(exchange.begin(), exchange.begin() + static_cast<std::ptrdiff_t>(out.size()), out.begin());
               return sync.arrive_and_wait();  // the buffer may be reused
             },
             export_options));
-        STRATA_RETURN_IF_ERROR(write_gpt2_config_json((std::filesystem::path(options.export_dir) / "config.json").string(), options.model));
-        STRATA_LOG(kInfo) << "exported " << path;
       } else {
-        for (int g = 0; g < engine->group_count(); ++g) {
+        STRATA_ASSIGN_OR_RETURN(const std::vector<int> order, gpt2_export_group_order(options.model));
+        for (int g : order) {
           STRATA_RETURN_IF_ERROR(contribute(g));
           STRATA_RETURN_IF_ERROR(sync.arrive_and_wait());
         }
