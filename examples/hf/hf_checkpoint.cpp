@@ -38,6 +38,47 @@ bool looks_like_shard(const std::string& name) {
   return name.rfind("model-", 0) == 0 && name.size() > 18 && name.compare(name.size() - 12, 12, ".safetensors") == 0;
 }
 
+// The index's weight_map as shard file -> the tensors it puts there.
+StatusOr<std::map<std::string, std::vector<std::string>>> shard_assignment(const json& index, const std::string& index_where) {
+  const auto map_it = index.find("weight_map");
+  if (map_it == index.end() || !map_it->is_object())
+    return InvalidArgumentError(index_where + " has no \"weight_map\" object (tensor name -> shard file)");
+  std::map<std::string, std::vector<std::string>> by_file;
+  for (auto it = map_it->begin(); it != map_it->end(); ++it) {
+    if (!it.value().is_string())
+      return InvalidArgumentError(index_where + ": weight_map[\"" + it.key() + "\"] is " + it.value().dump() + ", not a file name");
+    const std::string file = it.value().get<std::string>();
+    if (!is_plain_file_name(file))
+      return InvalidArgumentError(index_where + ": weight_map[\"" + it.key() + "\"] is \"" + file +
+                                  "\", which is not a file name within the directory");
+    by_file[file].push_back(it.key());
+  }
+  if (by_file.empty()) return InvalidArgumentError(index_where + ": weight_map is empty");
+  return by_file;
+}
+
+// "metadata.total_size", when the index has one, against the bytes of the mapped tensors.
+void check_total_size(const json& index, uint64_t total_bytes, std::vector<std::string>& problems) {
+  const auto meta_it = index.find("metadata");
+  if (meta_it == index.end() || !meta_it->is_object()) return;
+  const auto total_it = meta_it->find("total_size");
+  if (total_it == meta_it->end()) return;
+  // transformers writes an integer; some tools write a float with no fraction.
+  std::optional<uint64_t> stated;
+  if (total_it->is_number_unsigned()) {
+    stated = total_it->get<uint64_t>();
+  } else if (total_it->is_number_float()) {
+    const double value = total_it->get<double>();
+    if (value >= 0 && value < 1.8e19 && value == std::floor(value)) stated = static_cast<uint64_t>(value);
+  }
+  if (!stated) {
+    problems.push_back("metadata.total_size is " + total_it->dump() + ", not a byte count");
+  } else if (*stated != total_bytes) {
+    problems.push_back("metadata.total_size is " + std::to_string(*stated) + " but the mapped tensors hold " +
+                       std::to_string(total_bytes) + " bytes (a shard from another download or version?)");
+  }
+}
+
 }  // namespace
 
 StatusOr<json> read_json_object(const std::string& path, std::string_view where) {
@@ -127,22 +168,7 @@ Status HfCheckpoint::open_sharded(const std::string& index_path, const HfOpenOpt
   sharded_ = true;
   const std::string index_where = where_ + ": " + std::string(kWeightsIndexFile);
   STRATA_ASSIGN_OR_RETURN(const json index, read_json_object(index_path, where_));
-  const auto map_it = index.find("weight_map");
-  if (map_it == index.end() || !map_it->is_object())
-    return InvalidArgumentError(index_where + " has no \"weight_map\" object (tensor name -> shard file)");
-  // Shard file -> the tensors the index puts there.
-  std::map<std::string, std::vector<std::string>> by_file;
-  for (auto it = map_it->begin(); it != map_it->end(); ++it) {
-    if (!it.value().is_string())
-      return InvalidArgumentError(index_where + ": weight_map[\"" + it.key() + "\"] is " + it.value().dump() + ", not a file name");
-    const std::string file = it.value().get<std::string>();
-    if (!is_plain_file_name(file))
-      return InvalidArgumentError(index_where + ": weight_map[\"" + it.key() + "\"] is \"" + file +
-                                  "\", which is not a file name within the directory");
-    by_file[file].push_back(it.key());
-  }
-  if (by_file.empty()) return InvalidArgumentError(index_where + ": weight_map is empty");
-
+  STRATA_ASSIGN_OR_RETURN(const auto by_file, shard_assignment(index, index_where));
   // Every shard exists and its header is valid, before anything else is looked at.
   std::error_code ec;
   for (const auto& [file, names] : by_file) {
@@ -153,10 +179,15 @@ Status HfCheckpoint::open_sharded(const std::string& index_path, const HfOpenOpt
     STRATA_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsReader> reader, open_weights_file(path, options, where_ + ": shard " + file));
     files_.push_back(std::move(reader));
   }
-
   std::vector<std::string> problems;
+  map_shard_tensors(by_file, problems);
+  check_total_size(index, total_bytes_, problems);
+  return problem_list_error(index_where + " and its shards disagree", problems);
+}
+
+void HfCheckpoint::map_shard_tensors(const std::map<std::string, std::vector<std::string>>& by_file, std::vector<std::string>& problems) {
   std::map<std::string, std::string, std::less<>> holder;  // tensor -> the first shard that holds it
-  size_t file_index = 0;
+  size_t file_index = 0;  // files_ is in by_file's order
   for (const auto& [file, names] : by_file) {
     const SafetensorsReader* reader = files_[file_index++].get();
     for (const SafetensorsTensor& tensor : reader->tensors()) {
@@ -173,35 +204,15 @@ Status HfCheckpoint::open_sharded(const std::string& index_path, const HfOpenOpt
       total_bytes_ += tensor->bytes();
     }
   }
+  std::set<std::string, std::less<>> indexed;
+  for (const auto& [file, names] : by_file) indexed.insert(names.begin(), names.end());
   std::string unmapped;
   for (const auto& [name, file] : holder) {
-    if (tensors_.find(name) == tensors_.end() && map_it->find(name) == map_it->end())
-      unmapped += (unmapped.empty() ? "" : ", ") + name + " (in " + file + ")";
+    if (indexed.count(name) == 0) unmapped += (unmapped.empty() ? "" : ", ") + name + " (in " + file + ")";
   }
   if (!unmapped.empty())
-    STRATA_LOG(kWarn) << index_where << " does not map these tensors its shards hold (ignored, as transformers does): " << unmapped;
-
-  const auto meta_it = index.find("metadata");
-  if (meta_it != index.end() && meta_it->is_object()) {
-    const auto total_it = meta_it->find("total_size");
-    if (total_it != meta_it->end()) {
-      // transformers writes an integer; some tools write a float with no fraction.
-      std::optional<uint64_t> stated;
-      if (total_it->is_number_unsigned()) {
-        stated = total_it->get<uint64_t>();
-      } else if (total_it->is_number_float()) {
-        const double value = total_it->get<double>();
-        if (value >= 0 && value < 1.8e19 && value == std::floor(value)) stated = static_cast<uint64_t>(value);
-      }
-      if (!stated) {
-        problems.push_back("metadata.total_size is " + total_it->dump() + ", not a byte count");
-      } else if (*stated != total_bytes_) {
-        problems.push_back("metadata.total_size is " + std::to_string(*stated) + " but the mapped tensors hold " +
-                           std::to_string(total_bytes_) + " bytes (a shard from another download or version?)");
-      }
-    }
-  }
-  return problem_list_error(index_where + " and its shards disagree", problems);
+    STRATA_LOG(kWarn) << where_ << ": model.safetensors.index.json does not map these tensors its shards hold (ignored, as "
+                      << "transformers does): " << unmapped;
 }
 
 void HfCheckpoint::note_unlisted_shards() {

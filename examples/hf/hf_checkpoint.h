@@ -125,6 +125,9 @@ class HfCheckpoint final : public HfTensorSource {
   HfCheckpoint() = default;
   Status open_single(const std::string& path, const HfOpenOptions& options);
   Status open_sharded(const std::string& index_path, const HfOpenOptions& options);
+  // Fills tensors_ from the shards (files_, in by_file's order) as the index maps them;
+  // lists tensors in two shards and mapped tensors a shard lacks in `problems`.
+  void map_shard_tensors(const std::map<std::string, std::vector<std::string>>& by_file, std::vector<std::string>& problems);
   void note_unlisted_shards();
 
   std::string dir_;

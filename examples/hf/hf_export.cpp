@@ -34,6 +34,13 @@ bool is_export_file(const std::string& name) {
   return std::find(std::begin(kTokenizerFiles), std::end(kTokenizerFiles), name) != std::end(kTokenizerFiles);
 }
 
+// `dir` as an absolute path without a trailing slash (its last component is the name renamed into place).
+fs::path export_target_path(const std::string& dir) {
+  fs::path target = fs::absolute(dir).lexically_normal();
+  if (target.filename().empty()) target = target.parent_path();
+  return target;
+}
+
 // What is at `target` now, and so how the finished export takes its place.
 enum class ExportTarget : uint8_t { kAbsent, kEmpty, kEarlierExport };
 
@@ -42,6 +49,8 @@ StatusOr<ExportTarget> inspect_target(const fs::path& target) {
   const fs::file_status status = fs::symlink_status(target, ec);
   if (!fs::exists(status)) return ExportTarget::kAbsent;
   const std::string where = "export directory " + target.string();
+  if (fs::is_symlink(status))
+    return InvalidArgumentError(where + " is a symbolic link; give the directory it points to (the export replaces it whole)");
   if (!fs::is_directory(status)) return InvalidArgumentError(where + " exists and is not a directory");
   std::string foreign;
   bool empty = true;
@@ -121,6 +130,8 @@ Status copy_tokenizer_files(const std::string& source_dir, const fs::path& to) {
 
 }  // namespace
 
+Status check_export_directory(const std::string& dir) { return inspect_target(export_target_path(dir)).status(); }
+
 uint64_t HfExportTensor::numel() const {
   uint64_t n = 1;
   for (int64_t dim : shape) n *= static_cast<uint64_t>(std::max<int64_t>(dim, 0));
@@ -193,8 +204,7 @@ Status write_json_file(const std::string& path, const nlohmann::json& value) {
 
 Status write_hf_checkpoint(const std::string& dir, const nlohmann::json& config, std::span<const HfExportTensor> tensors,
                            const HfTensorFill& fill, const HfExportOptions& options) {
-  fs::path target = fs::absolute(dir).lexically_normal();
-  if (target.filename().empty()) target = target.parent_path();
+  const fs::path target = export_target_path(dir);
   const std::string where = "export to " + target.string();
   if (!config.is_object()) return InvalidArgumentError(where + ": the config is not a JSON object");
   if (options.shard_bytes == 0) return InvalidArgumentError(where + ": the shard size must be positive");

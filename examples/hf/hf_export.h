@@ -74,6 +74,10 @@ struct HfExportOptions {
 Status write_hf_checkpoint(const std::string& dir, const nlohmann::json& config, std::span<const HfExportTensor> tensors,
                            const HfTensorFill& fill, const HfExportOptions& options = {});
 
+// What write_hf_checkpoint checks of `dir` before it writes anything, for a trainer to
+// check before training: OK when `dir` is missing, empty or an earlier export.
+Status check_export_directory(const std::string& dir);
+
 // Writes one safetensors file at `path` holding `tensors` in order, each filled from
 // `fill` (index into `tensors`) chunk by chunk; "<path>.tmp" until complete.
 Status write_safetensors_file(const std::string& path, std::span<const HfExportTensor> tensors, const HfTensorFill& fill,

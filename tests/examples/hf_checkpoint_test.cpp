@@ -234,10 +234,13 @@ TEST(HfCheckpointTest, AnExportReplacesAnEarlierOneWholeAndRefusesOtherDirectori
   EXPECT_EQ(files, (std::vector<std::string>{"config.json", "model.safetensors"}));
   for (const auto& entry : fs::directory_iterator(dir.path())) EXPECT_EQ(entry.path().filename(), "model");
 
-  // A directory with a user's files is left alone.
+  // A directory with a user's files is left alone (and a trainer can tell before training).
   const fs::path mine = dir.path() / "mine";
   fs::create_directories(mine);
   write_text(mine / "train.jsonl", "{}");
+  STRATA_EXPECT_OK(check_export_directory(path));
+  STRATA_EXPECT_OK(check_export_directory((dir.path() / "new" / "model").string()));
+  EXPECT_TRUE(contains(check_export_directory(mine.string()).message(), "holds files an export does not write (train.jsonl)"));
   const Status refused = write_hf_checkpoint(mine.string(), tiny_config(), tensors, fill_with_values(tensors));
   ASSERT_FALSE(refused.ok());
   EXPECT_TRUE(contains(refused.message(), "train.jsonl")) << refused.to_string();
