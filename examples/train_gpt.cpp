@@ -33,6 +33,7 @@
 #include "examples/gpt/preemption.h"
 #include "examples/gpt/safetensors.h"
 #include "examples/gpt/token_data.h"
+#include "examples/hf/hf_export.h"
 
 namespace {
 
@@ -101,8 +102,10 @@ Status check_output_paths(const StrataConfig& config, const TrainerOptions& opti
     STRATA_RETURN_IF_ERROR(flags::prepare_output_path("--metrics (strata.metrics)", config.strata.metrics, OutputKind::kFile));
   if (!config.strata.trace.empty())
     STRATA_RETURN_IF_ERROR(flags::prepare_output_path("--trace (strata.trace)", config.strata.trace, OutputKind::kFile));
-  if (!options.export_dir.empty())
+  if (!options.export_dir.empty()) {
     STRATA_RETURN_IF_ERROR(flags::prepare_output_path("--export", options.export_dir, OutputKind::kDirectory));
+    STRATA_RETURN_IF_ERROR(hf::check_export_directory(options.export_dir).with_context("--export (checked before training starts)"));
+  }
   return {};
 }
 

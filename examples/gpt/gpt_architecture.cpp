@@ -7,26 +7,47 @@
 
 #include "examples/gpt/gpt_weights.h"
 #include "examples/gpt/safetensors.h"
+#include "examples/hf/hf_checkpoint.h"
 
 namespace strata::gpt {
 namespace {
 
-class Gpt2WeightFile final : public lm::WeightSource {
+// A model directory (single or sharded) or one safetensors file, opened once.
+class Gpt2Weights final : public lm::WeightSource {
  public:
-  explicit Gpt2WeightFile(SafetensorsReader reader) : reader_(std::move(reader)) {}
-  std::string describe() const override { return reader_.path(); }
+  static StatusOr<std::unique_ptr<Gpt2Weights>> open(const std::string& path) {
+    auto weights = std::unique_ptr<Gpt2Weights>(new Gpt2Weights());
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) {
+      STRATA_ASSIGN_OR_RETURN(hf::HfCheckpoint checkpoint, hf::HfCheckpoint::open(path));
+      weights->checkpoint_ = std::make_unique<hf::HfCheckpoint>(std::move(checkpoint));
+    } else {
+      STRATA_ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::open(path));
+      weights->file_ = std::make_unique<SafetensorsReader>(std::move(reader));
+      weights->file_source_ = std::make_unique<hf::SafetensorsFileSource>(*weights->file_);
+    }
+    return weights;
+  }
+  const hf::HfTensorSource& source() const {
+    return checkpoint_ ? static_cast<const hf::HfTensorSource&>(*checkpoint_) : *file_source_;
+  }
+  std::string describe() const override { return source().where(); }
   DType stored_dtype() const override {
-    for (const SafetensorsTensor& tensor : reader_.tensors()) {
-      if (tensor.dtype == SafetensorsDType::kBF16) return DType::kBFloat16;
-      if (tensor.dtype == SafetensorsDType::kF16) return DType::kFloat16;
-      if (tensor.dtype == SafetensorsDType::kF32) return DType::kFloat32;
+    for (const std::string& name : source().tensor_names()) {
+      const auto tensor = source().find(name);
+      if (!tensor) continue;
+      if (tensor->dtype() == SafetensorsDType::kBF16) return DType::kBFloat16;
+      if (tensor->dtype() == SafetensorsDType::kF16) return DType::kFloat16;
+      if (tensor->dtype() == SafetensorsDType::kF32) return DType::kFloat32;
     }
     return DType::kFloat32;
   }
-  const SafetensorsReader& reader() const { return reader_; }
 
  private:
-  SafetensorsReader reader_;
+  Gpt2Weights() = default;
+  std::unique_ptr<hf::HfCheckpoint> checkpoint_;
+  std::unique_ptr<SafetensorsReader> file_;
+  std::unique_ptr<hf::SafetensorsFileSource> file_source_;
 };
 
 StatusOr<SafetensorsDType> export_dtype(DType dtype) {
@@ -86,29 +107,26 @@ StatusOr<std::unique_ptr<lm::CausalLm>> GptArchitecture::create(Engine& engine, 
 }
 
 StatusOr<std::unique_ptr<lm::WeightSource>> GptArchitecture::open_weights(const std::string& path) const {
-  std::error_code ec;
-  const std::string file = std::filesystem::is_directory(path, ec) ? (std::filesystem::path(path) / "model.safetensors").string() : path;
-  STRATA_ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::open(file));
-  STRATA_RETURN_IF_ERROR(check_gpt2_file(reader, gpt2_dims(config_)));
-  return std::unique_ptr<lm::WeightSource>(new Gpt2WeightFile(std::move(reader)));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Gpt2Weights> weights, Gpt2Weights::open(path));
+  STRATA_RETURN_IF_ERROR(check_gpt2_weights(weights->source(), config_));
+  return std::unique_ptr<lm::WeightSource>(std::move(weights));
 }
 
 Status GptArchitecture::load_weights(Engine& engine, int rank, const lm::WeightSource& source) const {
-  const auto* file = dynamic_cast<const Gpt2WeightFile*>(&source);
-  if (file == nullptr) return InvalidArgumentError("GPT-2 weights: " + source.describe() + " was not opened by the GPT-2 architecture");
-  return load_gpt2_weights(engine, rank, file->reader(), config_);
+  const auto* weights = dynamic_cast<const Gpt2Weights*>(&source);
+  if (weights == nullptr) return InvalidArgumentError("GPT-2 weights: " + source.describe() + " was not opened by the GPT-2 architecture");
+  return load_gpt2_weights(engine, rank, weights->source(), config_);
 }
 
 Status GptArchitecture::export_weights(const std::string& dir, const lm::FullGroupSource& source, const lm::ExportSettings& settings) const {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) return IoError("cannot create the export directory " + dir + ": " + ec.message());
   ExportOptions options;
   STRATA_ASSIGN_OR_RETURN(options.dtype, export_dtype(settings.dtype));
   options.metadata = settings.metadata;
-  const std::string path = (std::filesystem::path(dir) / "model.safetensors").string();
-  STRATA_RETURN_IF_ERROR(write_gpt2_safetensors(path, config_, source, options));
-  return write_gpt2_config_json((std::filesystem::path(dir) / "config.json").string(), config_);
+  if (settings.shard_bytes > 0) options.shard_bytes = settings.shard_bytes;
+  options.tokenizer_source_dir = settings.source_dir;
+  return export_gpt2_checkpoint(dir, config_, source, options);
 }
+
+StatusOr<std::vector<int>> GptArchitecture::export_group_order() const { return gpt2_export_group_order(config_); }
 
 }  // namespace strata::gpt

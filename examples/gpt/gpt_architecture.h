@@ -38,8 +38,10 @@ class GptArchitecture final : public lm::Architecture {
   // A single GPT-2 safetensors file (a directory: its model.safetensors).
   StatusOr<std::unique_ptr<lm::WeightSource>> open_weights(const std::string& path) const override;
   Status load_weights(Engine& engine, int rank, const lm::WeightSource& source) const override;
-  // model.safetensors and config.json (GPT-2 checkpoints are one file; shard_bytes is not used).
+  // config.json and the weights (model.safetensors, or shards with their index past
+  // settings.shard_bytes), with the tokenizer files of settings.source_dir.
   Status export_weights(const std::string& dir, const lm::FullGroupSource& source, const lm::ExportSettings& settings) const override;
+  StatusOr<std::vector<int>> export_group_order() const override;
 
  private:
   explicit GptArchitecture(const GptConfig& config) : config_(config) {}

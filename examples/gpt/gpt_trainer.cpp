@@ -678,8 +678,10 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
         settings.shard_bytes = options.export_shard_bytes;
         settings.metadata["strata_model"] = model.model_json();
         settings.metadata["strata_steps"] = std::to_string(total_steps);
-        if (settings.source_dir.empty() && !options.init_from.empty() && std::filesystem::is_directory(options.init_from))
-          settings.source_dir = options.init_from;
+        // Tokenizer files beside the starting weights travel with the export.
+        if (!options.init_from.empty())
+          settings.source_dir = std::filesystem::is_directory(options.init_from) ? options.init_from
+                                                                                 : std::filesystem::path(options.init_from).parent_path().string();
         STRATA_RETURN_IF_ERROR(model.export_weights(
             options.export_dir,
             [&](int g, std::span<float> out) -> Status {
@@ -690,7 +692,8 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
             settings));
         STRATA_LOG(kInfo) << "exported " << options.export_dir;
       } else {
-        for (int g = 0; g < engine->group_count(); ++g) {
+        STRATA_ASSIGN_OR_RETURN(const std::vector<int> order, model.export_group_order());
+        for (int g : order) {
           STRATA_RETURN_IF_ERROR(contribute(g));
           STRATA_RETURN_IF_ERROR(sync.arrive_and_wait());
         }

@@ -76,51 +76,101 @@ StatusOr<GptConfig> gpt_config_from_safetensors(const SafetensorsReader& reader,
   return config;
 }
 
-Status load_gpt2_weights(Engine& engine, int rank, const SafetensorsReader& reader, const GptConfig& config) {
-  STRATA_RETURN_IF_ERROR(check_gpt2_file(reader, gpt2_dims(config)));
-  std::vector<float> shard;
-  for (int g = 0; g < engine.group_count(); ++g) {
-    const GroupLayout& layout = engine.layout(g);
-    shard.assign(layout.shard_numel, 0.0f);
-    const size_t begin = layout.shard_begin(rank);
-    const size_t end = begin + layout.shard_numel;
-    for (const TensorLayout& t : layout.tensors) {
-      const size_t lo = std::max(begin, t.offset), hi = std::min(end, t.offset + t.numel);
-      if (lo >= hi) continue;
-      const std::string name = hf_tensor_name(layout, t);
-      STRATA_ASSIGN_OR_RETURN(const SafetensorsTensor* tensor, find_gpt2_tensor(reader, name, t.shape));
-      STRATA_RETURN_IF_ERROR(reader.read_fp32(*tensor, lo - t.offset, std::span<float>(shard.data() + (lo - begin), hi - lo)));
-    }
-    STRATA_RETURN_IF_ERROR(engine.write_state_shard(g, Engine::StateKind::kMaster, shard));
-  }
-  return engine.refresh_parameters();
+hf::HfNameMap gpt2_name_map() {
+  return [](const GroupLayout& group, const TensorLayout& tensor) {
+    return hf::HfTensorSlice{hf_tensor_name(group, tensor), 0, tensor.shape};
+  };
 }
+
+Status load_gpt2_weights(Engine& engine, int rank, const SafetensorsReader& reader, const GptConfig& config) {
+  return load_gpt2_weights(engine, rank, hf::SafetensorsFileSource(reader), config);
+}
+
+namespace {
+
+// Hugging Face's GPT2LMHeadModel saves its names with "transformer.", GPT2Model without:
+// each tensor is read under the name `source` holds it by.
+hf::HfNameMap gpt2_name_map_as_stored(const hf::HfTensorSource& source) {
+  return [&source, bare = gpt2_name_map()](const GroupLayout& group, const TensorLayout& tensor) {
+    hf::HfTensorSlice slice = bare(group, tensor);
+    if (!source.find(slice.name) && source.find("transformer." + slice.name)) slice.name = "transformer." + slice.name;
+    return slice;
+  };
+}
+
+hf::HfLoadOptions gpt2_load_options() {
+  hf::HfLoadOptions options;
+  options.is_ignored = [](std::string_view name) { return is_gpt2_ignored_tensor(name); };
+  return options;
+}
+
+}  // namespace
+
+Status load_gpt2_weights(Engine& engine, int rank, const hf::HfTensorSource& source, const GptConfig& config) {
+  if (engine.group_count() != gpt_group_count(config))
+    return InvalidArgumentError("load_gpt2_weights: the engine has " + std::to_string(engine.group_count()) +
+                                " groups but a GPT-2 with n_layer " + std::to_string(config.n_layer) + " has " +
+                                std::to_string(gpt_group_count(config)));
+  return hf::load_hf_weights(engine, rank, source, gpt2_name_map_as_stored(source), gpt2_load_options());
+}
+
+Status check_gpt2_weights(const hf::HfTensorSource& source, const GptConfig& config) {
+  std::vector<GroupLayout> layouts;
+  const auto specs = gpt_group_specs(config);
+  for (size_t g = 0; g < specs.size(); ++g) {
+    STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(specs[g], static_cast<int>(g), 1));
+    layouts.push_back(std::move(layout));
+  }
+  return hf::check_hf_mapping(source, layouts, gpt2_name_map_as_stored(source), gpt2_load_options());
+}
+
+namespace {
+
+StatusOr<std::vector<GroupLayout>> gpt2_export_layouts(const GptConfig& config) {
+  const auto specs = gpt_group_specs(config);
+  std::vector<GroupLayout> layouts;
+  for (size_t g = 0; g < specs.size(); ++g) {
+    STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(specs[g], static_cast<int>(g), 1));
+    layouts.push_back(std::move(layout));
+  }
+  return layouts;
+}
+
+}  // namespace
 
 Status write_gpt2_safetensors(const std::string& path, const GptConfig& config, const FullGroupSource& source,
                               const ExportOptions& options) {
-  const auto specs = gpt_group_specs(config);
-  std::vector<GroupLayout> layouts;
-  std::vector<SafetensorsTensorSpec> tensors;
-  for (size_t g = 0; g < specs.size(); ++g) {
-    STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(specs[g], static_cast<int>(g), 1));
-    for (const auto& t : layout.tensors) tensors.push_back({hf_tensor_name(layout, t), options.dtype, t.shape});
-    layouts.push_back(std::move(layout));
-  }
+  STRATA_ASSIGN_OR_RETURN(const std::vector<GroupLayout> layouts, gpt2_export_layouts(config));
+  STRATA_ASSIGN_OR_RETURN(hf::HfGroupExport plan, hf::HfGroupExport::plan(layouts, gpt2_name_map(), options.dtype));
   auto metadata = options.metadata;
   metadata.emplace("format", "pt");
-  STRATA_ASSIGN_OR_RETURN(SafetensorsWriter writer, SafetensorsWriter::create(path, std::move(tensors), std::move(metadata)));
-  std::vector<float> full;
-  for (const GroupLayout& layout : layouts) {
-    full.assign(layout.numel, 0.0f);
-    STRATA_RETURN_IF_ERROR(source(layout.id, full));
-    for (const auto& t : layout.tensors)
-      STRATA_RETURN_IF_ERROR(writer.append_fp32(hf_tensor_name(layout, t), std::span<const float>(full.data() + t.offset, t.numel)));
-  }
-  return writer.finish();
+  return hf::write_safetensors_file(
+      path, plan.tensors(), [&](size_t index, uint64_t first, std::span<float> out) { return plan.fill(source, index, first, out); },
+      std::move(metadata));
 }
 
-Status write_gpt2_config_json(const std::string& path, const GptConfig& config) {
-  nlohmann::json json = {
+Status export_gpt2_checkpoint(const std::string& dir, const GptConfig& config, const FullGroupSource& source,
+                              const ExportOptions& options) {
+  STRATA_ASSIGN_OR_RETURN(const std::vector<GroupLayout> layouts, gpt2_export_layouts(config));
+  hf::HfExportOptions hf_options;
+  hf_options.shard_bytes = options.shard_bytes;
+  hf_options.metadata = options.metadata;
+  hf_options.tokenizer_source_dir = options.tokenizer_source_dir;
+  nlohmann::json config_json = gpt2_config_json(config);
+  config_json["torch_dtype"] = options.dtype == SafetensorsDType::kBF16  ? "bfloat16"
+                               : options.dtype == SafetensorsDType::kF16 ? "float16"
+                                                                         : "float32";
+  return hf::export_hf_from_groups(dir, config_json, layouts, gpt2_name_map(), options.dtype, source, hf_options);
+}
+
+StatusOr<std::vector<int>> gpt2_export_group_order(const GptConfig& config) {
+  STRATA_ASSIGN_OR_RETURN(const std::vector<GroupLayout> layouts, gpt2_export_layouts(config));
+  STRATA_ASSIGN_OR_RETURN(const hf::HfGroupExport plan, hf::HfGroupExport::plan(layouts, gpt2_name_map(), SafetensorsDType::kF32));
+  return plan.group_order();
+}
+
+nlohmann::json gpt2_config_json(const GptConfig& config) {
+  return {
       {"architectures", {"GPT2LMHeadModel"}},
       {"model_type", "gpt2"},
       {"n_layer", config.n_layer},
@@ -135,18 +185,10 @@ Status write_gpt2_config_json(const std::string& path, const GptConfig& config) 
       {"tie_word_embeddings", true},
       {"torch_dtype", "float32"},
   };
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    if (!out) return IoError("cannot write " + tmp);
-    out << json.dump(2) << "\n";
-    out.flush();
-    if (!out) return IoError("cannot write " + tmp);
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) return IoError("cannot rename " + tmp + " to " + path + ": " + ec.message());
-  return {};
+}
+
+Status write_gpt2_config_json(const std::string& path, const GptConfig& config) {
+  return hf::write_json_file(path, gpt2_config_json(config));
 }
 
 uint64_t master_checksum_part(const GroupLayout& layout, int rank, std::span<const float> shard) {

@@ -131,8 +131,10 @@ class Architecture {
   virtual StatusOr<std::unique_ptr<WeightSource>> open_weights(const std::string& path) const = 0;
   virtual Status load_weights(Engine& engine, int rank, const WeightSource& source) const = 0;
   // Weights out: writes `dir` in the family's Hugging Face form, asking `source` for one
-  // full group at a time in registration order.
+  // full group at a time in export_group_order()'s order (each group once), which the
+  // other ranks follow when they contribute their shards.
   virtual Status export_weights(const std::string& dir, const FullGroupSource& source, const ExportSettings& settings) const = 0;
+  virtual StatusOr<std::vector<int>> export_group_order() const = 0;
 };
 
 }  // namespace strata::lm

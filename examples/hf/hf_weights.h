@@ -1,0 +1,102 @@
+// Hugging Face checkpoints in and out of the engine, for any model family.
+//
+// A family says how its engine tensors relate to the checkpoint's with an HfNameMap: for
+// each (group, tensor) of the engine, the checkpoint tensor it comes from, where in that
+// tensor its first element lies, and the checkpoint tensor's full shape. An engine tensor
+// is a contiguous row-major range of a checkpoint tensor, so one checkpoint tensor may be
+// split over several groups (a 128k-row embedding as groups of vocabulary rows), and two
+// engine tensors may read the same one.
+//
+// Loading (load_hf_weights) first checks every mapped tensor — present, with the expected
+// shape, a float dtype, the range inside it, and every element of each checkpoint tensor
+// it uses covered by some engine tensor — and returns one error listing every problem.
+// Then, group by group, each rank reads only the element ranges that fall into its own
+// master shard, straight into a one-shard buffer that goes to the shard's tier
+// (write_state_shard), so the model is never whole in host memory.
+//
+// Exporting (HfGroupExport) turns full groups (what a trainer assembles from every
+// rank's shard, one group at a time) into the checkpoint's tensors for write_hf_checkpoint,
+// holding one group at a time; group_order() is the sequence of groups it will ask for,
+// so other ranks can contribute in the same order.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "engine/core/status.h"
+#include "engine/engine.h"
+#include "engine/partition.h"
+#include "examples/hf/hf_checkpoint.h"
+#include "examples/hf/hf_export.h"
+
+namespace strata::hf {
+
+// Where one engine tensor lives in the checkpoint.
+struct HfTensorSlice {
+  std::string name;             // the checkpoint tensor's name
+  uint64_t element_offset = 0;  // the engine tensor's first element within it (row-major)
+  std::vector<int64_t> shape;   // the checkpoint tensor's whole shape
+};
+using HfNameMap = std::function<HfTensorSlice(const GroupLayout& group, const TensorLayout& tensor)>;
+
+struct HfLoadOptions {
+  // Tensors the checkpoint may hold that no engine tensor reads (buffers, tied copies)
+  // and that are not worth a warning. Others are listed in one warning.
+  std::function<bool(std::string_view name)> is_ignored;
+};
+
+// Checks `map` against `source` for every tensor of `layouts` (see the top of this file):
+// OK, or kInvalidArgument listing every problem, naming the source.
+Status check_hf_mapping(const HfTensorSource& source, std::span<const GroupLayout> layouts, const HfNameMap& map,
+                        const HfLoadOptions& options = {});
+
+// Loads rank `rank`'s fp32 master shards of every group of `engine` from `source` through
+// `map` (any float dtype the source holds), checking first (check_hf_mapping: nothing is
+// written when a check fails), then refresh_parameters(). Optimizer moments are left as
+// they are (zero on a fresh engine). Call after start(), between steps.
+Status load_hf_weights(Engine& engine, int rank, const HfTensorSource& source, const HfNameMap& map,
+                       const HfLoadOptions& options = {});
+
+// Fills `out` (layout(group).numel floats) with the full, unpadded fp32 group.
+using FullGroupSource = std::function<Status(int group, std::span<float> out)>;
+
+class HfGroupExport {
+ public:
+  // The checkpoint's tensors in order of first appearance in `layouts` (group by group,
+  // tensor by tensor), each written as `dtype`; every one must be tiled exactly by the
+  // engine tensors mapped to it (no gap, no overlap), else kInvalidArgument naming it.
+  static StatusOr<HfGroupExport> plan(std::span<const GroupLayout> layouts, const HfNameMap& map, gpt::SafetensorsDType dtype);
+
+  const std::vector<HfExportTensor>& tensors() const { return tensors_; }
+  // The groups fill() asks `source` for, in order, when the tensors are written in order.
+  const std::vector<int>& group_order() const { return group_order_; }
+  // Elements [first, first + out.size()) of tensors()[index], from the groups `source`
+  // gives; keeps the last group asked for and asks again only when another is needed.
+  Status fill(const FullGroupSource& source, size_t index, uint64_t first, std::span<float> out);
+
+ private:
+  struct Piece {             // one engine tensor's part of a checkpoint tensor
+    uint64_t first = 0;      // within the checkpoint tensor
+    uint64_t count = 0;
+    int group = 0;           // index into the layouts given to plan()
+    size_t group_offset = 0; // the engine tensor's first element within its group
+  };
+  std::vector<HfExportTensor> tensors_;
+  std::vector<std::vector<Piece>> pieces_;  // per tensor, by `first`
+  std::vector<int> group_ids_;              // per group (GroupLayout::id, what `source` is asked for)
+  std::vector<size_t> group_numel_;         // per group
+  std::vector<int> group_order_;
+  std::vector<float> group_values_;
+  int held_group_ = -1;
+};
+
+// Writes `dir` from full groups (write_hf_checkpoint with HfGroupExport).
+Status export_hf_from_groups(const std::string& dir, const nlohmann::json& config, std::span<const GroupLayout> layouts,
+                             const HfNameMap& map, gpt::SafetensorsDType dtype, const FullGroupSource& source,
+                             const HfExportOptions& options = {});
+
+}  // namespace strata::hf
