@@ -126,14 +126,17 @@ struct GqaAttentionShape {
 // GPT-2's fused qkv [batch, seq_len, 3 * channels] as this op sees it: q, k, v at
 // offsets 0, channels, 2 * channels of each row, strides 3 * channels, kv_heads == heads.
 GqaAttentionShape gqa_shape_of_fused_qkv(const AttentionShape& shape);
-// Scratch the op needs from the caller's device memory, forward and backward alike
-// (0 on a CpuDevice).
+// Scratch the op needs from the caller's device memory, forward and backward alike:
+// 0 on a CpuDevice; on the GPU the fp32 scores and dtype probabilities of every head of
+// one batch element, heads * seq_len^2 * (4 + dtype size) bytes, and with kv_heads <
+// heads two fp32 [seq_len, kv_heads * head_dim] sums of dk and dv (each rounded up to 256).
 size_t gqa_attention_workspace_bytes(const GqaAttentionShape& shape, DType dtype, DeviceKind kind);
 Status gqa_attention_forward(Stream& stream, BlasContext& blas, const GqaAttentionShape& shape, DType dtype, const void* q,
                              const void* k, const void* v, void* out, float* lse, void* workspace,
                              size_t workspace_bytes);
 // Needs q, k, v and the forward's lse. dq (strided like q), dk, dv (strided like k, v)
-// per input_grad; dk and dv sum over the query heads that share them (in head order).
+// per input_grad; dk and dv sum over the query heads that share them, in head order
+// (on the GPU in fp32, rounded to dtype once).
 // The elements of a strided row outside the op's heads are not touched, so dq, dk, dv
 // may be slices of one fused gradient buffer.
 Status gqa_attention_backward(Stream& stream, BlasContext& blas, const GqaAttentionShape& shape, DType dtype,
