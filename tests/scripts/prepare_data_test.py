@@ -229,5 +229,31 @@ class PrepareDataTest(unittest.TestCase):
                 out.unlink(missing_ok=True)
 
 
+def write_fixture(directory: Path) -> int:
+    """For tests/examples/prepare_data_reader_test.cpp: a packed file of every kind of
+    example in DIR/data.bin and, in DIR/expected.json, each row's inputs, targets and
+    position ids by the rules of docs/data.md, which the C++ loader must reproduce."""
+    make_tokenizer(directory / "model")
+    lines = [{"text": "the cat sat on the mat"}, {"prompt": "what is two plus two ?", "completion": "four"},
+             {"messages": [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi hi"}]},
+             {"text": "hello there , how are you ? fine thanks"}, {"prompt": "be", "completion": "brief"}]
+    (directory / "input.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    seq_len = 11
+    code = load_prepare_data().main(["--tokenizer", str(directory / "model"), "--seq-len", str(seq_len), "--pack", "--eos",
+                                     "--out", str(directory / "data.bin"), str(directory / "input.jsonl")])
+    if code != 0:
+        return code
+    data = read_token_file(directory / "data.bin")
+    rows = []
+    for tokens, flags in zip(rows_of(data["tokens"], seq_len + 1), rows_of(data["flags"], seq_len + 1)):
+        rows.append({"inputs": tokens[:-1], "targets": [tokens[t + 1] if flags[t + 1] & T else -1 for t in range(seq_len)],
+                     "positions": positions(flags)[:-1]})
+    vocab = Tokenizer.from_file(str(directory / "model" / "tokenizer.json")).get_vocab_size()
+    (directory / "expected.json").write_text(json.dumps({"seq_len": seq_len, "vocab_size": vocab, "rows": rows}))
+    return 0
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--fixture":
+        sys.exit(write_fixture(Path(sys.argv[2])))
     unittest.main(verbosity=2)
