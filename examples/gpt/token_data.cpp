@@ -665,9 +665,10 @@ StatusOr<DataLoader> DataLoader::create(std::shared_ptr<const TokenDataset> data
     return InvalidArgumentError("data loader: micro_batches " + std::to_string(options.micro_batches) + " must be >= 1");
   }
   if (const auto row = dataset->row_length(); row && *row != static_cast<uint64_t>(options.seq_len) + 1) {
-    return InvalidArgumentError("data loader: " + dataset->describe() + " holds rows of " + std::to_string(*row) +
-                                " tokens (seq_len + 1), but seq_len is " + std::to_string(options.seq_len) + "; set seq_len to " +
-                                std::to_string(*row - 1) + " or prepare the data again with --seq-len " + std::to_string(options.seq_len));
+    return InvalidArgumentError("data loader: seq_len " + std::to_string(options.seq_len) + " needs rows of " +
+                                std::to_string(options.seq_len + 1) + " tokens (seq_len + 1), but the rows of " + dataset->describe() +
+                                " are " + std::to_string(*row) + "; set seq_len to " + std::to_string(*row - 1) +
+                                " or prepare the data again with --seq-len " + std::to_string(options.seq_len));
   }
   const auto tokens = dataset->split_tokens(options.split);
   if (tokens.has_value() && *tokens < static_cast<uint64_t>(options.seq_len) + 1) {

@@ -798,7 +798,9 @@ TEST(FineTuningLoaderTest, RowsAreSamplesInFileOrderForEveryWorldSizeAndResume) 
   DataLoaderOptions wrong = options;
   wrong.seq_len = 8;
   const auto refused = DataLoader::create(dataset, wrong);
-  EXPECT_TRUE(contains(refused.status().message(), "holds rows of 5 tokens (seq_len + 1), but seq_len is 8; set seq_len to 4"))
+  EXPECT_TRUE(contains(refused.status().message(), "seq_len 8 needs rows of 9 tokens (seq_len + 1), but the rows of fine-tuning file "))
+      << refused.status().to_string();
+  EXPECT_TRUE(contains(refused.status().message(), " are 5; set seq_len to 4 or prepare the data again with --seq-len 8"))
       << refused.status().to_string();
 }
 
