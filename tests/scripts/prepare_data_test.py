@@ -126,11 +126,11 @@ class PrepareDataTest(unittest.TestCase):
     def ids(self, text):
         return [self.tokenizer.token_to_id(word) for word in text.split()]
 
-    def run_prepare(self, lines, *options, name="input.jsonl", in_process=True):
+    def run_prepare(self, lines, *options, name="input.jsonl", in_process=True, model="model"):
         source = self.dir / name
         source.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
         out = self.dir / (name + ".bin")
-        argv = ["--tokenizer", str(self.dir / "model"), "--out", str(out), *options, str(source)]
+        argv = ["--tokenizer", str(self.dir / model), "--out", str(out), *options, str(source)]
         if not in_process:
             return subprocess.run([sys.executable, str(PREPARE_DATA), *argv], capture_output=True, text=True), out
         stdout, stderr = io.StringIO(), io.StringIO()
@@ -141,8 +141,8 @@ class PrepareDataTest(unittest.TestCase):
                 code = exit_.code
         return Result(code, stdout.getvalue(), stderr.getvalue()), out
 
-    def prepare(self, lines, *options, in_process=True):
-        result, out = self.run_prepare(lines, *options, in_process=in_process)
+    def prepare(self, lines, *options, in_process=True, model="model"):
+        result, out = self.run_prepare(lines, *options, in_process=in_process, model=model)
         self.assertEqual(result.returncode, 0, result.stderr)
         summary = json.loads(result.stdout.strip().splitlines()[-1])["prepare_data"]
         return read_token_file(out), summary
@@ -178,6 +178,23 @@ class PrepareDataTest(unittest.TestCase):
         self.assertEqual([words[i] for i in targets], ["four", "<|end|>", "hi", "hi", "<|end|>"])
         self.assertEqual(data["flags"][0], D)
         self.assertEqual(summary["messages"], 1)
+
+    def test_a_byte_level_token_that_begins_with_the_prompts_space_is_a_target(self):
+        # Byte-level BPE puts the space the generation prompt ends with ("<|assistant|> ")
+        # into the assistant's first token ("Ġfour").
+        model = self.dir / "byte_level"
+        model.mkdir()
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.train_from_iterator(SENTENCES * 20, trainers.BpeTrainer(special_tokens=SPECIAL,
+                                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        bpe.save(str(model / "tokenizer.json"))
+        (model / "tokenizer_config.json").write_text((self.dir / "model" / "tokenizer_config.json").read_text())
+        self.assertIsNotNone(bpe.token_to_id("Ġfour"))
+        conversation = {"messages": [{"role": "user", "content": "what is two plus two ?"}, {"role": "assistant", "content": "four"}]}
+        data, _ = self.prepare([conversation], "--seq-len", "40", "--pad", model="byte_level")
+        targets = [bpe.id_to_token(token) for token, f in zip(data["tokens"], data["flags"]) if f & T]
+        self.assertEqual(targets, ["Ġfour", "Ġ", "<|end|>", "Ġ"])
 
     def test_packed_rows_hold_whole_examples_and_positions_restart_at_each(self):
         lines = [{"text": "the cat sat"}, {"prompt": "say", "completion": "hi"}, {"text": "hello there , how are you ?"},
