@@ -6,7 +6,8 @@ and document-start flags and the position ids they imply, for prompt/completion,
 messages through a chat template, and text; packed and padded; uint16 and uint32; and
 the errors for malformed input. Runs with the reference venv's interpreter
 (build/ref-venv, made by scripts/reference-venv; STRATA_REF_PYTHON overrides it) and
-exits 77 (skipped) naming what is missing when there is none.
+exits 77 (skipped) naming what is missing when there is none, or when it lacks jinja2
+(transformers' chat templates need it; transformers does not install it).
 """
 import contextlib
 import importlib.machinery
@@ -27,12 +28,16 @@ SKIP = 77
 
 
 def ensure_interpreter():
-    try:
-        import tokenizers  # noqa: F401
-        import transformers  # noqa: F401
+    """Runs on with an interpreter that has tokenizers, transformers and jinja2 (found
+    without importing them: transformers takes seconds to import)."""
+    have = {name: importlib.util.find_spec(name) is not None for name in ("tokenizers", "transformers", "jinja2")}
+    if have["tokenizers"] and have["transformers"]:
+        if not have["jinja2"]:
+            # transformers renders chat templates with jinja2 but does not install it.
+            print(f"SKIP: {sys.executable} has transformers but not jinja2, which its chat templates need "
+                  "(pip install jinja2 into the reference venv, or apt-get install python3-jinja2)")
+            sys.exit(SKIP)
         return
-    except ImportError:
-        pass
     venv_python = Path(os.environ.get("STRATA_REF_PYTHON", SOURCE_DIR / "build" / "ref-venv" / "bin" / "python"))
     if venv_python.exists() and os.environ.get("STRATA_PREPARE_DATA_TEST_REEXEC") != "1":
         os.environ["STRATA_PREPARE_DATA_TEST_REEXEC"] = "1"
@@ -126,13 +131,11 @@ class PrepareDataTest(unittest.TestCase):
     def ids(self, text):
         return [self.tokenizer.token_to_id(word) for word in text.split()]
 
-    def run_prepare(self, lines, *options, name="input.jsonl", in_process=True, model="model"):
+    def run_prepare(self, lines, *options, name="input.jsonl", model="model"):
         source = self.dir / name
         source.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
         out = self.dir / (name + ".bin")
         argv = ["--tokenizer", str(self.dir / model), "--out", str(out), *options, str(source)]
-        if not in_process:
-            return subprocess.run([sys.executable, str(PREPARE_DATA), *argv], capture_output=True, text=True), out
         stdout, stderr = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             try:
@@ -141,8 +144,8 @@ class PrepareDataTest(unittest.TestCase):
                 code = exit_.code
         return Result(code, stdout.getvalue(), stderr.getvalue()), out
 
-    def prepare(self, lines, *options, in_process=True, model="model"):
-        result, out = self.run_prepare(lines, *options, in_process=in_process, model=model)
+    def prepare(self, lines, *options, model="model"):
+        result, out = self.run_prepare(lines, *options, model=model)
         self.assertEqual(result.returncode, 0, result.stderr)
         summary = json.loads(result.stdout.strip().splitlines()[-1])["prepare_data"]
         return read_token_file(out), summary
@@ -217,8 +220,8 @@ class PrepareDataTest(unittest.TestCase):
         self.assertEqual(rows_of(data["tokens"], 5), [self.ids("<s> the cat sat on"), self.ids("<s> be brief") + [0, 0]])
         self.assertEqual((summary["truncated"], summary["dropped_no_loss"], summary["rows"]), (2, 1, 2))
 
-    def test_a_vocabulary_past_uint16_writes_uint32_tokens_from_the_command_line(self):
-        data, _ = self.prepare([{"text": "hello there"}], "--seq-len", "3", "--pad", "--vocab-size", "70000", in_process=False)
+    def test_a_vocabulary_past_uint16_writes_uint32_tokens(self):
+        data, _ = self.prepare([{"text": "hello there"}], "--seq-len", "3", "--pad", "--vocab-size", "70000")
         self.assertEqual((data["magic"], data["version"]), (20240801, 8))
         self.assertEqual(data["tokens"], self.ids("<s> hello there <pad>"))
 
@@ -247,8 +250,8 @@ class PrepareDataTest(unittest.TestCase):
 
 
 def write_fixture(directory: Path) -> int:
-    """For tests/examples/prepare_data_reader_test.cpp: a packed file of every kind of
-    example in DIR/data.bin and, in DIR/expected.json, each row's inputs, targets and
+    """For tests/examples/prepare_data_reader_test.cpp: scripts/prepare-data run as a command
+    writes a packed file of every kind of example to DIR/data.bin and, in DIR/expected.json, each row's inputs, targets and
     position ids by the rules of docs/data.md, which the C++ loader must reproduce."""
     make_tokenizer(directory / "model")
     lines = [{"text": "the cat sat on the mat"}, {"prompt": "what is two plus two ?", "completion": "four"},
@@ -256,10 +259,11 @@ def write_fixture(directory: Path) -> int:
              {"text": "hello there , how are you ? fine thanks"}, {"prompt": "be", "completion": "brief"}]
     (directory / "input.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     seq_len = 11
-    code = load_prepare_data().main(["--tokenizer", str(directory / "model"), "--seq-len", str(seq_len), "--pack", "--eos",
-                                     "--out", str(directory / "data.bin"), str(directory / "input.jsonl")])
-    if code != 0:
-        return code
+    # The command line, end to end (the unit tests above run it in their process).
+    result = subprocess.run([sys.executable, str(PREPARE_DATA), "--tokenizer", str(directory / "model"), "--seq-len", str(seq_len),
+                             "--pack", "--eos", "--out", str(directory / "data.bin"), str(directory / "input.jsonl")])
+    if result.returncode != 0:
+        return result.returncode
     data = read_token_file(directory / "data.bin")
     rows = []
     for tokens, flags in zip(rows_of(data["tokens"], seq_len + 1), rows_of(data["flags"], seq_len + 1)):
