@@ -41,7 +41,8 @@
 // without flags make every token a target. Position ids count from 0 at the sample's first
 // token and restart at 0 at every document start (padding after a document carries no
 // start, so its positions continue the document's count: transformers' position ids for
-// right padding, which is all scripts/prepare-data writes). Micro-batch b of
+// right padding, which is all scripts/prepare-data writes). A position id of 0 marks each
+// document start, so a model can keep packed documents from attending to each other. Micro-batch b of
 // the run holds global samples [b * global_batch, (b + 1) * global_batch); rank r of N
 // takes rows [r * global_batch / N, (r + 1) * global_batch / N). So batches do not depend
 // on the world size, and resuming needs only the position (micro-batches consumed).
