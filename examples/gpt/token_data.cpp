@@ -381,6 +381,30 @@ StatusOr<TokenFileHeader> parse_token_file_header(std::span<const std::byte> pre
 
 namespace {
 
+// The flags' counts, and whether any breaks a rule of check_token_flags: one branch-free
+// pass (vectorized by the compiler); the slower pass that names the first offender
+// (first_flags_violation) runs only on a bad file.
+struct FlagsSummary {
+  uint64_t targets = 0;
+  uint64_t documents = 0;
+  bool breaks_a_rule = false;
+};
+
+FlagsSummary summarize_flags(std::span<const uint8_t> flags, uint64_t row_length) {
+  FlagsSummary summary;
+  uint8_t bad = 0;
+  for (const uint8_t f : flags) {
+    summary.targets += f & kTokenIsTarget;
+    summary.documents += (f & kTokenStartsDocument) >> 1;
+    bad |= static_cast<uint8_t>((f & kTokenFlagsReserved) | ((f & (f >> 1)) & 1));
+  }
+  for (uint64_t row = 0; row_length > 0 && row < flags.size(); row += row_length) {
+    bad |= static_cast<uint8_t>((flags[row] & kTokenStartsDocument) == 0);
+  }
+  summary.breaks_a_rule = bad != 0;
+  return summary;
+}
+
 // The file's bytes: `header`, then `tokens` in the format's width (each must fit it), then `flags`.
 Status write_token_bytes(const std::string& path, const int32_t (&header)[kLlmcHeaderInts], std::span<const int32_t> tokens,
                          std::span<const uint8_t> flags, TokenFileFormat format) {
@@ -437,20 +461,15 @@ Status write_fine_tuning_file(const std::string& path, std::span<const int32_t> 
   fields.token_count = tokens.size();
   fields.token_bytes = narrow ? 2 : 4;
   fields.has_flags = true;
-  fields.row_length = options.row_length;
-  fields.pad_token = options.pad_token;
-  for (const uint8_t f : flags) {
-    fields.target_count += f & kTokenIsTarget;
-    fields.document_count += (f & kTokenStartsDocument) >> 1;
-  }
+  const FlagsSummary counts = summarize_flags(flags, 0);
   int32_t header[kLlmcHeaderInts] = {};
   header[0] = fields.magic;
   header[1] = fields.version;
   header[2] = static_cast<int32_t>(fields.token_count);
-  header[3] = static_cast<int32_t>(std::min<uint64_t>(fields.row_length, INT32_MAX));
-  header[4] = fields.pad_token;
-  header[5] = static_cast<int32_t>(fields.target_count);
-  header[6] = static_cast<int32_t>(fields.document_count);
+  header[3] = static_cast<int32_t>(std::min<uint64_t>(options.row_length, INT32_MAX));
+  header[4] = options.pad_token;
+  header[5] = static_cast<int32_t>(counts.targets);
+  header[6] = static_cast<int32_t>(counts.documents);
   // Refuse what the reader would refuse, with the reader's words.
   const std::string where = "token file " + path + " (being written)";
   STRATA_RETURN_IF_ERROR(parse_fine_tuning_fields(header, where, fields));
@@ -533,19 +552,26 @@ Status check_token_file_vocabulary(const std::string& path, int64_t vocab_size, 
 
 namespace {
 
-// The first token breaking a rule of check_token_flags, and the rule.
-std::string flags_violation(std::span<const uint8_t> flags, uint64_t row_length, uint64_t& index) {
-  for (index = 0; index < flags.size(); ++index) {
+struct FlagsViolation {
+  uint64_t index = 0;  // the first token that breaks a rule
+  std::string rule;    // what it breaks, as the error says it
+};
+
+// The first token breaking a rule of check_token_flags (the caller knows one does).
+FlagsViolation first_flags_violation(std::span<const uint8_t> flags, uint64_t row_length) {
+  for (uint64_t index = 0; index < flags.size(); ++index) {
     const uint8_t f = flags[index];
-    if ((f & kTokenFlagsReserved) != 0) return "has reserved bits set (flags " + std::to_string(f) + "; only bits 0 and 1 are defined)";
+    if ((f & kTokenFlagsReserved) != 0) {
+      return {index, "has reserved bits set (flags " + std::to_string(f) + "; only bits 0 and 1 are defined)"};
+    }
     if ((f & kTokenIsTarget) != 0 && (f & kTokenStartsDocument) != 0) {
-      return "is both a loss target and a document start (the first token of a document has nothing before it to be predicted from)";
+      return {index, "is both a loss target and a document start (the first token of a document has nothing before it to be predicted from)"};
     }
     if (row_length > 0 && index % row_length == 0 && (f & kTokenStartsDocument) == 0) {
-      return "begins row " + std::to_string(index / row_length) + " but does not start a document (every row is an example on its own)";
+      return {index, "begins row " + std::to_string(index / row_length) + " but does not start a document (every row is an example on its own)"};
     }
   }
-  return {};
+  return {flags.size(), "breaks no rule"};
 }
 
 }  // namespace
@@ -555,27 +581,15 @@ Status check_token_flags(std::span<const uint8_t> flags, const TokenFileHeader& 
   if (flags.size() != header.token_count) {
     return InvalidArgumentError(where + ": " + std::to_string(flags.size()) + " flags for " + std::to_string(header.token_count) + " tokens");
   }
-  // One branch-free pass for the counts and whether any rule breaks (vectorized by the
-  // compiler); the slower pass that names the first offender runs only on a bad file.
-  uint64_t targets = 0;
-  uint64_t documents = 0;
-  uint8_t bad = 0;
-  for (const uint8_t f : flags) {
-    targets += f & kTokenIsTarget;
-    documents += (f & kTokenStartsDocument) >> 1;
-    bad |= static_cast<uint8_t>((f & kTokenFlagsReserved) | ((f & (f >> 1)) & 1));
+  const FlagsSummary summary = summarize_flags(flags, header.row_length);
+  if (summary.breaks_a_rule) {
+    const FlagsViolation violation = first_flags_violation(flags, header.row_length);
+    return InvalidArgumentError(where + ": token " + std::to_string(violation.index) + " (flags byte offset " +
+                                std::to_string(header.flags_offset() + violation.index) + ") " + violation.rule);
   }
-  for (uint64_t row = 0; header.row_length > 0 && row < flags.size(); row += header.row_length) {
-    bad |= static_cast<uint8_t>((flags[row] & kTokenStartsDocument) == 0);
-  }
-  if (bad != 0) {
-    uint64_t index = 0;
-    const std::string rule = flags_violation(flags, header.row_length, index);
-    return InvalidArgumentError(where + ": token " + std::to_string(index) + " (flags byte offset " +
-                                std::to_string(header.flags_offset() + index) + ") " + rule);
-  }
-  if (targets != header.target_count || documents != header.document_count) {
-    return InvalidArgumentError(where + ": the flags mark " + std::to_string(targets) + " loss targets and " + std::to_string(documents) +
+  if (summary.targets != header.target_count || summary.documents != header.document_count) {
+    return InvalidArgumentError(where + ": the flags mark " + std::to_string(summary.targets) + " loss targets and " +
+                                std::to_string(summary.documents) +
                                 " document starts, but header[5] and header[6] say " + std::to_string(header.target_count) + " and " +
                                 std::to_string(header.document_count) + " (a corrupted or mismatched flags section)");
   }
