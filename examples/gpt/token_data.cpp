@@ -164,19 +164,24 @@ class SyntheticDataset final : public TokenDataset {
   std::vector<int32_t> sigma_, tau_, rho_, offsets_;
 };
 
-// A token stream in a file: `header_bytes` then tokens of `token_bytes` each.
+// Where a file's tokens (and flags) are: `header_bytes`, then `tokens` tokens of
+// `token_bytes` each, then (fine-tuning files) a flags byte per token at `flags_offset`.
+struct FileLayout {
+  std::string kind;  // "text file", "token file", "fine-tuning file"
+  uint64_t header_bytes = 0;
+  size_t token_bytes = 1;
+  uint64_t tokens = 0;
+  std::optional<uint64_t> flags_offset;
+  uint64_t row_length = 0;  // 0: samples are windows drawn at random; else rows in file order
+};
+
 class FileDataset final : public TokenDataset {
  public:
-  FileDataset(std::string path, File file, std::string kind, uint64_t header_bytes, size_t token_bytes, uint64_t tokens,
-              int64_t vocab_size, double eval_fraction)
-      : path_(std::move(path)),
-        file_(std::move(file)),
-        kind_(std::move(kind)),
-        header_bytes_(header_bytes),
-        token_bytes_(token_bytes),
-        tokens_(tokens),
-        vocab_size_(vocab_size) {
-    eval_tokens_ = static_cast<uint64_t>(std::llround(static_cast<double>(tokens) * eval_fraction));
+  FileDataset(std::string path, File file, FileLayout layout, int64_t vocab_size, double eval_fraction)
+      : path_(std::move(path)), file_(std::move(file)), layout_(std::move(layout)), vocab_size_(vocab_size) {
+    // Rows are examples: the eval split holds whole rows.
+    const uint64_t unit = layout_.row_length > 0 ? layout_.row_length : 1;
+    eval_tokens_ = static_cast<uint64_t>(std::llround(static_cast<double>(layout_.tokens / unit) * eval_fraction)) * unit;
   }
   FileDataset(const FileDataset&) = delete;
   FileDataset& operator=(const FileDataset&) = delete;
@@ -184,34 +189,76 @@ class FileDataset final : public TokenDataset {
   int64_t vocab_size() const override { return vocab_size_; }
   std::optional<double> entropy_floor() const override { return std::nullopt; }
   std::string describe() const override {
-    return kind_ + " " + path_ + ": " + std::to_string(tokens_) + " tokens (" + std::to_string(tokens_ - eval_tokens_) +
-           " train, " + std::to_string(eval_tokens_) + " eval), vocab " + std::to_string(vocab_size_);
+    std::string text = layout_.kind + " " + path_ + ": " + std::to_string(layout_.tokens) + " tokens (" +
+                       std::to_string(layout_.tokens - eval_tokens_) + " train, " + std::to_string(eval_tokens_) + " eval)";
+    if (layout_.row_length > 0) {
+      text += " in rows of " + std::to_string(layout_.row_length) + " (" + std::to_string((layout_.tokens - eval_tokens_) / layout_.row_length) +
+              " train, " + std::to_string(eval_tokens_ / layout_.row_length) + " eval)";
+    }
+    return text + ", vocab " + std::to_string(vocab_size_);
   }
   std::optional<uint64_t> split_tokens(DataSplit split) const override {
-    return split == DataSplit::kTrain ? tokens_ - eval_tokens_ : eval_tokens_;
+    return split == DataSplit::kTrain ? layout_.tokens - eval_tokens_ : eval_tokens_;
+  }
+  std::optional<uint64_t> row_length() const override {
+    return layout_.row_length > 0 ? std::optional<uint64_t>(layout_.row_length) : std::nullopt;
   }
 
   Status sample(DataSplit split, uint64_t seed, uint64_t index, std::span<int32_t> tokens) const override {
-    const uint64_t begin = split == DataSplit::kTrain ? 0 : tokens_ - eval_tokens_;
-    const uint64_t end = split == DataSplit::kTrain ? tokens_ - eval_tokens_ : tokens_;
-    const uint64_t length = tokens.size();
+    STRATA_ASSIGN_OR_RETURN(const uint64_t start, sample_start(split, seed, index, tokens.size()));
+    return read_tokens(start, tokens);
+  }
+
+  Status sample_with_flags(DataSplit split, uint64_t seed, uint64_t index, std::span<int32_t> tokens,
+                           std::span<uint8_t> flags) const override {
+    if (!layout_.flags_offset) return TokenDataset::sample_with_flags(split, seed, index, tokens, flags);
+    if (flags.size() != tokens.size()) return InvalidArgumentError(layout_.kind + " " + path_ + ": flags and tokens of a sample differ in length");
+    STRATA_ASSIGN_OR_RETURN(const uint64_t start, sample_start(split, seed, index, tokens.size()));
+    STRATA_RETURN_IF_ERROR(read_tokens(start, tokens));
+    STRATA_RETURN_IF_ERROR(file_.read_exact(flags.data(), flags.size(), *layout_.flags_offset + start));
+    // A window cut from a stream begins a document wherever it starts: nothing before it is visible.
+    flags[0] = static_cast<uint8_t>((flags[0] | kTokenStartsDocument) & ~kTokenIsTarget);
+    return Status::Ok();
+  }
+
+ private:
+  // The token index where sample `index` of `split` starts.
+  StatusOr<uint64_t> sample_start(DataSplit split, uint64_t seed, uint64_t index, uint64_t length) const {
+    const uint64_t begin = split == DataSplit::kTrain ? 0 : layout_.tokens - eval_tokens_;
+    const uint64_t end = split == DataSplit::kTrain ? layout_.tokens - eval_tokens_ : layout_.tokens;
+    const std::string where = layout_.kind + " " + path_;
+    if (layout_.row_length > 0 && length != layout_.row_length) {
+      return InvalidArgumentError(where + ": its rows are " + std::to_string(layout_.row_length) + " tokens, a sample of " +
+                                  std::to_string(length) + " was asked (set seq_len to " + std::to_string(layout_.row_length - 1) +
+                                  ", the length scripts/prepare-data was given)");
+    }
     if (end - begin < length) {
-      return InvalidArgumentError(kind_ + " " + path_ + ": the " + std::string(data_split_name(split)) + " split has " +
+      return InvalidArgumentError(where + ": the " + std::string(data_split_name(split)) + " split has " +
                                   std::to_string(end - begin) + " tokens, fewer than one sample of " + std::to_string(length) +
                                   (split == DataSplit::kEval ? " (raise strata.data.eval_fraction or shorten the sequence)"
                                                              : " (shorten the sequence)"));
     }
+    if (layout_.row_length > 0) {
+      const uint64_t rows = (end - begin) / layout_.row_length;
+      return begin + (index % rows) * layout_.row_length;
+    }
     SampleRandom random(seed, split, index, kTagWindow);
-    const uint64_t start = begin + random.below(end - begin - length + 1);
-    std::vector<unsigned char> raw(length * token_bytes_);
-    STRATA_RETURN_IF_ERROR(file_.read_exact(raw.data(), raw.size(), header_bytes_ + start * token_bytes_));
+    return begin + random.below(end - begin - length + 1);
+  }
+
+  // Decodes tokens [start, start + tokens.size()) and checks each against the vocabulary.
+  Status read_tokens(uint64_t start, std::span<int32_t> tokens) const {
+    const size_t length = tokens.size();
+    const size_t width = layout_.token_bytes;
+    std::vector<unsigned char> raw(length * width);
+    STRATA_RETURN_IF_ERROR(file_.read_exact(raw.data(), raw.size(), layout_.header_bytes + start * width));
     for (size_t i = 0; i < length; ++i) {
       uint32_t value = 0;
-      if (token_bytes_ == 1) value = raw[i];
-      else if (token_bytes_ == 2) value = static_cast<uint32_t>(raw[2 * i]) | (static_cast<uint32_t>(raw[2 * i + 1]) << 8);
+      if (width == 1) value = raw[i];
+      else if (width == 2) value = static_cast<uint32_t>(raw[2 * i]) | (static_cast<uint32_t>(raw[2 * i + 1]) << 8);
       else std::memcpy(&value, raw.data() + 4 * i, 4);  // little-endian host
       if (static_cast<int64_t>(value) >= vocab_size_) {
-        return InvalidArgumentError(kind_ + " " + path_ + ": token " + std::to_string(start + i) + " is " + std::to_string(value) +
+        return InvalidArgumentError(layout_.kind + " " + path_ + ": token " + std::to_string(start + i) + " is " + std::to_string(value) +
                                     ", outside the vocabulary of " + std::to_string(vocab_size_));
       }
       tokens[i] = static_cast<int32_t>(value);
@@ -219,13 +266,9 @@ class FileDataset final : public TokenDataset {
     return Status::Ok();
   }
 
- private:
   std::string path_;
   File file_;
-  std::string kind_;
-  uint64_t header_bytes_;
-  size_t token_bytes_;
-  uint64_t tokens_;
+  FileLayout layout_;
   int64_t vocab_size_;
   uint64_t eval_tokens_ = 0;
 };
@@ -244,6 +287,41 @@ std::string_view data_split_name(DataSplit split) { return split == DataSplit::k
 
 // ---------------------------------------------------------------------------------------
 // Token files
+
+namespace {
+
+// header[3..255] of a fine-tuning file (versions 2 and 8).
+Status parse_fine_tuning_fields(const int32_t* header, const std::string& where, TokenFileHeader& result) {
+  const int32_t row_length = header[3];
+  if (row_length < 0 || row_length == 1 || (row_length > 0 && result.token_count % static_cast<uint64_t>(row_length) != 0)) {
+    return InvalidArgumentError(where + ": header[3] (row length) is " + std::to_string(row_length) +
+                                ", expected 0 (one stream) or a length >= 2 that divides header[2] (token count) " +
+                                std::to_string(result.token_count));
+  }
+  result.row_length = static_cast<uint64_t>(row_length);
+  if (header[4] < -1) {
+    return InvalidArgumentError(where + ": header[4] (pad token) is " + std::to_string(header[4]) + ", expected a token id or -1 (none)");
+  }
+  result.pad_token = header[4];
+  const char* count_names[] = {"header[5] (target count)", "header[6] (document count)"};
+  for (int i = 0; i < 2; ++i) {
+    if (header[5 + i] < 0 || static_cast<uint64_t>(header[5 + i]) > result.token_count) {
+      return InvalidArgumentError(where + ": " + count_names[i] + " is " + std::to_string(header[5 + i]) + ", expected 0 to the token count " +
+                                  std::to_string(result.token_count));
+    }
+  }
+  result.target_count = static_cast<uint64_t>(header[5]);
+  result.document_count = static_cast<uint64_t>(header[6]);
+  for (size_t i = 7; i < kLlmcHeaderInts; ++i) {
+    if (header[i] != 0) {
+      return InvalidArgumentError(where + ": header[" + std::to_string(i) + "] is " + std::to_string(header[i]) +
+                                  ", expected 0 (reserved in version " + std::to_string(result.version) + ")");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
 
 StatusOr<TokenFileHeader> read_token_file_header(const std::string& path) {
   STRATA_ASSIGN_OR_RETURN(const File file, open_read_only(path, "token file"));
@@ -265,65 +343,138 @@ StatusOr<TokenFileHeader> parse_token_file_header(std::span<const std::byte> pre
   TokenFileHeader result;
   result.magic = header[0];
   result.version = header[1];
+  int32_t plain_version = 0;
+  int32_t fine_tuning_version = 0;
   if (result.magic == kLlmcGpt2Magic) {
     result.token_bytes = 2;
-    if (result.version != kLlmcGpt2Version) {
-      return InvalidArgumentError(where + ": header[1] (version) is " + std::to_string(result.version) + ", expected " +
-                                  std::to_string(kLlmcGpt2Version) + " for magic " + std::to_string(kLlmcGpt2Magic));
-    }
+    plain_version = kLlmcGpt2Version;
+    fine_tuning_version = kMaskedU16Version;
   } else if (result.magic == kLlmcLlama3Magic) {
     result.token_bytes = 4;
-    if (result.version != kLlmcLlama3Version) {
-      return InvalidArgumentError(where + ": header[1] (version) is " + std::to_string(result.version) + ", expected " +
-                                  std::to_string(kLlmcLlama3Version) + " for magic " + std::to_string(kLlmcLlama3Magic));
-    }
+    plain_version = kLlmcLlama3Version;
+    fine_tuning_version = kMaskedU32Version;
   } else {
     return InvalidArgumentError(where + ": header[0] (magic) is " + std::to_string(result.magic) + ", expected " +
                                 std::to_string(kLlmcGpt2Magic) + " (llm.c GPT-2 tokens) or " + std::to_string(kLlmcLlama3Magic) +
                                 " (llm.c Llama 3 tokens)");
   }
+  if (result.version != plain_version && result.version != fine_tuning_version) {
+    return InvalidArgumentError(where + ": header[1] (version) is " + std::to_string(result.version) + ", expected " +
+                                std::to_string(plain_version) + " (llm.c tokens) or " + std::to_string(fine_tuning_version) +
+                                " (Strata fine-tuning tokens with flags) for magic " + std::to_string(result.magic));
+  }
+  result.has_flags = result.version == fine_tuning_version;
   if (header[2] <= 0) {
     return InvalidArgumentError(where + ": header[2] (token count) is " + std::to_string(header[2]) + ", expected a positive count");
   }
   result.token_count = static_cast<uint64_t>(header[2]);
-  const uint64_t expected = kLlmcHeaderBytes + result.token_count * result.token_bytes;
+  if (result.has_flags) STRATA_RETURN_IF_ERROR(parse_fine_tuning_fields(header, where, result));
+  const uint64_t expected = result.file_bytes();
   if (file_bytes != expected) {
     return InvalidArgumentError(where + ": header[2] (token count) is " + std::to_string(result.token_count) + ", so the file should be " +
-                                std::to_string(expected) + " bytes, but it is " + std::to_string(file_bytes) +
-                                (file_bytes < expected ? " (truncated?)" : ""));
+                                std::to_string(expected) + " bytes" +
+                                (result.has_flags ? " (header, tokens of " + std::to_string(result.token_bytes) + " bytes, a flags byte each)" : "") +
+                                ", but it is " + std::to_string(file_bytes) + (file_bytes < expected ? " (truncated?)" : ""));
   }
   return result;
 }
 
-Status write_token_file(const std::string& path, std::span<const int32_t> tokens, TokenFileFormat format) {
-  const bool gpt2 = format == TokenFileFormat::kGpt2;
-  if (tokens.empty() || tokens.size() >= (uint64_t{1} << 31)) {
-    return InvalidArgumentError("token file " + path + ": " + std::to_string(tokens.size()) +
-                                " tokens; the llm.c format holds 1 to 2^31 - 1");
+namespace {
+
+// The flags' counts, and whether any breaks a rule of check_token_flags: one branch-free
+// pass (vectorized by the compiler); the slower pass that names the first offender
+// (first_flags_violation) runs only on a bad file.
+struct FlagsSummary {
+  uint64_t targets = 0;
+  uint64_t documents = 0;
+  bool breaks_a_rule = false;
+};
+
+FlagsSummary summarize_flags(std::span<const uint8_t> flags, uint64_t row_length) {
+  FlagsSummary summary;
+  uint8_t bad = 0;
+  for (const uint8_t f : flags) {
+    summary.targets += f & kTokenIsTarget;
+    summary.documents += (f & kTokenStartsDocument) >> 1;
+    bad |= static_cast<uint8_t>((f & kTokenFlagsReserved) | ((f & (f >> 1)) & 1));
   }
-  int32_t header[kLlmcHeaderInts] = {};
-  header[0] = gpt2 ? kLlmcGpt2Magic : kLlmcLlama3Magic;
-  header[1] = gpt2 ? kLlmcGpt2Version : kLlmcLlama3Version;
-  header[2] = static_cast<int32_t>(tokens.size());
-  std::vector<unsigned char> data(kLlmcHeaderBytes + tokens.size() * (gpt2 ? 2 : 4));
+  for (uint64_t row = 0; row_length > 0 && row < flags.size(); row += row_length) {
+    bad |= static_cast<uint8_t>((flags[row] & kTokenStartsDocument) == 0);
+  }
+  summary.breaks_a_rule = bad != 0;
+  return summary;
+}
+
+// The file's bytes: `header`, then `tokens` in the format's width (each must fit it), then `flags`.
+Status write_token_bytes(const std::string& path, const int32_t (&header)[kLlmcHeaderInts], std::span<const int32_t> tokens,
+                         std::span<const uint8_t> flags, TokenFileFormat format) {
+  const bool narrow = format == TokenFileFormat::kGpt2;
+  const size_t width = narrow ? 2 : 4;
+  std::vector<unsigned char> data(kLlmcHeaderBytes + tokens.size() * width + flags.size());
   std::memcpy(data.data(), header, kLlmcHeaderBytes);
   for (size_t i = 0; i < tokens.size(); ++i) {
     const int32_t token = tokens[i];
-    if (token < 0 || (gpt2 && token > 0xffff)) {
+    if (token < 0 || (narrow && token > 0xffff)) {
       return InvalidArgumentError("token file " + path + ": token " + std::to_string(i) + " is " + std::to_string(token) +
-                                  ", which does not fit " + (gpt2 ? "uint16" : "uint32"));
+                                  ", which does not fit " + (narrow ? "uint16" : "uint32"));
     }
-    if (gpt2) {
-      data[kLlmcHeaderBytes + 2 * i] = static_cast<unsigned char>(token & 0xff);
-      data[kLlmcHeaderBytes + 2 * i + 1] = static_cast<unsigned char>(token >> 8);
-    } else {
-      std::memcpy(data.data() + kLlmcHeaderBytes + 4 * i, &token, 4);
-    }
+    unsigned char* out = data.data() + kLlmcHeaderBytes + i * width;
+    for (size_t b = 0; b < width; ++b) out[b] = static_cast<unsigned char>(static_cast<uint32_t>(token) >> (8 * b));  // little-endian
   }
+  if (!flags.empty()) std::memcpy(data.data() + kLlmcHeaderBytes + tokens.size() * width, flags.data(), flags.size());
   STRATA_ASSIGN_OR_RETURN(File file, File::open(path, {.flags = O_WRONLY | O_CREAT | O_TRUNC}));
   STRATA_RETURN_IF_ERROR(file.write_all(data.data(), data.size()));
   STRATA_RETURN_IF_ERROR(file.close());
   return Status::Ok();
+}
+
+Status check_token_count(const std::string& path, size_t count) {
+  if (count == 0 || count >= (uint64_t{1} << 31)) {
+    return InvalidArgumentError("token file " + path + ": " + std::to_string(count) + " tokens; the llm.c format holds 1 to 2^31 - 1");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status write_token_file(const std::string& path, std::span<const int32_t> tokens, TokenFileFormat format) {
+  STRATA_RETURN_IF_ERROR(check_token_count(path, tokens.size()));
+  const bool gpt2 = format == TokenFileFormat::kGpt2;
+  int32_t header[kLlmcHeaderInts] = {};
+  header[0] = gpt2 ? kLlmcGpt2Magic : kLlmcLlama3Magic;
+  header[1] = gpt2 ? kLlmcGpt2Version : kLlmcLlama3Version;
+  header[2] = static_cast<int32_t>(tokens.size());
+  return write_token_bytes(path, header, tokens, {}, format);
+}
+
+Status write_fine_tuning_file(const std::string& path, std::span<const int32_t> tokens, std::span<const uint8_t> flags,
+                              const FineTuningFileOptions& options) {
+  STRATA_RETURN_IF_ERROR(check_token_count(path, tokens.size()));
+  if (flags.size() != tokens.size()) {
+    return InvalidArgumentError("token file " + path + ": " + std::to_string(flags.size()) + " flags for " + std::to_string(tokens.size()) +
+                                " tokens; a fine-tuning file has one flags byte per token");
+  }
+  const bool narrow = options.format == TokenFileFormat::kGpt2;
+  TokenFileHeader fields;
+  fields.magic = narrow ? kLlmcGpt2Magic : kLlmcLlama3Magic;
+  fields.version = narrow ? kMaskedU16Version : kMaskedU32Version;
+  fields.token_count = tokens.size();
+  fields.token_bytes = narrow ? 2 : 4;
+  fields.has_flags = true;
+  const FlagsSummary counts = summarize_flags(flags, 0);
+  int32_t header[kLlmcHeaderInts] = {};
+  header[0] = fields.magic;
+  header[1] = fields.version;
+  header[2] = static_cast<int32_t>(fields.token_count);
+  header[3] = static_cast<int32_t>(std::min<uint64_t>(options.row_length, INT32_MAX));
+  header[4] = options.pad_token;
+  header[5] = static_cast<int32_t>(counts.targets);
+  header[6] = static_cast<int32_t>(counts.documents);
+  // Refuse what the reader would refuse, with the reader's words.
+  const std::string where = "token file " + path + " (being written)";
+  STRATA_RETURN_IF_ERROR(parse_fine_tuning_fields(header, where, fields));
+  STRATA_RETURN_IF_ERROR(check_token_flags(flags, fields, where));
+  return write_token_bytes(path, header, tokens, flags, options.format);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -348,8 +499,8 @@ StatusOr<std::shared_ptr<const TokenDataset>> TokenDataset::open_text_file(const
   STRATA_ASSIGN_OR_RETURN(File file, open_read_only(path, "text file"));
   STRATA_ASSIGN_OR_RETURN(const uint64_t size, file.size());
   if (size == 0) return InvalidArgumentError("text file " + path + " is empty");
-  return std::shared_ptr<const TokenDataset>(std::make_shared<FileDataset>(
-      path, std::move(file), "text file", 0, 1, size, 256, options.eval_fraction));
+  const FileLayout layout{.kind = "text file", .header_bytes = 0, .token_bytes = 1, .tokens = size};
+  return std::shared_ptr<const TokenDataset>(std::make_shared<FileDataset>(path, std::move(file), layout, 256, options.eval_fraction));
 }
 
 namespace {
@@ -384,8 +535,8 @@ Status check_token_file_vocabulary(const std::string& path, int64_t vocab_size, 
   if (vocab_size < 1) return InvalidArgumentError("token file " + path + ": vocab_size " + std::to_string(vocab_size) + " must be positive");
   STRATA_ASSIGN_OR_RETURN(const TokenFileHeader header, read_token_file_header(path));
   STRATA_ASSIGN_OR_RETURN(const File file, open_read_only(path, "token file"));
-  const uint64_t file_bytes = kLlmcHeaderBytes + header.token_count * header.token_bytes;  // the header check proved the size
-  STRATA_ASSIGN_OR_RETURN(const ReadOnlyMapping mapping, ReadOnlyMapping::map(file, file_bytes));
+  // The tokens only (the header check proved the file holds them).
+  STRATA_ASSIGN_OR_RETURN(const ReadOnlyMapping mapping, ReadOnlyMapping::map(file, header.flags_offset()));
   STRATA_ASSIGN_OR_RETURN(const TokenScanKernels kernels, token_scan_kernels(options.isa.value_or(best_cpu_isa())));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Executor> executor, make_executor({.threads = options.threads}));
   const TokenSpan tokens{.data = mapping.bytes() + kLlmcHeaderBytes, .token_bytes = header.token_bytes, .count = header.token_count};
@@ -399,16 +550,80 @@ Status check_token_file_vocabulary(const std::string& path, int64_t vocab_size, 
                               " (the first such token; was the file tokenized for another model?)");
 }
 
+namespace {
+
+struct FlagsViolation {
+  uint64_t index = 0;  // the first token that breaks a rule
+  std::string rule;    // what it breaks, as the error says it
+};
+
+// The first token breaking a rule of check_token_flags (the caller knows one does).
+FlagsViolation first_flags_violation(std::span<const uint8_t> flags, uint64_t row_length) {
+  for (uint64_t index = 0; index < flags.size(); ++index) {
+    const uint8_t f = flags[index];
+    if ((f & kTokenFlagsReserved) != 0) {
+      return {index, "has reserved bits set (flags " + std::to_string(f) + "; only bits 0 and 1 are defined)"};
+    }
+    if ((f & kTokenIsTarget) != 0 && (f & kTokenStartsDocument) != 0) {
+      return {index, "is both a loss target and a document start (the first token of a document has nothing before it to be predicted from)"};
+    }
+    if (row_length > 0 && index % row_length == 0 && (f & kTokenStartsDocument) == 0) {
+      return {index, "begins row " + std::to_string(index / row_length) + " but does not start a document (every row is an example on its own)"};
+    }
+  }
+  return {flags.size(), "breaks no rule"};
+}
+
+}  // namespace
+
+Status check_token_flags(std::span<const uint8_t> flags, const TokenFileHeader& header, std::string_view where_view) {
+  const std::string where(where_view);
+  if (flags.size() != header.token_count) {
+    return InvalidArgumentError(where + ": " + std::to_string(flags.size()) + " flags for " + std::to_string(header.token_count) + " tokens");
+  }
+  const FlagsSummary summary = summarize_flags(flags, header.row_length);
+  if (summary.breaks_a_rule) {
+    const FlagsViolation violation = first_flags_violation(flags, header.row_length);
+    return InvalidArgumentError(where + ": token " + std::to_string(violation.index) + " (flags byte offset " +
+                                std::to_string(header.flags_offset() + violation.index) + ") " + violation.rule);
+  }
+  if (summary.targets != header.target_count || summary.documents != header.document_count) {
+    return InvalidArgumentError(where + ": the flags mark " + std::to_string(summary.targets) + " loss targets and " +
+                                std::to_string(summary.documents) +
+                                " document starts, but header[5] and header[6] say " + std::to_string(header.target_count) + " and " +
+                                std::to_string(header.document_count) + " (a corrupted or mismatched flags section)");
+  }
+  return Status::Ok();
+}
+
+Status check_token_file_flags(const std::string& path) {
+  STRATA_ASSIGN_OR_RETURN(const TokenFileHeader header, read_token_file_header(path));
+  if (!header.has_flags) return Status::Ok();
+  STRATA_ASSIGN_OR_RETURN(const File file, open_read_only(path, "token file"));
+  STRATA_ASSIGN_OR_RETURN(const ReadOnlyMapping mapping, ReadOnlyMapping::map(file, header.file_bytes()));
+  const std::span<const uint8_t> flags(mapping.bytes() + header.flags_offset(), header.token_count);
+  return check_token_flags(flags, header, "token file " + path);
+}
+
 StatusOr<std::shared_ptr<const TokenDataset>> TokenDataset::open_token_file(const std::string& path, const FileDataOptions& options) {
   STRATA_RETURN_IF_ERROR(check_eval_fraction(options.eval_fraction, path));
   STRATA_ASSIGN_OR_RETURN(const TokenFileHeader header, read_token_file_header(path));
   int64_t vocab = options.vocab_size;
-  if (vocab == 0) vocab = header.token_bytes == 2 ? kGpt2VocabSize : (int64_t{1} << 31) - 1;
+  if (vocab == 0) {
+    if (header.token_bytes == 4) vocab = (int64_t{1} << 31) - 1;
+    else vocab = header.has_flags ? int64_t{1} << 16 : kGpt2VocabSize;
+  }
   if (vocab < 1) return InvalidArgumentError("token file " + path + ": vocab_size " + std::to_string(vocab) + " must be positive");
   STRATA_RETURN_IF_ERROR(check_token_file_vocabulary(path, vocab));
+  STRATA_RETURN_IF_ERROR(check_token_file_flags(path));
   STRATA_ASSIGN_OR_RETURN(File file, open_read_only(path, "token file"));
-  return std::shared_ptr<const TokenDataset>(std::make_shared<FileDataset>(
-      path, std::move(file), "token file", kLlmcHeaderBytes, header.token_bytes, header.token_count, vocab, options.eval_fraction));
+  FileLayout layout{.kind = header.has_flags ? "fine-tuning file" : "token file",
+                    .header_bytes = kLlmcHeaderBytes,
+                    .token_bytes = header.token_bytes,
+                    .tokens = header.token_count,
+                    .row_length = header.row_length};
+  if (header.has_flags) layout.flags_offset = header.flags_offset();
+  return std::shared_ptr<const TokenDataset>(std::make_shared<FileDataset>(path, std::move(file), layout, vocab, options.eval_fraction));
 }
 
 StatusOr<std::shared_ptr<const TokenDataset>> TokenDataset::open(const DataConfig& config, const SyntheticLanguageOptions& synthetic) {
@@ -426,6 +641,17 @@ StatusOr<std::shared_ptr<const TokenDataset>> TokenDataset::open(const DataConfi
       return open_token_file(config.path, file_options);
   }
   return InvalidArgumentError("unknown data kind");
+}
+
+Status TokenDataset::sample_with_flags(DataSplit split, uint64_t seed, uint64_t index, std::span<int32_t> tokens,
+                                       std::span<uint8_t> flags) const {
+  if (flags.size() != tokens.size()) return InvalidArgumentError(describe() + ": flags and tokens of a sample differ in length");
+  STRATA_RETURN_IF_ERROR(sample(split, seed, index, tokens));
+  // No flags in the data: a language-model stream, every token predicted from the ones
+  // before it in the sample.
+  std::fill(flags.begin(), flags.end(), kTokenIsTarget);
+  if (!flags.empty()) flags[0] = kTokenStartsDocument;
+  return Status::Ok();
 }
 
 std::vector<int32_t> synthetic_successors(const SyntheticLanguageOptions& options, int32_t previous, int32_t last) {
@@ -452,6 +678,12 @@ StatusOr<DataLoader> DataLoader::create(std::shared_ptr<const TokenDataset> data
   if (options.micro_batches < 1) {
     return InvalidArgumentError("data loader: micro_batches " + std::to_string(options.micro_batches) + " must be >= 1");
   }
+  if (const auto row = dataset->row_length(); row && *row != static_cast<uint64_t>(options.seq_len) + 1) {
+    return InvalidArgumentError("data loader: seq_len " + std::to_string(options.seq_len) + " needs rows of " +
+                                std::to_string(options.seq_len + 1) + " tokens (seq_len + 1), but the rows of " + dataset->describe() +
+                                " are " + std::to_string(*row) + "; set seq_len to " + std::to_string(*row - 1) +
+                                " or prepare the data again with --seq-len " + std::to_string(options.seq_len));
+  }
   const auto tokens = dataset->split_tokens(options.split);
   if (tokens.has_value() && *tokens < static_cast<uint64_t>(options.seq_len) + 1) {
     if (options.split == DataSplit::kEval && *tokens == 0) {
@@ -465,37 +697,74 @@ StatusOr<DataLoader> DataLoader::create(std::shared_ptr<const TokenDataset> data
   return DataLoader(std::move(dataset), options);
 }
 
-Status DataLoader::batch_at(uint64_t batch_index, std::span<int32_t> inputs, std::span<int32_t> targets) const {
+Status DataLoader::fill(uint64_t batch_index, std::span<int32_t> inputs, std::span<int32_t> targets,
+                        std::optional<std::span<int32_t>> positions) const {
   const size_t elements = batch_elements();
-  if (inputs.size() != elements || targets.size() != elements) {
+  if (inputs.size() != elements || targets.size() != elements || (positions && positions->size() != elements)) {
     return InvalidArgumentError("data loader: a batch is " + std::to_string(local_rows()) + " x " + std::to_string(options_.seq_len) +
-                                " = " + std::to_string(elements) + " tokens; got buffers of " + std::to_string(inputs.size()) +
-                                " and " + std::to_string(targets.size()));
+                                " = " + std::to_string(elements) + " tokens; got buffers of " + std::to_string(inputs.size()) + ", " +
+                                std::to_string(targets.size()) + (positions ? " and " + std::to_string(positions->size()) : std::string()));
   }
   const auto seq_len = static_cast<size_t>(options_.seq_len);
   std::vector<int32_t> sample(seq_len + 1);
+  std::vector<uint8_t> flags(seq_len + 1);
   const uint64_t first_row = batch_index * static_cast<uint64_t>(options_.global_batch) +
                              static_cast<uint64_t>(options_.rank) * static_cast<uint64_t>(local_rows());
   for (int64_t row = 0; row < local_rows(); ++row) {
-    STRATA_RETURN_IF_ERROR(dataset_->sample(options_.split, options_.seed, first_row + static_cast<uint64_t>(row), sample));
+    STRATA_RETURN_IF_ERROR(dataset_->sample_with_flags(options_.split, options_.seed, first_row + static_cast<uint64_t>(row), sample, flags));
     const size_t base = static_cast<size_t>(row) * seq_len;
-    std::copy(sample.begin(), sample.end() - 1, inputs.begin() + static_cast<ptrdiff_t>(base));
-    std::copy(sample.begin() + 1, sample.end(), targets.begin() + static_cast<ptrdiff_t>(base));
+    int32_t position = 0;
+    for (size_t t = 0; t < seq_len; ++t) {
+      inputs[base + t] = sample[t];
+      targets[base + t] = (flags[t + 1] & kTokenIsTarget) != 0 ? sample[t + 1] : -1;
+      // Padding carries no document start, so it continues the document's count.
+      position = (t == 0 || (flags[t] & kTokenStartsDocument) != 0) ? 0 : position + 1;
+      if (positions) (*positions)[base + t] = position;
+    }
   }
   return Status::Ok();
 }
 
-Status DataLoader::batch(int64_t step, int micro, std::span<int32_t> inputs, std::span<int32_t> targets) const {
-  if (step < 0 || micro < 0 || micro >= options_.micro_batches) {
+Status DataLoader::batch_at(uint64_t batch_index, std::span<int32_t> inputs, std::span<int32_t> targets,
+                            std::span<int32_t> positions) const {
+  return fill(batch_index, inputs, targets, positions);
+}
+
+Status DataLoader::batch_at(uint64_t batch_index, std::span<int32_t> inputs, std::span<int32_t> targets) const {
+  return fill(batch_index, inputs, targets, std::nullopt);
+}
+
+namespace {
+
+StatusOr<uint64_t> batch_index_of(int64_t step, int micro, int micro_batches) {
+  if (step < 0 || micro < 0 || micro >= micro_batches) {
     return InvalidArgumentError("data loader: step " + std::to_string(step) + ", micro-batch " + std::to_string(micro) + " of " +
-                                std::to_string(options_.micro_batches));
+                                std::to_string(micro_batches));
   }
-  return batch_at(static_cast<uint64_t>(step) * static_cast<uint64_t>(options_.micro_batches) + static_cast<uint64_t>(micro),
-                  inputs, targets);
+  return static_cast<uint64_t>(step) * static_cast<uint64_t>(micro_batches) + static_cast<uint64_t>(micro);
+}
+
+}  // namespace
+
+Status DataLoader::batch(int64_t step, int micro, std::span<int32_t> inputs, std::span<int32_t> targets,
+                         std::span<int32_t> positions) const {
+  STRATA_ASSIGN_OR_RETURN(const uint64_t index, batch_index_of(step, micro, options_.micro_batches));
+  return fill(index, inputs, targets, positions);
+}
+
+Status DataLoader::batch(int64_t step, int micro, std::span<int32_t> inputs, std::span<int32_t> targets) const {
+  STRATA_ASSIGN_OR_RETURN(const uint64_t index, batch_index_of(step, micro, options_.micro_batches));
+  return fill(index, inputs, targets, std::nullopt);
+}
+
+Status DataLoader::next(std::span<int32_t> inputs, std::span<int32_t> targets, std::span<int32_t> positions) {
+  STRATA_RETURN_IF_ERROR(fill(position_, inputs, targets, positions));
+  ++position_;
+  return Status::Ok();
 }
 
 Status DataLoader::next(std::span<int32_t> inputs, std::span<int32_t> targets) {
-  STRATA_RETURN_IF_ERROR(batch_at(position_, inputs, targets));
+  STRATA_RETURN_IF_ERROR(fill(position_, inputs, targets, std::nullopt));
   ++position_;
   return Status::Ok();
 }

@@ -5,11 +5,15 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iterator>
 #include <map>
+#include <numeric>
 #include <set>
 
 #include "engine/core/check.h"
@@ -187,7 +191,7 @@ TEST_P(TokenFileBadHeader, NamesTheFileAndTheField) {
 INSTANTIATE_TEST_SUITE_P(
     Cases, TokenFileBadHeader,
     ::testing::Values(HeaderCase{"bad_magic", {12345, 1, 10}, 20, "header[0] (magic) is 12345, expected 20240520"},
-                      HeaderCase{"bad_version", {20240520, 2, 10}, 20, "header[1] (version) is 2, expected 1"},
+                      HeaderCase{"bad_version", {20240520, 3, 10}, 20, "header[1] (version) is 3, expected 1 (llm.c tokens) or 2"},
                       HeaderCase{"llama_bad_version", {20240801, 1, 10}, 40, "header[1] (version) is 1, expected 7"},
                       HeaderCase{"zero_count", {20240520, 1, 0}, 0, "header[2] (token count) is 0"},
                       HeaderCase{"short_payload", {20240520, 1, 100}, 100,
@@ -495,6 +499,361 @@ TEST(DataLoaderTest, FileSplitsAndOptionErrors) {
   config.kind = DataKind::kText;
   config.path.clear();
   EXPECT_TRUE(contains(TokenDataset::open(config, {}).status().message(), "strata.data.path is required"));
+}
+
+// ---------------------------------------------------------------------------------------
+// Fine-tuning token files (versions 2 and 8): rows, flags, masked targets, position ids
+
+constexpr uint8_t kT = kTokenIsTarget;
+constexpr uint8_t kD = kTokenStartsDocument;
+
+std::vector<unsigned char> file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<unsigned char>(std::istreambuf_iterator<char>(in), {});
+}
+
+void write_bytes(const std::string& path, const std::vector<unsigned char>& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+void set_header_int(std::vector<unsigned char>& bytes, size_t index, int32_t value) { std::memcpy(bytes.data() + 4 * index, &value, 4); }
+
+// Valid flags for `count` tokens: rows (or the stream) start documents, a few more
+// documents start inside, and tokens that start no document are targets two times in three.
+std::vector<uint8_t> valid_flags(size_t count, size_t row_length) {
+  std::vector<uint8_t> flags(count);
+  for (size_t i = 0; i < count; ++i) {
+    const bool starts = (row_length > 0 ? i % row_length == 0 : i == 0) || i % 13 == 5;
+    flags[i] = starts ? kD : (i % 3 != 0 ? kT : 0);
+  }
+  return flags;
+}
+
+struct RoundTripCase {
+  size_t tokens;
+  size_t row_length;
+  TokenFileFormat format;
+};
+
+class FineTuningFileRoundTrip : public ::testing::TestWithParam<RoundTripCase> {};
+
+TEST_P(FineTuningFileRoundTrip, HeaderTokensAndFlagsComeBackByteForByte) {
+  const RoundTripCase c = GetParam();
+  testing::TempDir dir;
+  const std::string path = (dir.path() / "ft.bin").string();
+  const bool narrow = c.format == TokenFileFormat::kGpt2;
+  std::vector<int32_t> tokens(c.tokens);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 7919 + 3) % (narrow ? 65536 : 200000));
+  const std::vector<uint8_t> flags = valid_flags(c.tokens, c.row_length);
+  STRATA_ASSERT_OK(write_fine_tuning_file(path, tokens, flags, {.format = c.format, .row_length = c.row_length, .pad_token = 0}));
+
+  const size_t width = narrow ? 2 : 4;
+  const std::vector<unsigned char> bytes = file_bytes(path);
+  ASSERT_EQ(bytes.size(), kLlmcHeaderBytes + c.tokens * width + c.tokens);
+  STRATA_ASSERT_OK_AND_ASSIGN(const TokenFileHeader header, read_token_file_header(path));
+  EXPECT_EQ(header.magic, narrow ? kLlmcGpt2Magic : kLlmcLlama3Magic);
+  EXPECT_EQ(header.version, narrow ? 2 : 8);
+  EXPECT_TRUE(header.has_flags);
+  EXPECT_EQ(header.token_count, c.tokens);
+  EXPECT_EQ(header.row_length, c.row_length);
+  EXPECT_EQ(header.pad_token, 0);
+  EXPECT_EQ(header.target_count, static_cast<uint64_t>(std::count(flags.begin(), flags.end(), kT)));
+  EXPECT_EQ(header.document_count, static_cast<uint64_t>(std::count(flags.begin(), flags.end(), kD)));
+  for (size_t i = 0; i < c.tokens; ++i) {
+    uint32_t token = 0;
+    std::memcpy(&token, bytes.data() + kLlmcHeaderBytes + i * width, width);
+    ASSERT_EQ(token, static_cast<uint32_t>(tokens[i])) << i;
+    ASSERT_EQ(bytes[header.flags_offset() + i], flags[i]) << i;
+  }
+
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dataset, TokenDataset::open_token_file(path, {}));
+  if (c.row_length == 0) {
+    EXPECT_FALSE(dataset->row_length().has_value());
+    return;
+  }
+  // Sample i is row i, in file order, tokens and flags.
+  EXPECT_EQ(dataset->row_length(), c.row_length);
+  std::vector<int32_t> row(c.row_length);
+  std::vector<uint8_t> row_flags(c.row_length);
+  const size_t rows = c.tokens / c.row_length;
+  for (size_t i = 0; i < rows + 1; ++i) {
+    STRATA_ASSERT_OK(dataset->sample_with_flags(DataSplit::kTrain, 99, i, row, row_flags));
+    const size_t begin = (i % rows) * c.row_length;
+    EXPECT_TRUE(std::equal(row.begin(), row.end(), tokens.begin() + static_cast<ptrdiff_t>(begin))) << "row " << i;
+    EXPECT_TRUE(std::equal(row_flags.begin(), row_flags.end(), flags.begin() + static_cast<ptrdiff_t>(begin))) << "row " << i;
+  }
+}
+
+std::vector<RoundTripCase> round_trip_cases() {
+  std::vector<RoundTripCase> cases;
+  for (TokenFileFormat format : {TokenFileFormat::kGpt2, TokenFileFormat::kLlama3}) {
+    for (RoundTripCase c : {RoundTripCase{1, 0}, RoundTripCase{7, 0}, RoundTripCase{7, 7}, RoundTripCase{22, 2}, RoundTripCase{22, 11},
+                            RoundTripCase{55, 5}, RoundTripCase{4097, 17}, RoundTripCase{4097, 0}}) {
+      c.format = format;
+      cases.push_back(c);
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(OddSizes, FineTuningFileRoundTrip, ::testing::ValuesIn(round_trip_cases()),
+                         [](const ::testing::TestParamInfo<RoundTripCase>& info) {
+                           return std::string(info.param.format == TokenFileFormat::kGpt2 ? "uint16_" : "uint32_") +
+                                  std::to_string(info.param.tokens) + "_tokens_rows_of_" + std::to_string(info.param.row_length);
+                         });
+
+// A good file of 4 rows of 6 tokens, then one change to its bytes; opening names the problem.
+struct CorruptionCase {
+  std::string name;
+  std::function<void(std::vector<unsigned char>&)> corrupt;
+  std::string expected;
+};
+
+class FineTuningFileCorruption : public ::testing::TestWithParam<CorruptionCase> {};
+
+TEST_P(FineTuningFileCorruption, OpeningRefusesItNamingTheFieldOrToken) {
+  testing::TempDir dir;
+  const std::string path = (dir.path() / "ft.bin").string();
+  std::vector<int32_t> tokens(24);
+  std::iota(tokens.begin(), tokens.end(), 1);
+  STRATA_ASSERT_OK(write_fine_tuning_file(path, tokens, valid_flags(24, 6), {.row_length = 6}));
+  STRATA_ASSERT_OK(TokenDataset::open_token_file(path, {}).status());
+  std::vector<unsigned char> bytes = file_bytes(path);
+  GetParam().corrupt(bytes);
+  write_bytes(path, bytes);
+  const auto dataset = TokenDataset::open_token_file(path, {});
+  ASSERT_FALSE(dataset.ok());
+  EXPECT_EQ(dataset.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(contains(dataset.status().message(), "token file " + path)) << dataset.status().to_string();
+  EXPECT_TRUE(contains(dataset.status().message(), GetParam().expected)) << dataset.status().to_string();
+}
+
+constexpr size_t kFlags = kLlmcHeaderBytes + 24 * 2;  // where the good file's flags start
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, FineTuningFileCorruption,
+    ::testing::Values(
+        CorruptionCase{"truncated_by_one_byte", [](auto& b) { b.pop_back(); },
+                       "should be 1096 bytes (header, tokens of 2 bytes, a flags byte each), but it is 1095 (truncated?)"},
+        CorruptionCase{"flags_missing", [](auto& b) { b.resize(kFlags); }, "but it is 1072 (truncated?)"},
+        CorruptionCase{"a_byte_too_many", [](auto& b) { b.push_back(0); }, "should be 1096 bytes"},
+        CorruptionCase{"row_length_not_a_divisor", [](auto& b) { set_header_int(b, 3, 5); },
+                       "header[3] (row length) is 5, expected 0 (one stream) or a length >= 2 that divides"},
+        CorruptionCase{"row_length_one", [](auto& b) { set_header_int(b, 3, 1); }, "header[3] (row length) is 1"},
+        CorruptionCase{"pad_token_negative", [](auto& b) { set_header_int(b, 4, -2); }, "header[4] (pad token) is -2"},
+        CorruptionCase{"target_count_too_large", [](auto& b) { set_header_int(b, 5, 25); }, "header[5] (target count) is 25"},
+        CorruptionCase{"reserved_header_int", [](auto& b) { set_header_int(b, 255, 1); }, "header[255] is 1, expected 0 (reserved in version 2)"},
+        CorruptionCase{"reserved_flag_bit", [](auto& b) { b[kFlags + 9] |= 4; }, "token 9 (flags byte offset 1081) has reserved bits set"},
+        CorruptionCase{"target_and_document_start", [](auto& b) { b[kFlags + 5] = kT | kD; }, "token 5 (flags byte offset 1077) is both a loss target and a document start"},
+        CorruptionCase{"row_without_document_start", [](auto& b) { b[kFlags + 12] = kT; }, "token 12 (flags byte offset 1084) begins row 2 but does not start a document"},
+        CorruptionCase{"a_target_bit_lost", [](auto& b) { b[kFlags + 1] = 0; }, "the flags mark 14 loss targets and 5 document starts, but header[5] and header[6] say 15 and 5"},
+        CorruptionCase{"version_of_the_other_width", [](auto& b) { set_header_int(b, 1, 8); }, "header[1] (version) is 8, expected 1 (llm.c tokens) or 2"}),
+    [](const auto& info) { return info.param.name; });
+
+TEST(FineTuningFileTest, TheWriterRefusesWhatTheReaderWould) {
+  testing::TempDir dir;
+  const std::string path = (dir.path() / "ft.bin").string();
+  const std::vector<int32_t> tokens = {1, 2, 3, 4};
+  EXPECT_TRUE(contains(write_fine_tuning_file(path, tokens, std::vector<uint8_t>{kD, kT, kT}, {}).message(), "3 flags for 4 tokens"));
+  EXPECT_TRUE(contains(write_fine_tuning_file(path, tokens, std::vector<uint8_t>{kD, kT, kD, kT}, {.row_length = 3}).message(),
+                       "header[3] (row length) is 3"));
+  EXPECT_TRUE(contains(write_fine_tuning_file(path, tokens, std::vector<uint8_t>{kD, kT, kT, kT}, {.row_length = 2}).message(),
+                       "token 2 (flags byte offset 1034) begins row 1 but does not start a document"));
+  EXPECT_TRUE(contains(write_fine_tuning_file(path, std::vector<int32_t>{1, 70000}, std::vector<uint8_t>{kD, kT}, {}).message(),
+                       "token 1 is 70000, which does not fit uint16"));
+  EXPECT_FALSE(fs::exists(path));
+}
+
+// The model's vocabulary, not the format's, bounds the tokens: a small model reads a file
+// whose tokens all fit it, in every format, and refuses one that holds a larger token.
+TEST(FineTuningFileTest, ASmallModelVocabularyLoadsEveryFormatWhoseTokensFitIt) {
+  testing::TempDir dir;
+  std::vector<int32_t> tokens(40);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(i % 31);
+  const std::vector<uint8_t> flags = valid_flags(tokens.size(), 8);
+  struct Writer {
+    std::string name;
+    std::function<Status(const std::string&)> write;
+  };
+  const std::vector<Writer> writers = {
+      {"llmc_gpt2.bin", [&](const std::string& p) { return write_token_file(p, tokens, TokenFileFormat::kGpt2); }},
+      {"llmc_llama3.bin", [&](const std::string& p) { return write_token_file(p, tokens, TokenFileFormat::kLlama3); }},
+      {"ft_u16.bin", [&](const std::string& p) { return write_fine_tuning_file(p, tokens, flags, {.row_length = 8}); }},
+      {"ft_u32.bin", [&](const std::string& p) {
+         return write_fine_tuning_file(p, tokens, flags, {.format = TokenFileFormat::kLlama3, .row_length = 8});
+       }}};
+  for (const Writer& writer : writers) {
+    const std::string path = (dir.path() / writer.name).string();
+    STRATA_ASSERT_OK(writer.write(path));
+    DataConfig config;
+    config.kind = DataKind::kTokens;
+    config.path = path;
+    STRATA_ASSERT_OK_AND_ASSIGN(auto dataset, TokenDataset::open(config, {.vocab_size = 31}));
+    EXPECT_EQ(dataset->vocab_size(), 31) << writer.name;
+    const auto refused = TokenDataset::open(config, {.vocab_size = 30});
+    EXPECT_TRUE(contains(refused.status().message(), ": token 30 (byte offset")) << writer.name << ": " << refused.status().to_string();
+    EXPECT_TRUE(contains(refused.status().message(), "is 30, at or above the vocabulary size 30")) << refused.status().to_string();
+  }
+}
+
+struct FullBatch {
+  std::vector<int32_t> inputs, targets, positions;
+};
+
+FullBatch load_full(const DataLoader& loader, uint64_t index) {
+  FullBatch batch{std::vector<int32_t>(loader.batch_elements()), std::vector<int32_t>(loader.batch_elements()),
+                  std::vector<int32_t>(loader.batch_elements())};
+  STRATA_CHECK_OK(loader.batch_at(index, batch.inputs, batch.targets, batch.positions));
+  return batch;
+}
+
+// Two rows of 9 tokens (seq_len 8): a packed row of two examples and a right-padded row of
+// one. Prompt tokens are 100+, completions 200+, BOS 1, padding 0.
+struct TwoRows {
+  std::vector<int32_t> tokens = {1, 100, 101, 200, 201, /**/ 1, 102, 202, 203,  //
+                                 1, 103, 204, 205, 206, /**/ 0, 0, 0, 0};
+  std::vector<uint8_t> flags = {kD, 0, 0, kT, kT, /**/ kD, 0, kT, kT,  //
+                                kD, 0, kT, kT, kT, /**/ 0, 0, 0, 0};
+};
+
+TEST(FineTuningLoaderTest, PackedAndPaddedRowsGiveMaskedTargetsAndRestartingPositions) {
+  testing::TempDir dir;
+  const std::string path = (dir.path() / "ft.bin").string();
+  const TwoRows rows;
+  STRATA_ASSERT_OK(write_fine_tuning_file(path, rows.tokens, rows.flags, {.row_length = 9, .pad_token = 0}));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dataset, TokenDataset::open_token_file(path, {.vocab_size = 300}));
+  STRATA_ASSERT_OK_AND_ASSIGN(DataLoader loader, DataLoader::create(dataset, {.global_batch = 2, .seq_len = 8, .seed = 5}));
+  const FullBatch batch = load_full(loader, 0);
+  EXPECT_EQ(batch.inputs, (std::vector<int32_t>{1, 100, 101, 200, 201, 1, 102, 202, /**/ 1, 103, 204, 205, 206, 0, 0, 0}));
+  // A target only where the next token is a completion token; never across a document start or into padding.
+  EXPECT_EQ(batch.targets, (std::vector<int32_t>{-1, -1, 200, 201, -1, -1, 202, 203, /**/ -1, 204, 205, 206, -1, -1, -1, -1}));
+  // Positions restart at the packed example's start; padding continues the last document's count.
+  EXPECT_EQ(batch.positions, (std::vector<int32_t>{0, 1, 2, 3, 4, 0, 1, 2, /**/ 0, 1, 2, 3, 4, 5, 6, 7}));
+  // The overload without positions gives the same inputs and targets; the data seed does not pick rows.
+  Batch two{std::vector<int32_t>(16), std::vector<int32_t>(16)};
+  STRATA_ASSERT_OK(loader.batch_at(0, two.inputs, two.targets));
+  EXPECT_EQ(two.inputs, batch.inputs);
+  EXPECT_EQ(two.targets, batch.targets);
+  STRATA_ASSERT_OK_AND_ASSIGN(DataLoader other_seed, DataLoader::create(dataset, {.global_batch = 2, .seq_len = 8, .seed = 6}));
+  EXPECT_EQ(load_full(other_seed, 0).inputs, batch.inputs);
+  // A second pass over the rows (epoch 2) repeats them.
+  EXPECT_EQ(load_full(loader, 1).targets, batch.targets);
+  std::vector<int32_t> short_positions(3);
+  EXPECT_FALSE(loader.batch_at(0, two.inputs, two.targets, short_positions).ok());
+}
+
+TEST(FineTuningLoaderTest, RowsAreSamplesInFileOrderForEveryWorldSizeAndResume) {
+  testing::TempDir dir;
+  const std::string path = (dir.path() / "ft.bin").string();
+  constexpr size_t kRows = 12, kRow = 5;
+  std::vector<int32_t> tokens(kRows * kRow);
+  std::iota(tokens.begin(), tokens.end(), 0);
+  STRATA_ASSERT_OK(write_fine_tuning_file(path, tokens, valid_flags(tokens.size(), kRow), {.format = TokenFileFormat::kLlama3, .row_length = kRow}));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dataset, TokenDataset::open_token_file(path, {.eval_fraction = 0.25}));
+  EXPECT_EQ(*dataset->split_tokens(DataSplit::kTrain), 9 * kRow);
+  EXPECT_EQ(*dataset->split_tokens(DataSplit::kEval), 3 * kRow);
+  const DataLoaderOptions options{.global_batch = 4, .seq_len = kRow - 1, .seed = 1};
+  STRATA_ASSERT_OK_AND_ASSIGN(DataLoader whole, DataLoader::create(dataset, options));
+  // Batch b holds train rows 4b .. 4b+3 (mod the 9 train rows).
+  for (uint64_t b = 0; b < 4; ++b) {
+    const FullBatch batch = load_full(whole, b);
+    for (size_t r = 0; r < 4; ++r) EXPECT_EQ(batch.inputs[r * (kRow - 1)], static_cast<int32_t>(((4 * b + r) % 9) * kRow)) << b << " " << r;
+  }
+  for (int world : {2, 4}) {
+    for (uint64_t b : {0u, 3u}) {
+      FullBatch joined;
+      for (int rank = 0; rank < world; ++rank) {
+        DataLoaderOptions rank_options = options;
+        rank_options.rank = rank;
+        rank_options.world_size = world;
+        STRATA_ASSERT_OK_AND_ASSIGN(DataLoader loader, DataLoader::create(dataset, rank_options));
+        const FullBatch part = load_full(loader, b);
+        joined.inputs.insert(joined.inputs.end(), part.inputs.begin(), part.inputs.end());
+        joined.targets.insert(joined.targets.end(), part.targets.begin(), part.targets.end());
+        joined.positions.insert(joined.positions.end(), part.positions.begin(), part.positions.end());
+      }
+      const FullBatch expected = load_full(whole, b);
+      EXPECT_EQ(joined.inputs, expected.inputs) << world;
+      EXPECT_EQ(joined.targets, expected.targets) << world;
+      EXPECT_EQ(joined.positions, expected.positions) << world;
+    }
+  }
+  // The eval split is the last 3 rows.
+  DataLoaderOptions eval_options = options;
+  eval_options.global_batch = 3;
+  eval_options.split = DataSplit::kEval;
+  STRATA_ASSERT_OK_AND_ASSIGN(DataLoader eval, DataLoader::create(dataset, eval_options));
+  const FullBatch eval_batch = load_full(eval, 0);
+  for (size_t r = 0; r < 3; ++r) EXPECT_EQ(eval_batch.inputs[r * (kRow - 1)], static_cast<int32_t>((9 + r) * kRow));
+  // Resuming by position continues with the same rows.
+  STRATA_ASSERT_OK_AND_ASSIGN(DataLoader first, DataLoader::create(dataset, options));
+  FullBatch step{std::vector<int32_t>(16), std::vector<int32_t>(16), std::vector<int32_t>(16)};
+  STRATA_ASSERT_OK(first.next(step.inputs, step.targets, step.positions));
+  STRATA_ASSERT_OK_AND_ASSIGN(DataLoader resumed, DataLoader::create(dataset, options));
+  STRATA_ASSERT_OK(resumed.restore_json(first.state_json()));
+  STRATA_ASSERT_OK(resumed.next(step.inputs, step.targets, step.positions));
+  EXPECT_EQ(step.inputs, load_full(whole, 1).inputs);
+  // A seq_len other than the rows' is refused, naming both.
+  DataLoaderOptions wrong = options;
+  wrong.seq_len = 8;
+  const auto refused = DataLoader::create(dataset, wrong);
+  EXPECT_TRUE(contains(refused.status().message(), "seq_len 8 needs rows of 9 tokens (seq_len + 1), but the rows of fine-tuning file "))
+      << refused.status().to_string();
+  EXPECT_TRUE(contains(refused.status().message(), " are 5; set seq_len to 4 or prepare the data again with --seq-len 8"))
+      << refused.status().to_string();
+}
+
+// Plain llm.c files keep their meaning: every next token a target, positions 0..T-1 per window.
+TEST(FineTuningLoaderTest, PlainLlmcFilesTargetEveryTokenWithPositionsFromZero) {
+  testing::TempDir dir;
+  const std::string path = (dir.path() / "plain.bin").string();
+  std::vector<int32_t> tokens(500);
+  std::iota(tokens.begin(), tokens.end(), 0);
+  STRATA_ASSERT_OK(write_token_file(path, tokens));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dataset, TokenDataset::open_token_file(path, {}));
+  EXPECT_FALSE(dataset->row_length().has_value());
+  STRATA_ASSERT_OK_AND_ASSIGN(DataLoader loader, DataLoader::create(dataset, {.global_batch = 3, .seq_len = 10, .seed = 8}));
+  for (uint64_t b : {0u, 1u, 17u}) {
+    const FullBatch batch = load_full(loader, b);
+    const Batch old = load(loader, b);
+    EXPECT_EQ(batch.inputs, old.inputs);
+    EXPECT_EQ(batch.targets, old.targets);
+    for (size_t i = 0; i < batch.inputs.size(); ++i) {
+      EXPECT_EQ(batch.targets[i], batch.inputs[i] + 1);  // tokens are their own positions in the file
+      EXPECT_EQ(batch.positions[i], static_cast<int32_t>(i % 10));
+    }
+  }
+}
+
+// A fine-tuning stream (row length 0): windows at random, as llm.c files, with the flags'
+// targets and positions, and the window's first token starting a document wherever it falls.
+TEST(FineTuningLoaderTest, AStreamFileGivesWindowsWithItsMaskAndPositions) {
+  testing::TempDir dir;
+  const std::string path = (dir.path() / "stream.bin").string();
+  std::vector<int32_t> tokens(300);
+  std::iota(tokens.begin(), tokens.end(), 0);
+  const std::vector<uint8_t> flags = valid_flags(tokens.size(), 0);
+  STRATA_ASSERT_OK(write_fine_tuning_file(path, tokens, flags, {}));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto dataset, TokenDataset::open_token_file(path, {}));
+  STRATA_ASSERT_OK_AND_ASSIGN(DataLoader loader, DataLoader::create(dataset, {.global_batch = 4, .seq_len = 20, .seed = 2}));
+  std::set<int32_t> starts;
+  for (uint64_t b = 0; b < 5; ++b) {
+    const FullBatch batch = load_full(loader, b);
+    for (size_t r = 0; r < 4; ++r) {
+      const size_t start = static_cast<size_t>(batch.inputs[r * 20]);
+      starts.insert(static_cast<int32_t>(start));
+      int32_t position = 0;
+      for (size_t t = 0; t < 20; ++t) {
+        const size_t i = r * 20 + t;
+        ASSERT_EQ(batch.inputs[i], static_cast<int32_t>(start + t));
+        EXPECT_EQ(batch.targets[i], (flags[start + t + 1] & kT) ? static_cast<int32_t>(start + t + 1) : -1) << start << "+" << t;
+        position = (t == 0 || (flags[start + t] & kD)) ? 0 : position + 1;
+        EXPECT_EQ(batch.positions[i], position) << start << "+" << t;
+      }
+    }
+  }
+  EXPECT_GT(starts.size(), 10u);
 }
 
 }  // namespace

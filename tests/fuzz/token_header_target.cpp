@@ -1,12 +1,14 @@
-// examples/gpt/token_data.cpp's llm.c token files under fuzzing: the input is a whole
-// file. Its header is checked in memory; a file whose header passes is also opened as a
-// dataset (through a memfd) and sampled, so the reader behind the header runs too.
+// examples/gpt/token_data.cpp's llm.c and fine-tuning token files under fuzzing: the input
+// is a whole file. Its header is checked in memory; a file whose header passes is also
+// opened as a dataset (through a memfd) and sampled with its flags, so the reader behind
+// the header (vocabulary scan, flags check, rows) runs too.
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include <array>
+#include <algorithm>
 #include <cstddef>
 #include <span>
+#include <vector>
 #include <string>
 
 #include "examples/gpt/token_data.h"
@@ -28,12 +30,17 @@ void sample_token_file(const uint8_t* data, size_t size, const gpt::TokenFileHea
   if (dataset.ok()) {
     STRATA_FUZZ_CHECK((*dataset)->split_tokens(gpt::DataSplit::kTrain) == header.token_count,
                       "token_header: the dataset's token count disagrees with the header");
-    std::array<int32_t, 4> tokens{};
-    const Status sampled = (*dataset)->sample(gpt::DataSplit::kTrain, /*seed=*/data[0], /*index=*/data[size - 1], tokens);
+    // A row's worth for a file of rows (any other length is refused), else 4 tokens.
+    std::vector<int32_t> tokens(std::min<uint64_t>(header.row_length > 0 ? header.row_length : 4, 64));
+    std::vector<uint8_t> flags(tokens.size());
+    const Status sampled = (*dataset)->sample_with_flags(gpt::DataSplit::kTrain, /*seed=*/data[0], /*index=*/data[size - 1], tokens, flags);
     if (sampled.ok()) {
       for (const int32_t token : tokens) {
         STRATA_FUZZ_CHECK(token >= 0 && token < (*dataset)->vocab_size(), "token_header: a sampled token outside the vocabulary");
       }
+      STRATA_FUZZ_CHECK((flags[0] & gpt::kTokenStartsDocument) != 0 && (flags[0] & gpt::kTokenIsTarget) == 0,
+                        "token_header: a sample whose first token does not start a document");
+      for (const uint8_t f : flags) STRATA_FUZZ_CHECK((f & gpt::kTokenFlagsReserved) == 0, "token_header: reserved flag bits passed");
     }
   }
   ::close(fd);
@@ -50,8 +57,10 @@ int fuzz_token_header(const uint8_t* data, size_t size) {
     return 0;
   }
   STRATA_FUZZ_CHECK(header->token_bytes == 2 || header->token_bytes == 4, "token_header: a token size other than 2 or 4");
-  STRATA_FUZZ_CHECK(gpt::kLlmcHeaderBytes + header->token_count * header->token_bytes == size,
-                    "token_header: an accepted header whose token count disagrees with the file size");
+  STRATA_FUZZ_CHECK(header->file_bytes() == size, "token_header: an accepted header whose token count disagrees with the file size");
+  STRATA_FUZZ_CHECK(header->has_flags || header->row_length == 0, "token_header: a row length in an llm.c file");
+  STRATA_FUZZ_CHECK(header->row_length == 0 || header->token_count % header->row_length == 0,
+                    "token_header: an accepted row length that does not divide the token count");
   sample_token_file(data, size, *header);
   return 0;
 }
