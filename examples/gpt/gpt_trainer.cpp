@@ -545,7 +545,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     loader_options.split = DataSplit::kTrain;
     STRATA_ASSIGN_OR_RETURN(DataLoader loader, DataLoader::create(dataset, loader_options));
     std::optional<DataLoader> eval_loader;
-    std::vector<int32_t> eval_inputs, eval_targets;
+    std::vector<int32_t> eval_inputs, eval_targets, eval_positions;
     if (eval_sequences > 0) {
       DataLoaderOptions eval_options = loader_options;
       eval_options.global_batch = eval_sequences;
@@ -554,10 +554,11 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       STRATA_ASSIGN_OR_RETURN(DataLoader eval, DataLoader::create(dataset, eval_options));
       eval_inputs.resize(eval.batch_elements());
       eval_targets.resize(eval.batch_elements());
-      STRATA_RETURN_IF_ERROR(eval.batch_at(0, eval_inputs, eval_targets));
+      eval_positions.resize(eval.batch_elements());
+      STRATA_RETURN_IF_ERROR(eval.batch_at(0, eval_inputs, eval_targets, eval_positions));
       eval_loader.emplace(std::move(eval));
     }
-    const TokenBatch eval_batch{eval_inputs.data(), eval_targets.data(), model_options.eval_batch};
+    const TokenBatch eval_batch{eval_inputs.data(), eval_targets.data(), model_options.eval_batch, eval_positions.data()};
 
     // Starting point.
     if (resume) {
@@ -593,7 +594,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     };
 
     // Training.
-    std::vector<int32_t> inputs(loader.batch_elements()), targets(loader.batch_elements());
+    std::vector<int32_t> inputs(loader.batch_elements()), targets(loader.batch_elements()), positions(loader.batch_elements());
     const float loss_scale_base = 1.0f / static_cast<float>(global_tokens_per_step);
     uint64_t nvme_read = 0, nvme_written = 0;
     const auto train_begin = std::chrono::steady_clock::now();
@@ -606,8 +607,8 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       RankStep numbers;
       for (int m = 0; m < accumulation; ++m) {
         if (m > 0) STRATA_RETURN_IF_ERROR(engine->begin_micro_batch());
-        STRATA_RETURN_IF_ERROR(loader.batch(s, m, inputs, targets));
-        const TokenBatch train{inputs.data(), targets.data(), micro};
+        STRATA_RETURN_IF_ERROR(loader.batch(s, m, inputs, targets, positions));
+        const TokenBatch train{inputs.data(), targets.data(), micro, positions.data()};
         const bool with_eval = evaluate && m == 0;
         STRATA_ASSIGN_OR_RETURN(MicroBatchLosses losses,
                                 rank_model->run_micro_batch(&train, with_eval ? &eval_batch : nullptr, engine->loss_scale() * loss_scale_base));
