@@ -27,6 +27,7 @@ class GptArchitecture final : public lm::Architecture {
   int64_t hidden_size() const override { return config_.n_embd; }
   int64_t layers() const override { return config_.n_layer; }
   bool takes_position_ids() const override { return false; }
+  bool evaluates_while_training() const override { return true; }
 
   std::vector<GroupSpec> group_specs() const override;
   std::vector<int> schedule() const override;

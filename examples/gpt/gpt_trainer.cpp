@@ -407,6 +407,10 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     eval_sequences = 0;
   }
 
+  if (eval_sequences > 0 && options.eval_every > 0 && !model.evaluates_while_training())
+    STRATA_LOG(kInfo) << "the " << model.family() << " model evaluates in forward-only passes: the evaluation batch is measured after the last "
+                      << "step (--eval-every " << options.eval_every << " does not apply)";
+
   // Resume and fine-tuning sources, opened once and shared by the ranks.
   std::unique_ptr<CheckpointReader> resume;
   nlohmann::json trainer_state;
@@ -603,7 +607,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     for (int64_t s = start_step; s < total_steps; ++s) {
       const double lr = schedule.current_lr();
       STRATA_RETURN_IF_ERROR(engine->begin_step(lr));
-      const bool evaluate = eval_loader && options.eval_every > 0 && s % options.eval_every == 0;
+      const bool evaluate = eval_loader && options.eval_every > 0 && model.evaluates_while_training() && s % options.eval_every == 0;
       RankStep numbers;
       for (int m = 0; m < accumulation; ++m) {
         if (m > 0) STRATA_RETURN_IF_ERROR(engine->begin_micro_batch());

@@ -115,6 +115,10 @@ class Architecture {
   virtual int64_t layers() const = 0;
   // True when TokenBatch::positions other than 0 .. seq_len-1 are honoured.
   virtual bool takes_position_ids() const = 0;
+  // True when one forward can also measure an evaluation batch (CausalLm::run_micro_batch
+  // with both `train` and `eval`); otherwise the trainer evaluates only in forward-only
+  // passes (after the last step, or --eval-only).
+  virtual bool evaluates_while_training() const = 0;
 
   // The engine groups in registration order, one micro-batch's group uses (training), and
   // the gathers of an evaluation-only pass.

@@ -1,7 +1,8 @@
-// train_gpt: train or fine-tune a GPT-2-architecture model whose training state may be
-// far larger than the device's memory.
+// strata-train (also built as train_gpt, its first name): train or fine-tune a causal
+// language model — GPT-2, or the Llama family (Llama, Mistral, Qwen2) — whose training
+// state may be far larger than the device's memory.
 //
-//   train_gpt [--config FILE] [--flag VALUE | --flag=VALUE]...
+//   strata-train [--config FILE] [--model DIR | --preset NAME] [--flag VALUE | --flag=VALUE]...
 //
 // The config file speaks DeepSpeed's vocabulary (docs/config.md), with Strata's own
 // settings (model, data, device budget, files) under "strata". Flags override it. Output:
@@ -9,6 +10,7 @@
 // last line of stdout one JSON object summarizing the run.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -33,6 +35,7 @@
 #include "examples/gpt/preemption.h"
 #include "examples/gpt/safetensors.h"
 #include "examples/gpt/token_data.h"
+#include "examples/llama/llama_architecture.h"
 #include "examples/hf/hf_export.h"
 
 namespace {
@@ -40,11 +43,14 @@ namespace {
 using namespace strata;
 using namespace strata::gpt;
 
-constexpr const char* kUsage = R"(usage: train_gpt [--config FILE] [options]
+constexpr const char* kUsage = R"(usage: %s [--config FILE] [options]
 
 Model and data
-  --preset NAME              tiny, small-demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt-2.7b, gpt-6.7b, gpt-13b
-  --n-layer N --n-head N --n-embd N --n-ctx N --vocab-size N     override the preset's shape
+  --model DIR                a Hugging Face model directory to fine-tune (config.json's model_type:
+                             gpt2, llama, mistral or qwen2; model.safetensors or sharded with its index)
+  --preset NAME              GPT-2: tiny, small-demo, gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt-2.7b, gpt-6.7b, gpt-13b
+                             Llama: llama-tiny, llama-1b (Llama-3.2-1B), llama-3b (Llama-3.2-3B), llama-8b (Llama-3.1-8B)
+  --n-layer N --n-head N --n-embd N --n-ctx N --vocab-size N     override a GPT-2 preset's shape
   --data SPEC                synthetic | text:PATH | tokens:PATH | PATH (.bin: llm.c tokens, else text bytes)
   --eval-fraction F          share of a file held out for evaluation
   --seq-len N                tokens per sequence (default: n_ctx)
@@ -63,8 +69,7 @@ Placement
 Files
   --metrics FILE --trace FILE
   --save-dir DIR --save-every N --keep-checkpoints N --resume DIR
-  --model DIR                a Hugging Face model directory (config.json + weights) to fine-tune
-  --init-from FILE.safetensors --export DIR
+  --init-from FILE|DIR --export DIR
   --export-dtype auto|fp32|bf16|fp16   (auto: the dtype --init-from/--model is stored in, else fp32)
   --export-shard-mib N       largest export file (families that shard their exports)
 Any config key
@@ -121,6 +126,88 @@ StatusOr<std::string> hf_model_type(const std::string& dir) {
   return json["model_type"].get<std::string>();
 }
 
+// GPT-2: the starting weights' shape (a file, with n_head from the config.json beside it),
+// else the preset's with explicit overrides.
+StatusOr<std::shared_ptr<const lm::Architecture>> gpt_model(const StrataConfig& config, const std::string& init_from) {
+  const ModelConfig& m = config.strata.model;
+  const std::string preset = m.preset.empty() ? "tiny" : m.preset;
+  STRATA_ASSIGN_OR_RETURN(GptConfig model, gpt_preset(preset));
+  if (m.n_layer > 0) model.n_layer = m.n_layer;
+  if (m.n_head > 0) model.n_head = m.n_head;
+  if (m.n_embd > 0) model.n_embd = m.n_embd;
+  if (m.n_ctx > 0) model.n_ctx = m.n_ctx;
+  if (m.vocab_size > 0) model.vocab_size = m.vocab_size;
+  if (!init_from.empty()) {
+    STRATA_ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::open(init_from));
+    STRATA_ASSIGN_OR_RETURN(GptConfig from_file, gpt_config_from_safetensors(reader, model));
+    auto check = [&](const char* key, int64_t given, int64_t actual) -> Status {
+      if (given > 0 && given != actual)
+        return InvalidArgumentError(std::string("strata.model.") + key + " is " + std::to_string(given) + " but " + init_from +
+                                    " holds " + std::to_string(actual));
+      return {};
+    };
+    STRATA_RETURN_IF_ERROR(check("n_layer", m.n_layer, from_file.n_layer));
+    STRATA_RETURN_IF_ERROR(check("n_embd", m.n_embd, from_file.n_embd));
+    STRATA_RETURN_IF_ERROR(check("n_ctx", m.n_ctx, from_file.n_ctx));
+    STRATA_RETURN_IF_ERROR(check("vocab_size", m.vocab_size, from_file.vocab_size));
+    model = from_file;
+  } else if (m.vocab_size == 0) {
+    // The data decides the smallest vocabulary: bytes need 256, GPT-2 token files 50257.
+    if (config.strata.data.kind == DataKind::kText) model.vocab_size = std::max<int64_t>(model.vocab_size, 256);
+    if (config.strata.data.kind == DataKind::kTokens) model.vocab_size = std::max<int64_t>(model.vocab_size, kGpt2VocabSize);
+  }
+  if (config.strata.data.seq_len > model.n_ctx)
+    return InvalidArgumentError("strata.data.seq_len (" + std::to_string(config.strata.data.seq_len) + ") is longer than n_ctx (" +
+                                std::to_string(model.n_ctx) + ")");
+  STRATA_ASSIGN_OR_RETURN(auto architecture, GptArchitecture::create(model));
+  return std::shared_ptr<const lm::Architecture>(std::move(architecture));
+}
+
+// The Llama family: a model directory's config.json, else a preset; the GPT-2 shape keys
+// (strata.model.n_layer, ...) do not apply to it.
+StatusOr<std::shared_ptr<const lm::Architecture>> llama_model(const StrataConfig& config, const std::string& init_from) {
+  const ModelConfig& m = config.strata.model;
+  if (m.n_layer > 0 || m.n_head > 0 || m.n_embd > 0 || m.n_ctx > 0 || m.vocab_size > 0)
+    return InvalidArgumentError("--n-layer, --n-head, --n-embd, --n-ctx and --vocab-size shape GPT-2 models; a Llama-family model's shape "
+                                "comes from its config.json or preset");
+  llama::LlamaConfig shape;
+  if (!init_from.empty()) {
+    STRATA_ASSIGN_OR_RETURN(shape, llama::read_llama_config(init_from));
+  } else {
+    STRATA_ASSIGN_OR_RETURN(shape, llama::llama_preset(m.preset));
+  }
+  STRATA_ASSIGN_OR_RETURN(auto architecture, llama::LlamaArchitecture::create(shape));
+  return std::shared_ptr<const lm::Architecture>(std::move(architecture));
+}
+
+bool is_llama_preset(const std::string& name) {
+  const auto names = llama::llama_preset_names();
+  return std::find(names.begin(), names.end(), name) != names.end();
+}
+
+// The model to train: --model DIR (its config.json's model_type picks the family), else
+// --init-from, else the preset.
+StatusOr<std::shared_ptr<const lm::Architecture>> resolve_model(const TrainGptArgs& args, const StrataConfig& config, std::string& init_from) {
+  if (const std::string dir = trainer_string(args, "model"); !dir.empty()) {
+    if (!init_from.empty()) return InvalidArgumentError("--model and --init-from both name weights to start from; give one");
+    STRATA_ASSIGN_OR_RETURN(const std::string model_type, hf_model_type(dir));
+    if (model_type == "gpt2") {
+      init_from = (std::filesystem::path(dir) / "model.safetensors").string();
+      return gpt_model(config, init_from);
+    }
+    if (model_type == "llama" || model_type == "mistral" || model_type == "qwen2") {
+      init_from = dir;
+      return llama_model(config, init_from);
+    }
+    return InvalidArgumentError("--model " + dir + ": config.json says model_type \"" + model_type +
+                                "\"; supported: gpt2, llama, mistral, qwen2");
+  }
+  const bool llama_directory = !init_from.empty() && std::filesystem::is_directory(init_from) && hf_model_type(init_from).ok() &&
+                               *hf_model_type(init_from) != "gpt2";
+  if (llama_directory || is_llama_preset(config.strata.model.preset)) return llama_model(config, init_from);
+  return gpt_model(config, init_from);
+}
+
 StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
   StrataConfig config;
   if (!args.config_path.empty()) {
@@ -140,57 +227,18 @@ StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
   STRATA_RETURN_IF_ERROR(finalize(config, kConfiguredWorldSize));
 
   TrainerOptions options;
-  // The architecture: the fine-tuning file's, else the preset's with explicit overrides.
-  const ModelConfig& m = config.strata.model;
-  const std::string preset = m.preset.empty() ? "tiny" : m.preset;
-  STRATA_ASSIGN_OR_RETURN(GptConfig model, gpt_preset(preset));
-  if (m.n_layer > 0) model.n_layer = m.n_layer;
-  if (m.n_head > 0) model.n_head = m.n_head;
-  if (m.n_embd > 0) model.n_embd = m.n_embd;
-  if (m.n_ctx > 0) model.n_ctx = m.n_ctx;
-  if (m.vocab_size > 0) model.vocab_size = m.vocab_size;
   options.init_from = trainer_string(args, "init-from");
-  if (const std::string dir = trainer_string(args, "model"); !dir.empty()) {
-    if (!options.init_from.empty()) return InvalidArgumentError("--model and --init-from both name weights to start from; give one");
-    STRATA_ASSIGN_OR_RETURN(const std::string model_type, hf_model_type(dir));
-    if (model_type != "gpt2")
-      return InvalidArgumentError("--model " + dir + ": config.json says model_type \"" + model_type + "\"; this program trains gpt2");
-    options.init_from = (std::filesystem::path(dir) / "model.safetensors").string();
-  }
-  if (!options.init_from.empty()) {
-    STRATA_ASSIGN_OR_RETURN(SafetensorsReader reader, SafetensorsReader::open(options.init_from));
-    STRATA_ASSIGN_OR_RETURN(GptConfig from_file, gpt_config_from_safetensors(reader, model));
-    auto check = [&](const char* key, int64_t given, int64_t actual) -> Status {
-      if (given > 0 && given != actual)
-        return InvalidArgumentError(std::string("strata.model.") + key + " is " + std::to_string(given) + " but " + options.init_from +
-                                    " holds " + std::to_string(actual));
-      return {};
-    };
-    STRATA_RETURN_IF_ERROR(check("n_layer", m.n_layer, from_file.n_layer));
-    STRATA_RETURN_IF_ERROR(check("n_embd", m.n_embd, from_file.n_embd));
-    STRATA_RETURN_IF_ERROR(check("n_ctx", m.n_ctx, from_file.n_ctx));
-    STRATA_RETURN_IF_ERROR(check("vocab_size", m.vocab_size, from_file.vocab_size));
-    model = from_file;
-  } else if (m.vocab_size == 0) {
-    // The data decides the smallest vocabulary: bytes need 256, GPT-2 token files 50257.
-    if (config.strata.data.kind == DataKind::kText) model.vocab_size = std::max<int64_t>(model.vocab_size, 256);
-    if (config.strata.data.kind == DataKind::kTokens) model.vocab_size = std::max<int64_t>(model.vocab_size, kGpt2VocabSize);
-  }
-  STRATA_RETURN_IF_ERROR(validate_gpt_config(model));
-  if (config.strata.data.seq_len > model.n_ctx)
-    return InvalidArgumentError("strata.data.seq_len (" + std::to_string(config.strata.data.seq_len) + ") is longer than n_ctx (" +
-                                std::to_string(model.n_ctx) + ")");
-  STRATA_ASSIGN_OR_RETURN(options.model, GptArchitecture::create(model));
+  STRATA_ASSIGN_OR_RETURN(options.model, resolve_model(args, config, options.init_from));
 
   if (args.checkpointing) {
     if (*args.checkpointing == "off") options.checkpointing = ActivationCheckpointing::kOff;
     else if (*args.checkpointing == "device") options.checkpointing = ActivationCheckpointing::kDevice;
     else if (*args.checkpointing == "pinned") options.checkpointing = ActivationCheckpointing::kPinnedHost;
     else return InvalidArgumentError("--activation-checkpointing takes off, device or pinned, got \"" + *args.checkpointing + "\"");
-  } else if (!m.activation_checkpointing) {
+  } else if (!config.strata.model.activation_checkpointing) {
     options.checkpointing = ActivationCheckpointing::kOff;
   } else {
-    options.checkpointing = m.checkpoints_in_pinned_memory ? ActivationCheckpointing::kPinnedHost : ActivationCheckpointing::kDevice;
+    options.checkpointing = config.strata.model.checkpoints_in_pinned_memory ? ActivationCheckpointing::kPinnedHost : ActivationCheckpointing::kDevice;
   }
 
   STRATA_ASSIGN_OR_RETURN(options.synthetic.order, trainer_integer<int>(args, "synthetic-order", 1));
@@ -223,33 +271,35 @@ StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Messages carry the name the program was started under (strata-train or train_gpt).
+  const std::string program = argc > 0 ? std::filesystem::path(argv[0]).filename().string() : std::string("strata-train");
   const std::vector<std::string> arguments(argv + 1, argv + argc);
   auto args = strata::gpt::parse_train_gpt_args(arguments);
   if (!args.ok()) {
-    std::cerr << "train_gpt: " << args.status().message() << "\n";
+    std::cerr << program << ": " << args.status().message() << "\n";
     return 2;
   }
   if (args->help) {
-    std::cout << kUsage;
+    std::printf(kUsage, program.c_str());
     return 0;
   }
   auto options = build_options(*args);
   if (!options.ok()) {
-    std::cerr << "train_gpt: " << options.status().to_string() << "\n";
+    std::cerr << program << ": " << options.status().to_string() << "\n";
     return 2;
   }
   options->out = &std::cout;
   options->live_bar = isatty(STDOUT_FILENO) != 0;
   // SIGTERM/SIGINT: finish the step, save, exit 128 + the signal (a second one: at once).
-  if (Status installed = install_preemption_handlers("train_gpt"); !installed.ok()) {
-    std::cerr << "train_gpt: " << installed.to_string() << "\n";
+  if (Status installed = install_preemption_handlers(program); !installed.ok()) {
+    std::cerr << program << ": " << installed.to_string() << "\n";
     return 1;
   }
   options->stop_requested = preemption_requested;
   auto result = run_gpt_training(*options);
   if (!result.ok()) {
     std::cout << std::flush;
-    std::cerr << "train_gpt: " << result.status().to_string() << "\n";
+    std::cerr << program << ": " << result.status().to_string() << "\n";
     return 1;
   }
   std::cout << summary_json(*result) << std::endl;

@@ -1,0 +1,228 @@
+#include "examples/llama/llama_architecture.h"
+
+#include <filesystem>
+#include <system_error>
+
+#include "examples/hf/hf_checkpoint.h"
+#include "examples/hf/hf_export.h"
+
+namespace strata::llama {
+namespace {
+
+using nlohmann::json;
+
+const char* architecture_name(LlamaFamily family) {
+  switch (family) {
+    case LlamaFamily::kLlama: return "LlamaForCausalLM";
+    case LlamaFamily::kMistral: return "MistralForCausalLM";
+    case LlamaFamily::kQwen2: return "Qwen2ForCausalLM";
+  }
+  return "LlamaForCausalLM";
+}
+
+json rope_scaling_json(const kernels::RopeScaling& s) {
+  switch (s.kind) {
+    case kernels::RopeScaling::Kind::kNone: return nullptr;
+    case kernels::RopeScaling::Kind::kLinear: return json{{"rope_type", "linear"}, {"factor", s.factor}};
+    case kernels::RopeScaling::Kind::kLlama3:
+      return json{{"rope_type", "llama3"},
+                  {"factor", s.factor},
+                  {"low_freq_factor", s.low_freq_factor},
+                  {"high_freq_factor", s.high_freq_factor},
+                  {"original_max_position_embeddings", s.original_max_position_embeddings}};
+  }
+  return nullptr;
+}
+
+std::string_view torch_dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat16: return "float16";
+    default: return "float32";
+  }
+}
+
+StatusOr<gpt::SafetensorsDType> safetensors_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return gpt::SafetensorsDType::kF32;
+    case DType::kBFloat16: return gpt::SafetensorsDType::kBF16;
+    case DType::kFloat16: return gpt::SafetensorsDType::kF16;
+    default: return InvalidArgumentError("Llama export: weights are written as fp32, bf16 or fp16, not " + std::string(dtype_name(dtype)));
+  }
+}
+
+// A model directory opened once, shared read-only by every rank's load.
+class LlamaWeights final : public lm::WeightSource {
+ public:
+  explicit LlamaWeights(hf::HfCheckpoint checkpoint) : checkpoint_(std::move(checkpoint)) {}
+  const hf::HfCheckpoint& checkpoint() const { return checkpoint_; }
+  std::string describe() const override { return checkpoint_.where(); }
+  DType stored_dtype() const override {
+    for (const std::string& name : checkpoint_.tensor_names()) {
+      const auto tensor = checkpoint_.find(name);
+      if (tensor && tensor->dtype() == gpt::SafetensorsDType::kBF16) return DType::kBFloat16;
+      if (tensor && tensor->dtype() == gpt::SafetensorsDType::kF16) return DType::kFloat16;
+      if (tensor && tensor->dtype() == gpt::SafetensorsDType::kF32) return DType::kFloat32;
+    }
+    return DType::kFloat32;
+  }
+
+ private:
+  hf::HfCheckpoint checkpoint_;
+};
+
+// One rank's LlamaModel behind the trainer's interface.
+class LlamaRankModel final : public lm::CausalLm {
+ public:
+  explicit LlamaRankModel(std::unique_ptr<LlamaModel> model) : model_(std::move(model)) {}
+  Status allocate() override { return model_->allocate(); }
+  StatusOr<lm::MicroBatchLosses> run_micro_batch(const lm::TokenBatch* train, const lm::TokenBatch* eval, float grad_scale) override {
+    return model_->run_micro_batch(train, eval, grad_scale);
+  }
+
+ private:
+  std::unique_ptr<LlamaModel> model_;
+};
+
+}  // namespace
+
+json llama_config_json(const LlamaConfig& c) {
+  json j = {{"architectures", json::array({architecture_name(c.family)})},
+            {"model_type", std::string(llama_family_name(c.family))},
+            {"hidden_size", c.hidden_size},
+            {"intermediate_size", c.intermediate_size},
+            {"num_hidden_layers", c.num_hidden_layers},
+            {"num_attention_heads", c.num_attention_heads},
+            {"num_key_value_heads", c.num_key_value_heads},
+            {"vocab_size", c.vocab_size},
+            {"max_position_embeddings", c.max_position_embeddings},
+            {"rms_norm_eps", c.rms_norm_eps},
+            {"rope_theta", c.rope_theta},
+            {"rope_scaling", rope_scaling_json(c.rope_scaling)},
+            {"tie_word_embeddings", c.tie_word_embeddings},
+            {"hidden_act", "silu"},
+            {"initializer_range", c.initializer_range}};
+  if (c.head_dim != c.hidden_size / c.num_attention_heads) j["head_dim"] = c.head_dim;
+  switch (c.family) {
+    case LlamaFamily::kLlama:
+      j["attention_bias"] = c.qkv_bias;
+      j["mlp_bias"] = c.mlp_bias;
+      break;
+    case LlamaFamily::kMistral:
+      j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
+      break;
+    case LlamaFamily::kQwen2:
+      j["use_sliding_window"] = c.sliding_window > 0;
+      j["sliding_window"] = c.sliding_window > 0 ? c.sliding_window : c.max_position_embeddings;
+      break;
+  }
+  return j;
+}
+
+StatusOr<std::shared_ptr<const LlamaArchitecture>> LlamaArchitecture::create(const LlamaConfig& config, size_t vocab_chunk_bytes) {
+  STRATA_RETURN_IF_ERROR(validate_llama_config(config));
+  return std::shared_ptr<const LlamaArchitecture>(new LlamaArchitecture(config, vocab_chunk_bytes));
+}
+
+LlamaArchitecture::LlamaArchitecture(const LlamaConfig& config, size_t vocab_chunk_bytes)
+    : config_(config), vocab_chunk_bytes_(vocab_chunk_bytes), chunks_(vocab_chunks(config, vocab_chunk_bytes)) {}
+
+std::string LlamaArchitecture::family() const {
+  switch (config_.family) {
+    case LlamaFamily::kLlama: return "Llama";
+    case LlamaFamily::kMistral: return "Mistral";
+    case LlamaFamily::kQwen2: return "Qwen2";
+  }
+  return "Llama";
+}
+
+hf::HfNameMap LlamaArchitecture::name_map() const {
+  return [config = config_, chunks = chunks_](const GroupLayout& group, const TensorLayout& tensor) {
+    const HfTensorSlice slice = llama_tensor_source(config, chunks, group.name, tensor.name);
+    uint64_t row_elements = 1;
+    for (size_t d = 1; d < slice.hf_shape.size(); ++d) row_elements *= static_cast<uint64_t>(slice.hf_shape[d]);
+    return hf::HfTensorSlice{slice.hf_name, static_cast<uint64_t>(slice.row_offset) * row_elements, slice.hf_shape};
+  };
+}
+
+StatusOr<LlamaModelOptions> LlamaArchitecture::model_options(const lm::ModelRunOptions& options) const {
+  if (options.checkpointing == lm::ActivationCheckpointing::kPinnedHost)
+    return InvalidArgumentError("the Llama family keeps activation checkpoints on the device (--activation-checkpointing device or off), "
+                                "not in pinned host memory");
+  STRATA_RETURN_IF_ERROR(check_sequence_length(config_, options.seq_len));
+  LlamaModelOptions model;
+  model.config = config_;
+  model.param_dtype = options.param_dtype;
+  model.batch = options.batch;
+  model.seq_len = options.seq_len;
+  model.eval_batch = options.eval_batch;
+  model.checkpointing = options.checkpointing;
+  model.vocab_chunk_bytes = vocab_chunk_bytes_;
+  model.head_chunk_rows = options.head_chunk_rows;
+  return model;
+}
+
+StatusOr<lm::ActivationPlan> LlamaArchitecture::plan_activations(const lm::ModelRunOptions& options, DeviceKind device) const {
+  STRATA_ASSIGN_OR_RETURN(LlamaModelOptions model, model_options(options));
+  STRATA_ASSIGN_OR_RETURN(LlamaActivationPlan plan, plan_llama_activations(model, device));
+  lm::ActivationPlan out;
+  out.device_bytes = plan.device_bytes;
+  out.compute_dtype = plan.compute_dtype;
+  out.text = plan.text();
+  return out;
+}
+
+StatusOr<std::unique_ptr<lm::CausalLm>> LlamaArchitecture::create(Engine& engine, const lm::ModelRunOptions& options) const {
+  STRATA_ASSIGN_OR_RETURN(LlamaModelOptions model_opts, model_options(options));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaModel> model, LlamaModel::create(engine, model_opts));
+  return std::unique_ptr<lm::CausalLm>(new LlamaRankModel(std::move(model)));
+}
+
+StatusOr<std::vector<GroupLayout>> LlamaArchitecture::layouts() const {
+  std::vector<GroupLayout> out;
+  const auto specs = group_specs();
+  for (size_t g = 0; g < specs.size(); ++g) {
+    STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(specs[g], static_cast<int>(g), 1));
+    out.push_back(std::move(layout));
+  }
+  return out;
+}
+
+StatusOr<std::unique_ptr<lm::WeightSource>> LlamaArchitecture::open_weights(const std::string& path) const {
+  STRATA_ASSIGN_OR_RETURN(hf::HfCheckpoint checkpoint, hf::HfCheckpoint::open(path));
+  STRATA_ASSIGN_OR_RETURN(const std::vector<GroupLayout> all, layouts());
+  STRATA_RETURN_IF_ERROR(hf::check_hf_mapping(checkpoint, all, name_map()));
+  return std::unique_ptr<lm::WeightSource>(new LlamaWeights(std::move(checkpoint)));
+}
+
+Status LlamaArchitecture::load_weights(Engine& engine, int rank, const lm::WeightSource& source) const {
+  const auto* weights = dynamic_cast<const LlamaWeights*>(&source);
+  if (weights == nullptr) return InvalidArgumentError("Llama weights: " + source.describe() + " was not opened by the Llama architecture");
+  return hf::load_hf_weights(engine, rank, weights->checkpoint(), name_map());
+}
+
+Status LlamaArchitecture::export_weights(const std::string& dir, const lm::FullGroupSource& source, const lm::ExportSettings& settings) const {
+  STRATA_ASSIGN_OR_RETURN(const gpt::SafetensorsDType dtype, safetensors_dtype(settings.dtype));
+  json config = llama_config_json(config_);
+  // The source's own config.json keeps what Strata does not model (token ids, ...).
+  std::error_code ec;
+  const std::filesystem::path source_config = std::filesystem::path(settings.source_dir) / std::string(hf::kConfigFile);
+  if (!settings.source_dir.empty() && std::filesystem::exists(source_config, ec)) {
+    STRATA_ASSIGN_OR_RETURN(config, hf::read_json_object(source_config.string(), "the source model's config"));
+  }
+  config["torch_dtype"] = std::string(torch_dtype_name(settings.dtype));
+  hf::HfExportOptions options;
+  if (settings.shard_bytes > 0) options.shard_bytes = settings.shard_bytes;
+  options.metadata = settings.metadata;
+  options.tokenizer_source_dir = settings.source_dir;
+  STRATA_ASSIGN_OR_RETURN(const std::vector<GroupLayout> all, layouts());
+  return hf::export_hf_from_groups(dir, config, all, name_map(), dtype, source, options);
+}
+
+StatusOr<std::vector<int>> LlamaArchitecture::export_group_order() const {
+  STRATA_ASSIGN_OR_RETURN(const std::vector<GroupLayout> all, layouts());
+  STRATA_ASSIGN_OR_RETURN(hf::HfGroupExport plan, hf::HfGroupExport::plan(all, name_map(), gpt::SafetensorsDType::kF32));
+  return plan.group_order();
+}
+
+}  // namespace strata::llama
