@@ -9,8 +9,9 @@ Runs under the venv of scripts/reference-venv ($STRATA_REFERENCE_PYTHON). Subcom
   logits --model DIR --tokens 1,2,3 [--compare-with DIR2] [--tolerance X] [--report FILE]
       Loads with AutoModelForCausalLM (no missing or unexpected keys allowed), prints a logits
       summary, or the max abs / rel difference against a second model.
-  check-load DIR
-      Loads DIR, reports missing / unexpected / mismatched keys and the tokenizer; non-zero on any.
+  check-load DIR [DIR...]
+      Loads each DIR, reports missing / unexpected / mismatched keys and whether the tokenizer
+      fits the vocabulary; non-zero on any.
   make-random (used by scripts/make-random-llama)
       A random-weight checkpoint of a real model's shape, sharded, written tensor by tensor.
 
@@ -66,6 +67,8 @@ except Exception as error:  # noqa: BLE001 - any import failure means "skip"
     print(f"cannot import torch / transformers / safetensors with {sys.executable}: {error}"
           " (scripts/reference-venv makes an interpreter that can)", file=sys.stderr)
     sys.exit(77)
+
+transformers.utils.logging.disable_progress_bar()
 
 IGNORE_INDEX = -100
 
@@ -389,19 +392,25 @@ def load_strict(directory, dtype=torch.float32):
     return model.eval(), problems
 
 
-def command_check_load(args):
-    model, problems = load_strict(args.directory)
+def check_load(directory):
+    """Loads directory strictly and checks its tokenizer fits the model; returns the problems."""
+    model, problems = load_strict(directory)
     count = sum(p.numel() for p in model.parameters())
-    print(f"{args.directory}: {type(model).__name__}, {count} parameters, tied {model.config.tie_word_embeddings}")
-    if os.path.isfile(os.path.join(args.directory, "tokenizer.json")):
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.directory, local_files_only=True)
+    print(f"{directory}: {type(model).__name__}, {count} parameters, tied {model.config.tie_word_embeddings}")
+    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
         if len(tokenizer) > model.config.vocab_size:
             problems["tokenizer"] = [f"{len(tokenizer)} ids for a model vocabulary of {model.config.vocab_size}"]
-        print(f"{args.directory}: tokenizer with {len(tokenizer)} ids")
+        print(f"{directory}: tokenizer with {len(tokenizer)} ids")
     for key, values in problems.items():
-        print(f"{args.directory}: {key}: {values}", file=sys.stderr)
-    if problems:
-        fail(f"{args.directory} does not load cleanly ({', '.join(problems)})")
+        print(f"{directory}: {key}: {values}", file=sys.stderr)
+    return problems
+
+
+def command_check_load(args):
+    failed = [directory for directory in args.directories if check_load(directory)]
+    if failed:
+        fail(f"{', '.join(failed)} did not load cleanly (above)")
 
 
 def parse_tokens(text):
@@ -484,7 +493,7 @@ def command_make_random(args):
     if model.config.tie_word_embeddings:
         model.tie_weights()
     os.makedirs(args.out, exist_ok=True)
-    model.save_pretrained(args.out, safe_serialization=True, max_shard_size=f"{args.shard_mib}MiB")
+    model.save_pretrained(args.out, safe_serialization=True, max_shard_size=args.shard_mib * 2**20)
     if args.tokenizer == "tiny":
         save_tiny_tokenizer(args.out, config.vocab_size)
     count = sum(p.numel() for p in model.parameters())
@@ -532,7 +541,7 @@ def parse_args(argv):
     logits.add_argument("--report", help="also write the JSON report here")
 
     check = commands.add_parser("check-load", help="load strictly; non-zero on missing/unexpected keys")
-    check.add_argument("directory")
+    check.add_argument("directories", nargs="+", metavar="DIR")
 
     random = commands.add_parser("make-random", help="a random checkpoint of a real shape (scripts/make-random-llama)")
     random.add_argument("--out", required=True)
