@@ -378,8 +378,9 @@ def command_make_tiny(args):
 # Loading: check-load and logits
 
 
-def load_strict(directory, dtype=torch.float32):
-    """AutoModelForCausalLM.from_pretrained with every load problem an error."""
+def load_strict(directory, dtype):
+    """AutoModelForCausalLM.from_pretrained with every load problem an error. dtype is a torch
+    dtype or "auto" (the checkpoint's, so checking an 8B bf16 export needs 16 GB, not 32)."""
     if not os.path.isfile(os.path.join(directory, "config.json")):
         fail(f"{directory}: no config.json")
     try:
@@ -394,7 +395,7 @@ def load_strict(directory, dtype=torch.float32):
 
 def check_load(directory):
     """Loads directory strictly and checks its tokenizer fits the model; returns the problems."""
-    model, problems = load_strict(directory)
+    model, problems = load_strict(directory, "auto")
     count = sum(p.numel() for p in model.parameters())
     print(f"{directory}: {type(model).__name__}, {count} parameters, tied {model.config.tie_word_embeddings}")
     if os.path.isfile(os.path.join(directory, "tokenizer.json")):
@@ -424,7 +425,7 @@ def parse_tokens(text):
 
 
 def logits_of(directory, tokens):
-    model, problems = load_strict(directory)
+    model, problems = load_strict(directory, torch.float32)
     if problems:
         fail(f"{directory} does not load cleanly: {problems}")
     if int(tokens.max()) >= model.config.vocab_size or int(tokens.min()) < 0:
