@@ -43,6 +43,9 @@ Conventions the Strata side has to match (also written into expected.json):
     not biases), as Strata's TensorSpec::weight_decay does; --decay-on all decays every tensor.
   * losses[k] is the loss of the batch at the weights after k updates (losses[0] is the
     initial loss), so `steps` updates give steps + 1 losses.
+  * Rotary angles are fp32 in transformers even in a float64 model: inv_freq = 1 / theta^(2i/d)
+    (and its llama3 / linear rescaling) in fp32, angle = position * inv_freq in fp32, cos and
+    sin in fp32, then cast. loss_fp64 and the fp64 gradients carry that (~1e-7 relative).
 """
 import argparse
 import copy
@@ -318,6 +321,8 @@ def conventions():
                             "document": "causal and cut at each position restart (block-diagonal)"},
         "adamw": "torch.optim.AdamW: p -= lr*wd*p; m, v; p -= lr * m_hat / (sqrt(v_hat) + eps); constant lr",
         "losses": "losses[k] is the batch loss after k updates; losses[0] is the initial loss",
+        "rotary": "inv_freq = 1/theta^(2i/d) (rescaled for llama3/linear), angle = position*inv_freq, cos, sin: "
+                  "all in fp32, even in the float64 runs",
     }
 
 
