@@ -161,21 +161,19 @@ def build_tiny_tokenizer(vocab_size):
                                    clean_up_tokenization_spaces=False)
 
 
-def save_tiny_tokenizer(directory, vocab_size):
-    """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json into directory."""
-    tokenizer = build_tiny_tokenizer(min(vocab_size, 512))
-    tokenizer.save_pretrained(directory)
-    return tokenizer
+def tiny_tokenizer_for(vocab_size):
+    """The tiny tokenizer for a model of vocab_size (at most 512 ids of it used)."""
+    return build_tiny_tokenizer(min(vocab_size, 512))
 
 
 # ---------------------------------------------------------------------------------------------
 # make-tiny
 
 
-def tiny_config(args):
+def tiny_config(args, tokenizer):
     config_class, _ = FAMILIES[args.family]
     fields = dict(TINY_SHAPE, tie_word_embeddings=args.tied, initializer_range=args.init_std,
-                  bos_token_id=SPECIAL_TOKENS.index("<|begin_of_text|>"), eos_token_id=SPECIAL_TOKENS.index("<|end_of_text|>"))
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     if args.family == "llama":
         fields.update(rope_theta=10000.0, rope_scaling=copy.deepcopy(ROPE_SCALINGS[args.rope_scaling]),
                       attention_bias=args.llama_biases != "none", mlp_bias=args.llama_biases == "attention-mlp")
@@ -189,12 +187,12 @@ def tiny_config(args):
     return config_class(**fields)
 
 
-def make_tiny_model(args):
+def make_tiny_model(args, tokenizer):
     """transformers' own initialization (normal, std --init-std), then norm gains 1 + N(0, 0.1^2) and
     biases N(0, 0.02^2) so that a wrong gain or bias cannot hide behind ones and zeros."""
     torch.manual_seed(args.seed)
     _, model_class = FAMILIES[args.family]
-    model = model_class(tiny_config(args)).to(torch.float32)
+    model = model_class(tiny_config(args, tokenizer)).to(torch.float32)
     generator = torch.Generator().manual_seed(args.seed + 1)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -329,9 +327,10 @@ def conventions():
 def command_make_tiny(args):
     out = os.path.abspath(args.out)
     os.makedirs(os.path.join(out, "reference"), exist_ok=True)
-    model = make_tiny_model(args)
+    tokenizer = tiny_tokenizer_for(TINY_SHAPE["vocab_size"])
+    model = make_tiny_model(args, tokenizer)
     model.save_pretrained(out, safe_serialization=True)
-    save_tiny_tokenizer(out, model.config.vocab_size)
+    tokenizer.save_pretrained(out)
     batch = make_batch(args.seed, model.config.vocab_size, args.batch_size, args.seq_len)
     with open(os.path.join(out, "batch.json"), "w") as f:
         json.dump({key: value.tolist() for key, value in batch.items()} | {"attention": args.attention}, f)
@@ -484,6 +483,9 @@ def fill_random(model, seed, init_std):
 
 def command_make_random(args):
     fields = dict(PRESETS[args.preset], initializer_range=args.init_std, torch_dtype=args.dtype_name)
+    tokenizer = tiny_tokenizer_for(fields["vocab_size"]) if args.tokenizer == "tiny" else None
+    if tokenizer is not None:  # the config names the tokens the shipped tokenizer has
+        fields.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     config = LlamaConfig(**fields)
     dtype = DTYPES[args.dtype]
     # Parameters are created in the target dtype (the default dtype during construction) and
@@ -500,8 +502,8 @@ def command_make_random(args):
         model.tie_weights()
     os.makedirs(args.out, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True, max_shard_size=args.shard_mib * 2**20)
-    if args.tokenizer == "tiny":
-        save_tiny_tokenizer(args.out, config.vocab_size)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(args.out)
     count = sum(p.numel() for p in model.parameters())
     shards = sorted(f for f in os.listdir(args.out) if f.endswith(".safetensors"))
     print(f"{args.preset}: {count} parameters in {args.dtype}, {len(shards)} shard(s) in {args.out}")
