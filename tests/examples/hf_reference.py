@@ -4,7 +4,9 @@
 Runs under the venv of scripts/reference-venv ($STRATA_REFERENCE_PYTHON). Subcommands:
 
   make-tiny --family llama|mistral|qwen2 [--tied|--untied] [--rope-scaling none|llama3|linear]
-            [--attention causal|document] --seed S --out DIR
+            [--llama-biases none|attention|attention-mlp] [--attention causal|document]
+            [--save-dtype fp32|bf16|fp16] [--steps K --lr --beta1 --beta2 --eps --weight-decay
+            --decay-on matrices|all --clip-grad-norm] --seed S --out DIR
       A tiny random model made by transformers, its batch and the reference numbers (below).
   logits --model DIR --tokens 1,2,3 [--compare-with DIR2] [--tolerance X] [--report FILE]
       Loads with AutoModelForCausalLM (no missing or unexpected keys allowed), prints a logits
@@ -19,7 +21,7 @@ Exit status 77 when torch or transformers cannot be imported (C++ tests skip wit
 1 when a check fails, 2 on bad arguments.
 
 make-tiny writes DIR as a Hugging Face model directory (config.json, model.safetensors in
-fp32, generation_config.json, a tiny tokenizer) plus:
+fp32 or --save-dtype, generation_config.json, a tiny tokenizer) plus:
   batch.json     input_ids, labels, targets, position_ids ([batch][seq] integer lists).
   expected.json  the reference numbers, with the conventions spelled out in it.
   reference/gradients_fp64.safetensors  d loss / d parameter at the initial weights, float64,
@@ -329,7 +331,13 @@ def command_make_tiny(args):
     os.makedirs(os.path.join(out, "reference"), exist_ok=True)
     tokenizer = tiny_tokenizer_for(TINY_SHAPE["vocab_size"])
     model = make_tiny_model(args, tokenizer)
-    model.save_pretrained(out, safe_serialization=True)
+    save_dtype = DTYPES[args.save_dtype]
+    if save_dtype != torch.float32:
+        # The reference runs from exactly the saved values: round them, keep computing in fp32.
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.copy_(parameter.to(save_dtype).to(torch.float32))
+    copy.deepcopy(model).to(save_dtype).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     batch = make_batch(args.seed, model.config.vocab_size, args.batch_size, args.seq_len)
     with open(os.path.join(out, "batch.json"), "w") as f:
@@ -361,6 +369,7 @@ def command_make_tiny(args):
         "tied": args.tied,
         "rope_scaling": args.rope_scaling,
         "attention": args.attention,
+        "save_dtype": args.save_dtype,
         "versions": {"transformers": transformers.__version__, "torch": torch.__version__},
         "loss_tokens": int((batch["targets"] != IGNORE_INDEX).sum()),
         "loss_fp32": loss_fp32,
@@ -527,6 +536,8 @@ def parse_args(argv):
                       help="llama's attention_bias / mlp_bias (qwen2 always has q/k/v biases)")
     tiny.add_argument("--attention", choices=["causal", "document"], default="causal")
     tiny.add_argument("--seed", type=int, required=True)
+    tiny.add_argument("--save-dtype", choices=sorted(DTYPES), default="fp32",
+                      help="the checkpoint's dtype; the reference computes in fp32 from the saved (rounded) values")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--init-std", type=float, default=0.1,
                       help="weights' std; 0.1 (not transformers' 0.02) so attention is far from uniform")

@@ -34,12 +34,12 @@ struct TinyVariant {
 };
 
 // Between them: the three families, tied and untied, llama3 and linear rope scaling, Qwen2's
-// q/k/v biases and Llama's attention and MLP biases, both attention modes.
+// q/k/v biases and Llama's attention and MLP biases, both attention modes, a bf16 checkpoint.
 const std::vector<TinyVariant>& tiny_variants() {
   static const std::vector<TinyVariant> variants = {
       {"llama-tied-llama3", {"--family", "llama", "--tied", "--rope-scaling", "llama3"}},
       {"llama-untied-linear-biases", {"--family", "llama", "--untied", "--rope-scaling", "linear", "--llama-biases", "attention-mlp"}},
-      {"mistral-untied", {"--family", "mistral", "--untied"}},
+      {"mistral-untied-bf16", {"--family", "mistral", "--untied", "--save-dtype", "bf16"}},
       {"qwen2-tied-document", {"--family", "qwen2", "--tied", "--attention", "document"}},
   };
   return variants;
