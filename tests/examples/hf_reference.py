@@ -18,7 +18,7 @@ Runs under the venv of scripts/reference-venv ($STRATA_REFERENCE_PYTHON). Subcom
       A random-weight checkpoint of a real model's shape, sharded, written tensor by tensor.
 
 Exit status 77 when torch or transformers cannot be imported (C++ tests skip with the reason),
-1 when a check fails, 2 on bad arguments.
+1 when a check fails or an argument is refused, 2 on arguments argparse rejects.
 
 make-tiny writes DIR as a Hugging Face model directory (config.json, model.safetensors in
 fp32 or --save-dtype, generation_config.json, a tiny tokenizer) plus:
@@ -52,7 +52,6 @@ Conventions the Strata side has to match (also written into expected.json):
 import argparse
 import copy
 import json
-import math
 import os
 import sys
 
