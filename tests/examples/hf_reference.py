@@ -11,6 +11,11 @@ Runs under the venv of scripts/reference-venv ($STRATA_REFERENCE_PYTHON). Subcom
   logits --model DIR --tokens 1,2,3 [--compare-with DIR2] [--tolerance X] [--report FILE]
       Loads with AutoModelForCausalLM (no missing or unexpected keys allowed), prints a logits
       summary, or the max abs / rel difference against a second model.
+  loss --model DIR --batch batch.json
+      A checkpoint's loss (fp32 as transformers computes it, and fp64) on a make-tiny batch.
+  compare-weights --model DIR --reference DIR2 [--tolerance X]
+      Every parameter by name: max abs difference and ||a - b|| / ||b|| (e.g. Strata's weights
+      after K steps, exported, against reference/after_adamw).
   check-load DIR [DIR...]
       Loads each DIR, reports missing / unexpected / mismatched keys and whether the tokenizer
       fits the vocabulary; non-zero on any.
@@ -471,6 +476,50 @@ def command_logits(args):
             fail(f"logits differ: max rel diff {report['max_rel_diff']:.3g} > {args.tolerance:g}")
 
 
+def read_batch(path):
+    with open(path) as f:
+        batch = json.load(f)
+    return {key: torch.tensor(batch[key]) for key in ("input_ids", "labels", "targets", "position_ids")}, batch["attention"]
+
+
+def command_loss(args):
+    """The batch loss of a checkpoint (a Strata export, say), by this script's conventions."""
+    batch, attention = read_batch(args.batch)
+    model, problems = load_strict(args.model, torch.float32)
+    if problems:
+        fail(f"{args.model} does not load cleanly: {problems}")
+    with torch.no_grad():
+        report = {"model": args.model, "batch": args.batch, "attention": attention,
+                  "loss_fp32": transformers_loss(model, batch, attention).item(),
+                  "loss_fp64": batch_loss(model.to(torch.float64), batch, attention).item()}
+    print(json.dumps(report))
+
+
+def command_compare_weights(args):
+    """Every parameter of two checkpoints, by name: max abs difference and ||a - b|| / ||b||."""
+    a, problems_a = load_strict(args.model, torch.float32)
+    b, problems_b = load_strict(args.reference, torch.float32)
+    if problems_a or problems_b:
+        fail(f"does not load cleanly: {args.model}: {problems_a}, {args.reference}: {problems_b}")
+    params_a, params_b = dict(a.named_parameters()), dict(b.named_parameters())
+    if params_a.keys() != params_b.keys():
+        fail(f"different parameters: only in {args.model}: {sorted(params_a.keys() - params_b.keys())}, "
+             f"only in {args.reference}: {sorted(params_b.keys() - params_a.keys())}")
+    tensors = {}
+    for name, reference in params_b.items():
+        difference = (params_a[name].detach().double() - reference.detach().double())
+        if difference.shape != reference.shape:
+            fail(f"{name}: shape {list(params_a[name].shape)} against {list(reference.shape)}")
+        tensors[name] = {"max_abs_diff": difference.abs().max().item(),
+                         "rel_l2": (difference.norm() / max(reference.detach().double().norm().item(), 1e-30)).item()}
+    worst = max(tensors, key=lambda name: tensors[name]["rel_l2"])
+    report = {"model": args.model, "reference": args.reference, "worst": worst, "worst_rel_l2": tensors[worst]["rel_l2"],
+              "max_abs_diff": max(t["max_abs_diff"] for t in tensors.values()), "tensors": tensors}
+    print(json.dumps(report))
+    if args.tolerance is not None and report["worst_rel_l2"] > args.tolerance:
+        fail(f"weights differ: {worst} has ||a - b|| / ||b|| = {report['worst_rel_l2']:.3g} > {args.tolerance:g}")
+
+
 # ---------------------------------------------------------------------------------------------
 # make-random (scripts/make-random-llama)
 
@@ -558,6 +607,15 @@ def parse_args(argv):
     logits.add_argument("--tolerance", type=float, help="fail when max_rel_diff exceeds this")
     logits.add_argument("--report", help="also write the JSON report here")
 
+    loss = commands.add_parser("loss", help="a checkpoint's loss on a make-tiny batch.json")
+    loss.add_argument("--model", required=True)
+    loss.add_argument("--batch", required=True, help="batch.json written by make-tiny")
+
+    weights = commands.add_parser("compare-weights", help="two checkpoints' parameters, tensor by tensor")
+    weights.add_argument("--model", required=True)
+    weights.add_argument("--reference", required=True)
+    weights.add_argument("--tolerance", type=float, help="fail when some tensor's ||a - b|| / ||b|| exceeds this")
+
     check = commands.add_parser("check-load", help="load strictly; non-zero on missing/unexpected keys")
     check.add_argument("directories", nargs="+", metavar="DIR")
 
@@ -583,7 +641,7 @@ def parse_args(argv):
 def main(argv):
     args = parse_args(argv)
     {"make-tiny": command_make_tiny, "logits": command_logits, "check-load": command_check_load,
-     "make-random": command_make_random}[args.command](args)
+     "loss": command_loss, "compare-weights": command_compare_weights, "make-random": command_make_random}[args.command](args)
 
 
 if __name__ == "__main__":

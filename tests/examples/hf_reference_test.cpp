@@ -1,7 +1,8 @@
 // The transformers reference the Llama-family fidelity tests compare against
 // (tests/examples/hf_reference.py, under STRATA_REFERENCE_PYTHON): tiny random Llama, Mistral
 // and Qwen2 models made by transformers load back strictly, their expected numbers are
-// consistent with their batch, and the strict load and logits checks fail when they should.
+// consistent with their batch and their saved weights, and the strict load, logits and
+// weight checks fail when they should.
 // Skips with the reason when STRATA_REFERENCE_PYTHON is unset or cannot import transformers.
 #include <gtest/gtest.h>
 
@@ -143,6 +144,31 @@ TEST_F(HfReferenceTest, LogitsComparisonPassesForTheSameWeightsAndFailsForTraine
                                                              model + "/reference/after_adamw", "--tolerance", "1e-5"});
   EXPECT_EQ(trained.exit_code, 1) << trained.err << trained.out;
   EXPECT_TRUE(testing::contains(trained.err, "logits differ")) << trained.err;
+}
+
+TEST_F(HfReferenceTest, TheLossOfTheSavedBf16CheckpointIsTheExpectedOne) {
+  const std::string name = "mistral-untied-bf16";
+  ASSERT_MADE(name);
+  const TrainRun run = testing::run_hf_reference(*dir_, {"loss", "--model", made(name).string(), "--batch", (made(name) / "batch.json").string()});
+  ASSERT_RAN(run);
+  const nlohmann::json report = nlohmann::json::parse(run.out, nullptr, /*allow_exceptions=*/false);
+  ASSERT_FALSE(report.is_discarded()) << run.out;
+  const nlohmann::json expected = read_json(made(name) / "expected.json");
+  // The reference was computed from the rounded values the checkpoint holds, so exactly.
+  EXPECT_EQ(report["loss_fp32"].get<double>(), expected["loss_fp32"].get<double>());
+  EXPECT_EQ(report["loss_fp64"].get<double>(), expected["loss_fp64"].get<double>());
+}
+
+TEST_F(HfReferenceTest, WeightComparisonPassesForTheSameWeightsAndFailsForTrainedOnes) {
+  const std::string name = tiny_variants().front().name;
+  ASSERT_MADE(name);
+  const std::string trained = (made(name) / "reference/after_adamw").string();
+  const TrainRun same = testing::run_hf_reference(*dir_, {"compare-weights", "--model", trained, "--reference", trained, "--tolerance", "0"});
+  EXPECT_EQ(same.exit_code, 0) << same.err << same.out;
+  const TrainRun changed = testing::run_hf_reference(*dir_, {"compare-weights", "--model", trained, "--reference", made(name).string(),
+                                                             "--tolerance", "1e-5"});
+  EXPECT_EQ(changed.exit_code, 1) << changed.err << changed.out;
+  EXPECT_TRUE(testing::contains(changed.err, "weights differ")) << changed.err;
 }
 
 // A checkpoint with one tensor of the model and one it does not have.
