@@ -24,12 +24,11 @@ StartedRun::~StartedRun() {
   ::waitpid(pid, nullptr, 0);
 }
 
-StartedRun start_train_gpt(const TempDir& dir, const std::vector<std::string>& args) {
+StartedRun start_program(const TempDir& dir, const std::string& binary, const std::vector<std::string>& args) {
   static int counter = 0;
   StartedRun started;
   started.out = dir.path() / ("run" + std::to_string(counter) + ".out");
   started.err = dir.path() / ("run" + std::to_string(counter++) + ".err");
-  const std::string binary = (binary_dir() / "bin" / "train_gpt").string();
   std::vector<std::string> argv_text = {binary};
   argv_text.insert(argv_text.end(), args.begin(), args.end());
   std::vector<char*> argv;
@@ -44,6 +43,10 @@ StartedRun start_train_gpt(const TempDir& dir, const std::vector<std::string>& a
     ::_exit(127);
   }
   return started;
+}
+
+StartedRun start_train_gpt(const TempDir& dir, const std::vector<std::string>& args) {
+  return start_program(dir, (binary_dir() / "bin" / "train_gpt").string(), args);
 }
 
 TrainRun finish_run(StartedRun& started) {

@@ -37,6 +37,8 @@ struct StartedRun {
   ~StartedRun();
 };
 
+// Any program (argv[0] = program) with its output in run<N>.out / run<N>.err under dir.
+StartedRun start_program(const TempDir& dir, const std::string& program, const std::vector<std::string>& args);
 StartedRun start_train_gpt(const TempDir& dir, const std::vector<std::string>& args);
 TrainRun finish_run(StartedRun& started);  // waits for the process
 TrainRun train_gpt(const TempDir& dir, const std::vector<std::string>& args);
