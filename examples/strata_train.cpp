@@ -63,6 +63,8 @@ Training
   --activation-checkpointing off|device|pinned   (default device)
   --eval-every N             evaluate every N steps (default: steps / 10); always after the last step
   --eval-sequences N         sequences in the (fixed) evaluation batch, over all ranks
+  --eval-only                no training: eval_loss over the --data file's first --eval-sequences windows
+                             of --seq-len T, window i = tokens [i*T, i*T+T] (a perplexity evaluation)
 Placement
   --device cpu|cuda --world-size N --device-budget-mib N --pinned-budget-mib N
   --offload-param device|cpu|nvme --offload-optimizer device|cpu|nvme --nvme-path DIR
@@ -255,6 +257,7 @@ StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
   STRATA_ASSIGN_OR_RETURN(options.keep_checkpoints, trainer_integer<int>(args, "keep-checkpoints", 0));
   options.resume_dir = trainer_string(args, "resume");
   options.export_dir = trainer_string(args, "export");
+  options.eval_only = trainer_string(args, "eval-only") == "true";
   STRATA_ASSIGN_OR_RETURN(const int64_t shard_mib, trainer_integer<int64_t>(args, "export-shard-mib", 0));
   options.export_shard_bytes = static_cast<uint64_t>(shard_mib) << 20;
   if (const std::string dtype = trainer_string(args, "export-dtype"); !dtype.empty() && dtype != "auto") {

@@ -360,6 +360,59 @@ std::string stopped_line(const TrainerOptions& options, const TrainerResult& res
   return line + "checkpoint saved to " + result.last_checkpoint + " (continue with --resume " + options.save_dir + ")";
 }
 
+// --eval-only needs a file with the windows it names: count windows of T + 1 tokens, T apart.
+Status check_eval_windows(const TokenDataset& data, int64_t count, int64_t seq_len) {
+  if (count <= 0) return InvalidArgumentError("--eval-only needs --eval-sequences N > 0 (the windows to evaluate)");
+  const std::optional<uint64_t> tokens = data.total_tokens();
+  if (!tokens) return FailedPreconditionError("--eval-only evaluates a token or text file (--data FILE), not " + data.describe());
+  const uint64_t needed = static_cast<uint64_t>(count) * static_cast<uint64_t>(seq_len) + 1;
+  if (*tokens < needed)
+    return InvalidArgumentError("--eval-only: " + std::to_string(count) + " windows of " + std::to_string(seq_len) + " tokens need " +
+                                std::to_string(needed) + " tokens, " + data.describe() + " has " + std::to_string(*tokens) +
+                                " (lower --eval-sequences or --seq-len)");
+  return {};
+}
+
+struct WindowPlan {
+  int rank = 0;
+  int world = 1;
+  int64_t per_pass = 1;  // sequences per forward on each rank
+  int64_t seq_len = 0;
+  int64_t count = 0;     // windows in all
+};
+
+// --eval-only's forward passes. Each round covers per_pass x world windows, rank r taking
+// the r-th block of per_pass; rows past the last window are masked (targets -1) so every
+// rank runs the same passes and gathers the same groups.
+StatusOr<MicroBatchLosses> evaluate_windows(Engine& engine, lm::CausalLm& model, const lm::Architecture& architecture,
+                                            const TokenDataset& data, const WindowPlan& plan) {
+  const size_t T = static_cast<size_t>(plan.seq_len);
+  std::vector<int32_t> inputs(static_cast<size_t>(plan.per_pass) * T), targets(inputs.size()), window(T + 1);
+  MicroBatchLosses total;
+  for (int64_t round = 0; round < plan.count; round += plan.per_pass * plan.world) {
+    for (int64_t j = 0; j < plan.per_pass; ++j) {
+      const int64_t w = round + plan.rank * plan.per_pass + j;
+      int32_t* in = inputs.data() + static_cast<size_t>(j) * T;
+      int32_t* out = targets.data() + static_cast<size_t>(j) * T;
+      if (w >= plan.count) {
+        std::fill(in, in + T, 0);
+        std::fill(out, out + T, -1);
+        continue;
+      }
+      STRATA_RETURN_IF_ERROR(data.tokens_at(static_cast<uint64_t>(w) * T, window));
+      std::copy(window.begin(), window.end() - 1, in);
+      std::copy(window.begin() + 1, window.end(), out);
+    }
+    const TokenBatch batch{inputs.data(), targets.data(), plan.per_pass};
+    STRATA_RETURN_IF_ERROR(engine.begin_forward(architecture.forward_order()));
+    STRATA_ASSIGN_OR_RETURN(MicroBatchLosses pass, model.run_micro_batch(nullptr, &batch, 0.0f));
+    STRATA_RETURN_IF_ERROR(engine.end_forward());
+    total.eval_loss_sum += pass.eval_loss_sum;
+    total.eval_tokens += pass.eval_tokens;
+  }
+  return total;
+}
+
 // Tests only (tests/examples/kill_resume_test.cpp): STRATA_TEST_CHECKPOINT_PAUSE_MS=N makes
 // the saver announce each point of a save on stderr ("strata-test: checkpoint <point> step
 // <S>") and pause there N ms, so a test can SIGKILL the process inside a save. Unset (the
@@ -387,7 +440,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
   if (options.model == nullptr) return InvalidArgumentError("the trainer was given no model architecture");
   const lm::Architecture& model = *options.model;
   const int64_t seq_len = config.strata.data.seq_len > 0 ? config.strata.data.seq_len : model.context_length();
-  const int64_t total_steps = config.strata.steps;
+  const int64_t total_steps = options.eval_only ? 0 : config.strata.steps;
   const DeviceKind device_kind = resolve_device(config);
   if (seq_len > model.context_length())
     return InvalidArgumentError("strata.data.seq_len (" + std::to_string(seq_len) + ") is longer than the model's context (" +
@@ -400,7 +453,8 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
   if (dataset->vocab_size() > model.vocab_size())
     return InvalidArgumentError("the data's vocabulary (" + std::to_string(dataset->vocab_size()) + " tokens, " + dataset->describe() +
                                 ") is larger than the model's vocab_size (" + std::to_string(model.vocab_size()) + ")");
-  int64_t eval_sequences = options.eval_sequences;
+  int64_t eval_sequences = options.eval_only ? 0 : options.eval_sequences;
+  if (options.eval_only) STRATA_RETURN_IF_ERROR(check_eval_windows(*dataset, options.eval_sequences, seq_len));
   if (eval_sequences > 0 && eval_sequences % world != 0) eval_sequences = (eval_sequences + world - 1) / world * world;
   if (eval_sequences > 0 && config.strata.data.kind != DataKind::kSynthetic && config.strata.data.eval_fraction <= 0.0) {
     STRATA_LOG(kWarn) << "no evaluation: strata.data.eval_fraction is 0 for " << config.strata.data.path;
@@ -466,7 +520,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
   lm::ModelRunOptions model_options;
   model_options.batch = micro;
   model_options.seq_len = seq_len;
-  model_options.eval_batch = eval_sequences / world;
+  model_options.eval_batch = options.eval_only ? micro : eval_sequences / world;
   model_options.checkpointing = options.checkpointing;
   model_options.head_chunk_rows = options.head_chunk_rows;
 
@@ -571,6 +625,14 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       STRATA_RETURN_IF_ERROR(loader.restore_json(trainer_state["data"].dump()));
     } else if (init_weights) {
       STRATA_RETURN_IF_ERROR(model.load_weights(*engine, rank, *init_weights));
+    }
+
+    if (options.eval_only) {
+      STRATA_ASSIGN_OR_RETURN(const MicroBatchLosses windows,
+                              evaluate_windows(*engine, *rank_model, model, *dataset, {rank, world, micro, seq_len, options.eval_sequences}));
+      std::lock_guard<std::mutex> lock(result_mutex);
+      eval_sum_final += windows.eval_loss_sum;
+      eval_tokens_final += windows.eval_tokens;
     }
 
     // read_state_shard() waits for a group's update but, with optimizer state on NVMe, not

@@ -56,6 +56,10 @@ struct TrainerOptions {
   uint64_t data_seed = 0;
   int64_t eval_sequences = 0;  // over all ranks; 0 = no evaluation
   int64_t eval_every = 0;      // steps between evaluations (0 = only after the last step)
+  // No training: the mean next-token loss over the data file's first eval_sequences windows
+  // of seq_len T, window i being tokens [i*T, i*T + T] (llm.c's stride: T + 1 tokens, the
+  // last only predicted), reported as eval_loss. Deterministic, for comparing with other tools.
+  bool eval_only = false;
 
   std::string save_dir;        // checkpoints (D/step-<N>); empty = none
   int64_t save_every = 0;      // steps between saves; 0 = only at the end (when save_dir is set)

@@ -209,6 +209,14 @@ class FileDataset final : public TokenDataset {
     return read_tokens(start, tokens);
   }
 
+  std::optional<uint64_t> total_tokens() const override { return layout_.tokens; }
+  Status tokens_at(uint64_t first, std::span<int32_t> tokens) const override {
+    if (first > layout_.tokens || tokens.size() > layout_.tokens - first)
+      return InvalidArgumentError(layout_.kind + " " + path_ + " holds " + std::to_string(layout_.tokens) + " tokens; tokens [" +
+                             std::to_string(first) + ", " + std::to_string(first + tokens.size()) + ") were asked");
+    return read_tokens(first, tokens);
+  }
+
   Status sample_with_flags(DataSplit split, uint64_t seed, uint64_t index, std::span<int32_t> tokens,
                            std::span<uint8_t> flags) const override {
     if (!layout_.flags_offset) return TokenDataset::sample_with_flags(split, seed, index, tokens, flags);
@@ -641,6 +649,10 @@ StatusOr<std::shared_ptr<const TokenDataset>> TokenDataset::open(const DataConfi
       return open_token_file(config.path, file_options);
   }
   return InvalidArgumentError("unknown data kind");
+}
+
+Status TokenDataset::tokens_at(uint64_t, std::span<int32_t>) const {
+  return FailedPreconditionError(describe() + ": has no file to read windows from (a perplexity evaluation needs a token or text file)");
 }
 
 Status TokenDataset::sample_with_flags(DataSplit split, uint64_t seed, uint64_t index, std::span<int32_t> tokens,

@@ -209,6 +209,13 @@ class TokenDataset {
   // flags makes every token a target and only the sample's first token a document start.
   virtual Status sample_with_flags(DataSplit split, uint64_t seed, uint64_t index, std::span<int32_t> tokens,
                                    std::span<uint8_t> flags) const;
+
+  // Tokens [first, first + tokens.size()) of the whole file, whatever the splits and rows
+  // (the strided windows of a perplexity evaluation). Synthetic data has no file:
+  // kFailedPrecondition. A range past the end: kInvalidArgument naming the file's length.
+  virtual Status tokens_at(uint64_t first, std::span<int32_t> tokens) const;
+  // Tokens in the whole file (nullopt for synthetic data).
+  virtual std::optional<uint64_t> total_tokens() const { return std::nullopt; }
 };
 
 // The synthetic language's next-token table, for tests and diagnostics: the k successors
