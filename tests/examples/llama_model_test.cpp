@@ -419,6 +419,49 @@ TEST(LlamaModelTest, TwoRanksGiveTheGradientsOfOne) {
   }
 }
 
+// Three steps on one batch (the tied model's schedule is recorded on the first, the
+// untied one's declared), then an evaluation-only pass that sees the updated weights.
+TEST(LlamaModelTest, TrainingStepsLowerTheLossAndEvaluationSeesTheUpdates) {
+  for (bool tied : {true, false}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    const LlamaConfig config = tiny_config("mistral", tied);
+    LlamaModelOptions options = tiny_options(config, ActivationCheckpointing::kDevice);
+    options.capture_gradients = false;
+    options.eval_batch = 2;
+    SingleRank rank;
+    STRATA_ASSERT_OK(rank.init(options, fp32_engine_options()));
+    const Batch batch = make_batch(config.vocab_size, 3, 11, 30);
+    int64_t tokens = 0;
+    for (int32_t t : batch.targets) tokens += t != -1;
+    const TokenBatch train{batch.inputs.data(), batch.targets.data(), 3, batch.positions.data()};
+    std::vector<double> losses;
+    for (int step = 0; step < 3; ++step) {
+      STRATA_ASSERT_OK(rank.engine->begin_step(1e-2));
+      STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses l, rank.model->run_micro_batch(&train, nullptr, 1.0f / float(tokens)));
+      EXPECT_EQ(l.train_tokens, tokens);
+      losses.push_back(l.train_loss_sum / double(l.train_tokens));
+      STRATA_ASSERT_OK(rank.engine->step(losses.back()).status());
+    }
+    STRATA_ASSERT_OK(rank.engine->finish());
+    EXPECT_LT(losses[1], losses[0]);
+    EXPECT_LT(losses[2], losses[1]);
+    // The first two sequences, evaluated after the third update.
+    STRATA_ASSERT_OK(rank.engine->begin_forward(llama_forward_order(config, rank.model->activation_plan().chunks)));
+    const TokenBatch eval{batch.inputs.data(), batch.targets.data(), 2, batch.positions.data()};
+    STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses e, rank.model->run_micro_batch(nullptr, &eval, 0.0f));
+    STRATA_ASSERT_OK(rank.engine->end_forward());
+    STRATA_ASSERT_OK(rank.engine->finish());
+    EXPECT_EQ(e.train_tokens, 0);
+    EXPECT_EQ(e.eval_tokens, 2 * 11 - 1);  // targets[3] is -1
+    EXPECT_LT(e.eval_loss_sum / double(e.eval_tokens), losses[2]);
+    // Training and evaluation in one call is refused, not half done.
+    STRATA_ASSERT_OK(rank.engine->begin_step(0.0));
+    auto both = rank.model->run_micro_batch(&train, &eval, 1.0f);
+    ASSERT_FALSE(both.ok());
+    EXPECT_TRUE(contains(both.status().message(), "evaluation-only pass")) << both.status().message();
+  }
+}
+
 TEST(LlamaModelTest, BF16ParametersOnTheCpuDeviceAreCastToFp32) {
   const LlamaConfig config = tiny_config("llama", true);
   LlamaModelOptions options = tiny_options(config, ActivationCheckpointing::kDevice);
