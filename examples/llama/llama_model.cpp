@@ -394,6 +394,9 @@ struct LlamaModel::Buffers {
   void* at(size_t offset) const { return static_cast<char*>(arena.data()) + offset; }
   template <class T>
   T* as(size_t offset) const { return static_cast<T*>(at(offset)); }
+  void* resid(int64_t layer) const { return at(layout.resid[static_cast<size_t>(layer)]); }
+  // Block l's activations: its own set when every block's are kept, else the shared one.
+  BlockActs block_acts(int64_t layer) const { return acts(layout.acts.size() > 1 ? static_cast<size_t>(layer) : 0); }
   BlockActs acts(size_t set) const {
     const ActsLayout& a = layout.acts[set];
     return {at(a.norm1), at(a.q), at(a.k), at(a.v), at(a.att), at(a.x2), at(a.norm2), at(a.gate), at(a.up), at(a.act),
@@ -776,55 +779,30 @@ Status LlamaModel::head_pass2(int64_t chunk, const void* weight, float* dweight,
   return {};
 }
 
-StatusOr<MicroBatchLosses> LlamaModel::run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {
-  if (!buffers_) return FailedPreconditionError("LlamaModel::run_micro_batch() before allocate()");
-  if (train == nullptr && eval == nullptr) return InvalidArgumentError("LlamaModel::run_micro_batch(): neither a training nor an evaluation batch");
-  if (train != nullptr && eval != nullptr)
-    return InvalidArgumentError("LlamaModel::run_micro_batch(): an evaluation batch riding along a training micro-batch is not supported; run an "
-                                "evaluation-only pass (engine.begin_forward())");
-  if (train != nullptr && train->sequences != options_.batch)
-    return InvalidArgumentError("Llama model: a training micro-batch has " + std::to_string(train->sequences) +
-                                " sequences, the model was planned for " + std::to_string(options_.batch));
-  if (eval != nullptr && (eval->sequences < 1 || eval->sequences > options_.eval_batch))
-    return InvalidArgumentError("Llama model: an evaluation batch has " + std::to_string(eval->sequences) + " sequences, the model was planned for 1 to " +
-                                std::to_string(options_.eval_batch));
+// Embedding, blocks (their inputs kept for the backward), the final norm and the head's
+// pass 1: each row's full log-sum-exp and its loss pieces.
+Status LlamaModel::forward(const Rows& rows) {
   Buffers& b = *buffers_;
   const DeviceLayout& d = b.layout;
-  Device& device = engine_.device();
   Stream& stream = engine_.compute_stream();
   const LlamaConfig& c = options_.config;
-  const int64_t L = c.num_hidden_layers;
   const size_t H = static_cast<size_t>(c.hidden_size);
   const DType dt = plan_.compute_dtype;
-  const size_t cs = dtype_size(dt);
-  const bool training = train != nullptr;
-  const bool keep_all = options_.checkpointing == ActivationCheckpointing::kOff;
-  const TokenBatch& batch = training ? *train : *eval;
-
-  MicroBatchLosses result;
-  Rows rows;
-  STRATA_RETURN_IF_ERROR(stage_inputs(batch, training ? grad_scale : 0.0f, rows));
-  int64_t counted = 0;
-  for (size_t r = 0; r < rows.count; ++r) counted += b.targets[r] != -1;
-  auto resid = [&](int64_t l) { return b.at(d.resid[static_cast<size_t>(l)]); };
-  auto acts = [&](int64_t l) { return b.acts(keep_all ? static_cast<size_t>(l) : 0); };
-
-  // ---- Forward.
   STRATA_RETURN_IF_ERROR(embed_forward(rows));
-  for (int64_t l = 0; l < L; ++l) {
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const int g = groups_.layer(l);
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
     STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
-    STRATA_RETURN_IF_ERROR(block_forward(p, resid(l), resid(l + 1), acts(l), rows));
+    STRATA_RETURN_IF_ERROR(block_forward(p, b.resid(l), b.resid(l + 1), b.block_acts(l), rows));
     STRATA_RETURN_IF_ERROR(engine_.release(g));
   }
-  const kernels::RmsNormShape final_norm{rows.count, H, static_cast<float>(c.rms_norm_eps)};
   {
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(groups_.norm()));
     STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(groups_.norm(), view));
-    STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, final_norm, dt, resid(L), p[0], b.at(d.norm_out), b.as<float>(d.norm_rstd)));
+    STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, {rows.count, H, static_cast<float>(c.rms_norm_eps)}, dt, b.resid(c.num_hidden_layers), p[0],
+                                                    b.at(d.norm_out), b.as<float>(d.norm_rstd)));
     // The norm's backward runs without gathering it again: keep its gain.
-    STRATA_RETURN_IF_ERROR(device.copy_async(b.at(d.norm_gamma), p[0], H * cs, CopyKind::kDeviceToDevice, stream));
+    STRATA_RETURN_IF_ERROR(engine_.device().copy_async(b.at(d.norm_gamma), p[0], H * dtype_size(dt), CopyKind::kDeviceToDevice, stream));
     STRATA_RETURN_IF_ERROR(engine_.release(groups_.norm()));
   }
   for (int64_t k = 0; k < d.chunks.count; ++k) {
@@ -834,68 +812,84 @@ StatusOr<MicroBatchLosses> LlamaModel::run_micro_batch(const TokenBatch* train, 
     STRATA_RETURN_IF_ERROR(head_pass1(k, p[0], rows));
     STRATA_RETURN_IF_ERROR(engine_.release(g));
   }
-  STRATA_RETURN_IF_ERROR(head_combine(rows));
+  return head_combine(rows);
+}
 
-  // ---- Backward.
-  if (training) {
-    for (int64_t k = 0; k < d.chunks.count; ++k) {
-      const int g = groups_.head(k);
-      STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-      STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
-      GroupView grads;
-      if (!groups_.tied) {
-        STRATA_ASSIGN_OR_RETURN(grads, engine_.gradient_buffer(g));
-      }
-      // The head's input gradient goes to `narrow`, the final norm's backward reads it there.
-      STRATA_RETURN_IF_ERROR(head_pass2(k, p[0], groups_.tied ? nullptr : static_cast<float*>(grads.tensors[0]), b.at(d.narrow), rows));
-      STRATA_RETURN_IF_ERROR(engine_.release(g));
-      if (!groups_.tied) {
-        STRATA_RETURN_IF_ERROR(capture(g, grads));
-        STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
-      }
+// The head's pass 2, the final norm, the blocks in reverse (recomputed from their inputs
+// when checkpointing), then the embedding chunks (tied: with the head's pass 3), each
+// group's grads_ready() after its last use.
+Status LlamaModel::backward(const Rows& rows) {
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
+  Stream& stream = engine_.compute_stream();
+  const LlamaConfig& c = options_.config;
+  const DType dt = plan_.compute_dtype;
+  const bool keep_all = options_.checkpointing == ActivationCheckpointing::kOff;
+  for (int64_t k = 0; k < d.chunks.count; ++k) {
+    const int g = groups_.head(k);
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
+    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
+    GroupView grads;
+    if (!groups_.tied) {
+      STRATA_ASSIGN_OR_RETURN(grads, engine_.gradient_buffer(g));
     }
-    {
-      const int g = groups_.norm();
-      STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
-      const kernels::GradOptions options{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
-      STRATA_RETURN_IF_ERROR(kernels::rmsnorm_backward(stream, final_norm, dt, b.at(d.narrow), resid(L), b.at(d.norm_gamma), b.as<float>(d.norm_rstd),
-                                                       b.at(d.dresid), static_cast<float*>(grads.tensors[0]), options));
-      STRATA_RETURN_IF_ERROR(capture(g, grads));
-      STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
-    }
-    for (int64_t l = L - 1; l >= 0; --l) {
-      const int g = groups_.layer(l);
-      STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-      STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
-      STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
-      std::vector<float*> gp;
-      for (void* t : grads.tensors) gp.push_back(static_cast<float*>(t));
-      const BlockActs a = acts(l);
-      if (!keep_all) STRATA_RETURN_IF_ERROR(block_forward(p, resid(l), nullptr, a, rows));
-      STRATA_RETURN_IF_ERROR(block_backward(p, gp, resid(l), a, rows));
-      STRATA_RETURN_IF_ERROR(engine_.release(g));
-      STRATA_RETURN_IF_ERROR(capture(g, grads));
-      STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
-    }
-    // dresid is d loss / d x_0: the embedding chunks' gradients (tied: plus the head's).
-    for (int64_t k = 0; k < d.chunks.count; ++k) {
-      const int g = groups_.embed(k);
-      STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
-      float* dweight = static_cast<float*>(grads.tensors[0]);
-      if (groups_.tied) {
-        STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-        STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
-        STRATA_RETURN_IF_ERROR(head_pass2(k, p[0], dweight, nullptr, rows));
-        STRATA_RETURN_IF_ERROR(engine_.release(g));
-      }
-      STRATA_RETURN_IF_ERROR(embed_backward(k, dweight));
+    // The head's input gradient goes to `narrow`, the final norm's backward reads it there.
+    STRATA_RETURN_IF_ERROR(head_pass2(k, p[0], groups_.tied ? nullptr : static_cast<float*>(grads.tensors[0]), b.at(d.narrow), rows));
+    STRATA_RETURN_IF_ERROR(engine_.release(g));
+    if (!groups_.tied) {
       STRATA_RETURN_IF_ERROR(capture(g, grads));
       STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
     }
   }
+  {
+    const int g = groups_.norm();
+    STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
+    const kernels::GradOptions options{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
+    STRATA_RETURN_IF_ERROR(kernels::rmsnorm_backward(stream, {rows.count, static_cast<size_t>(c.hidden_size), static_cast<float>(c.rms_norm_eps)}, dt,
+                                                     b.at(d.narrow), b.resid(c.num_hidden_layers), b.at(d.norm_gamma), b.as<float>(d.norm_rstd),
+                                                     b.at(d.dresid), static_cast<float*>(grads.tensors[0]), options));
+    STRATA_RETURN_IF_ERROR(capture(g, grads));
+    STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
+  }
+  for (int64_t l = c.num_hidden_layers - 1; l >= 0; --l) {
+    const int g = groups_.layer(l);
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
+    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
+    STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
+    std::vector<float*> gp;
+    for (void* t : grads.tensors) gp.push_back(static_cast<float*>(t));
+    const BlockActs a = b.block_acts(l);
+    if (!keep_all) STRATA_RETURN_IF_ERROR(block_forward(p, b.resid(l), nullptr, a, rows));
+    STRATA_RETURN_IF_ERROR(block_backward(p, gp, b.resid(l), a, rows));
+    STRATA_RETURN_IF_ERROR(engine_.release(g));
+    STRATA_RETURN_IF_ERROR(capture(g, grads));
+    STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
+  }
+  // dresid is d loss / d x_0: the embedding chunks' gradients (tied: plus the head's).
+  for (int64_t k = 0; k < d.chunks.count; ++k) {
+    const int g = groups_.embed(k);
+    STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
+    float* dweight = static_cast<float*>(grads.tensors[0]);
+    if (groups_.tied) {
+      STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
+      STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
+      STRATA_RETURN_IF_ERROR(head_pass2(k, p[0], dweight, nullptr, rows));
+      STRATA_RETURN_IF_ERROR(engine_.release(g));
+    }
+    STRATA_RETURN_IF_ERROR(embed_backward(k, dweight));
+    STRATA_RETURN_IF_ERROR(capture(g, grads));
+    STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
+  }
+  return {};
+}
 
-  // ---- Losses: each row's is loss_lse (LSE - the target chunk's lse) plus its target
-  // chunk's piece (that lse - the target's logit); the other chunks' pieces are 0.
+// Each row's loss is loss_lse (LSE minus its target chunk's lse) plus the target chunk's
+// piece (that lse minus the target's logit); the other chunks' pieces are 0. Waits.
+StatusOr<double> LlamaModel::loss_sum(const Rows& rows) {
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
+  Device& device = engine_.device();
+  Stream& stream = engine_.compute_stream();
   const size_t E = static_cast<size_t>(d.chunks.count);
   STRATA_RETURN_IF_ERROR(device.copy_async(b.loss_lse.data(), b.at(d.loss_lse), rows.count * 4, CopyKind::kDeviceToHost, stream));
   for (size_t k = 0; k < E; ++k)
@@ -908,13 +902,32 @@ StatusOr<MicroBatchLosses> LlamaModel::run_micro_batch(const TokenBatch* train, 
     const size_t k = static_cast<size_t>(b.chunk_targets[r]);
     sum += static_cast<double>(b.loss_lse[r]) + static_cast<double>(b.chunk_losses[k * rows.count + r]);
   }
-  if (training) {
-    result.train_loss_sum = sum;
-    result.train_tokens = counted;
-  } else {
-    result.eval_loss_sum = sum;
-    result.eval_tokens = counted;
-  }
+  return sum;
+}
+
+StatusOr<MicroBatchLosses> LlamaModel::run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {
+  if (!buffers_) return FailedPreconditionError("LlamaModel::run_micro_batch() before allocate()");
+  if (train == nullptr && eval == nullptr) return InvalidArgumentError("LlamaModel::run_micro_batch(): neither a training nor an evaluation batch");
+  if (train != nullptr && eval != nullptr)
+    return InvalidArgumentError("LlamaModel::run_micro_batch(): an evaluation batch riding along a training micro-batch is not supported; run an "
+                                "evaluation-only pass (engine.begin_forward())");
+  if (train != nullptr && train->sequences != options_.batch)
+    return InvalidArgumentError("Llama model: a training micro-batch has " + std::to_string(train->sequences) +
+                                " sequences, the model was planned for " + std::to_string(options_.batch));
+  if (eval != nullptr && (eval->sequences < 1 || eval->sequences > options_.eval_batch))
+    return InvalidArgumentError("Llama model: an evaluation batch has " + std::to_string(eval->sequences) + " sequences, the model was planned for 1 to " +
+                                std::to_string(options_.eval_batch));
+  const bool training = train != nullptr;
+  Rows rows;
+  STRATA_RETURN_IF_ERROR(stage_inputs(training ? *train : *eval, training ? grad_scale : 0.0f, rows));
+  int64_t counted = 0;
+  for (size_t r = 0; r < rows.count; ++r) counted += buffers_->targets[r] != -1;
+  STRATA_RETURN_IF_ERROR(forward(rows));
+  if (training) STRATA_RETURN_IF_ERROR(backward(rows));
+  STRATA_ASSIGN_OR_RETURN(double sum, loss_sum(rows));
+  MicroBatchLosses result;
+  (training ? result.train_loss_sum : result.eval_loss_sum) = sum;
+  (training ? result.train_tokens : result.eval_tokens) = counted;
   return result;
 }
 

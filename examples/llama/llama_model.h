@@ -194,6 +194,9 @@ class LlamaModel {
   Status head_pass1(int64_t chunk, const void* weight, const Rows& rows);
   Status head_combine(const Rows& rows);
   Status head_pass2(int64_t chunk, const void* weight, float* dweight, void* dx, const Rows& rows);
+  Status forward(const Rows& rows);
+  Status backward(const Rows& rows);
+  StatusOr<double> loss_sum(const Rows& rows);
   Status capture(int group, const GroupView& grads);
 
   Engine& engine_;
