@@ -97,8 +97,8 @@ StatusOr<std::vector<float>> rope_inverse_frequencies(size_t head_dim, double th
 // gate, up, out: count elements each (dense). out may alias gate or up.
 Status swiglu_forward(Stream& stream, DType dtype, const void* gate, const void* up, void* out, size_t count);
 // Needs gate and up. dgate = dout * up * silu'(gate), dup = dout * silu(gate), each
-// (+)= per input_grad; either may be null (not wanted). Neither may alias gate, up or
-// the other.
+// (+)= per input_grad; either may be null (not wanted). Neither may alias gate, up, dout
+// or the other (InvalidArgument).
 Status swiglu_backward(Stream& stream, DType dtype, const void* dout, const void* gate, const void* up, void* dgate,
                        void* dup, size_t count, GradWrite input_grad);
 
@@ -126,14 +126,17 @@ struct GqaAttentionShape {
 // GPT-2's fused qkv [batch, seq_len, 3 * channels] as this op sees it: q, k, v at
 // offsets 0, channels, 2 * channels of each row, strides 3 * channels, kv_heads == heads.
 GqaAttentionShape gqa_shape_of_fused_qkv(const AttentionShape& shape);
-// Scratch the op needs from the caller's device memory, forward and backward alike
-// (0 on a CpuDevice).
+// Scratch the op needs from the caller's device memory, forward and backward alike:
+// 0 on a CpuDevice; on the GPU the fp32 scores and dtype probabilities of every head of
+// one batch element, heads * seq_len^2 * (4 + dtype size) bytes, and with kv_heads <
+// heads two fp32 [seq_len, kv_heads * head_dim] sums of dk and dv (each rounded up to 256).
 size_t gqa_attention_workspace_bytes(const GqaAttentionShape& shape, DType dtype, DeviceKind kind);
 Status gqa_attention_forward(Stream& stream, BlasContext& blas, const GqaAttentionShape& shape, DType dtype, const void* q,
                              const void* k, const void* v, void* out, float* lse, void* workspace,
                              size_t workspace_bytes);
 // Needs q, k, v and the forward's lse. dq (strided like q), dk, dv (strided like k, v)
-// per input_grad; dk and dv sum over the query heads that share them (in head order).
+// per input_grad; dk and dv sum over the query heads that share them, in head order
+// (on the GPU in fp32, rounded to dtype once).
 // The elements of a strided row outside the op's heads are not touched, so dq, dk, dv
 // may be slices of one fused gradient buffer.
 Status gqa_attention_backward(Stream& stream, BlasContext& blas, const GqaAttentionShape& shape, DType dtype,

@@ -135,6 +135,8 @@ Status residual_backward(Stream& stream, DType dtype, const void* dout, void* da
 // with key j visible from query t iff j <= t.
 // lse: fp32 [batch, heads, seq_len], the logsumexp of each query's scaled scores, saved
 // for the backward, which recomputes the probabilities from it (nothing T x T is kept).
+// This is gqa_attention_forward/backward (kernels/llama_ops.h) with kv_heads == heads
+// on the fused row (gqa_shape_of_fused_qkv): one attention implementation per device.
 struct AttentionShape {
   size_t batch = 0;
   size_t seq_len = 0;
@@ -143,7 +145,8 @@ struct AttentionShape {
 };
 // Scratch the op needs from the caller's device memory (0 on a CpuDevice): on the GPU,
 // per batch element, the fp32 scores and the dtype probabilities of every head,
-// heads * seq_len^2 * (4 + dtype size) bytes (plus alignment padding), the same for forward and backward.
+// heads * seq_len^2 * (4 + dtype size) bytes (each rounded up to 256), the same for
+// forward and backward: gqa_attention_workspace_bytes of the fused shape.
 size_t attention_workspace_bytes(const AttentionShape& shape, DType dtype, DeviceKind kind);
 Status attention_forward(Stream& stream, BlasContext& blas, const AttentionShape& shape, DType dtype, const void* qkv,
                          void* out, float* lse, void* workspace, size_t workspace_bytes);

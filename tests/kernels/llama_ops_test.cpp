@@ -179,11 +179,20 @@ TEST(LlamaReferenceGradientTest, GroupedQueryAttentionOfFusedQkvIsGpt2Attention)
 
 // Inverse frequencies ---------------------------------------------------------------
 
-// transformers 4.44's inv_freq, computed with torch 1.13 (float32) by
-//   _compute_default_rope_parameters / _compute_linear_scaling_rope_parameters /
-//   _compute_llama3_parameters written out in /usr/bin/python3 (see the commit message).
-// Our float32 evaluation follows the same operations, so the tolerance is 2 ulp
-// (relative 2.4e-7): torch's vectorized pow may round differently from glibc's powf.
+// transformers 4.44's inv_freq (_compute_default_rope_parameters,
+// _compute_linear_scaling_rope_parameters, _compute_llama3_parameters), computed with
+// torch 1.13 in float32 by their steps written out in Python:
+//   inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+//   linear: inv /= factor
+//   llama3: wl = 2 * math.pi / inv
+//           out = torch.where(wl > old / low, inv / factor, inv)
+//           s = (old / wl - low) / (high - low)
+//           smooth = (1 - s) * out / factor + s * out
+//           out = torch.where(~(wl < old / high) * ~(wl > old / low), smooth, out)
+//   printed with "%.9e" (round-trips float32).
+// Our float32 evaluation follows the same operations and matches these bit for bit with
+// glibc; the tolerance is 2 ulp (relative 2.4e-7) because another libm's powf, or
+// torch's vectorized pow elsewhere, may round the last bit differently.
 constexpr double kTwoUlp = 2.4e-7;
 
 void expect_within_ulps(const std::vector<float>& got, const std::vector<float>& want, const std::string& what) {
@@ -591,18 +600,23 @@ TEST(LlamaOpsCpuTest, ResultsDoNotDependOnTheThreadCount) {
     for (auto& x : v) x = dist(rng);
     return v;
   };
+  // 194 rows of 200: rmsnorm and rope split into 3 chunks of rows; swiglu's 38800
+  // elements into 3 chunks; attention into (batch, head) and (batch, KV head) tasks on
+  // q rows strided inside x.
   const size_t rows = 2 * 97;
-  const RmsNormShape norm{.rows = rows, .channels = 72};
-  const RopeShape rope{.rows = rows, .heads = 6, .head_dim = 12, .row_stride = 0};
-  const GqaAttentionShape attention{.batch = 2, .seq_len = 97, .heads = 6, .kv_heads = 2, .head_dim = 12};
-  const auto x = floats(rows * 72);
-  const auto dy = floats(rows * 72);
-  const auto gamma = floats(72);
+  const size_t width = 200;
+  const RmsNormShape norm{.rows = rows, .channels = width};
+  const RopeShape rope{.rows = rows, .heads = 10, .head_dim = 20, .row_stride = 0};
+  const GqaAttentionShape attention{.batch = 2, .seq_len = 97, .heads = 6, .kv_heads = 2, .head_dim = 12,
+                                    .q_stride = width, .k_stride = 0, .v_stride = 0};
+  const auto x = floats(rows * width);
+  const auto dy = floats(rows * width);
+  const auto gamma = floats(width);
   const auto k = floats(rows * 24);
   const auto v = floats(rows * 24);
   std::vector<int32_t> positions(rows);
   for (size_t r = 0; r < rows; ++r) positions[r] = static_cast<int32_t>(r % 97);
-  STRATA_ASSERT_OK_AND_ASSIGN(const auto inv_freq, kernels::rope_inverse_frequencies(12, 10000.0, {}));
+  STRATA_ASSERT_OK_AND_ASSIGN(const auto inv_freq, kernels::rope_inverse_frequencies(20, 10000.0, {}));
 
   struct Results {
     std::vector<float> y, rstd, dx, dgamma, rope_y, rope_dx, swiglu, dgate, dup, out, lse, dq, dk, dv;
@@ -613,9 +627,9 @@ TEST(LlamaOpsCpuTest, ResultsDoNotDependOnTheThreadCount) {
     Executor& ex = **executor;
     const size_t n = x.size();
     Results r{.y = std::vector<float>(n), .rstd = std::vector<float>(rows), .dx = std::vector<float>(n),
-              .dgamma = std::vector<float>(72), .rope_y = std::vector<float>(n), .rope_dx = std::vector<float>(n),
+              .dgamma = std::vector<float>(width), .rope_y = std::vector<float>(n), .rope_dx = std::vector<float>(n),
               .swiglu = std::vector<float>(n), .dgate = std::vector<float>(n), .dup = std::vector<float>(n),
-              .out = std::vector<float>(n), .lse = std::vector<float>(2 * 6 * 97), .dq = std::vector<float>(n),
+              .out = std::vector<float>(rows * 72), .lse = std::vector<float>(2 * 6 * 97), .dq = std::vector<float>(n),
               .dk = std::vector<float>(k.size()), .dv = std::vector<float>(v.size())};
     kernels::cpu::rmsnorm_forward(ex, norm, x.data(), gamma.data(), r.y.data(), r.rstd.data());
     kernels::cpu::rmsnorm_backward(ex, norm, dy.data(), x.data(), gamma.data(), r.rstd.data(), r.dx.data(), r.dgamma.data(),
@@ -624,7 +638,7 @@ TEST(LlamaOpsCpuTest, ResultsDoNotDependOnTheThreadCount) {
     kernels::cpu::rope_backward(ex, rope, positions.data(), inv_freq.data(), dy.data(), r.rope_dx.data(),
                                 GradWrite::kOverwrite);
     kernels::cpu::swiglu_forward(ex, x.data(), dy.data(), r.swiglu.data(), n);
-    kernels::cpu::swiglu_backward(ex, dy.data(), x.data(), gamma.data(), r.dgate.data(), r.dup.data(), 72,
+    kernels::cpu::swiglu_backward(ex, dy.data(), x.data(), dy.data(), r.dgate.data(), r.dup.data(), n,
                                   GradWrite::kOverwrite);
     kernels::cpu::gqa_attention_forward(ex, attention, x.data(), k.data(), v.data(), r.out.data(), r.lse.data());
     kernels::cpu::gqa_attention_backward(ex, attention, dy.data(), x.data(), k.data(), v.data(), r.lse.data(), r.dq.data(),
