@@ -462,20 +462,37 @@ TEST(LlamaModelTest, TrainingStepsLowerTheLossAndEvaluationSeesTheUpdates) {
   }
 }
 
-TEST(LlamaModelTest, BF16ParametersOnTheCpuDeviceAreCastToFp32) {
-  const LlamaConfig config = tiny_config("llama", true);
-  LlamaModelOptions options = tiny_options(config, ActivationCheckpointing::kDevice);
-  options.param_dtype = DType::kBFloat16;
-  EngineOptions engine_options = fp32_engine_options();
-  engine_options.param_dtype = DType::kBFloat16;
-  engine_options.grad_transfer_dtype = DType::kBFloat16;
-  engine_options.grad_wire_dtype = DType::kBFloat16;
-  SingleRank rank;
-  STRATA_ASSERT_OK(rank.init(options, engine_options));
-  EXPECT_EQ(rank.model->compute_dtype(), DType::kFloat32);
-  const Batch batch = make_batch(config.vocab_size, 3, 11, 3);
-  STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses losses, rank.gradients(batch, 3));
-  EXPECT_NEAR(losses.train_loss_sum / double(losses.train_tokens), std::log(37.0), 0.1);
+// bf16 parameters are widened exactly into fp32 scratch: with weights that bf16 holds
+// exactly, the gradients are those of fp32 parameters, bit for bit.
+TEST(LlamaModelTest, BF16ParametersOnTheCpuDeviceGiveTheGradientsOfTheirFp32Values) {
+  for (bool tied : {true, false}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    const LlamaConfig config = tiny_config("qwen2", tied);
+    const LlamaModelOptions fp32_options = tiny_options(config, ActivationCheckpointing::kDevice);
+    LlamaModelOptions bf16_options = fp32_options;
+    bf16_options.param_dtype = DType::kBFloat16;
+    EngineOptions bf16_engine = fp32_engine_options();
+    bf16_engine.param_dtype = DType::kBFloat16;
+    SingleRank wide, narrow;
+    STRATA_ASSERT_OK(wide.init(fp32_options, fp32_engine_options()));
+    STRATA_ASSERT_OK(narrow.init(bf16_options, bf16_engine));
+    EXPECT_EQ(narrow.model->compute_dtype(), DType::kFloat32);
+    STRATA_ASSERT_OK_AND_ASSIGN(auto masters, wide.masters());
+    for (auto& [g, values] : masters) {
+      std::vector<float> shard(wide.engine->layout(g).shard_numel, 0.0f);
+      for (size_t i = 0; i < values.size(); ++i) shard[i] = bf16_bits_to_float(float_to_bf16_bits(values[i]));
+      STRATA_ASSERT_OK(wide.engine->write_state_shard(g, Engine::StateKind::kMaster, shard));
+      STRATA_ASSERT_OK(narrow.engine->write_state_shard(g, Engine::StateKind::kMaster, shard));
+    }
+    STRATA_ASSERT_OK(wide.engine->refresh_parameters());
+    STRATA_ASSERT_OK(narrow.engine->refresh_parameters());
+    const Batch batch = make_batch(config.vocab_size, 3, 11, 3);
+    STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses a, wide.gradients(batch, 3));
+    STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses b, narrow.gradients(batch, 3));
+    EXPECT_EQ(a.train_loss_sum, b.train_loss_sum);
+    for (const auto& [g, values] : wide.model->captured_gradients())
+      EXPECT_EQ(std::memcmp(narrow.model->captured_gradients().at(g).data(), values.data(), values.size() * 4), 0) << "group " << g;
+  }
 }
 
 TEST(LlamaModelTest, BadTokensTargetsAndPositionsAreRefusedByPlace) {
@@ -547,6 +564,20 @@ TEST(LlamaModelTest, NoGroupOfTheOneBillionModelIsVocabularySized) {
   EXPECT_EQ(q.row_offset, 0);
   // A smaller bound gives more, smaller chunks.
   EXPECT_EQ(vocab_chunks(config, size_t{16} << 20).count, 63);
+  // The activations hold one chunk (and its gradient), never the vocabulary: a 1024-token
+  // micro-batch of bf16 parameters on the CPU device.
+  LlamaModelOptions options;
+  options.config = config;
+  options.seq_len = 1024;
+  options.param_dtype = DType::kBFloat16;
+  STRATA_ASSERT_OK_AND_ASSIGN(LlamaActivationPlan plan, plan_llama_activations(options, DeviceKind::kCpu));
+  std::cout << plan.text();
+  for (const auto& [what, bytes] : plan.lines) {
+    if (what.rfind("embedding chunk", 0) == 0) {
+      EXPECT_LT(bytes, size_t{129} << 20) << what;  // (8192 + 1) rows x 2048, twice
+    }
+  }
+  EXPECT_EQ(plan.head_rows, 1024);  // 32 MiB of fp32 logits over an 8192-row chunk
 }
 
 TEST(LlamaModelTest, PresetsHaveTheRealModelsShapesAndParameterCounts) {
@@ -606,6 +637,7 @@ TEST(LlamaConfigTest, ParsesLlama32MistralAndQwen2ConfigFiles) {
   EXPECT_EQ(m.family, LlamaFamily::kMistral);
   EXPECT_EQ(m.head_dim, 6);
   EXPECT_EQ(m.sliding_window, 8);
+  EXPECT_TRUE(contains(describe_llama_config(m), "sliding window 8")) << describe_llama_config(m);
   STRATA_EXPECT_OK(check_sequence_length(m, 8));
   const Status too_long = check_sequence_length(m, 11);
   ASSERT_FALSE(too_long.ok());
