@@ -213,7 +213,7 @@ struct DeviceLayout {
   size_t inv_freq = 0;
   size_t embed_scratch = 0, embed_grad_scratch = 0;
   size_t attention_workspace = 0, attention_workspace_bytes = 0;
-  size_t param_scratch = 0, param_scratch_bytes = 0;
+  size_t vector_scratch = 0, vector_scratch_bytes = 0, matrix_scratch = 0, matrix_scratch_bytes = 0;
 
   size_t add(size_t bytes, size_t* line_total) {
     const size_t offset = total;
@@ -328,14 +328,23 @@ StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) 
     if (d.attention_workspace_bytes > 0) d.attention_workspace = d.add(d.attention_workspace_bytes, line("attention workspace"));
   }
   if (o.param_dtype != compute) {
-    size_t max_numel = 0;
+    size_t max_matrix = 0, max_vectors = 0;
     for (const auto& spec : llama_group_specs(c, d.chunks)) {
-      STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, 1));
-      max_numel = std::max(max_numel, layout.numel);
+      size_t vectors = 0;
+      for (const TensorSpec& t : spec.tensors) {
+        size_t numel = 1;
+        for (int64_t dim : t.shape) numel *= static_cast<size_t>(dim);
+        if (t.shape.size() >= 2) max_matrix = std::max(max_matrix, numel);
+        else vectors += round_up(numel, kTensorAlignElements);
+      }
+      max_vectors = std::max(max_vectors, vectors);
     }
-    d.param_scratch_bytes = max_numel * cs;
-    d.param_scratch = d.add(d.param_scratch_bytes, line(std::string(dtype_name(compute)) + " copy of the gathered group (parameters are " +
-                                                        std::string(dtype_name(o.param_dtype)) + ")"));
+    size_t* l_scratch = line(std::string(dtype_name(compute)) + " copies of a gathered group's vectors and of one matrix at a time (parameters are " +
+                             std::string(dtype_name(o.param_dtype)) + ")");
+    d.vector_scratch_bytes = std::max<size_t>(max_vectors, 1) * cs;
+    d.vector_scratch = d.add(d.vector_scratch_bytes, l_scratch);
+    d.matrix_scratch_bytes = max_matrix * cs;
+    d.matrix_scratch = d.add(d.matrix_scratch_bytes, l_scratch);
   }
   return d;
 }
@@ -472,25 +481,71 @@ Status LlamaModel::allocate() {
   return {};
 }
 
-StatusOr<std::vector<const void*>> LlamaModel::params_of(int group, const GroupView& view) {
+// A gathered group's tensors in the compute dtype. Parameters already in it are the
+// gathered buffer's own. Otherwise the vectors (norm gains, biases) are cast into a small
+// scratch when the group is opened, and each matrix into one matrix-sized slot when it is
+// asked for, valid until the next matrix is: kernels run in order on the one compute
+// stream, so a cast never overwrites a matrix that an earlier kernel still reads, and the
+// fp32 copy of a bf16 block costs its largest matrix, not the block.
+class LlamaModel::Params {
+ public:
+  const void* vector(int index) const { return index < 0 ? nullptr : pointers_[static_cast<size_t>(index)]; }
+  StatusOr<const void*> matrix(int index) {
+    const size_t i = static_cast<size_t>(index);
+    if (slot_ == nullptr) return pointers_[i];
+    if (in_slot_ != index) {
+      STRATA_RETURN_IF_ERROR(kernels::cast(*stream_, sources_[i], from_, slot_, to_, numel_[i]));
+      in_slot_ = index;
+    }
+    return static_cast<const void*>(slot_);
+  }
+
+ private:
+  friend class LlamaModel;
+  std::vector<const void*> pointers_;  // compute-dtype tensors (matrices: null when cast on demand)
+  std::vector<const void*> sources_;   // the gathered tensors
+  std::vector<size_t> numel_;
+  Stream* stream_ = nullptr;
+  DType from_ = DType::kFloat32, to_ = DType::kFloat32;
+  void* slot_ = nullptr;               // the matrix slot; null when nothing is cast
+  int in_slot_ = -1;
+};
+
+StatusOr<LlamaModel::Params> LlamaModel::params_of(int group, const GroupView& view) {
   if (view.dtype != options_.param_dtype)
     return FailedPreconditionError("Llama model: the engine gathers " + std::string(dtype_name(view.dtype)) +
                                    " parameters but the model was planned for " + std::string(dtype_name(options_.param_dtype)) +
                                    " (set LlamaModelOptions::param_dtype to EngineOptions::param_dtype)");
   const GroupLayout& layout = engine_.layout(group);
-  std::vector<const void*> params;
-  params.reserve(layout.tensors.size());
+  Params params;
   const DType compute = plan_.compute_dtype;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    params.sources_.push_back(view.tensors[i]);
+    params.numel_.push_back(layout.tensors[i].numel);
+  }
   if (view.dtype == compute) {
-    for (void* p : view.tensors) params.push_back(p);
+    params.pointers_ = params.sources_;
     return params;
   }
   const DeviceLayout& d = buffers_->layout;
-  if (layout.numel * dtype_size(compute) > d.param_scratch_bytes)
-    return InternalError("Llama model: parameter scratch too small for group " + layout.name);
-  void* scratch = buffers_->at(d.param_scratch);
-  STRATA_RETURN_IF_ERROR(kernels::cast(engine_.compute_stream(), view.flat, view.dtype, scratch, compute, layout.numel));
-  for (const auto& t : layout.tensors) params.push_back(static_cast<const char*>(scratch) + t.offset * dtype_size(compute));
+  params.stream_ = &engine_.compute_stream();
+  params.from_ = view.dtype;
+  params.to_ = compute;
+  params.slot_ = buffers_->at(d.matrix_scratch);
+  char* vectors = static_cast<char*>(buffers_->at(d.vector_scratch));
+  size_t used = 0;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    const TensorLayout& t = layout.tensors[i];
+    if (t.shape.size() >= 2) {
+      if (t.numel * dtype_size(compute) > d.matrix_scratch_bytes) return InternalError("Llama model: matrix scratch too small for " + layout.name + "." + t.name);
+      params.pointers_.push_back(nullptr);
+      continue;
+    }
+    if ((used + t.numel) * dtype_size(compute) > d.vector_scratch_bytes) return InternalError("Llama model: vector scratch too small for " + layout.name);
+    STRATA_RETURN_IF_ERROR(kernels::cast(engine_.compute_stream(), view.tensors[i], view.dtype, vectors + used * dtype_size(compute), compute, t.numel));
+    params.pointers_.push_back(vectors + used * dtype_size(compute));
+    used += round_up(t.numel, kTensorAlignElements);
+  }
   return params;
 }
 
@@ -612,7 +667,7 @@ Status LlamaModel::embed_backward(int64_t chunk, float* dweight) {
   return kernels::residual_forward(stream, DType::kFloat32, dweight, scratch, dweight, chunk_rows * H);
 }
 
-Status LlamaModel::block_forward(const std::vector<const void*>& p, const void* x, void* y, const BlockActs& a, const Rows& rows) {
+Status LlamaModel::block_forward(Params& p, const void* x, void* y, const BlockActs& a, const Rows& rows) {
   Stream& stream = engine_.compute_stream();
   kernels::BlasContext& blas = *blas_;
   const DeviceLayout& d = buffers_->layout;
@@ -622,34 +677,40 @@ Status LlamaModel::block_forward(const std::vector<const void*>& p, const void* 
   const size_t n = rows.count, H = static_cast<size_t>(c.hidden_size), I = static_cast<size_t>(c.intermediate_size);
   const size_t D = static_cast<size_t>(c.head_dim), NH = static_cast<size_t>(c.num_attention_heads), NKV = static_cast<size_t>(c.num_key_value_heads);
   const size_t QD = NH * D, KVD = NKV * D;
-  auto bias = [&](int i) { return i < 0 ? nullptr : p[static_cast<size_t>(i)]; };
   const kernels::RmsNormShape norm{n, H, static_cast<float>(c.rms_norm_eps)};
   const int32_t* positions = buffers_->as<int32_t>(d.positions);
   const float* inv_freq = buffers_->as<float>(d.inv_freq);
   void* workspace = d.attention_workspace_bytes > 0 ? buffers_->at(d.attention_workspace) : nullptr;
   using kernels::WeightLayout;
-  STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, norm, dt, x, p[ix.input_norm], a.norm1, a.rstd1));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, QD, WeightLayout::kOutIn}, dt, a.norm1, p[ix.q], bias(ix.q_bias), a.q));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, a.norm1, p[ix.k], bias(ix.k_bias), a.k));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, a.norm1, p[ix.v], bias(ix.v_bias), a.v));
+  STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, norm, dt, x, p.vector(ix.input_norm), a.norm1, a.rstd1));
+  STRATA_ASSIGN_OR_RETURN(const void* q_weight, p.matrix(ix.q));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, QD, WeightLayout::kOutIn}, dt, a.norm1, q_weight, p.vector(ix.q_bias), a.q));
+  STRATA_ASSIGN_OR_RETURN(const void* k_weight, p.matrix(ix.k));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, a.norm1, k_weight, p.vector(ix.k_bias), a.k));
+  STRATA_ASSIGN_OR_RETURN(const void* v_weight, p.matrix(ix.v));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, a.norm1, v_weight, p.vector(ix.v_bias), a.v));
   STRATA_RETURN_IF_ERROR(kernels::rope_forward(stream, {n, NH, D, 0}, dt, positions, inv_freq, a.q, a.q));
   STRATA_RETURN_IF_ERROR(kernels::rope_forward(stream, {n, NKV, D, 0}, dt, positions, inv_freq, a.k, a.k));
   const kernels::GqaAttentionShape attention{static_cast<size_t>(rows.sequences), static_cast<size_t>(options_.seq_len), NH, NKV, D, 0, 0, 0};
   STRATA_RETURN_IF_ERROR(
       kernels::gqa_attention_forward(stream, blas, attention, dt, a.q, a.k, a.v, a.att, a.lse, workspace, d.attention_workspace_bytes));
   // o_proj through x2 (free until the residual add).
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, QD, H, WeightLayout::kOutIn}, dt, a.att, p[ix.o], bias(ix.o_bias), a.x2));
+  STRATA_ASSIGN_OR_RETURN(const void* o_weight, p.matrix(ix.o));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, QD, H, WeightLayout::kOutIn}, dt, a.att, o_weight, p.vector(ix.o_bias), a.x2));
   STRATA_RETURN_IF_ERROR(kernels::residual_forward(stream, dt, x, a.x2, a.x2, n * H));
-  STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, norm, dt, a.x2, p[ix.post_norm], a.norm2, a.rstd2));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, a.norm2, p[ix.gate], bias(ix.gate_bias), a.gate));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, a.norm2, p[ix.up], bias(ix.up_bias), a.up));
+  STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, norm, dt, a.x2, p.vector(ix.post_norm), a.norm2, a.rstd2));
+  STRATA_ASSIGN_OR_RETURN(const void* gate_weight, p.matrix(ix.gate));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, a.norm2, gate_weight, p.vector(ix.gate_bias), a.gate));
+  STRATA_ASSIGN_OR_RETURN(const void* up_weight, p.matrix(ix.up));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, a.norm2, up_weight, p.vector(ix.up_bias), a.up));
   STRATA_RETURN_IF_ERROR(kernels::swiglu_forward(stream, dt, a.gate, a.up, a.act, n * I));
   if (y == nullptr) return {};  // a recompute: the block's output is not needed again
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, I, H, WeightLayout::kOutIn}, dt, a.act, p[ix.down], bias(ix.down_bias), y));
+  STRATA_ASSIGN_OR_RETURN(const void* down_weight, p.matrix(ix.down));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, I, H, WeightLayout::kOutIn}, dt, a.act, down_weight, p.vector(ix.down_bias), y));
   return kernels::residual_forward(stream, dt, y, a.x2, y, n * H);
 }
 
-Status LlamaModel::block_backward(const std::vector<const void*>& p, const std::vector<float*>& g, const void* x, const BlockActs& a,
+Status LlamaModel::block_backward(Params& p, const std::vector<float*>& g, const void* x, const BlockActs& a,
                                   const Rows& rows) {
   Stream& stream = engine_.compute_stream();
   kernels::BlasContext& blas = *blas_;
@@ -675,40 +736,48 @@ Status LlamaModel::block_backward(const std::vector<const void*>& p, const std::
   const kernels::GradOptions add{kernels::GradWrite::kAccumulate, kernels::GradWrite::kAccumulate};
   // MLP: d act, then the gate's and up's gradients (dup into act, free once down_proj's
   // weight gradient has read it).
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, I, H, WeightLayout::kOutIn}, dt, dresid, a.act, p[ix.down], wide, g[ix.down],
+  STRATA_ASSIGN_OR_RETURN(const void* down_weight, p.matrix(ix.down));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, I, H, WeightLayout::kOutIn}, dt, dresid, a.act, down_weight, wide, g[ix.down],
                                                   grad(ix.down_bias), fresh));
   STRATA_RETURN_IF_ERROR(kernels::swiglu_backward(stream, dt, wide, a.gate, a.up, wide2, a.act, n * I, kernels::GradWrite::kOverwrite));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, wide2, a.norm2, p[ix.gate], narrow, g[ix.gate],
+  STRATA_ASSIGN_OR_RETURN(const void* gate_weight, p.matrix(ix.gate));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, wide2, a.norm2, gate_weight, narrow, g[ix.gate],
                                                   grad(ix.gate_bias), fresh));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, a.act, a.norm2, p[ix.up], narrow, g[ix.up],
+  STRATA_ASSIGN_OR_RETURN(const void* up_weight, p.matrix(ix.up));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, a.act, a.norm2, up_weight, narrow, g[ix.up],
                                                   grad(ix.up_bias), add));
   // dresid += the post-attention norm's input gradient: now d loss / d x2.
-  STRATA_RETURN_IF_ERROR(kernels::rmsnorm_backward(stream, norm, dt, narrow, a.x2, p[ix.post_norm], a.rstd2, dresid, g[ix.post_norm], add));
+  STRATA_RETURN_IF_ERROR(kernels::rmsnorm_backward(stream, norm, dt, narrow, a.x2, p.vector(ix.post_norm), a.rstd2, dresid, g[ix.post_norm], add));
   // Attention.
   void* datt = b.at(d.datt);
   void* dq = b.at(d.dq);
   void* dk = b.at(d.dk);
   void* dv = b.at(d.dv);
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, QD, H, WeightLayout::kOutIn}, dt, dresid, a.att, p[ix.o], datt, g[ix.o],
+  STRATA_ASSIGN_OR_RETURN(const void* o_weight, p.matrix(ix.o));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, QD, H, WeightLayout::kOutIn}, dt, dresid, a.att, o_weight, datt, g[ix.o],
                                                   grad(ix.o_bias), fresh));
   const kernels::GqaAttentionShape attention{static_cast<size_t>(rows.sequences), static_cast<size_t>(options_.seq_len), NH, NKV, D, 0, 0, 0};
   STRATA_RETURN_IF_ERROR(kernels::gqa_attention_backward(stream, blas, attention, dt, datt, a.q, a.k, a.v, a.lse, dq, dk, dv, workspace,
                                                          d.attention_workspace_bytes, kernels::GradWrite::kOverwrite));
   STRATA_RETURN_IF_ERROR(kernels::rope_backward(stream, {n, NH, D, 0}, dt, positions, inv_freq, dq, dq, kernels::GradWrite::kOverwrite));
   STRATA_RETURN_IF_ERROR(kernels::rope_backward(stream, {n, NKV, D, 0}, dt, positions, inv_freq, dk, dk, kernels::GradWrite::kOverwrite));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, QD, WeightLayout::kOutIn}, dt, dq, a.norm1, p[ix.q], narrow, g[ix.q],
+  STRATA_ASSIGN_OR_RETURN(const void* q_weight, p.matrix(ix.q));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, QD, WeightLayout::kOutIn}, dt, dq, a.norm1, q_weight, narrow, g[ix.q],
                                                   grad(ix.q_bias), fresh));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, dk, a.norm1, p[ix.k], narrow, g[ix.k],
+  STRATA_ASSIGN_OR_RETURN(const void* k_weight, p.matrix(ix.k));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, dk, a.norm1, k_weight, narrow, g[ix.k],
                                                   grad(ix.k_bias), add));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, dv, a.norm1, p[ix.v], narrow, g[ix.v],
+  STRATA_ASSIGN_OR_RETURN(const void* v_weight, p.matrix(ix.v));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, dv, a.norm1, v_weight, narrow, g[ix.v],
                                                   grad(ix.v_bias), add));
   // dresid += the input norm's input gradient: d loss / d x.
-  return kernels::rmsnorm_backward(stream, norm, dt, narrow, x, p[ix.input_norm], a.rstd1, dresid, g[ix.input_norm], add);
+  return kernels::rmsnorm_backward(stream, norm, dt, narrow, x, p.vector(ix.input_norm), a.rstd1, dresid, g[ix.input_norm], add);
 }
 
 // Pass 1, one vocabulary chunk: each row's log-sum-exp over the chunk (into chunk_lse,
 // [block][chunk][row in block]) and, in the chunk holding its target, lse_k - logit.
-Status LlamaModel::head_pass1(int64_t chunk, const void* weight, const Rows& rows) {
+Status LlamaModel::head_pass1(int64_t chunk, Params& p, const Rows& rows) {
+  STRATA_ASSIGN_OR_RETURN(const void* weight, p.matrix(0));
   Buffers& b = *buffers_;
   const DeviceLayout& d = b.layout;
   Stream& stream = engine_.compute_stream();
@@ -751,7 +820,8 @@ Status LlamaModel::head_combine(const Rows& rows) {
 // onehot) with the full log-sum-exp; dx (+)= dlogits . W_k and/or dW_k += dlogits^T . x.
 // A row whose target is in another chunk had the stand-in target 0 (its -grad_scale at
 // column 0), taken back by the rank-1 product with fix_coef (grad_scale on those rows).
-Status LlamaModel::head_pass2(int64_t chunk, const void* weight, float* dweight, void* dx, const Rows& rows) {
+Status LlamaModel::head_pass2(int64_t chunk, Params& p, float* dweight, void* dx, const Rows& rows) {
+  STRATA_ASSIGN_OR_RETURN(const void* weight, p.matrix(0));
   Buffers& b = *buffers_;
   const DeviceLayout& d = b.layout;
   Stream& stream = engine_.compute_stream();
@@ -792,24 +862,24 @@ Status LlamaModel::forward(const Rows& rows) {
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const int g = groups_.layer(l);
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
+    STRATA_ASSIGN_OR_RETURN(Params p, params_of(g, view));
     STRATA_RETURN_IF_ERROR(block_forward(p, b.resid(l), b.resid(l + 1), b.block_acts(l), rows));
     STRATA_RETURN_IF_ERROR(engine_.release(g));
   }
   {
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(groups_.norm()));
-    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(groups_.norm(), view));
-    STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, {rows.count, H, static_cast<float>(c.rms_norm_eps)}, dt, b.resid(c.num_hidden_layers), p[0],
+    STRATA_ASSIGN_OR_RETURN(Params p, params_of(groups_.norm(), view));
+    STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, {rows.count, H, static_cast<float>(c.rms_norm_eps)}, dt, b.resid(c.num_hidden_layers), p.vector(0),
                                                     b.at(d.norm_out), b.as<float>(d.norm_rstd)));
     // The norm's backward runs without gathering it again: keep its gain.
-    STRATA_RETURN_IF_ERROR(engine_.device().copy_async(b.at(d.norm_gamma), p[0], H * dtype_size(dt), CopyKind::kDeviceToDevice, stream));
+    STRATA_RETURN_IF_ERROR(engine_.device().copy_async(b.at(d.norm_gamma), p.vector(0), H * dtype_size(dt), CopyKind::kDeviceToDevice, stream));
     STRATA_RETURN_IF_ERROR(engine_.release(groups_.norm()));
   }
   for (int64_t k = 0; k < d.chunks.count; ++k) {
     const int g = groups_.head(k);
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
-    STRATA_RETURN_IF_ERROR(head_pass1(k, p[0], rows));
+    STRATA_ASSIGN_OR_RETURN(Params p, params_of(g, view));
+    STRATA_RETURN_IF_ERROR(head_pass1(k, p, rows));
     STRATA_RETURN_IF_ERROR(engine_.release(g));
   }
   return head_combine(rows);
@@ -828,13 +898,13 @@ Status LlamaModel::backward(const Rows& rows) {
   for (int64_t k = 0; k < d.chunks.count; ++k) {
     const int g = groups_.head(k);
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
+    STRATA_ASSIGN_OR_RETURN(Params p, params_of(g, view));
     GroupView grads;
     if (!groups_.tied) {
       STRATA_ASSIGN_OR_RETURN(grads, engine_.gradient_buffer(g));
     }
     // The head's input gradient goes to `narrow`, the final norm's backward reads it there.
-    STRATA_RETURN_IF_ERROR(head_pass2(k, p[0], groups_.tied ? nullptr : static_cast<float*>(grads.tensors[0]), b.at(d.narrow), rows));
+    STRATA_RETURN_IF_ERROR(head_pass2(k, p, groups_.tied ? nullptr : static_cast<float*>(grads.tensors[0]), b.at(d.narrow), rows));
     STRATA_RETURN_IF_ERROR(engine_.release(g));
     if (!groups_.tied) {
       STRATA_RETURN_IF_ERROR(capture(g, grads));
@@ -854,7 +924,7 @@ Status LlamaModel::backward(const Rows& rows) {
   for (int64_t l = c.num_hidden_layers - 1; l >= 0; --l) {
     const int g = groups_.layer(l);
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
+    STRATA_ASSIGN_OR_RETURN(Params p, params_of(g, view));
     STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
     std::vector<float*> gp;
     for (void* t : grads.tensors) gp.push_back(static_cast<float*>(t));
@@ -872,8 +942,8 @@ Status LlamaModel::backward(const Rows& rows) {
     float* dweight = static_cast<float*>(grads.tensors[0]);
     if (groups_.tied) {
       STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-      STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
-      STRATA_RETURN_IF_ERROR(head_pass2(k, p[0], dweight, nullptr, rows));
+      STRATA_ASSIGN_OR_RETURN(Params p, params_of(g, view));
+      STRATA_RETURN_IF_ERROR(head_pass2(k, p, dweight, nullptr, rows));
       STRATA_RETURN_IF_ERROR(engine_.release(g));
     }
     STRATA_RETURN_IF_ERROR(embed_backward(k, dweight));

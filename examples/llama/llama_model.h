@@ -54,7 +54,8 @@
 // plan_llama_activations() computes; declare it as EngineOptions::activation_bytes.
 //
 // Compute dtype: fp32, or bf16 on a CudaDevice when parameters are bf16; parameters in
-// another dtype are cast into fp32 scratch after each gather.
+// another dtype are cast into fp32 scratch after each gather: a group's vectors at once,
+// its matrices one at a time as the kernels reach them (the scratch is one matrix).
 #pragma once
 
 #include <algorithm>
@@ -182,18 +183,18 @@ class LlamaModel {
   struct Buffers;
   struct BlockActs;
   struct Rows;
+  class Params;
   LlamaModel(Engine& engine, const LlamaModelOptions& options, const LlamaActivationPlan& plan);
 
-  StatusOr<std::vector<const void*>> params_of(int group, const GroupView& view);
+  StatusOr<Params> params_of(int group, const GroupView& view);
   Status stage_inputs(const TokenBatch& batch, float grad_scale, Rows& rows);
   Status embed_forward(const Rows& rows);
   Status embed_backward(int64_t chunk, float* dweight);
-  Status block_forward(const std::vector<const void*>& p, const void* x, void* y, const BlockActs& a, const Rows& rows);
-  Status block_backward(const std::vector<const void*>& p, const std::vector<float*>& g, const void* x, const BlockActs& a,
-                        const Rows& rows);
-  Status head_pass1(int64_t chunk, const void* weight, const Rows& rows);
+  Status block_forward(Params& p, const void* x, void* y, const BlockActs& a, const Rows& rows);
+  Status block_backward(Params& p, const std::vector<float*>& g, const void* x, const BlockActs& a, const Rows& rows);
+  Status head_pass1(int64_t chunk, Params& p, const Rows& rows);
   Status head_combine(const Rows& rows);
-  Status head_pass2(int64_t chunk, const void* weight, float* dweight, void* dx, const Rows& rows);
+  Status head_pass2(int64_t chunk, Params& p, float* dweight, void* dx, const Rows& rows);
   Status forward(const Rows& rows);
   Status backward(const Rows& rows);
   StatusOr<double> loss_sum(const Rows& rows);
