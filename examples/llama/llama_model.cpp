@@ -448,6 +448,8 @@ Status LlamaModel::allocate() {
   block_tensors(options_.config, &b->index);
   kernels::BlasOptions blas_options;
   blas_options.cuda_workspace_bytes = kCudaBlasWorkspaceBytes;
+  // IEEE fp32 products: head_combine's transpose by an identity is exact only with them (TF32 would round the log-sum-exps).
+  blas_options.fp32_math = kernels::Fp32Math::kExact;
   STRATA_ASSIGN_OR_RETURN(kernels::BlasContext blas, kernels::BlasContext::create(device, blas_options));
   blas_ = std::make_unique<kernels::BlasContext>(std::move(blas));
   STRATA_ASSIGN_OR_RETURN(b->arena, device.allocate(b->layout.total, "Llama activations"));
