@@ -211,7 +211,7 @@ struct DeviceLayout {
   size_t norm_out = 0, norm_rstd = 0, norm_gamma = 0;
   size_t logits = 0, dlogits = 0, chunk_lse = 0, chunk_losses = 0, lse_matrix = 0, identity = 0, lse_full = 0, loss_lse = 0;
   size_t inv_freq = 0;
-  size_t embed_scratch = 0, embed_grad_scratch = 0;
+  size_t embed_grad_scratch = 0;
   size_t attention_workspace = 0, attention_workspace_bytes = 0;
   size_t vector_scratch = 0, vector_scratch_bytes = 0, matrix_scratch = 0, matrix_scratch_bytes = 0;
 
@@ -319,16 +319,17 @@ StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) 
   d.identity = d.add(R * R * 4, l_head);
   d.lse_full = d.add(rows * 4, l_head);
   d.loss_lse = d.add(rows * 4, l_head);
-  size_t* l_embed = line("embedding chunk (+ a zero row) and its fp32 gradient");
-  d.embed_scratch = d.add((VC + 1) * H * cs, l_embed);
-  d.embed_grad_scratch = d.add((VC + 1) * H * 4, l_embed);
+  d.embed_grad_scratch = d.add((VC + 1) * H * 4, line("an embedding chunk's fp32 gradient (+ a row for the other chunks' tokens)"));
   {
     kernels::GqaAttentionShape shape{static_cast<size_t>(sequences), T, NH, static_cast<size_t>(c.num_key_value_heads), D, 0, 0, 0};
     d.attention_workspace_bytes = kernels::gqa_attention_workspace_bytes(shape, compute, kind);
     if (d.attention_workspace_bytes > 0) d.attention_workspace = d.add(d.attention_workspace_bytes, line("attention workspace"));
   }
+  // One matrix-sized slot: the embedding chunk with its zero row, and (bf16 parameters
+  // on an fp32 device) each matrix as it is cast; the stream runs them one after another.
+  size_t max_matrix = (VC + 1) * H;
   if (o.param_dtype != compute) {
-    size_t max_matrix = 0, max_vectors = 0;
+    size_t max_vectors = 0;
     for (const auto& spec : llama_group_specs(c, d.chunks)) {
       size_t vectors = 0;
       for (const TensorSpec& t : spec.tensors) {
@@ -339,13 +340,14 @@ StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) 
       }
       max_vectors = std::max(max_vectors, vectors);
     }
-    size_t* l_scratch = line(std::string(dtype_name(compute)) + " copies of a gathered group's vectors and of one matrix at a time (parameters are " +
-                             std::string(dtype_name(o.param_dtype)) + ")");
     d.vector_scratch_bytes = std::max<size_t>(max_vectors, 1) * cs;
-    d.vector_scratch = d.add(d.vector_scratch_bytes, l_scratch);
-    d.matrix_scratch_bytes = max_matrix * cs;
-    d.matrix_scratch = d.add(d.matrix_scratch_bytes, l_scratch);
+    d.vector_scratch = d.add(d.vector_scratch_bytes, line(std::string(dtype_name(compute)) + " copy of a gathered group's vectors (parameters are " +
+                                                          std::string(dtype_name(o.param_dtype)) + ")"));
   }
+  d.matrix_scratch_bytes = max_matrix * cs;
+  d.matrix_scratch = d.add(d.matrix_scratch_bytes, line(o.param_dtype != compute ? "one matrix slot: an embedding chunk + a zero row, or a matrix cast to " +
+                                                                                     std::string(dtype_name(compute))
+                                                                               : "one matrix slot: an embedding chunk + a zero row"));
   return d;
 }
 
@@ -636,7 +638,7 @@ Status LlamaModel::embed_forward(const Rows& rows) {
     const size_t chunk_rows = static_cast<size_t>(d.chunks.rows(k, options_.config.vocab_size));
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
     if (view.dtype != options_.param_dtype) STRATA_RETURN_IF_ERROR(params_of(g, view).status());  // the dtype error
-    void* table = b.at(d.embed_scratch);
+    void* table = b.at(d.matrix_scratch);
     if (view.dtype == dt) {
       STRATA_RETURN_IF_ERROR(device.copy_async(table, view.tensors[0], chunk_rows * H * cs, CopyKind::kDeviceToDevice, stream));
     } else {
