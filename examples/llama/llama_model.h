@@ -31,6 +31,13 @@
 // plan a gradient buffer per chunk (it assumes a group used more than twice holds its
 // gradient between uses; this model never holds more than one).
 //
+// The embedding over vocabulary chunks: chunk k is copied into a slot with one zero row
+// appended, and embedding_forward reads it with each token mapped to its row in the chunk
+// or, for a token of another chunk, to the zero row; the chunks' outputs add up exactly
+// (one of them is the token's row, the others zeros). The backward writes through the
+// same mapping into an fp32 scratch whose extra row collects the other chunks' tokens,
+// and adds the chunk's rows into its gradient.
+//
 // The LM head over vocabulary chunks. Only one chunk of the head's weight is gathered at a
 // time, so the full-vocabulary cross-entropy is assembled from per-chunk pieces with the
 // existing kernels, exactly up to fp32 rounding:
