@@ -982,26 +982,35 @@ StatusOr<double> LlamaModel::loss_sum(const Rows& rows) {
 StatusOr<MicroBatchLosses> LlamaModel::run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {
   if (!buffers_) return FailedPreconditionError("LlamaModel::run_micro_batch() before allocate()");
   if (train == nullptr && eval == nullptr) return InvalidArgumentError("LlamaModel::run_micro_batch(): neither a training nor an evaluation batch");
-  if (train != nullptr && eval != nullptr)
-    return InvalidArgumentError("LlamaModel::run_micro_batch(): an evaluation batch riding along a training micro-batch is not supported; run an "
-                                "evaluation-only pass (engine.begin_forward())");
   if (train != nullptr && train->sequences != options_.batch)
     return InvalidArgumentError("Llama model: a training micro-batch has " + std::to_string(train->sequences) +
                                 " sequences, the model was planned for " + std::to_string(options_.batch));
   if (eval != nullptr && (eval->sequences < 1 || eval->sequences > options_.eval_batch))
     return InvalidArgumentError("Llama model: an evaluation batch has " + std::to_string(eval->sequences) + " sequences, the model was planned for 1 to " +
                                 std::to_string(options_.eval_batch));
-  const bool training = train != nullptr;
-  Rows rows;
-  STRATA_RETURN_IF_ERROR(stage_inputs(training ? *train : *eval, training ? grad_scale : 0.0f, rows));
-  int64_t counted = 0;
-  for (size_t r = 0; r < rows.count; ++r) counted += buffers_->targets[r] != -1;
-  STRATA_RETURN_IF_ERROR(forward(rows));
-  if (training) STRATA_RETURN_IF_ERROR(backward(rows));
-  STRATA_ASSIGN_OR_RETURN(double sum, loss_sum(rows));
   MicroBatchLosses result;
-  (training ? result.train_loss_sum : result.eval_loss_sum) = sum;
-  (training ? result.train_tokens : result.eval_tokens) = counted;
+  auto count_targets = [&](const Rows& rows) {
+    int64_t counted = 0;
+    for (size_t r = 0; r < rows.count; ++r) counted += buffers_->targets[r] != -1;
+    return counted;
+  };
+  // Evaluation first, through the same buffers, finished (its losses read back) before the
+  // training pass reuses them; within a step its gathers see the same weights.
+  if (eval != nullptr) {
+    Rows rows;
+    STRATA_RETURN_IF_ERROR(stage_inputs(*eval, 0.0f, rows));
+    result.eval_tokens = count_targets(rows);
+    STRATA_RETURN_IF_ERROR(forward(rows));
+    STRATA_ASSIGN_OR_RETURN(result.eval_loss_sum, loss_sum(rows));
+  }
+  if (train != nullptr) {
+    Rows rows;
+    STRATA_RETURN_IF_ERROR(stage_inputs(*train, grad_scale, rows));
+    result.train_tokens = count_targets(rows);
+    STRATA_RETURN_IF_ERROR(forward(rows));
+    STRATA_RETURN_IF_ERROR(backward(rows));
+    STRATA_ASSIGN_OR_RETURN(result.train_loss_sum, loss_sum(rows));
+  }
   return result;
 }
 

@@ -179,9 +179,12 @@ class LlamaModel {
   // GptModel::run_micro_batch: `train` (options.batch sequences) runs forward and
   // backward with gradients scaled by grad_scale and grads_ready() for every group; an
   // evaluation-only pass (train null, eval up to eval_batch sequences) runs inside
-  // engine.begin_forward() ... end_forward(). Both at once is not supported yet
-  // (InvalidArgument). TokenBatch::positions (null = 0..T-1 in each sequence) gives each
-  // token's rotary position; targets of -1 carry no loss. Waits for the compute.
+  // engine.begin_forward() ... end_forward(). With both, the evaluation runs first as a
+  // forward of its own (its own gathers, not riding along the training forward as
+  // GptModel's does; the weights are the same within the step, and the engine re-plans
+  // its prefetches around the extra gathers). TokenBatch::positions (null = 0..T-1 in
+  // each sequence) gives each token's rotary position; targets of -1 carry no loss.
+  // Waits for the compute.
   StatusOr<MicroBatchLosses> run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale);
 
   const std::map<int, std::vector<float>>& captured_gradients() const { return captured_; }

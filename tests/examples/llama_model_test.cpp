@@ -454,11 +454,39 @@ TEST(LlamaModelTest, TrainingStepsLowerTheLossAndEvaluationSeesTheUpdates) {
     EXPECT_EQ(e.train_tokens, 0);
     EXPECT_EQ(e.eval_tokens, 2 * 11 - 1);  // targets[3] is -1
     EXPECT_LT(e.eval_loss_sum / double(e.eval_tokens), losses[2]);
-    // Training and evaluation in one call is refused, not half done.
-    STRATA_ASSERT_OK(rank.engine->begin_step(0.0));
-    auto both = rank.model->run_micro_batch(&train, &eval, 1.0f);
-    ASSERT_FALSE(both.ok());
-    EXPECT_TRUE(contains(both.status().message(), "evaluation-only pass")) << both.status().message();
+  }
+}
+
+// Evaluation and training in one call: the training pass is the one without evaluation,
+// bit for bit, and the evaluation loss is an evaluation-only pass's on the same weights.
+TEST(LlamaModelTest, EvaluationInTheSameCallChangesNoGradientAndMatchesAnEvaluationPass) {
+  for (bool tied : {true, false}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    LlamaModelOptions options = tiny_options(tiny_config("llama", tied), ActivationCheckpointing::kDevice);
+    options.eval_batch = 5;
+    const Batch batch = make_batch(options.config.vocab_size, 3, 11, 9);
+    const Batch eval = make_batch(options.config.vocab_size, 5, 11, 10);
+    SingleRank plain, with_eval, eval_only;
+    STRATA_ASSERT_OK(plain.init(options, fp32_engine_options()));
+    STRATA_ASSERT_OK(with_eval.init(options, fp32_engine_options()));
+    STRATA_ASSERT_OK(eval_only.init(options, fp32_engine_options()));
+    STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses a, plain.gradients(batch, 3));
+    STRATA_ASSERT_OK(with_eval.engine->begin_step(0.0));
+    const TokenBatch train{batch.inputs.data(), batch.targets.data(), 3, batch.positions.data()};
+    const TokenBatch eval_batch{eval.inputs.data(), eval.targets.data(), 5, eval.positions.data()};
+    STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses b, with_eval.model->run_micro_batch(&train, &eval_batch, 1.0f / float(a.train_tokens)));
+    STRATA_ASSERT_OK(with_eval.engine->step(0.0).status());
+    STRATA_ASSERT_OK(with_eval.engine->finish());
+    EXPECT_EQ(a.train_loss_sum, b.train_loss_sum);
+    EXPECT_EQ(b.eval_tokens, 5 * 11 - 2);
+    for (const auto& [g, values] : plain.model->captured_gradients())
+      EXPECT_EQ(std::memcmp(with_eval.model->captured_gradients().at(g).data(), values.data(), values.size() * 4), 0) << "group " << g;
+    STRATA_ASSERT_OK(eval_only.engine->begin_forward(llama_forward_order(options.config, eval_only.model->activation_plan().chunks)));
+    STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses c, eval_only.model->run_micro_batch(nullptr, &eval_batch, 0.0f));
+    STRATA_ASSERT_OK(eval_only.engine->end_forward());
+    STRATA_ASSERT_OK(eval_only.engine->finish());
+    EXPECT_EQ(c.eval_loss_sum, b.eval_loss_sum);
+    EXPECT_EQ(c.train_tokens, 0);
   }
 }
 
