@@ -11,6 +11,7 @@
 #include "kernels/cast.h"
 #include "kernels/llama_ops.h"
 #include "kernels/transformer_ops.h"
+#include "offload/pinned_arena.h"
 
 namespace strata::llama {
 namespace {
@@ -205,7 +206,9 @@ struct DeviceLayout {
   VocabChunks chunks;
   // Inputs, per micro-batch.
   size_t tokens = 0, positions = 0, embed_tokens = 0, chunk_targets = 0, head_targets = 0, head_stand_in_targets = 0, fix_coef = 0;
-  std::vector<size_t> resid;     // block inputs + the final residual
+  std::vector<size_t> resid;     // block inputs + the final residual (kPinnedHost: two, used in turn)
+  size_t pinned_slot_bytes = 0;  // kPinnedHost: one training block input in pinned memory
+  int pinned_slots = 0;          // blocks 0 .. L-2 (the last block's input stays on the device)
   std::vector<ActsLayout> acts;  // per block (kOff) or one shared set
   size_t dresid = 0, narrow = 0, datt = 0, dq = 0, dk = 0, dv = 0, wide = 0, wide2 = 0;
   size_t norm_out = 0, norm_rstd = 0, norm_gamma = 0;
@@ -234,8 +237,6 @@ Status check_options(const LlamaModelOptions& o) {
   if (o.vocab_chunk_bytes < static_cast<size_t>(o.config.hidden_size) * 4)
     return InvalidArgumentError("Llama model: vocab_chunk_bytes (" + std::to_string(o.vocab_chunk_bytes) + ") is less than one fp32 embedding row (" +
                                 std::to_string(o.config.hidden_size * 4) + " bytes)");
-  if (o.checkpointing == ActivationCheckpointing::kPinnedHost)
-    return UnimplementedError("Llama model: activation checkpointing to pinned host memory is not implemented; use \"device\" or \"off\"");
   return {};
 }
 
@@ -275,8 +276,13 @@ StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) 
   d.fix_coef = d.add(E * rows * cs, l_inputs);
   d.inv_freq = d.add(D / 2 * 4, l_inputs);
 
-  size_t* l_resid = line("block inputs (" + std::to_string(L) + " + the final residual)");
-  for (size_t i = 0; i < L + 1; ++i) d.resid.push_back(d.add(rows * H * cs, l_resid));
+  const bool pinned = o.checkpointing == ActivationCheckpointing::kPinnedHost;
+  size_t* l_resid = line(pinned ? "residual stream (2 buffers; block inputs in pinned memory)" : "block inputs (" + std::to_string(L) + " + the final residual)");
+  for (size_t i = 0; i < (pinned ? 2 : L + 1); ++i) d.resid.push_back(d.add(rows * H * cs, l_resid));
+  if (pinned && L > 1) {
+    d.pinned_slots = static_cast<int>(L - 1);
+    d.pinned_slot_bytes = round_up(static_cast<size_t>(o.batch * o.seq_len) * H * cs, 4096);
+  }
   const bool keep_all = o.checkpointing == ActivationCheckpointing::kOff;
   const size_t act_sets = keep_all ? L : 1;
   size_t* l_acts = line(keep_all ? "block activations (" + std::to_string(act_sets) + " sets)" : "block activations (1 set, recomputed in backward)");
@@ -368,6 +374,7 @@ StatusOr<LlamaActivationPlan> plan_llama_activations(const LlamaModelOptions& op
   plan.head_rows = layout.head_rows;
   plan.lines.assign(layout.lines.begin(), layout.lines.end());
   plan.device_bytes = device_reservation(layout.total, device);
+  plan.pinned_bytes = static_cast<size_t>(layout.pinned_slots) * layout.pinned_slot_bytes;
   if (device == DeviceKind::kCuda) {
     plan.device_bytes += device_reservation(kCudaBlasWorkspaceBytes, device);
     plan.lines.emplace_back("cuBLAS workspace", kCudaBlasWorkspaceBytes);
@@ -390,12 +397,18 @@ struct LlamaModel::Rows {
   size_t count = 0;   // sequences * seq_len
   size_t blocks = 0;  // LM-head row blocks
   float grad_scale = 0.0f;
+  bool training = false;  // a backward follows (kPinnedHost saves the block inputs)
 };
 
 struct LlamaModel::Buffers {
   DeviceLayout layout;
   BlockIndex index;
   DeviceBuffer arena;
+  std::unique_ptr<PinnedArena> pinned_arena;
+  std::vector<PinnedBuffer> pinned;  // training block inputs 0 .. L-2 (kPinnedHost)
+  std::unique_ptr<Stream> copy_stream;
+  std::unique_ptr<Event> input_ready, slot_free;
+  std::unique_ptr<Event> saved[2], restored[2];
   // Host staging of each pass's inputs (copied from, asynchronously) and outputs.
   std::vector<int32_t> tokens, positions, embed_tokens, chunk_targets, head_targets, stand_in_targets;
   std::vector<std::byte> fix_coef;
@@ -405,7 +418,7 @@ struct LlamaModel::Buffers {
   void* at(size_t offset) const { return static_cast<char*>(arena.data()) + offset; }
   template <class T>
   T* as(size_t offset) const { return static_cast<T*>(at(offset)); }
-  void* resid(int64_t layer) const { return at(layout.resid[static_cast<size_t>(layer)]); }
+  void* resid(int64_t layer) const { return at(layout.resid[static_cast<size_t>(layer) % layout.resid.size()]); }
   // Block l's activations: its own set when every block's are kept, else the shared one.
   BlockActs block_acts(int64_t layer) const { return acts(layout.acts.size() > 1 ? static_cast<size_t>(layer) : 0); }
   BlockActs acts(size_t set) const {
@@ -421,6 +434,7 @@ LlamaModel::LlamaModel(Engine& engine, const LlamaModelOptions& options, const L
 LlamaModel::~LlamaModel() {
   // Buffers must not be freed while the stream still uses them; an error here was already
   // reported by the call that enqueued the work (or is the engine's to report).
+  if (buffers_ && buffers_->copy_stream) (void)buffers_->copy_stream->synchronize();
   if (buffers_ && !buffers_->arena.empty()) (void)engine_.compute_stream().synchronize();
 }
 
@@ -456,6 +470,24 @@ Status LlamaModel::allocate() {
   blas_ = std::make_unique<kernels::BlasContext>(std::move(blas));
   STRATA_ASSIGN_OR_RETURN(b->arena, device.allocate(b->layout.total, "Llama activations"));
   const DeviceLayout& d = b->layout;
+  if (d.pinned_slots > 0) {
+    PinnedArenaOptions arena_options;
+    arena_options.bytes = static_cast<size_t>(d.pinned_slots) * d.pinned_slot_bytes;
+    STRATA_ASSIGN_OR_RETURN(b->pinned_arena, PinnedArena::create(arena_options));
+    for (int i = 0; i < d.pinned_slots; ++i) {
+      STRATA_ASSIGN_OR_RETURN(PinnedBuffer slot, b->pinned_arena->allocate(d.pinned_slot_bytes, "Llama block input " + std::to_string(i)));
+      b->pinned.push_back(std::move(slot));
+    }
+  }
+  if (options_.checkpointing == ActivationCheckpointing::kPinnedHost) {
+    STRATA_ASSIGN_OR_RETURN(b->copy_stream, device.create_stream("llama activation copies"));
+    STRATA_ASSIGN_OR_RETURN(b->input_ready, device.create_event());
+    STRATA_ASSIGN_OR_RETURN(b->slot_free, device.create_event());
+    for (int i = 0; i < 2; ++i) {
+      STRATA_ASSIGN_OR_RETURN(b->saved[i], device.create_event());
+      STRATA_ASSIGN_OR_RETURN(b->restored[i], device.create_event());
+    }
+  }
   const size_t rows = static_cast<size_t>(d.rows), E = static_cast<size_t>(d.chunks.count), R = static_cast<size_t>(d.head_rows);
   b->tokens.resize(rows);
   b->positions.resize(rows);
@@ -853,6 +885,37 @@ Status LlamaModel::head_pass2(int64_t chunk, Params& p, float* dweight, void* dx
   return {};
 }
 
+// kPinnedHost: block l's input (all but the last block's, which stays on the device) is
+// copied to pinned memory on the copy stream while block l computes; block l writes its
+// output over block l-1's input, so it waits until that one is saved.
+Status LlamaModel::save_block_input(int64_t l, const Rows& rows) {
+  Buffers& b = *buffers_;
+  Stream& stream = engine_.compute_stream();
+  const int64_t L = options_.config.num_hidden_layers;
+  const size_t bytes = rows.count * static_cast<size_t>(options_.config.hidden_size) * dtype_size(plan_.compute_dtype);
+  if (l < L - 1) {
+    STRATA_RETURN_IF_ERROR(stream.record(*b.input_ready));
+    STRATA_RETURN_IF_ERROR(b.copy_stream->wait(*b.input_ready));
+    STRATA_RETURN_IF_ERROR(engine_.device().copy_async(b.pinned[static_cast<size_t>(l)].data(), b.resid(l), bytes, CopyKind::kDeviceToHost, *b.copy_stream));
+    STRATA_RETURN_IF_ERROR(b.copy_stream->record(*b.saved[l % 2]));
+  }
+  if (l >= 1) STRATA_RETURN_IF_ERROR(stream.wait(*b.saved[(l - 1) % 2]));
+  return {};
+}
+
+// kPinnedHost: once the buffer that held block m's input (or the final residual, m = L)
+// is no longer read, block m-2's input is copied back into it, ahead of its recompute.
+Status LlamaModel::restore_block_input(int64_t m, const Rows& rows) {
+  Buffers& b = *buffers_;
+  if (!b.copy_stream || m - 2 < 0) return {};
+  const size_t bytes = rows.count * static_cast<size_t>(options_.config.hidden_size) * dtype_size(plan_.compute_dtype);
+  STRATA_RETURN_IF_ERROR(engine_.compute_stream().record(*b.slot_free));
+  STRATA_RETURN_IF_ERROR(b.copy_stream->wait(*b.slot_free));
+  STRATA_RETURN_IF_ERROR(engine_.device().copy_async(b.resid(m - 2), b.pinned[static_cast<size_t>(m - 2)].data(), bytes, CopyKind::kHostToDevice,
+                                                     *b.copy_stream));
+  return b.copy_stream->record(*b.restored[(m - 2) % 2]);
+}
+
 // Embedding, blocks (their inputs kept for the backward), the final norm and the head's
 // pass 1: each row's full log-sum-exp and its loss pieces.
 Status LlamaModel::forward(const Rows& rows) {
@@ -867,6 +930,7 @@ Status LlamaModel::forward(const Rows& rows) {
     const int g = groups_.layer(l);
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
     STRATA_ASSIGN_OR_RETURN(Params p, params_of(g, view));
+    if (rows.training && b.copy_stream) STRATA_RETURN_IF_ERROR(save_block_input(l, rows));
     STRATA_RETURN_IF_ERROR(block_forward(p, b.resid(l), b.resid(l + 1), b.block_acts(l), rows));
     STRATA_RETURN_IF_ERROR(engine_.release(g));
   }
@@ -925,6 +989,7 @@ Status LlamaModel::backward(const Rows& rows) {
     STRATA_RETURN_IF_ERROR(capture(g, grads));
     STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
   }
+  STRATA_RETURN_IF_ERROR(restore_block_input(c.num_hidden_layers, rows));
   for (int64_t l = c.num_hidden_layers - 1; l >= 0; --l) {
     const int g = groups_.layer(l);
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
@@ -933,11 +998,13 @@ Status LlamaModel::backward(const Rows& rows) {
     std::vector<float*> gp;
     for (void* t : grads.tensors) gp.push_back(static_cast<float*>(t));
     const BlockActs a = b.block_acts(l);
+    if (b.copy_stream && l < c.num_hidden_layers - 1) STRATA_RETURN_IF_ERROR(stream.wait(*b.restored[l % 2]));
     if (!keep_all) STRATA_RETURN_IF_ERROR(block_forward(p, b.resid(l), nullptr, a, rows));
     STRATA_RETURN_IF_ERROR(block_backward(p, gp, b.resid(l), a, rows));
     STRATA_RETURN_IF_ERROR(engine_.release(g));
     STRATA_RETURN_IF_ERROR(capture(g, grads));
     STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
+    STRATA_RETURN_IF_ERROR(restore_block_input(l, rows));
   }
   // dresid is d loss / d x_0: the embedding chunks' gradients (tied: plus the head's).
   for (int64_t k = 0; k < d.chunks.count; ++k) {
@@ -970,6 +1037,7 @@ StatusOr<double> LlamaModel::loss_sum(const Rows& rows) {
     STRATA_RETURN_IF_ERROR(device.copy_async(b.chunk_losses.data() + k * rows.count, b.as<float>(d.chunk_losses) + k * rows.count, rows.count * 4,
                                              CopyKind::kDeviceToHost, stream));
   STRATA_RETURN_IF_ERROR(stream.synchronize());
+  if (b.copy_stream) STRATA_RETURN_IF_ERROR(b.copy_stream->synchronize());
   double sum = 0.0;
   for (size_t r = 0; r < rows.count; ++r) {
     if (b.targets[r] == -1) continue;
@@ -1006,6 +1074,7 @@ StatusOr<MicroBatchLosses> LlamaModel::run_micro_batch(const TokenBatch* train, 
   if (train != nullptr) {
     Rows rows;
     STRATA_RETURN_IF_ERROR(stage_inputs(*train, grad_scale, rows));
+    rows.training = true;
     result.train_tokens = count_targets(rows);
     STRATA_RETURN_IF_ERROR(forward(rows));
     STRATA_RETURN_IF_ERROR(backward(rows));

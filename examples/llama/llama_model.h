@@ -56,8 +56,9 @@
 // would remove the recomputation.
 //
 // Activations: with checkpointing (default) each block's input is kept and the block is
-// recomputed in backward; kOff keeps every block's intermediates. kPinnedHost is not
-// offered yet. Everything the model allocates on the device is one buffer whose size
+// recomputed in backward; kOff keeps every block's intermediates; kPinnedHost keeps the
+// block inputs in pinned host memory, as GptModel does (copied out on a copy stream while
+// the next block computes, back one block ahead of its recompute). Everything the model allocates on the device is one buffer whose size
 // plan_llama_activations() computes; declare it as EngineOptions::activation_bytes.
 //
 // Compute dtype: fp32, or bf16 on a CudaDevice when parameters are bf16; parameters in
@@ -140,7 +141,7 @@ struct LlamaModelOptions {
   int64_t batch = 1;                    // sequences per training micro-batch on this rank
   int64_t seq_len = 0;                  // tokens per sequence (<= max_position_embeddings); required
   int64_t eval_batch = 0;               // sequences of an evaluation-only pass (0 = batch)
-  ActivationCheckpointing checkpointing = ActivationCheckpointing::kDevice;  // kOff or kDevice
+  ActivationCheckpointing checkpointing = ActivationCheckpointing::kDevice;
   size_t vocab_chunk_bytes = kDefaultVocabChunkBytes;  // fp32 bytes per embedding / lm_head chunk
   int64_t head_chunk_rows = 0;          // token rows per LM-head block; 0 = as many as keep the logits under 32 MiB
   // Tests: copy every group's full fp32 gradient to the host before grads_ready()
@@ -150,6 +151,7 @@ struct LlamaModelOptions {
 
 struct LlamaActivationPlan {
   size_t device_bytes = 0;  // everything the model allocates on the device (declare as activation_bytes)
+  size_t pinned_bytes = 0;  // training block inputs in pinned host memory (kPinnedHost)
   DType compute_dtype = DType::kFloat32;
   VocabChunks chunks;
   int64_t head_rows = 0;    // token rows per LM-head block
@@ -205,6 +207,8 @@ class LlamaModel {
   Status head_pass1(int64_t chunk, Params& p, const Rows& rows);
   Status head_combine(const Rows& rows);
   Status head_pass2(int64_t chunk, Params& p, float* dweight, void* dx, const Rows& rows);
+  Status save_block_input(int64_t layer, const Rows& rows);
+  Status restore_block_input(int64_t layer, const Rows& rows);
   Status forward(const Rows& rows);
   Status backward(const Rows& rows);
   StatusOr<double> loss_sum(const Rows& rows);

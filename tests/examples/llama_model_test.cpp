@@ -277,18 +277,23 @@ LlamaConfig tiny_config(const std::string& model_type, bool tied) {
   return *config;
 }
 
-TEST(LlamaModelTest, CheckpointingOnAndOffGiveBitIdenticalGradients) {
+TEST(LlamaModelTest, CheckpointingModesGiveBitIdenticalGradients) {
   for (bool tied : {true, false}) {
     SCOPED_TRACE(tied ? "tied" : "untied");
-    const LlamaConfig config = tiny_config("qwen2", tied);
+    LlamaConfig config = tiny_config("qwen2", tied);
+    config.num_hidden_layers = 4;  // pinned: saves 3 inputs and restores 2 of them ahead
     const Batch batch = make_batch(config.vocab_size, 3, 11, 5);
     const auto [loss_off, off] = run_once(tiny_options(config, ActivationCheckpointing::kOff), batch, 3);
-    const auto [loss_on, on] = run_once(tiny_options(config, ActivationCheckpointing::kDevice), batch, 3);
     ASSERT_FALSE(off.empty());
-    EXPECT_EQ(loss_off, loss_on);
-    for (const auto& [g, values] : off) {
-      ASSERT_EQ(on.at(g).size(), values.size());
-      EXPECT_EQ(std::memcmp(on.at(g).data(), values.data(), values.size() * 4), 0) << "group " << g;
+    for (ActivationCheckpointing mode : {ActivationCheckpointing::kDevice, ActivationCheckpointing::kPinnedHost}) {
+      SCOPED_TRACE(std::string(gpt::activation_checkpointing_name(mode)));
+      const auto [loss_on, on] = run_once(tiny_options(config, mode), batch, 3);
+      ASSERT_FALSE(on.empty());
+      EXPECT_EQ(loss_off, loss_on);
+      for (const auto& [g, values] : off) {
+        ASSERT_EQ(on.at(g).size(), values.size());
+        EXPECT_EQ(std::memcmp(on.at(g).data(), values.data(), values.size() * 4), 0) << "group " << g;
+      }
     }
   }
 }
@@ -543,7 +548,7 @@ TEST(LlamaModelTest, BadTokensTargetsAndPositionsAreRefusedByPlace) {
 }
 
 TEST(LlamaModelTest, TheActivationPlanIsWhatTheDeviceIsCharged) {
-  for (ActivationCheckpointing mode : {ActivationCheckpointing::kOff, ActivationCheckpointing::kDevice}) {
+  for (ActivationCheckpointing mode : {ActivationCheckpointing::kOff, ActivationCheckpointing::kDevice, ActivationCheckpointing::kPinnedHost}) {
     LlamaModelOptions options = tiny_options(tiny_config("qwen2", false), mode);
     options.capture_gradients = false;
     LocalClusterOptions cluster_options;
@@ -559,6 +564,8 @@ TEST(LlamaModelTest, TheActivationPlanIsWhatTheDeviceIsCharged) {
     const size_t before = cluster->device(0).memory_stats().reserved_bytes;
     STRATA_ASSERT_OK(model->allocate());
     EXPECT_EQ(cluster->device(0).memory_stats().reserved_bytes - before, plan.device_bytes);
+    // Pinned: block 0's input of 3 x 11 x 24 fp32 (the last block's stays on the device).
+    EXPECT_EQ(plan.pinned_bytes, mode == ActivationCheckpointing::kPinnedHost ? size_t{4096} : size_t{0});
   }
 }
 
