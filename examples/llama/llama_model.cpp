@@ -361,7 +361,9 @@ StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) 
 
 std::string LlamaActivationPlan::text() const {
   std::ostringstream out;
-  out << "Llama activations (" << dtype_name(compute_dtype) << "): " << bytes_text(device_bytes) << " on the device\n";
+  out << "Llama activations (" << dtype_name(compute_dtype) << "): " << bytes_text(device_bytes) << " on the device";
+  if (pinned_bytes > 0) out << ", " << bytes_text(pinned_bytes) << " pinned";
+  out << "\n";
   for (const auto& [what, bytes] : lines) out << "  " << what << " = " << bytes_text(bytes) << "\n";
   return out.str();
 }
