@@ -319,6 +319,7 @@ std::string describe_llama_config(const LlamaConfig& c) {
   if (c.rope_scaling.kind == kernels::RopeScaling::Kind::kLlama3) out << " llama3 x" << c.rope_scaling.factor;
   if (c.qkv_bias) out << ", qkv bias";
   if (c.mlp_bias) out << ", mlp bias";
+  if (c.sliding_window > 0) out << ", sliding window " << c.sliding_window << " (sequences must fit it)";
   out << " (" << std::fixed << std::setprecision(2) << double(llama_parameter_count(c)) / 1e6 << "M parameters)";
   return out.str();
 }

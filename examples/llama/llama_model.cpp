@@ -11,6 +11,7 @@
 #include "kernels/cast.h"
 #include "kernels/llama_ops.h"
 #include "kernels/transformer_ops.h"
+#include "offload/pinned_arena.h"
 
 namespace strata::llama {
 namespace {
@@ -205,15 +206,17 @@ struct DeviceLayout {
   VocabChunks chunks;
   // Inputs, per micro-batch.
   size_t tokens = 0, positions = 0, embed_tokens = 0, chunk_targets = 0, head_targets = 0, head_stand_in_targets = 0, fix_coef = 0;
-  std::vector<size_t> resid;     // block inputs + the final residual
+  std::vector<size_t> resid;     // block inputs + the final residual (kPinnedHost: two, used in turn)
+  size_t pinned_slot_bytes = 0;  // kPinnedHost: one training block input in pinned memory
+  int pinned_slots = 0;          // blocks 0 .. L-2 (the last block's input stays on the device)
   std::vector<ActsLayout> acts;  // per block (kOff) or one shared set
   size_t dresid = 0, narrow = 0, datt = 0, dq = 0, dk = 0, dv = 0, wide = 0, wide2 = 0;
   size_t norm_out = 0, norm_rstd = 0, norm_gamma = 0;
   size_t logits = 0, dlogits = 0, chunk_lse = 0, chunk_losses = 0, lse_matrix = 0, identity = 0, lse_full = 0, loss_lse = 0;
   size_t inv_freq = 0;
-  size_t embed_scratch = 0, embed_grad_scratch = 0;
+  size_t embed_grad_scratch = 0;
   size_t attention_workspace = 0, attention_workspace_bytes = 0;
-  size_t param_scratch = 0, param_scratch_bytes = 0;
+  size_t vector_scratch = 0, vector_scratch_bytes = 0, matrix_scratch = 0, matrix_scratch_bytes = 0;
 
   size_t add(size_t bytes, size_t* line_total) {
     const size_t offset = total;
@@ -234,8 +237,6 @@ Status check_options(const LlamaModelOptions& o) {
   if (o.vocab_chunk_bytes < static_cast<size_t>(o.config.hidden_size) * 4)
     return InvalidArgumentError("Llama model: vocab_chunk_bytes (" + std::to_string(o.vocab_chunk_bytes) + ") is less than one fp32 embedding row (" +
                                 std::to_string(o.config.hidden_size * 4) + " bytes)");
-  if (o.checkpointing == ActivationCheckpointing::kPinnedHost)
-    return UnimplementedError("Llama model: activation checkpointing to pinned host memory is not implemented; use \"device\" or \"off\"");
   return {};
 }
 
@@ -275,8 +276,13 @@ StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) 
   d.fix_coef = d.add(E * rows * cs, l_inputs);
   d.inv_freq = d.add(D / 2 * 4, l_inputs);
 
-  size_t* l_resid = line("block inputs (" + std::to_string(L) + " + the final residual)");
-  for (size_t i = 0; i < L + 1; ++i) d.resid.push_back(d.add(rows * H * cs, l_resid));
+  const bool pinned = o.checkpointing == ActivationCheckpointing::kPinnedHost;
+  size_t* l_resid = line(pinned ? "residual stream (2 buffers; block inputs in pinned memory)" : "block inputs (" + std::to_string(L) + " + the final residual)");
+  for (size_t i = 0; i < (pinned ? 2 : L + 1); ++i) d.resid.push_back(d.add(rows * H * cs, l_resid));
+  if (pinned && L > 1) {
+    d.pinned_slots = static_cast<int>(L - 1);
+    d.pinned_slot_bytes = round_up(static_cast<size_t>(o.batch * o.seq_len) * H * cs, 4096);
+  }
   const bool keep_all = o.checkpointing == ActivationCheckpointing::kOff;
   const size_t act_sets = keep_all ? L : 1;
   size_t* l_acts = line(keep_all ? "block activations (" + std::to_string(act_sets) + " sets)" : "block activations (1 set, recomputed in backward)");
@@ -319,24 +325,35 @@ StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) 
   d.identity = d.add(R * R * 4, l_head);
   d.lse_full = d.add(rows * 4, l_head);
   d.loss_lse = d.add(rows * 4, l_head);
-  size_t* l_embed = line("embedding chunk (+ a zero row) and its fp32 gradient");
-  d.embed_scratch = d.add((VC + 1) * H * cs, l_embed);
-  d.embed_grad_scratch = d.add((VC + 1) * H * 4, l_embed);
+  d.embed_grad_scratch = d.add((VC + 1) * H * 4, line("an embedding chunk's fp32 gradient (+ a row for the other chunks' tokens)"));
   {
     kernels::GqaAttentionShape shape{static_cast<size_t>(sequences), T, NH, static_cast<size_t>(c.num_key_value_heads), D, 0, 0, 0};
     d.attention_workspace_bytes = kernels::gqa_attention_workspace_bytes(shape, compute, kind);
     if (d.attention_workspace_bytes > 0) d.attention_workspace = d.add(d.attention_workspace_bytes, line("attention workspace"));
   }
+  // One matrix-sized slot: the embedding chunk with its zero row, and (bf16 parameters
+  // on an fp32 device) each matrix as it is cast; the stream runs them one after another.
+  size_t max_matrix = (VC + 1) * H;
   if (o.param_dtype != compute) {
-    size_t max_numel = 0;
+    size_t max_vectors = 0;
     for (const auto& spec : llama_group_specs(c, d.chunks)) {
-      STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, 1));
-      max_numel = std::max(max_numel, layout.numel);
+      size_t vectors = 0;
+      for (const TensorSpec& t : spec.tensors) {
+        size_t numel = 1;
+        for (int64_t dim : t.shape) numel *= static_cast<size_t>(dim);
+        if (t.shape.size() >= 2) max_matrix = std::max(max_matrix, numel);
+        else vectors += round_up(numel, kTensorAlignElements);
+      }
+      max_vectors = std::max(max_vectors, vectors);
     }
-    d.param_scratch_bytes = max_numel * cs;
-    d.param_scratch = d.add(d.param_scratch_bytes, line(std::string(dtype_name(compute)) + " copy of the gathered group (parameters are " +
-                                                        std::string(dtype_name(o.param_dtype)) + ")"));
+    d.vector_scratch_bytes = std::max<size_t>(max_vectors, 1) * cs;
+    d.vector_scratch = d.add(d.vector_scratch_bytes, line(std::string(dtype_name(compute)) + " copy of a gathered group's vectors (parameters are " +
+                                                          std::string(dtype_name(o.param_dtype)) + ")"));
   }
+  d.matrix_scratch_bytes = max_matrix * cs;
+  d.matrix_scratch = d.add(d.matrix_scratch_bytes, line(o.param_dtype != compute ? "one matrix slot: an embedding chunk + a zero row, or a matrix cast to " +
+                                                                                     std::string(dtype_name(compute))
+                                                                               : "one matrix slot: an embedding chunk + a zero row"));
   return d;
 }
 
@@ -344,7 +361,9 @@ StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) 
 
 std::string LlamaActivationPlan::text() const {
   std::ostringstream out;
-  out << "Llama activations (" << dtype_name(compute_dtype) << "): " << bytes_text(device_bytes) << " on the device\n";
+  out << "Llama activations (" << dtype_name(compute_dtype) << "): " << bytes_text(device_bytes) << " on the device";
+  if (pinned_bytes > 0) out << ", " << bytes_text(pinned_bytes) << " pinned";
+  out << "\n";
   for (const auto& [what, bytes] : lines) out << "  " << what << " = " << bytes_text(bytes) << "\n";
   return out.str();
 }
@@ -357,6 +376,7 @@ StatusOr<LlamaActivationPlan> plan_llama_activations(const LlamaModelOptions& op
   plan.head_rows = layout.head_rows;
   plan.lines.assign(layout.lines.begin(), layout.lines.end());
   plan.device_bytes = device_reservation(layout.total, device);
+  plan.pinned_bytes = static_cast<size_t>(layout.pinned_slots) * layout.pinned_slot_bytes;
   if (device == DeviceKind::kCuda) {
     plan.device_bytes += device_reservation(kCudaBlasWorkspaceBytes, device);
     plan.lines.emplace_back("cuBLAS workspace", kCudaBlasWorkspaceBytes);
@@ -379,12 +399,18 @@ struct LlamaModel::Rows {
   size_t count = 0;   // sequences * seq_len
   size_t blocks = 0;  // LM-head row blocks
   float grad_scale = 0.0f;
+  bool training = false;  // a backward follows (kPinnedHost saves the block inputs)
 };
 
 struct LlamaModel::Buffers {
   DeviceLayout layout;
   BlockIndex index;
   DeviceBuffer arena;
+  std::unique_ptr<PinnedArena> pinned_arena;
+  std::vector<PinnedBuffer> pinned;  // training block inputs 0 .. L-2 (kPinnedHost)
+  std::unique_ptr<Stream> copy_stream;
+  std::unique_ptr<Event> input_ready, slot_free;
+  std::unique_ptr<Event> saved[2], restored[2];
   // Host staging of each pass's inputs (copied from, asynchronously) and outputs.
   std::vector<int32_t> tokens, positions, embed_tokens, chunk_targets, head_targets, stand_in_targets;
   std::vector<std::byte> fix_coef;
@@ -394,6 +420,9 @@ struct LlamaModel::Buffers {
   void* at(size_t offset) const { return static_cast<char*>(arena.data()) + offset; }
   template <class T>
   T* as(size_t offset) const { return static_cast<T*>(at(offset)); }
+  void* resid(int64_t layer) const { return at(layout.resid[static_cast<size_t>(layer) % layout.resid.size()]); }
+  // Block l's activations: its own set when every block's are kept, else the shared one.
+  BlockActs block_acts(int64_t layer) const { return acts(layout.acts.size() > 1 ? static_cast<size_t>(layer) : 0); }
   BlockActs acts(size_t set) const {
     const ActsLayout& a = layout.acts[set];
     return {at(a.norm1), at(a.q), at(a.k), at(a.v), at(a.att), at(a.x2), at(a.norm2), at(a.gate), at(a.up), at(a.act),
@@ -407,6 +436,7 @@ LlamaModel::LlamaModel(Engine& engine, const LlamaModelOptions& options, const L
 LlamaModel::~LlamaModel() {
   // Buffers must not be freed while the stream still uses them; an error here was already
   // reported by the call that enqueued the work (or is the engine's to report).
+  if (buffers_ && buffers_->copy_stream) (void)buffers_->copy_stream->synchronize();
   if (buffers_ && !buffers_->arena.empty()) (void)engine_.compute_stream().synchronize();
 }
 
@@ -436,10 +466,30 @@ Status LlamaModel::allocate() {
   block_tensors(options_.config, &b->index);
   kernels::BlasOptions blas_options;
   blas_options.cuda_workspace_bytes = kCudaBlasWorkspaceBytes;
+  // IEEE fp32 products: head_combine's transpose by an identity is exact only with them (TF32 would round the log-sum-exps).
+  blas_options.fp32_math = kernels::Fp32Math::kExact;
   STRATA_ASSIGN_OR_RETURN(kernels::BlasContext blas, kernels::BlasContext::create(device, blas_options));
   blas_ = std::make_unique<kernels::BlasContext>(std::move(blas));
   STRATA_ASSIGN_OR_RETURN(b->arena, device.allocate(b->layout.total, "Llama activations"));
   const DeviceLayout& d = b->layout;
+  if (d.pinned_slots > 0) {
+    PinnedArenaOptions arena_options;
+    arena_options.bytes = static_cast<size_t>(d.pinned_slots) * d.pinned_slot_bytes;
+    STRATA_ASSIGN_OR_RETURN(b->pinned_arena, PinnedArena::create(arena_options));
+    for (int i = 0; i < d.pinned_slots; ++i) {
+      STRATA_ASSIGN_OR_RETURN(PinnedBuffer slot, b->pinned_arena->allocate(d.pinned_slot_bytes, "Llama block input " + std::to_string(i)));
+      b->pinned.push_back(std::move(slot));
+    }
+  }
+  if (options_.checkpointing == ActivationCheckpointing::kPinnedHost) {
+    STRATA_ASSIGN_OR_RETURN(b->copy_stream, device.create_stream("llama activation copies"));
+    STRATA_ASSIGN_OR_RETURN(b->input_ready, device.create_event());
+    STRATA_ASSIGN_OR_RETURN(b->slot_free, device.create_event());
+    for (int i = 0; i < 2; ++i) {
+      STRATA_ASSIGN_OR_RETURN(b->saved[i], device.create_event());
+      STRATA_ASSIGN_OR_RETURN(b->restored[i], device.create_event());
+    }
+  }
   const size_t rows = static_cast<size_t>(d.rows), E = static_cast<size_t>(d.chunks.count), R = static_cast<size_t>(d.head_rows);
   b->tokens.resize(rows);
   b->positions.resize(rows);
@@ -469,25 +519,71 @@ Status LlamaModel::allocate() {
   return {};
 }
 
-StatusOr<std::vector<const void*>> LlamaModel::params_of(int group, const GroupView& view) {
+// A gathered group's tensors in the compute dtype. Parameters already in it are the
+// gathered buffer's own. Otherwise the vectors (norm gains, biases) are cast into a small
+// scratch when the group is opened, and each matrix into one matrix-sized slot when it is
+// asked for, valid until the next matrix is: kernels run in order on the one compute
+// stream, so a cast never overwrites a matrix that an earlier kernel still reads, and the
+// fp32 copy of a bf16 block costs its largest matrix, not the block.
+class LlamaModel::Params {
+ public:
+  const void* vector(int index) const { return index < 0 ? nullptr : pointers_[static_cast<size_t>(index)]; }
+  StatusOr<const void*> matrix(int index) {
+    const size_t i = static_cast<size_t>(index);
+    if (slot_ == nullptr) return pointers_[i];
+    if (in_slot_ != index) {
+      STRATA_RETURN_IF_ERROR(kernels::cast(*stream_, sources_[i], from_, slot_, to_, numel_[i]));
+      in_slot_ = index;
+    }
+    return static_cast<const void*>(slot_);
+  }
+
+ private:
+  friend class LlamaModel;
+  std::vector<const void*> pointers_;  // compute-dtype tensors (matrices: null when cast on demand)
+  std::vector<const void*> sources_;   // the gathered tensors
+  std::vector<size_t> numel_;
+  Stream* stream_ = nullptr;
+  DType from_ = DType::kFloat32, to_ = DType::kFloat32;
+  void* slot_ = nullptr;               // the matrix slot; null when nothing is cast
+  int in_slot_ = -1;
+};
+
+StatusOr<LlamaModel::Params> LlamaModel::params_of(int group, const GroupView& view) {
   if (view.dtype != options_.param_dtype)
     return FailedPreconditionError("Llama model: the engine gathers " + std::string(dtype_name(view.dtype)) +
                                    " parameters but the model was planned for " + std::string(dtype_name(options_.param_dtype)) +
                                    " (set LlamaModelOptions::param_dtype to EngineOptions::param_dtype)");
   const GroupLayout& layout = engine_.layout(group);
-  std::vector<const void*> params;
-  params.reserve(layout.tensors.size());
+  Params params;
   const DType compute = plan_.compute_dtype;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    params.sources_.push_back(view.tensors[i]);
+    params.numel_.push_back(layout.tensors[i].numel);
+  }
   if (view.dtype == compute) {
-    for (void* p : view.tensors) params.push_back(p);
+    params.pointers_ = params.sources_;
     return params;
   }
   const DeviceLayout& d = buffers_->layout;
-  if (layout.numel * dtype_size(compute) > d.param_scratch_bytes)
-    return InternalError("Llama model: parameter scratch too small for group " + layout.name);
-  void* scratch = buffers_->at(d.param_scratch);
-  STRATA_RETURN_IF_ERROR(kernels::cast(engine_.compute_stream(), view.flat, view.dtype, scratch, compute, layout.numel));
-  for (const auto& t : layout.tensors) params.push_back(static_cast<const char*>(scratch) + t.offset * dtype_size(compute));
+  params.stream_ = &engine_.compute_stream();
+  params.from_ = view.dtype;
+  params.to_ = compute;
+  params.slot_ = buffers_->at(d.matrix_scratch);
+  char* vectors = static_cast<char*>(buffers_->at(d.vector_scratch));
+  size_t used = 0;
+  for (size_t i = 0; i < layout.tensors.size(); ++i) {
+    const TensorLayout& t = layout.tensors[i];
+    if (t.shape.size() >= 2) {
+      if (t.numel * dtype_size(compute) > d.matrix_scratch_bytes) return InternalError("Llama model: matrix scratch too small for " + layout.name + "." + t.name);
+      params.pointers_.push_back(nullptr);
+      continue;
+    }
+    if ((used + t.numel) * dtype_size(compute) > d.vector_scratch_bytes) return InternalError("Llama model: vector scratch too small for " + layout.name);
+    STRATA_RETURN_IF_ERROR(kernels::cast(engine_.compute_stream(), view.tensors[i], view.dtype, vectors + used * dtype_size(compute), compute, t.numel));
+    params.pointers_.push_back(vectors + used * dtype_size(compute));
+    used += round_up(t.numel, kTensorAlignElements);
+  }
   return params;
 }
 
@@ -576,7 +672,7 @@ Status LlamaModel::embed_forward(const Rows& rows) {
     const size_t chunk_rows = static_cast<size_t>(d.chunks.rows(k, options_.config.vocab_size));
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
     if (view.dtype != options_.param_dtype) STRATA_RETURN_IF_ERROR(params_of(g, view).status());  // the dtype error
-    void* table = b.at(d.embed_scratch);
+    void* table = b.at(d.matrix_scratch);
     if (view.dtype == dt) {
       STRATA_RETURN_IF_ERROR(device.copy_async(table, view.tensors[0], chunk_rows * H * cs, CopyKind::kDeviceToDevice, stream));
     } else {
@@ -609,7 +705,7 @@ Status LlamaModel::embed_backward(int64_t chunk, float* dweight) {
   return kernels::residual_forward(stream, DType::kFloat32, dweight, scratch, dweight, chunk_rows * H);
 }
 
-Status LlamaModel::block_forward(const std::vector<const void*>& p, const void* x, void* y, const BlockActs& a, const Rows& rows) {
+Status LlamaModel::block_forward(Params& p, const void* x, void* y, const BlockActs& a, const Rows& rows) {
   Stream& stream = engine_.compute_stream();
   kernels::BlasContext& blas = *blas_;
   const DeviceLayout& d = buffers_->layout;
@@ -619,34 +715,40 @@ Status LlamaModel::block_forward(const std::vector<const void*>& p, const void* 
   const size_t n = rows.count, H = static_cast<size_t>(c.hidden_size), I = static_cast<size_t>(c.intermediate_size);
   const size_t D = static_cast<size_t>(c.head_dim), NH = static_cast<size_t>(c.num_attention_heads), NKV = static_cast<size_t>(c.num_key_value_heads);
   const size_t QD = NH * D, KVD = NKV * D;
-  auto bias = [&](int i) { return i < 0 ? nullptr : p[static_cast<size_t>(i)]; };
   const kernels::RmsNormShape norm{n, H, static_cast<float>(c.rms_norm_eps)};
   const int32_t* positions = buffers_->as<int32_t>(d.positions);
   const float* inv_freq = buffers_->as<float>(d.inv_freq);
   void* workspace = d.attention_workspace_bytes > 0 ? buffers_->at(d.attention_workspace) : nullptr;
   using kernels::WeightLayout;
-  STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, norm, dt, x, p[ix.input_norm], a.norm1, a.rstd1));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, QD, WeightLayout::kOutIn}, dt, a.norm1, p[ix.q], bias(ix.q_bias), a.q));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, a.norm1, p[ix.k], bias(ix.k_bias), a.k));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, a.norm1, p[ix.v], bias(ix.v_bias), a.v));
+  STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, norm, dt, x, p.vector(ix.input_norm), a.norm1, a.rstd1));
+  STRATA_ASSIGN_OR_RETURN(const void* q_weight, p.matrix(ix.q));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, QD, WeightLayout::kOutIn}, dt, a.norm1, q_weight, p.vector(ix.q_bias), a.q));
+  STRATA_ASSIGN_OR_RETURN(const void* k_weight, p.matrix(ix.k));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, a.norm1, k_weight, p.vector(ix.k_bias), a.k));
+  STRATA_ASSIGN_OR_RETURN(const void* v_weight, p.matrix(ix.v));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, a.norm1, v_weight, p.vector(ix.v_bias), a.v));
   STRATA_RETURN_IF_ERROR(kernels::rope_forward(stream, {n, NH, D, 0}, dt, positions, inv_freq, a.q, a.q));
   STRATA_RETURN_IF_ERROR(kernels::rope_forward(stream, {n, NKV, D, 0}, dt, positions, inv_freq, a.k, a.k));
   const kernels::GqaAttentionShape attention{static_cast<size_t>(rows.sequences), static_cast<size_t>(options_.seq_len), NH, NKV, D, 0, 0, 0};
   STRATA_RETURN_IF_ERROR(
       kernels::gqa_attention_forward(stream, blas, attention, dt, a.q, a.k, a.v, a.att, a.lse, workspace, d.attention_workspace_bytes));
   // o_proj through x2 (free until the residual add).
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, QD, H, WeightLayout::kOutIn}, dt, a.att, p[ix.o], bias(ix.o_bias), a.x2));
+  STRATA_ASSIGN_OR_RETURN(const void* o_weight, p.matrix(ix.o));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, QD, H, WeightLayout::kOutIn}, dt, a.att, o_weight, p.vector(ix.o_bias), a.x2));
   STRATA_RETURN_IF_ERROR(kernels::residual_forward(stream, dt, x, a.x2, a.x2, n * H));
-  STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, norm, dt, a.x2, p[ix.post_norm], a.norm2, a.rstd2));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, a.norm2, p[ix.gate], bias(ix.gate_bias), a.gate));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, a.norm2, p[ix.up], bias(ix.up_bias), a.up));
+  STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, norm, dt, a.x2, p.vector(ix.post_norm), a.norm2, a.rstd2));
+  STRATA_ASSIGN_OR_RETURN(const void* gate_weight, p.matrix(ix.gate));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, a.norm2, gate_weight, p.vector(ix.gate_bias), a.gate));
+  STRATA_ASSIGN_OR_RETURN(const void* up_weight, p.matrix(ix.up));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, a.norm2, up_weight, p.vector(ix.up_bias), a.up));
   STRATA_RETURN_IF_ERROR(kernels::swiglu_forward(stream, dt, a.gate, a.up, a.act, n * I));
   if (y == nullptr) return {};  // a recompute: the block's output is not needed again
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, I, H, WeightLayout::kOutIn}, dt, a.act, p[ix.down], bias(ix.down_bias), y));
+  STRATA_ASSIGN_OR_RETURN(const void* down_weight, p.matrix(ix.down));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, blas, {n, I, H, WeightLayout::kOutIn}, dt, a.act, down_weight, p.vector(ix.down_bias), y));
   return kernels::residual_forward(stream, dt, y, a.x2, y, n * H);
 }
 
-Status LlamaModel::block_backward(const std::vector<const void*>& p, const std::vector<float*>& g, const void* x, const BlockActs& a,
+Status LlamaModel::block_backward(Params& p, const std::vector<float*>& g, const void* x, const BlockActs& a,
                                   const Rows& rows) {
   Stream& stream = engine_.compute_stream();
   kernels::BlasContext& blas = *blas_;
@@ -672,40 +774,48 @@ Status LlamaModel::block_backward(const std::vector<const void*>& p, const std::
   const kernels::GradOptions add{kernels::GradWrite::kAccumulate, kernels::GradWrite::kAccumulate};
   // MLP: d act, then the gate's and up's gradients (dup into act, free once down_proj's
   // weight gradient has read it).
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, I, H, WeightLayout::kOutIn}, dt, dresid, a.act, p[ix.down], wide, g[ix.down],
+  STRATA_ASSIGN_OR_RETURN(const void* down_weight, p.matrix(ix.down));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, I, H, WeightLayout::kOutIn}, dt, dresid, a.act, down_weight, wide, g[ix.down],
                                                   grad(ix.down_bias), fresh));
   STRATA_RETURN_IF_ERROR(kernels::swiglu_backward(stream, dt, wide, a.gate, a.up, wide2, a.act, n * I, kernels::GradWrite::kOverwrite));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, wide2, a.norm2, p[ix.gate], narrow, g[ix.gate],
+  STRATA_ASSIGN_OR_RETURN(const void* gate_weight, p.matrix(ix.gate));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, wide2, a.norm2, gate_weight, narrow, g[ix.gate],
                                                   grad(ix.gate_bias), fresh));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, a.act, a.norm2, p[ix.up], narrow, g[ix.up],
+  STRATA_ASSIGN_OR_RETURN(const void* up_weight, p.matrix(ix.up));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, I, WeightLayout::kOutIn}, dt, a.act, a.norm2, up_weight, narrow, g[ix.up],
                                                   grad(ix.up_bias), add));
   // dresid += the post-attention norm's input gradient: now d loss / d x2.
-  STRATA_RETURN_IF_ERROR(kernels::rmsnorm_backward(stream, norm, dt, narrow, a.x2, p[ix.post_norm], a.rstd2, dresid, g[ix.post_norm], add));
+  STRATA_RETURN_IF_ERROR(kernels::rmsnorm_backward(stream, norm, dt, narrow, a.x2, p.vector(ix.post_norm), a.rstd2, dresid, g[ix.post_norm], add));
   // Attention.
   void* datt = b.at(d.datt);
   void* dq = b.at(d.dq);
   void* dk = b.at(d.dk);
   void* dv = b.at(d.dv);
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, QD, H, WeightLayout::kOutIn}, dt, dresid, a.att, p[ix.o], datt, g[ix.o],
+  STRATA_ASSIGN_OR_RETURN(const void* o_weight, p.matrix(ix.o));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, QD, H, WeightLayout::kOutIn}, dt, dresid, a.att, o_weight, datt, g[ix.o],
                                                   grad(ix.o_bias), fresh));
   const kernels::GqaAttentionShape attention{static_cast<size_t>(rows.sequences), static_cast<size_t>(options_.seq_len), NH, NKV, D, 0, 0, 0};
   STRATA_RETURN_IF_ERROR(kernels::gqa_attention_backward(stream, blas, attention, dt, datt, a.q, a.k, a.v, a.lse, dq, dk, dv, workspace,
                                                          d.attention_workspace_bytes, kernels::GradWrite::kOverwrite));
   STRATA_RETURN_IF_ERROR(kernels::rope_backward(stream, {n, NH, D, 0}, dt, positions, inv_freq, dq, dq, kernels::GradWrite::kOverwrite));
   STRATA_RETURN_IF_ERROR(kernels::rope_backward(stream, {n, NKV, D, 0}, dt, positions, inv_freq, dk, dk, kernels::GradWrite::kOverwrite));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, QD, WeightLayout::kOutIn}, dt, dq, a.norm1, p[ix.q], narrow, g[ix.q],
+  STRATA_ASSIGN_OR_RETURN(const void* q_weight, p.matrix(ix.q));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, QD, WeightLayout::kOutIn}, dt, dq, a.norm1, q_weight, narrow, g[ix.q],
                                                   grad(ix.q_bias), fresh));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, dk, a.norm1, p[ix.k], narrow, g[ix.k],
+  STRATA_ASSIGN_OR_RETURN(const void* k_weight, p.matrix(ix.k));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, dk, a.norm1, k_weight, narrow, g[ix.k],
                                                   grad(ix.k_bias), add));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, dv, a.norm1, p[ix.v], narrow, g[ix.v],
+  STRATA_ASSIGN_OR_RETURN(const void* v_weight, p.matrix(ix.v));
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, blas, {n, H, KVD, WeightLayout::kOutIn}, dt, dv, a.norm1, v_weight, narrow, g[ix.v],
                                                   grad(ix.v_bias), add));
   // dresid += the input norm's input gradient: d loss / d x.
-  return kernels::rmsnorm_backward(stream, norm, dt, narrow, x, p[ix.input_norm], a.rstd1, dresid, g[ix.input_norm], add);
+  return kernels::rmsnorm_backward(stream, norm, dt, narrow, x, p.vector(ix.input_norm), a.rstd1, dresid, g[ix.input_norm], add);
 }
 
 // Pass 1, one vocabulary chunk: each row's log-sum-exp over the chunk (into chunk_lse,
 // [block][chunk][row in block]) and, in the chunk holding its target, lse_k - logit.
-Status LlamaModel::head_pass1(int64_t chunk, const void* weight, const Rows& rows) {
+Status LlamaModel::head_pass1(int64_t chunk, Params& p, const Rows& rows) {
+  STRATA_ASSIGN_OR_RETURN(const void* weight, p.matrix(0));
   Buffers& b = *buffers_;
   const DeviceLayout& d = b.layout;
   Stream& stream = engine_.compute_stream();
@@ -748,7 +858,8 @@ Status LlamaModel::head_combine(const Rows& rows) {
 // onehot) with the full log-sum-exp; dx (+)= dlogits . W_k and/or dW_k += dlogits^T . x.
 // A row whose target is in another chunk had the stand-in target 0 (its -grad_scale at
 // column 0), taken back by the rank-1 product with fix_coef (grad_scale on those rows).
-Status LlamaModel::head_pass2(int64_t chunk, const void* weight, float* dweight, void* dx, const Rows& rows) {
+Status LlamaModel::head_pass2(int64_t chunk, Params& p, float* dweight, void* dx, const Rows& rows) {
+  STRATA_ASSIGN_OR_RETURN(const void* weight, p.matrix(0));
   Buffers& b = *buffers_;
   const DeviceLayout& d = b.layout;
   Stream& stream = engine_.compute_stream();
@@ -776,144 +887,200 @@ Status LlamaModel::head_pass2(int64_t chunk, const void* weight, float* dweight,
   return {};
 }
 
-StatusOr<MicroBatchLosses> LlamaModel::run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {
-  if (!buffers_) return FailedPreconditionError("LlamaModel::run_micro_batch() before allocate()");
-  if (train == nullptr && eval == nullptr) return InvalidArgumentError("LlamaModel::run_micro_batch(): neither a training nor an evaluation batch");
-  if (train != nullptr && eval != nullptr)
-    return InvalidArgumentError("LlamaModel::run_micro_batch(): an evaluation batch riding along a training micro-batch is not supported; run an "
-                                "evaluation-only pass (engine.begin_forward())");
-  if (train != nullptr && train->sequences != options_.batch)
-    return InvalidArgumentError("Llama model: a training micro-batch has " + std::to_string(train->sequences) +
-                                " sequences, the model was planned for " + std::to_string(options_.batch));
-  if (eval != nullptr && (eval->sequences < 1 || eval->sequences > options_.eval_batch))
-    return InvalidArgumentError("Llama model: an evaluation batch has " + std::to_string(eval->sequences) + " sequences, the model was planned for 1 to " +
-                                std::to_string(options_.eval_batch));
+// kPinnedHost: block l's input (all but the last block's, which stays on the device) is
+// copied to pinned memory on the copy stream while block l computes; block l writes its
+// output over block l-1's input, so it waits until that one is saved.
+Status LlamaModel::save_block_input(int64_t l, const Rows& rows) {
+  Buffers& b = *buffers_;
+  Stream& stream = engine_.compute_stream();
+  const int64_t L = options_.config.num_hidden_layers;
+  const size_t bytes = rows.count * static_cast<size_t>(options_.config.hidden_size) * dtype_size(plan_.compute_dtype);
+  if (l < L - 1) {
+    STRATA_RETURN_IF_ERROR(stream.record(*b.input_ready));
+    STRATA_RETURN_IF_ERROR(b.copy_stream->wait(*b.input_ready));
+    STRATA_RETURN_IF_ERROR(engine_.device().copy_async(b.pinned[static_cast<size_t>(l)].data(), b.resid(l), bytes, CopyKind::kDeviceToHost, *b.copy_stream));
+    STRATA_RETURN_IF_ERROR(b.copy_stream->record(*b.saved[l % 2]));
+  }
+  if (l >= 1) STRATA_RETURN_IF_ERROR(stream.wait(*b.saved[(l - 1) % 2]));
+  return {};
+}
+
+// kPinnedHost: once the buffer that held block m's input (or the final residual, m = L)
+// is no longer read, block m-2's input is copied back into it, ahead of its recompute.
+Status LlamaModel::restore_block_input(int64_t m, const Rows& rows) {
+  Buffers& b = *buffers_;
+  if (!b.copy_stream || m - 2 < 0) return {};
+  const size_t bytes = rows.count * static_cast<size_t>(options_.config.hidden_size) * dtype_size(plan_.compute_dtype);
+  STRATA_RETURN_IF_ERROR(engine_.compute_stream().record(*b.slot_free));
+  STRATA_RETURN_IF_ERROR(b.copy_stream->wait(*b.slot_free));
+  STRATA_RETURN_IF_ERROR(engine_.device().copy_async(b.resid(m - 2), b.pinned[static_cast<size_t>(m - 2)].data(), bytes, CopyKind::kHostToDevice,
+                                                     *b.copy_stream));
+  return b.copy_stream->record(*b.restored[(m - 2) % 2]);
+}
+
+// Embedding, blocks (their inputs kept for the backward), the final norm and the head's
+// pass 1: each row's full log-sum-exp and its loss pieces.
+Status LlamaModel::forward(const Rows& rows) {
   Buffers& b = *buffers_;
   const DeviceLayout& d = b.layout;
-  Device& device = engine_.device();
   Stream& stream = engine_.compute_stream();
   const LlamaConfig& c = options_.config;
-  const int64_t L = c.num_hidden_layers;
   const size_t H = static_cast<size_t>(c.hidden_size);
   const DType dt = plan_.compute_dtype;
-  const size_t cs = dtype_size(dt);
-  const bool training = train != nullptr;
-  const bool keep_all = options_.checkpointing == ActivationCheckpointing::kOff;
-  const TokenBatch& batch = training ? *train : *eval;
-
-  MicroBatchLosses result;
-  Rows rows;
-  STRATA_RETURN_IF_ERROR(stage_inputs(batch, training ? grad_scale : 0.0f, rows));
-  int64_t counted = 0;
-  for (size_t r = 0; r < rows.count; ++r) counted += b.targets[r] != -1;
-  auto resid = [&](int64_t l) { return b.at(d.resid[static_cast<size_t>(l)]); };
-  auto acts = [&](int64_t l) { return b.acts(keep_all ? static_cast<size_t>(l) : 0); };
-
-  // ---- Forward.
   STRATA_RETURN_IF_ERROR(embed_forward(rows));
-  for (int64_t l = 0; l < L; ++l) {
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const int g = groups_.layer(l);
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
-    STRATA_RETURN_IF_ERROR(block_forward(p, resid(l), resid(l + 1), acts(l), rows));
+    STRATA_ASSIGN_OR_RETURN(Params p, params_of(g, view));
+    if (rows.training && b.copy_stream) STRATA_RETURN_IF_ERROR(save_block_input(l, rows));
+    STRATA_RETURN_IF_ERROR(block_forward(p, b.resid(l), b.resid(l + 1), b.block_acts(l), rows));
     STRATA_RETURN_IF_ERROR(engine_.release(g));
   }
-  const kernels::RmsNormShape final_norm{rows.count, H, static_cast<float>(c.rms_norm_eps)};
   {
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(groups_.norm()));
-    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(groups_.norm(), view));
-    STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, final_norm, dt, resid(L), p[0], b.at(d.norm_out), b.as<float>(d.norm_rstd)));
+    STRATA_ASSIGN_OR_RETURN(Params p, params_of(groups_.norm(), view));
+    STRATA_RETURN_IF_ERROR(kernels::rmsnorm_forward(stream, {rows.count, H, static_cast<float>(c.rms_norm_eps)}, dt, b.resid(c.num_hidden_layers), p.vector(0),
+                                                    b.at(d.norm_out), b.as<float>(d.norm_rstd)));
     // The norm's backward runs without gathering it again: keep its gain.
-    STRATA_RETURN_IF_ERROR(device.copy_async(b.at(d.norm_gamma), p[0], H * cs, CopyKind::kDeviceToDevice, stream));
+    STRATA_RETURN_IF_ERROR(engine_.device().copy_async(b.at(d.norm_gamma), p.vector(0), H * dtype_size(dt), CopyKind::kDeviceToDevice, stream));
     STRATA_RETURN_IF_ERROR(engine_.release(groups_.norm()));
   }
   for (int64_t k = 0; k < d.chunks.count; ++k) {
     const int g = groups_.head(k);
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
-    STRATA_RETURN_IF_ERROR(head_pass1(k, p[0], rows));
+    STRATA_ASSIGN_OR_RETURN(Params p, params_of(g, view));
+    STRATA_RETURN_IF_ERROR(head_pass1(k, p, rows));
     STRATA_RETURN_IF_ERROR(engine_.release(g));
   }
-  STRATA_RETURN_IF_ERROR(head_combine(rows));
+  return head_combine(rows);
+}
 
-  // ---- Backward.
-  if (training) {
-    for (int64_t k = 0; k < d.chunks.count; ++k) {
-      const int g = groups_.head(k);
-      STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-      STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
-      GroupView grads;
-      if (!groups_.tied) {
-        STRATA_ASSIGN_OR_RETURN(grads, engine_.gradient_buffer(g));
-      }
-      // The head's input gradient goes to `narrow`, the final norm's backward reads it there.
-      STRATA_RETURN_IF_ERROR(head_pass2(k, p[0], groups_.tied ? nullptr : static_cast<float*>(grads.tensors[0]), b.at(d.narrow), rows));
-      STRATA_RETURN_IF_ERROR(engine_.release(g));
-      if (!groups_.tied) {
-        STRATA_RETURN_IF_ERROR(capture(g, grads));
-        STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
-      }
+// The head's pass 2, the final norm, the blocks in reverse (recomputed from their inputs
+// when checkpointing), then the embedding chunks (tied: with the head's pass 3), each
+// group's grads_ready() after its last use.
+Status LlamaModel::backward(const Rows& rows) {
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
+  Stream& stream = engine_.compute_stream();
+  const LlamaConfig& c = options_.config;
+  const DType dt = plan_.compute_dtype;
+  const bool keep_all = options_.checkpointing == ActivationCheckpointing::kOff;
+  for (int64_t k = 0; k < d.chunks.count; ++k) {
+    const int g = groups_.head(k);
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
+    STRATA_ASSIGN_OR_RETURN(Params p, params_of(g, view));
+    GroupView grads;
+    if (!groups_.tied) {
+      STRATA_ASSIGN_OR_RETURN(grads, engine_.gradient_buffer(g));
     }
-    {
-      const int g = groups_.norm();
-      STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
-      const kernels::GradOptions options{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
-      STRATA_RETURN_IF_ERROR(kernels::rmsnorm_backward(stream, final_norm, dt, b.at(d.narrow), resid(L), b.at(d.norm_gamma), b.as<float>(d.norm_rstd),
-                                                       b.at(d.dresid), static_cast<float*>(grads.tensors[0]), options));
-      STRATA_RETURN_IF_ERROR(capture(g, grads));
-      STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
-    }
-    for (int64_t l = L - 1; l >= 0; --l) {
-      const int g = groups_.layer(l);
-      STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-      STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
-      STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
-      std::vector<float*> gp;
-      for (void* t : grads.tensors) gp.push_back(static_cast<float*>(t));
-      const BlockActs a = acts(l);
-      if (!keep_all) STRATA_RETURN_IF_ERROR(block_forward(p, resid(l), nullptr, a, rows));
-      STRATA_RETURN_IF_ERROR(block_backward(p, gp, resid(l), a, rows));
-      STRATA_RETURN_IF_ERROR(engine_.release(g));
-      STRATA_RETURN_IF_ERROR(capture(g, grads));
-      STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
-    }
-    // dresid is d loss / d x_0: the embedding chunks' gradients (tied: plus the head's).
-    for (int64_t k = 0; k < d.chunks.count; ++k) {
-      const int g = groups_.embed(k);
-      STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
-      float* dweight = static_cast<float*>(grads.tensors[0]);
-      if (groups_.tied) {
-        STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-        STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
-        STRATA_RETURN_IF_ERROR(head_pass2(k, p[0], dweight, nullptr, rows));
-        STRATA_RETURN_IF_ERROR(engine_.release(g));
-      }
-      STRATA_RETURN_IF_ERROR(embed_backward(k, dweight));
+    // The head's input gradient goes to `narrow`, the final norm's backward reads it there.
+    STRATA_RETURN_IF_ERROR(head_pass2(k, p, groups_.tied ? nullptr : static_cast<float*>(grads.tensors[0]), b.at(d.narrow), rows));
+    STRATA_RETURN_IF_ERROR(engine_.release(g));
+    if (!groups_.tied) {
       STRATA_RETURN_IF_ERROR(capture(g, grads));
       STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
     }
   }
+  {
+    const int g = groups_.norm();
+    STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
+    const kernels::GradOptions options{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
+    STRATA_RETURN_IF_ERROR(kernels::rmsnorm_backward(stream, {rows.count, static_cast<size_t>(c.hidden_size), static_cast<float>(c.rms_norm_eps)}, dt,
+                                                     b.at(d.narrow), b.resid(c.num_hidden_layers), b.at(d.norm_gamma), b.as<float>(d.norm_rstd),
+                                                     b.at(d.dresid), static_cast<float*>(grads.tensors[0]), options));
+    STRATA_RETURN_IF_ERROR(capture(g, grads));
+    STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
+  }
+  STRATA_RETURN_IF_ERROR(restore_block_input(c.num_hidden_layers, rows));
+  for (int64_t l = c.num_hidden_layers - 1; l >= 0; --l) {
+    const int g = groups_.layer(l);
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
+    STRATA_ASSIGN_OR_RETURN(Params p, params_of(g, view));
+    STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
+    std::vector<float*> gp;
+    for (void* t : grads.tensors) gp.push_back(static_cast<float*>(t));
+    const BlockActs a = b.block_acts(l);
+    if (b.copy_stream && l < c.num_hidden_layers - 1) STRATA_RETURN_IF_ERROR(stream.wait(*b.restored[l % 2]));
+    if (!keep_all) STRATA_RETURN_IF_ERROR(block_forward(p, b.resid(l), nullptr, a, rows));
+    STRATA_RETURN_IF_ERROR(block_backward(p, gp, b.resid(l), a, rows));
+    STRATA_RETURN_IF_ERROR(engine_.release(g));
+    STRATA_RETURN_IF_ERROR(capture(g, grads));
+    STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
+    STRATA_RETURN_IF_ERROR(restore_block_input(l, rows));
+  }
+  // dresid is d loss / d x_0: the embedding chunks' gradients (tied: plus the head's).
+  for (int64_t k = 0; k < d.chunks.count; ++k) {
+    const int g = groups_.embed(k);
+    STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
+    float* dweight = static_cast<float*>(grads.tensors[0]);
+    if (groups_.tied) {
+      STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
+      STRATA_ASSIGN_OR_RETURN(Params p, params_of(g, view));
+      STRATA_RETURN_IF_ERROR(head_pass2(k, p, dweight, nullptr, rows));
+      STRATA_RETURN_IF_ERROR(engine_.release(g));
+    }
+    STRATA_RETURN_IF_ERROR(embed_backward(k, dweight));
+    STRATA_RETURN_IF_ERROR(capture(g, grads));
+    STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
+  }
+  return {};
+}
 
-  // ---- Losses: each row's is loss_lse (LSE - the target chunk's lse) plus its target
-  // chunk's piece (that lse - the target's logit); the other chunks' pieces are 0.
+// Each row's loss is loss_lse (LSE minus its target chunk's lse) plus the target chunk's
+// piece (that lse minus the target's logit); the other chunks' pieces are 0. Waits.
+StatusOr<double> LlamaModel::loss_sum(const Rows& rows) {
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
+  Device& device = engine_.device();
+  Stream& stream = engine_.compute_stream();
   const size_t E = static_cast<size_t>(d.chunks.count);
   STRATA_RETURN_IF_ERROR(device.copy_async(b.loss_lse.data(), b.at(d.loss_lse), rows.count * 4, CopyKind::kDeviceToHost, stream));
   for (size_t k = 0; k < E; ++k)
     STRATA_RETURN_IF_ERROR(device.copy_async(b.chunk_losses.data() + k * rows.count, b.as<float>(d.chunk_losses) + k * rows.count, rows.count * 4,
                                              CopyKind::kDeviceToHost, stream));
   STRATA_RETURN_IF_ERROR(stream.synchronize());
+  if (b.copy_stream) STRATA_RETURN_IF_ERROR(b.copy_stream->synchronize());
   double sum = 0.0;
   for (size_t r = 0; r < rows.count; ++r) {
     if (b.targets[r] == -1) continue;
     const size_t k = static_cast<size_t>(b.chunk_targets[r]);
     sum += static_cast<double>(b.loss_lse[r]) + static_cast<double>(b.chunk_losses[k * rows.count + r]);
   }
-  if (training) {
-    result.train_loss_sum = sum;
-    result.train_tokens = counted;
-  } else {
-    result.eval_loss_sum = sum;
-    result.eval_tokens = counted;
+  return sum;
+}
+
+StatusOr<MicroBatchLosses> LlamaModel::run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {
+  if (!buffers_) return FailedPreconditionError("LlamaModel::run_micro_batch() before allocate()");
+  if (train == nullptr && eval == nullptr) return InvalidArgumentError("LlamaModel::run_micro_batch(): neither a training nor an evaluation batch");
+  if (train != nullptr && train->sequences != options_.batch)
+    return InvalidArgumentError("Llama model: a training micro-batch has " + std::to_string(train->sequences) +
+                                " sequences, the model was planned for " + std::to_string(options_.batch));
+  if (eval != nullptr && (eval->sequences < 1 || eval->sequences > options_.eval_batch))
+    return InvalidArgumentError("Llama model: an evaluation batch has " + std::to_string(eval->sequences) + " sequences, the model was planned for 1 to " +
+                                std::to_string(options_.eval_batch));
+  MicroBatchLosses result;
+  auto count_targets = [&](const Rows& rows) {
+    int64_t counted = 0;
+    for (size_t r = 0; r < rows.count; ++r) counted += buffers_->targets[r] != -1;
+    return counted;
+  };
+  // Evaluation first, through the same buffers, finished (its losses read back) before the
+  // training pass reuses them; within a step its gathers see the same weights.
+  if (eval != nullptr) {
+    Rows rows;
+    STRATA_RETURN_IF_ERROR(stage_inputs(*eval, 0.0f, rows));
+    result.eval_tokens = count_targets(rows);
+    STRATA_RETURN_IF_ERROR(forward(rows));
+    STRATA_ASSIGN_OR_RETURN(result.eval_loss_sum, loss_sum(rows));
+  }
+  if (train != nullptr) {
+    Rows rows;
+    STRATA_RETURN_IF_ERROR(stage_inputs(*train, grad_scale, rows));
+    rows.training = true;
+    result.train_tokens = count_targets(rows);
+    STRATA_RETURN_IF_ERROR(forward(rows));
+    STRATA_RETURN_IF_ERROR(backward(rows));
+    STRATA_ASSIGN_OR_RETURN(result.train_loss_sum, loss_sum(rows));
   }
   return result;
 }

@@ -31,6 +31,13 @@
 // plan a gradient buffer per chunk (it assumes a group used more than twice holds its
 // gradient between uses; this model never holds more than one).
 //
+// The embedding over vocabulary chunks: chunk k is copied into a slot with one zero row
+// appended, and embedding_forward reads it with each token mapped to its row in the chunk
+// or, for a token of another chunk, to the zero row; the chunks' outputs add up exactly
+// (one of them is the token's row, the others zeros). The backward writes through the
+// same mapping into an fp32 scratch whose extra row collects the other chunks' tokens,
+// and adds the chunk's rows into its gradient.
+//
 // The LM head over vocabulary chunks. Only one chunk of the head's weight is gathered at a
 // time, so the full-vocabulary cross-entropy is assembled from per-chunk pieces with the
 // existing kernels, exactly up to fp32 rounding:
@@ -49,12 +56,14 @@
 // would remove the recomputation.
 //
 // Activations: with checkpointing (default) each block's input is kept and the block is
-// recomputed in backward; kOff keeps every block's intermediates. kPinnedHost is not
-// offered yet. Everything the model allocates on the device is one buffer whose size
+// recomputed in backward; kOff keeps every block's intermediates; kPinnedHost keeps the
+// block inputs in pinned host memory, as GptModel does (copied out on a copy stream while
+// the next block computes, back one block ahead of its recompute). Everything the model allocates on the device is one buffer whose size
 // plan_llama_activations() computes; declare it as EngineOptions::activation_bytes.
 //
 // Compute dtype: fp32, or bf16 on a CudaDevice when parameters are bf16; parameters in
-// another dtype are cast into fp32 scratch after each gather.
+// another dtype are cast into fp32 scratch after each gather: a group's vectors at once,
+// its matrices one at a time as the kernels reach them (the scratch is one matrix).
 #pragma once
 
 #include <algorithm>
@@ -132,7 +141,7 @@ struct LlamaModelOptions {
   int64_t batch = 1;                    // sequences per training micro-batch on this rank
   int64_t seq_len = 0;                  // tokens per sequence (<= max_position_embeddings); required
   int64_t eval_batch = 0;               // sequences of an evaluation-only pass (0 = batch)
-  ActivationCheckpointing checkpointing = ActivationCheckpointing::kDevice;  // kOff or kDevice
+  ActivationCheckpointing checkpointing = ActivationCheckpointing::kDevice;
   size_t vocab_chunk_bytes = kDefaultVocabChunkBytes;  // fp32 bytes per embedding / lm_head chunk
   int64_t head_chunk_rows = 0;          // token rows per LM-head block; 0 = as many as keep the logits under 32 MiB
   // Tests: copy every group's full fp32 gradient to the host before grads_ready()
@@ -142,6 +151,7 @@ struct LlamaModelOptions {
 
 struct LlamaActivationPlan {
   size_t device_bytes = 0;  // everything the model allocates on the device (declare as activation_bytes)
+  size_t pinned_bytes = 0;  // training block inputs in pinned host memory (kPinnedHost)
   DType compute_dtype = DType::kFloat32;
   VocabChunks chunks;
   int64_t head_rows = 0;    // token rows per LM-head block
@@ -171,9 +181,12 @@ class LlamaModel {
   // GptModel::run_micro_batch: `train` (options.batch sequences) runs forward and
   // backward with gradients scaled by grad_scale and grads_ready() for every group; an
   // evaluation-only pass (train null, eval up to eval_batch sequences) runs inside
-  // engine.begin_forward() ... end_forward(). Both at once is not supported yet
-  // (InvalidArgument). TokenBatch::positions (null = 0..T-1 in each sequence) gives each
-  // token's rotary position; targets of -1 carry no loss. Waits for the compute.
+  // engine.begin_forward() ... end_forward(). With both, the evaluation runs first as a
+  // forward of its own (its own gathers, not riding along the training forward as
+  // GptModel's does; the weights are the same within the step, and the engine re-plans
+  // its prefetches around the extra gathers). TokenBatch::positions (null = 0..T-1 in
+  // each sequence) gives each token's rotary position; targets of -1 carry no loss.
+  // Waits for the compute.
   StatusOr<MicroBatchLosses> run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale);
 
   const std::map<int, std::vector<float>>& captured_gradients() const { return captured_; }
@@ -182,18 +195,23 @@ class LlamaModel {
   struct Buffers;
   struct BlockActs;
   struct Rows;
+  class Params;
   LlamaModel(Engine& engine, const LlamaModelOptions& options, const LlamaActivationPlan& plan);
 
-  StatusOr<std::vector<const void*>> params_of(int group, const GroupView& view);
+  StatusOr<Params> params_of(int group, const GroupView& view);
   Status stage_inputs(const TokenBatch& batch, float grad_scale, Rows& rows);
   Status embed_forward(const Rows& rows);
   Status embed_backward(int64_t chunk, float* dweight);
-  Status block_forward(const std::vector<const void*>& p, const void* x, void* y, const BlockActs& a, const Rows& rows);
-  Status block_backward(const std::vector<const void*>& p, const std::vector<float*>& g, const void* x, const BlockActs& a,
-                        const Rows& rows);
-  Status head_pass1(int64_t chunk, const void* weight, const Rows& rows);
+  Status block_forward(Params& p, const void* x, void* y, const BlockActs& a, const Rows& rows);
+  Status block_backward(Params& p, const std::vector<float*>& g, const void* x, const BlockActs& a, const Rows& rows);
+  Status head_pass1(int64_t chunk, Params& p, const Rows& rows);
   Status head_combine(const Rows& rows);
-  Status head_pass2(int64_t chunk, const void* weight, float* dweight, void* dx, const Rows& rows);
+  Status head_pass2(int64_t chunk, Params& p, float* dweight, void* dx, const Rows& rows);
+  Status save_block_input(int64_t layer, const Rows& rows);
+  Status restore_block_input(int64_t layer, const Rows& rows);
+  Status forward(const Rows& rows);
+  Status backward(const Rows& rows);
+  StatusOr<double> loss_sum(const Rows& rows);
   Status capture(int group, const GroupView& grads);
 
   Engine& engine_;

@@ -277,18 +277,23 @@ LlamaConfig tiny_config(const std::string& model_type, bool tied) {
   return *config;
 }
 
-TEST(LlamaModelTest, CheckpointingOnAndOffGiveBitIdenticalGradients) {
+TEST(LlamaModelTest, CheckpointingModesGiveBitIdenticalGradients) {
   for (bool tied : {true, false}) {
     SCOPED_TRACE(tied ? "tied" : "untied");
-    const LlamaConfig config = tiny_config("qwen2", tied);
+    LlamaConfig config = tiny_config("qwen2", tied);
+    config.num_hidden_layers = 4;  // pinned: saves 3 inputs and restores 2 of them ahead
     const Batch batch = make_batch(config.vocab_size, 3, 11, 5);
     const auto [loss_off, off] = run_once(tiny_options(config, ActivationCheckpointing::kOff), batch, 3);
-    const auto [loss_on, on] = run_once(tiny_options(config, ActivationCheckpointing::kDevice), batch, 3);
     ASSERT_FALSE(off.empty());
-    EXPECT_EQ(loss_off, loss_on);
-    for (const auto& [g, values] : off) {
-      ASSERT_EQ(on.at(g).size(), values.size());
-      EXPECT_EQ(std::memcmp(on.at(g).data(), values.data(), values.size() * 4), 0) << "group " << g;
+    for (ActivationCheckpointing mode : {ActivationCheckpointing::kDevice, ActivationCheckpointing::kPinnedHost}) {
+      SCOPED_TRACE(std::string(gpt::activation_checkpointing_name(mode)));
+      const auto [loss_on, on] = run_once(tiny_options(config, mode), batch, 3);
+      ASSERT_FALSE(on.empty());
+      EXPECT_EQ(loss_off, loss_on);
+      for (const auto& [g, values] : off) {
+        ASSERT_EQ(on.at(g).size(), values.size());
+        EXPECT_EQ(std::memcmp(on.at(g).data(), values.data(), values.size() * 4), 0) << "group " << g;
+      }
     }
   }
 }
@@ -419,20 +424,108 @@ TEST(LlamaModelTest, TwoRanksGiveTheGradientsOfOne) {
   }
 }
 
-TEST(LlamaModelTest, BF16ParametersOnTheCpuDeviceAreCastToFp32) {
-  const LlamaConfig config = tiny_config("llama", true);
-  LlamaModelOptions options = tiny_options(config, ActivationCheckpointing::kDevice);
-  options.param_dtype = DType::kBFloat16;
-  EngineOptions engine_options = fp32_engine_options();
-  engine_options.param_dtype = DType::kBFloat16;
-  engine_options.grad_transfer_dtype = DType::kBFloat16;
-  engine_options.grad_wire_dtype = DType::kBFloat16;
-  SingleRank rank;
-  STRATA_ASSERT_OK(rank.init(options, engine_options));
-  EXPECT_EQ(rank.model->compute_dtype(), DType::kFloat32);
-  const Batch batch = make_batch(config.vocab_size, 3, 11, 3);
-  STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses losses, rank.gradients(batch, 3));
-  EXPECT_NEAR(losses.train_loss_sum / double(losses.train_tokens), std::log(37.0), 0.1);
+// Three steps on one batch (the tied model's schedule is recorded on the first, the
+// untied one's declared), then an evaluation-only pass that sees the updated weights.
+TEST(LlamaModelTest, TrainingStepsLowerTheLossAndEvaluationSeesTheUpdates) {
+  for (bool tied : {true, false}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    const LlamaConfig config = tiny_config("mistral", tied);
+    LlamaModelOptions options = tiny_options(config, ActivationCheckpointing::kDevice);
+    options.capture_gradients = false;
+    options.eval_batch = 2;
+    SingleRank rank;
+    STRATA_ASSERT_OK(rank.init(options, fp32_engine_options()));
+    const Batch batch = make_batch(config.vocab_size, 3, 11, 30);
+    int64_t tokens = 0;
+    for (int32_t t : batch.targets) tokens += t != -1;
+    const TokenBatch train{batch.inputs.data(), batch.targets.data(), 3, batch.positions.data()};
+    std::vector<double> losses;
+    for (int step = 0; step < 3; ++step) {
+      STRATA_ASSERT_OK(rank.engine->begin_step(1e-2));
+      STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses l, rank.model->run_micro_batch(&train, nullptr, 1.0f / float(tokens)));
+      EXPECT_EQ(l.train_tokens, tokens);
+      losses.push_back(l.train_loss_sum / double(l.train_tokens));
+      STRATA_ASSERT_OK(rank.engine->step(losses.back()).status());
+    }
+    STRATA_ASSERT_OK(rank.engine->finish());
+    EXPECT_LT(losses[1], losses[0]);
+    EXPECT_LT(losses[2], losses[1]);
+    // The first two sequences, evaluated after the third update.
+    STRATA_ASSERT_OK(rank.engine->begin_forward(llama_forward_order(config, rank.model->activation_plan().chunks)));
+    const TokenBatch eval{batch.inputs.data(), batch.targets.data(), 2, batch.positions.data()};
+    STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses e, rank.model->run_micro_batch(nullptr, &eval, 0.0f));
+    STRATA_ASSERT_OK(rank.engine->end_forward());
+    STRATA_ASSERT_OK(rank.engine->finish());
+    EXPECT_EQ(e.train_tokens, 0);
+    EXPECT_EQ(e.eval_tokens, 2 * 11 - 1);  // targets[3] is -1
+    EXPECT_LT(e.eval_loss_sum / double(e.eval_tokens), losses[2]);
+  }
+}
+
+// Evaluation and training in one call: the training pass is the one without evaluation,
+// bit for bit, and the evaluation loss is an evaluation-only pass's on the same weights.
+TEST(LlamaModelTest, EvaluationInTheSameCallChangesNoGradientAndMatchesAnEvaluationPass) {
+  for (bool tied : {true, false}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    LlamaModelOptions options = tiny_options(tiny_config("llama", tied), ActivationCheckpointing::kDevice);
+    options.eval_batch = 5;
+    const Batch batch = make_batch(options.config.vocab_size, 3, 11, 9);
+    const Batch eval = make_batch(options.config.vocab_size, 5, 11, 10);
+    SingleRank plain, with_eval, eval_only;
+    STRATA_ASSERT_OK(plain.init(options, fp32_engine_options()));
+    STRATA_ASSERT_OK(with_eval.init(options, fp32_engine_options()));
+    STRATA_ASSERT_OK(eval_only.init(options, fp32_engine_options()));
+    STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses a, plain.gradients(batch, 3));
+    STRATA_ASSERT_OK(with_eval.engine->begin_step(0.0));
+    const TokenBatch train{batch.inputs.data(), batch.targets.data(), 3, batch.positions.data()};
+    const TokenBatch eval_batch{eval.inputs.data(), eval.targets.data(), 5, eval.positions.data()};
+    STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses b, with_eval.model->run_micro_batch(&train, &eval_batch, 1.0f / float(a.train_tokens)));
+    STRATA_ASSERT_OK(with_eval.engine->step(0.0).status());
+    STRATA_ASSERT_OK(with_eval.engine->finish());
+    EXPECT_EQ(a.train_loss_sum, b.train_loss_sum);
+    EXPECT_EQ(b.eval_tokens, 5 * 11 - 2);
+    for (const auto& [g, values] : plain.model->captured_gradients())
+      EXPECT_EQ(std::memcmp(with_eval.model->captured_gradients().at(g).data(), values.data(), values.size() * 4), 0) << "group " << g;
+    STRATA_ASSERT_OK(eval_only.engine->begin_forward(llama_forward_order(options.config, eval_only.model->activation_plan().chunks)));
+    STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses c, eval_only.model->run_micro_batch(nullptr, &eval_batch, 0.0f));
+    STRATA_ASSERT_OK(eval_only.engine->end_forward());
+    STRATA_ASSERT_OK(eval_only.engine->finish());
+    EXPECT_EQ(c.eval_loss_sum, b.eval_loss_sum);
+    EXPECT_EQ(c.train_tokens, 0);
+  }
+}
+
+// bf16 parameters are widened exactly into fp32 scratch: with weights that bf16 holds
+// exactly, the gradients are those of fp32 parameters, bit for bit.
+TEST(LlamaModelTest, BF16ParametersOnTheCpuDeviceGiveTheGradientsOfTheirFp32Values) {
+  for (bool tied : {true, false}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    const LlamaConfig config = tiny_config("qwen2", tied);
+    const LlamaModelOptions fp32_options = tiny_options(config, ActivationCheckpointing::kDevice);
+    LlamaModelOptions bf16_options = fp32_options;
+    bf16_options.param_dtype = DType::kBFloat16;
+    EngineOptions bf16_engine = fp32_engine_options();
+    bf16_engine.param_dtype = DType::kBFloat16;
+    SingleRank wide, narrow;
+    STRATA_ASSERT_OK(wide.init(fp32_options, fp32_engine_options()));
+    STRATA_ASSERT_OK(narrow.init(bf16_options, bf16_engine));
+    EXPECT_EQ(narrow.model->compute_dtype(), DType::kFloat32);
+    STRATA_ASSERT_OK_AND_ASSIGN(auto masters, wide.masters());
+    for (auto& [g, values] : masters) {
+      std::vector<float> shard(wide.engine->layout(g).shard_numel, 0.0f);
+      for (size_t i = 0; i < values.size(); ++i) shard[i] = bf16_bits_to_float(float_to_bf16_bits(values[i]));
+      STRATA_ASSERT_OK(wide.engine->write_state_shard(g, Engine::StateKind::kMaster, shard));
+      STRATA_ASSERT_OK(narrow.engine->write_state_shard(g, Engine::StateKind::kMaster, shard));
+    }
+    STRATA_ASSERT_OK(wide.engine->refresh_parameters());
+    STRATA_ASSERT_OK(narrow.engine->refresh_parameters());
+    const Batch batch = make_batch(config.vocab_size, 3, 11, 3);
+    STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses a, wide.gradients(batch, 3));
+    STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses b, narrow.gradients(batch, 3));
+    EXPECT_EQ(a.train_loss_sum, b.train_loss_sum);
+    for (const auto& [g, values] : wide.model->captured_gradients())
+      EXPECT_EQ(std::memcmp(narrow.model->captured_gradients().at(g).data(), values.data(), values.size() * 4), 0) << "group " << g;
+  }
 }
 
 TEST(LlamaModelTest, BadTokensTargetsAndPositionsAreRefusedByPlace) {
@@ -455,7 +548,7 @@ TEST(LlamaModelTest, BadTokensTargetsAndPositionsAreRefusedByPlace) {
 }
 
 TEST(LlamaModelTest, TheActivationPlanIsWhatTheDeviceIsCharged) {
-  for (ActivationCheckpointing mode : {ActivationCheckpointing::kOff, ActivationCheckpointing::kDevice}) {
+  for (ActivationCheckpointing mode : {ActivationCheckpointing::kOff, ActivationCheckpointing::kDevice, ActivationCheckpointing::kPinnedHost}) {
     LlamaModelOptions options = tiny_options(tiny_config("qwen2", false), mode);
     options.capture_gradients = false;
     LocalClusterOptions cluster_options;
@@ -471,6 +564,8 @@ TEST(LlamaModelTest, TheActivationPlanIsWhatTheDeviceIsCharged) {
     const size_t before = cluster->device(0).memory_stats().reserved_bytes;
     STRATA_ASSERT_OK(model->allocate());
     EXPECT_EQ(cluster->device(0).memory_stats().reserved_bytes - before, plan.device_bytes);
+    // Pinned: block 0's input of 3 x 11 x 24 fp32 (the last block's stays on the device).
+    EXPECT_EQ(plan.pinned_bytes, mode == ActivationCheckpointing::kPinnedHost ? size_t{4096} : size_t{0});
   }
 }
 
@@ -504,6 +599,23 @@ TEST(LlamaModelTest, NoGroupOfTheOneBillionModelIsVocabularySized) {
   EXPECT_EQ(q.row_offset, 0);
   // A smaller bound gives more, smaller chunks.
   EXPECT_EQ(vocab_chunks(config, size_t{16} << 20).count, 63);
+  // The activations hold one chunk (and its gradient), never the vocabulary: a 1024-token
+  // micro-batch of bf16 parameters on the CPU device.
+  LlamaModelOptions options;
+  options.config = config;
+  options.seq_len = 1024;
+  options.param_dtype = DType::kBFloat16;
+  STRATA_ASSERT_OK_AND_ASSIGN(LlamaActivationPlan plan, plan_llama_activations(options, DeviceKind::kCpu));
+  std::cout << plan.text();
+  int chunk_sized = 0;
+  for (const auto& [what, bytes] : plan.lines) {
+    if (what.rfind("one matrix slot", 0) == 0 || what.rfind("an embedding chunk", 0) == 0) {
+      EXPECT_LT(bytes, size_t{65} << 20) << what;  // (8192 + 1) rows x 2048 fp32
+      ++chunk_sized;
+    }
+  }
+  EXPECT_EQ(chunk_sized, 2) << plan.text();
+  EXPECT_EQ(plan.head_rows, 1024);  // 32 MiB of fp32 logits over an 8192-row chunk
 }
 
 TEST(LlamaModelTest, PresetsHaveTheRealModelsShapesAndParameterCounts) {
@@ -563,6 +675,7 @@ TEST(LlamaConfigTest, ParsesLlama32MistralAndQwen2ConfigFiles) {
   EXPECT_EQ(m.family, LlamaFamily::kMistral);
   EXPECT_EQ(m.head_dim, 6);
   EXPECT_EQ(m.sliding_window, 8);
+  EXPECT_TRUE(contains(describe_llama_config(m), "sliding window 8")) << describe_llama_config(m);
   STRATA_EXPECT_OK(check_sequence_length(m, 8));
   const Status too_long = check_sequence_length(m, 11);
   ASSERT_FALSE(too_long.ok());
