@@ -124,6 +124,9 @@ Status copy_tokenizer_files(const std::string& source_dir, const fs::path& to) {
     if (!fs::is_regular_file(source, ec)) continue;
     fs::copy_file(source, to / name, fs::copy_options::overwrite_existing, ec);
     if (ec) return IoError("cannot copy " + source.string() + " to " + (to / name).string() + ": " + ec.message());
+    // On the disk before the directory is renamed into place, as the weights are.
+    STRATA_ASSIGN_OR_RETURN(File copy, File::open((to / name).string()));
+    STRATA_RETURN_IF_ERROR(copy.sync());
   }
   return Status::Ok();
 }

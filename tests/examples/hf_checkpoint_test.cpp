@@ -202,6 +202,65 @@ print("ok", len(seen), "tensors", total, "bytes")
   EXPECT_TRUE(contains(read_text(log), "ok 8 tensors 510 bytes")) << read_text(log);
 }
 
+// The other direction: a sharded directory written by an independent writer (Python's
+// standard library, laid out as huggingface_hub does: 8-byte length, JSON header padded
+// with spaces, data) reads back exactly, in F32, BF16 (top halves of float32s) and F16.
+TEST(HfCheckpointTest, ADirectoryWrittenByAnotherWriterReadsBack) {
+  if (!fs::exists("/usr/bin/python3")) GTEST_SKIP() << "/usr/bin/python3 is not installed";
+  testing::TempDir dir;
+  const fs::path script = dir.path() / "write_checkpoint.py";
+  write_text(script, R"PY(
+import json, os, struct, sys
+d = sys.argv[1]
+os.makedirs(d)
+def value(i): return (i % 17 - 8) / 8.0          # exact in every dtype
+def encode(dtype, n):
+    if dtype == "F32": return struct.pack("<%df" % n, *[value(i) for i in range(n)])
+    if dtype == "F16": return struct.pack("<%de" % n, *[value(i) for i in range(n)])
+    return b"".join(struct.pack("<f", value(i))[2:] for i in range(n))  # BF16
+shards = {"model-00001-of-00002.safetensors": [("a.weight", "BF16", [3, 7]), ("a.bias", "F32", [7])],
+          "model-00002-of-00002.safetensors": [("b.weight", "F16", [7, 2])]}
+weight_map, total = {}, 0
+for name, tensors in shards.items():
+    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    for tensor, dtype, shape in tensors:
+        n = 1
+        for dim in shape: n *= dim
+        blob = encode(dtype, n)
+        header[tensor] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+        weight_map[tensor] = name
+        total += len(blob)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+with open(os.path.join(d, "config.json"), "w") as f:
+    json.dump({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 32.0}}, f)
+)PY");
+  const fs::path model = dir.path() / "model";
+  const std::string log = (dir.path() / "python.log").string();
+  const int status = std::system(("/usr/bin/python3 " + script.string() + " " + model.string() + " > " + log + " 2>&1").c_str());
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_text(log);
+
+  STRATA_ASSERT_OK_AND_ASSIGN(HfCheckpoint checkpoint, HfCheckpoint::open(model.string()));
+  EXPECT_EQ(checkpoint.config()["rope_scaling"]["rope_type"], "llama3");
+  EXPECT_EQ(checkpoint.total_bytes(), 42u + 28u + 28u);
+  const std::vector<std::pair<std::string, SafetensorsDType>> expected = {
+      {"a.weight", SafetensorsDType::kBF16}, {"a.bias", SafetensorsDType::kF32}, {"b.weight", SafetensorsDType::kF16}};
+  for (const auto& [name, dtype] : expected) {
+    const std::optional<HfTensorRef> ref = checkpoint.find(name);
+    ASSERT_TRUE(ref.has_value()) << name;
+    EXPECT_EQ(ref->dtype(), dtype) << name;
+    std::vector<float> values(ref->numel() - 1);
+    STRATA_ASSERT_OK(ref->read_fp32(1, values));  // from element 1: an odd start
+    for (size_t i = 0; i < values.size(); ++i) ASSERT_EQ(values[i], float(int((i + 1) % 17) - 8) / 8.0f) << name << " " << i;
+  }
+}
+
 TEST(HfCheckpointTest, TokenizerFilesAreCopiedAlong) {
   testing::TempDir dir;
   const fs::path source = dir.path() / "source";
