@@ -21,6 +21,8 @@
 #include "engine/core/dtype.h"
 #include "engine/engine.h"
 #include "engine/local_cluster.h"
+#include "examples/gpt/gpt_model.h"
+#include "examples/gpt/gpt_weights.h"
 #include "examples/hf/hf_checkpoint.h"
 #include "examples/hf/hf_export.h"
 #include "examples/hf/hf_weights.h"
@@ -476,8 +478,9 @@ std::vector<HfExportTensor> split_model_tensors(SafetensorsDType dtype) {
   return {{"embed.weight", {7, kHidden}, dtype}, {"block.w", {kHidden, 3}, dtype}, {"block.b", {3}, dtype}};
 }
 
-EngineOptions fp32_engine_options(int rank, int world) {
+EngineOptions fp32_engine_options(int rank, int world, uint64_t seed) {
   EngineOptions options;
+  options.seed = seed;
   options.rank = rank;
   options.world_size = world;
   options.param_dtype = DType::kFloat32;
@@ -487,17 +490,18 @@ EngineOptions fp32_engine_options(int rank, int world) {
   return options;
 }
 
-// Runs `body` with a started engine of split_model_groups() on every rank of a CPU cluster.
-Status with_engines(int world, const std::function<Status(Engine& engine, int rank)>& body) {
+// Runs `body` with a started engine of `groups` on every rank of a CPU cluster.
+Status with_engines(int world, const std::vector<GroupSpec>& groups, uint64_t seed,
+                    const std::function<Status(Engine& engine, int rank)>& body) {
   LocalClusterOptions cluster_options;
   cluster_options.world_size = world;
   cluster_options.compute_threads = 1;
   cluster_options.device_budget_bytes = size_t{64} << 20;
   STRATA_ASSIGN_OR_RETURN(auto cluster, LocalCluster::create(cluster_options));
   return cluster->run([&](int rank) -> Status {
-    STRATA_ASSIGN_OR_RETURN(auto engine, Engine::create(fp32_engine_options(rank, world), cluster->device(rank),
+    STRATA_ASSIGN_OR_RETURN(auto engine, Engine::create(fp32_engine_options(rank, world, seed), cluster->device(rank),
                                                         cluster->gather_communicator(rank), cluster->reduce_communicator(rank)));
-    for (const GroupSpec& spec : split_model_groups()) STRATA_RETURN_IF_ERROR(engine->register_group(spec).status());
+    for (const GroupSpec& spec : groups) STRATA_RETURN_IF_ERROR(engine->register_group(spec).status());
     STRATA_RETURN_IF_ERROR(engine->start());
     STRATA_RETURN_IF_ERROR(body(*engine, rank));
     return engine->finish();
@@ -520,6 +524,7 @@ class GroupCollector {
     }
     return Status::Ok();
   }
+  const std::map<int, std::vector<float>>& groups() const { return groups_; }
   Status source(int group, std::span<float> out) const {
     const auto& full = groups_.at(group);
     std::copy(full.begin(), full.begin() + static_cast<std::ptrdiff_t>(out.size()), out.begin());
@@ -549,7 +554,7 @@ TEST_P(HfLoaderWorldTest, ATensorSplitOverGroupsLoadsIntoEveryRanksShardsAndExpo
 
   GroupCollector collector;
   std::vector<GroupLayout> layouts;
-  STRATA_ASSERT_OK(with_engines(world, [&](Engine& engine, int rank) -> Status {
+  STRATA_ASSERT_OK(with_engines(world, split_model_groups(), 1, [&](Engine& engine, int rank) -> Status {
     STRATA_RETURN_IF_ERROR(load_hf_weights(engine, rank, checkpoint, split_model_slice));
     if (rank == 0)
       for (int g = 0; g < engine.group_count(); ++g) layouts.push_back(engine.layout(g));
@@ -612,7 +617,7 @@ TEST(HfLoaderTest, EveryMissingOrMisshapenTensorIsListedAndNothingIsLoaded) {
     if (group.name == "embed.1") return {"embed.weight", 2 * kHidden, {7, kHidden}};
     return split_model_slice(group, tensor);
   };
-  STRATA_ASSERT_OK(with_engines(1, [&](Engine& engine, int rank) -> Status {
+  STRATA_ASSERT_OK(with_engines(1, split_model_groups(), 1, [&](Engine& engine, int rank) -> Status {
     std::vector<float> before(engine.layout(2).shard_numel), after(before.size());
     STRATA_RETURN_IF_ERROR(engine.read_state_shard(2, Engine::StateKind::kMaster, before));
     const Status status = load_hf_weights(engine, rank, checkpoint, gap);
@@ -649,6 +654,50 @@ TEST(HfLoaderTest, AnExportPlanRefusesAGapOrAnOverlap) {
   plan = HfGroupExport::plan(layouts, short_by_a_row, SafetensorsDType::kF32);
   ASSERT_FALSE(plan.ok());
   EXPECT_TRUE(contains(plan.status().message(), "fill 4900 of the 5600 elements of 'embed.weight'")) << plan.status().to_string();
+}
+
+// GPT-2 through the same code: trained-from-scratch weights of two ranks exported as a
+// sharded directory (export_gpt2_checkpoint), loaded from that directory into one rank
+// (load_gpt2_weights with an HfCheckpoint) with another seed, give the same masters.
+TEST(HfLoaderTest, AGpt2ExportToShardsLoadsBackFromTheDirectory) {
+  testing::TempDir dir;
+  gpt::GptConfig config;
+  config.n_layer = 2;
+  config.n_head = 2;
+  config.n_embd = 8;
+  config.vocab_size = 11;
+  config.n_ctx = 5;
+  const std::vector<GroupSpec> groups = gpt::gpt_group_specs(config);
+  GroupCollector written;
+  STRATA_ASSERT_OK(with_engines(2, groups, 7, [&](Engine& engine, int rank) { return written.collect(engine, rank); }));
+
+  const std::string model = (dir.path() / "gpt2").string();
+  gpt::ExportOptions options;
+  options.dtype = SafetensorsDType::kF32;
+  options.shard_bytes = 1200;  // a block's tensors are ~1.2 KB: several shards
+  std::vector<int> asked;
+  STRATA_ASSERT_OK(gpt::export_gpt2_checkpoint(model, config, [&](int group, std::span<float> out) {
+    asked.push_back(group);
+    return written.source(group, out);
+  }, options));
+  STRATA_ASSERT_OK_AND_ASSIGN(const std::vector<int> order, gpt::gpt2_export_group_order(config));
+  EXPECT_EQ(asked, order);
+  STRATA_ASSERT_OK_AND_ASSIGN(HfCheckpoint checkpoint, HfCheckpoint::open(model));
+  EXPECT_TRUE(checkpoint.sharded());
+  EXPECT_GE(checkpoint.weight_files().size(), 3u);
+  EXPECT_EQ(checkpoint.config()["n_layer"], 2);
+  EXPECT_TRUE(checkpoint.find("h.1.mlp.c_proj.bias").has_value());
+
+  GroupCollector loaded;
+  STRATA_ASSERT_OK(with_engines(1, groups, 8, [&](Engine& engine, int rank) -> Status {
+    STRATA_RETURN_IF_ERROR(gpt::load_gpt2_weights(engine, rank, checkpoint, config));
+    return loaded.collect(engine, rank);
+  }));
+  for (const auto& [group, values] : written.groups()) {
+    const size_t numel = layout_group(groups[size_t(group)], group, 1)->numel;
+    const auto& got = loaded.groups().at(group);
+    ASSERT_TRUE(std::equal(values.begin(), values.begin() + std::ptrdiff_t(numel), got.begin())) << "group " << group;
+  }
 }
 
 }  // namespace
