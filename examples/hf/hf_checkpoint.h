@@ -141,6 +141,10 @@ class HfCheckpoint final : public HfTensorSource {
   uint64_t total_bytes_ = 0;
 };
 
+// The dtype a checkpoint's weights are in, for an export "in the checkpoint's dtype": the
+// F32, BF16 or F16 that holds the most bytes of its tensors (F32 when it has none of them).
+SafetensorsDType checkpoint_dtype(const HfTensorSource& source);
+
 // Reads `path` as a JSON object; errors (kNotFound, kInvalidArgument) start with `where`
 // and name the file.
 StatusOr<nlohmann::json> read_json_object(const std::string& path, std::string_view where);

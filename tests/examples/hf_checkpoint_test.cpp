@@ -127,6 +127,7 @@ TEST(HfCheckpointTest, ASingleFileExportRoundTripsInEveryDtype) {
   EXPECT_EQ(checkpoint.weight_files(), std::vector<std::string>{"model.safetensors"});
   EXPECT_EQ(checkpoint.find("model.norm.weight")->file->metadata().at("format"), "pt");
   expect_tensors(checkpoint, tensors);
+  EXPECT_EQ(checkpoint_dtype(checkpoint), SafetensorsDType::kF32);  // 260 bytes of F32, 190 of BF16, 60 of F16
   // Nothing is left beside the export.
   for (const auto& entry : fs::directory_iterator(dir.path())) EXPECT_EQ(entry.path().filename(), "single");
 }
@@ -251,6 +252,7 @@ with open(os.path.join(d, "config.json"), "w") as f:
   STRATA_ASSERT_OK_AND_ASSIGN(HfCheckpoint checkpoint, HfCheckpoint::open(model.string()));
   EXPECT_EQ(checkpoint.config()["rope_scaling"]["rope_type"], "llama3");
   EXPECT_EQ(checkpoint.total_bytes(), 42u + 28u + 28u);
+  EXPECT_EQ(checkpoint_dtype(checkpoint), SafetensorsDType::kBF16);  // the most bytes
   const std::vector<std::pair<std::string, SafetensorsDType>> expected = {
       {"a.weight", SafetensorsDType::kBF16}, {"a.bias", SafetensorsDType::kF32}, {"b.weight", SafetensorsDType::kF16}};
   for (const auto& [name, dtype] : expected) {
@@ -687,6 +689,8 @@ TEST(HfLoaderTest, AGpt2ExportToShardsLoadsBackFromTheDirectory) {
   EXPECT_GE(checkpoint.weight_files().size(), 3u);
   EXPECT_EQ(checkpoint.config()["n_layer"], 2);
   EXPECT_TRUE(checkpoint.find("h.1.mlp.c_proj.bias").has_value());
+  EXPECT_EQ(gpt::gpt2_checkpoint_dtype((fs::path(model) / "model-00001-of-00007.safetensors").string()), SafetensorsDType::kF32);
+  EXPECT_EQ(gpt::gpt2_checkpoint_dtype(model + "/gone.safetensors"), SafetensorsDType::kF32);
 
   GroupCollector loaded;
   STRATA_ASSERT_OK(with_engines(1, groups, 8, [&](Engine& engine, int rank) -> Status {
