@@ -538,6 +538,27 @@ class GroupCollector {
   std::map<int, std::vector<float>> groups_;
 };
 
+// A checkpoint that records every range the loader reads, by the thread (rank) reading it.
+class RecordingSource final : public HfTensorSource {
+ public:
+  explicit RecordingSource(const HfTensorSource& inner) : inner_(inner) {}
+  std::optional<HfTensorRef> find(std::string_view name) const override { return inner_.find(name); }
+  std::vector<std::string> tensor_names() const override { return inner_.tensor_names(); }
+  const std::string& where() const override { return inner_.where(); }
+  Status read_fp32(const HfTensorRef& tensor, uint64_t first, std::span<float> out) const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    reads_[tensor.name()].emplace_back(first, first + out.size());
+    return inner_.read_fp32(tensor, first, out);
+  }
+  // Element ranges read of each tensor.
+  const std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>>& reads() const { return reads_; }
+
+ private:
+  const HfTensorSource& inner_;
+  mutable std::mutex mutex_;
+  mutable std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>> reads_;
+};
+
 class HfLoaderWorldTest : public ::testing::TestWithParam<int> {};
 
 // The checkpoint is written sharded in BF16, loaded into every rank's shards, exported back
@@ -556,8 +577,9 @@ TEST_P(HfLoaderWorldTest, ATensorSplitOverGroupsLoadsIntoEveryRanksShardsAndExpo
 
   GroupCollector collector;
   std::vector<GroupLayout> layouts;
+  const RecordingSource recording(checkpoint);
   STRATA_ASSERT_OK(with_engines(world, split_model_groups(), 1, [&](Engine& engine, int rank) -> Status {
-    STRATA_RETURN_IF_ERROR(load_hf_weights(engine, rank, checkpoint, split_model_slice));
+    STRATA_RETURN_IF_ERROR(load_hf_weights(engine, rank, recording, split_model_slice));
     if (rank == 0)
       for (int g = 0; g < engine.group_count(); ++g) layouts.push_back(engine.layout(g));
     return collector.collect(engine, rank);
@@ -566,6 +588,21 @@ TEST_P(HfLoaderWorldTest, ATensorSplitOverGroupsLoadsIntoEveryRanksShardsAndExpo
   if (world == 2) {
     ASSERT_GT(layouts[0].numel, layouts[0].shard_numel);  // the embedding rows do span both ranks
     ASSERT_GT(layouts[1].numel, layouts[1].shard_numel);
+  }
+
+  // All ranks together read every element of the checkpoint once: each only its shards' part.
+  for (const HfExportTensor& t : tensors) {
+    auto ranges = recording.reads().at(t.name);
+    std::sort(ranges.begin(), ranges.end());
+    uint64_t reached = 0;
+    for (const auto& [begin, end] : ranges) {
+      EXPECT_EQ(begin, reached) << t.name << ": a gap or an element read twice";
+      reached = end;
+    }
+    EXPECT_EQ(reached, t.numel()) << t.name;
+    if (world == 2 && t.name == "embed.weight") {
+      EXPECT_EQ(ranges.size(), 4u);  // two groups, each split between the ranks
+    }
   }
 
   // Every engine element holds the checkpoint's value.
