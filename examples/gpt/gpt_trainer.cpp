@@ -683,7 +683,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
         export_options.metadata = {{"strata_model", model_json(options.model)}, {"strata_steps", std::to_string(total_steps)}};
         if (!options.init_from.empty()) {  // in the dtype of the checkpoint it started from, with its tokenizer files
           export_options.dtype = gpt2_checkpoint_dtype(options.init_from);
-          export_options.tokenizer_source_dir = std::filesystem::path(options.init_from).parent_path().string();
+          export_options.tokenizer_source_dir = std::filesystem::absolute(options.init_from).parent_path().string();
         }
         STRATA_RETURN_IF_ERROR(export_gpt2_checkpoint(
             options.export_dir, options.model,
