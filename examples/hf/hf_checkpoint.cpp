@@ -96,6 +96,22 @@ StatusOr<json> read_json_object(const std::string& path, std::string_view where)
   return value;
 }
 
+SafetensorsDType checkpoint_dtype(const HfTensorSource& source) {
+  std::map<SafetensorsDType, uint64_t> bytes;
+  for (const std::string& name : source.tensor_names()) {
+    const std::optional<HfTensorRef> ref = source.find(name);
+    const SafetensorsDType dtype = ref->dtype();
+    if (dtype == SafetensorsDType::kF32 || dtype == SafetensorsDType::kBF16 || dtype == SafetensorsDType::kF16)
+      bytes[dtype] += ref->tensor->bytes();
+  }
+  SafetensorsDType most = SafetensorsDType::kF32;
+  uint64_t most_bytes = 0;
+  for (const auto& [dtype, count] : bytes) {
+    if (count > most_bytes) most = dtype, most_bytes = count;
+  }
+  return most;
+}
+
 // ---------------------------------------------------------------------------------------
 // One file as a source
 

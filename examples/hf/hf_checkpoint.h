@@ -68,6 +68,11 @@ class HfTensorSource {
   virtual std::vector<std::string> tensor_names() const = 0;
   // Starts every error about the source: "Hugging Face checkpoint /m" or "safetensors file /m/x.safetensors".
   virtual const std::string& where() const = 0;
+  // Elements [first, first + out.size()) of a tensor find() gave, as fp32: every read the
+  // loader makes goes through here (a wrapper may count or throttle them).
+  virtual Status read_fp32(const HfTensorRef& tensor, uint64_t first, std::span<float> out) const {
+    return tensor.read_fp32(first, out);
+  }
 };
 
 // One safetensors file as a source (borrowed: the reader must outlive this).
@@ -120,6 +125,7 @@ class HfCheckpoint final : public HfTensorSource {
   StatusOr<HfTensorRef> require(std::string_view name, std::span<const int64_t> expected_shape) const;
   // Elements [first, first + out.size()) of tensor `name`, as fp32.
   Status read_fp32(std::string_view name, uint64_t first, std::span<float> out) const;
+  using HfTensorSource::read_fp32;
 
  private:
   HfCheckpoint() = default;
@@ -140,6 +146,10 @@ class HfCheckpoint final : public HfTensorSource {
   std::vector<std::string> unlisted_shards_;
   uint64_t total_bytes_ = 0;
 };
+
+// The dtype a checkpoint's weights are in, for an export "in the checkpoint's dtype": the
+// F32, BF16 or F16 that holds the most bytes of its tensors (F32 when it has none of them).
+SafetensorsDType checkpoint_dtype(const HfTensorSource& source);
 
 // Reads `path` as a JSON object; errors (kNotFound, kInvalidArgument) start with `where`
 // and name the file.

@@ -46,9 +46,13 @@ enum class ExportTarget : uint8_t { kAbsent, kEmpty, kEarlierExport };
 
 StatusOr<ExportTarget> inspect_target(const fs::path& target) {
   std::error_code ec;
+  const std::string where = "export directory " + target.string();
+  // The export is staged beside the target and renamed, so its parent must take new entries.
+  if (fs::exists(target.parent_path(), ec) && ::access(target.parent_path().c_str(), W_OK) != 0)
+    return Status::FromErrno(errno, where + ": the export is built beside it, but " + target.parent_path().string() +
+                                        " is not writable");
   const fs::file_status status = fs::symlink_status(target, ec);
   if (!fs::exists(status)) return ExportTarget::kAbsent;
-  const std::string where = "export directory " + target.string();
   if (fs::is_symlink(status))
     return InvalidArgumentError(where + " is a symbolic link; give the directory it points to (the export replaces it whole)");
   if (!fs::is_directory(status)) return InvalidArgumentError(where + " exists and is not a directory");
@@ -124,6 +128,9 @@ Status copy_tokenizer_files(const std::string& source_dir, const fs::path& to) {
     if (!fs::is_regular_file(source, ec)) continue;
     fs::copy_file(source, to / name, fs::copy_options::overwrite_existing, ec);
     if (ec) return IoError("cannot copy " + source.string() + " to " + (to / name).string() + ": " + ec.message());
+    // On the disk before the directory is renamed into place, as the weights are.
+    STRATA_ASSIGN_OR_RETURN(File copy, File::open((to / name).string()));
+    STRATA_RETURN_IF_ERROR(copy.sync());
   }
   return Status::Ok();
 }

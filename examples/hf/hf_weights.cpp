@@ -108,7 +108,7 @@ Status load_hf_weights(Engine& engine, int rank, const HfTensorSource& source, c
       if (lo >= hi) continue;
       const HfTensorSlice slice = map(layout, t);
       const std::optional<HfTensorRef> ref = source.find(slice.name);  // checked above
-      STRATA_RETURN_IF_ERROR_CTX(ref->read_fp32(slice.element_offset + (lo - t.offset), std::span<float>(shard.data() + (lo - begin), hi - lo)),
+      STRATA_RETURN_IF_ERROR_CTX(source.read_fp32(*ref, slice.element_offset + (lo - t.offset), std::span<float>(shard.data() + (lo - begin), hi - lo)),
                                  source.where() + ": loading " + engine_tensor_name(layout, t) + " on rank " + std::to_string(rank));
     }
     STRATA_RETURN_IF_ERROR(engine.write_state_shard(g, Engine::StateKind::kMaster, shard));

@@ -146,9 +146,6 @@ hf::HfNameMap LlamaArchitecture::name_map() const {
 }
 
 StatusOr<LlamaModelOptions> LlamaArchitecture::model_options(const lm::ModelRunOptions& options) const {
-  if (options.checkpointing == lm::ActivationCheckpointing::kPinnedHost)
-    return InvalidArgumentError("the Llama family keeps activation checkpoints on the device (--activation-checkpointing device or off), "
-                                "not in pinned host memory");
   STRATA_RETURN_IF_ERROR(check_sequence_length(config_, options.seq_len));
   LlamaModelOptions model;
   model.config = config_;
@@ -167,6 +164,7 @@ StatusOr<lm::ActivationPlan> LlamaArchitecture::plan_activations(const lm::Model
   STRATA_ASSIGN_OR_RETURN(LlamaActivationPlan plan, plan_llama_activations(model, device));
   lm::ActivationPlan out;
   out.device_bytes = plan.device_bytes;
+  out.pinned_bytes = plan.pinned_bytes;
   out.compute_dtype = plan.compute_dtype;
   out.text = plan.text();
   return out;

@@ -21,6 +21,8 @@
 #include "engine/core/dtype.h"
 #include "engine/engine.h"
 #include "engine/local_cluster.h"
+#include "examples/gpt/gpt_model.h"
+#include "examples/gpt/gpt_weights.h"
 #include "examples/hf/hf_checkpoint.h"
 #include "examples/hf/hf_export.h"
 #include "examples/hf/hf_weights.h"
@@ -125,6 +127,7 @@ TEST(HfCheckpointTest, ASingleFileExportRoundTripsInEveryDtype) {
   EXPECT_EQ(checkpoint.weight_files(), std::vector<std::string>{"model.safetensors"});
   EXPECT_EQ(checkpoint.find("model.norm.weight")->file->metadata().at("format"), "pt");
   expect_tensors(checkpoint, tensors);
+  EXPECT_EQ(checkpoint_dtype(checkpoint), SafetensorsDType::kF32);  // 260 bytes of F32, 190 of BF16, 60 of F16
   // Nothing is left beside the export.
   for (const auto& entry : fs::directory_iterator(dir.path())) EXPECT_EQ(entry.path().filename(), "single");
 }
@@ -200,6 +203,66 @@ print("ok", len(seen), "tensors", total, "bytes")
   const int status = std::system(command.c_str());
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_text(log);
   EXPECT_TRUE(contains(read_text(log), "ok 8 tensors 510 bytes")) << read_text(log);
+}
+
+// The other direction: a sharded directory written by an independent writer (Python's
+// standard library, laid out as huggingface_hub does: 8-byte length, JSON header padded
+// with spaces, data) reads back exactly, in F32, BF16 (top halves of float32s) and F16.
+TEST(HfCheckpointTest, ADirectoryWrittenByAnotherWriterReadsBack) {
+  if (!fs::exists("/usr/bin/python3")) GTEST_SKIP() << "/usr/bin/python3 is not installed";
+  testing::TempDir dir;
+  const fs::path script = dir.path() / "write_checkpoint.py";
+  write_text(script, R"PY(
+import json, os, struct, sys
+d = sys.argv[1]
+os.makedirs(d)
+def value(i): return (i % 17 - 8) / 8.0          # exact in every dtype
+def encode(dtype, n):
+    if dtype == "F32": return struct.pack("<%df" % n, *[value(i) for i in range(n)])
+    if dtype == "F16": return struct.pack("<%de" % n, *[value(i) for i in range(n)])
+    return b"".join(struct.pack("<f", value(i))[2:] for i in range(n))  # BF16
+shards = {"model-00001-of-00002.safetensors": [("a.weight", "BF16", [3, 7]), ("a.bias", "F32", [7])],
+          "model-00002-of-00002.safetensors": [("b.weight", "F16", [7, 2])]}
+weight_map, total = {}, 0
+for name, tensors in shards.items():
+    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    for tensor, dtype, shape in tensors:
+        n = 1
+        for dim in shape: n *= dim
+        blob = encode(dtype, n)
+        header[tensor] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+        weight_map[tensor] = name
+        total += len(blob)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+    json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+with open(os.path.join(d, "config.json"), "w") as f:
+    json.dump({"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 32.0}}, f)
+)PY");
+  const fs::path model = dir.path() / "model";
+  const std::string log = (dir.path() / "python.log").string();
+  const int status = std::system(("/usr/bin/python3 " + script.string() + " " + model.string() + " > " + log + " 2>&1").c_str());
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << read_text(log);
+
+  STRATA_ASSERT_OK_AND_ASSIGN(HfCheckpoint checkpoint, HfCheckpoint::open(model.string()));
+  EXPECT_EQ(checkpoint.config()["rope_scaling"]["rope_type"], "llama3");
+  EXPECT_EQ(checkpoint.total_bytes(), 42u + 28u + 28u);
+  EXPECT_EQ(checkpoint_dtype(checkpoint), SafetensorsDType::kBF16);  // the most bytes
+  const std::vector<std::pair<std::string, SafetensorsDType>> expected = {
+      {"a.weight", SafetensorsDType::kBF16}, {"a.bias", SafetensorsDType::kF32}, {"b.weight", SafetensorsDType::kF16}};
+  for (const auto& [name, dtype] : expected) {
+    const std::optional<HfTensorRef> ref = checkpoint.find(name);
+    ASSERT_TRUE(ref.has_value()) << name;
+    EXPECT_EQ(ref->dtype(), dtype) << name;
+    std::vector<float> values(ref->numel() - 1);
+    STRATA_ASSERT_OK(ref->read_fp32(1, values));  // from element 1: an odd start
+    for (size_t i = 0; i < values.size(); ++i) ASSERT_EQ(values[i], float(int((i + 1) % 17) - 8) / 8.0f) << name << " " << i;
+  }
 }
 
 TEST(HfCheckpointTest, TokenizerFilesAreCopiedAlong) {
@@ -417,8 +480,9 @@ std::vector<HfExportTensor> split_model_tensors(SafetensorsDType dtype) {
   return {{"embed.weight", {7, kHidden}, dtype}, {"block.w", {kHidden, 3}, dtype}, {"block.b", {3}, dtype}};
 }
 
-EngineOptions fp32_engine_options(int rank, int world) {
+EngineOptions fp32_engine_options(int rank, int world, uint64_t seed) {
   EngineOptions options;
+  options.seed = seed;
   options.rank = rank;
   options.world_size = world;
   options.param_dtype = DType::kFloat32;
@@ -428,17 +492,18 @@ EngineOptions fp32_engine_options(int rank, int world) {
   return options;
 }
 
-// Runs `body` with a started engine of split_model_groups() on every rank of a CPU cluster.
-Status with_engines(int world, const std::function<Status(Engine& engine, int rank)>& body) {
+// Runs `body` with a started engine of `groups` on every rank of a CPU cluster.
+Status with_engines(int world, const std::vector<GroupSpec>& groups, uint64_t seed,
+                    const std::function<Status(Engine& engine, int rank)>& body) {
   LocalClusterOptions cluster_options;
   cluster_options.world_size = world;
   cluster_options.compute_threads = 1;
   cluster_options.device_budget_bytes = size_t{64} << 20;
   STRATA_ASSIGN_OR_RETURN(auto cluster, LocalCluster::create(cluster_options));
   return cluster->run([&](int rank) -> Status {
-    STRATA_ASSIGN_OR_RETURN(auto engine, Engine::create(fp32_engine_options(rank, world), cluster->device(rank),
+    STRATA_ASSIGN_OR_RETURN(auto engine, Engine::create(fp32_engine_options(rank, world, seed), cluster->device(rank),
                                                         cluster->gather_communicator(rank), cluster->reduce_communicator(rank)));
-    for (const GroupSpec& spec : split_model_groups()) STRATA_RETURN_IF_ERROR(engine->register_group(spec).status());
+    for (const GroupSpec& spec : groups) STRATA_RETURN_IF_ERROR(engine->register_group(spec).status());
     STRATA_RETURN_IF_ERROR(engine->start());
     STRATA_RETURN_IF_ERROR(body(*engine, rank));
     return engine->finish();
@@ -461,6 +526,7 @@ class GroupCollector {
     }
     return Status::Ok();
   }
+  const std::map<int, std::vector<float>>& groups() const { return groups_; }
   Status source(int group, std::span<float> out) const {
     const auto& full = groups_.at(group);
     std::copy(full.begin(), full.begin() + static_cast<std::ptrdiff_t>(out.size()), out.begin());
@@ -470,6 +536,27 @@ class GroupCollector {
  private:
   std::mutex mutex_;
   std::map<int, std::vector<float>> groups_;
+};
+
+// A checkpoint that records every range the loader reads, by the thread (rank) reading it.
+class RecordingSource final : public HfTensorSource {
+ public:
+  explicit RecordingSource(const HfTensorSource& inner) : inner_(inner) {}
+  std::optional<HfTensorRef> find(std::string_view name) const override { return inner_.find(name); }
+  std::vector<std::string> tensor_names() const override { return inner_.tensor_names(); }
+  const std::string& where() const override { return inner_.where(); }
+  Status read_fp32(const HfTensorRef& tensor, uint64_t first, std::span<float> out) const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    reads_[tensor.name()].emplace_back(first, first + out.size());
+    return inner_.read_fp32(tensor, first, out);
+  }
+  // Element ranges read of each tensor.
+  const std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>>& reads() const { return reads_; }
+
+ private:
+  const HfTensorSource& inner_;
+  mutable std::mutex mutex_;
+  mutable std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>> reads_;
 };
 
 class HfLoaderWorldTest : public ::testing::TestWithParam<int> {};
@@ -490,8 +577,9 @@ TEST_P(HfLoaderWorldTest, ATensorSplitOverGroupsLoadsIntoEveryRanksShardsAndExpo
 
   GroupCollector collector;
   std::vector<GroupLayout> layouts;
-  STRATA_ASSERT_OK(with_engines(world, [&](Engine& engine, int rank) -> Status {
-    STRATA_RETURN_IF_ERROR(load_hf_weights(engine, rank, checkpoint, split_model_slice));
+  const RecordingSource recording(checkpoint);
+  STRATA_ASSERT_OK(with_engines(world, split_model_groups(), 1, [&](Engine& engine, int rank) -> Status {
+    STRATA_RETURN_IF_ERROR(load_hf_weights(engine, rank, recording, split_model_slice));
     if (rank == 0)
       for (int g = 0; g < engine.group_count(); ++g) layouts.push_back(engine.layout(g));
     return collector.collect(engine, rank);
@@ -500,6 +588,21 @@ TEST_P(HfLoaderWorldTest, ATensorSplitOverGroupsLoadsIntoEveryRanksShardsAndExpo
   if (world == 2) {
     ASSERT_GT(layouts[0].numel, layouts[0].shard_numel);  // the embedding rows do span both ranks
     ASSERT_GT(layouts[1].numel, layouts[1].shard_numel);
+  }
+
+  // All ranks together read every element of the checkpoint once: each only its shards' part.
+  for (const HfExportTensor& t : tensors) {
+    auto ranges = recording.reads().at(t.name);
+    std::sort(ranges.begin(), ranges.end());
+    uint64_t reached = 0;
+    for (const auto& [begin, end] : ranges) {
+      EXPECT_EQ(begin, reached) << t.name << ": a gap or an element read twice";
+      reached = end;
+    }
+    EXPECT_EQ(reached, t.numel()) << t.name;
+    if (world == 2 && t.name == "embed.weight") {
+      EXPECT_EQ(ranges.size(), 4u);  // two groups, each split between the ranks
+    }
   }
 
   // Every engine element holds the checkpoint's value.
@@ -553,7 +656,7 @@ TEST(HfLoaderTest, EveryMissingOrMisshapenTensorIsListedAndNothingIsLoaded) {
     if (group.name == "embed.1") return {"embed.weight", 2 * kHidden, {7, kHidden}};
     return split_model_slice(group, tensor);
   };
-  STRATA_ASSERT_OK(with_engines(1, [&](Engine& engine, int rank) -> Status {
+  STRATA_ASSERT_OK(with_engines(1, split_model_groups(), 1, [&](Engine& engine, int rank) -> Status {
     std::vector<float> before(engine.layout(2).shard_numel), after(before.size());
     STRATA_RETURN_IF_ERROR(engine.read_state_shard(2, Engine::StateKind::kMaster, before));
     const Status status = load_hf_weights(engine, rank, checkpoint, gap);
@@ -590,6 +693,52 @@ TEST(HfLoaderTest, AnExportPlanRefusesAGapOrAnOverlap) {
   plan = HfGroupExport::plan(layouts, short_by_a_row, SafetensorsDType::kF32);
   ASSERT_FALSE(plan.ok());
   EXPECT_TRUE(contains(plan.status().message(), "fill 4900 of the 5600 elements of 'embed.weight'")) << plan.status().to_string();
+}
+
+// GPT-2 through the same code: trained-from-scratch weights of two ranks exported as a
+// sharded directory (export_gpt2_checkpoint), loaded from that directory into one rank
+// (load_gpt2_weights with an HfCheckpoint) with another seed, give the same masters.
+TEST(HfLoaderTest, AGpt2ExportToShardsLoadsBackFromTheDirectory) {
+  testing::TempDir dir;
+  gpt::GptConfig config;
+  config.n_layer = 2;
+  config.n_head = 2;
+  config.n_embd = 8;
+  config.vocab_size = 11;
+  config.n_ctx = 5;
+  const std::vector<GroupSpec> groups = gpt::gpt_group_specs(config);
+  GroupCollector written;
+  STRATA_ASSERT_OK(with_engines(2, groups, 7, [&](Engine& engine, int rank) { return written.collect(engine, rank); }));
+
+  const std::string model = (dir.path() / "gpt2").string();
+  gpt::ExportOptions options;
+  options.dtype = SafetensorsDType::kF32;
+  options.shard_bytes = 1200;  // a block's tensors are ~1.2 KB: several shards
+  std::vector<int> asked;
+  STRATA_ASSERT_OK(gpt::export_gpt2_checkpoint(model, config, [&](int group, std::span<float> out) {
+    asked.push_back(group);
+    return written.source(group, out);
+  }, options));
+  STRATA_ASSERT_OK_AND_ASSIGN(const std::vector<int> order, gpt::gpt2_export_group_order(config));
+  EXPECT_EQ(asked, order);
+  STRATA_ASSERT_OK_AND_ASSIGN(HfCheckpoint checkpoint, HfCheckpoint::open(model));
+  EXPECT_TRUE(checkpoint.sharded());
+  EXPECT_GE(checkpoint.weight_files().size(), 3u);
+  EXPECT_EQ(checkpoint.config()["n_layer"], 2);
+  EXPECT_TRUE(checkpoint.find("h.1.mlp.c_proj.bias").has_value());
+  EXPECT_EQ(gpt::gpt2_checkpoint_dtype((fs::path(model) / "model-00001-of-00007.safetensors").string()), SafetensorsDType::kF32);
+  EXPECT_EQ(gpt::gpt2_checkpoint_dtype(model + "/gone.safetensors"), SafetensorsDType::kF32);
+
+  GroupCollector loaded;
+  STRATA_ASSERT_OK(with_engines(1, groups, 8, [&](Engine& engine, int rank) -> Status {
+    STRATA_RETURN_IF_ERROR(gpt::load_gpt2_weights(engine, rank, checkpoint, config));
+    return loaded.collect(engine, rank);
+  }));
+  for (const auto& [group, values] : written.groups()) {
+    const size_t numel = layout_group(groups[size_t(group)], group, 1)->numel;
+    const auto& got = loaded.groups().at(group);
+    ASSERT_TRUE(std::equal(values.begin(), values.begin() + std::ptrdiff_t(numel), got.begin())) << "group " << group;
+  }
 }
 
 }  // namespace
