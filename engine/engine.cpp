@@ -84,6 +84,12 @@ class EngineImpl final : public Engine {
     declared_schedule_ = std::move(group_uses);
     return {};
   }
+  Status declare_held_gradients(int count) override {
+    if (started_) return FailedPreconditionError("declare_held_gradients after start()");
+    if (count < 0) return InvalidArgumentError("declare_held_gradients(" + std::to_string(count) + "): a count cannot be negative");
+    held_gradients_ = count;
+    return {};
+  }
 
   // ----------------------------------------------------------------- planning
   Status start() override;
@@ -194,6 +200,7 @@ class EngineImpl final : public Engine {
   std::unique_ptr<NvmeStore> nvme_;
   std::vector<std::unique_ptr<GroupState>> groups_;
   std::vector<int> declared_schedule_;
+  int held_gradients_ = -1;  // declare_held_gradients(); -1: inferred by the plan
   std::unique_ptr<ShardStore> shards_;  // the parameter copies
   // The stages (each with its own worker and queue but the use planner, which is the
   // model thread's), and the versions the optimizer publishes to the fetcher.
@@ -430,6 +437,7 @@ Status EngineImpl::start() {
   inputs.options = &options_;
   inputs.layouts = layouts;
   inputs.schedule = declared_schedule_;
+  inputs.held_gradients = held_gradients_;
   inputs.device_budget_bytes = device_.memory_stats().budget_bytes;
   STRATA_ASSIGN_OR_RETURN(plan_, make_engine_plan(inputs));
   for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->persistent = plan_.persistent[g] != 0;

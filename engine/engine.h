@@ -206,6 +206,12 @@ class Engine {
   // Optional, before start(): the order of gather() calls in one micro-batch (forward then
   // backward, a group listed once per use). Without it the first step records it.
   virtual Status declare_schedule(std::vector<int> group_uses) = 0;
+  // Optional, before start(): the most gradient buffers the model keeps between uses of
+  // their groups at any one time (GPT-2's tied head: wte's gradient from the head to the
+  // embedding's backward is one). The plan gives the gradient path that many device slots
+  // beyond the two that overlap reduction with backward. Without it: one per group used
+  // more than twice in the declared schedule, or one when the schedule is recorded.
+  virtual Status declare_held_gradients(int count) = 0;
   // Plans placement, checks it against the machine (device budget, host memory, locked
   // memory, free NVMe space), allocates, and initializes the local shards. Errors name what
   // cannot hold its part, the bytes needed and the settings that would fit.

@@ -117,7 +117,10 @@ class Planner {
   // Gradient slots: two (one being written, one draining to the host), plus one for every
   // group used more than twice per micro-batch (a tied group: its gradient buffer stays
   // live between its backward uses). Without a declared schedule, assume one such group.
+  // Two slots let one group's gradient be reduced and copied out while the next group's
+  // backward fills the other; each gradient the model holds between uses takes one more.
   int gradient_slot_count() const {
+    if (in_.held_gradients >= 0) return 2 + in_.held_gradients;
     if (in_.schedule.empty()) return 3;
     std::map<int, int> uses;
     for (int g : in_.schedule) ++uses[g];

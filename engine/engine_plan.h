@@ -31,6 +31,7 @@ struct PlanInputs {
   const EngineOptions* options = nullptr;
   std::span<const GroupLayout> layouts;
   std::span<const int> schedule;        // declared group uses (empty: recorded later)
+  int held_gradients = -1;              // Engine::declare_held_gradients; -1: inferred from the schedule
   size_t device_budget_bytes = 0;
 };
 

@@ -454,6 +454,9 @@ StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::create(Engine& engine, const L
   }
   // Tied: see the header (the engine would plan a gradient buffer per embedding chunk).
   if (!resolved.config.tie_word_embeddings) STRATA_RETURN_IF_ERROR(engine.declare_schedule(llama_schedule(resolved.config, plan.chunks)));
+  // No gradient waits between uses of its group (each chunk's is filled and handed over in
+  // one use), so the engine needs only its two overlapping gradient slots.
+  STRATA_RETURN_IF_ERROR(engine.declare_held_gradients(0));
   return model;
 }
 

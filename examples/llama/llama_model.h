@@ -29,7 +29,8 @@
 // declared for untied models; for tied ones the engine records it on the first step,
 // because a declared schedule with four uses of each embedding chunk would make the engine
 // plan a gradient buffer per chunk (it assumes a group used more than twice holds its
-// gradient between uses; this model never holds more than one).
+// gradient between uses). No gradient waits between uses here, which the model declares
+// (Engine::declare_held_gradients(0)): the engine plans its two overlapping slots only.
 //
 // The embedding over vocabulary chunks: chunk k is copied into a slot with one zero row
 // appended, and embedding_forward reads it with each token mapped to its row in the chunk

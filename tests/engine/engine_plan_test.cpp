@@ -154,6 +154,25 @@ TEST(EnginePlanTest, OnlyOneGradientSlotIsSizedForTheLargestGroup) {
   EXPECT_NE(plan.text.find("gradient transfer cast (one, shared by the slots)"), std::string::npos) << plan.text;
 }
 
+// A recorded schedule used to cost a third full-size gradient slot even for a model that
+// holds none between uses (the Llama family's tied head): 1.14 GiB for Llama-3.2-1B's plan.
+TEST(EnginePlanTest, DeclaredHeldGradientsSetTheGradientSlotsBeyondTheTwo) {
+  const std::vector<GroupLayout> layouts = linear_layers(6, 1024);
+  EngineOptions options;
+  STRATA_ASSERT_OK_AND_ASSIGN(EnginePlan recorded, plan_for(options, layouts, 4096 * kMiB));
+  EXPECT_EQ(recorded.gradient_slots, 3);
+  for (int held : {0, 1, 4}) {
+    PlanInputs inputs;
+    inputs.options = &options;
+    inputs.layouts = layouts;
+    inputs.device_budget_bytes = 4096 * kMiB;
+    inputs.held_gradients = held;
+    STRATA_ASSERT_OK_AND_ASSIGN(EnginePlan plan, make_engine_plan(inputs));
+    EXPECT_EQ(plan.gradient_slots, 2 + held);
+    EXPECT_EQ(plan.gradient_slot_elements.size(), static_cast<size_t>(2 + held));
+  }
+}
+
 TEST(EnginePlanTest, TheAutomaticDepthAlsoFitsNvmeReadStagingIntoThePinnedBudget) {
   const auto layouts = linear_layers(8, 2048);  // 8 MiB bf16 shards
   EngineOptions options = nvme_options();
