@@ -4,7 +4,8 @@
 // strata-train --model DIR on exactly the reference's batch, written as a fine-tuning token
 // file; then
 //   - the first loss matches transformers' fp32 loss,
-//   - K steps of AdamW match torch.optim.AdamW's losses, at world sizes 1 and 2,
+//   - K steps of AdamW match torch.optim.AdamW's losses, at world sizes 1 and 2, with and
+//     without gradient accumulation,
 //   - the export after K steps loads strictly in transformers and gives the logits of the
 //     reference's weights after the same K steps, and a bf16 checkpoint exports as bf16.
 // Tolerances are the (1e-5 relative for losses); what they actually are is printed
@@ -130,6 +131,13 @@ int64_t write_batch_as_token_file(const nlohmann::json& batch, const fs::path& p
   return written.ok() && problems == 0 ? row_length - 1 : -1;
 }
 
+// How the kBatchRows rows of a step are split: over ranks, then into accumulated micro-batches.
+struct BatchLayout {
+  int world_size = 1;
+  int grad_accum = 1;
+};
+constexpr BatchLayout kOneMicroBatch{};
+
 // Makes every variant once for the whole suite, side by side, and its token file.
 class LlamaFidelityTest : public ::testing::Test {
  protected:
@@ -162,13 +170,14 @@ class LlamaFidelityTest : public ::testing::Test {
 
   // strata-train on the variant's batch with the reference's AdamW settings, fp32 all
   // through, no clipping, constant learning rate (no scheduler), one thread each.
-  static std::vector<std::string> strata_train_args(const std::string& name, int world_size, int steps, double lr,
+  static std::vector<std::string> strata_train_args(const std::string& name, const BatchLayout& layout, int steps, double lr,
                                                     std::vector<std::string> more) {
     const nlohmann::json adamw = expected(name)["adamw"];
     const auto& betas = adamw["betas"];
     std::vector<std::string> args = {
         "--model", made(name).string(), "--data", "tokens:" + token_file(name).string(), "--seq-len", std::to_string(seq_len(name)),
-        "--world-size", std::to_string(world_size), "--micro-batch", std::to_string(kBatchRows / world_size), "--grad-accum", "1",
+        "--world-size", std::to_string(layout.world_size), "--micro-batch", std::to_string(kBatchRows / (layout.world_size * layout.grad_accum)),
+        "--grad-accum", std::to_string(layout.grad_accum),
         "--steps", std::to_string(steps), "--lr", exact(lr), "--clip", "0", "--seed", "1", "--eval-sequences", "0",
         "--set", "optimizer.params.betas=" + exact(betas[0].get<double>()) + "," + exact(betas[1].get<double>()),
         "--set", "optimizer.params.eps=" + exact(adamw["eps"].get<double>()),
@@ -178,9 +187,9 @@ class LlamaFidelityTest : public ::testing::Test {
     args.insert(args.end(), more.begin(), more.end());
     return args;
   }
-  static TrainRun strata_train(const std::string& name, int world_size, int steps, double lr, std::vector<std::string> more = {}) {
+  static TrainRun strata_train(const std::string& name, const BatchLayout& layout, int steps, double lr, std::vector<std::string> more = {}) {
     testing::StartedRun started = testing::start_program(*dir_, (testing::binary_dir() / "bin" / "strata-train").string(),
-                                                         strata_train_args(name, world_size, steps, lr, std::move(more)));
+                                                         strata_train_args(name, layout, steps, lr, std::move(more)));
     return testing::finish_run(started);
   }
 
@@ -213,7 +222,7 @@ TEST_F(LlamaFidelityTest, FirstLossMatchesTransformersFp32Loss) {
   for (const FidelityVariant& variant : fidelity_variants()) {
     SCOPED_TRACE(variant.name);
     ASSERT_MADE(variant.name);
-    const TrainRun run = strata_train(variant.name, /*world_size=*/1, /*steps=*/1, /*lr=*/0.0);
+    const TrainRun run = strata_train(variant.name, kOneMicroBatch, /*steps=*/1, /*lr=*/0.0);
     ASSERT_RAN(run);
     const std::vector<double> losses = summary_losses(run, 1);
     ASSERT_EQ(losses.size(), 1u);
@@ -229,18 +238,21 @@ TEST_F(LlamaFidelityTest, FirstLossMatchesTransformersFp32Loss) {
 }
 
 // K + 1 steps: losses[k] is the loss after k updates, as expected.json's losses_fp32[k]
-// (the last step's update is not compared).
-TEST_F(LlamaFidelityTest, AdamWLossesMatchTorchAdamWAtWorldSizesOneAndTwo) {
+// (the last step's update is not compared). The batch's rows hold different numbers of
+// targets, so ranks and accumulated micro-batches must weigh their losses by targets to give
+// the whole batch's mean.
+TEST_F(LlamaFidelityTest, AdamWLossesMatchTorchAdamWAcrossRanksAndAccumulation) {
   for (const FidelityVariant& variant : fidelity_variants()) {
     SCOPED_TRACE(variant.name);
     ASSERT_MADE(variant.name);
     const nlohmann::json adamw = expected(variant.name)["adamw"];
     const auto reference = adamw["losses_fp32"].get<std::vector<double>>();
     ASSERT_EQ(reference.size(), static_cast<size_t>(kAdamWSteps + 1));
-    std::map<int, std::vector<double>> by_world_size;
-    for (int world_size : {1, 2}) {
-      SCOPED_TRACE("world size " + std::to_string(world_size));
-      const TrainRun run = strata_train(variant.name, world_size, kAdamWSteps + 1, adamw["lr"].get<double>());
+    std::vector<std::vector<double>> by_layout;
+    for (const BatchLayout layout : {BatchLayout{1, 1}, BatchLayout{2, 1}, BatchLayout{1, 2}, BatchLayout{2, 2}}) {
+      const std::string where = "world size " + std::to_string(layout.world_size) + ", grad accum " + std::to_string(layout.grad_accum);
+      SCOPED_TRACE(where);
+      const TrainRun run = strata_train(variant.name, layout, kAdamWSteps + 1, adamw["lr"].get<double>());
       ASSERT_RAN(run);
       const std::vector<double> losses = summary_losses(run, reference.size());
       ASSERT_EQ(losses.size(), reference.size());
@@ -249,14 +261,16 @@ TEST_F(LlamaFidelityTest, AdamWLossesMatchTorchAdamWAtWorldSizesOneAndTwo) {
         worst = std::max(worst, relative_error(losses[k], reference[k]));
         EXPECT_LT(relative_error(losses[k], reference[k]), kLossTolerance) << "after " << k << " updates: " << losses[k] << " against " << reference[k];
       }
-      std::printf("measured %s, world size %d: %d AdamW steps, worst loss relative error %.2e against torch fp32\n",
-                  variant.name.c_str(), world_size, kAdamWSteps, worst);
-      RecordProperty(variant.name + "_adamw_worst_rel_error_world_" + std::to_string(world_size), exact(worst));
-      by_world_size[world_size] = losses;
+      std::printf("measured %s, %s: %d AdamW steps, worst loss relative error %.2e against torch fp32\n",
+                  variant.name.c_str(), where.c_str(), kAdamWSteps, worst);
+      RecordProperty(variant.name + "_adamw_worst_rel_error_world_" + std::to_string(layout.world_size) + "_accum_" +
+                         std::to_string(layout.grad_accum), exact(worst));
+      by_layout.push_back(losses);
     }
-    // Two ranks split the batch and reduce the gradients: the same losses up to the sum's order.
-    for (size_t k = 0; k < reference.size(); ++k)
-      EXPECT_LT(relative_error(by_world_size[2][k], by_world_size[1][k]), 1e-6) << "after " << k << " updates";
+    // Splitting the batch changes only the order of the sums: the same losses to ~1e-8.
+    for (size_t layout = 1; layout < by_layout.size(); ++layout)
+      for (size_t k = 0; k < reference.size(); ++k)
+        EXPECT_LT(relative_error(by_layout[layout][k], by_layout[0][k]), 1e-6) << "layout " << layout << ", after " << k << " updates";
   }
 }
 
@@ -266,7 +280,7 @@ TEST_F(LlamaFidelityTest, ExportAfterAdamWLoadsStrictlyAndGivesTheReferenceLogit
     SCOPED_TRACE(variant.name);
     ASSERT_MADE(variant.name);
     const fs::path exported = dir_->path() / ("export-" + variant.name);
-    const TrainRun run = strata_train(variant.name, 1, kAdamWSteps, expected(variant.name)["adamw"]["lr"].get<double>(),
+    const TrainRun run = strata_train(variant.name, kOneMicroBatch, kAdamWSteps, expected(variant.name)["adamw"]["lr"].get<double>(),
                                       {"--export", exported.string(), "--export-dtype", "fp32"});
     ASSERT_RAN(run);
     check_load.push_back(exported.string());
@@ -327,9 +341,9 @@ TEST_F(LlamaFidelityTest, Bf16CheckpointExportsAsItsFp32WeightsRoundedToBf16) {
   ASSERT_MADE(name);
   const double lr = expected(name)["adamw"]["lr"].get<double>();
   const fs::path as_bf16 = dir_->path() / "export-auto-bf16", as_fp32 = dir_->path() / "export-fp32-of-bf16";
-  const TrainRun bf16_run = strata_train(name, 1, kAdamWSteps, lr, {"--export", as_bf16.string()});
+  const TrainRun bf16_run = strata_train(name, kOneMicroBatch, kAdamWSteps, lr, {"--export", as_bf16.string()});
   ASSERT_RAN(bf16_run);
-  const TrainRun fp32_run = strata_train(name, 1, kAdamWSteps, lr, {"--export", as_fp32.string(), "--export-dtype", "fp32"});
+  const TrainRun fp32_run = strata_train(name, kOneMicroBatch, kAdamWSteps, lr, {"--export", as_fp32.string(), "--export-dtype", "fp32"});
   ASSERT_RAN(fp32_run);
   EXPECT_EQ(bf16_run.summary["param_checksum"], fp32_run.summary["param_checksum"]);  // the same training
 
