@@ -9,41 +9,20 @@
 #include <iomanip>
 #include <sstream>
 
+#include "examples/lm/model_memory.h"
 #include "kernels/cast.h"
 #include "kernels/transformer_ops.h"
 
 namespace strata::gpt {
 namespace {
 
-constexpr size_t kSubBufferAlignment = 256;
-// cuBLAS's workspace: 4 MiB serves GEMMs of this size class; it comes out of the device budget.
-constexpr size_t kCudaBlasWorkspaceBytes = size_t{4} << 20;
+using lm::bytes_text;
+using lm::device_reservation;
+using lm::kCudaBlasWorkspaceBytes;
+using lm::kSubBufferAlignment;
+using lm::round_up;
+
 constexpr size_t kHeadChunkTargetBytes = size_t{32} << 20;
-
-size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
-
-std::string bytes_text(size_t bytes) {
-  std::ostringstream out;
-  out << std::fixed << std::setprecision(1);
-  if (bytes >= (size_t{1} << 30)) out << double(bytes) / double(size_t{1} << 30) << " GiB";
-  else if (bytes >= (size_t{1} << 20)) out << double(bytes) / double(size_t{1} << 20) << " MiB";
-  else if (bytes >= 1024) out << double(bytes) / 1024.0 << " KiB";
-  else out << bytes << " B";
-  return out.str();
-}
-
-// What the device's allocator reserves for a request of `bytes` (CpuDevice: 256-byte
-// granules, 4 KiB from 1 MiB up; CudaDevice: its caching allocator's block sizes), so the
-// declared activation bytes match what the budget is charged.
-size_t device_reservation(size_t bytes, DeviceKind kind) {
-  if (bytes == 0) return 0;
-  if (kind == DeviceKind::kCpu) return round_up(bytes, bytes >= (size_t{1} << 20) ? 4096 : 256);
-  constexpr size_t kMinBlock = 512;
-  constexpr size_t kMaxGranule = size_t{2} << 20;
-  if (bytes <= kMinBlock) return kMinBlock;
-  const size_t granule = std::clamp(std::bit_floor(bytes) / 8, kMinBlock, kMaxGranule);
-  return round_up(bytes, granule);
-}
 
 // Block tensor indices, in registration order.
 enum BlockTensor : int {
@@ -175,9 +154,7 @@ std::string hf_tensor_name(std::string_view group_name, std::string_view tensor_
 
 std::string hf_tensor_name(const GroupLayout& group, const TensorLayout& tensor) { return hf_tensor_name(group.name, tensor.name); }
 
-DType gpt_compute_dtype(DType param_dtype, DeviceKind device) {
-  return device == DeviceKind::kCuda && param_dtype == DType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
-}
+DType gpt_compute_dtype(DType param_dtype, DeviceKind device) { return lm::compute_dtype_for(param_dtype, device); }
 
 // =====================================================================================
 // The activation layout: one device buffer, carved into aligned sub-buffers
@@ -457,11 +434,7 @@ StatusOr<std::vector<const void*>> GptModel::params_of(int group, const GroupVie
 
 Status GptModel::capture(int group, const GroupView& grads) {
   if (!options_.capture_gradients) return {};
-  const size_t numel = engine_.layout(group).numel;
-  std::vector<float>& out = captured_[group];
-  out.assign(numel, 0.0f);
-  STRATA_RETURN_IF_ERROR(engine_.device().copy_async(out.data(), grads.flat, numel * 4, CopyKind::kDeviceToHost, engine_.compute_stream()));
-  return engine_.compute_stream().synchronize();
+  return lm::copy_gradient_to_host(engine_, group, grads, captured_[group]);
 }
 
 Status GptModel::block_forward(const std::vector<const void*>& p, const void* x, void* y, const BlockActs& a,

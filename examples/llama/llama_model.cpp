@@ -8,6 +8,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "examples/lm/model_memory.h"
 #include "kernels/cast.h"
 #include "kernels/llama_ops.h"
 #include "kernels/transformer_ops.h"
@@ -16,38 +17,16 @@
 namespace strata::llama {
 namespace {
 
-constexpr size_t kSubBufferAlignment = 256;
-// cuBLAS's workspace: 4 MiB serves GEMMs of this size class; it comes out of the device budget.
-constexpr size_t kCudaBlasWorkspaceBytes = size_t{4} << 20;
+using lm::bytes_text;
+using lm::device_reservation;
+using lm::kCudaBlasWorkspaceBytes;
+using lm::kSubBufferAlignment;
+using lm::round_up;
+
 // The LM head's logits and their gradient, each [head rows, vocabulary chunk].
 constexpr size_t kHeadLogitsTargetBytes = size_t{32} << 20;
 
-size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
-
-std::string bytes_text(size_t bytes) {
-  std::ostringstream out;
-  out << std::fixed << std::setprecision(1);
-  if (bytes >= (size_t{1} << 30)) out << double(bytes) / double(size_t{1} << 30) << " GiB";
-  else if (bytes >= (size_t{1} << 20)) out << double(bytes) / double(size_t{1} << 20) << " MiB";
-  else if (bytes >= 1024) out << double(bytes) / 1024.0 << " KiB";
-  else out << bytes << " B";
-  return out.str();
-}
-
-// What the device's allocator reserves for a request of `bytes` (as GptModel's plan).
-size_t device_reservation(size_t bytes, DeviceKind kind) {
-  if (bytes == 0) return 0;
-  if (kind == DeviceKind::kCpu) return round_up(bytes, bytes >= (size_t{1} << 20) ? 4096 : 256);
-  constexpr size_t kMinBlock = 512;
-  constexpr size_t kMaxGranule = size_t{2} << 20;
-  if (bytes <= kMinBlock) return kMinBlock;
-  const size_t granule = std::clamp(std::bit_floor(bytes) / 8, kMinBlock, kMaxGranule);
-  return round_up(bytes, granule);
-}
-
-DType compute_dtype_for(DType param_dtype, DeviceKind device) {
-  return device == DeviceKind::kCuda && param_dtype == DType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
-}
+using lm::compute_dtype_for;
 
 // Where each tensor of a block sits in its group (registration order); -1 = absent.
 struct BlockIndex {
@@ -592,11 +571,7 @@ StatusOr<LlamaModel::Params> LlamaModel::params_of(int group, const GroupView& v
 
 Status LlamaModel::capture(int group, const GroupView& grads) {
   if (!options_.capture_gradients) return {};
-  const size_t numel = engine_.layout(group).numel;
-  std::vector<float>& out = captured_[group];
-  out.assign(numel, 0.0f);
-  STRATA_RETURN_IF_ERROR(engine_.device().copy_async(out.data(), grads.flat, numel * 4, CopyKind::kDeviceToHost, engine_.compute_stream()));
-  return engine_.compute_stream().synchronize();
+  return lm::copy_gradient_to_host(engine_, group, grads, captured_[group]);
 }
 
 // Checks the batch and fills the device's per-pass inputs: tokens and positions, and for
