@@ -624,7 +624,11 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       STRATA_RETURN_IF_ERROR(schedule.restore_json(trainer_state["schedule"].dump()));
       STRATA_RETURN_IF_ERROR(loader.restore_json(trainer_state["data"].dump()));
     } else if (init_weights) {
+      const auto load_begin = std::chrono::steady_clock::now();
       STRATA_RETURN_IF_ERROR(model.load_weights(*engine, rank, *init_weights));
+      if (rank == 0)
+        STRATA_LOG(kInfo) << "loaded " << init_weights->describe() << " into rank 0's shards in "
+                          << std::chrono::duration<double>(std::chrono::steady_clock::now() - load_begin).count() << " s";
     }
 
     if (options.eval_only) {
