@@ -366,5 +366,57 @@ TEST_F(LlamaFidelityTest, Bf16CheckpointExportsAsItsFp32WeightsRoundedToBf16) {
   EXPECT_EQ(loaded.exit_code, 0) << loaded.err << loaded.out;
 }
 
+// --eval-only is the perplexity evaluation outside tools compare with: the mean next-token
+// loss over windows i = tokens [i*T, i*T + T] of a plain token file. transformers, given
+// each window as a row (its T + 1 tokens, every one a label), scores the same T
+// predictions per window; 3 windows over 1 and 2 ranks (the second rank's last pass is
+// masked padding).
+TEST_F(LlamaFidelityTest, EvalOnlyIsTransformersLossOverStridedWindows) {
+  const std::string name = "llama-tied-llama3";
+  ASSERT_MADE(name);
+  constexpr int64_t kWindows = 3, kSeqLen = 16;
+  std::vector<int32_t> tokens(kWindows * kSeqLen + 1);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 7919 + 13) % 300);  // vocabulary 300
+  const fs::path file = dir_->path() / "windows.bin";
+  STRATA_ASSERT_OK(gpt::write_token_file(file.string(), tokens));
+  nlohmann::json batch = {{"attention", "causal"}};
+  for (int64_t w = 0; w < kWindows; ++w) {
+    std::vector<int32_t> row(tokens.begin() + w * kSeqLen, tokens.begin() + w * kSeqLen + kSeqLen + 1), positions(row.size()), targets(row);
+    for (size_t t = 0; t < row.size(); ++t) positions[t] = static_cast<int32_t>(t);
+    std::rotate(targets.begin(), targets.begin() + 1, targets.end());
+    targets.back() = -100;
+    batch["input_ids"].push_back(row);
+    batch["labels"].push_back(row);
+    batch["targets"].push_back(targets);
+    batch["position_ids"].push_back(positions);
+  }
+  const fs::path batch_path = dir_->path() / "windows.json";
+  std::ofstream(batch_path) << batch.dump();
+  const TrainRun reference = testing::run_hf_reference(*dir_, {"loss", "--model", made(name).string(), "--batch", batch_path.string()});
+  ASSERT_EQ(reference.exit_code, 0) << reference.err;
+  const double transformers_loss = nlohmann::json::parse(reference.out.substr(reference.out.find('{')))["loss_fp32"].get<double>();
+  for (int world : {1, 2}) {
+    SCOPED_TRACE("world size " + std::to_string(world));
+    testing::StartedRun started = testing::start_program(
+        *dir_, (testing::binary_dir() / "bin" / "strata-train").string(),
+        {"--model", made(name).string(), "--data", "tokens:" + file.string(), "--seq-len", std::to_string(kSeqLen), "--eval-only",
+         "--eval-sequences", std::to_string(kWindows), "--world-size", std::to_string(world), "--set", "strata.param_dtype=fp32"});
+    const TrainRun run = testing::finish_run(started);
+    ASSERT_RAN(run);
+    EXPECT_EQ(run.summary["losses"].size(), 0u);
+    const double eval_loss = run.summary["eval_loss"].get<double>();
+    std::printf("measured --eval-only vs transformers at world size %d: %.3g relative\n", world, relative_error(eval_loss, transformers_loss));
+    EXPECT_LT(relative_error(eval_loss, transformers_loss), kLossTolerance) << eval_loss << " vs " << transformers_loss;
+  }
+  // Past the file's end: a clear error before anything runs.
+  testing::StartedRun started = testing::start_program(
+      *dir_, (testing::binary_dir() / "bin" / "strata-train").string(),
+      {"--model", made(name).string(), "--data", "tokens:" + file.string(), "--seq-len", std::to_string(kSeqLen), "--eval-only",
+       "--eval-sequences", "4"});
+  const TrainRun too_many = testing::finish_run(started);
+  EXPECT_NE(too_many.exit_code, 0);
+  EXPECT_NE(too_many.err.find("4 windows of 16 tokens need 65 tokens"), std::string::npos) << too_many.err;
+}
+
 }  // namespace
 }  // namespace strata
