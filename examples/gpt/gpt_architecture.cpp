@@ -32,16 +32,7 @@ class Gpt2Weights final : public lm::WeightSource {
     return checkpoint_ ? static_cast<const hf::HfTensorSource&>(*checkpoint_) : *file_source_;
   }
   std::string describe() const override { return source().where(); }
-  DType stored_dtype() const override {
-    for (const std::string& name : source().tensor_names()) {
-      const auto tensor = source().find(name);
-      if (!tensor) continue;
-      if (tensor->dtype() == SafetensorsDType::kBF16) return DType::kBFloat16;
-      if (tensor->dtype() == SafetensorsDType::kF16) return DType::kFloat16;
-      if (tensor->dtype() == SafetensorsDType::kF32) return DType::kFloat32;
-    }
-    return DType::kFloat32;
-  }
+  DType stored_dtype() const override { return hf::checkpoint_engine_dtype(source()); }
 
  private:
   Gpt2Weights() = default;

@@ -10,7 +10,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/core/log.h"
 
 namespace strata::gpt {
 namespace {
@@ -163,15 +162,6 @@ Status export_gpt2_checkpoint(const std::string& dir, const GptConfig& config, c
                                : options.dtype == SafetensorsDType::kF16 ? "float16"
                                                                          : "float32";
   return hf::export_hf_from_groups(dir, config_json, layouts, gpt2_name_map(), options.dtype, source, hf_options);
-}
-
-SafetensorsDType gpt2_checkpoint_dtype(const std::string& path) {
-  StatusOr<SafetensorsReader> reader = SafetensorsReader::open(path);
-  if (!reader.ok()) {
-    STRATA_LOG(kWarn) << "exporting in F32: the dtype of " << path << " is unknown (" << reader.status().message() << ")";
-    return SafetensorsDType::kF32;
-  }
-  return hf::checkpoint_dtype(hf::SafetensorsFileSource(*reader));
 }
 
 StatusOr<std::vector<int>> gpt2_export_group_order(const GptConfig& config) {

@@ -70,9 +70,6 @@ Status write_gpt2_safetensors(const std::string& path, const GptConfig& config, 
 // place. `source` is asked for the groups in gpt2_export_group_order()'s order.
 Status export_gpt2_checkpoint(const std::string& dir, const GptConfig& config, const FullGroupSource& source,
                               const ExportOptions& options = {});
-// The dtype of the weights in safetensors file `path` (hf::checkpoint_dtype), for exporting
-// a fine-tune in the dtype it started from; F32, with a warning, when it cannot be read.
-SafetensorsDType gpt2_checkpoint_dtype(const std::string& path);
 // The groups an export of `config` asks its source for, in order (each once): what the
 // other ranks follow when they contribute their shards.
 StatusOr<std::vector<int>> gpt2_export_group_order(const GptConfig& config);

@@ -112,6 +112,14 @@ SafetensorsDType checkpoint_dtype(const HfTensorSource& source) {
   return most;
 }
 
+DType checkpoint_engine_dtype(const HfTensorSource& source) {
+  switch (checkpoint_dtype(source)) {
+    case SafetensorsDType::kBF16: return DType::kBFloat16;
+    case SafetensorsDType::kF16: return DType::kFloat16;
+    default: return DType::kFloat32;
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // One file as a source
 

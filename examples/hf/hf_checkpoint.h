@@ -28,6 +28,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/core/dtype.h"
 #include "engine/core/status.h"
 #include "examples/gpt/safetensors.h"
 
@@ -150,6 +151,8 @@ class HfCheckpoint final : public HfTensorSource {
 // The dtype a checkpoint's weights are in, for an export "in the checkpoint's dtype": the
 // F32, BF16 or F16 that holds the most bytes of its tensors (F32 when it has none of them).
 SafetensorsDType checkpoint_dtype(const HfTensorSource& source);
+// The same as the engine's DType (fp32, bf16 or fp16).
+DType checkpoint_engine_dtype(const HfTensorSource& source);
 
 // Reads `path` as a JSON object; errors (kNotFound, kInvalidArgument) start with `where`
 // and name the file.

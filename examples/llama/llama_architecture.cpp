@@ -57,15 +57,7 @@ class LlamaWeights final : public lm::WeightSource {
   explicit LlamaWeights(hf::HfCheckpoint checkpoint) : checkpoint_(std::move(checkpoint)) {}
   const hf::HfCheckpoint& checkpoint() const { return checkpoint_; }
   std::string describe() const override { return checkpoint_.where(); }
-  DType stored_dtype() const override {
-    for (const std::string& name : checkpoint_.tensor_names()) {
-      const auto tensor = checkpoint_.find(name);
-      if (tensor && tensor->dtype() == gpt::SafetensorsDType::kBF16) return DType::kBFloat16;
-      if (tensor && tensor->dtype() == gpt::SafetensorsDType::kF16) return DType::kFloat16;
-      if (tensor && tensor->dtype() == gpt::SafetensorsDType::kF32) return DType::kFloat32;
-    }
-    return DType::kFloat32;
-  }
+  DType stored_dtype() const override { return hf::checkpoint_engine_dtype(checkpoint_); }
 
  private:
   hf::HfCheckpoint checkpoint_;
