@@ -204,9 +204,11 @@ StatusOr<std::shared_ptr<const lm::Architecture>> resolve_model(const TrainGptAr
     return InvalidArgumentError("--model " + dir + ": config.json says model_type \"" + model_type +
                                 "\"; supported: gpt2, llama, mistral, qwen2");
   }
-  const bool llama_directory = !init_from.empty() && std::filesystem::is_directory(init_from) && hf_model_type(init_from).ok() &&
-                               *hf_model_type(init_from) != "gpt2";
-  if (llama_directory || is_llama_preset(config.strata.model.preset)) return llama_model(config, init_from);
+  if (!init_from.empty() && std::filesystem::is_directory(init_from)) {
+    const StatusOr<std::string> model_type = hf_model_type(init_from);
+    if (model_type.ok() && *model_type != "gpt2") return llama_model(config, init_from);
+  }
+  if (is_llama_preset(config.strata.model.preset)) return llama_model(config, init_from);
   return gpt_model(config, init_from);
 }
 
