@@ -17,7 +17,6 @@ Exit status 77 when torch cannot be imported (the C++ test skips with the reason
 import argparse
 import json
 import math
-import struct
 import sys
 
 try:
@@ -27,37 +26,8 @@ except Exception as error:  # noqa: BLE001 - any import failure means "skip"
     print(f"cannot import torch: {error}", file=sys.stderr)
     sys.exit(77)
 
-DTYPES = {
-    "F64": (torch.float64, 8),
-    "F32": (torch.float32, 4),
-    "I64": (torch.int64, 8),
-    "I32": (torch.int32, 4),
-}
-
-
-def read_safetensors(path):
-    """Returns ({name: tensor}, metadata) for a safetensors file."""
-    with open(path, "rb") as f:
-        blob = f.read()
-    if len(blob) < 8:
-        raise ValueError(f"{path}: shorter than the 8-byte header length")
-    (header_len,) = struct.unpack("<Q", blob[:8])
-    if 8 + header_len > len(blob):
-        raise ValueError(f"{path}: header length {header_len} runs past the end of the file ({len(blob)} bytes)")
-    header = json.loads(blob[8:8 + header_len].decode("utf-8"))
-    data = blob[8 + header_len:]
-    metadata = header.pop("__metadata__", {})
-    tensors = {}
-    for name, info in header.items():
-        dtype, size = DTYPES[info["dtype"]]
-        begin, end = info["data_offsets"]
-        shape = info["shape"]
-        count = math.prod(shape) if shape else 1
-        if end - begin != count * size:
-            raise ValueError(f"{path}: {name} has {end - begin} bytes, expected {count * size}")
-        raw = bytearray(data[begin:end])
-        tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape) if count > 0 else torch.zeros(shape, dtype=dtype)
-    return tensors, metadata
+# The safetensors reader and the error measure are gpt2_reference.py's (same folder).
+from gpt2_reference import read_safetensors, relative_error  # noqa: E402
 
 
 def inverse_frequencies(config, head_dim):
@@ -138,12 +108,6 @@ def llama_loss(params, config, inputs, targets, positions):
     head = params["lm_head.weight"] if "lm_head.weight" in params else params["model.embed_tokens.weight"]
     logits = x @ head.t()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).long(), ignore_index=-1)
-
-
-def relative_error(got, want):
-    norm = want.norm().item()
-    diff = (got - want).norm().item()
-    return diff / norm if norm > 0 else diff
 
 
 def check_case(directory):
