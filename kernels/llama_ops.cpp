@@ -172,6 +172,11 @@ Status check_gqa_attention(Stream& stream, BlasContext& blas, const GqaAttention
                                   " is less than the row's width " + std::to_string(row.width));
     }
   }
+  if (stream.device().kind() == DeviceKind::kCuda && shape.head_dim > kMaxCudaAttentionHeadDim) {
+    return UnimplementedError(std::string(op) + ": head_dim " + std::to_string(shape.head_dim) +
+                              " has no CUDA attention kernel (at most " + std::to_string(kMaxCudaAttentionHeadDim) +
+                              "); run this model on the CPU device");
+  }
   const size_t needed = gqa_attention_workspace_bytes(shape, dtype, stream.device().kind());
   if (workspace_bytes < needed || (needed > 0 && workspace == nullptr)) {
     return InvalidArgumentError(std::string(op) + ": the workspace has " + std::to_string(workspace_bytes) +
@@ -200,17 +205,11 @@ GqaAttentionShape gqa_shape_of_fused_qkv(const AttentionShape& shape) {
                            .v_stride = row};
 }
 
-size_t gqa_attention_workspace_bytes(const GqaAttentionShape& shape, DType dtype, DeviceKind kind) {
+size_t gqa_attention_workspace_bytes(const GqaAttentionShape& shape, DType /*dtype*/, DeviceKind kind) {
   if (kind == DeviceKind::kCpu) return 0;
-  // Per batch element: fp32 scores, then dtype probabilities (each start 256-byte
-  // aligned); with grouped KV heads, fp32 accumulators for dk and dv as well, so the
-  // sum over a group's query heads is rounded to dtype once.
-  const size_t square = shape.heads * shape.seq_len * shape.seq_len;
-  size_t bytes = round_up_256(square * sizeof(float)) + round_up_256(square * dtype_size(dtype));
-  if (shape.kv_heads != 0 && shape.kv_heads < shape.heads) {
-    bytes += 2 * round_up_256(shape.seq_len * shape.kv_heads * shape.head_dim * sizeof(float));
-  }
-  return bytes;
+  // The backward's delta = sum_j P_tj dP_tj per (batch, head, query), written by its dq
+  // kernel and read by its dk/dv kernel (kernels/flash_attention.cu).
+  return round_up_256(shape.batch * shape.heads * shape.seq_len * sizeof(float));
 }
 
 Status gqa_attention_forward(Stream& stream, BlasContext& blas, const GqaAttentionShape& shape, DType dtype, const void* q,

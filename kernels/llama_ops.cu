@@ -1,5 +1,5 @@
-// CUDA kernels of the Llama-family ops and their launchers (kernels/llama_ops_cuda.h),
-// including the one CUDA attention (GPT-2's fused-qkv attention calls it).
+// CUDA kernels of the Llama-family ops and their launchers (kernels/llama_ops_cuda.h);
+// the attention is in kernels/flash_attention.cu.
 //
 // As kernels/transformer_ops.cu: T is float or __nv_bfloat16, all math in fp32 (GEMMs
 // accumulate in fp32), parameter gradients and statistics fp32, every reduction in a
@@ -8,7 +8,6 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
-#include <mutex>
 #include <string>
 
 #include "engine/core/cuda_check.h"
@@ -119,82 +118,6 @@ __global__ void swiglu_backward_kernel(const T* dout, const T* gate, const T* up
   }
 }
 
-// Attention ---------------------------------------------------------------------------
-
-// Scores are [heads, T, T] fp32 for one batch element; one warp per (head, query) row.
-// Writes probs (zero above the diagonal) and, when `lse_out` is set, the row's
-// logsumexp; with `lse_in` it recomputes the probabilities from a saved logsumexp.
-template <class T>
-__global__ void causal_softmax_kernel(const float* scores, T* probs, const float* lse_in, float* lse_out, size_t rows,
-                                      size_t seq_len) {
-  const size_t row = blockIdx.x * size_t(kWarpsPerBlock) + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (row >= rows) return;
-  const size_t t = row % seq_len;
-  const float* s = scores + row * seq_len;
-  T* p = probs + row * seq_len;
-  float row_lse;
-  if (lse_in != nullptr) {
-    row_lse = lse_in[row];
-  } else {
-    float max_score = -INFINITY;
-    for (size_t j = lane; j <= t; j += 32) max_score = fmaxf(max_score, s[j]);
-    max_score = warp_max(max_score);
-    float sum = 0.0f;
-    for (size_t j = lane; j <= t; j += 32) sum += expf(s[j] - max_score);
-    row_lse = max_score + logf(warp_sum(sum));
-    if (lane == 0) lse_out[row] = row_lse;
-  }
-  for (size_t j = lane; j < seq_len; j += 32) store(p, j, j <= t ? expf(s[j] - row_lse) : 0.0f);
-}
-
-// dS = P o (dP - D), D = sum_j P_j dP_j, written over P. One warp per row.
-template <class T>
-__global__ void softmax_backward_kernel(T* probs_then_dscores, const float* dprobs, size_t rows, size_t seq_len) {
-  const size_t row = blockIdx.x * size_t(kWarpsPerBlock) + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (row >= rows) return;
-  const size_t t = row % seq_len;
-  T* p = probs_then_dscores + row * seq_len;
-  const float* dp = dprobs + row * seq_len;
-  float d = 0.0f;
-  for (size_t j = lane; j <= t; j += 32) d += load(p, j) * dp[j];
-  d = warp_sum(d);  // every lane has read its P values before any lane writes
-  for (size_t j = lane; j < seq_len; j += 32) store(p, j, j <= t ? load(p, j) * (dp[j] - d) : 0.0f);
-}
-
-// out[r * out_stride + c] (+)= acc[r * width + c]: the fp32 sums of a KV head's group,
-// rounded to T once.
-template <class T>
-__global__ void store_strided_rows_kernel(const float* acc, T* out, size_t rows, size_t width, size_t out_stride,
-                                          bool accumulate) {
-  const size_t total = rows * width;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < total; i += size_t(gridDim.x) * blockDim.x) {
-    store_grad(out, (i / width) * out_stride + i % width, acc[i], accumulate);
-  }
-}
-
-// The workspace of one batch element (sizes as gqa_attention_workspace_bytes).
-template <class T>
-struct AttentionWorkspace {
-  float* scores;  // [heads, T, T] fp32: S, then dP
-  T* probs;       // [heads, T, T]: P, then dS
-  float* dk_sum;  // [T, kv_heads * head_dim] fp32, grouped heads only
-  float* dv_sum;
-
-  AttentionWorkspace(void* workspace, const GqaAttentionShape& shape) {
-    const size_t square = shape.heads * shape.seq_len * shape.seq_len;
-    const size_t kv_bytes = round_up(shape.seq_len * shape.kv_heads * shape.head_dim * sizeof(float), 256);
-    char* base = static_cast<char*>(workspace);
-    scores = reinterpret_cast<float*>(base);
-    base += round_up(square * sizeof(float), 256);
-    probs = reinterpret_cast<T*>(base);
-    base += round_up(square * sizeof(T), 256);
-    dk_sum = reinterpret_cast<float*>(base);
-    dv_sum = reinterpret_cast<float*>(base + kv_bytes);
-  }
-};
-
 }  // namespace
 
 // Launchers -----------------------------------------------------------------------------
@@ -275,151 +198,6 @@ Status swiglu_backward(void* cuda_stream, DType dtype, const void* dout, const v
         static_cast<const T*>(dout), static_cast<const T*>(gate), static_cast<const T*>(up), static_cast<T*>(dgate),
         static_cast<T*>(dup), count, input_grad == GradWrite::kAccumulate);
     return check_launch();
-  });
-}
-
-// Attention: per batch element, GEMMs batched over heads without a permute. Query head
-// h = g * group + j reads KV head g; for each j in [0, group) one strided-batched GEMM
-// covers the KV heads g (q's batch stride group * head_dim, k's and v's head_dim, the
-// scores' group * T^2). With group == 1 these are the GEMMs of plain multi-head
-// attention. The dK and dV of grouped heads are summed in fp32 in the workspace, in
-// head order, then rounded to T once.
-
-Status gqa_attention_forward(void* cuda_stream, BlasContext& blas, const GqaAttentionShape& shape, DType dtype,
-                             const void* q, const void* k, const void* v, void* out, float* lse, void* workspace) {
-  STRATA_RETURN_IF_ERROR(check_handle(blas, "gqa_attention_forward"));
-  return dispatch(dtype, "gqa_attention_forward", [&](auto tag) -> Status {
-    using T = typename decltype(tag)::type;
-    const size_t seq = shape.seq_len;
-    const size_t heads = shape.heads;
-    const size_t hd = shape.head_dim;
-    const size_t group = heads / shape.kv_heads;
-    const size_t channels = heads * hd;
-    const long long square = static_cast<long long>(seq * seq);
-    const long long q_head_stride = static_cast<long long>(group * hd);
-    const long long kv_head_stride = static_cast<long long>(hd);
-    const float scale = 1.0f / sqrtf(float(hd));
-    const AttentionWorkspace<T> ws(workspace, shape);
-    const cudaDataType_t type = cuda_type<T>();
-    const cublasComputeType_t compute = compute_type(blas, dtype);
-    const int kv_heads = static_cast<int>(shape.kv_heads);
-    const unsigned softmax_blocks = static_cast<unsigned>((heads * seq + kWarpsPerBlock - 1) / kWarpsPerBlock);
-    std::lock_guard lock(blas.impl().mutex);
-    STRATA_RETURN_IF_ERROR(bind_cublas_to_stream(blas.impl(), cuda_stream));
-    cublasHandle_t handle = blas.impl().handle;
-    for (size_t b = 0; b < shape.batch; ++b) {
-      const T* q_b = static_cast<const T*>(q) + b * seq * shape.q_stride;
-      const T* k_b = static_cast<const T*>(k) + b * seq * shape.k_stride;
-      const T* v_b = static_cast<const T*>(v) + b * seq * shape.v_stride;
-      T* out_b = static_cast<T*>(out) + b * seq * channels;
-      for (size_t j = 0; j < group; ++j) {  // S_h = scale Q_h K_g^T (fp32)
-        STRATA_RETURN_IF_ERROR(gemm(handle, compute, seq, seq, hd, scale,
-                                    Operand{q_b + j * hd, type, shape.q_stride, q_head_stride, false},
-                                    Operand{k_b, type, shape.k_stride, kv_head_stride, true}, 0.0f, ws.scores + j * square,
-                                    CUDA_R_32F, seq, group * square, kv_heads));
-      }
-      causal_softmax_kernel<T><<<softmax_blocks, kThreads, 0, native(cuda_stream)>>>(ws.scores, ws.probs, nullptr,
-                                                                                     lse + b * heads * seq, heads * seq, seq);
-      STRATA_RETURN_IF_ERROR(check_launch());
-      for (size_t j = 0; j < group; ++j) {  // O_h = P_h V_g
-        STRATA_RETURN_IF_ERROR(gemm(handle, compute, seq, hd, seq, 1.0f,
-                                    Operand{ws.probs + j * square, type, seq, static_cast<long long>(group) * square, false},
-                                    Operand{v_b, type, shape.v_stride, kv_head_stride, false}, 0.0f, out_b + j * hd, type,
-                                    channels, q_head_stride, kv_heads));
-      }
-    }
-    return {};
-  });
-}
-
-Status gqa_attention_backward(void* cuda_stream, BlasContext& blas, const GqaAttentionShape& shape, DType dtype,
-                              const void* dout, const void* q, const void* k, const void* v, const float* lse, void* dq,
-                              void* dk, void* dv, void* workspace, GradWrite input_grad) {
-  STRATA_RETURN_IF_ERROR(check_handle(blas, "gqa_attention_backward"));
-  return dispatch(dtype, "gqa_attention_backward", [&](auto tag) -> Status {
-    using T = typename decltype(tag)::type;
-    const size_t seq = shape.seq_len;
-    const size_t heads = shape.heads;
-    const size_t hd = shape.head_dim;
-    const size_t group = heads / shape.kv_heads;
-    const size_t channels = heads * hd;
-    const size_t kv_width = shape.kv_heads * hd;
-    const long long square = static_cast<long long>(seq * seq);
-    const long long group_square = static_cast<long long>(group) * square;
-    const long long q_head_stride = static_cast<long long>(group * hd);
-    const long long kv_head_stride = static_cast<long long>(hd);
-    const float scale = 1.0f / sqrtf(float(hd));
-    const bool accumulate = input_grad == GradWrite::kAccumulate;
-    const float beta = accumulate ? 1.0f : 0.0f;
-    const bool grouped = group > 1;
-    const AttentionWorkspace<T> ws(workspace, shape);
-    const cudaDataType_t type = cuda_type<T>();
-    const cublasComputeType_t compute = compute_type(blas, dtype);
-    const int kv_heads = static_cast<int>(shape.kv_heads);
-    const unsigned row_blocks = static_cast<unsigned>((heads * seq + kWarpsPerBlock - 1) / kWarpsPerBlock);
-    std::lock_guard lock(blas.impl().mutex);
-    STRATA_RETURN_IF_ERROR(bind_cublas_to_stream(blas.impl(), cuda_stream));
-    cublasHandle_t handle = blas.impl().handle;
-    for (size_t b = 0; b < shape.batch; ++b) {
-      const T* q_b = static_cast<const T*>(q) + b * seq * shape.q_stride;
-      const T* k_b = static_cast<const T*>(k) + b * seq * shape.k_stride;
-      const T* v_b = static_cast<const T*>(v) + b * seq * shape.v_stride;
-      const T* dout_b = static_cast<const T*>(dout) + b * seq * channels;
-      T* dq_b = static_cast<T*>(dq) + b * seq * shape.q_stride;
-      T* dk_b = static_cast<T*>(dk) + b * seq * shape.k_stride;
-      T* dv_b = static_cast<T*>(dv) + b * seq * shape.v_stride;
-      // Grouped heads sum into fp32 [T, kv_width] first; a lone head writes straight through.
-      void* dk_target = grouped ? static_cast<void*>(ws.dk_sum) : static_cast<void*>(dk_b);
-      void* dv_target = grouped ? static_cast<void*>(ws.dv_sum) : static_cast<void*>(dv_b);
-      const cudaDataType_t kv_type = grouped ? CUDA_R_32F : type;
-      const size_t dk_ld = grouped ? kv_width : shape.k_stride;
-      const size_t dv_ld = grouped ? kv_width : shape.v_stride;
-      auto kv_beta = [&](size_t j) { return grouped ? (j == 0 ? 0.0f : 1.0f) : beta; };
-      // Recompute P from the saved logsumexp.
-      for (size_t j = 0; j < group; ++j) {
-        STRATA_RETURN_IF_ERROR(gemm(handle, compute, seq, seq, hd, scale,
-                                    Operand{q_b + j * hd, type, shape.q_stride, q_head_stride, false},
-                                    Operand{k_b, type, shape.k_stride, kv_head_stride, true}, 0.0f, ws.scores + j * square,
-                                    CUDA_R_32F, seq, group_square, kv_heads));
-      }
-      causal_softmax_kernel<T><<<row_blocks, kThreads, 0, native(cuda_stream)>>>(ws.scores, ws.probs, lse + b * heads * seq,
-                                                                                 nullptr, heads * seq, seq);
-      STRATA_RETURN_IF_ERROR(check_launch());
-      for (size_t j = 0; j < group; ++j) {  // dV_g (+)= P_h^T dO_h
-        STRATA_RETURN_IF_ERROR(gemm(handle, compute, seq, hd, seq, 1.0f,
-                                    Operand{ws.probs + j * square, type, seq, group_square, true},
-                                    Operand{dout_b + j * hd, type, channels, q_head_stride, false}, kv_beta(j), dv_target,
-                                    kv_type, dv_ld, kv_head_stride, kv_heads));
-      }
-      for (size_t j = 0; j < group; ++j) {  // dP_h = dO_h V_g^T (fp32, over the scores)
-        STRATA_RETURN_IF_ERROR(gemm(handle, compute, seq, seq, hd, 1.0f,
-                                    Operand{dout_b + j * hd, type, channels, q_head_stride, false},
-                                    Operand{v_b, type, shape.v_stride, kv_head_stride, true}, 0.0f, ws.scores + j * square,
-                                    CUDA_R_32F, seq, group_square, kv_heads));
-      }
-      softmax_backward_kernel<T><<<row_blocks, kThreads, 0, native(cuda_stream)>>>(ws.probs, ws.scores, heads * seq, seq);
-      STRATA_RETURN_IF_ERROR(check_launch());
-      for (size_t j = 0; j < group; ++j) {  // dQ_h = scale dS_h K_g; dK_g (+)= scale dS_h^T Q_h
-        STRATA_RETURN_IF_ERROR(gemm(handle, compute, seq, hd, seq, scale,
-                                    Operand{ws.probs + j * square, type, seq, group_square, false},
-                                    Operand{k_b, type, shape.k_stride, kv_head_stride, false}, beta, dq_b + j * hd, type,
-                                    shape.q_stride, q_head_stride, kv_heads));
-        STRATA_RETURN_IF_ERROR(gemm(handle, compute, seq, hd, seq, scale,
-                                    Operand{ws.probs + j * square, type, seq, group_square, true},
-                                    Operand{q_b + j * hd, type, shape.q_stride, q_head_stride, false}, kv_beta(j), dk_target,
-                                    kv_type, dk_ld, kv_head_stride, kv_heads));
-      }
-      if (grouped) {
-        const unsigned blocks = blocks_for(seq * kv_width);
-        store_strided_rows_kernel<T><<<blocks, kThreads, 0, native(cuda_stream)>>>(ws.dk_sum, dk_b, seq, kv_width,
-                                                                                   shape.k_stride, accumulate);
-        STRATA_RETURN_IF_ERROR(check_launch());
-        store_strided_rows_kernel<T><<<blocks, kThreads, 0, native(cuda_stream)>>>(ws.dv_sum, dv_b, seq, kv_width,
-                                                                                   shape.v_stride, accumulate);
-        STRATA_RETURN_IF_ERROR(check_launch());
-      }
-    }
-    return {};
   });
 }
 

@@ -126,17 +126,21 @@ struct GqaAttentionShape {
 // GPT-2's fused qkv [batch, seq_len, 3 * channels] as this op sees it: q, k, v at
 // offsets 0, channels, 2 * channels of each row, strides 3 * channels, kv_heads == heads.
 GqaAttentionShape gqa_shape_of_fused_qkv(const AttentionShape& shape);
+// The GPU kernel is tiled in the manner of FlashAttention-2 (kernels/flash_attention.cu):
+// nothing T x T is stored, fully masked tiles are skipped, the backward recomputes the
+// probabilities from lse. It handles head_dim up to kMaxCudaAttentionHeadDim (a larger
+// one is Unimplemented on a CudaDevice, reported before anything is enqueued).
+inline constexpr size_t kMaxCudaAttentionHeadDim = 128;
 // Scratch the op needs from the caller's device memory, forward and backward alike:
-// 0 on a CpuDevice; on the GPU the fp32 scores and dtype probabilities of every head of
-// one batch element, heads * seq_len^2 * (4 + dtype size) bytes, and with kv_heads <
-// heads two fp32 [seq_len, kv_heads * head_dim] sums of dk and dv (each rounded up to 256).
+// 0 on a CpuDevice; on the GPU the backward's fp32 [batch, heads, seq_len] row sums
+// delta = sum_j P dP (rounded up to 256 bytes), linear in seq_len.
 size_t gqa_attention_workspace_bytes(const GqaAttentionShape& shape, DType dtype, DeviceKind kind);
 Status gqa_attention_forward(Stream& stream, BlasContext& blas, const GqaAttentionShape& shape, DType dtype, const void* q,
                              const void* k, const void* v, void* out, float* lse, void* workspace,
                              size_t workspace_bytes);
 // Needs q, k, v and the forward's lse. dq (strided like q), dk, dv (strided like k, v)
 // per input_grad; dk and dv sum over the query heads that share them, in head order
-// (on the GPU in fp32, rounded to dtype once).
+// (on the GPU in fp32 registers, rounded to dtype once; no atomics).
 // The elements of a strided row outside the op's heads are not touched, so dq, dk, dv
 // may be slices of one fused gradient buffer.
 Status gqa_attention_backward(Stream& stream, BlasContext& blas, const GqaAttentionShape& shape, DType dtype,

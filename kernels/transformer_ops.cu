@@ -6,6 +6,7 @@
 // sums over rows in order), no float atomics, so results are deterministic.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <cublasLt.h>
 
 #include <cfloat>
 #include <climits>
@@ -423,6 +424,113 @@ Status layernorm_backward(void* cuda_stream, const LayerNormShape& shape, DType 
   });
 }
 
+namespace {
+
+// cuBLASLt GEMMs with an epilogue -------------------------------------------------------
+
+// What the epilogue adds to a row-major GEMM C[m,n] = op(A) op(B) (+ beta C):
+enum class GemmEpilogue : uint8_t {
+  kBias,            // C[r,c] += bias[c] (bias of C's type), in fp32 before C is rounded
+  kBiasGradOfA,     // bias[r'] = sum over the GEMM's k of op(A) (fp32): dbias from A = dy^T
+  kBiasGradOfB,     // bias[c] = sum over the GEMM's k of op(B) (fp32): dbias from B = dy
+};
+
+// The descriptors of one cublasLtMatmul, destroyed together.
+struct LtDescriptors {
+  cublasLtMatmulDesc_t matmul = nullptr;
+  cublasLtMatrixLayout_t a = nullptr;
+  cublasLtMatrixLayout_t b = nullptr;
+  cublasLtMatrixLayout_t c = nullptr;
+  cublasLtMatmulPreference_t preference = nullptr;
+  LtDescriptors() = default;
+  LtDescriptors(const LtDescriptors&) = delete;
+  LtDescriptors& operator=(const LtDescriptors&) = delete;
+  ~LtDescriptors() {
+    if (preference != nullptr) cublasLtMatmulPreferenceDestroy(preference);
+    if (c != nullptr) cublasLtMatrixLayoutDestroy(c);
+    if (b != nullptr) cublasLtMatrixLayoutDestroy(b);
+    if (a != nullptr) cublasLtMatrixLayoutDestroy(a);
+    if (matmul != nullptr) cublasLtMatmulDescDestroy(matmul);
+  }
+};
+
+// The largest power of two (at most 256, cuBLASLt's default assumption) dividing the
+// address: algorithms needing more are excluded instead of faulting.
+uint32_t alignment_of(const void* pointer) {
+  const auto address = reinterpret_cast<uintptr_t>(pointer);
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+// Row-major C[m,n] = alpha op(A) op(B) + beta C with `epilogue`, as gemm() (the operands
+// swapped for column-major cuBLAS, so row-major columns are cuBLAS rows). Returns false,
+// having enqueued nothing, when cuBLASLt has no algorithm for the combination; the
+// caller then takes the unfused path. Call with impl.mutex held (the workspace is shared).
+StatusOr<bool> gemm_with_epilogue(BlasContext::Impl& impl, cudaStream_t stream, cublasComputeType_t compute, size_t m,
+                                  size_t n, size_t k, float alpha, Operand a, Operand b, float beta, void* c,
+                                  cudaDataType_t c_type, size_t ldc, GemmEpilogue epilogue, void* bias) {
+  for (size_t dim : {m, n, k, a.ld, b.ld, ldc}) {
+    if (dim > size_t(INT_MAX)) return InvalidArgumentError("GEMM dimension " + std::to_string(dim) + " exceeds INT_MAX");
+  }
+  if (alignment_of(bias) < 16) return false;  // the epilogue reads the vector in 16-byte pieces
+  // cuBLAS's handle encapsulates a cuBLASLt handle and may be cast to one (cuBLAS docs,
+  // cublasLtHandle_t), so the context's handle and workspace serve both APIs.
+  const auto lt = reinterpret_cast<cublasLtHandle_t>(impl.handle);
+  LtDescriptors d;
+  const cublasOperation_t op_first = b.trans ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLAS's A is our B
+  const cublasOperation_t op_second = a.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+  cublasLtEpilogue_t lt_epilogue = CUBLASLT_EPILOGUE_BIAS;
+  cudaDataType_t bias_type = c_type;
+  if (epilogue != GemmEpilogue::kBias) {
+    // Our A is cuBLAS's B and vice versa.
+    lt_epilogue = epilogue == GemmEpilogue::kBiasGradOfA ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_BGRADA;
+    bias_type = CUDA_R_32F;
+  }
+  STRATA_RETURN_IF_CUBLAS_ERROR(cublasLtMatmulDescCreate(&d.matmul, compute, CUDA_R_32F));
+  STRATA_RETURN_IF_CUBLAS_ERROR(
+      cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
+  STRATA_RETURN_IF_CUBLAS_ERROR(
+      cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
+  STRATA_RETURN_IF_CUBLAS_ERROR(
+      cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_EPILOGUE, &lt_epilogue, sizeof(lt_epilogue)));
+  STRATA_RETURN_IF_CUBLAS_ERROR(
+      cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  STRATA_RETURN_IF_CUBLAS_ERROR(
+      cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+  // Column-major shapes of the stored matrices: cuBLAS's A (our B) is n x k, or k x n
+  // stored when transposed; cuBLAS's B (our A) is k x m, or m x k; C is n x m.
+  STRATA_RETURN_IF_CUBLAS_ERROR(cublasLtMatrixLayoutCreate(&d.a, b.type, b.trans ? k : n, b.trans ? n : k, int64_t(b.ld)));
+  STRATA_RETURN_IF_CUBLAS_ERROR(cublasLtMatrixLayoutCreate(&d.b, a.type, a.trans ? m : k, a.trans ? k : m, int64_t(a.ld)));
+  STRATA_RETURN_IF_CUBLAS_ERROR(cublasLtMatrixLayoutCreate(&d.c, c_type, n, m, int64_t(ldc)));
+  STRATA_RETURN_IF_CUBLAS_ERROR(cublasLtMatmulPreferenceCreate(&d.preference));
+  const size_t workspace_bytes = impl.workspace.size();
+  STRATA_RETURN_IF_CUBLAS_ERROR(cublasLtMatmulPreferenceSetAttribute(
+      d.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes)));
+  const struct {
+    cublasLtMatmulPreferenceAttributes_t attribute;
+    uint32_t alignment;
+  } alignments[] = {{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment_of(b.data)},
+                    {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_of(a.data)},
+                    {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment_of(c)},
+                    {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment_of(c)}};
+  for (const auto& entry : alignments) {
+    STRATA_RETURN_IF_CUBLAS_ERROR(
+        cublasLtMatmulPreferenceSetAttribute(d.preference, entry.attribute, &entry.alignment, sizeof(entry.alignment)));
+  }
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t heuristic =
+      cublasLtMatmulAlgoGetHeuristic(lt, d.matmul, d.a, d.b, d.c, d.c, d.preference, 1, &result, &found);
+  if (heuristic == CUBLAS_STATUS_NOT_SUPPORTED || found == 0) return false;
+  STRATA_RETURN_IF_CUBLAS_ERROR(heuristic);
+  STRATA_RETURN_IF_CUBLAS_ERROR(cublasLtMatmul(lt, d.matmul, &alpha, b.data, d.a, a.data, d.b, &beta, c, d.c, c, d.c,
+                                               &result.algo, impl.workspace.data(), workspace_bytes, stream));
+  return true;
+}
+
+}  // namespace
+
 Status matmul_forward(void* cuda_stream, BlasContext& blas, const MatmulShape& shape, DType dtype, const void* x,
                       const void* weight, const void* bias, void* y) {
   STRATA_RETURN_IF_ERROR(check_handle(blas, "matmul_forward"));
@@ -432,19 +540,29 @@ Status matmul_forward(void* cuda_stream, BlasContext& blas, const MatmulShape& s
     const size_t k = shape.in_features;
     const size_t n = shape.out_features;
     const bool out_in = shape.layout == WeightLayout::kOutIn;
+    const cudaDataType_t type = cuda_type<T>();
+    const cublasComputeType_t compute = compute_type(blas, dtype);
+    const Operand x_operand{x, type, k, 0, false};
+    const Operand weight_operand{weight, type, out_in ? k : n, 0, out_in};
+    std::lock_guard lock(blas.impl().mutex);
+    STRATA_RETURN_IF_ERROR(bind_cublas_to_stream(blas.impl(), cuda_stream));
     float beta = 0.0f;
     if (bias != nullptr) {
-      // The GEMM adds onto the broadcast bias: one rounding for bf16.
+      // The bias epilogue: added to the fp32 accumulator, y written and rounded once,
+      // with no separate pass over y.
+      STRATA_ASSIGN_OR_RETURN(const bool fused,
+                              gemm_with_epilogue(blas.impl(), native(cuda_stream), compute, m, n, k, 1.0f, x_operand,
+                                                 weight_operand, 0.0f, y, type, n, GemmEpilogue::kBias,
+                                                 const_cast<void*>(bias)));
+      if (fused) return {};
+      // No cuBLASLt algorithm (or a misaligned bias): the GEMM adds onto the broadcast
+      // bias, still one rounding for bf16.
       broadcast_rows_kernel<T><<<blocks_for(m * n), kThreads, 0, native(cuda_stream)>>>(static_cast<const T*>(bias),
                                                                                        static_cast<T*>(y), m, n);
       STRATA_RETURN_IF_ERROR(check_launch());
       beta = 1.0f;
     }
-    std::lock_guard lock(blas.impl().mutex);
-    STRATA_RETURN_IF_ERROR(bind_cublas_to_stream(blas.impl(), cuda_stream));
-    const cudaDataType_t type = cuda_type<T>();
-    return gemm(blas.impl().handle, compute_type(blas, dtype), m, n, k, 1.0f, Operand{x, type, k, 0, false},
-                Operand{weight, type, out_in ? k : n, 0, out_in}, beta, y, type, n, 0, 1);
+    return gemm(blas.impl().handle, compute, m, n, k, 1.0f, x_operand, weight_operand, beta, y, type, n, 0, 1);
   });
 }
 
@@ -461,12 +579,28 @@ Status matmul_backward(void* cuda_stream, BlasContext& blas, const MatmulShape& 
     const cudaDataType_t type = cuda_type<T>();
     const cublasComputeType_t compute = compute_type(blas, dtype);
     const bool accumulate_params = options.param_grad == GradWrite::kAccumulate;
-    if (dbias != nullptr) {
+    std::lock_guard lock(blas.impl().mutex);
+    // dbias rides on the dweight GEMM as a bias-gradient epilogue (the column sums of dy
+    // over the GEMM's k = rows) when it is overwritten: the epilogue cannot add to it.
+    bool dbias_pending = dbias != nullptr;
+    bool dweight_pending = dweight != nullptr;
+    if (dbias_pending && dweight_pending && !accumulate_params) {
+      STRATA_RETURN_IF_ERROR(bind_cublas_to_stream(blas.impl(), cuda_stream));
+      const Operand dy_operand{dy, type, n, 0, out_in};  // dy^T for out_in (dW = dy^T x), dy for in_out (dW = x^T dy)
+      const Operand x_operand{x, type, k, 0, !out_in};
+      STRATA_ASSIGN_OR_RETURN(
+          const bool fused,
+          out_in ? gemm_with_epilogue(blas.impl(), native(cuda_stream), compute, n, k, m, 1.0f, dy_operand, x_operand,
+                                      0.0f, dweight, CUDA_R_32F, k, GemmEpilogue::kBiasGradOfA, dbias)
+                 : gemm_with_epilogue(blas.impl(), native(cuda_stream), compute, k, n, m, 1.0f, x_operand, dy_operand,
+                                      0.0f, dweight, CUDA_R_32F, n, GemmEpilogue::kBiasGradOfB, dbias));
+      dbias_pending = dweight_pending = !fused;
+    }
+    if (dbias_pending) {
       STRATA_RETURN_IF_ERROR(launch_column_grads<T>(native(cuda_stream), static_cast<const T*>(dy), nullptr, nullptr,
                                                     nullptr, nullptr, dbias, m, n, accumulate_params));
     }
-    if (dx == nullptr && dweight == nullptr) return {};
-    std::lock_guard lock(blas.impl().mutex);
+    if (dx == nullptr && !dweight_pending) return {};
     STRATA_RETURN_IF_ERROR(bind_cublas_to_stream(blas.impl(), cuda_stream));
     cublasHandle_t handle = blas.impl().handle;
     if (dx != nullptr) {
@@ -475,7 +609,7 @@ Status matmul_backward(void* cuda_stream, BlasContext& blas, const MatmulShape& 
       STRATA_RETURN_IF_ERROR(gemm(handle, compute, m, k, n, 1.0f, Operand{dy, type, n, 0, false},
                                   Operand{weight, type, out_in ? k : n, 0, !out_in}, beta, dx, type, k, 0, 1));
     }
-    if (dweight != nullptr) {
+    if (dweight_pending) {
       const float beta = accumulate_params ? 1.0f : 0.0f;
       if (out_in) {  // dW[n,k] = dy^T x
         STRATA_RETURN_IF_ERROR(gemm(handle, compute, n, k, m, 1.0f, Operand{dy, type, n, 0, true},

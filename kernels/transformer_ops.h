@@ -102,13 +102,17 @@ struct MatmulShape {
   WeightLayout layout = WeightLayout::kInOut;
 };
 // bias: [out_features] or null. GPU: cuBLAS GEMM, fp32 accumulation for bf16; the bias
-// is broadcast into y first and the GEMM adds onto it (one rounding). CPU: cblas_sgemm
-// in 64-row/column tiles across the executor (see kernels/blas_context.h).
+// is added by cuBLASLt's bias epilogue (one rounding), or, where cuBLASLt has no
+// algorithm for the shape or the bias is not 16-byte aligned, broadcast into y first
+// with the GEMM adding onto it (one rounding too). CPU: cblas_sgemm in 64-row/column
+// tiles across the executor (see kernels/blas_context.h).
 Status matmul_forward(Stream& stream, BlasContext& blas, const MatmulShape& shape, DType dtype, const void* x,
                       const void* weight, const void* bias, void* y);
 // Needs x and weight. dx (dtype, [rows, in], may be null) per options.input_grad;
 // dweight (fp32, same layout as weight, may be null) and dbias (fp32 [out], may be
-// null) per options.param_grad.
+// null) per options.param_grad. GPU: with both wanted and param_grad kOverwrite, dbias
+// comes from the dweight GEMM's bias-gradient epilogue (cuBLASLt BGRADA/BGRADB), else
+// from a column-sum kernel.
 Status matmul_backward(Stream& stream, BlasContext& blas, const MatmulShape& shape, DType dtype, const void* dy,
                        const void* x, const void* weight, void* dx, float* dweight, float* dbias,
                        const GradOptions& options);
@@ -143,10 +147,9 @@ struct AttentionShape {
   size_t heads = 0;
   size_t head_dim = 0;
 };
-// Scratch the op needs from the caller's device memory (0 on a CpuDevice): on the GPU,
-// per batch element, the fp32 scores and the dtype probabilities of every head,
-// heads * seq_len^2 * (4 + dtype size) bytes (each rounded up to 256), the same for
-// forward and backward: gqa_attention_workspace_bytes of the fused shape.
+// Scratch the op needs from the caller's device memory (0 on a CpuDevice), the same for
+// forward and backward: gqa_attention_workspace_bytes of the fused shape (on the GPU
+// fp32 [batch, heads, seq_len], nothing T x T).
 size_t attention_workspace_bytes(const AttentionShape& shape, DType dtype, DeviceKind kind);
 Status attention_forward(Stream& stream, BlasContext& blas, const AttentionShape& shape, DType dtype, const void* qkv,
                          void* out, float* lse, void* workspace, size_t workspace_bytes);
