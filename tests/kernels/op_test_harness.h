@@ -66,16 +66,25 @@ inline double relative_error(const std::vector<double>& got, const std::vector<d
   return std::sqrt(diff) / std::sqrt(norm);
 }
 
+// How big a Harness's device is: the tiny-shape tests take the defaults; the
+// model-shape tests (model_shapes_test.cpp) need gigabytes and every core.
+struct HarnessOptions {
+  size_t cpu_budget_bytes = size_t{256} << 20;
+  int cpu_threads = 2;  // 0 = every core
+  size_t cuda_budget_bytes = size_t{1} << 30;
+};
+
 // A device, a stream and a BlasContext, with helpers to move test tensors in and out.
 class Harness {
  public:
-  explicit Harness(Target target) : target_(target) {
+  explicit Harness(Target target, const HarnessOptions& options = {}) : target_(target) {
     if (target.kind == DeviceKind::kCpu) {
-      auto device = create_cpu_device({.budget_bytes = size_t{256} << 20, .compute = {.threads = 2}});
+      auto device = create_cpu_device(
+          {.budget_bytes = options.cpu_budget_bytes, .compute = {.threads = options.cpu_threads}});
       STRATA_CHECK_OK(device);
       device_ = std::move(device).value();
     } else {
-      auto device = create_cuda_device({.budget_bytes = size_t{1} << 30});
+      auto device = create_cuda_device({.budget_bytes = options.cuda_budget_bytes});
       STRATA_CHECK_OK(device);
       device_ = std::move(device).value();
     }
