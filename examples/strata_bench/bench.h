@@ -73,6 +73,7 @@ int run_copy(int argc, char** argv);
 int run_adam(int argc, char** argv);
 int run_step(int argc, char** argv);
 int run_token_scan(int argc, char** argv);
+int run_kernels(int argc, char** argv);
 
 // Prints "strata-bench <subcommand>: <status>" to stderr and returns 1 (or 2 for usage errors).
 int report_failure(const char* subcommand, const Status& status);

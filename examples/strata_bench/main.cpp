@@ -18,6 +18,7 @@ constexpr Subcommand kSubcommands[] = {
     {"copy", strata::bench::run_copy, "host<->device copy bandwidth from pinned and pageable memory"},
     {"adam", strata::bench::run_adam, "fused CPU Adam step throughput against the memory ceiling"},
     {"step", strata::bench::run_step, "a synthetic layer stack through the full offload engine"},
+    {"kernels", strata::bench::run_kernels, "each transformer op at GPT-2 XL and Llama-1B shapes against the H200's peak"},
     {"token-scan", strata::bench::run_token_scan, "the vocabulary check of a token file at open, per ISA and thread count"},
 };
 

@@ -22,4 +22,7 @@ int run_adam(int, char**) { return not_built("adam"); }
 #if defined(STRATA_BENCH_PENDING_step)
 int run_step(int, char**) { return not_built("step"); }
 #endif
+#if defined(STRATA_BENCH_PENDING_kernels)
+int run_kernels(int, char**) { return not_built("kernels"); }
+#endif
 }  // namespace strata::bench
