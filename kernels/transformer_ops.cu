@@ -522,7 +522,10 @@ StatusOr<bool> gemm_with_epilogue(BlasContext::Impl& impl, cudaStream_t stream, 
   int found = 0;
   const cublasStatus_t heuristic =
       cublasLtMatmulAlgoGetHeuristic(lt, d.matmul, d.a, d.b, d.c, d.c, d.preference, 1, &result, &found);
-  if (heuristic == CUBLAS_STATUS_NOT_SUPPORTED || found == 0) return false;
+  // cuBLASLt answers an unsupported epilogue / type combination with NOT_SUPPORTED or,
+  // for some, INVALID_VALUE: both mean "take the unfused path", not a failed op.
+  if (heuristic == CUBLAS_STATUS_NOT_SUPPORTED || heuristic == CUBLAS_STATUS_INVALID_VALUE) return false;
+  if (heuristic == CUBLAS_STATUS_SUCCESS && found == 0) return false;
   STRATA_RETURN_IF_CUBLAS_ERROR(heuristic);
   STRATA_RETURN_IF_CUBLAS_ERROR(cublasLtMatmul(lt, d.matmul, &alpha, b.data, d.a, a.data, d.b, &beta, c, d.c, c, d.c,
                                                &result.algo, impl.workspace.data(), workspace_bytes, stream));
