@@ -19,7 +19,8 @@
 //   per element, about 2.3e-3 in the norm), gradients of bf16 activations pass through
 //   several such roundings: 2e-2, as the tiny-shape tests; fp32 outputs of bf16 runs
 //   (dweight, dbias, lse, statistics) 1e-2.
-// All tests skip with the reason where no GPU is visible. Label gpu_only: they allocate
+// The GPU side runs twice and must give the same bits. All tests skip with the reason
+// where no GPU is visible. Label gpu_only: they allocate
 // gigabytes and run seconds of CPU twins, which a sanitizer would make minutes.
 #include <gtest/gtest.h>
 
@@ -79,8 +80,11 @@ class ModelShapesTest : public ::testing::TestWithParam<DType> {
     return kind == OutputKind::kActivation ? 2e-2 : 1e-2;
   }
 
+  // Also runs the GPU side twice: every op promises bit-identical results run to run
+  // (no float atomics; the attention's dk/dv summed per KV tile in a fixed order).
   void expect_twins_agree(const std::string& what, const OpRun& run, const std::vector<OutputKind>& kinds) {
     const Outputs got = run(*gpu_);
+    EXPECT_TRUE(run(*gpu_) == got) << what << ": a second GPU run differs";
     const Outputs want = run(*cpu_);
     ASSERT_EQ(got.size(), kinds.size());
     for (size_t i = 0; i < kinds.size(); ++i) {
