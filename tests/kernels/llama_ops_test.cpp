@@ -575,6 +575,14 @@ TEST_P(LlamaOpsTest, BadShapesAreRefusedBeforeAnythingIsEnqueued) {
   status = kernels::gqa_attention_forward(harness.stream(), harness.blas(), narrow, dtype(), buffer.data(), buffer.data(),
                                           buffer.data(), buffer.data(), buffer.as<float>(), buffer.data(), 4096);
   EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.to_string();
+  // The CUDA attention kernels stop at head_dim 128; the CPU twin has no limit.
+  if (GetParam().kind == DeviceKind::kCuda) {
+    const GqaAttentionShape wide{.batch = 1, .seq_len = 1, .heads = 1, .kv_heads = 1, .head_dim = 256};
+    status = kernels::gqa_attention_forward(harness.stream(), harness.blas(), wide, dtype(), buffer.data(), buffer.data(),
+                                            buffer.data(), buffer.data(), buffer.as<float>(), buffer.data(), 4096);
+    EXPECT_EQ(status.code(), StatusCode::kUnimplemented) << status.to_string();
+    EXPECT_NE(status.to_string().find("head_dim 256"), std::string::npos) << status.to_string();
+  }
   const RopeShape odd{.rows = 2, .heads = 1, .head_dim = 5};
   status = kernels::rope_forward(harness.stream(), odd, dtype(), buffer.as<int32_t>(), buffer.as<float>(), buffer.data(),
                                  buffer.data());
