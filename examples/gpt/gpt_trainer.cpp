@@ -582,11 +582,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     if (options.process_group->world_size != world)
       return InvalidArgumentError("strata.world_size (--world-size) is " + std::to_string(world) + " but the launcher's WORLD_SIZE is " +
                                   std::to_string(options.process_group->world_size) + "; drop --world-size or make them agree");
-    // Not yet across processes: these exchange whole groups or shards through one process's memory.
-    if (!options.save_dir.empty())
-      return UnimplementedError("--save-dir with process ranks (WORLD_SIZE=" + std::to_string(world) +
-                                " from the launcher) is not supported yet; save with thread ranks (--world-size N in one "
-                                "process), which --resume can load with any process count");
+    // Not yet across processes: the export gathers whole groups through one process's memory.
     if (!options.export_dir.empty())
       return UnimplementedError("--export-dir with process ranks is not supported yet; export with thread ranks");
   }
@@ -598,6 +594,8 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     CheckpointSaverOptions saver_options;
     saver_options.directory = options.save_dir;
     saver_options.world_size = world;
+    saver_options.first_rank = cluster->first_rank();  // process ranks: each process writes its own rank's file
+    saver_options.local_ranks = cluster->local_ranks();
     saver_options.keep_last = options.keep_checkpoints;
     for (const auto& spec : model.group_specs()) {
       STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, world));
@@ -743,11 +741,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       if (engine_options.optimizer_tier != Tier::kNvme) return {};
       return engine->finish();
     };
-    auto save = [&](int64_t steps_done, bool loss_finite) -> Status {
-      STRATA_RETURN_IF_ERROR(settle_state());
-      STRATA_ASSIGN_OR_RETURN(RankSnapshot snapshot, snapshot_engine_state(*engine, rank));
-      STRATA_RETURN_IF_ERROR(saver->submit(steps_done, std::move(snapshot)));
-      if (rank != 0) return {};
+    auto submit_trainer_state = [&](int64_t steps_done, bool loss_finite) -> Status {
       loader.set_position(static_cast<uint64_t>(steps_done) * static_cast<uint64_t>(accumulation));
       nlohmann::json state = {{"format", "strata-gpt-trainer/1"},
                               {"step", steps_done},
@@ -758,6 +752,19 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
                               {"data_seed", options.data_seed},
                               {"loss_finite", loss_finite}};  // the loss scaler is in the manifest
       return saver->submit_trainer_state(steps_done, state.dump());
+    };
+
+    auto save = [&](int64_t steps_done, bool loss_finite) -> Status {
+      STRATA_RETURN_IF_ERROR(settle_state());
+      STRATA_ASSIGN_OR_RETURN(RankSnapshot snapshot, snapshot_engine_state(*engine, rank));
+      STRATA_RETURN_IF_ERROR(saver->submit(steps_done, std::move(snapshot)));
+      if (rank == 0) STRATA_RETURN_IF_ERROR(submit_trainer_state(steps_done, loss_finite));
+      if (processes == nullptr) return {};
+      // Process ranks: every process's shards are durable, then rank 0 commits with their records.
+      STRATA_ASSIGN_OR_RETURN(const std::string mine, saver->local_files(steps_done));
+      STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> all, processes->all_gather_strings(mine));
+      if (rank == 0) STRATA_RETURN_IF_ERROR(saver->add_peer_files(steps_done, all));
+      return {};
     };
 
     // Training.
