@@ -11,6 +11,8 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
+#include <filesystem>
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -83,6 +85,41 @@ TEST(TrainGptMultiprocessTest, TwoProcessesEndOnTheTwoThreadRunsChecksum) {
   EXPECT_TRUE(rank1.out.empty()) << "only rank 0 prints: " << rank1.out;
 }
 
+// Every process writes its own shard into the checkpoint, rank 0 commits the manifest once
+// all are durable; the checkpoint resumes on the same world as threads (bit for bit) and
+// on another process count (within the tolerance of another summation order).
+TEST(TrainGptMultiprocessTest, ACheckpointSavedByTwoProcessesResumesOnThreadsAndOnFourProcesses) {
+  testing::TempDir dir;
+  const std::string save = (dir.path() / "ckpt").string();
+  TrainRun straight = testing::train_gpt(dir, tiny({"--steps", "8", "--micro-batch", "2", "--world-size", "2"}));
+  ASSERT_RAN(straight);
+
+  std::vector<StartedRun> saving = start_processes(dir, 2, tiny({"--steps", "4", "--micro-batch", "2", "--save-dir", save}));
+  TrainRun saved0 = testing::finish_run(saving[0]);
+  TrainRun saved1 = testing::finish_run(saving[1]);
+  ASSERT_RAN(saved0);
+  ASSERT_RAN(saved1);
+  EXPECT_EQ(saved0.summary["checkpoint"], save + "/step-4");
+  for (const char* file : {"manifest.json", "rank-0-of-2.bin", "rank-1-of-2.bin", "trainer_state.json"})
+    EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(save) / "step-4" / file)) << file;
+
+  TrainRun threads = testing::train_gpt(dir, tiny({"--steps", "8", "--micro-batch", "2", "--world-size", "2", "--resume", save}));
+  ASSERT_RAN(threads);
+  EXPECT_EQ(threads.summary["resumed_from_step"], 4);
+  EXPECT_EQ(threads.summary["param_checksum"], straight.summary["param_checksum"]);
+
+  // The global batch stays 4 sequences: 4 processes x 1.
+  std::vector<StartedRun> four = start_processes(dir, 4, tiny({"--steps", "8", "--micro-batch", "1", "--resume", save}));
+  std::vector<TrainRun> runs;
+  for (StartedRun& run : four) runs.push_back(testing::finish_run(run));
+  for (const TrainRun& run : runs) ASSERT_RAN(run);
+  EXPECT_EQ(runs[0].summary["resumed_from_step"], 4);
+  const auto want = straight.summary["losses"].get<std::vector<double>>();
+  const auto got = runs[0].summary["losses"].get<std::vector<double>>();
+  ASSERT_EQ(got.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(got[i], want[4 + i], 1e-5 * std::abs(want[4 + i])) << "step " << i + 5;
+}
+
 TEST(TrainGptMultiprocessTest, AWorldSizeFlagThatDisagreesWithTheLauncherIsNamed) {
   testing::TempDir dir;
   std::vector<StartedRun> started = start_processes(dir, 2, tiny({"--steps", "2", "--world-size", "3"}));
@@ -102,8 +139,11 @@ TEST(TrainGptMultiprocessTest, AKilledProcessMakesTheOtherExitNamingIt) {
   // let it train a little, then kill rank 1 without warning.
   const auto begin = std::chrono::steady_clock::now();
   while (!contains(testing::read_file(started[0].out), "Strata plan") &&
-         std::chrono::steady_clock::now() - begin < std::chrono::seconds(60))
+         std::chrono::steady_clock::now() - begin < std::chrono::seconds(30))
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(contains(testing::read_file(started[0].out), "Strata plan"))
+      << "rank 0 did not start training; its stderr:\n" << testing::read_file(started[0].err) << "\nrank 1's:\n"
+      << testing::read_file(started[1].err);
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   ASSERT_EQ(::kill(started[1].pid, SIGKILL), 0);
   const auto killed = std::chrono::steady_clock::now();
