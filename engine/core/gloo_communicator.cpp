@@ -19,12 +19,14 @@
 #include <limits>
 #include <mutex>
 #include <optional>
-#include <set>
+#include <map>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "engine/core/log.h"
 #include "engine/core/rank_order_reduction.h"
+#include "engine/core/thread.h"
 
 namespace strata {
 
@@ -38,11 +40,18 @@ struct State {
       : rank(rank_index),
         world_size(world),
         options(communicator_options),
-        who("gloo rank " + std::to_string(rank_index) + " of " + std::to_string(world)) {}
+        who("gloo rank " + std::to_string(rank_index) + " of " + std::to_string(world)),
+        lost(static_cast<size_t>(world)) {}
   State(const State&) = delete;
   State& operator=(const State&) = delete;
   ~State() {
-    // Pairs go before the device whose event loop serves them.
+    // The watchers first (their probes' waits end), then the pairs, then the device whose
+    // event loop serves them.
+    for (auto& probe : probes)
+      if (probe) probe->abortWaitRecv();
+    for (std::thread& watcher : watchers)
+      if (watcher.joinable()) watcher.join();
+    probes.clear();
     context.reset();
     device.reset();
   }
@@ -55,11 +64,16 @@ struct State {
 
   std::shared_ptr<gloo::transport::Device> device;
   std::shared_ptr<gloo::transport::Context> context;
+  // Per peer, a receive that is never matched (see watch_peer) and the thread waiting on it.
+  std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> probes;
+  std::vector<std::thread> watchers;
+  std::vector<char> probe_bytes;
 
   std::mutex mutex;
-  Status failure;                                     // guarded by mutex; the first failure
-  bool closed = false;                                // guarded by mutex; the pairs were closed
-  std::set<gloo::transport::UnboundBuffer*> waiting;  // guarded by mutex; buffers of operations running
+  Status failure;                 // guarded by mutex; the first failure
+  bool closed = false;            // guarded by mutex; the pairs were closed
+  std::vector<std::string> lost;  // guarded by mutex; per peer: how its connection ended (empty: alive)
+  std::multimap<int, gloo::transport::UnboundBuffer*> waiting;  // guarded by mutex; by peer, buffers of operations running
 
   Status current_failure() {
     std::lock_guard<std::mutex> lock(mutex);
@@ -74,11 +88,27 @@ struct State {
       STRATA_LOG(kDebug) << who << ": aborted: " << reason.message();
       failure = std::move(reason);
     }
-    for (gloo::transport::UnboundBuffer* buffer : waiting) {
+    for (const auto& [peer, buffer] : waiting) {
       buffer->abortWaitRecv();
       buffer->abortWaitSend();
     }
     close_locked();
+  }
+
+  // `peer`'s connection ended (`detail`): the waits of operations on it end now.
+  void mark_lost(int peer, std::string detail) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (lost[static_cast<size_t>(peer)].empty()) lost[static_cast<size_t>(peer)] = std::move(detail);
+    const auto [begin, end] = waiting.equal_range(peer);
+    for (auto it = begin; it != end; ++it) {
+      it->second->abortWaitRecv();
+      it->second->abortWaitSend();
+    }
+  }
+
+  std::string lost_detail(int peer) {
+    std::lock_guard<std::mutex> lock(mutex);
+    return lost[static_cast<size_t>(peer)];
   }
 
  private:
@@ -217,6 +247,42 @@ Status connect_pairs(State& state, Rendezvous& rendezvous) {
   return Status::Ok();
 }
 
+// The message slot of the probes: operations use sequence * 2 + round, never this.
+constexpr uint64_t kProbeSlot = ~uint64_t{0};
+
+// Gloo (this version) tells a closed connection to the receives posted on it, but not to
+// the one whose bytes were arriving when it closed: a peer killed in the middle of sending
+// would leave that receive waiting until the deadline. A receive that is never matched
+// stays posted for the pair's life, so it always hears: its thread marks the peer lost,
+// which ends the waits on that peer at once. (Ends when the State goes: abortWaitRecv.)
+void watch_peer(State* state, int peer) {
+  try {
+    (void)state->probes[static_cast<size_t>(peer)]->waitRecv(std::chrono::hours(24 * 365));
+  } catch (const std::exception& error) {
+    const std::string detail = error.what();
+    // A closure Gloo made itself after a local timeout says nothing about the peer.
+    if (detail.find("Application timeout") == std::string::npos) state->mark_lost(peer, detail);
+  }
+}
+
+Status start_watchers(State& state) {
+  state.probe_bytes.assign(static_cast<size_t>(state.world_size), 0);
+  state.probes.resize(static_cast<size_t>(state.world_size));
+  for (int peer = 0; peer < state.world_size; ++peer) {
+    if (peer == state.rank) continue;
+    try {
+      auto& probe = state.probes[static_cast<size_t>(peer)];
+      probe = state.context->createUnboundBuffer(&state.probe_bytes[static_cast<size_t>(peer)], 1);
+      probe->recv(peer, kProbeSlot);
+    } catch (const std::exception& error) {
+      return UnavailableError("gloo: " + state.who + ": rank " + std::to_string(peer) + "'s connection failed at once: " + error.what());
+    }
+    STRATA_ASSIGN_OR_RETURN(std::thread watcher, spawn_thread("strata:gloo-peer", [raw = &state, peer] { watch_peer(raw, peer); }));
+    state.watchers.push_back(std::move(watcher));
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -240,7 +306,10 @@ StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::create(Rendezvous&
     STRATA_ASSIGN_OR_RETURN(state->address,
                             local_address_towards(rendezvous.options().master_addr, rendezvous.port()));
   }
-  if (state->world_size > 1) STRATA_RETURN_IF_ERROR(connect_pairs(*state, rendezvous));
+  if (state->world_size > 1) {
+    STRATA_RETURN_IF_ERROR(connect_pairs(*state, rendezvous));
+    STRATA_RETURN_IF_ERROR(start_watchers(*state));
+  }
   return std::make_unique<GlooCommunicator>(std::move(state), device);
 }
 
@@ -279,9 +348,11 @@ class RoundBuffers {
   RoundBuffers& operator=(const RoundBuffers&) = delete;
   ~RoundBuffers() {
     std::lock_guard<std::mutex> lock(state_.mutex);
-    for (auto* list : {&send_, &receive_})
-      for (auto& buffer : *list)
-        if (buffer) state_.waiting.erase(buffer.get());
+    for (auto it = state_.waiting.begin(); it != state_.waiting.end();) {
+      const size_t p = static_cast<size_t>(it->first);
+      const bool mine = (send_[p] && it->second == send_[p].get()) || (receive_[p] && it->second == receive_[p].get());
+      it = mine ? state_.waiting.erase(it) : std::next(it);
+    }
   }
   // Creates the peer's buffers; fails when the communicator has already failed.
   Status add(int peer, const Transfer& transfer) {
@@ -291,8 +362,8 @@ class RoundBuffers {
     if (transfer.receive_bytes > 0)
       receive_[p] = state_.context->createUnboundBuffer(transfer.receive, transfer.receive_bytes);
     std::lock_guard<std::mutex> lock(state_.mutex);
-    if (send_[p]) state_.waiting.insert(send_[p].get());
-    if (receive_[p]) state_.waiting.insert(receive_[p].get());
+    if (send_[p]) state_.waiting.emplace(peer, send_[p].get());
+    if (receive_[p]) state_.waiting.emplace(peer, receive_[p].get());
     return state_.failure;
   }
   gloo::transport::UnboundBuffer* send(int peer) { return send_[static_cast<size_t>(peer)].get(); }
@@ -356,7 +427,15 @@ Status exchange(State& state, const std::vector<Transfer>& transfers, uint64_t s
   }
   for (int peer = 0; peer < world; ++peer) {
     if (peer == state.rank || outcomes[static_cast<size_t>(peer)] != PeerOutcome::kDone) continue;
-    outcomes[static_cast<size_t>(peer)] = wait_for_peer(buffers, peer, deadline, &details[static_cast<size_t>(peer)]);
+    PeerOutcome outcome = wait_for_peer(buffers, peer, deadline, &details[static_cast<size_t>(peer)]);
+    if (outcome == PeerOutcome::kAborted) {
+      // Woken by the peer's watcher (its connection ended), or by abort().
+      if (std::string detail = state.lost_detail(peer); !detail.empty()) {
+        outcome = PeerOutcome::kLost;
+        details[static_cast<size_t>(peer)] = std::move(detail);
+      }
+    }
+    outcomes[static_cast<size_t>(peer)] = outcome;
   }
 
   std::vector<int> lost;
