@@ -452,16 +452,20 @@ Status exchange(State& state, const std::vector<Transfer>& transfers, uint64_t s
       case PeerOutcome::kAborted: aborted = true; break;
     }
   }
+  std::string lost_text;
   if (!lost.empty()) {
-    std::string message = state.who + ": " + rank_list_text(lost) + (lost.size() == 1 ? " closed its" : " closed their") +
-                          " connection during " + what + " (did it exit, fail or abort?)";
-    for (int peer : lost) message += "; rank " + std::to_string(peer) + ": " + details[static_cast<size_t>(peer)];
-    return UnavailableError(std::move(message));
+    lost_text = rank_list_text(lost) + (lost.size() == 1 ? " closed its" : " closed their") + " connection during " + what +
+                " (did it exit, fail or abort?)";
+    for (int peer : lost) lost_text += "; rank " + std::to_string(peer) + ": " + details[static_cast<size_t>(peer)];
   }
+  // A silent rank is the likelier cause when both happen: a peer that timed out on it
+  // closes its connections too.
   if (!silent.empty())
     return DeadlineExceededError(state.who + ": " + what + ": " + rank_list_text(silent) + " sent nothing within " +
                                  seconds_text(state.options.timeout) +
-                                 " (a rank failed, is stuck, or issued different collectives)");
+                                 " (a rank failed, is stuck, or issued different collectives)" +
+                                 (lost_text.empty() ? "" : "; also " + lost_text));
+  if (!lost.empty()) return UnavailableError(state.who + ": " + lost_text);
   if (aborted || !state.current_failure().ok()) {
     const Status failure = state.current_failure();
     return Status(failure.ok() ? StatusCode::kCancelled : failure.code(),
