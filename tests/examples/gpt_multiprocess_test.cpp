@@ -1,8 +1,10 @@
 // train_gpt with one rank per process (CPU device, Gloo), started by the test itself the
 // way torchrun starts them (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT per
-// child): the same weights, bit for bit, as the same world as threads of one process;
-// only rank 0 prints; a --world-size that disagrees with WORLD_SIZE is an error naming
-// both; a process killed mid-run makes the other exit non-zero naming it.
+// child): the same weights, bit for bit, as the same world as threads of one process,
+// with NVMe files per rank; only rank 0 prints; checkpoints written by every process and
+// committed by rank 0 resume on threads and on another process count; a --world-size
+// that disagrees with WORLD_SIZE is an error naming both; a process killed mid-run makes
+// the other exit non-zero naming it.
 #include <gtest/gtest.h>
 
 #include <netinet/in.h>
@@ -72,11 +74,18 @@ TEST(TrainGptMultiprocessTest, TwoProcessesEndOnTheTwoThreadRunsChecksum) {
   TrainRun threads = testing::train_gpt(dir, tiny(threads_args));
   ASSERT_RAN(threads);
 
-  std::vector<StartedRun> started = start_processes(dir, 2, tiny(common));
+  // The processes keep their optimizer state on NVMe, in one nvme_path: each rank has its
+  // own files there (placement does not change the bits).
+  const std::string nvme = (dir.path() / "nvme").string();
+  std::vector<std::string> process_args = common;
+  process_args.insert(process_args.end(), {"--offload-optimizer", "nvme", "--nvme-path", nvme});
+  std::vector<StartedRun> started = start_processes(dir, 2, tiny(process_args));
   TrainRun rank0 = testing::finish_run(started[0]);
   TrainRun rank1 = testing::finish_run(started[1]);
   ASSERT_RAN(rank0);
   ASSERT_RAN(rank1);
+  for (const char* file : {"strata-rank0.swap", "strata-rank1.swap"})
+    EXPECT_TRUE(std::filesystem::exists(std::filesystem::path(nvme) / file)) << file;
   EXPECT_EQ(rank0.summary["world_size"], 2);
   EXPECT_EQ(rank0.summary["param_checksum"], threads.summary["param_checksum"]) << rank0.out;
   EXPECT_EQ(rank0.summary["losses"], threads.summary["losses"]);
