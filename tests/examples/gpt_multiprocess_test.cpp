@@ -94,6 +94,21 @@ TEST(TrainGptMultiprocessTest, TwoProcessesEndOnTheTwoThreadRunsChecksum) {
   EXPECT_TRUE(rank1.out.empty()) << "only rank 0 prints: " << rank1.out;
 }
 
+TEST(TrainGptMultiprocessTest, FourProcessesEndOnTheFourThreadRunsChecksum) {
+  testing::TempDir dir;
+  const std::vector<std::string> common = {"--steps", "8", "--micro-batch", "1"};
+  std::vector<std::string> threads_args = common;
+  threads_args.insert(threads_args.end(), {"--world-size", "4"});
+  TrainRun threads = testing::train_gpt(dir, tiny(threads_args));
+  ASSERT_RAN(threads);
+  std::vector<StartedRun> started = start_processes(dir, 4, tiny(common));
+  std::vector<TrainRun> runs;
+  for (StartedRun& run : started) runs.push_back(testing::finish_run(run));
+  for (const TrainRun& run : runs) ASSERT_RAN(run);
+  EXPECT_EQ(runs[0].summary["param_checksum"], threads.summary["param_checksum"]) << runs[0].out;
+  EXPECT_EQ(runs[0].summary["losses"], threads.summary["losses"]);
+}
+
 // Every process writes its own shard into the checkpoint, rank 0 commits the manifest once
 // all are durable; the checkpoint resumes on the same world as threads (bit for bit) and
 // on another process count (within the tolerance of another summation order).
