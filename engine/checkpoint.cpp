@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <sstream>
@@ -316,6 +317,7 @@ struct SaveJob {
   bool stale_parameters = false;                 // from the first snapshot
   std::optional<LossScaler::State> loss_scaler;  // from the first snapshot
   std::vector<FileRecord> rank_files;  // indexed by rank
+  std::vector<std::optional<json>> peer_files;  // process ranks: other processes' files, as their manifest entries
   Status status;                       // the first failure
   // Writer-thread only:
   std::string tmp_dir;
@@ -343,8 +345,10 @@ class CheckpointSaver::Impl {
       return InvalidArgumentError("checkpoint: save directory '" + options_.directory + "' is not a directory");
     }
     STRATA_RETURN_IF_ERROR(probe_writable());
-    STRATA_RETURN_IF_ERROR(lock_directory());
-    STRATA_RETURN_IF_ERROR(check_free_space());
+    if (commits()) {  // process ranks: the processes of one run share D; the committer locks it
+      STRATA_RETURN_IF_ERROR(lock_directory());
+      STRATA_RETURN_IF_ERROR(check_free_space());
+    }
     STRATA_ASSIGN_OR_RETURN(io_, IoEngine::create(options_.io));
     STRATA_ASSIGN_OR_RETURN(thread_, spawn_thread("strata:ckpt", [this] { run(); }));
     return Status::Ok();
@@ -360,6 +364,9 @@ class CheckpointSaver::Impl {
       return InvalidArgumentError(what + ": the snapshot is laid out for " + std::to_string(snapshot.world_size()) +
                                   " ranks, the saver expects " + std::to_string(options_.world_size));
     }
+    if (!is_local(rank))
+      return InvalidArgumentError(what + ": this saver writes ranks " + std::to_string(options_.first_rank) + ".." +
+                                  std::to_string(options_.first_rank + local_count() - 1) + " only");
     std::unique_lock<std::mutex> lock(mutex_);
     SaveJob* job = nullptr;
     STRATA_ASSIGN_OR_RETURN(job, job_for_locked(lock, step, what));
@@ -426,6 +433,46 @@ class CheckpointSaver::Impl {
     std::lock_guard<std::mutex> lock(mutex_);
     return last_committed_;
   }
+
+  StatusOr<std::string> local_files(int64_t step) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_cv_.wait(lock, [&] { return local_done_.count(step) != 0 || stopped_; });
+    const auto found = local_done_.find(step);
+    if (found == local_done_.end())
+      return FailedPreconditionError("checkpoint step " + std::to_string(step) + ": the saver finished before this process's files were written");
+    std::string text = std::move(found->second);
+    local_done_.erase(found);
+    return text;
+  }
+
+  Status add_peer_files(int64_t step, const std::vector<std::string>& texts) {
+    const std::string what = "checkpoint step " + std::to_string(step) + ": the other processes' files";
+    if (!commits()) return FailedPreconditionError(what + " go to the saver holding rank 0");
+    std::unique_lock<std::mutex> lock(mutex_);
+    SaveJob* job = nullptr;
+    STRATA_ASSIGN_OR_RETURN(job, job_for_locked(lock, step, what));
+    for (const std::string& text : texts) {
+      const json parsed = json::parse(text, nullptr, /*allow_exceptions=*/false);
+      if (parsed.is_object() && parsed.contains("error")) {
+        if (job->status.ok()) job->status = IoError(what + ": a process failed to write its rank files: " + parsed["error"].dump());
+        continue;
+      }
+      if (!parsed.is_object() || !parsed.contains("files") || !parsed["files"].is_array())
+        return DataLossError(what + ": a record that is not the saver's JSON: " + text.substr(0, 200));
+      for (const json& file : parsed["files"]) {
+        const int rank = file.value("rank", -1);
+        if (is_local(rank)) continue;  // this saver's own
+        if (rank < 0 || rank >= options_.world_size || job->written[static_cast<size_t>(rank)] ||
+            file.value("name", std::string()) != rank_file_name(rank, options_.world_size))
+          return DataLossError(what + ": an unexpected file record " + file.dump().substr(0, 200));
+        job->peer_files[static_cast<size_t>(rank)] = file;
+        job->written[static_cast<size_t>(rank)] = true;
+        ++job->written_count;
+      }
+    }
+    work_cv_.notify_all();
+    return Status::Ok();
+  }
   uint64_t bytes_written() const {
     std::lock_guard<std::mutex> lock(mutex_);
     return bytes_written_;
@@ -453,6 +500,7 @@ class CheckpointSaver::Impl {
     job->arrived.assign(static_cast<size_t>(options_.world_size), false);
     job->written.assign(static_cast<size_t>(options_.world_size), false);
     job->rank_files.resize(static_cast<size_t>(options_.world_size));
+    job->peer_files.resize(static_cast<size_t>(options_.world_size));
     jobs_.push_back(std::move(job));
     done_cv_.notify_all();  // ranks waiting to create the same step
     return jobs_.back().get();
@@ -477,7 +525,11 @@ class CheckpointSaver::Impl {
     for (;;) {
       work_cv_.wait(lock, [&] { return closing_ || has_work_locked(); });
       if (jobs_.empty()) {
-        if (closing_) return;
+        if (closing_) {
+          stopped_ = true;
+          done_cv_.notify_all();
+          return;
+        }
         continue;
       }
       SaveJob& job = *jobs_.front();
@@ -497,9 +549,14 @@ class CheckpointSaver::Impl {
         } else if (!failed) {
           job.rank_files[static_cast<size_t>(rank)] = std::move(record);
         }
+        if (local_written_locked(job)) {
+          local_done_[job.step] = local_files_text_locked(job);
+          done_cv_.notify_all();
+        }
         continue;
       }
-      const bool complete = job.written_count == options_.world_size && job.trainer_state.has_value();
+      const bool complete = commits() ? job.written_count == options_.world_size && job.trainer_state.has_value()
+                                      : job.written_count == local_count();
       if (!complete && !closing_) continue;  // spurious: has_work said so only if closing or complete
       if (!complete) {
         std::string missing;
@@ -514,18 +571,20 @@ class CheckpointSaver::Impl {
       }
       lock.unlock();
       Status status = job.status;
-      if (status.ok()) status = commit(job);
-      for (int attempt = 2; !status.ok() && complete && attempt <= options_.save_attempts; ++attempt) {
+      if (status.ok() && commits()) status = commit(job);
+      // A retry rewrites every rank's file from its snapshot: one process only.
+      const int attempts = shared_directory() ? 1 : options_.save_attempts;
+      for (int attempt = 2; !status.ok() && complete && attempt <= attempts; ++attempt) {
         STRATA_LOG(kWarn) << "checkpoint: saving step " << job.step << " to " << options_.directory
                           << " failed: " << status.to_string() << "; trying again (attempt " << attempt << " of "
                           << options_.save_attempts << ")";
         remove_tmp(job);
         status = rewrite(job);
       }
-      if (!status.ok()) remove_tmp(job);
+      if (!status.ok() && commits()) remove_tmp(job);
       for (auto& snapshot : job.snapshots) snapshot.reset();  // frees the memory before relocking
       lock.lock();
-      if (status.ok()) {
+      if (status.ok() && commits()) {
         last_committed_ = std::max(last_committed_, job.step);
       } else {
         status.with_context("checkpoint step " + std::to_string(job.step) + " in " + options_.directory + " was not saved");
@@ -548,7 +607,29 @@ class CheckpointSaver::Impl {
     if (jobs_.empty()) return false;
     const SaveJob& job = *jobs_.front();
     if (unwritten_rank_locked(job) >= 0) return true;
+    if (!commits()) return job.written_count == local_count();
     return job.written_count == options_.world_size && job.trainer_state.has_value();
+  }
+
+  // Process ranks (see CheckpointSaverOptions::first_rank).
+  int local_count() const { return options_.local_ranks > 0 ? options_.local_ranks : options_.world_size; }
+  bool is_local(int rank) const { return rank >= options_.first_rank && rank < options_.first_rank + local_count(); }
+  bool commits() const { return options_.first_rank == 0; }
+  bool shared_directory() const { return local_count() < options_.world_size; }
+
+  bool local_written_locked(const SaveJob& job) const {
+    for (int r = options_.first_rank; r < options_.first_rank + local_count(); ++r)
+      if (!job.written[static_cast<size_t>(r)]) return false;
+    return true;
+  }
+
+  // This saver's rank files of `job` as add_peer_files() takes them, or the write's failure.
+  std::string local_files_text_locked(const SaveJob& job) const {
+    if (!job.status.ok()) return json{{"error", job.status.to_string()}}.dump();
+    json files = json::array();
+    for (int r = options_.first_rank; r < options_.first_rank + local_count(); ++r)
+      files.push_back(file_to_json(job.rank_files[static_cast<size_t>(r)]));
+    return json{{"files", std::move(files)}}.dump();
   }
 
   // Writer thread, with every snapshot and the trainer state at hand: the whole save again.
@@ -628,6 +709,13 @@ class CheckpointSaver::Impl {
   Status ensure_tmp(SaveJob& job) {
     if (job.tmp_created) return Status::Ok();
     job.tmp_dir = (fs::path(options_.directory) / (std::string(kTmpPrefix) + checkpoint_dir_name(job.step))).string();
+    if (shared_directory()) {
+      // Other processes write into the same directory, maybe first: nothing there is stale
+      // (their files are rewritten whole; the manifest lists only this step's).
+      if (::mkdir(job.tmp_dir.c_str(), 0755) != 0 && errno != EEXIST) return Status::FromErrno(errno, "mkdir(" + job.tmp_dir + ")");
+      job.tmp_created = true;
+      return Status::Ok();
+    }
     std::error_code error;
     if (fs::exists(job.tmp_dir, error)) {
       STRATA_LOG(kInfo) << "checkpoint: removing " << job.tmp_dir << ", left by an interrupted save";
@@ -714,7 +802,8 @@ class CheckpointSaver::Impl {
     json groups = json::array();
     for (const GroupLayout& layout : job.layouts) groups.push_back(group_to_json(layout));
     json files = json::array();
-    for (const FileRecord& file : job.rank_files) files.push_back(file_to_json(file));
+    for (size_t r = 0; r < job.rank_files.size(); ++r)
+      files.push_back(job.peer_files[r] ? *job.peer_files[r] : file_to_json(job.rank_files[r]));
     files.push_back(file_to_json(state_record));
     json manifest = {{"format", kFormatName},
                      {"version", job.stale_parameters ? kFormatVersionStale : kFormatVersion},
@@ -807,6 +896,8 @@ class CheckpointSaver::Impl {
   std::vector<Status> errors_;
   bool closing_ = false;
   int64_t last_committed_ = -1;
+  std::map<int64_t, std::string> local_done_;  // process ranks: local_files() texts not yet taken
+  bool stopped_ = false;                       // the writer thread has returned
   uint64_t bytes_written_ = 0;
   std::thread thread_;
   File lock_file_;  // holds the save directory's flock for the saver's life
@@ -827,6 +918,9 @@ StatusOr<std::unique_ptr<CheckpointSaver>> CheckpointSaver::create(const Checkpo
     return InvalidArgumentError("checkpoint: chunk_bytes " + std::to_string(options.chunk_bytes) +
                                 " must be a positive multiple of 4096");
   }
+  if (options.first_rank < 0 || options.local_ranks < 0 || options.first_rank + std::max(options.local_ranks, 1) > options.world_size)
+    return InvalidArgumentError("checkpoint: ranks " + std::to_string(options.first_rank) + " + " + std::to_string(options.local_ranks) +
+                                " do not fit world_size " + std::to_string(options.world_size));
   auto impl = std::make_unique<Impl>(options);
   STRATA_RETURN_IF_ERROR(impl->start());
   return std::unique_ptr<CheckpointSaver>(new CheckpointSaver(std::move(impl)));
@@ -843,6 +937,10 @@ Status CheckpointSaver::poll() { return impl_->poll(); }
 Status CheckpointSaver::wait() { return impl_->wait(); }
 Status CheckpointSaver::finish() { return impl_->finish(); }
 int64_t CheckpointSaver::last_committed_step() const { return impl_->last_committed_step(); }
+StatusOr<std::string> CheckpointSaver::local_files(int64_t step) { return impl_->local_files(step); }
+Status CheckpointSaver::add_peer_files(int64_t step, const std::vector<std::string>& texts) {
+  return impl_->add_peer_files(step, texts);
+}
 uint64_t CheckpointSaver::bytes_written() const { return impl_->bytes_written(); }
 
 // ---------------------------------------------------------------------------------------

@@ -169,6 +169,13 @@ struct CheckpointSaverOptions {
   // Rotation: whether a committed checkpoint's trainer state marks it as one to fall back
   // to; the newest such checkpoint is never rotated away. Unset: every checkpoint is.
   std::function<bool(std::string_view trainer_state)> is_healthy;
+  // Process ranks (one saver per process, all on one shared save directory): this saver
+  // writes the rank files of ranks [first_rank, first_rank + local_ranks) only; 0 = all
+  // world_size ranks (one process). The saver holding rank 0 locks D, and commits a step
+  // once the other processes' file records have arrived through add_peer_files(); the
+  // others only write their files into D/.tmp-step-<N>/ (never removing anything there).
+  int first_rank = 0;
+  int local_ranks = 0;
 };
 
 // The bytes one checkpoint of `elements` fp32 state elements (all ranks) takes on disk:
@@ -206,6 +213,14 @@ class CheckpointSaver {
   Status wait();
   // wait(), then stops the thread; later submits fail.
   Status finish();
+
+  // Process ranks: blocks until this saver's rank files of `step` are written and fsynced,
+  // and returns their records as text for add_peer_files() on the saver holding rank 0 —
+  // or, when a write failed, a text that makes that saver fail the step naming it.
+  StatusOr<std::string> local_files(int64_t step);
+  // Process ranks, on the saver holding rank 0: every process's local_files() text for
+  // `step` (its own is skipped). The step commits once all ranks' files are in.
+  Status add_peer_files(int64_t step, const std::vector<std::string>& texts);
 
   int64_t last_committed_step() const;  // -1 before the first commit
   uint64_t bytes_written() const;       // by committed and failed saves, all files

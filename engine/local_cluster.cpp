@@ -10,6 +10,9 @@
 #if defined(STRATA_HAVE_CUDA)
 #include "engine/core/nccl_communicator.h"
 #endif
+#if defined(STRATA_HAVE_GLOO)
+#include "engine/core/gloo_communicator.h"
+#endif
 
 namespace strata {
 
@@ -23,12 +26,75 @@ LocalCluster::~LocalCluster() {
   reduce_.clear();
   host_groups_.reset();
   devices_.clear();
+  rendezvous_.reset();
+}
+
+StatusOr<std::optional<RendezvousOptions>> LocalCluster::process_group_from_env(const EnvLookup& lookup) {
+  STRATA_ASSIGN_OR_RETURN(RendezvousOptions options, rendezvous_options_from_env(lookup));
+  if (options.world_size <= 1) return std::optional<RendezvousOptions>();
+  return std::optional<RendezvousOptions>(std::move(options));
+}
+
+Status LocalCluster::create_process_rank(const LocalClusterOptions& options, LocalCluster& cluster) {
+  const RendezvousOptions& group = *options.process_group;
+  const std::string who = "process rank " + std::to_string(group.rank) + " of " + std::to_string(group.world_size);
+  STRATA_ASSIGN_OR_RETURN(Rendezvous rendezvous, Rendezvous::create(group));
+  cluster.rendezvous_.emplace(std::move(rendezvous));
+  cluster.world_size_ = group.world_size;
+  cluster.first_rank_ = group.rank;
+  Rendezvous& joined = *cluster.rendezvous_;
+  if (options.device == DeviceKind::kCpu) {
+#if defined(STRATA_HAVE_GLOO)
+    CpuDeviceOptions device_options;
+    device_options.ordinal = group.rank;
+    device_options.budget_bytes = options.device_budget_bytes;
+    // The ranks of one node share its cores (all ranks on one node, as a launcher on one
+    // machine starts them; a multi-node launch should set compute_threads).
+    device_options.compute.threads =
+        options.compute_threads > 0 ? options.compute_threads : std::max(1, available_cpu_count() / group.world_size);
+    STRATA_ASSIGN_OR_RETURN(auto device, create_cpu_device(device_options));
+    cluster.devices_.push_back(std::move(device));
+    const GlooCommunicatorOptions gloo_options{.timeout = options.process_collective_timeout};
+    for (auto* communicators : {&cluster.gather_, &cluster.reduce_}) {
+      StatusOr<std::unique_ptr<GlooCommunicator>> made = GlooCommunicator::create(joined, *cluster.devices_.front(), gloo_options);
+      if (!made.ok()) return std::move(made).status().with_context(who + ": creating its Gloo communicators");
+      communicators->push_back(*std::move(made));
+    }
+    return Status::Ok();
+#else
+    return UnavailableError(who + ": CPU-device ranks that are processes need a build with Gloo (apt-get install "
+                            "libgloo-dev, then reconfigure); or run the ranks as threads of one process (--world-size N "
+                            "without WORLD_SIZE in the environment)");
+#endif
+  }
+#if defined(STRATA_HAVE_CUDA)
+  CudaDeviceOptions device_options;
+  device_options.ordinal = group.local_rank;
+  device_options.budget_bytes = options.device_budget_bytes;
+  STRATA_ASSIGN_OR_RETURN(auto device, create_cuda_device(device_options));
+  cluster.devices_.push_back(std::move(device));
+  const NcclCommunicatorOptions nccl_options{.timeout = options.process_collective_timeout};
+  for (auto* communicators : {&cluster.gather_, &cluster.reduce_}) {
+    StatusOr<std::unique_ptr<NcclCommunicator>> made =
+        NcclCommunicator::create_from_rendezvous(*cluster.devices_.front(), joined, nccl_options);
+    if (!made.ok()) return std::move(made).status().with_context(who + ": creating its NCCL communicators");
+    communicators->push_back(*std::move(made));
+  }
+  return Status::Ok();
+#else
+  return UnavailableError(who + ": CUDA ranks need a build with CUDA");
+#endif
 }
 
 StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::create(const LocalClusterOptions& options) {
   if (options.world_size < 1) return InvalidArgumentError("world size must be >= 1, got " + std::to_string(options.world_size));
   std::unique_ptr<LocalCluster> cluster(new LocalCluster());
+  if (options.process_group) {
+    STRATA_RETURN_IF_ERROR(create_process_rank(options, *cluster));
+    return cluster;
+  }
   const int world = options.world_size;
+  cluster->world_size_ = world;
   if (options.device == DeviceKind::kCpu) {
     const int threads = options.compute_threads > 0 ? options.compute_threads : std::max(1, available_cpu_count() / world);
     for (int r = 0; r < world; ++r) {
@@ -76,6 +142,15 @@ StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::create(const LocalClusterO
 }
 
 Status LocalCluster::run(const std::function<Status(int rank)>& body) {
+  if (rendezvous_) {
+    Status status = body(first_rank_);
+    if (!status.ok()) {
+      // Peers waiting in a collective for this process must not wait for their deadline.
+      gather_.front()->abort("rank " + std::to_string(first_rank_) + " failed: " + status.message());
+      reduce_.front()->abort("rank " + std::to_string(first_rank_) + " failed: " + status.message());
+    }
+    return status;
+  }
   const int world = world_size();
   std::vector<Status> results(static_cast<size_t>(world));
   auto run_rank = [&](int rank) {

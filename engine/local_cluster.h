@@ -1,18 +1,30 @@
 // The ranks of one process: a device, a gather communicator and a reduce communicator
-// per rank, and a way to run one function per rank on its own thread.
+// per rank, and a way to run one function per rank.
 //
-// On the CPU device, ranks are threads sharing HostCommunicator groups; on CUDA, one
-// GPU per rank with NCCL communicators (one process driving several GPUs). Programs
-// (train_gpt, strata-bench step) and tests build their ranks through this.
+// Thread ranks (the default): all world_size ranks live in this process, each on its own
+// thread. On the CPU device they share HostCommunicator groups; on CUDA, one GPU per rank
+// with NCCL communicators (one process driving several GPUs).
+//
+// Process ranks (options.process_group set, from process_group_from_env() when the
+// launcher's WORLD_SIZE > 1): this process is one rank of a multi-process world. create()
+// joins the TCP rendezvous, makes one device (CPU; or the GPU LOCAL_RANK names) and the
+// gather and reduce communicators for this process's global rank over it — Gloo on the
+// CPU device (engine/core/gloo_communicator.h), NCCL on CUDA — and run(body) calls
+// body(global rank) once, on the caller's thread. Ranks are always global: device(rank)
+// and the communicators take the global rank, of this process's ranks only.
+//
+// Programs (train_gpt, strata-bench step) and tests build their ranks through this.
 #pragma once
 
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "engine/core/communicator.h"
 #include "engine/core/device.h"
+#include "engine/core/rendezvous.h"
 
 namespace strata {
 
@@ -22,25 +34,45 @@ struct LocalClusterOptions {
   size_t device_budget_bytes = size_t{1} << 30;  // per rank; for CUDA 0 = the GPU's free memory
   int compute_threads = 0;                       // CPU device: executor threads per rank; 0 = cores / world size
   std::chrono::milliseconds collective_timeout{std::chrono::minutes(10)};  // host communicators
+  // Process ranks: this process's place in a multi-process world (world_size above is
+  // then ignored; the rendezvous gives it). nullopt = thread ranks.
+  std::optional<RendezvousOptions> process_group;
+  // Process ranks: how long a collective waits for a peer before naming it lost.
+  std::chrono::milliseconds process_collective_timeout{std::chrono::seconds(60)};
 };
 
 class LocalCluster {
  public:
   static StatusOr<std::unique_ptr<LocalCluster>> create(const LocalClusterOptions& options);
+  // The launcher's process group: rendezvous_options_from_env(lookup) when it gives a
+  // WORLD_SIZE above 1, else nullopt (thread ranks). Errors name the bad variable.
+  static StatusOr<std::optional<RendezvousOptions>> process_group_from_env(const EnvLookup& lookup = process_env_lookup);
   ~LocalCluster();
 
-  int world_size() const { return static_cast<int>(devices_.size()); }
-  Device& device(int rank) { return *devices_[static_cast<size_t>(rank)]; }
-  Communicator& gather_communicator(int rank) { return *gather_[static_cast<size_t>(rank)]; }
-  Communicator& reduce_communicator(int rank) { return *reduce_[static_cast<size_t>(rank)]; }
+  int world_size() const { return world_size_; }
+  // This process's ranks: [first_rank(), first_rank() + local_ranks()).
+  int first_rank() const { return first_rank_; }
+  int local_ranks() const { return static_cast<int>(devices_.size()); }
+  // Process ranks: the joined rendezvous (one thread at a time, like the rank's body);
+  // nullptr for thread ranks.
+  Rendezvous* rendezvous() { return rendezvous_ ? &*rendezvous_ : nullptr; }
+  Device& device(int rank) { return *devices_[index(rank)]; }
+  Communicator& gather_communicator(int rank) { return *gather_[index(rank)]; }
+  Communicator& reduce_communicator(int rank) { return *reduce_[index(rank)]; }
 
-  // Runs body(rank) for every rank, each on its own thread (rank 0 on the caller's), and
-  // returns the first failure by rank order. A rank that fails aborts the communicators,
-  // so the others fail too instead of waiting for it.
+  // Runs body(rank) for every rank of this process, each on its own thread (the first on
+  // the caller's), and returns the first failure by rank order. A rank that fails aborts
+  // its communicators, so the others — threads here or processes elsewhere — fail too
+  // instead of waiting for it.
   Status run(const std::function<Status(int rank)>& body);
 
  private:
   LocalCluster() = default;
+  size_t index(int rank) const { return static_cast<size_t>(rank - first_rank_); }
+  static Status create_process_rank(const LocalClusterOptions& options, LocalCluster& cluster);
+  int world_size_ = 1;
+  int first_rank_ = 0;
+  std::optional<Rendezvous> rendezvous_;
   std::vector<std::unique_ptr<Device>> devices_;
   std::vector<std::unique_ptr<Communicator>> gather_;
   std::vector<std::unique_ptr<Communicator>> reduce_;

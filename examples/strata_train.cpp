@@ -27,6 +27,7 @@
 
 #include "engine/core/config.h"
 #include "engine/core/log.h"
+#include "engine/local_cluster.h"
 #include "examples/gpt/flags.h"
 #include "examples/gpt/gpt_model.h"
 #include "examples/gpt/gpt_architecture.h"
@@ -228,9 +229,20 @@ StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
   if ((config.scheduler.type == SchedulerType::kWarmupDecayLR || config.scheduler.type == SchedulerType::kWarmupCosineLR) &&
       !config.scheduler.total_num_steps)
     config.scheduler.total_num_steps = config.strata.steps;
-  STRATA_RETURN_IF_ERROR(finalize(config, kConfiguredWorldSize));
+  // Started by a launcher with WORLD_SIZE > 1: this process is one rank of that world, and
+  // a configured world size must agree with it.
+  STRATA_ASSIGN_OR_RETURN(std::optional<RendezvousOptions> process_group, LocalCluster::process_group_from_env());
+  if (process_group) {
+    Status finalized = finalize(config, process_group->world_size);
+    if (!finalized.ok())
+      return std::move(finalized).with_context("the launcher's environment gives WORLD_SIZE=" + std::to_string(process_group->world_size) +
+                                    " (RANK=" + std::to_string(process_group->rank) + ")");
+  } else {
+    STRATA_RETURN_IF_ERROR(finalize(config, kConfiguredWorldSize));
+  }
 
   TrainerOptions options;
+  options.process_group = std::move(process_group);
   options.init_from = trainer_string(args, "init-from");
   STRATA_ASSIGN_OR_RETURN(options.model, resolve_model(args, config, options.init_from));
 
@@ -293,8 +305,10 @@ int main(int argc, char** argv) {
     std::cerr << program << ": " << options.status().to_string() << "\n";
     return 2;
   }
-  options->out = &std::cout;
-  options->live_bar = isatty(STDOUT_FILENO) != 0;
+  // Process ranks: rank 0 alone prints the plan, the progress lines and the summary.
+  const bool prints = !options->process_group || options->process_group->rank == 0;
+  options->out = prints ? &std::cout : nullptr;
+  options->live_bar = prints && isatty(STDOUT_FILENO) != 0;
   // SIGTERM/SIGINT: finish the step, save, exit 128 + the signal (a second one: at once).
   if (Status installed = install_preemption_handlers(program); !installed.ok()) {
     std::cerr << program << ": " << installed.to_string() << "\n";
@@ -307,6 +321,6 @@ int main(int argc, char** argv) {
     std::cerr << program << ": " << result.status().to_string() << "\n";
     return 1;
   }
-  std::cout << summary_json(*result) << std::endl;
+  if (prints) std::cout << summary_json(*result) << std::endl;
   return result->stopped_by_signal != 0 ? 128 + result->stopped_by_signal : 0;
 }

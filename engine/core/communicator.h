@@ -8,7 +8,8 @@
 // and by async_error(). Buffers must stay valid and unmodified until the operation
 // has completed in stream order (record an Event after it). This is NCCL's model, and
 // NcclCommunicator is a thin layer over NCCL; HostCommunicator implements the same
-// semantics for CPU-device ranks that are threads of one process.
+// semantics for CPU-device ranks that are threads of one process, GlooCommunicator
+// (engine/core/gloo_communicator.h) for CPU-device ranks that are processes.
 //
 // Every rank must issue the same collectives, with the same counts, dtypes and
 // options, in the same order (across all streams it uses for them).
@@ -26,7 +27,7 @@
 // The result is rounded once to the data dtype (a no-op for fp32: fp32 data reduced
 // with a bf16 wire gives fp32 results that need not be representable in bf16).
 // HostCommunicator follows these formulas for every dtype, so its results are
-// bit-identical run to run. NcclCommunicator follows them, with the same bits, for
+// bit-identical run to run; GlooCommunicator gives the same bits as HostCommunicator. NcclCommunicator follows them, with the same bits, for
 // 16-bit data, for a 16-bit wire and for max; for fp32 sum/mean with an fp32 wire it
 // uses NCCL's native reduction, whose summation order is NCCL's own (deterministic
 // for a fixed topology and NCCL version, but not rank order), with mean as that sum
@@ -74,7 +75,7 @@ class Communicator {
   virtual int world_size() const = 0;
   // The device whose buffers and streams this rank's operations use.
   virtual Device& device() = 0;
-  // "host" or "nccl".
+  // "host", "gloo" or "nccl".
   virtual std::string_view backend_name() const = 0;
 
   // recv[r * send_count + i] = send of rank r [i], for every rank r and i < send_count.

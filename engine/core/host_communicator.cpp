@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "engine/core/log.h"
+#include "engine/core/rank_order_reduction.h"
 
 namespace strata {
 namespace host_communicator_internal {
@@ -122,106 +123,8 @@ Status aborted_error(const Status& reason, const std::string& what, int rank) {
                                    " failed because the group was aborted: " + reason.message());
 }
 
-// ---------------------------------------------------------------------------
-// Reductions: inputs[r] is rank r's data for this rank's slice.
-// ---------------------------------------------------------------------------
-
-// Loaders give w(x), the fp32 value of an element as it travels (communicator.h).
-struct LoadFloat {
-  static float load(const std::byte* data, size_t i) { return reinterpret_cast<const float*>(data)[i]; }
-};
-struct LoadFloatViaBf16 {
-  static float load(const std::byte* data, size_t i) {
-    return bf16_bits_to_float(float_to_bf16_bits(reinterpret_cast<const float*>(data)[i]));
-  }
-};
-struct LoadFloatViaFp16 {
-  static float load(const std::byte* data, size_t i) {
-    return fp16_bits_to_float(float_to_fp16_bits(reinterpret_cast<const float*>(data)[i]));
-  }
-};
-struct LoadBf16 {
-  static float load(const std::byte* data, size_t i) { return bf16_bits_to_float(reinterpret_cast<const uint16_t*>(data)[i]); }
-};
-struct LoadFp16 {
-  static float load(const std::byte* data, size_t i) { return fp16_bits_to_float(reinterpret_cast<const uint16_t*>(data)[i]); }
-};
-
-inline float max_propagating_nan(float accumulated, float value) {
-  if (std::isnan(accumulated)) return accumulated;
-  if (std::isnan(value) || value > accumulated) return value;
-  return accumulated;
-}
-
-// Reduces elements [begin, end) of the slice: out[i] = combine over ranks in rank order.
-template <class Loader>
-void reduce_range(const std::vector<const std::byte*>& inputs, size_t begin, size_t end, ReduceOp op, DType out_type,
-                  std::byte* out) {
-  constexpr size_t kBlock = 512;
-  float accumulator[kBlock];
-  const size_t ranks = inputs.size();
-  const float divisor = static_cast<float>(ranks);
-  for (size_t block = begin; block < end; block += kBlock) {
-    const size_t length = std::min(kBlock, end - block);
-    for (size_t i = 0; i < length; ++i) accumulator[i] = Loader::load(inputs[0], block + i);
-    for (size_t rank = 1; rank < ranks; ++rank) {
-      const std::byte* input = inputs[rank];
-      if (op == ReduceOp::kMax) {
-        for (size_t i = 0; i < length; ++i) accumulator[i] = max_propagating_nan(accumulator[i], Loader::load(input, block + i));
-      } else {
-        for (size_t i = 0; i < length; ++i) accumulator[i] += Loader::load(input, block + i);
-      }
-    }
-    if (op == ReduceOp::kMean)
-      for (size_t i = 0; i < length; ++i) accumulator[i] /= divisor;
-    switch (out_type) {
-      case DType::kFloat32: std::memcpy(out + block * 4, accumulator, length * 4); break;
-      case DType::kBFloat16: {
-        uint16_t* target = reinterpret_cast<uint16_t*>(out) + block;
-        for (size_t i = 0; i < length; ++i) target[i] = float_to_bf16_bits(accumulator[i]);
-        break;
-      }
-      case DType::kFloat16: {
-        uint16_t* target = reinterpret_cast<uint16_t*>(out) + block;
-        for (size_t i = 0; i < length; ++i) target[i] = float_to_fp16_bits(accumulator[i]);
-        break;
-      }
-    }
-  }
-}
-
-void reduce_serial(const std::vector<const std::byte*>& inputs, size_t begin, size_t end, DType data, DType wire,
-                   ReduceOp op, std::byte* out) {
-  if (data == DType::kBFloat16) return reduce_range<LoadBf16>(inputs, begin, end, op, data, out);
-  if (data == DType::kFloat16) return reduce_range<LoadFp16>(inputs, begin, end, op, data, out);
-  if (wire == DType::kBFloat16) return reduce_range<LoadFloatViaBf16>(inputs, begin, end, op, data, out);
-  if (wire == DType::kFloat16) return reduce_range<LoadFloatViaFp16>(inputs, begin, end, op, data, out);
-  return reduce_range<LoadFloat>(inputs, begin, end, op, data, out);
-}
-
-// Each element's sum has the same order whatever the chunking, so fanning out does not
-// change the bits.
-void reduce_slice(const std::vector<const std::byte*>& inputs, size_t count, DType data, DType wire, ReduceOp op,
-                  std::byte* out, Executor* executor) {
-  constexpr size_t kGrain = size_t{1} << 14;
-  if (executor == nullptr || count < 2 * kGrain || executor->concurrency() <= 1) {
-    reduce_serial(inputs, 0, count, data, wire, op, out);
-    return;
-  }
-  executor->parallel_for(0, count, kGrain,
-                         [&](size_t begin, size_t end) { reduce_serial(inputs, begin, end, data, wire, op, out); });
-}
-
 void copy_bytes(std::byte* dst, const std::byte* src, size_t bytes) {
   if (bytes != 0 && dst != src) std::memcpy(dst, src, bytes);
-}
-
-// The range of all_reduce elements rank `rank` reduces: [begin, end).
-std::pair<size_t, size_t> all_reduce_slice(size_t count, int world_size, int rank) {
-  const size_t per_rank = (count + static_cast<size_t>(world_size) - 1) / static_cast<size_t>(world_size);
-  const size_t begin = std::min(count, per_rank * static_cast<size_t>(rank));
-  const size_t end = std::min(count, begin + per_rank);
-  return {begin, end};
 }
 
 // ---------------------------------------------------------------------------
@@ -323,7 +226,7 @@ Status run_collective(GroupState& group, int rank, uint64_t sequence, const Arri
       for (int other = 0; other < world; ++other)
         inputs[static_cast<size_t>(other)] =
             all[static_cast<size_t>(other)]->send + static_cast<size_t>(rank) * mine.count * element;
-      reduce_slice(inputs, mine.count, mine.dtype, mine.wire, mine.op, mine.recv, executor);
+      reduce_in_rank_order(inputs, mine.count, mine.dtype, mine.wire, mine.op, mine.dtype, mine.recv, executor);
       break;
     }
     case CollectiveKind::kAllReduce: {
@@ -333,7 +236,8 @@ Status run_collective(GroupState& group, int rank, uint64_t sequence, const Arri
       std::vector<const std::byte*> inputs(static_cast<size_t>(world));
       for (int other = 0; other < world; ++other)
         inputs[static_cast<size_t>(other)] = all[static_cast<size_t>(other)]->send + begin * element;
-      reduce_slice(inputs, end - begin, mine.dtype, mine.wire, mine.op, mine.recv + begin * element, executor);
+      reduce_in_rank_order(inputs, end - begin, mine.dtype, mine.wire, mine.op, mine.dtype, mine.recv + begin * element,
+                           executor);
       lock.lock();
       wait_for_all(&Slot::reduced);
       lock.unlock();

@@ -55,8 +55,10 @@ std::string rate_text(double per_second) {
 // others return an error instead of waiting forever.
 class RankSync {
  public:
-  explicit RankSync(int world) : world_(world) {}
+  // `rendezvous` (process ranks): this process's one rank meets the other processes there.
+  RankSync(int local_ranks, Rendezvous* rendezvous) : world_(local_ranks), rendezvous_(rendezvous) {}
   Status arrive_and_wait() {
+    if (rendezvous_ != nullptr) return rendezvous_->barrier();
     std::unique_lock<std::mutex> lock(mutex_);
     if (aborted_) return CancelledError("another rank failed: " + reason_);
     const uint64_t generation = generation_;
@@ -79,6 +81,7 @@ class RankSync {
 
  private:
   const int world_;
+  Rendezvous* const rendezvous_;
   std::mutex mutex_;
   std::condition_variable cv_;
   int arrived_ = 0;
@@ -292,14 +295,60 @@ class StepJudge {
   int64_t skipped_ = 0;
 };
 
-// The ranks' per-step agreement: each posts its health, rank 0 judges, all read the
-// outcome. Two barriers of the trainer's RankSync, so a failing rank breaks it.
+// Process ranks: what a rank's step numbers carry to rank 0 (the fields the board and
+// the judge read), and the outcome back. JSON keeps doubles exact (shortest round trip).
+std::string step_numbers_text(const RankStep& n) {
+  return nlohmann::json{{"loss_sum", n.loss_sum},
+                        {"tokens", n.tokens},
+                        {"evaluated", n.evaluated},
+                        {"eval_sum", n.eval_sum},
+                        {"eval_tokens", n.eval_tokens},
+                        {"step_seconds", n.report.step_seconds},
+                        {"grad_norm", n.report.grad_norm},
+                        {"skipped", n.report.skipped},
+                        {"device_high_water_bytes", n.report.device_high_water_bytes},
+                        {"device_budget_bytes", n.report.device_budget_bytes},
+                        {"nvme_read_delta", n.nvme_read_delta},
+                        {"nvme_written_delta", n.nvme_written_delta}}
+      .dump();
+}
+
+StatusOr<RankStep> step_numbers_from_text(const std::string& text, int rank) {
+  const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("loss_sum") || !j.contains("nvme_written_delta"))
+    return DataLossError("rank " + std::to_string(rank) + " sent step numbers that are not the trainer's JSON: " + text.substr(0, 200));
+  RankStep n;
+  n.loss_sum = j["loss_sum"].get<double>();
+  n.tokens = j["tokens"].get<int64_t>();
+  n.evaluated = j["evaluated"].get<bool>();
+  n.eval_sum = j["eval_sum"].get<double>();
+  n.eval_tokens = j["eval_tokens"].get<int64_t>();
+  n.report.step_seconds = j["step_seconds"].get<double>();
+  n.report.grad_norm = j["grad_norm"].get<double>();
+  n.report.skipped = j["skipped"].get<bool>();
+  n.report.device_high_water_bytes = j["device_high_water_bytes"].get<size_t>();
+  n.report.device_budget_bytes = j["device_budget_bytes"].get<size_t>();
+  n.nvme_read_delta = j["nvme_read_delta"].get<uint64_t>();
+  n.nvme_written_delta = j["nvme_written_delta"].get<uint64_t>();
+  return n;
+}
+
+// The ranks' per-step agreement: each posts its numbers and health, rank 0 judges, all
+// read the outcome. Thread ranks: two barriers of the trainer's RankSync (so a failing
+// rank breaks it) around shared memory. Process ranks: the numbers travel to every
+// process through the rendezvous, rank 0 posts them to its board and judges, and
+// broadcasts the outcome.
 class StepAgreement {
  public:
-  StepAgreement(int world, RankSync& sync) : sync_(sync), health_(static_cast<size_t>(world)) {}
+  StepAgreement(int world, RankSync& sync, Rendezvous* rendezvous)
+      : sync_(sync), rendezvous_(rendezvous), health_(static_cast<size_t>(world)) {}
 
-  StatusOr<StepOutcome> agree(int64_t step_index, int rank, const RankHealth& mine, StepJudge& judge) {
-    health_[static_cast<size_t>(rank)] = mine;
+  // `board` is the shared board (thread ranks) or rank 0's (process ranks; nullptr elsewhere).
+  StatusOr<StepOutcome> agree(int64_t step_index, int rank, const RankStep& mine, double learning_rate, StepBoard* board,
+                              StepJudge& judge) {
+    if (rendezvous_ != nullptr) return agree_across_processes(step_index, rank, mine, learning_rate, board, judge);
+    board->post(step_index, rank, mine, learning_rate);
+    health_[static_cast<size_t>(rank)] = health_of(mine);
     STRATA_RETURN_IF_ERROR(sync_.arrive_and_wait());  // every rank's health is in
     if (rank == 0) outcome_ = judge.judge(step_index, health_);
     STRATA_RETURN_IF_ERROR(sync_.arrive_and_wait());  // the outcome is out
@@ -307,7 +356,41 @@ class StepAgreement {
   }
 
  private:
+  static RankHealth health_of(const RankStep& n) { return {n.loss_sum, n.tokens, n.report.grad_norm, n.report.skipped}; }
+
+  StatusOr<StepOutcome> agree_across_processes(int64_t step_index, int rank, const RankStep& mine, double learning_rate,
+                                               StepBoard* board, StepJudge& judge) {
+    const std::string what = "step " + std::to_string(step_index + 1) + ": agreeing on the outcome across processes";
+    StatusOr<std::vector<std::string>> all = rendezvous_->all_gather_strings(step_numbers_text(mine));
+    if (!all.ok()) return std::move(all).status().with_context(what);
+    std::string decided;
+    if (rank == 0) {
+      for (int r = 0; r < static_cast<int>(all->size()); ++r) {
+        STRATA_ASSIGN_OR_RETURN(const RankStep numbers, step_numbers_from_text((*all)[static_cast<size_t>(r)], r));
+        if (board != nullptr) board->post(step_index, r, numbers, learning_rate);
+        health_[static_cast<size_t>(r)] = health_of(numbers);
+      }
+      const StepOutcome outcome = judge.judge(step_index, health_);
+      decided = nlohmann::json{{"non_finite", outcome.non_finite},
+                               {"stop_signal", outcome.stop_signal},
+                               {"stop_code", static_cast<int>(outcome.stop.code())},
+                               {"stop_message", outcome.stop.message()}}
+                    .dump();
+    }
+    StatusOr<std::string> shared = rendezvous_->broadcast_string(decided, 0);
+    if (!shared.ok()) return std::move(shared).status().with_context(what);
+    const nlohmann::json j = nlohmann::json::parse(*shared, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || !j.contains("stop_code")) return DataLossError(what + ": rank 0 sent an outcome that is not JSON");
+    StepOutcome outcome;
+    outcome.non_finite = j["non_finite"].get<bool>();
+    outcome.stop_signal = j["stop_signal"].get<int>();
+    const auto code = static_cast<StatusCode>(j["stop_code"].get<int>());
+    if (code != StatusCode::kOk) outcome.stop = Status(code, j["stop_message"].get<std::string>());
+    return outcome;
+  }
+
   RankSync& sync_;
+  Rendezvous* const rendezvous_;
   std::vector<RankHealth> health_;
   StepOutcome outcome_;
 };
@@ -494,13 +577,25 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
                                         : device_kind == DeviceKind::kCpu ? size_t{1} << 30
                                                                           : 0;
   cluster_options.compute_threads = static_cast<int>(config.strata.compute_threads);
+  cluster_options.process_group = options.process_group;
+  if (options.process_group) {
+    if (options.process_group->world_size != world)
+      return InvalidArgumentError("strata.world_size (--world-size) is " + std::to_string(world) + " but the launcher's WORLD_SIZE is " +
+                                  std::to_string(options.process_group->world_size) + "; drop --world-size or make them agree");
+    // Not yet across processes: the export gathers whole groups through one process's memory.
+    if (!options.export_dir.empty())
+      return UnimplementedError("--export-dir with process ranks is not supported yet; export with thread ranks");
+  }
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<LocalCluster> cluster, LocalCluster::create(cluster_options));
+  Rendezvous* const processes = cluster->rendezvous();  // process ranks only
 
   std::unique_ptr<CheckpointSaver> saver;
   if (!options.save_dir.empty()) {
     CheckpointSaverOptions saver_options;
     saver_options.directory = options.save_dir;
     saver_options.world_size = world;
+    saver_options.first_rank = cluster->first_rank();  // process ranks: each process writes its own rank's file
+    saver_options.local_ranks = cluster->local_ranks();
     saver_options.keep_last = options.keep_checkpoints;
     for (const auto& spec : model.group_specs()) {
       STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, world));
@@ -534,8 +629,8 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
   const int64_t start_step = resume ? trainer_state["step"].get<int64_t>() : 0;
   result.resumed_from_step = start_step;
 
-  RankSync sync(world);
-  StepAgreement agreement(world, sync);
+  RankSync sync(cluster->local_ranks(), processes);
+  StepAgreement agreement(world, sync, processes);
   StepJudge judge(options, saver.get(), config.fp16.enabled, resume ? resume->path() : std::string());
   int64_t end_step = total_steps;  // the step the loop ends after (earlier when stopped)
   int stop_signal = 0;
@@ -646,11 +741,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       if (engine_options.optimizer_tier != Tier::kNvme) return {};
       return engine->finish();
     };
-    auto save = [&](int64_t steps_done, bool loss_finite) -> Status {
-      STRATA_RETURN_IF_ERROR(settle_state());
-      STRATA_ASSIGN_OR_RETURN(RankSnapshot snapshot, snapshot_engine_state(*engine, rank));
-      STRATA_RETURN_IF_ERROR(saver->submit(steps_done, std::move(snapshot)));
-      if (rank != 0) return {};
+    auto submit_trainer_state = [&](int64_t steps_done, bool loss_finite) -> Status {
       loader.set_position(static_cast<uint64_t>(steps_done) * static_cast<uint64_t>(accumulation));
       nlohmann::json state = {{"format", "strata-gpt-trainer/1"},
                               {"step", steps_done},
@@ -661,6 +752,19 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
                               {"data_seed", options.data_seed},
                               {"loss_finite", loss_finite}};  // the loss scaler is in the manifest
       return saver->submit_trainer_state(steps_done, state.dump());
+    };
+
+    auto save = [&](int64_t steps_done, bool loss_finite) -> Status {
+      STRATA_RETURN_IF_ERROR(settle_state());
+      STRATA_ASSIGN_OR_RETURN(RankSnapshot snapshot, snapshot_engine_state(*engine, rank));
+      STRATA_RETURN_IF_ERROR(saver->submit(steps_done, std::move(snapshot)));
+      if (rank == 0) STRATA_RETURN_IF_ERROR(submit_trainer_state(steps_done, loss_finite));
+      if (processes == nullptr) return {};
+      // Process ranks: every process's shards are durable, then rank 0 commits with their records.
+      STRATA_ASSIGN_OR_RETURN(const std::string mine, saver->local_files(steps_done));
+      STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> all, processes->all_gather_strings(mine));
+      if (rank == 0) STRATA_RETURN_IF_ERROR(saver->add_peer_files(steps_done, all));
+      return {};
     };
 
     // Training.
@@ -698,9 +802,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       numbers.nvme_written_delta = report.nvme_bytes_written - nvme_written;
       nvme_read = report.nvme_bytes_read;
       nvme_written = report.nvme_bytes_written;
-      board->post(s, rank, numbers, lr);
-      const RankHealth health{numbers.loss_sum, numbers.tokens, report.grad_norm, report.skipped};
-      STRATA_ASSIGN_OR_RETURN(const StepOutcome outcome, agreement.agree(s, rank, health, judge));
+      STRATA_ASSIGN_OR_RETURN(const StepOutcome outcome, agreement.agree(s, rank, numbers, lr, board.get(), judge));
       STRATA_RETURN_IF_ERROR(outcome.stop);
       last_loss_finite = !outcome.non_finite;
       if (saver && options.save_every > 0 && (s + 1) % options.save_every == 0) {
@@ -708,7 +810,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
         last_saved = s + 1;
       }
       if (outcome.stop_signal != 0) {
-        if (rank == 0) {
+        if (rank == 0 || processes != nullptr) {  // every process keeps its own
           std::lock_guard<std::mutex> lock(result_mutex);
           end_step = s + 1;
           stop_signal = outcome.stop_signal;
@@ -729,6 +831,12 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       shard.resize(layout.shard_numel);
       STRATA_RETURN_IF_ERROR(engine->read_state_shard(g, Engine::StateKind::kMaster, shard));
       part += master_checksum_part(layout, rank, shard);
+    }
+    if (processes != nullptr) {
+      // Every process's part, so that each reports the whole checksum.
+      STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> parts, processes->all_gather_strings(std::to_string(part)));
+      part = 0;
+      for (const std::string& text : parts) part += std::stoull(text);
     }
     checksum.fetch_add(part);
 
@@ -782,6 +890,19 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     }
     STRATA_RETURN_IF_ERROR(engine->finish());
     rank_model.reset();
+    if (processes != nullptr && (options.eval_only || eval_loader)) {
+      // The evaluation sums over every process's rows, in rank order.
+      STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> sums,
+                              processes->all_gather_strings(nlohmann::json{{"sum", eval_sum_final}, {"tokens", eval_tokens_final}}.dump()));
+      eval_sum_final = 0.0;
+      eval_tokens_final = 0;
+      for (const std::string& text : sums) {
+        const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+        if (!j.is_object() || !j.contains("sum")) return DataLossError("a process sent evaluation sums that are not JSON: " + text);
+        eval_sum_final += j["sum"].get<double>();
+        eval_tokens_final += j["tokens"].get<int64_t>();
+      }
+    }
     std::lock_guard<std::mutex> lock(result_mutex);
     result.device_peak_bytes = std::max(result.device_peak_bytes, device.memory_stats().high_water_bytes);
     result.nvme_bytes_read += nvme_read;

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "engine/core/config.h"
+#include "engine/core/rendezvous.h"
 #include "engine/core/status.h"
 #include "engine/engine.h"
 #include "examples/gpt/gpt_model.h"
@@ -73,6 +74,11 @@ struct TrainerOptions {
   // Polled between steps: a signal number asks the run to stop after the current step
   // (preemption_requested(), installed by the program), 0 to go on. Unset: never stops.
   std::function<int()> stop_requested;
+
+  // Process ranks: this process's place in a multi-process world (LocalCluster's process
+  // mode; from LocalCluster::process_group_from_env()). nullopt: config.strata.world_size
+  // thread ranks in this process.
+  std::optional<RendezvousOptions> process_group;
 
   std::ostream* out = nullptr;  // plan and progress lines (nullptr: none)
   bool live_bar = false;        // redraw a progress bar under the lines (a terminal)

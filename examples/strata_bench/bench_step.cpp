@@ -49,6 +49,8 @@ struct StepBenchOptions {
   int micro_batches = 1;
   int steps = 5;
   int world = 1;
+  // Process ranks (the launcher's WORLD_SIZE > 1): this process's place; `world` is then theirs.
+  std::optional<RendezvousOptions> process_group;
   DeviceKind device = DeviceKind::kCpu;
   size_t budget_bytes = size_t{1} << 30;
   Tier params = Tier::kPinned;
@@ -97,7 +99,15 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
   STRATA_ASSIGN_OR_RETURN(const int batch, args.get_integer<int>("batch", 64));
   STRATA_ASSIGN_OR_RETURN(const int micro, args.get_integer<int>("micro-batches", 1));
   STRATA_ASSIGN_OR_RETURN(const int steps, args.get_integer<int>("steps", 5));
-  STRATA_ASSIGN_OR_RETURN(const int world, args.get_integer<int>("world-size", 1));
+  STRATA_ASSIGN_OR_RETURN(int world, args.get_integer<int>("world-size", 1));
+  STRATA_ASSIGN_OR_RETURN(o.process_group, LocalCluster::process_group_from_env());
+  if (o.process_group) {
+    const int launched = o.process_group->world_size;
+    if (args.has("world-size") && world != launched)
+      return InvalidArgumentError("--world-size " + std::to_string(world) + " disagrees with the launcher's WORLD_SIZE=" +
+                                  std::to_string(launched) + "; drop --world-size or make them agree");
+    world = launched;
+  }
   STRATA_ASSIGN_OR_RETURN(int64_t budget_mib, args.get_int("device-budget-mib", 1024));
   STRATA_ASSIGN_OR_RETURN(const int depth, args.get_integer<int>("prefetch-depth", EngineOptions::kAutoDepth));
   STRATA_ASSIGN_OR_RETURN(int64_t seed, args.get_int("seed", 1234));
@@ -262,10 +272,13 @@ int run_step(int argc, char** argv) {
   cluster_options.world_size = o.world;
   cluster_options.device = o.device;
   cluster_options.device_budget_bytes = o.budget_bytes;
+  cluster_options.process_group = o.process_group;
   auto cluster = LocalCluster::create(cluster_options);
   if (!cluster.ok()) return report_failure("step", cluster.status());
   auto run = train(o, **cluster);
   if (!run.ok()) return report_failure("step", run.status());
+  // Process ranks: rank 0 alone measures and reports (its device; the others' are alike).
+  if ((*cluster)->first_rank() != 0) return 0;
   const std::vector<StepReport>& reports = run->reports;
 
   // The median step after the warm-up step.
@@ -280,7 +293,7 @@ int run_step(int argc, char** argv) {
   }
   const double overlap = r.step_seconds > 0 ? r.busy[slowest_stage] / r.step_seconds : 0.0;
   size_t peak = 0;
-  for (int rank = 0; rank < o.world; ++rank) peak = std::max(peak, (*cluster)->device(rank).memory_stats().high_water_bytes);
+  for (int rank = 0; rank < (*cluster)->local_ranks(); ++rank) peak = std::max(peak, (*cluster)->device((*cluster)->first_rank() + rank).memory_stats().high_water_bytes);
 
   nlohmann::ordered_json out = {{"bench", "step"}};
   const nlohmann::ordered_json median = step_figures(reports, chosen, *store);
