@@ -147,7 +147,7 @@ class Supervisor {
   void signal_running(int signal_number);
   Status begin_stopping(const std::string& why);
   Status on_signal(const signalfd_siginfo& info);
-  Status reap_children();
+  Status reap_children(pid_t first_hint);
   Status read_output(File& pipe, LinePrefixer& lines);
   Status poll_once();
   bool any_running() const;
@@ -193,7 +193,7 @@ Status Supervisor::begin_stopping(const std::string& why) {
 
 Status Supervisor::on_signal(const signalfd_siginfo& info) {
   const int signal_number = static_cast<int>(info.ssi_signo);
-  if (signal_number == SIGCHLD) return reap_children();
+  if (signal_number == SIGCHLD) return reap_children(static_cast<pid_t>(info.ssi_pid));
   STRATA_RETURN_IF_ERROR(notice("received signal " + signal_text(signal_number) + ", passing it on to the local ranks"));
   signal_running(signal_number);
   // The children decide how to end (a trainer may save first), within the grace period.
@@ -201,15 +201,24 @@ Status Supervisor::on_signal(const signalfd_siginfo& info) {
   return Status::Ok();
 }
 
-Status Supervisor::reap_children() {
+Status Supervisor::reap_children(pid_t first_hint) {
+  // Every child that has ended, then processed with `first_hint` first: when several end
+  // between two wake-ups, waitpid returns them in fork order, but the SIGCHLD that woke
+  // us (the first since the last read; later ones merge into it) names the one that ended
+  // first, whose failure is the cause of the others'.
+  std::vector<std::pair<pid_t, int>> ended;
   for (;;) {
     int wait_status = 0;
     const pid_t pid = ::waitpid(-1, &wait_status, WNOHANG);
-    if (pid == 0 || (pid < 0 && errno == ECHILD)) return Status::Ok();
+    if (pid == 0 || (pid < 0 && errno == ECHILD)) break;
     if (pid < 0) {
       if (errno == EINTR) continue;
       return Status::FromErrno(errno, "waitpid for the local ranks");
     }
+    ended.emplace_back(pid, wait_status);
+  }
+  std::stable_partition(ended.begin(), ended.end(), [&](const auto& entry) { return entry.first == first_hint; });
+  for (const auto& [pid, wait_status] : ended) {
     for (Child& child : children_) {
       if (child.pid != pid || !child.running) continue;
       child.running = false;
@@ -221,8 +230,9 @@ Status Supervisor::reap_children() {
                                               ") " + failure_->failure));
       }
     }
-    if (!any_running()) drain_deadline_ = Clock::now() + kDrainAfterExit;
   }
+  if (!any_running() && !drain_deadline_) drain_deadline_ = Clock::now() + kDrainAfterExit;
+  return Status::Ok();
 }
 
 Status Supervisor::read_output(File& pipe, LinePrefixer& lines) {
@@ -292,7 +302,7 @@ StatusOr<LaunchResult> Supervisor::run() {
     Status started = start_child(plan_, mask.previous(), children_.back());
     if (!started.ok()) {  // stop the ones already running before reporting
       signal_running(SIGKILL);
-      while (any_running() && reap_children().ok() && any_running()) ::usleep(10000);
+      while (any_running() && reap_children(-1).ok() && any_running()) ::usleep(10000);
       return started;
     }
   }

@@ -9,7 +9,8 @@
 #   multinode_test.sh BUILD_DIR            the rendezvous probe (build/bin/rendezvous_probe):
 #                                          4 ranks join across the namespaces, all-gather
 #                                          their ranks and nodes, write into their node's
-#                                          nvme_path
+#                                          nvme_path; then again with rank 3 exiting 3 after
+#                                          joining: both nodes must fail, naming it
 #   multinode_test.sh --train BUILD_DIR    train_gpt tiny, 8 steps, 2 namespaces x 2 processes,
 #                                          against the same run as --world-size 4 threads:
 #                                          param_checksum must match. Needs train_gpt's process
@@ -37,7 +38,9 @@ namespaces=("$tag-0" "$tag-1")
 addresses=(10.77.0.1 10.77.0.2)
 veth=("smn$$a" "smn$$b")  # interface names are at most 15 characters
 work=$(mktemp -d "${TMPDIR:-/tmp}/$tag.XXXXXX")
-launcher_pids=()
+launcher_pids=()  # every launcher started (for the teardown)
+node_pids=()      # the current run's launcher of node 0 and of node 1
+node_codes=()     # their exit codes, set by wait_for_nodes
 
 # Stops process groups: SIGTERM to all, then SIGKILL to those still there after 8 s
 # (strata-launch's own grace period, --grace-period 5, ends within it).
@@ -108,30 +111,37 @@ start_node() {
   ip netns exec "${namespaces[$node]}" "$build_dir/bin/strata-launch" --nproc-per-node 2 --nnodes 2 \
     --node-rank "$node" --master-addr "${addresses[0]}" --master-port 29533 --grace-period 5 -- "$@" \
     >"$work/node$node.out" 2>"$work/node$node.err" &
+  node_pids[$node]=$!
   launcher_pids+=("$!")
 }
 
-# Waits for every launcher, at most $timeout_s seconds; fails naming the ones that failed.
+# Waits for both launchers, at most $timeout_s seconds, and records their exit codes in
+# node_codes. Fails, showing their output, when one is still running or (unless $1 is
+# "any-code") exited non-zero.
 wait_for_nodes() {
-  local deadline=$((SECONDS + timeout_s)) failed=()
+  local expect=${1:-success} deadline=$((SECONDS + timeout_s)) failed=()
   for node in 0 1; do
-    local pid=${launcher_pids[$node]}
+    local pid=${node_pids[$node]}
     while kill -0 "$pid" 2>/dev/null && [[ $SECONDS -lt $deadline ]]; do sleep 0.2; done
     if kill -0 "$pid" 2>/dev/null; then
       failed+=("node $node still running after ${timeout_s} s")
       continue
     fi
     wait "$pid"
-    local rc=$?
-    [[ $rc -eq 0 ]] || failed+=("node $node's strata-launch exited $rc")
+    node_codes[$node]=$?
+    [[ $expect == any-code || ${node_codes[$node]} -eq 0 ]] || failed+=("node $node's strata-launch exited ${node_codes[$node]}")
   done
   if [[ ${#failed[@]} -gt 0 ]]; then
-    for node in 0 1; do
-      echo "--- node $node stdout"; cat "$work/node$node.out"
-      echo "--- node $node stderr"; cat "$work/node$node.err"
-    done >&2
+    show_output
     fail "${failed[*]}"
   fi
+}
+
+show_output() {
+  for node in 0 1; do
+    echo "--- node $node stdout"; cat "$work/node$node.out"
+    echo "--- node $node stderr"; cat "$work/node$node.err"
+  done >&2
 }
 
 run_probe() {
@@ -145,6 +155,21 @@ run_probe() {
   [[ "$(ls "$work/nvme0" | tr '\n' ' ')" == "rank-0 rank-1 " ]] || fail "node 0's nvme_path holds: $(ls "$work/nvme0")"
   [[ "$(ls "$work/nvme1" | tr '\n' ' ')" == "rank-2 rank-3 " ]] || fail "node 1's nvme_path holds: $(ls "$work/nvme1")"
   echo "multinode_test: 4 ranks joined across 2 namespaces (${addresses[*]}); nvme_path per node checked"
+}
+
+# Rank 3 (node 1) exits 3 after joining: every process must end, non-zero, well before the
+# timeout, and rank 0's error must name rank 3.
+run_probe_with_a_lost_rank() {
+  local start=$SECONDS
+  for node in 0 1; do
+    start_node "$node" "$build_dir/bin/rendezvous_probe" --nvme-path "$work/lost$node" --nodes 2 --exit-rank 3 --exit-code 3
+  done
+  wait_for_nodes any-code
+  [[ ${node_codes[0]} -ne 0 && ${node_codes[1]} -ne 0 ]] || { show_output; fail "exit codes ${node_codes[*]}: both nodes must fail"; }
+  grep -q '^strata-launch: rank 3 failed: it exited with code 3' "$work/node1.err" ||
+    grep -q '^strata-launch: rank 2 failed' "$work/node1.err" || { show_output; fail "node 1's launcher did not report the failed rank"; }
+  grep -q '^\[rank 0\] rendezvous_probe: .*rank 3' "$work/node0.err" || { show_output; fail "rank 0's error does not name rank 3"; }
+  echo "multinode_test: rank 3 exiting 3 ended both nodes in $((SECONDS - start)) s (exit codes ${node_codes[*]}), rank 0 naming it"
 }
 
 # param_checksum from the JSON summary line in file $1 (with or without a "[rank 0] " prefix).
@@ -178,6 +203,6 @@ run_train() {
 set -m  # each background launcher in its own process group, so that stop_groups reaches all of it
 set_up_network
 case "$mode" in
-  probe) run_probe ;;
+  probe) run_probe && run_probe_with_a_lost_rank ;;
   train) run_train ;;
 esac

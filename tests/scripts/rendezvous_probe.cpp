@@ -3,7 +3,10 @@
 // "rank node_rank local_rank host", checks the job's shape, leaves a file in its node's
 // --nvme-path, and has rank 0 print one line listing every rank. Exits 1 with the error.
 //
-//   rendezvous_probe --nvme-path DIR [--nodes M]
+//   rendezvous_probe --nvme-path DIR [--nodes M] [--exit-rank R --exit-code C]
+//
+// With --exit-rank, rank R exits with code C right after joining, as a process that dies
+// mid-run: the others must fail (not hang), naming it.
 #include <unistd.h>
 
 #include <cstdio>
@@ -46,9 +49,20 @@ strata::Status check_shape(const std::vector<RankInfo>& ranks, const strata::Ren
   return strata::Status::Ok();
 }
 
-strata::Status run(const std::string& nvme_path, int nodes) {
+struct ProbeArgs {
+  std::string nvme_path;
+  int nodes = 1;
+  int exit_rank = -1;  // the rank that exits early, -1 for none
+  int exit_code = 0;
+};
+
+strata::Status run(const ProbeArgs& args) {
   STRATA_ASSIGN_OR_RETURN(const strata::RendezvousOptions options, strata::rendezvous_options_from_env());
   STRATA_ASSIGN_OR_RETURN(strata::Rendezvous rendezvous, strata::Rendezvous::create(options));
+  if (options.rank == args.exit_rank) {
+    std::fprintf(stderr, "rendezvous_probe: rank %d exits with code %d as asked\n", options.rank, args.exit_code);
+    std::exit(args.exit_code);
+  }
   char host[256] = {};
   ::gethostname(host, sizeof(host) - 1);
   const std::string record = std::to_string(options.rank) + " " + std::to_string(options.node_rank) + " " +
@@ -59,9 +73,9 @@ strata::Status run(const std::string& nvme_path, int nodes) {
     STRATA_ASSIGN_OR_RETURN(RankInfo info, parse_info(text));
     ranks.push_back(info);
   }
-  STRATA_RETURN_IF_ERROR(check_shape(ranks, options, nodes));
-  std::filesystem::create_directories(nvme_path);
-  std::ofstream(std::filesystem::path(nvme_path) / ("rank-" + std::to_string(options.rank))) << record << "\n";
+  STRATA_RETURN_IF_ERROR(check_shape(ranks, options, args.nodes));
+  std::filesystem::create_directories(args.nvme_path);
+  std::ofstream(std::filesystem::path(args.nvme_path) / ("rank-" + std::to_string(options.rank))) << record << "\n";
   STRATA_RETURN_IF_ERROR(rendezvous.barrier());
   if (options.rank == 0) {
     std::string line = "rendezvous_probe: " + std::to_string(options.world_size) + " ranks joined via " +
@@ -76,18 +90,19 @@ strata::Status run(const std::string& nvme_path, int nodes) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string nvme_path;
-  int nodes = 1;
+  ProbeArgs args;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--nvme-path") nvme_path = argv[i + 1];
-    else if (flag == "--nodes") nodes = std::atoi(argv[i + 1]);
+    if (flag == "--nvme-path") args.nvme_path = argv[i + 1];
+    else if (flag == "--nodes") args.nodes = std::atoi(argv[i + 1]);
+    else if (flag == "--exit-rank") args.exit_rank = std::atoi(argv[i + 1]);
+    else if (flag == "--exit-code") args.exit_code = std::atoi(argv[i + 1]);
   }
-  if (nvme_path.empty() || nodes < 1) {
-    std::fprintf(stderr, "usage: rendezvous_probe --nvme-path DIR [--nodes M]\n");
+  if (args.nvme_path.empty() || args.nodes < 1) {
+    std::fprintf(stderr, "usage: rendezvous_probe --nvme-path DIR [--nodes M] [--exit-rank R --exit-code C]\n");
     return 2;
   }
-  const strata::Status status = run(nvme_path, nodes);
+  const strata::Status status = run(args);
   if (!status.ok()) {
     std::fprintf(stderr, "rendezvous_probe: %s\n", status.to_string().c_str());
     return 1;
