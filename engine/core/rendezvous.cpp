@@ -258,6 +258,10 @@ Status read_slurm_local_world_size(const EnvLookup& lookup, RendezvousOptions& o
                                 std::to_string(counts->size()) + " node(s) but SLURM_NODEID=" +
                                 std::to_string(options.node_rank));
   options.local_world_size = (*counts)[static_cast<size_t>(options.node_rank)];
+  if (options.local_world_size > options.world_size)
+    return InvalidArgumentError("environment variable SLURM_TASKS_PER_NODE='" + *list + "' gives node " +
+                                std::to_string(options.node_rank) + " " + std::to_string(options.local_world_size) +
+                                " tasks, more than SLURM_NTASKS=" + std::to_string(options.world_size));
   return Status::Ok();
 }
 

@@ -27,8 +27,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr std::array<int, 3> kForwardedSignals = {SIGINT, SIGTERM, SIGHUP};
-// After the last child has exited, how long output still held in its pipes (or written
-// by a grandchild that keeps them open) is waited for.
+// After the last child has exited, its pipes are read to the end; a pipe that stays open
+// (a grandchild holds it) and silent this long is given up.
 constexpr std::chrono::milliseconds kDrainAfterExit{1000};
 
 std::string signal_text(int signal_number) {
@@ -158,9 +158,10 @@ class Supervisor {
   std::vector<Child> children_;
   File signals_;
   std::optional<LaunchResult> failure_;            // the first rank that failed
-  std::optional<Clock::time_point> kill_deadline_;  // when SIGKILL follows SIGTERM
+  bool stopping_ = false;                           // a rank failed: the others were sent SIGTERM
+  std::optional<Clock::time_point> kill_deadline_;  // when SIGKILL follows (a failure or a forwarded signal)
   bool killed_ = false;
-  std::optional<Clock::time_point> drain_deadline_;  // set when the last child has exited
+  bool drained_ = false;  // every child has exited and the open pipes were silent for kDrainAfterExit
 };
 
 bool Supervisor::any_running() const {
@@ -182,8 +183,10 @@ void Supervisor::signal_running(int signal_number) {
 }
 
 Status Supervisor::begin_stopping(const std::string& why) {
-  if (kill_deadline_) return Status::Ok();
-  kill_deadline_ = Clock::now() + plan_.grace_period;
+  if (stopping_) return Status::Ok();
+  stopping_ = true;
+  // A forwarded signal may have started the grace period already; it is not restarted.
+  if (!kill_deadline_) kill_deadline_ = Clock::now() + plan_.grace_period;
   char grace[32];
   std::snprintf(grace, sizeof(grace), "%.1f s", static_cast<double>(plan_.grace_period.count()) / 1000.0);
   if (any_running()) STRATA_RETURN_IF_ERROR(notice(why + ": stopping the other local ranks (SIGTERM, SIGKILL after " + grace + ")"));
@@ -231,7 +234,6 @@ Status Supervisor::reap_children(pid_t first_hint) {
       }
     }
   }
-  if (!any_running() && !drain_deadline_) drain_deadline_ = Clock::now() + kDrainAfterExit;
   return Status::Ok();
 }
 
@@ -257,8 +259,10 @@ Status Supervisor::poll_once() {
       streams.emplace_back(pipe, lines);
     }
   }
-  std::optional<Clock::time_point> wake = drain_deadline_;
-  if (kill_deadline_ && !killed_ && (!wake || *kill_deadline_ < *wake)) wake = kill_deadline_;
+  const bool all_exited = !any_running();
+  std::optional<Clock::time_point> wake;
+  if (all_exited) wake = Clock::now() + kDrainAfterExit;
+  else if (kill_deadline_ && !killed_) wake = kill_deadline_;
   int timeout_ms = -1;
   if (wake) {
     const auto left = std::chrono::ceil<std::chrono::milliseconds>(*wake - Clock::now()).count();
@@ -266,6 +270,7 @@ Status Supervisor::poll_once() {
   }
   const int ready = ::poll(fds.data(), fds.size(), timeout_ms);
   if (ready < 0 && errno != EINTR) return Status::FromErrno(errno, "poll over the local ranks' output");
+  if (ready == 0 && all_exited) drained_ = true;
   if (kill_deadline_ && !killed_ && Clock::now() >= *kill_deadline_ && any_running()) {
     killed_ = true;
     STRATA_RETURN_IF_ERROR(notice("grace period over: sending SIGKILL to the local ranks still running"));
@@ -306,7 +311,7 @@ StatusOr<LaunchResult> Supervisor::run() {
       return started;
     }
   }
-  while (any_running() || (any_pipe_open() && Clock::now() < drain_deadline_.value_or(Clock::time_point::max())))
+  while (any_running() || (any_pipe_open() && !drained_))
     STRATA_RETURN_IF_ERROR(poll_once());
   for (Child& child : children_) {  // a grandchild kept a pipe open: end its lines anyway
     STRATA_RETURN_IF_ERROR(child.out_lines.finish());

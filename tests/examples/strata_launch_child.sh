@@ -7,6 +7,8 @@
 #   kill DIR R SIG     as fail, but rank R kills itself with SIG
 #   wait DIR           note DIR/ready-RANK, then wait; a SIGINT/SIGTERM/SIGHUP is noted in
 #                      DIR/got-NAME-RANK and ends the rank with 0
+#   split DIR          note DIR/ready-RANK; on SIGINT rank 0 exits 5, the others ignore it and
+#                      note SIGTERM in DIR/stopped-RANK before exiting 143
 #   stubborn DIR       note DIR/ready-RANK and ignore SIGTERM (the launcher must SIGKILL it)
 #   lines DIR N        print N long lines of the rank's digit, unflushed pieces in between
 set -u
@@ -36,6 +38,13 @@ case "$mode" in
     ;;
   wait)
     for name in INT TERM HUP; do trap ": >\"$dir/got-$name-$RANK\"; exit 0" $name; done
+    : >"$dir/ready-$RANK"
+    sleep 60 &
+    wait $!
+    ;;
+  split)
+    if [ "$RANK" = 0 ]; then trap 'exit 5' INT; else trap '' INT; fi
+    trap ': >"$dir/stopped-$RANK"; exit 143' TERM
     : >"$dir/ready-$RANK"
     sleep 60 &
     wait $!

@@ -333,6 +333,17 @@ TEST_P(StrataLaunchSignalTest, ForwardsTheSignalToEveryRank) {
 INSTANTIATE_TEST_SUITE_P(Signals, StrataLaunchSignalTest, ::testing::Values(SIGINT, SIGTERM, SIGHUP),
                          [](const ::testing::TestParamInfo<int>& info) { return std::string(::sigabbrev_np(info.param)); });
 
+TEST(StrataLaunchTest, ARankEndedByAForwardedSignalStopsTheRanksThatIgnoredIt) {
+  TempDir dir;
+  const auto start = std::chrono::steady_clock::now();
+  Launcher launcher(dir, {"--nproc-per-node", "2", "--", child_script(), "split", dir.str()});
+  ASSERT_TRUE(wait_for_files(dir.path(), "ready-", 2)) << launcher.err();
+  ASSERT_EQ(::kill(launcher.pid(), SIGINT), 0);
+  EXPECT_EQ(launcher.wait(), 5) << launcher.err();
+  EXPECT_TRUE(std::filesystem::exists(dir.path() / "stopped-1")) << "rank 1 got SIGTERM, not only SIGKILL: " << launcher.err();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 8s) << "within the 10 s grace period";
+}
+
 TEST(StrataLaunchTest, ARankIgnoringSigtermIsKilledAfterTheGracePeriod) {
   TempDir dir;
   const auto start = std::chrono::steady_clock::now();

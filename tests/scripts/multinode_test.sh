@@ -158,7 +158,7 @@ run_probe() {
 }
 
 # Rank 3 (node 1) exits 3 after joining: every process must end, non-zero, well before the
-# timeout, and rank 0's error must name rank 3.
+# timeout, with an error naming rank 3.
 run_probe_with_a_lost_rank() {
   local start=$SECONDS
   for node in 0 1; do
@@ -168,8 +168,11 @@ run_probe_with_a_lost_rank() {
   [[ ${node_codes[0]} -ne 0 && ${node_codes[1]} -ne 0 ]] || { show_output; fail "exit codes ${node_codes[*]}: both nodes must fail"; }
   grep -q '^strata-launch: rank 3 failed: it exited with code 3' "$work/node1.err" ||
     grep -q '^strata-launch: rank 2 failed' "$work/node1.err" || { show_output; fail "node 1's launcher did not report the failed rank"; }
-  grep -q '^\[rank 0\] rendezvous_probe: .*rank 3' "$work/node0.err" || { show_output; fail "rank 0's error does not name rank 3"; }
-  echo "multinode_test: rank 3 exiting 3 ended both nodes in $((SECONDS - start)) s (exit codes ${node_codes[*]}), rank 0 naming it"
+  # Rank 0 notices first and relays its error to the others; whichever prints before its
+  # launcher's SIGTERM arrives names rank 3.
+  grep -q '^\[rank [012]\] rendezvous_probe: .*rank 3 .*closed its connection' "$work/node0.err" "$work/node1.err" ||
+    { show_output; fail "no rank's error names rank 3 as the one that closed its connection"; }
+  echo "multinode_test: rank 3 exiting 3 ended both nodes in $((SECONDS - start)) s (exit codes ${node_codes[*]}), the others naming it"
 }
 
 # param_checksum from the JSON summary line in file $1 (with or without a "[rank 0] " prefix).

@@ -138,6 +138,11 @@ INSTANTIATE_TEST_SUITE_P(
                                   {"SLURM_TASKS_PER_NODE", "two"},
                                   {"MASTER_ADDR", "h"}},
                                  "SLURM_TASKS_PER_NODE"},
+                      BadEnvCase{{{"SLURM_PROCID", "0"},
+                                  {"SLURM_NTASKS", "2"},
+                                  {"SLURM_TASKS_PER_NODE", "4"},
+                                  {"MASTER_ADDR", "h"}},
+                                 "SLURM_TASKS_PER_NODE"},
                       BadEnvCase{{{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_JOB_ID", "x"}, {"MASTER_ADDR", "h"}},
                                  "SLURM_JOB_ID"}));
 
