@@ -333,12 +333,27 @@ Status read_master_address(const EnvLookup& lookup, const LauncherVariables& nam
   }
 }
 
-// MASTER_PORT, or for Open MPI and Slurm the documented default.
-Status read_master_port(const EnvLookup& lookup, const LauncherVariables& names, RendezvousOptions& options) {
+// True when torchrun says its agent already serves a store on MASTER_PORT (its static
+// rendezvous, and the c10d one in newer versions): rank 0 cannot listen there.
+bool torchrun_agent_holds_master_port(const EnvLookup& lookup) {
+  const std::optional<std::string> flag = lookup("TORCHELASTIC_USE_AGENT_STORE");
+  return flag && (*flag == "True" || *flag == "true" || *flag == "1");
+}
+
+// The launcher's port: MASTER_PORT (plus one when torchrun's agent holds it), or for Open
+// MPI and Slurm the documented default.
+Status read_launcher_port(const EnvLookup& lookup, const LauncherVariables& names, RendezvousOptions& options) {
   if (const std::optional<std::string> port_text = lookup("MASTER_PORT")) {
     STRATA_ASSIGN_OR_RETURN(const long long port,
                             parse_env_integer("MASTER_PORT", *port_text, 0, 65535, "a port number in [0, 65535]"));
     options.master_port = static_cast<uint16_t>(port);
+    if (names.environment == LaunchEnvironment::kTorchrun && torchrun_agent_holds_master_port(lookup)) {
+      if (port == 0 || port == 65535)
+        return InvalidArgumentError("environment variable MASTER_PORT=" + *port_text +
+                                    " is torchrun's own store (TORCHELASTIC_USE_AGENT_STORE) and the next port, "
+                                    "where Strata's rendezvous would listen, does not exist: set STRATA_MASTER_PORT");
+      options.master_port = static_cast<uint16_t>(port + 1);
+    }
     return Status::Ok();
   }
   if (options.world_size == 1) return Status::Ok();
@@ -354,6 +369,17 @@ Status read_master_port(const EnvLookup& lookup, const LauncherVariables& names,
     }
   }
   return Status::Ok();
+}
+
+// STRATA_MASTER_PORT, which overrides every launcher's port, else the launcher's.
+Status read_master_port(const EnvLookup& lookup, const LauncherVariables& names, RendezvousOptions& options) {
+  if (const std::optional<std::string> port_text = lookup("STRATA_MASTER_PORT")) {
+    STRATA_ASSIGN_OR_RETURN(const long long port, parse_env_integer("STRATA_MASTER_PORT", *port_text, 0, 65535,
+                                                                    "a port number in [0, 65535]"));
+    options.master_port = static_cast<uint16_t>(port);
+    return Status::Ok();
+  }
+  return read_launcher_port(lookup, names, options);
 }
 
 }  // namespace

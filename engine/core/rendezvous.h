@@ -75,7 +75,8 @@ std::optional<std::string> process_env_lookup(const char* name);
 //
 //   torchrun  RANK or WORLD_SIZE set: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 //             GROUP_RANK (the node rank), MASTER_ADDR, MASTER_PORT (all three required
-//             when WORLD_SIZE > 1).
+//             when WORLD_SIZE > 1). With TORCHELASTIC_USE_AGENT_STORE=True torchrun's
+//             agent serves its own store on MASTER_PORT, so rank 0 listens on MASTER_PORT + 1.
 //   Open MPI  OMPI_COMM_WORLD_RANK set: OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK,
 //             _LOCAL_SIZE; node rank = rank / local size (mpirun's default by-slot
 //             mapping); MASTER_ADDR (default 127.0.0.1 when every rank is on one node,
@@ -87,8 +88,9 @@ std::optional<std::string> process_env_lookup(const char* name);
 //             MASTER_PORT or else kDefaultMasterPort + SLURM_JOB_ID % 1000.
 //
 // Defaults when a launcher leaves them out: local_rank = rank, local_world_size =
-// world_size (one node), node_rank = rank / local_world_size. With none of the launchers'
-// variables set the result is a world of one. Every launcher also reads
+// world_size (one node), node_rank = rank / local_world_size. STRATA_MASTER_PORT, when set,
+// is the port whatever the launcher. With none of the launchers' variables set the result
+// is a world of one. Every launcher also reads
 // STRATA_RENDEZVOUS_TIMEOUT_S (seconds, default 300: join() and the rendezvous's own
 // collectives) and STRATA_COLLECTIVE_TIMEOUT_S (seconds, default 60: collective_timeout).
 // Errors (InvalidArgument) name the variable and its value: a value that is not a

@@ -108,6 +108,13 @@ INSTANTIATE_TEST_SUITE_P(
                       BadEnvCase{good_env_with("MASTER_PORT", "70000"), "MASTER_PORT"},
                       BadEnvCase{good_env_with("MASTER_PORT", "http"), "MASTER_PORT"},
                       BadEnvCase{good_env_with("STRATA_RENDEZVOUS_TIMEOUT_S", "-3"), "STRATA_RENDEZVOUS_TIMEOUT_S"},
+                      BadEnvCase{good_env_with("STRATA_MASTER_PORT", "65536"), "STRATA_MASTER_PORT"},
+                      BadEnvCase{{{"RANK", "0"},
+                                  {"WORLD_SIZE", "2"},
+                                  {"MASTER_ADDR", "h"},
+                                  {"MASTER_PORT", "65535"},
+                                  {"TORCHELASTIC_USE_AGENT_STORE", "True"}},
+                                 "STRATA_MASTER_PORT"},
                       BadEnvCase{good_env_with("STRATA_COLLECTIVE_TIMEOUT_S", "0"), "STRATA_COLLECTIVE_TIMEOUT_S"},
                       BadEnvCase{good_env_with("STRATA_COLLECTIVE_TIMEOUT_S", "1m"), "STRATA_COLLECTIVE_TIMEOUT_S"},
                       BadEnvCase{good_env_with("LOCAL_WORLD_SIZE", "3"), "LOCAL_WORLD_SIZE"},
@@ -266,6 +273,27 @@ TEST(RendezvousEnvTest, DisagreeingLaunchersResolveByPrecedence) {
   EXPECT_EQ(mpi.launched_by, LaunchEnvironment::kOpenMpi);
   EXPECT_EQ(mpi.rank, 3);
   EXPECT_EQ(mpi.world_size, 4);
+}
+
+TEST(RendezvousEnvTest, TorchrunsAgentStoreMovesTheRendezvousToTheNextPort) {
+  std::map<std::string, std::string> env = kGoodEnv;
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  STRATA_ASSERT_OK_AND_ASSIGN(const RendezvousOptions options, rendezvous_options_from_env(map_lookup(env)));
+  EXPECT_EQ(options.master_port, 1235) << "MASTER_PORT=1234 is torchrun's own store";
+  env["TORCHELASTIC_USE_AGENT_STORE"] = "False";
+  STRATA_ASSERT_OK_AND_ASSIGN(const RendezvousOptions workers_store, rendezvous_options_from_env(map_lookup(env)));
+  EXPECT_EQ(workers_store.master_port, 1234);
+}
+
+TEST(RendezvousEnvTest, StrataMasterPortOverridesEveryLauncher) {
+  std::map<std::string, std::string> torchrun = kGoodEnv;
+  torchrun["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  for (const auto& env : {torchrun, kSlurmEnv, kOpenMpiEnv}) {
+    std::map<std::string, std::string> with_port = env;
+    with_port["STRATA_MASTER_PORT"] = "40000";
+    STRATA_ASSERT_OK_AND_ASSIGN(const RendezvousOptions options, rendezvous_options_from_env(map_lookup(with_port)));
+    EXPECT_EQ(options.master_port, 40000);
+  }
 }
 
 TEST(RendezvousEnvTest, LaunchEnvironmentsHaveNames) {
