@@ -54,7 +54,7 @@ Status LocalCluster::create_process_rank(const LocalClusterOptions& options, Loc
         options.compute_threads > 0 ? options.compute_threads : std::max(1, available_cpu_count() / group.world_size);
     STRATA_ASSIGN_OR_RETURN(auto device, create_cpu_device(device_options));
     cluster.devices_.push_back(std::move(device));
-    const GlooCommunicatorOptions gloo_options{.timeout = options.process_collective_timeout};
+    const GlooCommunicatorOptions gloo_options{.timeout = group.collective_timeout};
     for (auto* communicators : {&cluster.gather_, &cluster.reduce_}) {
       StatusOr<std::unique_ptr<GlooCommunicator>> made = GlooCommunicator::create(joined, *cluster.devices_.front(), gloo_options);
       if (!made.ok()) return std::move(made).status().with_context(who + ": creating its Gloo communicators");
@@ -73,7 +73,7 @@ Status LocalCluster::create_process_rank(const LocalClusterOptions& options, Loc
   device_options.budget_bytes = options.device_budget_bytes;
   STRATA_ASSIGN_OR_RETURN(auto device, create_cuda_device(device_options));
   cluster.devices_.push_back(std::move(device));
-  const NcclCommunicatorOptions nccl_options{.timeout = options.process_collective_timeout};
+  const NcclCommunicatorOptions nccl_options{.timeout = group.collective_timeout};
   for (auto* communicators : {&cluster.gather_, &cluster.reduce_}) {
     StatusOr<std::unique_ptr<NcclCommunicator>> made =
         NcclCommunicator::create_from_rendezvous(*cluster.devices_.front(), joined, nccl_options);

@@ -35,10 +35,10 @@ struct LocalClusterOptions {
   int compute_threads = 0;                       // CPU device: executor threads per rank; 0 = cores / world size
   std::chrono::milliseconds collective_timeout{std::chrono::minutes(10)};  // host communicators
   // Process ranks: this process's place in a multi-process world (world_size above is
-  // then ignored; the rendezvous gives it). nullopt = thread ranks.
+  // then ignored; the rendezvous gives it). nullopt = thread ranks. Its
+  // collective_timeout (STRATA_COLLECTIVE_TIMEOUT_S, default 60 s) is how long a Gloo or
+  // NCCL collective waits for a peer before naming it lost.
   std::optional<RendezvousOptions> process_group;
-  // Process ranks: how long a collective waits for a peer before naming it lost.
-  std::chrono::milliseconds process_collective_timeout{std::chrono::seconds(60)};
 };
 
 class LocalCluster {
