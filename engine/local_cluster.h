@@ -2,7 +2,8 @@
 // per rank, and a way to run one function per rank on its own thread.
 //
 // On the CPU device, ranks are threads sharing HostCommunicator groups; on CUDA, one
-// GPU per rank with NCCL communicators (one process driving several GPUs). Programs
+// GPU per rank with NCCL communicators (one process driving several GPUs), or
+// SelfCommunicators for a world of one GPU (no NCCL). Programs
 // (train_gpt, strata-bench step) and tests build their ranks through this.
 #pragma once
 
@@ -21,7 +22,8 @@ struct LocalClusterOptions {
   DeviceKind device = DeviceKind::kCpu;
   size_t device_budget_bytes = size_t{1} << 30;  // per rank; for CUDA 0 = the GPU's free memory
   int compute_threads = 0;                       // CPU device: executor threads per rank; 0 = cores / world size
-  std::chrono::milliseconds collective_timeout{std::chrono::minutes(10)};  // host communicators
+  MatmulPrecision matmul_precision = MatmulPrecision::kFp32;  // fp32 GEMMs (the CPU device takes only kFp32)
+  std::chrono::milliseconds collective_timeout{std::chrono::minutes(10)};  // host and NCCL communicators
 };
 
 class LocalCluster {

@@ -494,6 +494,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
                                         : device_kind == DeviceKind::kCpu ? size_t{1} << 30
                                                                           : 0;
   cluster_options.compute_threads = static_cast<int>(config.strata.compute_threads);
+  cluster_options.matmul_precision = config.strata.matmul_precision;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<LocalCluster> cluster, LocalCluster::create(cluster_options));
 
   std::unique_ptr<CheckpointSaver> saver;
