@@ -5,6 +5,7 @@
 
 #include "engine/core/host_communicator.h"
 #include "engine/core/log.h"
+#include "engine/core/self_communicator.h"
 #include "engine/core/thread.h"
 
 #if defined(STRATA_HAVE_CUDA)
@@ -48,6 +49,7 @@ Status LocalCluster::create_process_rank(const LocalClusterOptions& options, Loc
     CpuDeviceOptions device_options;
     device_options.ordinal = group.rank;
     device_options.budget_bytes = options.device_budget_bytes;
+    device_options.matmul_precision = options.matmul_precision;
     // The ranks of one node share its cores (all ranks on one node, as a launcher on one
     // machine starts them; a multi-node launch should set compute_threads).
     device_options.compute.threads =
@@ -71,6 +73,7 @@ Status LocalCluster::create_process_rank(const LocalClusterOptions& options, Loc
   CudaDeviceOptions device_options;
   device_options.ordinal = group.local_rank;
   device_options.budget_bytes = options.device_budget_bytes;
+  device_options.matmul_precision = options.matmul_precision;
   STRATA_ASSIGN_OR_RETURN(auto device, create_cuda_device(device_options));
   cluster.devices_.push_back(std::move(device));
   const NcclCommunicatorOptions nccl_options{.timeout = group.collective_timeout};
@@ -102,6 +105,7 @@ StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::create(const LocalClusterO
       device_options.ordinal = r;
       device_options.budget_bytes = options.device_budget_bytes;
       device_options.compute.threads = threads;
+      device_options.matmul_precision = options.matmul_precision;
       STRATA_ASSIGN_OR_RETURN(auto device, create_cpu_device(device_options));
       cluster->devices_.push_back(std::move(device));
     }
@@ -126,13 +130,23 @@ StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::create(const LocalClusterO
     CudaDeviceOptions device_options;
     device_options.ordinal = r;
     device_options.budget_bytes = options.device_budget_bytes;
+    device_options.matmul_precision = options.matmul_precision;
     STRATA_ASSIGN_OR_RETURN(auto device, create_cuda_device(device_options));
     cluster->devices_.push_back(std::move(device));
   }
+  if (world == 1) {
+    // One GPU: no NCCL communicator (its start-up, memory and proxy thread buy nothing
+    // when there is no peer); SelfCommunicator gives the same results.
+    cluster->gather_.push_back(std::make_unique<SelfCommunicator>(*cluster->devices_[0]));
+    cluster->reduce_.push_back(std::make_unique<SelfCommunicator>(*cluster->devices_[0]));
+    return cluster;
+  }
   std::vector<Device*> devices;
   for (auto& d : cluster->devices_) devices.push_back(d.get());
+  NcclCommunicatorOptions nccl_options;
+  nccl_options.timeout = options.collective_timeout;
   for (int g = 0; g < 2; ++g) {
-    STRATA_ASSIGN_OR_RETURN(auto comms, NcclCommunicator::create_local(devices));
+    STRATA_ASSIGN_OR_RETURN(auto comms, NcclCommunicator::create_local(devices, nccl_options));
     for (auto& c : comms) (g == 0 ? cluster->gather_ : cluster->reduce_).push_back(std::move(c));
   }
   return cluster;

@@ -3,7 +3,8 @@
 //
 // Thread ranks (the default): all world_size ranks live in this process, each on its own
 // thread. On the CPU device they share HostCommunicator groups; on CUDA, one GPU per rank
-// with NCCL communicators (one process driving several GPUs).
+// with NCCL communicators (one process driving several GPUs), or a SelfCommunicator
+// for a world of one GPU (no NCCL).
 //
 // Process ranks (options.process_group set, from process_group_from_env() when the
 // launcher's WORLD_SIZE > 1): this process is one rank of a multi-process world. create()
@@ -33,7 +34,8 @@ struct LocalClusterOptions {
   DeviceKind device = DeviceKind::kCpu;
   size_t device_budget_bytes = size_t{1} << 30;  // per rank; for CUDA 0 = the GPU's free memory
   int compute_threads = 0;                       // CPU device: executor threads per rank; 0 = cores / world size
-  std::chrono::milliseconds collective_timeout{std::chrono::minutes(10)};  // host communicators
+  MatmulPrecision matmul_precision = MatmulPrecision::kFp32;  // fp32 GEMMs (the CPU device takes only kFp32)
+  std::chrono::milliseconds collective_timeout{std::chrono::minutes(10)};  // host and NCCL communicators (thread ranks)
   // Process ranks: this process's place in a multi-process world (world_size above is
   // then ignored; the rendezvous gives it). nullopt = thread ranks. Its
   // collective_timeout (STRATA_COLLECTIVE_TIMEOUT_S, default 60 s) is how long a Gloo or

@@ -75,5 +75,8 @@ BlasContext::~BlasContext() = default;
 
 Device& BlasContext::device() const { return *impl_->device; }
 const BlasOptions& BlasContext::options() const { return impl_->options; }
+MatmulPrecision BlasContext::matmul_precision() const {
+  return impl_->options.matmul_precision.value_or(impl_->device->matmul_precision());
+}
 
 }  // namespace strata::kernels

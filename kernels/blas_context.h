@@ -25,20 +25,17 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "engine/core/device.h"
 #include "engine/core/status.h"
 
 namespace strata::kernels {
 
-// How fp32 GEMMs run on the GPU. bf16 GEMMs always accumulate in fp32.
-enum class Fp32Math : uint8_t {
-  kExact,  // IEEE fp32 products (CUBLAS_COMPUTE_32F)
-  kTf32,   // tensor-core TF32 products with fp32 accumulation (CUBLAS_COMPUTE_32F_FAST_TF32)
-};
-
 struct BlasOptions {
-  Fp32Math fp32_math = Fp32Math::kExact;
+  // How fp32 GEMMs run on the GPU (engine/core/device.h); unset = the device's
+  // matmul_precision() (strata.matmul_precision). An op that needs exact products sets kFp32.
+  std::optional<MatmulPrecision> matmul_precision;
   size_t cuda_workspace_bytes = size_t{32} << 20;  // cuBLAS workspace from the device budget (NVIDIA suggests 32 MiB on Hopper)
 };
 
@@ -58,6 +55,8 @@ class BlasContext {
 
   Device& device() const;
   const BlasOptions& options() const;
+  // How this context's fp32 GEMMs run: options().matmul_precision, else the device's.
+  MatmulPrecision matmul_precision() const;
   Impl& impl() const { return *impl_; }
 
  private:

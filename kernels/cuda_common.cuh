@@ -170,7 +170,12 @@ Status gemm(cublasHandle_t handle, cublasComputeType_t compute, size_t m, size_t
 }
 
 cublasComputeType_t compute_type(const BlasContext& blas, DType dtype) {
-  if (dtype == DType::kFloat32 && blas.options().fp32_math == Fp32Math::kTf32) return CUBLAS_COMPUTE_32F_FAST_TF32;
+  if (dtype != DType::kFloat32) return CUBLAS_COMPUTE_32F;
+  switch (blas.matmul_precision()) {
+    case MatmulPrecision::kTf32: return CUBLAS_COMPUTE_32F_FAST_TF32;
+    case MatmulPrecision::kBf16: return CUBLAS_COMPUTE_32F_FAST_16BF;
+    case MatmulPrecision::kFp32: break;
+  }
   return CUBLAS_COMPUTE_32F;
 }
 

@@ -291,6 +291,12 @@ class CpuStream final : public Stream {
 
 StatusOr<std::unique_ptr<CpuDevice>> CpuDevice::create(const CpuDeviceOptions& options) {
   if (options.ordinal < 0) return InvalidArgumentError("cpu device ordinal must be >= 0, got " + std::to_string(options.ordinal));
+  if (options.matmul_precision != MatmulPrecision::kFp32) {
+    return InvalidArgumentError("cpu:" + std::to_string(options.ordinal) + ": strata.matmul_precision is \"" +
+                                std::string(matmul_precision_name(options.matmul_precision)) +
+                                "\", but the CPU device computes matrix products in fp32 only (OpenBLAS sgemm): set it "
+                                "to \"fp32\" or run on --device cuda");
+  }
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Executor> executor, make_executor(options.compute));
   return std::make_unique<CpuDevice>(ConstructorKey(), options, std::move(executor));
 }

@@ -47,6 +47,7 @@ class CpuDevice final : public Device {
 
   DeviceKind kind() const override { return DeviceKind::kCpu; }
   int ordinal() const override { return options_.ordinal; }
+  MatmulPrecision matmul_precision() const override { return MatmulPrecision::kFp32; }
   std::string description() const override;
 
   StatusOr<DeviceBuffer> allocate(size_t bytes, std::string_view purpose) override;

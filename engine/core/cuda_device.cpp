@@ -317,6 +317,13 @@ class CudaStream final : public Stream {
 
 StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::create(const CudaDeviceOptions& options) {
   STRATA_ENTER_DEVICE(options.ordinal);
+  // The yield policy (see cuda_device.h): a host thread waiting for this GPU sleeps instead
+  // of spinning, so waiting engine threads leave the cores to CPU Adam.
+  if (const cudaError_t error = cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync); error != cudaSuccess) {
+    (void)cudaGetLastError();
+    STRATA_LOG(kWarn) << "cuda:" << options.ordinal << ": cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync) failed ("
+                      << cudaGetErrorString(error) << "): stream synchronizations will spin; event waits still sleep";
+  }
   cudaDeviceProp properties{};
   STRATA_RETURN_IF_CUDA_ERROR(cudaGetDeviceProperties(&properties, options.ordinal));
   size_t free_bytes = 0;
@@ -327,13 +334,13 @@ StatusOr<std::unique_ptr<CudaDevice>> CudaDevice::create(const CudaDeviceOptions
     STRATA_LOG(kWarn) << "cuda:" << options.ordinal << ": budget " << internal::format_bytes(budget) << " exceeds the "
                       << internal::format_bytes(free_bytes) << " free on the GPU; the driver will refuse first";
   }
-  auto device = std::make_unique<CudaDevice>(ConstructorKey(), options.ordinal, std::string(properties.name), budget);
+  auto device = std::make_unique<CudaDevice>(ConstructorKey(), options, std::string(properties.name), budget);
   STRATA_LOG(kDebug) << "created " << device->description();
   return device;
 }
 
-CudaDevice::CudaDevice(ConstructorKey /*key*/, int ordinal, std::string gpu_name, size_t budget_bytes)
-    : ordinal_(ordinal), gpu_name_(std::move(gpu_name)) {
+CudaDevice::CudaDevice(ConstructorKey /*key*/, const CudaDeviceOptions& options, std::string gpu_name, size_t budget_bytes)
+    : ordinal_(options.ordinal), gpu_name_(std::move(gpu_name)), matmul_precision_(options.matmul_precision) {
   stats_.budget_bytes = budget_bytes;
 }
 
@@ -516,7 +523,8 @@ StatusOr<std::unique_ptr<Stream>> CudaDevice::create_stream(std::string name) {
 StatusOr<std::unique_ptr<Event>> CudaDevice::create_event() {
   STRATA_ENTER_DEVICE(ordinal_);
   cudaEvent_t event = nullptr;
-  STRATA_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  // BlockingSync: Event::synchronize sleeps until the GPU signals, whatever the device flags.
+  STRATA_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventBlockingSync));
   return std::unique_ptr<Event>(std::make_unique<CudaEvent>(this, event));
 }
 

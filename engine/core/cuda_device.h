@@ -1,6 +1,12 @@
 // CudaDevice: one GPU as a compute device. Compiled only with STRATA_HAVE_CUDA; other
 // code reaches it through create_cuda_device() in device.h.
 //
+// Yield policy: host threads that wait for the GPU sleep, they do not spin. Events are
+// created with cudaEventBlockingSync and the device with cudaDeviceScheduleBlockingSync
+// (stream and device synchronizations), so the engine's waiting threads leave the cores
+// to CPU Adam and the I/O threads; a wake-up costs tens of microseconds, which no wait of
+// the step's pipeline notices.
+//
 // Real CUDA streams (non-blocking) and events (timing disabled), and a caching
 // allocator under the budget: blocks are rounded to a size class and kept, when given
 // back, in a free list per class for the next allocation of that class. Cached blocks
@@ -38,13 +44,14 @@ class CudaDevice final : public Device {
  public:
   static StatusOr<std::unique_ptr<CudaDevice>> create(const CudaDeviceOptions& options);
   // Use create(); public only for make_unique.
-  CudaDevice(ConstructorKey key, int ordinal, std::string gpu_name, size_t budget_bytes);
+  CudaDevice(ConstructorKey key, const CudaDeviceOptions& options, std::string gpu_name, size_t budget_bytes);
   ~CudaDevice() override;
   CudaDevice(const CudaDevice&) = delete;
   CudaDevice& operator=(const CudaDevice&) = delete;
 
   DeviceKind kind() const override { return DeviceKind::kCuda; }
   int ordinal() const override { return ordinal_; }
+  MatmulPrecision matmul_precision() const override { return matmul_precision_; }
   std::string description() const override;
 
   StatusOr<DeviceBuffer> allocate(size_t bytes, std::string_view purpose) override;
@@ -80,6 +87,7 @@ class CudaDevice final : public Device {
 
   const int ordinal_;
   const std::string gpu_name_;
+  const MatmulPrecision matmul_precision_;
 
   mutable std::mutex memory_mutex_;
   MemoryStats stats_;                                // guarded by memory_mutex_

@@ -4,6 +4,15 @@
 
 namespace strata {
 
+std::string_view matmul_precision_name(MatmulPrecision precision) {
+  switch (precision) {
+    case MatmulPrecision::kFp32: return "fp32";
+    case MatmulPrecision::kTf32: return "tf32";
+    case MatmulPrecision::kBf16: return "bf16";
+  }
+  return "unknown";
+}
+
 std::string_view device_kind_name(DeviceKind kind) {
   switch (kind) {
     case DeviceKind::kCpu: return "cpu";

@@ -34,6 +34,15 @@ enum class DeviceKind : uint8_t { kCpu, kCuda };
 std::string_view device_kind_name(DeviceKind kind);  // "cpu" | "cuda"
 StatusOr<DeviceKind> parse_device_kind(std::string_view text);
 
+// How a device runs fp32 matrix products (strata.matmul_precision); products of bf16
+// operands always accumulate in fp32 whatever this says.
+enum class MatmulPrecision : uint8_t {
+  kFp32,  // IEEE fp32 products (CUBLAS_COMPUTE_32F); the default, and the CPU device's only one
+  kTf32,  // tensor-core TF32 operands (10-bit mantissa), fp32 accumulation (CUBLAS_COMPUTE_32F_FAST_TF32)
+  kBf16,  // tensor-core bf16 operands (7-bit mantissa), fp32 accumulation (CUBLAS_COMPUTE_32F_FAST_16BF)
+};
+std::string_view matmul_precision_name(MatmulPrecision precision);  // "fp32" | "tf32" | "bf16"
+
 // Direction of a copy, seen from the device.
 enum class CopyKind : uint8_t {
   kHostToDevice,
@@ -142,6 +151,8 @@ class Device {
   virtual int ordinal() const = 0;
   // e.g. "cpu:0 (budget 512 MiB)" or "cuda:0 NVIDIA H200".
   virtual std::string description() const = 0;
+  // How this device's fp32 matrix products run (BlasContext follows it).
+  virtual MatmulPrecision matmul_precision() const = 0;
 
   // Allocates `bytes` under the budget. `purpose` names the allocation in errors
   // ("gather buffer group 3"). Zero bytes gives an empty buffer.
@@ -175,11 +186,15 @@ struct CpuDeviceOptions {
   int ordinal = 0;
   size_t budget_bytes = size_t{1} << 30;  // the hard cap on "device" memory
   ExecutorOptions compute;                // the executor kernels fan out through
+  // Only kFp32: OpenBLAS's sgemm has no reduced-precision mode, so create_cpu_device
+  // rejects the others rather than silently computing in fp32.
+  MatmulPrecision matmul_precision = MatmulPrecision::kFp32;
 };
 
 struct CudaDeviceOptions {
   int ordinal = 0;                        // CUDA device index
   size_t budget_bytes = 0;                // hard cap; 0 = the GPU's free memory at creation
+  MatmulPrecision matmul_precision = MatmulPrecision::kFp32;  // fp32 GEMMs: exact, TF32 or bf16 tensor cores
 };
 
 StatusOr<std::unique_ptr<Device>> create_cpu_device(const CpuDeviceOptions& options);

@@ -335,7 +335,7 @@ StatusOr<std::vector<std::unique_ptr<NcclCommunicator>>> NcclCommunicator::creat
     State& state = *communicator->state_;
     STRATA_NCCL_ENTER_DEVICE(state.ordinal);
     STRATA_ASSIGN_OR_RETURN(state.barrier_word, communicator->device_.allocate(sizeof(float), "nccl barrier word"));
-    STRATA_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&state.scratch_released, cudaEventDisableTiming));
+    STRATA_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&state.scratch_released, cudaEventDisableTiming | cudaEventBlockingSync));
     STRATA_ASSIGN_OR_RETURN(state.watchdog, spawn_thread("strata:nccl-dog", [raw = &state] { raw->run_watchdog(); }));
   }
   return communicators;

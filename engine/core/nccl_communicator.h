@@ -185,6 +185,8 @@ Status launch_cast_to_wire(const float* src, void* dst, DType wire, size_t count
 // `wire`), rounded once to `out_dtype`, as communicator.h defines.
 Status launch_reduce_contributions(const void* contributions, int ranks, size_t count, DType wire, ReduceOp op,
                                    void* out, DType out_dtype, cudaStream_t stream);
+// dst[i] = fp32(round(src[i]) to `wire`): a reduction of one rank (SelfCommunicator); src may be dst.
+Status launch_round_through_wire(const float* src, float* dst, DType wire, size_t count, cudaStream_t stream);
 // data[i] = data[i] / divisor.
 Status launch_divide(float* data, size_t count, float divisor, cudaStream_t stream);
 }  // namespace nccl_communicator_internal

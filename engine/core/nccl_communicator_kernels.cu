@@ -40,6 +40,16 @@ __global__ void cast_to_wire_kernel(const float* src, void* dst, DType wire, siz
     store_rounded(dst, wire, i, src[i]);
 }
 
+// A reduction over one rank: the value as it would travel on the wire (SelfCommunicator).
+// Element-wise, so src may be dst.
+__global__ void round_through_wire_kernel(const float* src, float* dst, DType wire, size_t count) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count; i += size_t(gridDim.x) * blockDim.x) {
+    uint16_t on_wire = 0;
+    store_rounded(&on_wire, wire, 0, src[i]);
+    dst[i] = load_wire(&on_wire, wire, 0);
+  }
+}
+
 __global__ void reduce_contributions_kernel(const void* contributions, int ranks, size_t count, DType wire, ReduceOp op,
                                             void* out, DType out_dtype) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count; i += size_t(gridDim.x) * blockDim.x) {
@@ -76,6 +86,13 @@ Status launch_reduce_contributions(const void* contributions, int ranks, size_t 
   if (count == 0) return {};
   reduce_contributions_kernel<<<blocks_for(count), kThreads, 0, stream>>>(contributions, ranks, count, wire, op, out,
                                                                           out_dtype);
+  STRATA_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+  return {};
+}
+
+Status launch_round_through_wire(const float* src, float* dst, DType wire, size_t count, cudaStream_t stream) {
+  if (count == 0) return {};
+  round_through_wire_kernel<<<blocks_for(count), kThreads, 0, stream>>>(src, dst, wire, count);
   STRATA_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   return {};
 }

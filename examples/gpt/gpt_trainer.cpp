@@ -577,6 +577,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
                                         : device_kind == DeviceKind::kCpu ? size_t{1} << 30
                                                                           : 0;
   cluster_options.compute_threads = static_cast<int>(config.strata.compute_threads);
+  cluster_options.matmul_precision = config.strata.matmul_precision;
   cluster_options.process_group = options.process_group;
   if (options.process_group) {
     if (options.process_group->world_size != world)

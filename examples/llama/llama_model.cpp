@@ -8,6 +8,7 @@
 #include <iomanip>
 #include <sstream>
 
+#include "engine/core/log.h"
 #include "examples/lm/model_memory.h"
 #include "kernels/cast.h"
 #include "kernels/llama_ops.h"
@@ -449,7 +450,11 @@ Status LlamaModel::allocate() {
   kernels::BlasOptions blas_options;
   blas_options.cuda_workspace_bytes = kCudaBlasWorkspaceBytes;
   // IEEE fp32 products: head_combine's transpose by an identity is exact only with them (TF32 would round the log-sum-exps).
-  blas_options.fp32_math = kernels::Fp32Math::kExact;
+  blas_options.matmul_precision = MatmulPrecision::kFp32;
+  if (device.matmul_precision() != MatmulPrecision::kFp32) {
+    STRATA_LOG(kWarn) << "strata.matmul_precision=" << matmul_precision_name(device.matmul_precision())
+                      << " does not apply to the Llama family: its fp32 GEMMs stay exact (head_combine needs exact products)";
+  }
   STRATA_ASSIGN_OR_RETURN(kernels::BlasContext blas, kernels::BlasContext::create(device, blas_options));
   blas_ = std::make_unique<kernels::BlasContext>(std::move(blas));
   STRATA_ASSIGN_OR_RETURN(b->arena, device.allocate(b->layout.total, "Llama activations"));

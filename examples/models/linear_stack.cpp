@@ -107,9 +107,8 @@ Status LinearStackModel::allocate() {
   const size_t rows = static_cast<size_t>(local_rows_);
   const size_t f = static_cast<size_t>(config_.features), w = static_cast<size_t>(config_.width);
   const size_t l = static_cast<size_t>(config_.layers);
-  kernels::BlasOptions blas_options;
-  blas_options.cuda_workspace_bytes = size_t{4} << 20;
-  STRATA_ASSIGN_OR_RETURN(kernels::BlasContext blas, kernels::BlasContext::create(device, blas_options));
+  // BlasOptions' defaults: the 32 MiB cuBLAS workspace NVIDIA advises for Hopper.
+  STRATA_ASSIGN_OR_RETURN(kernels::BlasContext blas, kernels::BlasContext::create(device, kernels::BlasOptions{}));
   blas_ = std::make_unique<kernels::BlasContext>(std::move(blas));
   STRATA_ASSIGN_OR_RETURN(x_, device.allocate(rows * f * 4, "linear stack inputs"));
   STRATA_ASSIGN_OR_RETURN(labels_, device.allocate(rows * 4, "linear stack labels"));

@@ -33,6 +33,7 @@
 #include "engine/local_cluster.h"
 #include "examples/models/linear_stack.h"
 #include "examples/strata_bench/bench.h"
+#include "kernels/blas_context.h"
 
 namespace strata::bench {
 namespace {
@@ -174,7 +175,7 @@ StatusOr<TrainingRun> train(const StepBenchOptions& o, LocalCluster& cluster) {
     options.pinned_budget_bytes = o.pinned_budget_bytes;
     options.gradient_accumulation_steps = o.micro_batches;
     options.activation_bytes = models::linear_stack_activation_bytes(o.model, o.model.global_rows / o.world, o.param_dtype) +
-                               (o.device == DeviceKind::kCuda ? (size_t{4} << 20) : 0);
+                               (o.device == DeviceKind::kCuda ? kernels::BlasOptions{}.cuda_workspace_bytes : 0);  // the model's cuBLAS workspace
     options.adam.lr = 1e-3;
     STRATA_ASSIGN_OR_RETURN(auto engine, Engine::create(options, cluster.device(rank), cluster.gather_communicator(rank),
                                                         cluster.reduce_communicator(rank)));

@@ -282,6 +282,7 @@ TEST_F(ConfigTest, IllTypedAndOutOfRangeValues) {
       {R"({"strata": {"grad_wire_dtype": "fp16"}})", R"(strata.grad_wire_dtype: expected one of "bf16", "fp32", got "fp16" in )"},
       {R"({"strata": {"device": "tpu"}})", R"(strata.device: expected one of "cpu", "cuda" or "auto", got "tpu" in )"},
       {R"({"strata": {"io_engine": "aio"}})", R"(strata.io_engine: expected one of "auto", "io_uring", "psync", got "aio" in )"},
+      {R"({"strata": {"matmul_precision": "fp16"}})", R"(strata.matmul_precision: expected one of "fp32", "tf32", "bf16", got "fp16" in )"},
       {R"({"strata": {"data": {"eval_fraction": 1.0}}})", "strata.data.eval_fraction: expected a number in [0, 1), got 1.0 in "},
       {R"({"strata": {"data": {"kind": "images"}}})", R"(strata.data.kind: expected one of "synthetic", "text", "tokens", got "images" in )"},
       {R"({"strata": {"model": {"n_layer": -2}}})", "strata.model.n_layer: expected a non-negative integer, got -2 in "},
@@ -454,6 +455,11 @@ TEST_F(ConfigTest, PlacementAndEnumSpellings) {
     EXPECT_EQ(parsed, kind);
     STRATA_ASSERT_OK(apply_override(config, "strata.io_engine", io_engine_kind_name(kind)));
     EXPECT_EQ(config.strata.io_engine, kind);
+  }
+  EXPECT_EQ(config.strata.matmul_precision, MatmulPrecision::kFp32);  // the default: exact fp32 GEMMs
+  for (MatmulPrecision precision : {MatmulPrecision::kTf32, MatmulPrecision::kBf16, MatmulPrecision::kFp32}) {
+    STRATA_ASSERT_OK(apply_override(config, "strata.matmul_precision", matmul_precision_name(precision)));
+    EXPECT_EQ(config.strata.matmul_precision, precision);
   }
   EXPECT_EQ(io_engine_kind_name(IoEngineKind::kIoUring), "io_uring");
   EXPECT_EQ(overlap_mode_name(OverlapMode::kDelayed), "delayed");

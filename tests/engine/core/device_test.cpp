@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <ctime>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -597,9 +599,60 @@ TEST(CudaDeviceTest, BlockSizesWasteLittleAndKeepExactMiBSizes) {
 }
 #endif
 
-TEST(CudaDeviceFactoryTest, UnavailableWithTheReasonWhereThereIsNoGpu) {
-  if (gpu_available()) GTEST_SKIP() << "a GPU is present; this test covers machines without one";
+// OpenBLAS has no TF32 or bf16 mode: the CPU device refuses them, naming the key, rather
+// than computing in fp32 under a setting that says otherwise.
+TEST(CpuDeviceTest, RefusesAReducedMatmulPrecision) {
+  for (MatmulPrecision precision : {MatmulPrecision::kTf32, MatmulPrecision::kBf16}) {
+    auto device = create_cpu_device({.budget_bytes = size_t{8} << 20, .matmul_precision = precision});
+    ASSERT_FALSE(device.ok());
+    EXPECT_EQ(device.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(device.status().message().find("strata.matmul_precision is \"" + std::string(matmul_precision_name(precision))),
+              std::string::npos) << device.status().to_string();
+  }
+  STRATA_ASSERT_OK_AND_ASSIGN(auto device, create_cpu_device({.budget_bytes = size_t{8} << 20}));
+  EXPECT_EQ(device->matmul_precision(), MatmulPrecision::kFp32);
+}
+
+// The yield policy (cuda_device.h): a thread waiting on an event or a stream for ~0.2 s
+// of GPU work sleeps, so its CPU time is a small part of the wait (spinning makes them equal).
+TEST(CudaDeviceTest, AThreadWaitingForTheGpuSleepsInsteadOfSpinning) {
+  if (!gpu_available()) GTEST_SKIP() << "no GPU: " << discover_gpus().reason;
+  const size_t bytes = size_t{1} << 30;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto device, create_cuda_device({.budget_bytes = bytes + (size_t{64} << 20)}));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto stream, device->create_stream("busy"));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto event, device->create_event());
+  STRATA_ASSERT_OK_AND_ASSIGN(auto buffer, device->allocate(bytes, "busy work"));
+  auto thread_cpu_seconds = [] {
+    timespec t{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+  };
+  auto busy_work = [&] {
+    // 1 GiB memsets at a few TB/s: ~0.3 ms each, 600 of them a few hundred ms.
+    for (int i = 0; i < 600; ++i) STRATA_ASSERT_OK(device->memset_async(buffer.data(), i & 0xff, bytes, *stream));
+  };
+  for (const char* wait : {"event", "stream"}) {
+    busy_work();
+    STRATA_ASSERT_OK(stream->record(*event));
+    const auto wall_start = std::chrono::steady_clock::now();
+    const double cpu_start = thread_cpu_seconds();
+    STRATA_ASSERT_OK(std::string(wait) == "event" ? event->synchronize() : stream->synchronize());
+    const double cpu = thread_cpu_seconds() - cpu_start;
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
+    ASSERT_GT(wall, 0.02) << wait << ": the busy work finished before the wait began; nothing was measured";
+    EXPECT_LT(cpu, 0.3 * wall) << wait << " wait: " << cpu << " s of CPU in " << wall << " s (the thread spins)";
+  }
+}
+
+// Runs on every machine (scripts/gpu-check fails on a GPU machine where a gpu-labelled
+// test skips): with a GPU the factory makes the device, without one it says why not.
+TEST(CudaDeviceFactoryTest, CreatesTheDeviceOrIsUnavailableWithTheReason) {
   auto device = create_cuda_device({});
+  if (gpu_available()) {
+    STRATA_ASSERT_OK(device.status());
+    EXPECT_EQ((*device)->kind(), DeviceKind::kCuda);
+    return;
+  }
   ASSERT_FALSE(device.ok());
   EXPECT_EQ(device.status().code(), StatusCode::kUnavailable);
   EXPECT_NE(device.status().message().find(discover_gpus().reason), std::string::npos) << device.status().to_string();
