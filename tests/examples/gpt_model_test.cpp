@@ -301,8 +301,8 @@ TEST(GptModelTest, PresetsHaveGpt2sParameterCounts) {
     int64_t from_groups = 0;
     for (const auto& spec : gpt_group_specs(config))
       for (const auto& t : spec.tensors) {
-        int64_t n = 1;
-        for (int64_t d : t.shape) n *= d;
+        int64_t n = t.init.rows > 0 ? t.init.rows : t.shape[0];  // wte's padding rows are not parameters
+        for (size_t d = 1; d < t.shape.size(); ++d) n *= t.shape[d];
         from_groups += n;
       }
     EXPECT_EQ(from_groups, count) << name;
@@ -324,10 +324,15 @@ TEST(GptModelTest, PresetsHaveGpt2sParameterCounts) {
 TEST(GptModelTest, GroupsCarryHuggingFaceNamesShapesAndGpt2Init) {
   const GptConfig config{3, 2, 16, 8, 50};
   const auto specs = gpt_group_specs(config);
-  ASSERT_EQ(specs.size(), 5u);
+  ASSERT_EQ(specs.size(), 6u);  // wte.0 (one chunk), wpe, h.0 .. h.2, ln_f
   std::vector<NamedShape> ours;
   for (const auto& spec : specs)
-    for (const auto& t : spec.tensors) ours.push_back({hf_tensor_name(spec.name, t.name), t.shape});
+    for (const auto& t : spec.tensors) {
+      std::vector<int64_t> shape = t.shape;
+      if (t.init.rows > 0) shape[0] = t.init.rows;  // the vocabulary padded to 128 rows: 50 of them are wte's
+      ours.push_back({hf_tensor_name(spec.name, t.name), shape});
+    }
+  EXPECT_EQ(specs[0].tensors[0].shape, (std::vector<int64_t>{128, 16}));
   const auto theirs = gpt2_tensor_shapes(gpt2_dims(config));
   ASSERT_EQ(ours.size(), theirs.size());
   for (size_t i = 0; i < ours.size(); ++i) {
@@ -347,7 +352,8 @@ TEST(GptModelTest, GroupsCarryHuggingFaceNamesShapesAndGpt2Init) {
       }
     }
   const std::vector<int> schedule = gpt_schedule(config);
-  EXPECT_EQ(schedule, (std::vector<int>{0, 1, 2, 3, 4, 0, 3, 2, 1}));
+  // wte, wpe, h.0 .. h.2, ln_f, the head's passes 1 and 2 (wte), h.2 .. h.0, pass 3 (wte).
+  EXPECT_EQ(schedule, (std::vector<int>{0, 1, 2, 3, 4, 5, 0, 0, 4, 3, 2, 0}));
 }
 
 // Writes a GPT-2 file for `config` with values from `value(name, i)`, optionally
@@ -447,8 +453,9 @@ TEST(GptModelTest, AFileWithAMissingOrMisshapenTensorIsRefusedByName) {
     EXPECT_TRUE(contains(status.to_string(), "[18, 55]")) << status.to_string();
   }
   // Nothing was loaded: the engine still holds its initial weights (shards untouched).
-  std::vector<float> ln(rank.engine->layout(1).numel);
-  STRATA_ASSERT_OK(rank.master(1, ln));
+  const int block0 = rank.model->groups().block(0);
+  std::vector<float> ln(rank.engine->layout(block0).numel);
+  STRATA_ASSERT_OK(rank.master(block0, ln));
   EXPECT_EQ(ln[0], 1.0f);  // ln_1.weight initialized to ones
   STRATA_ASSERT_OK(rank.engine->finish());
 }
