@@ -95,8 +95,13 @@ Status validate_gpt_config(const GptConfig& config);
 int64_t gpt_parameter_count(const GptConfig& config);
 std::string describe_gpt_config(const GptConfig& config);  // "12 layers, 12 heads, 768 wide, ... (124.4M parameters)"
 
+// fp32 bytes of a wte chunk by default: smaller than the Llama family's, because a chunk's
+// slot and its gradient scratch are activations (2 x 16 MiB, not 2 x 64 MiB) and GPT-2's
+// blocks (GPT-2 XL's 117 MiB) are already the largest groups.
+inline constexpr size_t kGptVocabChunkBytes = size_t{16} << 20;
+
 // wte's vocabulary chunks: as many rows as fit `chunk_bytes` of fp32 (lm::make_vocab_chunks).
-lm::VocabChunks gpt_vocab_chunks(const GptConfig& config, size_t chunk_bytes = lm::kDefaultVocabChunkBytes);
+lm::VocabChunks gpt_vocab_chunks(const GptConfig& config, size_t chunk_bytes = kGptVocabChunkBytes);
 
 // Group ids, with E = chunks.count chunks of wte.
 struct GptGroups {
@@ -108,15 +113,15 @@ struct GptGroups {
   int final_norm() const { return static_cast<int>(chunks + 1 + layers); }
   int count() const { return static_cast<int>(chunks + 2 + layers); }
 };
-GptGroups gpt_groups(const GptConfig& config, size_t vocab_chunk_bytes = lm::kDefaultVocabChunkBytes);
-int gpt_group_count(const GptConfig& config, size_t vocab_chunk_bytes = lm::kDefaultVocabChunkBytes);
+GptGroups gpt_groups(const GptConfig& config, size_t vocab_chunk_bytes = kGptVocabChunkBytes);
+int gpt_group_count(const GptConfig& config, size_t vocab_chunk_bytes = kGptVocabChunkBytes);
 
 // The groups, in registration order (ids as above), one micro-batch's group uses, and the
 // gathers of an evaluation-only pass (embedding, blocks, ln_f, the tied head's pass 1),
 // for engine.begin_forward().
-std::vector<GroupSpec> gpt_group_specs(const GptConfig& config, size_t vocab_chunk_bytes = lm::kDefaultVocabChunkBytes);
-std::vector<int> gpt_schedule(const GptConfig& config, size_t vocab_chunk_bytes = lm::kDefaultVocabChunkBytes);
-std::vector<int> gpt_forward_order(const GptConfig& config, size_t vocab_chunk_bytes = lm::kDefaultVocabChunkBytes);
+std::vector<GroupSpec> gpt_group_specs(const GptConfig& config, size_t vocab_chunk_bytes = kGptVocabChunkBytes);
+std::vector<int> gpt_schedule(const GptConfig& config, size_t vocab_chunk_bytes = kGptVocabChunkBytes);
+std::vector<int> gpt_forward_order(const GptConfig& config, size_t vocab_chunk_bytes = kGptVocabChunkBytes);
 
 // Hugging Face's name for tensor `tensor` of group `group` ("h.0.ln_1.weight", "wte.weight").
 std::string hf_tensor_name(const GroupLayout& group, const TensorLayout& tensor);
@@ -136,7 +141,7 @@ struct GptModelOptions {
   int64_t eval_batch = 0;   // sequences per evaluation pass on this rank (0 = no evaluation)
   ActivationCheckpointing checkpointing = ActivationCheckpointing::kDevice;
   int64_t head_chunk_rows = 0;  // token rows per LM-head block; 0 = as many as keep the logits under 32 MiB
-  size_t vocab_chunk_bytes = lm::kDefaultVocabChunkBytes;  // fp32 bytes per wte chunk group
+  size_t vocab_chunk_bytes = kGptVocabChunkBytes;  // fp32 bytes per wte chunk group
   // Tests: copy every group's full fp32 gradient buffer to the host before grads_ready()
   // (see captured_gradients()). Synchronizes the compute stream per group.
   bool capture_gradients = false;
