@@ -628,7 +628,11 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
 
     // Starting point.
     if (resume) {
-      STRATA_RETURN_IF_ERROR(load_engine_state(*engine, rank, *resume));
+      STRATA_RETURN_IF_ERROR(load_engine_state(*engine, rank, *resume)
+                                 .with_context("resuming from " + resume->path() +
+                                               " (when the groups differ: checkpoints saved before wte/embed_tokens were split into "
+                                               "vocabulary-chunk groups padded to a multiple of 128 rows do not resume; export the "
+                                               "weights with the build that saved them and start from the export with --model or --init-from)"));
       STRATA_RETURN_IF_ERROR(schedule.restore_json(trainer_state["schedule"].dump()));
       STRATA_RETURN_IF_ERROR(loader.restore_json(trainer_state["data"].dump()));
     } else if (init_weights) {
