@@ -84,6 +84,16 @@ class EngineImpl final : public Engine {
     declared_schedule_ = std::move(group_uses);
     return {};
   }
+  Status declare_loaded(int group) override {
+    if (started_) return FailedPreconditionError("declare_loaded after start()");
+    if (group < 0 || static_cast<size_t>(group) >= groups_.size())
+      return InvalidArgumentError("declare_loaded(" + std::to_string(group) + "): no such group (" + std::to_string(groups_.size()) + " registered)");
+    if (loaded_groups_.size() < groups_.size()) loaded_groups_.resize(groups_.size(), false);
+    loaded_groups_[static_cast<size_t>(group)] = true;
+    return {};
+  }
+  int initialized_group_count() const override { return initialized_groups_; }
+
   Status declare_held_gradients(int count) override {
     if (started_) return FailedPreconditionError("declare_held_gradients after start()");
     if (count < 0) return InvalidArgumentError("declare_held_gradients(" + std::to_string(count) + "): a count cannot be negative");
@@ -201,6 +211,8 @@ class EngineImpl final : public Engine {
   std::vector<std::unique_ptr<GroupState>> groups_;
   std::vector<int> declared_schedule_;
   int held_gradients_ = -1;  // declare_held_gradients(); -1: inferred by the plan
+  std::vector<bool> loaded_groups_;  // declare_loaded(): no initial values written at start()
+  int initialized_groups_ = 0;
   std::unique_ptr<ShardStore> shards_;  // the parameter copies
   // The stages (each with its own worker and queue but the use planner, which is the
   // model thread's), and the versions the optimizer publishes to the fetcher.
@@ -423,6 +435,13 @@ Status EngineImpl::submit_early_update(int g, int64_t step) {
 
 Status EngineImpl::initialize_group(GroupState& g, std::vector<float>& init) {
   g.decay_runs = decay_runs(g.layout, options_.rank);
+  const size_t id = static_cast<size_t>(g.layout.id);
+  if (id < loaded_groups_.size() && loaded_groups_[id]) {
+    // The caller's load writes the master weights and the parameters: storage, zero moments.
+    STRATA_RETURN_IF_ERROR(shards_->allocate_group(g.layout.id, nullptr));
+    return optimizer_stage_->initialize_group(g.layout.id, nullptr);
+  }
+  ++initialized_groups_;
   init_shard(g.layout, options_.rank, options_.seed, init.data());
   STRATA_RETURN_IF_ERROR(shards_->allocate_group(g.layout.id, init.data()));
   // Optimizer state: master = the fp32 initial values, moments zero.

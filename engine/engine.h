@@ -212,6 +212,15 @@ class Engine {
   // beyond the two that overlap reduction with backward. Without it: one per group used
   // more than twice in the declared schedule, or one when the schedule is recorded.
   virtual Status declare_held_gradients(int count) = 0;
+  // Optional, before start(): the caller writes group `group`'s master weights
+  // (write_state_shard) and calls refresh_parameters() before the group is first gathered
+  // (a checkpoint load), so start() allocates its state and zeroes its optimizer moments
+  // but draws and writes no initial values: a load into NVMe tiers does not first write
+  // random weights it then overwrites. Until the caller's write the group's values are
+  // undefined.
+  virtual Status declare_loaded(int group) = 0;
+  // Groups start() gave initial values (every group but those declared loaded).
+  virtual int initialized_group_count() const = 0;
   // Plans placement, checks it against the machine (device budget, host memory, locked
   // memory, free NVMe space), allocates, and initializes the local shards. Errors name what
   // cannot hold its part, the bytes needed and the settings that would fit.

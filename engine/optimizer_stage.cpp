@@ -250,7 +250,8 @@ Status OptimizerStage::initialize_group(int g, const float* master) {
     case Tier::kDevice: {
       STRATA_ASSIGN_OR_RETURN(s.state_device, ctx_.device->allocate(shard * 16, name + " optimizer state"));
       STRATA_RETURN_IF_ERROR(ctx_.device->memset_async(s.state_device.data(), 0, shard * 16, *ctx_.update_stream));
-      STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(s.state_device.data(), master, shard * 4, CopyKind::kHostToDevice, *ctx_.update_stream));
+      if (master != nullptr)
+        STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(s.state_device.data(), master, shard * 4, CopyKind::kHostToDevice, *ctx_.update_stream));
       return ctx_.update_stream->synchronize();
     }
     case Tier::kNvme: {
@@ -262,7 +263,7 @@ Status OptimizerStage::initialize_group(int g, const float* master) {
       STRATA_ASSIGN_OR_RETURN(s.master, ctx_.arena->allocate(shard * 4, name + " master"));
       STRATA_ASSIGN_OR_RETURN(s.exp_avg, ctx_.arena->allocate(shard * 4, name + " exp_avg"));
       STRATA_ASSIGN_OR_RETURN(s.exp_avg_sq, ctx_.arena->allocate(shard * 4, name + " exp_avg_sq"));
-      std::memcpy(s.master.data(), master, shard * 4);
+      if (master != nullptr) std::memcpy(s.master.data(), master, shard * 4);
       std::memset(s.exp_avg.data(), 0, shard * 4);
       std::memset(s.exp_avg_sq.data(), 0, shard * 4);
       return {};

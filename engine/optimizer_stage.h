@@ -76,6 +76,7 @@ class OptimizerStage {
 
   // Group g's state when no job runs (the engine waits for that): initial values, and
   // one kind at a time for checkpoints.
+  // (master null: only the moments are zeroed; a load writes the master).
   Status initialize_group(int g, const float* master);
   Status read_state(int g, Engine::StateKind kind, std::span<float> out);
   Status write_state(int g, Engine::StateKind kind, std::span<const float> in);

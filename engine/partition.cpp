@@ -56,7 +56,10 @@ void init_shard(const GroupLayout& layout, int rank, uint64_t seed, float* shard
   std::fill(shard, shard + layout.shard_numel, 0.0f);
   for (const auto& tensor : layout.tensors) {
     const size_t lo = std::max(begin, tensor.offset);
-    const size_t hi = std::min(end, tensor.offset + tensor.numel);
+    size_t drawn = tensor.numel;
+    if (tensor.init.rows > 0 && tensor.init.rows < tensor.shape[0])
+      drawn = tensor.numel / static_cast<size_t>(tensor.shape[0]) * static_cast<size_t>(tensor.init.rows);
+    const size_t hi = std::min(end, tensor.offset + drawn);
     for (size_t e = lo; e < hi; ++e) {
       float value = 0.0f;
       switch (tensor.init.kind) {

@@ -22,10 +22,19 @@ struct TensorInit {
   Kind kind = Kind::kNormal;
   float scale = 0.02f;  // kNormal: standard deviation; kUniform: values in [-scale, scale)
   float value = 0.0f;   // kConstant: the value (zeros for biases, ones for LayerNorm gains)
+  // Rows (dimension 0) drawn from the above; the rows after them are zero (a vocabulary
+  // padded to a multiple of 128: its padding rows start and stay zero). 0 = every row.
+  int64_t rows = 0;
 
-  static TensorInit normal(float std) { return {Kind::kNormal, std, 0.0f}; }
-  static TensorInit uniform(float bound) { return {Kind::kUniform, bound, 0.0f}; }
-  static TensorInit constant(float value) { return {Kind::kConstant, 0.0f, value}; }
+  TensorInit with_rows(int64_t drawn_rows) const {
+    TensorInit init = *this;
+    init.rows = drawn_rows;
+    return init;
+  }
+
+  static TensorInit normal(float std) { return {Kind::kNormal, std, 0.0f, 0}; }
+  static TensorInit uniform(float bound) { return {Kind::kUniform, bound, 0.0f, 0}; }
+  static TensorInit constant(float value) { return {Kind::kConstant, 0.0f, value, 0}; }
   static TensorInit zeros() { return constant(0.0f); }
   static TensorInit ones() { return constant(1.0f); }
 };
@@ -77,7 +86,7 @@ StatusOr<GroupLayout> layout_group(const GroupSpec& spec, int id, int world_size
 
 // Writes rank `rank`'s shard of the group's initial fp32 values into `shard`
 // (shard_numel elements): element e of the group gets the value its tensor's init draws
-// for (seed, group id, e); padding and gaps are zero.
+// for (seed, group id, e); padding, gaps and a tensor's rows past TensorInit::rows are zero.
 void init_shard(const GroupLayout& layout, int rank, uint64_t seed, float* shard);
 
 // Writes the weight-decay mask of rank `rank`'s shard: 1 where the element belongs to a

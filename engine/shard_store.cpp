@@ -32,7 +32,7 @@ Status ShardStore::allocate_group(int g, const float* values) {
         break;
       }
     }
-    STRATA_RETURN_IF_ERROR(store_values(g, c, values));
+    if (values != nullptr) STRATA_RETURN_IF_ERROR(store_values(g, c, values));
   }
   return {};
 }

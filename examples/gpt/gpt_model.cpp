@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "examples/lm/model_memory.h"
+#include "examples/lm/vocab_chunks.h"
 #include "kernels/cast.h"
 #include "kernels/transformer_ops.h"
 
@@ -21,8 +22,6 @@ using lm::device_reservation;
 using lm::kCudaBlasWorkspaceBytes;
 using lm::kSubBufferAlignment;
 using lm::round_up;
-
-constexpr size_t kHeadChunkTargetBytes = size_t{32} << 20;
 
 // Block tensor indices, in registration order.
 enum BlockTensor : int {
@@ -99,14 +98,21 @@ std::string describe_gpt_config(const GptConfig& c) {
   return out.str();
 }
 
-std::vector<GroupSpec> gpt_group_specs(const GptConfig& c) {
+lm::VocabChunks gpt_vocab_chunks(const GptConfig& c, size_t chunk_bytes) { return lm::make_vocab_chunks(c.vocab_size, c.n_embd, chunk_bytes); }
+
+GptGroups gpt_groups(const GptConfig& c, size_t vocab_chunk_bytes) { return GptGroups{c.n_layer, gpt_vocab_chunks(c, vocab_chunk_bytes).count}; }
+
+int gpt_group_count(const GptConfig& c, size_t vocab_chunk_bytes) { return gpt_groups(c, vocab_chunk_bytes).count(); }
+
+std::vector<GroupSpec> gpt_group_specs(const GptConfig& c, size_t vocab_chunk_bytes) {
   const int64_t C = c.n_embd;
   const float std_dev = 0.02f;
   const float projection_std = 0.02f / std::sqrt(2.0f * static_cast<float>(c.n_layer));
+  const lm::VocabChunks chunks = gpt_vocab_chunks(c, vocab_chunk_bytes);
   std::vector<GroupSpec> groups;
-  groups.push_back({"wte",
-                    {{"wte.weight", {c.vocab_size, C}, TensorInit::normal(std_dev), false},
-                     {"wpe.weight", {c.n_ctx, C}, TensorInit::normal(std_dev), false}}});
+  for (int64_t k = 0; k < chunks.count; ++k)
+    groups.push_back({"wte." + std::to_string(k), {lm::vocab_chunk_tensor(chunks, k, "weight", C, TensorInit::normal(std_dev))}});
+  groups.push_back({"wpe", {{"wpe.weight", {c.n_ctx, C}, TensorInit::normal(std_dev), false}}});
   for (int64_t l = 0; l < c.n_layer; ++l) {
     GroupSpec block;
     block.name = "h." + std::to_string(l);
@@ -130,25 +136,29 @@ std::vector<GroupSpec> gpt_group_specs(const GptConfig& c) {
   return groups;
 }
 
-std::vector<int> gpt_schedule(const GptConfig& c) {
-  const int layers = static_cast<int>(c.n_layer);
+std::vector<int> gpt_forward_order(const GptConfig& c, size_t vocab_chunk_bytes) {
+  const GptGroups g = gpt_groups(c, vocab_chunk_bytes);
   std::vector<int> uses;
-  uses.push_back(kEmbeddingGroup);
-  for (int l = 0; l < layers; ++l) uses.push_back(block_group(l));
-  uses.push_back(final_norm_group(c));
-  uses.push_back(kEmbeddingGroup);  // the LM head, forward and backward
-  for (int l = layers - 1; l >= 0; --l) uses.push_back(block_group(l));
+  for (int64_t k = 0; k < g.chunks; ++k) uses.push_back(g.wte(k));
+  uses.push_back(g.wpe());
+  for (int64_t l = 0; l < g.layers; ++l) uses.push_back(g.block(l));
+  uses.push_back(g.final_norm());
+  for (int64_t k = 0; k < g.chunks; ++k) uses.push_back(g.wte(k));  // head pass 1: the loss
   return uses;
 }
 
-std::vector<int> gpt_forward_order(const GptConfig& c) {
-  std::vector<int> uses = gpt_schedule(c);
-  uses.resize(static_cast<size_t>(c.n_layer) + 3);
+std::vector<int> gpt_schedule(const GptConfig& c, size_t vocab_chunk_bytes) {
+  const GptGroups g = gpt_groups(c, vocab_chunk_bytes);
+  std::vector<int> uses = gpt_forward_order(c, vocab_chunk_bytes);
+  for (int64_t k = 0; k < g.chunks; ++k) uses.push_back(g.wte(k));  // pass 2: the input gradient
+  for (int64_t l = g.layers - 1; l >= 0; --l) uses.push_back(g.block(l));
+  for (int64_t k = 0; k < g.chunks; ++k) uses.push_back(g.wte(k));  // pass 3: the weight gradient
   return uses;
 }
 
 std::string hf_tensor_name(std::string_view group_name, std::string_view tensor_name) {
   if (group_name.rfind("h.", 0) == 0) return std::string(group_name) + "." + std::string(tensor_name);
+  if (lm::vocab_chunk_of_group(group_name, "wte") >= 0) return "wte.weight";
   return std::string(tensor_name);
 }
 
@@ -168,14 +178,17 @@ struct ActsLayout {
 struct DeviceLayout {
   size_t total = 0;
   std::deque<std::pair<std::string, size_t>> lines;  // a deque: add() keeps pointers to its entries
-  int64_t rows = 0, eval_rows = 0, act_rows = 0, chunk_rows = 0;
-  size_t tokens = 0, targets = 0, eval_tokens = 0, eval_targets = 0;
+  int64_t rows = 0, eval_rows = 0, act_rows = 0;
+  lm::VocabChunks chunks;
+  lm::VocabHeadShape head_shape;
+  lm::VocabHeadPlan head;
+  size_t vocab_head = 0;  // the vocabulary head's sub-buffers
+  size_t positions = 0;   // 0 .. T-1 per sequence: wpe's rows
   std::vector<size_t> resid;        // block inputs (+ the final residual)
   std::vector<ActsLayout> acts;     // per block (kOff; + one for evaluation) or one shared set
-  size_t eval_resid = 0;
+  size_t eval_resid = 0, eval_lnf = 0;
   size_t dresid = 0, grad_wide = 0, grad_narrow = 0;
   size_t lnf_out = 0, lnf_mean = 0, lnf_rstd = 0, lnf_gamma = 0;
-  size_t logits = 0, losses = 0, eval_losses = 0;
   size_t attention_workspace = 0, attention_workspace_bytes = 0;
   size_t param_scratch = 0, param_scratch_bytes = 0;
   size_t pinned_slot_bytes = 0;
@@ -200,9 +213,12 @@ StatusOr<DeviceLayout> make_layout(const GptModelOptions& options, DeviceKind ki
   if (options.batch < 1) return InvalidArgumentError("GPT model: batch must be at least 1 sequence per rank, got " + std::to_string(options.batch));
   if (options.eval_batch < 0) return InvalidArgumentError("GPT model: eval_batch must be >= 0");
   if (options.head_chunk_rows < 0) return InvalidArgumentError("GPT model: head_chunk_rows must be >= 0");
+  if (options.vocab_chunk_bytes < static_cast<size_t>(c.n_embd) * 4)
+    return InvalidArgumentError("GPT model: vocab_chunk_bytes (" + std::to_string(options.vocab_chunk_bytes) + ") is less than one fp32 wte row (" +
+                                std::to_string(c.n_embd * 4) + " bytes)");
   const DType compute = gpt_compute_dtype(param_dtype, kind);
   const size_t cs = dtype_size(compute);
-  const size_t C = static_cast<size_t>(c.n_embd), V = static_cast<size_t>(c.vocab_size);
+  const size_t C = static_cast<size_t>(c.n_embd);
   const size_t L = static_cast<size_t>(c.n_layer), H = static_cast<size_t>(c.n_head);
 
   DeviceLayout d;
@@ -212,21 +228,15 @@ StatusOr<DeviceLayout> make_layout(const GptModelOptions& options, DeviceKind ki
   // activations than training: only its own residual stream.
   d.act_rows = d.rows;
   const size_t rows = static_cast<size_t>(d.rows), erows = static_cast<size_t>(d.eval_rows), arows = static_cast<size_t>(d.act_rows);
-  int64_t chunk = options.head_chunk_rows;
-  if (chunk == 0) chunk = static_cast<int64_t>(std::max<size_t>(1, kHeadChunkTargetBytes / (V * cs)));
-  d.chunk_rows = std::min<int64_t>(chunk, d.act_rows);
+  d.chunks = gpt_vocab_chunks(c, options.vocab_chunk_bytes);
+  d.head_shape = lm::VocabHeadShape{c.n_embd, d.chunks, {d.rows, d.eval_rows}, options.head_chunk_rows, param_dtype, compute};
+  STRATA_ASSIGN_OR_RETURN(d.head, lm::plan_vocab_head(d.head_shape));
 
   auto line = [&](const std::string& what) -> size_t* {
     d.lines.emplace_back(what, 0);
     return &d.lines.back().second;
   };
-  size_t* l_inputs = line("token ids and targets");
-  d.tokens = d.add(rows * 4, l_inputs);
-  d.targets = d.add(rows * 4, l_inputs);
-  if (erows > 0) {
-    d.eval_tokens = d.add(erows * 4, l_inputs);
-    d.eval_targets = d.add(erows * 4, l_inputs);
-  }
+  d.positions = d.add(std::max(rows, erows) * 4, line("position ids"));
   const bool pinned = options.checkpointing == ActivationCheckpointing::kPinnedHost;
   const size_t resid_slots = pinned ? 2 : L + 1;
   size_t* l_resid = line(pinned ? "residual stream (2 buffers; block inputs in pinned memory)"
@@ -258,36 +268,43 @@ StatusOr<DeviceLayout> make_layout(const GptModelOptions& options, DeviceKind ki
     a.gelu = d.add(r * 4 * C * cs, l_acts);
     d.acts.push_back(a);
   }
-  if (erows > 0) d.eval_resid = d.add(erows * C * cs, line("evaluation residual stream"));
+  if (erows > 0) {
+    size_t* l_eval = line("evaluation residual stream and its ln_f");
+    d.eval_resid = d.add(erows * C * cs, l_eval);
+    d.eval_lnf = d.add(erows * C * cs, l_eval);
+  }
   size_t* l_grads = line("activation gradients");
   d.dresid = d.add(rows * C * cs, l_grads);
   d.grad_wide = d.add(rows * 4 * C * cs, l_grads);
   d.grad_narrow = d.add(rows * C * cs, l_grads);
-  size_t* l_head = line("ln_f and LM head (" + std::to_string(d.chunk_rows) + "-row logits chunks)");
-  d.lnf_out = d.add(rows * C * cs, l_head);
-  d.lnf_mean = d.add(rows * 4, l_head);
-  d.lnf_rstd = d.add(rows * 4, l_head);
-  d.lnf_gamma = d.add(2 * C * cs, l_head);
-  d.logits = d.add(static_cast<size_t>(d.chunk_rows) * V * cs, l_head);
-  d.losses = d.add(rows * 4, l_head);
-  if (erows > 0) d.eval_losses = d.add(erows * 4, l_head);
+  size_t* l_lnf = line("ln_f");
+  d.lnf_out = d.add(rows * C * cs, l_lnf);
+  d.lnf_mean = d.add(rows * 4, l_lnf);
+  d.lnf_rstd = d.add(rows * 4, l_lnf);
+  d.lnf_gamma = d.add(2 * C * cs, l_lnf);
+  {
+    size_t counted_by_lines = 0;  // the head's own lines say what its bytes hold
+    d.vocab_head = d.add(d.head.bytes, &counted_by_lines);
+    for (const auto& [what, bytes] : d.head.lines) d.lines.emplace_back(what, bytes);
+  }
   {
     kernels::AttentionShape train{static_cast<size_t>(options.batch), T_size, H, C / H};
     d.attention_workspace_bytes = kernels::attention_workspace_bytes(train, compute, kind);
     if (d.attention_workspace_bytes > 0)
       d.attention_workspace = d.add(d.attention_workspace_bytes, line("attention workspace"));
   }
+  // One slot: a wte chunk with a zero row (the embedding's table, or the head's weight cast
+  // to the compute dtype) and, for parameters in another dtype, a gathered group cast to it.
+  d.param_scratch_bytes = d.head.slot_bytes;
   if (param_dtype != compute) {
-    size_t max_numel = 0;
-    for (const auto& spec : gpt_group_specs(c)) {
+    for (const auto& spec : gpt_group_specs(c, options.vocab_chunk_bytes)) {
       STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, 1));
-      max_numel = std::max(max_numel, layout.numel);
+      d.param_scratch_bytes = std::max(d.param_scratch_bytes, layout.numel * cs);
     }
-    d.param_scratch_bytes = max_numel * cs;
-    d.param_scratch = d.add(d.param_scratch_bytes,
-                            line(std::string(dtype_name(compute)) + " copy of the gathered group (parameters are " +
-                                 std::string(dtype_name(param_dtype)) + ")"));
   }
+  d.param_scratch = d.add(d.param_scratch_bytes, line(param_dtype != compute ? "one slot: a wte chunk + a zero row, or a gathered group cast to " +
+                                                                                   std::string(dtype_name(compute))
+                                                                             : "one slot: a wte chunk + a zero row"));
   return d;
 }
 
@@ -304,7 +321,8 @@ StatusOr<GptActivationPlan> plan_gpt_activations(const GptModelOptions& options,
   STRATA_ASSIGN_OR_RETURN(DeviceLayout layout, make_layout(options, device));
   GptActivationPlan plan;
   plan.compute_dtype = gpt_compute_dtype(options.param_dtype, device);
-  plan.head_chunk_rows = layout.chunk_rows;
+  plan.head_chunk_rows = layout.head.head_rows;
+  plan.chunks = layout.chunks;
   plan.lines.assign(layout.lines.begin(), layout.lines.end());
   plan.device_bytes = device_reservation(layout.total, device);
   if (device == DeviceKind::kCuda) {
@@ -332,8 +350,6 @@ struct GptModel::Buffers {
   std::unique_ptr<Stream> copy_stream;
   std::unique_ptr<Event> input_ready, slot_free;
   std::unique_ptr<Event> saved[2], restored[2];
-  std::vector<int32_t> host_tokens, host_targets, host_eval_tokens, host_eval_targets;
-  std::vector<float> host_losses, host_eval_losses;
 
   void* at(size_t offset) const { return static_cast<char*>(arena.data()) + offset; }
   BlockActs acts(size_t set) const {
@@ -344,7 +360,8 @@ struct GptModel::Buffers {
   }
 };
 
-GptModel::GptModel(Engine& engine, const GptModelOptions& options) : engine_(engine), options_(options) {}
+GptModel::GptModel(Engine& engine, const GptModelOptions& options)
+    : engine_(engine), options_(options), groups_(gpt_groups(options.config, options.vocab_chunk_bytes)) {}
 
 GptModel::~GptModel() {
   // Buffers must not be freed while the streams still use them; an error here was
@@ -359,14 +376,16 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::create(Engine& engine, const GptMo
   // Validates the shapes now (allocate() plans for the engine's device).
   STRATA_RETURN_IF_ERROR(make_layout(resolved, DeviceKind::kCpu).status());
   std::unique_ptr<GptModel> model(new GptModel(engine, resolved));
-  const auto specs = gpt_group_specs(resolved.config);
+  const auto specs = gpt_group_specs(resolved.config, resolved.vocab_chunk_bytes);
   for (size_t g = 0; g < specs.size(); ++g) {
     STRATA_ASSIGN_OR_RETURN(int id, engine.register_group(specs[g]));
     if (id != static_cast<int>(g))
       return FailedPreconditionError("GPT model: the engine gave group " + specs[g].name + " id " + std::to_string(id) + ", expected " +
                                      std::to_string(g) + " (register the model's groups first)");
   }
-  STRATA_RETURN_IF_ERROR(engine.declare_schedule(gpt_schedule(resolved.config)));
+  // The schedule is recorded on the first step (see the header); no gradient waits between
+  // uses of its group, so the engine needs only its two overlapping gradient slots.
+  STRATA_RETURN_IF_ERROR(engine.declare_held_gradients(0));
   return model;
 }
 
@@ -378,6 +397,8 @@ Status GptModel::allocate() {
   STRATA_ASSIGN_OR_RETURN(buffers->layout, make_layout(options_, device.kind()));
   kernels::BlasOptions blas_options;
   blas_options.cuda_workspace_bytes = kCudaBlasWorkspaceBytes;
+  // IEEE fp32 products: the vocabulary head's transpose by an identity is exact only with them (TF32 would round the log-sum-exps).
+  blas_options.fp32_math = kernels::Fp32Math::kExact;
   STRATA_ASSIGN_OR_RETURN(kernels::BlasContext blas, kernels::BlasContext::create(device, blas_options));
   blas_ = std::make_unique<kernels::BlasContext>(std::move(blas));
   STRATA_ASSIGN_OR_RETURN(buffers->arena, device.allocate(buffers->layout.total, "GPT activations"));
@@ -400,12 +421,13 @@ Status GptModel::allocate() {
       STRATA_ASSIGN_OR_RETURN(buffers->restored[i], device.create_event());
     }
   }
-  buffers->host_tokens.resize(static_cast<size_t>(d.rows));
-  buffers->host_targets.resize(static_cast<size_t>(d.rows));
-  buffers->host_losses.resize(static_cast<size_t>(d.rows));
-  buffers->host_eval_tokens.resize(static_cast<size_t>(d.eval_rows));
-  buffers->host_eval_targets.resize(static_cast<size_t>(d.eval_rows));
-  buffers->host_eval_losses.resize(static_cast<size_t>(d.eval_rows));
+  STRATA_ASSIGN_OR_RETURN(vocab_, lm::VocabHead::create(engine_, *blas_, d.head_shape, buffers->at(d.vocab_head), buffers->at(d.param_scratch)));
+  // wpe's rows: each token's place in its sequence.
+  const size_t position_rows = static_cast<size_t>(std::max(d.rows, d.eval_rows)), T = static_cast<size_t>(options_.seq_len);
+  std::vector<int32_t> positions(position_rows);
+  for (size_t r = 0; r < position_rows; ++r) positions[r] = static_cast<int32_t>(r % T);
+  STRATA_RETURN_IF_ERROR(device.copy_async(buffers->at(d.positions), positions.data(), position_rows * 4, CopyKind::kHostToDevice, engine_.compute_stream()));
+  STRATA_RETURN_IF_ERROR(engine_.compute_stream().synchronize());
   buffers_ = std::move(buffers);
   return {};
 }
@@ -506,41 +528,90 @@ Status GptModel::block_backward(const std::vector<const void*>& p, const std::ve
                                      add_dx);
 }
 
-Status GptModel::head(const std::vector<const void*>& wte_params, float* dwte, const void* x_final, int64_t sequences,
-                      const int32_t* targets, float grad_scale, bool backward, void* dx, float* losses) {
+// x_0 = wte's rows, chunk by chunk (lm::VocabHead::embed_chunk), plus wpe's rows (a
+// lookup with the positions as tokens, added: the sum GPT-2's fused lookup makes, bit for
+// bit). The evaluation pass (lm::VocabHead pass 1) builds its x_0 in eval_resid through
+// eval_lnf, the training pass (pass 0) in resid[0] through grad_narrow.
+Status GptModel::embed_forward(int64_t train_sequences, int64_t eval_sequences) {
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
   Stream& stream = engine_.compute_stream();
-  const DType dt = plan_.compute_dtype;
-  const size_t cs = dtype_size(dt);
-  const size_t C = static_cast<size_t>(options_.config.n_embd);
-  const size_t V = static_cast<size_t>(options_.config.vocab_size);
-  const size_t rows = static_cast<size_t>(sequences * options_.seq_len);
+  const GptConfig& c = options_.config;
+  const size_t C = static_cast<size_t>(c.n_embd), T = static_cast<size_t>(options_.seq_len);
+  struct PassTarget {
+    int pass;
+    int64_t sequences;
+    void* x0;
+    void* scratch;
+  };
+  const PassTarget targets[] = {{1, eval_sequences, eval_sequences > 0 ? b.at(d.eval_resid) : nullptr, eval_sequences > 0 ? b.at(d.eval_lnf) : nullptr},
+                                {0, train_sequences, b.at(d.resid[0]), b.at(d.grad_narrow)}};
+  for (int64_t k = 0; k < groups_.chunks; ++k) {
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(groups_.wte(k)));
+    for (const PassTarget& t : targets)
+      if (t.sequences > 0) STRATA_RETURN_IF_ERROR(vocab_->embed_chunk(t.pass, k, view, t.x0, t.scratch));
+    STRATA_RETURN_IF_ERROR(engine_.release(groups_.wte(k)));
+  }
+  const int wpe = groups_.wpe();
+  STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(wpe));
+  STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(wpe, view));
+  for (const PassTarget& t : targets) {
+    if (t.sequences <= 0) continue;
+    const kernels::EmbeddingShape shape{static_cast<size_t>(t.sequences), T, C, static_cast<size_t>(c.n_ctx), 0};
+    STRATA_RETURN_IF_ERROR(kernels::embedding_forward(stream, shape, plan_.compute_dtype, static_cast<const int32_t*>(b.at(d.positions)), p[0],
+                                                      nullptr, t.scratch));
+    STRATA_RETURN_IF_ERROR(kernels::residual_forward(stream, plan_.compute_dtype, t.x0, t.scratch, t.x0, static_cast<size_t>(t.sequences) * T * C));
+  }
+  return engine_.release(wpe);
+}
+
+// The tied head: pass 1 over every chunk for both passes (eval_lnf, lnf_out), the full
+// log-sum-exps, then (training) pass 2 for the input gradient into grad_narrow.
+Status GptModel::head_forward(int64_t train_sequences, int64_t eval_sequences) {
   const DeviceLayout& d = buffers_->layout;
-  void* logits = buffers_->at(d.logits);
-  const size_t chunk = static_cast<size_t>(d.chunk_rows);
-  const kernels::GradOptions head_grads{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
-  for (size_t r0 = 0; r0 < rows; r0 += chunk) {
-    const size_t n = std::min(chunk, rows - r0);
-    const void* x = static_cast<const char*>(x_final) + r0 * C * cs;
-    const kernels::MatmulShape shape{n, C, V, kernels::WeightLayout::kOutIn};
-    STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, shape, dt, x, wte_params[0], nullptr, logits));
-    const kernels::CrossEntropyShape ce{n, V, -1};
-    if (!backward) {
-      STRATA_RETURN_IF_ERROR(kernels::cross_entropy_forward(stream, ce, dt, logits, targets + r0, losses + r0, nullptr, nullptr));
-      continue;
-    }
-    STRATA_RETURN_IF_ERROR(kernels::cross_entropy_fused(stream, ce, dt, logits, targets + r0, grad_scale, losses + r0, nullptr, logits));
-    STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, shape, dt, logits, x, wte_params[0],
-                                                    static_cast<char*>(dx) + r0 * C * cs, dwte, nullptr, head_grads));
+  for (int64_t k = 0; k < groups_.chunks; ++k) {
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(groups_.wte(k)));
+    if (eval_sequences > 0) STRATA_RETURN_IF_ERROR(vocab_->head_loss_chunk(1, k, view, buffers_->at(d.eval_lnf)));
+    if (train_sequences > 0) STRATA_RETURN_IF_ERROR(vocab_->head_loss_chunk(0, k, view, buffers_->at(d.lnf_out)));
+    STRATA_RETURN_IF_ERROR(engine_.release(groups_.wte(k)));
+  }
+  if (eval_sequences > 0) STRATA_RETURN_IF_ERROR(vocab_->head_combine(1));
+  if (train_sequences <= 0) return {};
+  STRATA_RETURN_IF_ERROR(vocab_->head_combine(0));
+  for (int64_t k = 0; k < groups_.chunks; ++k) {
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(groups_.wte(k)));
+    STRATA_RETURN_IF_ERROR(vocab_->head_backward_chunk(k, view, buffers_->at(d.lnf_out), nullptr, buffers_->at(d.grad_narrow)));
+    STRATA_RETURN_IF_ERROR(engine_.release(groups_.wte(k)));
   }
   return {};
 }
 
-Status GptModel::embed(const std::vector<const void*>& wte_params, const void* device_tokens, void* out, int64_t sequences) {
-  const kernels::EmbeddingShape shape{static_cast<size_t>(sequences), static_cast<size_t>(options_.seq_len),
-                                      static_cast<size_t>(options_.config.n_embd), static_cast<size_t>(options_.config.vocab_size),
-                                      static_cast<size_t>(options_.config.n_ctx)};
-  return kernels::embedding_forward(engine_.compute_stream(), shape, plan_.compute_dtype, static_cast<const int32_t*>(device_tokens),
-                                    wte_params[0], wte_params[1], out);
+// dresid is d loss / d x_0: each wte chunk's gradient is the head's (pass 3, gathered
+// again) plus the embedding's; wpe's is the lookup's with the positions as tokens.
+Status GptModel::embed_backward() {
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
+  for (int64_t k = 0; k < groups_.chunks; ++k) {
+    const int g = groups_.wte(k);
+    STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
+    float* dweight = static_cast<float*>(grads.tensors[0]);
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
+    STRATA_RETURN_IF_ERROR(vocab_->head_backward_chunk(k, view, b.at(d.lnf_out), dweight, nullptr));
+    STRATA_RETURN_IF_ERROR(engine_.release(g));
+    STRATA_RETURN_IF_ERROR(vocab_->embed_backward(k, b.at(d.dresid), dweight));
+    STRATA_RETURN_IF_ERROR(capture(g, grads));
+    STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
+  }
+  const int wpe = groups_.wpe();
+  STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(wpe));
+  const GptConfig& c = options_.config;
+  const kernels::EmbeddingShape shape{static_cast<size_t>(options_.batch), static_cast<size_t>(options_.seq_len), static_cast<size_t>(c.n_embd),
+                                      static_cast<size_t>(c.n_ctx), 0};
+  STRATA_RETURN_IF_ERROR(kernels::embedding_backward(engine_.compute_stream(), shape, plan_.compute_dtype, static_cast<const int32_t*>(b.at(d.positions)),
+                                                     b.at(d.dresid), static_cast<float*>(grads.tensors[0]), nullptr,
+                                                     kernels::GradWrite::kAccumulate));
+  STRATA_RETURN_IF_ERROR(capture(wpe, grads));
+  return engine_.grads_ready(wpe);
 }
 
 namespace {
@@ -589,22 +660,14 @@ StatusOr<MicroBatchLosses> GptModel::run_micro_batch(const TokenBatch* train, co
   STRATA_RETURN_IF_ERROR(check_default_positions(train, T));
   STRATA_RETURN_IF_ERROR(check_default_positions(eval, T));
 
-  // Inputs: copied to the model's own host staging first, so the caller's memory is free
-  // at once and the asynchronous copies read memory that outlives them.
+  // Inputs: checked and staged per vocabulary chunk by the vocabulary head (pass 0:
+  // training, pass 1: evaluation), from its own host staging.
   MicroBatchLosses result;
   if (train) {
-    std::copy(train->inputs, train->inputs + rows, b.host_tokens.begin());
-    std::copy(train->targets, train->targets + rows, b.host_targets.begin());
-    for (size_t i = 0; i < rows; ++i) result.train_tokens += b.host_targets[i] != -1;
-    STRATA_RETURN_IF_ERROR(device.copy_async(b.at(d.tokens), b.host_tokens.data(), rows * 4, CopyKind::kHostToDevice, stream));
-    STRATA_RETURN_IF_ERROR(device.copy_async(b.at(d.targets), b.host_targets.data(), rows * 4, CopyKind::kHostToDevice, stream));
+    STRATA_ASSIGN_OR_RETURN(result.train_tokens, vocab_->stage(0, *train, options_.seq_len, grad_scale, "GPT"));
   }
   if (eval) {
-    std::copy(eval->inputs, eval->inputs + erows, b.host_eval_tokens.begin());
-    std::copy(eval->targets, eval->targets + erows, b.host_eval_targets.begin());
-    for (size_t i = 0; i < erows; ++i) result.eval_tokens += b.host_eval_targets[i] != -1;
-    STRATA_RETURN_IF_ERROR(device.copy_async(b.at(d.eval_tokens), b.host_eval_tokens.data(), erows * 4, CopyKind::kHostToDevice, stream));
-    STRATA_RETURN_IF_ERROR(device.copy_async(b.at(d.eval_targets), b.host_eval_targets.data(), erows * 4, CopyKind::kHostToDevice, stream));
+    STRATA_ASSIGN_OR_RETURN(result.eval_tokens, vocab_->stage(1, *eval, options_.seq_len, 0.0f, "GPT"));
   }
 
   // Where block l's input lives during forward.
@@ -623,16 +686,11 @@ StatusOr<MicroBatchLosses> GptModel::run_micro_batch(const TokenBatch* train, co
   auto eval_rows_at = [&](int64_t sequence) { return static_cast<char*>(eval_x) + static_cast<size_t>(sequence) * T * C * cs; };
 
   // ---- Forward.
-  {
-    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(kEmbeddingGroup));
-    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(kEmbeddingGroup, view));
-    if (eval) STRATA_RETURN_IF_ERROR(embed(p, b.at(d.eval_tokens), eval_x, eval_sequences));
-    if (train) STRATA_RETURN_IF_ERROR(embed(p, b.at(d.tokens), resid(0), options_.batch));
-    STRATA_RETURN_IF_ERROR(engine_.release(kEmbeddingGroup));
-  }
+  const int64_t train_sequences = train ? options_.batch : 0;
+  STRATA_RETURN_IF_ERROR(embed_forward(train_sequences, eval_sequences));
   for (int l = 0; l < L; ++l) {
-    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(block_group(l)));
-    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(block_group(l), view));
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(groups_.block(l)));
+    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(groups_.block(l), view));
     STRATA_RETURN_IF_ERROR(for_eval_chunks([&](int64_t first, int64_t count) {
       return block_forward(p, eval_rows_at(first), eval_rows_at(first), eval_acts, count);
     }));
@@ -651,9 +709,9 @@ StatusOr<MicroBatchLosses> GptModel::run_micro_batch(const TokenBatch* train, co
       }
       STRATA_RETURN_IF_ERROR(block_forward(p, resid(l), resid(l + 1), train_acts(l), options_.batch));
     }
-    STRATA_RETURN_IF_ERROR(engine_.release(block_group(l)));
+    STRATA_RETURN_IF_ERROR(engine_.release(groups_.block(l)));
   }
-  const int lnf = final_norm_group(c);
+  const int lnf = groups_.final_norm();
   void* final_resid = resid(L);
   const kernels::LayerNormShape lnf_train{rows, C, 1e-5f};
   {
@@ -663,34 +721,15 @@ StatusOr<MicroBatchLosses> GptModel::run_micro_batch(const TokenBatch* train, co
       STRATA_RETURN_IF_ERROR(kernels::layernorm_forward(stream, lnf_train, dt, final_resid, p[0], p[1], b.at(d.lnf_out),
                                                         static_cast<float*>(b.at(d.lnf_mean)), static_cast<float*>(b.at(d.lnf_rstd))));
     }
-    // ln_f's backward (and the evaluation's ln_f, chunk by chunk in the head) run without
-    // gathering the group again: keep its gain and shift.
+    if (eval)
+      STRATA_RETURN_IF_ERROR(kernels::layernorm_forward(stream, {erows, C, 1e-5f}, dt, eval_x, p[0], p[1], b.at(d.eval_lnf), nullptr, nullptr));
+    // ln_f's backward runs without gathering the group again: keep its gain and shift.
     STRATA_RETURN_IF_ERROR(device.copy_async(b.at(d.lnf_gamma), p[0], C * cs, CopyKind::kDeviceToDevice, stream));
     STRATA_RETURN_IF_ERROR(device.copy_async(static_cast<char*>(b.at(d.lnf_gamma)) + C * cs, p[1], C * cs, CopyKind::kDeviceToDevice, stream));
     STRATA_RETURN_IF_ERROR(engine_.release(lnf));
   }
-  GroupView d_wte;
-  {
-    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(kEmbeddingGroup));
-    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(kEmbeddingGroup, view));
-    STRATA_RETURN_IF_ERROR(for_eval_chunks([&](int64_t first, int64_t count) -> Status {
-      const size_t first_row = static_cast<size_t>(first) * T;
-      const void* gamma = b.at(d.lnf_gamma);
-      const void* beta = static_cast<const char*>(gamma) + C * cs;
-      STRATA_RETURN_IF_ERROR(kernels::layernorm_forward(stream, {static_cast<size_t>(count) * T, C, 1e-5f}, dt, eval_rows_at(first), gamma,
-                                                        beta, eval_acts.ln1, nullptr, nullptr));
-      return head(p, nullptr, eval_acts.ln1, count, static_cast<const int32_t*>(b.at(d.eval_targets)) + first_row, 0.0f,
-                  /*backward=*/false, nullptr, static_cast<float*>(b.at(d.eval_losses)) + first_row);
-    }));
-    if (train) {
-      STRATA_ASSIGN_OR_RETURN(d_wte, engine_.gradient_buffer(kEmbeddingGroup));
-      // The head's input gradient goes to grad_narrow, ln_f's backward reads it from there.
-      STRATA_RETURN_IF_ERROR(head(p, static_cast<float*>(d_wte.tensors[0]), b.at(d.lnf_out), options_.batch,
-                                  static_cast<const int32_t*>(b.at(d.targets)), grad_scale, /*backward=*/true, b.at(d.grad_narrow),
-                                  static_cast<float*>(b.at(d.losses))));
-    }
-    STRATA_RETURN_IF_ERROR(engine_.release(kEmbeddingGroup));
-  }
+  // The head's input gradient goes to grad_narrow, ln_f's backward reads it from there.
+  STRATA_RETURN_IF_ERROR(head_forward(train_sequences, eval_sequences));
 
   // ---- Backward.
   if (train) {
@@ -716,7 +755,7 @@ StatusOr<MicroBatchLosses> GptModel::run_micro_batch(const TokenBatch* train, co
     };
     STRATA_RETURN_IF_ERROR(restore_ahead(L));
     for (int l = L - 1; l >= 0; --l) {
-      const int g = block_group(l);
+      const int g = groups_.block(l);
       STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
       STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
       STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
@@ -731,28 +770,18 @@ StatusOr<MicroBatchLosses> GptModel::run_micro_batch(const TokenBatch* train, co
       STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
       STRATA_RETURN_IF_ERROR(restore_ahead(l));
     }
-    {
-      const kernels::EmbeddingShape shape{static_cast<size_t>(options_.batch), T, C, static_cast<size_t>(c.vocab_size),
-                                          static_cast<size_t>(c.n_ctx)};
-      STRATA_RETURN_IF_ERROR(kernels::embedding_backward(stream, shape, dt, static_cast<const int32_t*>(b.at(d.tokens)), b.at(d.dresid),
-                                                         static_cast<float*>(d_wte.tensors[0]), static_cast<float*>(d_wte.tensors[1]),
-                                                         kernels::GradWrite::kAccumulate));
-      STRATA_RETURN_IF_ERROR(capture(kEmbeddingGroup, d_wte));
-      STRATA_RETURN_IF_ERROR(engine_.grads_ready(kEmbeddingGroup));
-    }
+    STRATA_RETURN_IF_ERROR(embed_backward());
   }
 
-  // ---- Losses.
-  if (train)
-    STRATA_RETURN_IF_ERROR(device.copy_async(b.host_losses.data(), b.at(d.losses), rows * 4, CopyKind::kDeviceToHost, stream));
-  if (eval)
-    STRATA_RETURN_IF_ERROR(device.copy_async(b.host_eval_losses.data(), b.at(d.eval_losses), erows * 4, CopyKind::kDeviceToHost, stream));
+  // ---- Losses (the vocabulary head's; each read waits for the compute).
+  if (train) {
+    STRATA_ASSIGN_OR_RETURN(result.train_loss_sum, vocab_->loss_sum(0));
+  }
+  if (eval) {
+    STRATA_ASSIGN_OR_RETURN(result.eval_loss_sum, vocab_->loss_sum(1));
+  }
   STRATA_RETURN_IF_ERROR(stream.synchronize());
   if (copies) STRATA_RETURN_IF_ERROR(copies->synchronize());
-  if (train)
-    for (size_t i = 0; i < rows; ++i) result.train_loss_sum += b.host_losses[i];
-  if (eval)
-    for (size_t i = 0; i < erows; ++i) result.eval_loss_sum += b.host_eval_losses[i];
   return result;
 }
 

@@ -1,17 +1,25 @@
 // A GPT-2-architecture language model on the engine.
 //
-//   x_0    = wte[tokens] + wpe[positions]                       group 0  "wte"   (wte.weight, wpe.weight)
-//   x_l+1  = block_l(x_l), l = 0 .. n_layer-1                    group 1+l "h.<l>"
+//   x_0    = wte[tokens] + wpe[positions]     groups "wte.<k>" (vocabulary chunks of wte.weight), "wpe" (wpe.weight)
+//   x_l+1  = block_l(x_l), l = 0 .. n_layer-1  group "h.<l>"
 //            a = x + attn.c_proj(attention(attn.c_attn(ln_1(x))))
 //            y = a + mlp.c_proj(gelu(mlp.c_fc(ln_2(a))))
-//   logits = ln_f(x_L) . wte^T                                   group L+1 "ln_f"; the head is wte again (tied)
+//   logits = ln_f(x_L) . wte^T                 group "ln_f"; the head is wte's chunks again (tied)
 //   loss   = mean cross-entropy(logits, targets)
 //
 // Tensors carry Hugging Face's GPT-2 names and layouts: Conv1D weights are stored
 // [in, out] (WeightLayout::kInOut), wte [vocab, n_embd], wpe [n_ctx, n_embd]. The full
-// Hugging Face name of a tensor is "<group>.<tensor>" for blocks ("h.3.attn.c_attn.weight")
-// and the tensor's own name for the other groups ("wte.weight", "ln_f.bias"); see
-// hf_tensor_name().
+// Hugging Face name of a tensor is "<group>.<tensor>" for blocks ("h.3.attn.c_attn.weight"),
+// "wte.weight" for the rows a chunk group "wte.<k>" holds, and the tensor's own name for
+// the other groups ("wpe.weight", "ln_f.bias"); see hf_tensor_name() and gpt2_name_map().
+//
+// wte is split into groups of whole vocabulary rows, so no gather slot, gradient buffer
+// or scratch is vocabulary-sized (GPT-2 XL's 50257 x 1600 wte was one 307 MiB group, the
+// device floor's largest part), and padded inside the model to a multiple of 128 rows
+// (50257 -> 50304) with zero rows that no load, export or softmax sees: the embedding and
+// the tied head are lm::VocabHead's (examples/lm/vocab_chunks.h), shared with the Llama
+// family. wpe is added by a second embedding lookup (positions as tokens), bit for bit
+// the sum GPT-2's fused lookup makes.
 //
 // Initialization (GPT-2's): every weight matrix and both embeddings N(0, 0.02), the two
 // residual projections (attn.c_proj.weight, mlp.c_proj.weight) N(0, 0.02 / sqrt(2 n_layer)),
@@ -19,13 +27,17 @@
 // matrices of each block only; biases, LayerNorm parameters and the embeddings (wte is
 // also the output layer) are excluded, as GPT-2 recipes and DeepSpeed examples usually do.
 //
-// One micro-batch uses the groups in this order (declared to the engine):
-//   forward  0, 1, ..., L, L+1, 0        (the last 0 is the LM head: forward and backward in one use)
-//   backward L, L-1, ..., 1
+// One micro-batch uses the groups in this order (recorded by the engine on the first step:
+// a declared schedule with four uses of each wte chunk would make it plan a gradient
+// buffer per chunk):
+//   forward   wte 0..E-1, wpe, h.0 .. h.L-1, ln_f, wte 0..E-1 (head pass 1: the loss),
+//             wte 0..E-1 (head pass 2: the input gradient)
+//   backward  h.L-1 .. h.0, wte 0..E-1 (pass 3: the head's weight gradient plus the
+//             embedding's, then grads_ready), wpe's gradient (no gather).
 // ln_f's backward reuses a device copy of its gain taken in the forward, and the
-// embedding backward needs no parameters, so neither gathers again: each block and wte
-// are gathered twice per micro-batch, ln_f once. wte's gradient buffer is held from the
-// head to the embedding backward, where grads_ready(0) is called.
+// embeddings' backward needs no parameters. No gradient is held between uses
+// (Engine::declare_held_gradients(0)). An evaluation batch rides along the training
+// forward through the same gathers.
 //
 // Activations. With activation checkpointing (the default) only each block's input is
 // kept through the forward; backward recomputes the block from it. The inputs live on
@@ -36,7 +48,8 @@
 // plan_gpt_activations() computes from the shapes; declare it to the engine through
 // EngineOptions::activation_bytes.
 //
-// The LM head runs over row chunks so the logits never exceed head_chunk_rows x vocab.
+// The LM head runs over blocks of head_chunk_rows token rows, so the logits never exceed
+// head_chunk_rows x one vocabulary chunk.
 //
 // Compute dtype: fp32, or bf16 on a CudaDevice when the parameters are bf16. Parameters
 // stored in another dtype (bf16 on the CPU device, fp16) are cast into fp32 scratch
@@ -55,6 +68,7 @@
 #include "engine/core/dtype.h"
 #include "engine/engine.h"
 #include "examples/lm/causal_lm.h"
+#include "examples/lm/vocab_chunks.h"
 #include "kernels/blas_context.h"
 #include "offload/pinned_arena.h"
 
@@ -81,18 +95,33 @@ Status validate_gpt_config(const GptConfig& config);
 int64_t gpt_parameter_count(const GptConfig& config);
 std::string describe_gpt_config(const GptConfig& config);  // "12 layers, 12 heads, 768 wide, ... (124.4M parameters)"
 
-// Group ids.
-constexpr int kEmbeddingGroup = 0;
-inline int block_group(int layer) { return 1 + layer; }
-inline int final_norm_group(const GptConfig& config) { return 1 + static_cast<int>(config.n_layer); }
-inline int gpt_group_count(const GptConfig& config) { return 2 + static_cast<int>(config.n_layer); }
+// fp32 bytes of a wte chunk by default: smaller than the Llama family's, because a chunk's
+// slot and its gradient scratch are activations (2 x 16 MiB, not 2 x 64 MiB) and GPT-2's
+// blocks (GPT-2 XL's 117 MiB) are already the largest groups.
+inline constexpr size_t kGptVocabChunkBytes = size_t{16} << 20;
 
-// The groups, in registration order (ids as above), and one micro-batch's group uses.
-std::vector<GroupSpec> gpt_group_specs(const GptConfig& config);
-std::vector<int> gpt_schedule(const GptConfig& config);
-// The gathers of an evaluation-only pass (the schedule's forward half: embedding, blocks,
-// ln_f, the tied LM head), for engine.begin_forward().
-std::vector<int> gpt_forward_order(const GptConfig& config);
+// wte's vocabulary chunks: as many rows as fit `chunk_bytes` of fp32 (lm::make_vocab_chunks).
+lm::VocabChunks gpt_vocab_chunks(const GptConfig& config, size_t chunk_bytes = kGptVocabChunkBytes);
+
+// Group ids, with E = chunks.count chunks of wte.
+struct GptGroups {
+  int64_t layers = 0;
+  int64_t chunks = 0;
+  int wte(int64_t chunk) const { return static_cast<int>(chunk); }
+  int wpe() const { return static_cast<int>(chunks); }
+  int block(int64_t layer) const { return static_cast<int>(chunks + 1 + layer); }
+  int final_norm() const { return static_cast<int>(chunks + 1 + layers); }
+  int count() const { return static_cast<int>(chunks + 2 + layers); }
+};
+GptGroups gpt_groups(const GptConfig& config, size_t vocab_chunk_bytes = kGptVocabChunkBytes);
+int gpt_group_count(const GptConfig& config, size_t vocab_chunk_bytes = kGptVocabChunkBytes);
+
+// The groups, in registration order (ids as above), one micro-batch's group uses, and the
+// gathers of an evaluation-only pass (embedding, blocks, ln_f, the tied head's pass 1),
+// for engine.begin_forward().
+std::vector<GroupSpec> gpt_group_specs(const GptConfig& config, size_t vocab_chunk_bytes = kGptVocabChunkBytes);
+std::vector<int> gpt_schedule(const GptConfig& config, size_t vocab_chunk_bytes = kGptVocabChunkBytes);
+std::vector<int> gpt_forward_order(const GptConfig& config, size_t vocab_chunk_bytes = kGptVocabChunkBytes);
 
 // Hugging Face's name for tensor `tensor` of group `group` ("h.0.ln_1.weight", "wte.weight").
 std::string hf_tensor_name(const GroupLayout& group, const TensorLayout& tensor);
@@ -111,7 +140,8 @@ struct GptModelOptions {
   int64_t seq_len = 0;      // tokens per sequence (<= n_ctx); 0 = n_ctx
   int64_t eval_batch = 0;   // sequences per evaluation pass on this rank (0 = no evaluation)
   ActivationCheckpointing checkpointing = ActivationCheckpointing::kDevice;
-  int64_t head_chunk_rows = 0;  // rows per LM-head chunk; 0 = as many as keep the logits under 32 MiB
+  int64_t head_chunk_rows = 0;  // token rows per LM-head block; 0 = as many as keep the logits under 32 MiB
+  size_t vocab_chunk_bytes = kGptVocabChunkBytes;  // fp32 bytes per wte chunk group
   // Tests: copy every group's full fp32 gradient buffer to the host before grads_ready()
   // (see captured_gradients()). Synchronizes the compute stream per group.
   bool capture_gradients = false;
@@ -124,6 +154,7 @@ struct GptActivationPlan {
   size_t pinned_bytes = 0;   // block inputs in pinned host memory (kPinnedHost)
   DType compute_dtype = DType::kFloat32;
   int64_t head_chunk_rows = 0;
+  lm::VocabChunks chunks;
   std::vector<std::pair<std::string, size_t>> lines;  // what the device bytes hold, for the log
   std::string text() const;
 };
@@ -146,6 +177,7 @@ class GptModel : public lm::CausalLm {
 
   const GptModelOptions& options() const { return options_; }
   const GptActivationPlan& activation_plan() const { return plan_; }
+  const GptGroups& groups() const { return groups_; }
   DType compute_dtype() const { return plan_.compute_dtype; }
 
   // One micro-batch inside engine.begin_step()/begin_micro_batch() ... engine.step().
@@ -170,20 +202,23 @@ class GptModel : public lm::CausalLm {
 
   // Gathered parameters of a group as compute-dtype pointers (cast into scratch when needed).
   StatusOr<std::vector<const void*>> params_of(int group, const GroupView& view);
-  Status embed(const std::vector<const void*>& wte_params, const void* device_tokens, void* out, int64_t sequences);
+  // Sequences 0 = no such pass.
+  Status embed_forward(int64_t train_sequences, int64_t eval_sequences);
   Status block_forward(const std::vector<const void*>& params, const void* x, void* y, const BlockActs& acts,
                        int64_t sequences);
   Status block_backward(const std::vector<const void*>& params, const std::vector<float*>& grads, const void* x,
                         const BlockActs& acts);
-  Status head(const std::vector<const void*>& wte_params, float* dwte, const void* x_final, int64_t sequences,
-              const int32_t* targets, float grad_scale, bool backward, void* dx, float* losses);
+  Status head_forward(int64_t train_sequences, int64_t eval_sequences);
+  Status embed_backward();
   Status capture(int group, const GroupView& grads);
 
   Engine& engine_;
   GptModelOptions options_;
   GptActivationPlan plan_;
+  GptGroups groups_;
   std::unique_ptr<kernels::BlasContext> blas_;
   std::unique_ptr<Buffers> buffers_;
+  std::unique_ptr<lm::VocabHead> vocab_;
   std::map<int, std::vector<float>> captured_;
 };
 

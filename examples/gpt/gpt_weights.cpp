@@ -77,11 +77,19 @@ StatusOr<GptConfig> gpt_config_from_safetensors(const SafetensorsReader& reader,
   return config;
 }
 
-hf::HfNameMap gpt2_name_map() {
-  return [](const GroupLayout& group, const TensorLayout& tensor) {
-    return hf::HfTensorSlice{hf_tensor_name(group, tensor), 0, tensor.shape};
+hf::HfNameMap gpt2_name_map(const GptConfig& config, int64_t rows_per_chunk) {
+  return [config, rows_per_chunk](const GroupLayout& group, const TensorLayout& tensor) {
+    const int64_t chunk = lm::vocab_chunk_of_group(group.name, "wte");
+    if (chunk < 0) return hf::HfTensorSlice{hf_tensor_name(group, tensor), 0, tensor.shape};
+    // Rows [chunk * rows_per_chunk, ...) of wte.weight; the last chunk's padding rows are the model's own.
+    const int64_t first = chunk * rows_per_chunk;
+    const int64_t real_rows = std::clamp<int64_t>(config.vocab_size - first, 0, tensor.shape[0]);
+    const uint64_t row = static_cast<uint64_t>(config.n_embd);
+    return hf::HfTensorSlice{"wte.weight", static_cast<uint64_t>(first) * row, {config.vocab_size, config.n_embd}, static_cast<uint64_t>(real_rows) * row};
   };
 }
+
+hf::HfNameMap gpt2_name_map(const GptConfig& config) { return gpt2_name_map(config, gpt_vocab_chunks(config).rows_per_chunk); }
 
 Status load_gpt2_weights(Engine& engine, int rank, const SafetensorsReader& reader, const GptConfig& config) {
   return load_gpt2_weights(engine, rank, hf::SafetensorsFileSource(reader), config);
@@ -91,8 +99,8 @@ namespace {
 
 // Hugging Face's GPT2LMHeadModel saves its names with "transformer.", GPT2Model without:
 // each tensor is read under the name `source` holds it by.
-hf::HfNameMap gpt2_name_map_as_stored(const hf::HfTensorSource& source) {
-  return [&source, bare = gpt2_name_map()](const GroupLayout& group, const TensorLayout& tensor) {
+hf::HfNameMap gpt2_name_map_as_stored(const hf::HfTensorSource& source, hf::HfNameMap bare) {
+  return [&source, bare = std::move(bare)](const GroupLayout& group, const TensorLayout& tensor) {
     hf::HfTensorSlice slice = bare(group, tensor);
     if (!source.find(slice.name) && source.find("transformer." + slice.name)) slice.name = "transformer." + slice.name;
     return slice;
@@ -108,11 +116,15 @@ hf::HfLoadOptions gpt2_load_options() {
 }  // namespace
 
 Status load_gpt2_weights(Engine& engine, int rank, const hf::HfTensorSource& source, const GptConfig& config) {
-  if (engine.group_count() != gpt_group_count(config))
-    return InvalidArgumentError("load_gpt2_weights: the engine has " + std::to_string(engine.group_count()) +
-                                " groups but a GPT-2 with n_layer " + std::to_string(config.n_layer) + " has " +
-                                std::to_string(gpt_group_count(config)));
-  return hf::load_hf_weights(engine, rank, source, gpt2_name_map_as_stored(source), gpt2_load_options());
+  // The engine's wte chunks (whatever GptModelOptions::vocab_chunk_bytes made them): group 0 is
+  // chunk 0, whose rows are every chunk's but the last's.
+  const int64_t rows_per_chunk = engine.group_count() > 0 && engine.layout(0).name == "wte.0" ? engine.layout(0).tensors[0].shape[0] : 0;
+  const int groups = gpt_groups(config, static_cast<size_t>(std::max<int64_t>(rows_per_chunk, 1)) * static_cast<size_t>(config.n_embd) * 4).count();
+  if (rows_per_chunk < 1 || engine.group_count() != groups)
+    return InvalidArgumentError("load_gpt2_weights: the engine's " + std::to_string(engine.group_count()) + " groups are not those of a GPT-2 with n_layer " +
+                                std::to_string(config.n_layer) + " and vocabulary " + std::to_string(config.vocab_size) +
+                                " (register a GptModel of this config first)");
+  return hf::load_hf_weights(engine, rank, source, gpt2_name_map_as_stored(source, gpt2_name_map(config, rows_per_chunk)), gpt2_load_options());
 }
 
 Status check_gpt2_weights(const hf::HfTensorSource& source, const GptConfig& config) {
@@ -122,7 +134,7 @@ Status check_gpt2_weights(const hf::HfTensorSource& source, const GptConfig& con
     STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(specs[g], static_cast<int>(g), 1));
     layouts.push_back(std::move(layout));
   }
-  return hf::check_hf_mapping(source, layouts, gpt2_name_map_as_stored(source), gpt2_load_options());
+  return hf::check_hf_mapping(source, layouts, gpt2_name_map_as_stored(source, gpt2_name_map(config)), gpt2_load_options());
 }
 
 namespace {
@@ -142,7 +154,7 @@ StatusOr<std::vector<GroupLayout>> gpt2_export_layouts(const GptConfig& config) 
 Status write_gpt2_safetensors(const std::string& path, const GptConfig& config, const FullGroupSource& source,
                               const ExportOptions& options) {
   STRATA_ASSIGN_OR_RETURN(const std::vector<GroupLayout> layouts, gpt2_export_layouts(config));
-  STRATA_ASSIGN_OR_RETURN(hf::HfGroupExport plan, hf::HfGroupExport::plan(layouts, gpt2_name_map(), options.dtype));
+  STRATA_ASSIGN_OR_RETURN(hf::HfGroupExport plan, hf::HfGroupExport::plan(layouts, gpt2_name_map(config), options.dtype));
   auto metadata = options.metadata;
   metadata.emplace("format", "pt");
   return hf::write_safetensors_file(
@@ -161,12 +173,12 @@ Status export_gpt2_checkpoint(const std::string& dir, const GptConfig& config, c
   config_json["torch_dtype"] = options.dtype == SafetensorsDType::kBF16  ? "bfloat16"
                                : options.dtype == SafetensorsDType::kF16 ? "float16"
                                                                          : "float32";
-  return hf::export_hf_from_groups(dir, config_json, layouts, gpt2_name_map(), options.dtype, source, hf_options);
+  return hf::export_hf_from_groups(dir, config_json, layouts, gpt2_name_map(config), options.dtype, source, hf_options);
 }
 
 StatusOr<std::vector<int>> gpt2_export_group_order(const GptConfig& config) {
   STRATA_ASSIGN_OR_RETURN(const std::vector<GroupLayout> layouts, gpt2_export_layouts(config));
-  STRATA_ASSIGN_OR_RETURN(const hf::HfGroupExport plan, hf::HfGroupExport::plan(layouts, gpt2_name_map(), SafetensorsDType::kF32));
+  STRATA_ASSIGN_OR_RETURN(const hf::HfGroupExport plan, hf::HfGroupExport::plan(layouts, gpt2_name_map(config), SafetensorsDType::kF32));
   return plan.group_order();
 }
 

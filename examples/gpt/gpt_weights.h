@@ -34,8 +34,12 @@ Gpt2Dims gpt2_dims(const GptConfig& config);
 StatusOr<GptConfig> gpt_config_from_safetensors(const SafetensorsReader& reader, const GptConfig& fallback);
 
 // Each engine tensor of GPT-2 is the whole checkpoint tensor of its Hugging Face name
-// (hf_tensor_name(), without the "transformer." prefix).
-hf::HfNameMap gpt2_name_map();
+// (hf_tensor_name(), without the "transformer." prefix), but for wte's chunk groups
+// "wte.<k>": rows [k * rows_per_chunk, ...) of "wte.weight", their padding rows past the
+// vocabulary not in the checkpoint. Without rows_per_chunk: the default chunks
+// (gpt_vocab_chunks(config)), the groups exports and GptArchitecture use.
+hf::HfNameMap gpt2_name_map(const GptConfig& config, int64_t rows_per_chunk);
+hf::HfNameMap gpt2_name_map(const GptConfig& config);
 
 // Loads this rank's fp32 master shards of every group of the GPT-2 `config` from `reader`
 // or `source` (a file or a model directory; any dtype the reader converts; names with or

@@ -57,9 +57,9 @@ Status check_hf_mapping(const HfTensorSource& source, std::span<const GroupLayou
       } else if (!gpt::safetensors_dtype_is_float(ref->dtype())) {
         problem = "'" + slice.name + "' has dtype " + std::string(gpt::safetensors_dtype_name(ref->dtype())) +
                   ", which does not convert to fp32";
-      } else if (slice.element_offset + t.numel > ref->numel()) {
+      } else if (slice.mapped(t) > t.numel || slice.element_offset + slice.mapped(t) > ref->numel()) {
         problem = engine_name + " " + shape_text(t.shape) + " reads elements " +
-                  range_text(slice.element_offset, slice.element_offset + t.numel) + " of '" + slice.name + "', which has " +
+                  range_text(slice.element_offset, slice.element_offset + slice.mapped(t)) + " of '" + slice.name + "', which has " +
                   std::to_string(ref->numel());
       }
       if (!problem.empty()) {
@@ -67,7 +67,7 @@ Status check_hf_mapping(const HfTensorSource& source, std::span<const GroupLayou
         problems.push_back(std::move(problem));
         continue;
       }
-      reads[slice.name].emplace_back(slice.element_offset, slice.element_offset + t.numel);
+      reads[slice.name].emplace_back(slice.element_offset, slice.element_offset + slice.mapped(t));
     }
   }
   for (const auto& [name, ranges] : reads) {
@@ -104,9 +104,10 @@ Status load_hf_weights(Engine& engine, int rank, const HfTensorSource& source, c
     const size_t begin = layout.shard_begin(rank);
     const size_t end = begin + layout.shard_numel;
     for (const TensorLayout& t : layout.tensors) {
-      const size_t lo = std::max(begin, t.offset), hi = std::min(end, t.offset + t.numel);
-      if (lo >= hi) continue;
       const HfTensorSlice slice = map(layout, t);
+      // Elements past the mapped ones (vocabulary padding) keep the zeros assigned above.
+      const size_t lo = std::max(begin, t.offset), hi = std::min(end, t.offset + static_cast<size_t>(slice.mapped(t)));
+      if (lo >= hi) continue;
       const std::optional<HfTensorRef> ref = source.find(slice.name);  // checked above
       STRATA_RETURN_IF_ERROR_CTX(source.read_fp32(*ref, slice.element_offset + (lo - t.offset), std::span<float>(shard.data() + (lo - begin), hi - lo)),
                                  source.where() + ": loading " + engine_tensor_name(layout, t) + " on rank " + std::to_string(rank));
@@ -137,7 +138,7 @@ StatusOr<HfGroupExport> HfGroupExport::plan(std::span<const GroupLayout> layouts
                                     shape_text(slice.shape) + ", but an earlier tensor gave it shape " +
                                     shape_text(result.tensors_[it->second].shape));
       }
-      result.pieces_[it->second].push_back({slice.element_offset, t.numel, static_cast<int>(g), t.offset});
+      result.pieces_[it->second].push_back({slice.element_offset, slice.mapped(t), static_cast<int>(g), t.offset});
     }
   }
   for (size_t i = 0; i < result.tensors_.size(); ++i) {

@@ -40,6 +40,12 @@ struct HfTensorSlice {
   std::string name;             // the checkpoint tensor's name
   uint64_t element_offset = 0;  // the engine tensor's first element within it (row-major)
   std::vector<int64_t> shape;   // the checkpoint tensor's whole shape
+  // The engine tensor's leading elements the checkpoint holds; the rest (a vocabulary's
+  // padding rows) are neither read nor written: loads leave them zero, exports skip them.
+  // 0 = the whole engine tensor.
+  uint64_t mapped_elements = 0;
+
+  uint64_t mapped(const TensorLayout& tensor) const { return mapped_elements > 0 ? mapped_elements : tensor.numel; }
 };
 using HfNameMap = std::function<HfTensorSlice(const GroupLayout& group, const TensorLayout& tensor)>;
 

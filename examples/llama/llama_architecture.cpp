@@ -133,7 +133,9 @@ hf::HfNameMap LlamaArchitecture::name_map() const {
     const HfTensorSlice slice = llama_tensor_source(config, chunks, group.name, tensor.name);
     uint64_t row_elements = 1;
     for (size_t d = 1; d < slice.hf_shape.size(); ++d) row_elements *= static_cast<uint64_t>(slice.hf_shape[d]);
-    return hf::HfTensorSlice{slice.hf_name, static_cast<uint64_t>(slice.row_offset) * row_elements, slice.hf_shape};
+    // A chunk's padding rows past slice.rows are not in the checkpoint.
+    return hf::HfTensorSlice{slice.hf_name, static_cast<uint64_t>(slice.row_offset) * row_elements, slice.hf_shape,
+                             static_cast<uint64_t>(slice.rows) * row_elements};
   };
 }
 

@@ -10,6 +10,7 @@
 
 #include "engine/core/log.h"
 #include "examples/lm/model_memory.h"
+#include "examples/lm/vocab_chunks.h"
 #include "kernels/cast.h"
 #include "kernels/llama_ops.h"
 #include "kernels/transformer_ops.h"
@@ -23,9 +24,6 @@ using lm::device_reservation;
 using lm::kCudaBlasWorkspaceBytes;
 using lm::kSubBufferAlignment;
 using lm::round_up;
-
-// The LM head's logits and their gradient, each [head rows, vocabulary chunk].
-constexpr size_t kHeadLogitsTargetBytes = size_t{32} << 20;
 
 using lm::compute_dtype_for;
 
@@ -69,30 +67,13 @@ std::string head_group_name(int64_t chunk) { return "lm_head." + std::to_string(
 std::string layer_group_name(int64_t layer) { return "model.layers." + std::to_string(layer); }
 constexpr const char* kNormGroupName = "model.norm";
 
-// "<prefix>.<chunk>" -> chunk, or -1.
-int64_t chunk_of(std::string_view group, std::string_view prefix) {
-  if (group.size() <= prefix.size() + 1 || group.substr(0, prefix.size()) != prefix || group[prefix.size()] != '.') return -1;
-  int64_t value = 0;
-  for (char ch : group.substr(prefix.size() + 1)) {
-    if (ch < '0' || ch > '9') return -1;
-    value = value * 10 + (ch - '0');
-  }
-  return value;
-}
-
 }  // namespace
 
 // =====================================================================================
 // Chunks, groups, names
 // =====================================================================================
 
-VocabChunks vocab_chunks(const LlamaConfig& c, size_t chunk_bytes) {
-  VocabChunks chunks;
-  const int64_t row_bytes = std::max<int64_t>(c.hidden_size, 1) * 4;
-  chunks.rows_per_chunk = std::clamp<int64_t>(static_cast<int64_t>(chunk_bytes) / row_bytes, 1, std::max<int64_t>(c.vocab_size, 1));
-  chunks.count = (c.vocab_size + chunks.rows_per_chunk - 1) / chunks.rows_per_chunk;
-  return chunks;
-}
+VocabChunks vocab_chunks(const LlamaConfig& c, size_t chunk_bytes) { return lm::make_vocab_chunks(c.vocab_size, c.hidden_size, chunk_bytes); }
 
 LlamaGroups llama_groups(const LlamaConfig& c, const VocabChunks& chunks) {
   return LlamaGroups{c.num_hidden_layers, chunks.count, c.tie_word_embeddings};
@@ -102,12 +83,12 @@ std::vector<GroupSpec> llama_group_specs(const LlamaConfig& c, const VocabChunks
   const float std_dev = static_cast<float>(c.initializer_range);
   std::vector<GroupSpec> groups;
   for (int64_t k = 0; k < chunks.count; ++k)
-    groups.push_back({embed_group_name(k), {{"weight", {chunks.rows(k, c.vocab_size), c.hidden_size}, TensorInit::normal(std_dev), false}}});
+    groups.push_back({embed_group_name(k), {lm::vocab_chunk_tensor(chunks, k, "weight", c.hidden_size, TensorInit::normal(std_dev))}});
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) groups.push_back({layer_group_name(l), block_tensors(c, nullptr)});
   groups.push_back({kNormGroupName, {{"weight", {c.hidden_size}, TensorInit::ones(), false}}});
   if (!c.tie_word_embeddings)
     for (int64_t k = 0; k < chunks.count; ++k)
-      groups.push_back({head_group_name(k), {{"weight", {chunks.rows(k, c.vocab_size), c.hidden_size}, TensorInit::normal(std_dev), false}}});
+      groups.push_back({head_group_name(k), {lm::vocab_chunk_tensor(chunks, k, "weight", c.hidden_size, TensorInit::normal(std_dev))}});
   return groups;
 }
 
@@ -136,12 +117,12 @@ HfTensorSlice llama_tensor_source(const LlamaConfig& c, const VocabChunks& chunk
   const std::vector<int64_t> table_shape{c.vocab_size, c.hidden_size};
   for (const auto& [prefix, hf_name] : {std::pair<std::string_view, const char*>{"model.embed_tokens", "model.embed_tokens.weight"},
                                         std::pair<std::string_view, const char*>{"lm_head", "lm_head.weight"}}) {
-    const int64_t chunk = chunk_of(group, prefix);
+    const int64_t chunk = lm::vocab_chunk_of_group(group, prefix);
     if (chunk >= 0) {
       slice.hf_name = hf_name;
       slice.hf_shape = table_shape;
       slice.row_offset = chunks.first_row(chunk);
-      slice.rows = chunks.rows(chunk, c.vocab_size);
+      slice.rows = chunks.real_rows(chunk);
       return slice;
     }
   }
@@ -181,20 +162,19 @@ struct DeviceLayout {
   size_t total = 0;
   std::deque<std::pair<std::string, size_t>> lines;  // a deque: add() keeps pointers to its entries
   int64_t rows = 0;       // token rows of the largest pass (training or evaluation)
-  int64_t head_rows = 0;  // rows per LM-head block
-  int64_t head_blocks = 0;
   VocabChunks chunks;
+  lm::VocabHeadShape head_shape;
+  lm::VocabHeadPlan head;
+  size_t vocab_head = 0;  // the vocabulary head's sub-buffers
   // Inputs, per micro-batch.
-  size_t tokens = 0, positions = 0, embed_tokens = 0, chunk_targets = 0, head_targets = 0, head_stand_in_targets = 0, fix_coef = 0;
+  size_t positions = 0;
   std::vector<size_t> resid;     // block inputs + the final residual (kPinnedHost: two, used in turn)
   size_t pinned_slot_bytes = 0;  // kPinnedHost: one training block input in pinned memory
   int pinned_slots = 0;          // blocks 0 .. L-2 (the last block's input stays on the device)
   std::vector<ActsLayout> acts;  // per block (kOff) or one shared set
   size_t dresid = 0, narrow = 0, datt = 0, dq = 0, dk = 0, dv = 0, wide = 0, wide2 = 0;
   size_t norm_out = 0, norm_rstd = 0, norm_gamma = 0;
-  size_t logits = 0, dlogits = 0, chunk_lse = 0, chunk_losses = 0, lse_matrix = 0, identity = 0, lse_full = 0, loss_lse = 0;
   size_t inv_freq = 0;
-  size_t embed_grad_scratch = 0;
   size_t attention_workspace = 0, attention_workspace_bytes = 0;
   size_t vector_scratch = 0, vector_scratch_bytes = 0, matrix_scratch = 0, matrix_scratch_bytes = 0;
 
@@ -232,28 +212,18 @@ StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) 
 
   DeviceLayout d;
   d.chunks = vocab_chunks(c, o.vocab_chunk_bytes);
-  const size_t E = static_cast<size_t>(d.chunks.count), VC = static_cast<size_t>(d.chunks.rows_per_chunk);
   const int64_t sequences = std::max(o.batch, o.eval_batch);
   d.rows = sequences * o.seq_len;
   const size_t rows = static_cast<size_t>(d.rows);
-  int64_t head_rows = o.head_chunk_rows;
-  if (head_rows == 0) head_rows = static_cast<int64_t>(std::max<size_t>(1, kHeadLogitsTargetBytes / (VC * cs)));
-  d.head_rows = std::min<int64_t>(head_rows, d.rows);
-  d.head_blocks = (d.rows + d.head_rows - 1) / d.head_rows;
-  const size_t R = static_cast<size_t>(d.head_rows), NB = static_cast<size_t>(d.head_blocks);
+  d.head_shape = lm::VocabHeadShape{c.hidden_size, d.chunks, {d.rows}, o.head_chunk_rows, o.param_dtype, compute};
+  STRATA_ASSIGN_OR_RETURN(d.head, lm::plan_vocab_head(d.head_shape));
 
   auto line = [&](const std::string& what) -> size_t* {
     d.lines.emplace_back(what, 0);
     return &d.lines.back().second;
   };
-  size_t* l_inputs = line("token ids, positions and per-chunk targets");
-  d.tokens = d.add(rows * 4, l_inputs);
+  size_t* l_inputs = line("positions and rotary frequencies");
   d.positions = d.add(rows * 4, l_inputs);
-  d.embed_tokens = d.add(E * rows * 4, l_inputs);
-  d.chunk_targets = d.add(rows * 4, l_inputs);
-  d.head_targets = d.add(E * rows * 4, l_inputs);
-  d.head_stand_in_targets = d.add(E * rows * 4, l_inputs);
-  d.fix_coef = d.add(E * rows * cs, l_inputs);
   d.inv_freq = d.add(D / 2 * 4, l_inputs);
 
   const bool pinned = o.checkpointing == ActivationCheckpointing::kPinnedHost;
@@ -292,20 +262,15 @@ StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) 
   d.dv = d.add(rows * KVD * cs, l_grads);
   d.wide = d.add(rows * I * cs, l_grads);
   d.wide2 = d.add(rows * I * cs, l_grads);
-  size_t* l_head = line("norm and LM head (" + std::to_string(R) + "-row blocks x " + std::to_string(VC) + "-row vocabulary chunks, " +
-                        std::to_string(E) + " chunks)");
-  d.norm_out = d.add(rows * H * cs, l_head);
-  d.norm_rstd = d.add(rows * 4, l_head);
-  d.norm_gamma = d.add(H * cs, l_head);
-  d.logits = d.add(R * VC * cs, l_head);
-  d.dlogits = d.add(R * VC * cs, l_head);
-  d.chunk_lse = d.add(NB * E * R * 4, l_head);
-  d.chunk_losses = d.add(E * rows * 4, l_head);
-  d.lse_matrix = d.add(R * E * 4, l_head);
-  d.identity = d.add(R * R * 4, l_head);
-  d.lse_full = d.add(rows * 4, l_head);
-  d.loss_lse = d.add(rows * 4, l_head);
-  d.embed_grad_scratch = d.add((VC + 1) * H * 4, line("an embedding chunk's fp32 gradient (+ a row for the other chunks' tokens)"));
+  size_t* l_norm = line("final norm");
+  d.norm_out = d.add(rows * H * cs, l_norm);
+  d.norm_rstd = d.add(rows * 4, l_norm);
+  d.norm_gamma = d.add(H * cs, l_norm);
+  {
+    size_t counted_by_lines = 0;  // the head's own lines say what its bytes hold
+    d.vocab_head = d.add(d.head.bytes, &counted_by_lines);
+    for (const auto& [what, bytes] : d.head.lines) d.lines.emplace_back(what, bytes);
+  }
   {
     kernels::GqaAttentionShape shape{static_cast<size_t>(sequences), T, NH, static_cast<size_t>(c.num_key_value_heads), D, 0, 0, 0};
     d.attention_workspace_bytes = kernels::gqa_attention_workspace_bytes(shape, compute, kind);
@@ -313,7 +278,7 @@ StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) 
   }
   // One matrix-sized slot: the embedding chunk with its zero row, and (bf16 parameters
   // on an fp32 device) each matrix as it is cast; the stream runs them one after another.
-  size_t max_matrix = (VC + 1) * H;
+  size_t max_matrix = d.head.slot_bytes / cs;
   if (o.param_dtype != compute) {
     size_t max_vectors = 0;
     for (const auto& spec : llama_group_specs(c, d.chunks)) {
@@ -353,7 +318,7 @@ StatusOr<LlamaActivationPlan> plan_llama_activations(const LlamaModelOptions& op
   LlamaActivationPlan plan;
   plan.compute_dtype = compute_dtype_for(options.param_dtype, device);
   plan.chunks = layout.chunks;
-  plan.head_rows = layout.head_rows;
+  plan.head_rows = layout.head.head_rows;
   plan.lines.assign(layout.lines.begin(), layout.lines.end());
   plan.device_bytes = device_reservation(layout.total, device);
   plan.pinned_bytes = static_cast<size_t>(layout.pinned_slots) * layout.pinned_slot_bytes;
@@ -377,8 +342,6 @@ struct LlamaModel::BlockActs {
 struct LlamaModel::Rows {
   int64_t sequences = 0;
   size_t count = 0;   // sequences * seq_len
-  size_t blocks = 0;  // LM-head row blocks
-  float grad_scale = 0.0f;
   bool training = false;  // a backward follows (kPinnedHost saves the block inputs)
 };
 
@@ -391,11 +354,8 @@ struct LlamaModel::Buffers {
   std::unique_ptr<Stream> copy_stream;
   std::unique_ptr<Event> input_ready, slot_free;
   std::unique_ptr<Event> saved[2], restored[2];
-  // Host staging of each pass's inputs (copied from, asynchronously) and outputs.
-  std::vector<int32_t> tokens, positions, embed_tokens, chunk_targets, head_targets, stand_in_targets;
-  std::vector<std::byte> fix_coef;
-  std::vector<int32_t> targets;
-  std::vector<float> chunk_losses, loss_lse;
+  // Host staging of each pass's positions (copied from, asynchronously).
+  std::vector<int32_t> positions;
 
   void* at(size_t offset) const { return static_cast<char*>(arena.data()) + offset; }
   template <class T>
@@ -477,30 +437,15 @@ Status LlamaModel::allocate() {
       STRATA_ASSIGN_OR_RETURN(b->restored[i], device.create_event());
     }
   }
-  const size_t rows = static_cast<size_t>(d.rows), E = static_cast<size_t>(d.chunks.count), R = static_cast<size_t>(d.head_rows);
-  b->tokens.resize(rows);
-  b->positions.resize(rows);
-  b->targets.resize(rows);
-  b->embed_tokens.resize(E * rows);
-  b->chunk_targets.resize(rows);
-  b->head_targets.resize(E * rows);
-  b->stand_in_targets.resize(E * rows);
-  b->fix_coef.resize(E * rows * dtype_size(plan_.compute_dtype));
-  b->chunk_losses.resize(E * rows);
-  b->loss_lse.resize(rows);
+  b->positions.resize(static_cast<size_t>(d.rows));
+  STRATA_ASSIGN_OR_RETURN(vocab_, lm::VocabHead::create(engine_, *blas_, d.head_shape, b->at(d.vocab_head), b->at(d.matrix_scratch)));
 
-  // Constants: the rotary inverse frequencies, the identity that transposes the chunks'
-  // log-sum-exps, and zeros where a partial row block leaves the chunk_lse tail unwritten
-  // (the identity's zeros multiply it).
+  // The rotary inverse frequencies.
   Stream& stream = engine_.compute_stream();
   const LlamaConfig& c = options_.config;
   STRATA_ASSIGN_OR_RETURN(std::vector<float> inv_freq,
                           kernels::rope_inverse_frequencies(static_cast<size_t>(c.head_dim), c.rope_theta, c.rope_scaling));
-  std::vector<float> identity(R * R, 0.0f);
-  for (size_t i = 0; i < R; ++i) identity[i * R + i] = 1.0f;
-  STRATA_RETURN_IF_ERROR(device.memset_async(b->at(d.chunk_lse), 0, static_cast<size_t>(d.head_blocks) * E * R * 4, stream));
   STRATA_RETURN_IF_ERROR(device.copy_async(b->at(d.inv_freq), inv_freq.data(), inv_freq.size() * 4, CopyKind::kHostToDevice, stream));
-  STRATA_RETURN_IF_ERROR(device.copy_async(b->at(d.identity), identity.data(), identity.size() * 4, CopyKind::kHostToDevice, stream));
   STRATA_RETURN_IF_ERROR(stream.synchronize());
   buffers_ = std::move(b);
   return {};
@@ -579,113 +524,39 @@ Status LlamaModel::capture(int group, const GroupView& grads) {
   return lm::copy_gradient_to_host(engine_, group, grads, captured_[group]);
 }
 
-// Checks the batch and fills the device's per-pass inputs: tokens and positions, and for
-// every vocabulary chunk k the row's token in the chunk (or the chunk's zero row), the
-// target in the chunk (or -1), the stand-in target (0 when the target is elsewhere) and
-// the coefficient that takes the stand-in's gradient back.
-Status LlamaModel::stage_inputs(const TokenBatch& batch, float grad_scale, Rows& rows) {
+// Checks the batch and fills the device's per-pass inputs: positions here, tokens and
+// targets per vocabulary chunk in the vocabulary head. Returns the targets with a loss.
+StatusOr<int64_t> LlamaModel::stage_inputs(const TokenBatch& batch, float grad_scale, Rows& rows) {
   Buffers& b = *buffers_;
-  const DeviceLayout& d = b.layout;
-  const LlamaConfig& c = options_.config;
   const size_t T = static_cast<size_t>(options_.seq_len);
   const size_t n = static_cast<size_t>(batch.sequences) * T;
-  const size_t E = static_cast<size_t>(d.chunks.count);
-  const int64_t per_chunk = d.chunks.rows_per_chunk;
-  const DType dt = plan_.compute_dtype;
   rows.sequences = batch.sequences;
   rows.count = n;
-  rows.blocks = (n + static_cast<size_t>(d.head_rows) - 1) / static_cast<size_t>(d.head_rows);
-  rows.grad_scale = grad_scale;
-  if (batch.inputs == nullptr || batch.targets == nullptr) return InvalidArgumentError("Llama model: a batch without inputs or targets");
+  STRATA_ASSIGN_OR_RETURN(int64_t counted, vocab_->stage(0, batch, options_.seq_len, grad_scale, "Llama"));
   for (size_t r = 0; r < n; ++r) {
-    const int32_t token = batch.inputs[r], target = batch.targets[r];
-    if (token < 0 || token >= c.vocab_size)
-      return InvalidArgumentError("Llama model: token " + std::to_string(token) + " at sequence " + std::to_string(r / T) + ", position " +
-                                  std::to_string(r % T) + " is outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
-    if (target < -1 || target >= c.vocab_size)
-      return InvalidArgumentError("Llama model: target " + std::to_string(target) + " at sequence " + std::to_string(r / T) + ", position " +
-                                  std::to_string(r % T) + " is neither -1 (no loss) nor in the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
     const int32_t position = batch.positions ? batch.positions[r] : static_cast<int32_t>(r % T);
     if (position < 0)
       return InvalidArgumentError("Llama model: position id " + std::to_string(position) + " at sequence " + std::to_string(r / T) + ", position " +
                                   std::to_string(r % T) + " is negative");
-    b.tokens[r] = token;
-    b.targets[r] = target;
     b.positions[r] = position;
-    const int64_t token_chunk = token / per_chunk, target_chunk = target < 0 ? -1 : target / per_chunk;
-    b.chunk_targets[r] = static_cast<int32_t>(target_chunk);
-    for (size_t k = 0; k < E; ++k) {
-      const int64_t first = d.chunks.first_row(static_cast<int64_t>(k));
-      const size_t i = k * n + r;
-      b.embed_tokens[i] = static_cast<int32_t>(token_chunk == int64_t(k) ? token - first : d.chunks.rows(int64_t(k), c.vocab_size));
-      const bool here = target_chunk == int64_t(k);
-      b.head_targets[i] = here ? static_cast<int32_t>(target - first) : -1;
-      b.stand_in_targets[i] = target < 0 ? -1 : (here ? static_cast<int32_t>(target - first) : 0);
-      store_from_float(b.fix_coef.data(), dt, i, target >= 0 && !here ? grad_scale : 0.0f);
-    }
   }
-  Device& device = engine_.device();
-  Stream& stream = engine_.compute_stream();
-  auto up = [&](size_t offset, const void* host, size_t bytes) {
-    return device.copy_async(b.at(offset), host, bytes, CopyKind::kHostToDevice, stream);
-  };
-  STRATA_RETURN_IF_ERROR(up(d.tokens, b.tokens.data(), n * 4));
-  STRATA_RETURN_IF_ERROR(up(d.positions, b.positions.data(), n * 4));
-  STRATA_RETURN_IF_ERROR(up(d.chunk_targets, b.chunk_targets.data(), n * 4));
-  STRATA_RETURN_IF_ERROR(up(d.embed_tokens, b.embed_tokens.data(), E * n * 4));
-  STRATA_RETURN_IF_ERROR(up(d.head_targets, b.head_targets.data(), E * n * 4));
-  STRATA_RETURN_IF_ERROR(up(d.head_stand_in_targets, b.stand_in_targets.data(), E * n * 4));
-  return up(d.fix_coef, b.fix_coef.data(), E * n * dtype_size(dt));
+  STRATA_RETURN_IF_ERROR(engine_.device().copy_async(b.at(b.layout.positions), b.positions.data(), n * 4, CopyKind::kHostToDevice,
+                                                     engine_.compute_stream()));
+  return counted;
 }
 
 // x_0 = the sum over chunks of each chunk's rows (zero for tokens of other chunks: each
 // token is in exactly one chunk, so the sum is exact).
 Status LlamaModel::embed_forward(const Rows& rows) {
   Buffers& b = *buffers_;
-  const DeviceLayout& d = b.layout;
-  Stream& stream = engine_.compute_stream();
-  Device& device = engine_.device();
-  const DType dt = plan_.compute_dtype;
-  const size_t cs = dtype_size(dt);
-  const size_t H = static_cast<size_t>(options_.config.hidden_size);
-  const size_t n = rows.count;
-  void* x0 = b.at(d.resid[0]);
-  for (int64_t k = 0; k < d.chunks.count; ++k) {
+  for (int64_t k = 0; k < b.layout.chunks.count; ++k) {
     const int g = groups_.embed(k);
-    const size_t chunk_rows = static_cast<size_t>(d.chunks.rows(k, options_.config.vocab_size));
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-    if (view.dtype != options_.param_dtype) STRATA_RETURN_IF_ERROR(params_of(g, view).status());  // the dtype error
-    void* table = b.at(d.matrix_scratch);
-    if (view.dtype == dt) {
-      STRATA_RETURN_IF_ERROR(device.copy_async(table, view.tensors[0], chunk_rows * H * cs, CopyKind::kDeviceToDevice, stream));
-    } else {
-      STRATA_RETURN_IF_ERROR(kernels::cast(stream, view.tensors[0], view.dtype, table, dt, chunk_rows * H));
-    }
-    STRATA_RETURN_IF_ERROR(device.memset_async(static_cast<char*>(table) + chunk_rows * H * cs, 0, H * cs, stream));
+    STRATA_RETURN_IF_ERROR(vocab_->embed_chunk(0, k, view, b.at(b.layout.resid[0]), b.at(b.layout.narrow)));
     STRATA_RETURN_IF_ERROR(engine_.release(g));
-    const kernels::EmbeddingShape shape{static_cast<size_t>(rows.sequences), static_cast<size_t>(options_.seq_len), H, chunk_rows + 1, 0};
-    void* out = k == 0 ? x0 : b.at(d.narrow);
-    STRATA_RETURN_IF_ERROR(
-        kernels::embedding_forward(stream, shape, dt, b.as<int32_t>(d.embed_tokens) + static_cast<size_t>(k) * n, table, nullptr, out));
-    if (k > 0) STRATA_RETURN_IF_ERROR(kernels::residual_forward(stream, dt, x0, out, x0, n * H));
   }
+  (void)rows;
   return {};
-}
-
-// The embedding chunk's gradient from d x_0 (in dresid): through a scratch with the zero
-// row (which collects the other chunks' tokens), then added into the group's gradient.
-Status LlamaModel::embed_backward(int64_t chunk, float* dweight) {
-  Buffers& b = *buffers_;
-  const DeviceLayout& d = b.layout;
-  Stream& stream = engine_.compute_stream();
-  const size_t H = static_cast<size_t>(options_.config.hidden_size);
-  const size_t chunk_rows = static_cast<size_t>(d.chunks.rows(chunk, options_.config.vocab_size));
-  const size_t n = static_cast<size_t>(options_.batch * options_.seq_len);
-  const kernels::EmbeddingShape shape{static_cast<size_t>(options_.batch), static_cast<size_t>(options_.seq_len), H, chunk_rows + 1, 0};
-  float* scratch = b.as<float>(d.embed_grad_scratch);
-  STRATA_RETURN_IF_ERROR(kernels::embedding_backward(stream, shape, plan_.compute_dtype, b.as<int32_t>(d.embed_tokens) + static_cast<size_t>(chunk) * n,
-                                                     b.at(d.dresid), scratch, nullptr, kernels::GradWrite::kOverwrite));
-  return kernels::residual_forward(stream, DType::kFloat32, dweight, scratch, dweight, chunk_rows * H);
 }
 
 Status LlamaModel::block_forward(Params& p, const void* x, void* y, const BlockActs& a, const Rows& rows) {
@@ -795,81 +666,6 @@ Status LlamaModel::block_backward(Params& p, const std::vector<float*>& g, const
   return kernels::rmsnorm_backward(stream, norm, dt, narrow, x, p.vector(ix.input_norm), a.rstd1, dresid, g[ix.input_norm], add);
 }
 
-// Pass 1, one vocabulary chunk: each row's log-sum-exp over the chunk (into chunk_lse,
-// [block][chunk][row in block]) and, in the chunk holding its target, lse_k - logit.
-Status LlamaModel::head_pass1(int64_t chunk, Params& p, const Rows& rows) {
-  STRATA_ASSIGN_OR_RETURN(const void* weight, p.matrix(0));
-  Buffers& b = *buffers_;
-  const DeviceLayout& d = b.layout;
-  Stream& stream = engine_.compute_stream();
-  const DType dt = plan_.compute_dtype;
-  const size_t cs = dtype_size(dt);
-  const size_t H = static_cast<size_t>(options_.config.hidden_size);
-  const size_t V = static_cast<size_t>(d.chunks.rows(chunk, options_.config.vocab_size));
-  const size_t R = static_cast<size_t>(d.head_rows), E = static_cast<size_t>(d.chunks.count), k = static_cast<size_t>(chunk);
-  for (size_t block = 0; block < rows.blocks; ++block) {
-    const size_t r0 = block * R, n = std::min(R, rows.count - r0);
-    const void* x = static_cast<const char*>(b.at(d.norm_out)) + r0 * H * cs;
-    STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, {n, H, V, kernels::WeightLayout::kOutIn}, dt, x, weight, nullptr, b.at(d.logits)));
-    STRATA_RETURN_IF_ERROR(kernels::cross_entropy_forward(stream, {n, V, -1}, dt, b.at(d.logits), b.as<int32_t>(d.head_targets) + k * rows.count + r0,
-                                                          b.as<float>(d.chunk_losses) + k * rows.count + r0,
-                                                          b.as<float>(d.chunk_lse) + (block * E + k) * R, nullptr));
-  }
-  return {};
-}
-
-// After pass 1: per row block, the [E, rows] chunk log-sum-exps transposed to [rows, E]
-// (identity . chunk_lse^T, exact), then a cross-entropy over the chunks with the target's
-// chunk as target: lse_full = the full vocabulary's log-sum-exp, loss_lse = it minus the
-// target chunk's.
-Status LlamaModel::head_combine(const Rows& rows) {
-  Buffers& b = *buffers_;
-  const DeviceLayout& d = b.layout;
-  Stream& stream = engine_.compute_stream();
-  const size_t R = static_cast<size_t>(d.head_rows), E = static_cast<size_t>(d.chunks.count);
-  for (size_t block = 0; block < rows.blocks; ++block) {
-    const size_t r0 = block * R, n = std::min(R, rows.count - r0);
-    STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, {n, R, E, kernels::WeightLayout::kOutIn}, DType::kFloat32, b.at(d.identity),
-                                                   b.at(d.chunk_lse + block * E * R * 4), nullptr, b.at(d.lse_matrix)));
-    STRATA_RETURN_IF_ERROR(kernels::cross_entropy_forward(stream, {n, E, -1}, DType::kFloat32, b.at(d.lse_matrix), b.as<int32_t>(d.chunk_targets) + r0,
-                                                          b.as<float>(d.loss_lse) + r0, b.as<float>(d.lse_full) + r0, nullptr));
-  }
-  return {};
-}
-
-// Pass 2 (and the tied pass 3), one vocabulary chunk: dlogits = grad_scale (softmax -
-// onehot) with the full log-sum-exp; dx (+)= dlogits . W_k and/or dW_k += dlogits^T . x.
-// A row whose target is in another chunk had the stand-in target 0 (its -grad_scale at
-// column 0), taken back by the rank-1 product with fix_coef (grad_scale on those rows).
-Status LlamaModel::head_pass2(int64_t chunk, Params& p, float* dweight, void* dx, const Rows& rows) {
-  STRATA_ASSIGN_OR_RETURN(const void* weight, p.matrix(0));
-  Buffers& b = *buffers_;
-  const DeviceLayout& d = b.layout;
-  Stream& stream = engine_.compute_stream();
-  const DType dt = plan_.compute_dtype;
-  const size_t cs = dtype_size(dt);
-  const size_t H = static_cast<size_t>(options_.config.hidden_size);
-  const size_t V = static_cast<size_t>(d.chunks.rows(chunk, options_.config.vocab_size));
-  const size_t R = static_cast<size_t>(d.head_rows), k = static_cast<size_t>(chunk);
-  using kernels::GradWrite;
-  for (size_t block = 0; block < rows.blocks; ++block) {
-    const size_t r0 = block * R, n = std::min(R, rows.count - r0);
-    const void* x = static_cast<const char*>(b.at(d.norm_out)) + r0 * H * cs;
-    void* dx_rows = dx == nullptr ? nullptr : static_cast<char*>(dx) + r0 * H * cs;
-    const kernels::MatmulShape shape{n, H, V, kernels::WeightLayout::kOutIn};
-    STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, shape, dt, x, weight, nullptr, b.at(d.logits)));
-    STRATA_RETURN_IF_ERROR(kernels::cross_entropy_backward(stream, {n, V, -1}, dt, b.at(d.logits),
-                                                           b.as<int32_t>(d.head_stand_in_targets) + k * rows.count + r0,
-                                                           b.as<float>(d.lse_full) + r0, rows.grad_scale, b.at(d.dlogits), GradWrite::kOverwrite));
-    const kernels::GradOptions write{chunk == 0 ? GradWrite::kOverwrite : GradWrite::kAccumulate, GradWrite::kAccumulate};
-    STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, shape, dt, b.at(d.dlogits), x, weight, dx_rows, dweight, nullptr, write));
-    const void* coef = static_cast<const char*>(b.at(d.fix_coef)) + (k * rows.count + r0) * cs;
-    STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, {n, H, 1, kernels::WeightLayout::kOutIn}, dt, coef, x, weight, dx_rows, dweight,
-                                                    nullptr, {GradWrite::kAccumulate, GradWrite::kAccumulate}));
-  }
-  return {};
-}
-
 // kPinnedHost: block l's input (all but the last block's, which stays on the device) is
 // copied to pinned memory on the copy stream while block l computes; block l writes its
 // output over block l-1's input, so it waits until that one is saved.
@@ -931,11 +727,10 @@ Status LlamaModel::forward(const Rows& rows) {
   for (int64_t k = 0; k < d.chunks.count; ++k) {
     const int g = groups_.head(k);
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-    STRATA_ASSIGN_OR_RETURN(Params p, params_of(g, view));
-    STRATA_RETURN_IF_ERROR(head_pass1(k, p, rows));
+    STRATA_RETURN_IF_ERROR(vocab_->head_loss_chunk(0, k, view, b.at(d.norm_out)));
     STRATA_RETURN_IF_ERROR(engine_.release(g));
   }
-  return head_combine(rows);
+  return vocab_->head_combine(0);
 }
 
 // The head's pass 2, the final norm, the blocks in reverse (recomputed from their inputs
@@ -951,13 +746,13 @@ Status LlamaModel::backward(const Rows& rows) {
   for (int64_t k = 0; k < d.chunks.count; ++k) {
     const int g = groups_.head(k);
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-    STRATA_ASSIGN_OR_RETURN(Params p, params_of(g, view));
     GroupView grads;
     if (!groups_.tied) {
       STRATA_ASSIGN_OR_RETURN(grads, engine_.gradient_buffer(g));
     }
     // The head's input gradient goes to `narrow`, the final norm's backward reads it there.
-    STRATA_RETURN_IF_ERROR(head_pass2(k, p, groups_.tied ? nullptr : static_cast<float*>(grads.tensors[0]), b.at(d.narrow), rows));
+    STRATA_RETURN_IF_ERROR(
+        vocab_->head_backward_chunk(k, view, b.at(d.norm_out), groups_.tied ? nullptr : static_cast<float*>(grads.tensors[0]), b.at(d.narrow)));
     STRATA_RETURN_IF_ERROR(engine_.release(g));
     if (!groups_.tied) {
       STRATA_RETURN_IF_ERROR(capture(g, grads));
@@ -998,37 +793,21 @@ Status LlamaModel::backward(const Rows& rows) {
     float* dweight = static_cast<float*>(grads.tensors[0]);
     if (groups_.tied) {
       STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-      STRATA_ASSIGN_OR_RETURN(Params p, params_of(g, view));
-      STRATA_RETURN_IF_ERROR(head_pass2(k, p, dweight, nullptr, rows));
+      STRATA_RETURN_IF_ERROR(vocab_->head_backward_chunk(k, view, b.at(d.norm_out), dweight, nullptr));
       STRATA_RETURN_IF_ERROR(engine_.release(g));
     }
-    STRATA_RETURN_IF_ERROR(embed_backward(k, dweight));
+    STRATA_RETURN_IF_ERROR(vocab_->embed_backward(k, b.at(d.dresid), dweight));
     STRATA_RETURN_IF_ERROR(capture(g, grads));
     STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
   }
   return {};
 }
 
-// Each row's loss is loss_lse (LSE minus its target chunk's lse) plus the target chunk's
-// piece (that lse minus the target's logit); the other chunks' pieces are 0. Waits.
+// The pass's loss sum (the vocabulary head's); waits for the compute and the copies.
 StatusOr<double> LlamaModel::loss_sum(const Rows& rows) {
-  Buffers& b = *buffers_;
-  const DeviceLayout& d = b.layout;
-  Device& device = engine_.device();
-  Stream& stream = engine_.compute_stream();
-  const size_t E = static_cast<size_t>(d.chunks.count);
-  STRATA_RETURN_IF_ERROR(device.copy_async(b.loss_lse.data(), b.at(d.loss_lse), rows.count * 4, CopyKind::kDeviceToHost, stream));
-  for (size_t k = 0; k < E; ++k)
-    STRATA_RETURN_IF_ERROR(device.copy_async(b.chunk_losses.data() + k * rows.count, b.as<float>(d.chunk_losses) + k * rows.count, rows.count * 4,
-                                             CopyKind::kDeviceToHost, stream));
-  STRATA_RETURN_IF_ERROR(stream.synchronize());
-  if (b.copy_stream) STRATA_RETURN_IF_ERROR(b.copy_stream->synchronize());
-  double sum = 0.0;
-  for (size_t r = 0; r < rows.count; ++r) {
-    if (b.targets[r] == -1) continue;
-    const size_t k = static_cast<size_t>(b.chunk_targets[r]);
-    sum += static_cast<double>(b.loss_lse[r]) + static_cast<double>(b.chunk_losses[k * rows.count + r]);
-  }
+  (void)rows;
+  STRATA_ASSIGN_OR_RETURN(double sum, vocab_->loss_sum(0));
+  if (buffers_->copy_stream) STRATA_RETURN_IF_ERROR(buffers_->copy_stream->synchronize());
   return sum;
 }
 
@@ -1042,25 +821,18 @@ StatusOr<MicroBatchLosses> LlamaModel::run_micro_batch(const TokenBatch* train, 
     return InvalidArgumentError("Llama model: an evaluation batch has " + std::to_string(eval->sequences) + " sequences, the model was planned for 1 to " +
                                 std::to_string(options_.eval_batch));
   MicroBatchLosses result;
-  auto count_targets = [&](const Rows& rows) {
-    int64_t counted = 0;
-    for (size_t r = 0; r < rows.count; ++r) counted += buffers_->targets[r] != -1;
-    return counted;
-  };
   // Evaluation first, through the same buffers, finished (its losses read back) before the
   // training pass reuses them; within a step its gathers see the same weights.
   if (eval != nullptr) {
     Rows rows;
-    STRATA_RETURN_IF_ERROR(stage_inputs(*eval, 0.0f, rows));
-    result.eval_tokens = count_targets(rows);
+    STRATA_ASSIGN_OR_RETURN(result.eval_tokens, stage_inputs(*eval, 0.0f, rows));
     STRATA_RETURN_IF_ERROR(forward(rows));
     STRATA_ASSIGN_OR_RETURN(result.eval_loss_sum, loss_sum(rows));
   }
   if (train != nullptr) {
     Rows rows;
-    STRATA_RETURN_IF_ERROR(stage_inputs(*train, grad_scale, rows));
+    STRATA_ASSIGN_OR_RETURN(result.train_tokens, stage_inputs(*train, grad_scale, rows));
     rows.training = true;
-    result.train_tokens = count_targets(rows);
     STRATA_RETURN_IF_ERROR(forward(rows));
     STRATA_RETURN_IF_ERROR(backward(rows));
     STRATA_ASSIGN_OR_RETURN(result.train_loss_sum, loss_sum(rows));

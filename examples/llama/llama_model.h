@@ -11,10 +11,13 @@
 // Qwen2ForCausalLM): nn.Linear weights [out, in] (WeightLayout::kOutIn); a block's
 // tensor's full name is "<group>.<tensor>" ("model.layers.3.self_attn.q_proj.weight").
 // The token embedding and an untied lm_head are split into groups of whole vocabulary
-// rows, so no gather slot, gradient buffer or scratch is vocabulary-sized: chunk k holds
-// rows [k*R, min((k+1)*R, vocab)) of "model.embed_tokens.weight" (or "lm_head.weight")
-// where R keeps a chunk within LlamaModelOptions::vocab_chunk_bytes of fp32. See
-// llama_tensor_source() for the mapping a checkpoint loader streams through.
+// rows (examples/lm/vocab_chunks.h, shared with GPT-2), so no gather slot, gradient
+// buffer or scratch is vocabulary-sized: chunk k holds rows [k*R, k*R + rows) of
+// "model.embed_tokens.weight" (or "lm_head.weight") where R keeps a chunk within
+// LlamaModelOptions::vocab_chunk_bytes of fp32; a vocabulary that is not a multiple of
+// 128 is padded inside the model with zero rows at the end of the last chunk, which no
+// load, export or softmax sees. See llama_tensor_source() for the mapping a checkpoint
+// loader streams through.
 //
 // Initialization as transformers' LlamaPreTrainedModel._init_weights: every weight matrix
 // and the embedding N(0, initializer_range), biases 0, RMSNorm gains 1. Weight decay on the
@@ -32,29 +35,9 @@
 // gradient between uses). No gradient waits between uses here, which the model declares
 // (Engine::declare_held_gradients(0)): the engine plans its two overlapping slots only.
 //
-// The embedding over vocabulary chunks: chunk k is copied into a slot with one zero row
-// appended, and embedding_forward reads it with each token mapped to its row in the chunk
-// or, for a token of another chunk, to the zero row; the chunks' outputs add up exactly
-// (one of them is the token's row, the others zeros). The backward writes through the
-// same mapping into an fp32 scratch whose extra row collects the other chunks' tokens,
-// and adds the chunk's rows into its gradient.
-//
-// The LM head over vocabulary chunks. Only one chunk of the head's weight is gathered at a
-// time, so the full-vocabulary cross-entropy is assembled from per-chunk pieces with the
-// existing kernels, exactly up to fp32 rounding:
-//   pass 1  per chunk k and row block: logits = x . W_k^T; cross_entropy_forward gives each
-//           row's chunk log-sum-exp lse_k and, in the chunk holding its target, lse_k - logit.
-//           Then the rows' [E] vector of lse_k (transposed by a product with an identity)
-//           goes through cross_entropy_forward once more, with the target's chunk as the
-//           target: its lse is the full log-sum-exp LSE, its loss LSE - lse_k(target).
-//           The row's loss is the sum of the two pieces.
-//   pass 2  per chunk: logits again, cross_entropy_backward with LSE, so dlogits are the
-//           full softmax's; rows whose target is in another chunk are given column 0 as a
-//           stand-in target, and the -grad_scale it put there is taken back by one
-//           rank-1 product (matmul_backward with a [rows, 1] coefficient) on dx and dW_k.
-// The head therefore costs four vocabulary-sized GEMMs (five when tied, whose weight
-// gradient waits for pass 3) instead of three; an online-softmax cross-entropy kernel
-// would remove the recomputation.
+// The embedding and the LM head over vocabulary chunks are lm::VocabHead's (see
+// examples/lm/vocab_chunks.h for how the full-vocabulary cross-entropy is assembled from
+// per-chunk pieces, exactly up to fp32 rounding).
 //
 // Activations: with checkpointing (default) each block's input is kept and the block is
 // recomputed in backward; kOff keeps every block's intermediates; kPinnedHost keeps the
@@ -81,6 +64,7 @@
 #include "engine/engine.h"
 #include "examples/gpt/gpt_model.h"
 #include "examples/llama/llama_config.h"
+#include "examples/lm/vocab_chunks.h"
 #include "kernels/blas_context.h"
 
 namespace strata::llama {
@@ -89,17 +73,9 @@ using gpt::ActivationCheckpointing;
 using gpt::MicroBatchLosses;
 using gpt::TokenBatch;
 
-// fp32 bytes a vocabulary chunk may hold by default (the embedding and an untied lm_head).
-inline constexpr size_t kDefaultVocabChunkBytes = size_t{64} << 20;
-
-// How the vocabulary is split into chunks of whole rows.
-struct VocabChunks {
-  int64_t rows_per_chunk = 0;  // every chunk but the last
-  int64_t count = 0;
-  int64_t first_row(int64_t chunk) const { return chunk * rows_per_chunk; }
-  int64_t rows(int64_t chunk, int64_t vocab) const { return std::min(rows_per_chunk, vocab - first_row(chunk)); }
-};
-// Rows per chunk: as many as fit `chunk_bytes` of fp32 (at least one).
+using lm::kDefaultVocabChunkBytes;
+using lm::VocabChunks;
+// The vocabulary's chunks: as many rows as fit `chunk_bytes` of fp32 (lm::make_vocab_chunks).
 VocabChunks vocab_chunks(const LlamaConfig& config, size_t chunk_bytes);
 
 // Group ids, with E = chunks.count embedding chunks.
@@ -128,7 +104,8 @@ struct HfTensorSlice {
   std::string hf_name;            // "model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", ...
   std::vector<int64_t> hf_shape;  // the whole tensor's shape in the checkpoint
   int64_t row_offset = 0;         // first row (dimension 0) the group tensor holds
-  int64_t rows = 0;               // rows it holds (hf_shape[0] unless chunked; 1 for a vector's single "row" of all of it)
+  int64_t rows = 0;               // checkpoint rows it holds (hf_shape[0] unless chunked; 1 for a vector's single "row" of all of it);
+                                  // a chunk's padding rows past them are the model's own
 };
 HfTensorSlice llama_tensor_source(const LlamaConfig& config, const VocabChunks& chunks, std::string_view group_name,
                                   std::string_view tensor_name);
@@ -200,14 +177,10 @@ class LlamaModel {
   LlamaModel(Engine& engine, const LlamaModelOptions& options, const LlamaActivationPlan& plan);
 
   StatusOr<Params> params_of(int group, const GroupView& view);
-  Status stage_inputs(const TokenBatch& batch, float grad_scale, Rows& rows);
+  StatusOr<int64_t> stage_inputs(const TokenBatch& batch, float grad_scale, Rows& rows);
   Status embed_forward(const Rows& rows);
-  Status embed_backward(int64_t chunk, float* dweight);
   Status block_forward(Params& p, const void* x, void* y, const BlockActs& a, const Rows& rows);
   Status block_backward(Params& p, const std::vector<float*>& g, const void* x, const BlockActs& a, const Rows& rows);
-  Status head_pass1(int64_t chunk, Params& p, const Rows& rows);
-  Status head_combine(const Rows& rows);
-  Status head_pass2(int64_t chunk, Params& p, float* dweight, void* dx, const Rows& rows);
   Status save_block_input(int64_t layer, const Rows& rows);
   Status restore_block_input(int64_t layer, const Rows& rows);
   Status forward(const Rows& rows);
@@ -221,6 +194,7 @@ class LlamaModel {
   LlamaGroups groups_;
   std::unique_ptr<kernels::BlasContext> blas_;
   std::unique_ptr<Buffers> buffers_;
+  std::unique_ptr<lm::VocabHead> vocab_;
   std::map<int, std::vector<float>> captured_;
 };
 

@@ -224,6 +224,64 @@ INSTANTIATE_TEST_SUITE_P(WorldsAndAccumulation, EngineMatchesDense,
 
 // Small groups under the persistence threshold stay gathered on the device (fetched once
 // per step); the result must not change.
+// A checkpoint load declares the groups it writes: start() draws and writes no initial
+// values for them (the counter says how many it did initialize), zeroes their moments, and
+// the loaded values are what the first gather sees; other groups are initialized as ever.
+TEST(EngineTest, GroupsDeclaredLoadedAreNotInitializedAndTakeTheLoadedValues) {
+  testing::TempDir dir;
+  for (Tier tier : {Tier::kPinned, Tier::kNvme}) {
+    SCOPED_TRACE(std::string(tier_name(tier)));
+    LocalClusterOptions cluster_options;
+    cluster_options.world_size = 1;
+    cluster_options.device_budget_bytes = size_t{64} << 20;
+    STRATA_ASSERT_OK_AND_ASSIGN(auto cluster, LocalCluster::create(cluster_options));
+    const auto specs = models::linear_stack_groups(small_model());
+    auto start = [&](bool declare, std::unique_ptr<Engine>& engine) -> Status {
+      EngineOptions options = fp32_options();
+      options.param_tier = tier;
+      options.optimizer_tier = tier;
+      options.nvme_path = (dir.path() / ("nvme-" + std::string(tier_name(tier)) + (declare ? "-loaded" : "-drawn"))).string();
+      STRATA_ASSIGN_OR_RETURN(engine, Engine::create(options, cluster->device(0), cluster->gather_communicator(0), cluster->reduce_communicator(0)));
+      for (const GroupSpec& spec : specs) STRATA_RETURN_IF_ERROR(engine->register_group(spec).status());
+      if (declare)
+        for (int g = 0; g + 1 < int(specs.size()); ++g) STRATA_RETURN_IF_ERROR(engine->declare_loaded(g));
+      EXPECT_FALSE(engine->declare_loaded(int(specs.size())).ok());
+      STRATA_RETURN_IF_ERROR(engine->start());
+      EXPECT_FALSE(engine->declare_loaded(0).ok());  // after start()
+      return {};
+    };
+    std::unique_ptr<Engine> drawn, loaded;
+    STRATA_ASSERT_OK(start(false, drawn));
+    STRATA_ASSERT_OK(start(true, loaded));
+    const int groups = int(specs.size());
+    EXPECT_EQ(drawn->initialized_group_count(), groups);
+    EXPECT_EQ(loaded->initialized_group_count(), 1);
+    // The load: values unlike the initial ones into every declared group.
+    for (int g = 0; g < groups; ++g) {
+      std::vector<float> shard(loaded->layout(g).shard_numel);
+      if (g + 1 < groups) {
+        for (size_t i = 0; i < shard.size(); ++i) shard[i] = i < loaded->layout(g).numel ? 0.5f + 0.001f * float(i % 97) : 0.0f;
+        STRATA_ASSERT_OK(loaded->write_state_shard(g, Engine::StateKind::kMaster, shard));
+      }
+      for (Engine::StateKind kind : {Engine::StateKind::kExpAvg, Engine::StateKind::kExpAvgSq}) {
+        STRATA_ASSERT_OK(loaded->read_state_shard(g, kind, shard));
+        for (float v : shard) ASSERT_EQ(v, 0.0f) << "group " << g;
+      }
+    }
+    STRATA_ASSERT_OK(loaded->refresh_parameters());
+    // The group nobody loads has the initial values a plain start gives it.
+    std::vector<float> a(drawn->layout(groups - 1).shard_numel), b(a.size());
+    STRATA_ASSERT_OK(drawn->read_state_shard(groups - 1, Engine::StateKind::kMaster, a));
+    STRATA_ASSERT_OK(loaded->read_state_shard(groups - 1, Engine::StateKind::kMaster, b));
+    EXPECT_EQ(a, b);
+    int mismatches = 0;
+    STRATA_ASSERT_OK(forward_pass_sees_the_masters(*loaded, 0, DType::kFloat32, ForwardOrder::kOnDemand, &mismatches));
+    EXPECT_EQ(mismatches, 0);
+    STRATA_ASSERT_OK(drawn->finish());
+    STRATA_ASSERT_OK(loaded->finish());
+  }
+}
+
 TEST(EngineTest, PersistentGroupsTrainTheSame) {
   RunSpec spec;
   spec.model = small_model();

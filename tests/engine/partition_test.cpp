@@ -71,6 +71,28 @@ TEST(PartitionTest, ShardsConcatenateToTheSameModelForEveryWorldSize) {
   EXPECT_NE(std::memcmp(other.data() + w.offset, whole.data() + w.offset, 64), 0);
 }
 
+// A vocabulary padded inside the model: only TensorInit::rows rows are drawn, the rest
+// are zero, on every rank, whatever the world size; the drawn rows are those of the full init.
+TEST(PartitionTest, RowsPastTheInitsRowsAreZero) {
+  GroupSpec spec{"wte.4", {{"weight", {7, 5}, TensorInit::normal(0.02f).with_rows(3), false}}};
+  GroupSpec full = spec;
+  full.tensors[0].init.rows = 0;
+  for (int world : {1, 2, 3}) {
+    STRATA_ASSERT_OK_AND_ASSIGN(GroupLayout padded, layout_group(spec, 4, world));
+    STRATA_ASSERT_OK_AND_ASSIGN(GroupLayout drawn, layout_group(full, 4, world));
+    for (int rank = 0; rank < world; ++rank) {
+      std::vector<float> a(padded.shard_numel), b(drawn.shard_numel);
+      init_shard(padded, rank, 11, a.data());
+      init_shard(drawn, rank, 11, b.data());
+      for (size_t i = 0; i < a.size(); ++i) {
+        const size_t e = padded.shard_begin(rank) + i;
+        if (e < 15) EXPECT_EQ(a[i], b[i]) << "element " << e;
+        else EXPECT_EQ(a[i], 0.0f) << "element " << e;
+      }
+    }
+  }
+}
+
 TEST(PartitionTest, DecayRunsCoverTheShardAndFollowTheTensors) {
   STRATA_ASSERT_OK_AND_ASSIGN(auto layout, layout_group(block_spec(), 0, 3));
   for (int r = 0; r < 3; ++r) {

@@ -1,7 +1,8 @@
 // The GPT-2 model on the engine: its loss and every gradient against PyTorch
 // (tests/examples/gpt2_reference.py), activation checkpointing modes, evaluation riding
 // along a training forward, the activation plan against what the device is charged,
-// presets, Hugging Face names, and loading weights from safetensors files (good and bad).
+// presets, Hugging Face names, loading weights from safetensors files (good and bad), wte
+// in vocabulary chunks against one chunk, and the vocabulary's padding rows.
 #include "examples/gpt/gpt_model.h"
 
 #include <gtest/gtest.h>
@@ -301,8 +302,8 @@ TEST(GptModelTest, PresetsHaveGpt2sParameterCounts) {
     int64_t from_groups = 0;
     for (const auto& spec : gpt_group_specs(config))
       for (const auto& t : spec.tensors) {
-        int64_t n = 1;
-        for (int64_t d : t.shape) n *= d;
+        int64_t n = t.init.rows > 0 ? t.init.rows : t.shape[0];  // wte's padding rows are not parameters
+        for (size_t d = 1; d < t.shape.size(); ++d) n *= t.shape[d];
         from_groups += n;
       }
     EXPECT_EQ(from_groups, count) << name;
@@ -324,10 +325,15 @@ TEST(GptModelTest, PresetsHaveGpt2sParameterCounts) {
 TEST(GptModelTest, GroupsCarryHuggingFaceNamesShapesAndGpt2Init) {
   const GptConfig config{3, 2, 16, 8, 50};
   const auto specs = gpt_group_specs(config);
-  ASSERT_EQ(specs.size(), 5u);
+  ASSERT_EQ(specs.size(), 6u);  // wte.0 (one chunk), wpe, h.0 .. h.2, ln_f
   std::vector<NamedShape> ours;
   for (const auto& spec : specs)
-    for (const auto& t : spec.tensors) ours.push_back({hf_tensor_name(spec.name, t.name), t.shape});
+    for (const auto& t : spec.tensors) {
+      std::vector<int64_t> shape = t.shape;
+      if (t.init.rows > 0) shape[0] = t.init.rows;  // the vocabulary padded to 128 rows: 50 of them are wte's
+      ours.push_back({hf_tensor_name(spec.name, t.name), shape});
+    }
+  EXPECT_EQ(specs[0].tensors[0].shape, (std::vector<int64_t>{128, 16}));
   const auto theirs = gpt2_tensor_shapes(gpt2_dims(config));
   ASSERT_EQ(ours.size(), theirs.size());
   for (size_t i = 0; i < ours.size(); ++i) {
@@ -347,7 +353,8 @@ TEST(GptModelTest, GroupsCarryHuggingFaceNamesShapesAndGpt2Init) {
       }
     }
   const std::vector<int> schedule = gpt_schedule(config);
-  EXPECT_EQ(schedule, (std::vector<int>{0, 1, 2, 3, 4, 0, 3, 2, 1}));
+  // wte, wpe, h.0 .. h.2, ln_f, the head's passes 1 and 2 (wte), h.2 .. h.0, pass 3 (wte).
+  EXPECT_EQ(schedule, (std::vector<int>{0, 1, 2, 3, 4, 5, 0, 0, 4, 3, 2, 0}));
 }
 
 // Writes a GPT-2 file for `config` with values from `value(name, i)`, optionally
@@ -447,8 +454,9 @@ TEST(GptModelTest, AFileWithAMissingOrMisshapenTensorIsRefusedByName) {
     EXPECT_TRUE(contains(status.to_string(), "[18, 55]")) << status.to_string();
   }
   // Nothing was loaded: the engine still holds its initial weights (shards untouched).
-  std::vector<float> ln(rank.engine->layout(1).numel);
-  STRATA_ASSERT_OK(rank.master(1, ln));
+  const int block0 = rank.model->groups().block(0);
+  std::vector<float> ln(rank.engine->layout(block0).numel);
+  STRATA_ASSERT_OK(rank.master(block0, ln));
   EXPECT_EQ(ln[0], 1.0f);  // ln_1.weight initialized to ones
   STRATA_ASSERT_OK(rank.engine->finish());
 }
@@ -504,6 +512,118 @@ TEST(GptModelTest, ChecksumPartsAddUpTheSameForEveryWorldSize) {
   std::memcpy(&shard[100], &bits, 4);
   EXPECT_NE(master_checksum_part(layout, 0, shard), before);
   EXPECT_EQ(checksum_hex(0x1234), "0000000000001234");
+}
+
+
+// Vocabulary 301: padded to 384 rows inside the model; with 64-row chunks, wte is 5 groups
+// (4 x 64 rows, then 45 real rows + 83 padding rows).
+GptConfig vocab_301_config() { return GptConfig{2, 3, 18, 13, 301}; }
+
+GptModelOptions vocab_301_options(size_t chunk_rows) {
+  GptModelOptions options = odd_model_options(ActivationCheckpointing::kDevice);
+  options.config = vocab_301_config();
+  options.vocab_chunk_bytes = chunk_rows * size_t(options.config.n_embd) * 4;
+  return options;
+}
+
+// Every group's captured gradient by group name, and wte's rows (real ones only) put
+// together from its chunks; `padding_gradient` gets the largest |value| any padding row had.
+std::map<std::string, std::vector<float>> gradients_by_name(const SingleRank& rank, float* padding_gradient) {
+  std::map<std::string, std::vector<float>> out;
+  const lm::VocabChunks& chunks = rank.model->activation_plan().chunks;
+  const size_t C = size_t(rank.model->options().config.n_embd);
+  for (const auto& [g, values] : rank.model->captured_gradients()) {
+    const GroupLayout& layout = rank.engine->layout(g);
+    const int64_t chunk = lm::vocab_chunk_of_group(layout.name, "wte");
+    if (chunk < 0) {
+      out[layout.name] = values;
+      continue;
+    }
+    std::vector<float>& wte = out["wte"];
+    wte.resize(size_t(chunks.vocab) * C);
+    const size_t real = size_t(chunks.real_rows(chunk)) * C;
+    std::copy_n(values.begin(), real, wte.begin() + std::ptrdiff_t(size_t(chunks.first_row(chunk)) * C));
+    for (size_t i = real; i < size_t(chunks.rows(chunk)) * C; ++i) *padding_gradient = std::max(*padding_gradient, std::abs(values[i]));
+  }
+  return out;
+}
+
+TEST(GptModelTest, WteInChunksOf64RowsMatchesOneChunkToFp32RoundingAtVocabulary301) {
+  testing::TempDir dir;
+  const std::string path = (dir.path() / "model.safetensors").string();
+  STRATA_ASSERT_OK(write_gpt2_file(path, vocab_301_config()));
+  STRATA_ASSERT_OK_AND_ASSIGN(SafetensorsReader reader, SafetensorsReader::open(path));
+  const Batch batch = make_batch(vocab_301_config(), 3, 11, 23, /*with_ignored=*/true);
+  const Batch eval = make_batch(vocab_301_config(), 2, 11, 24, /*with_ignored=*/false);
+  SingleRank chunked, whole;
+  STRATA_ASSERT_OK(chunked.init(vocab_301_options(64), fp32_engine_options()));
+  STRATA_ASSERT_OK(whole.init(vocab_301_options(4096), fp32_engine_options()));
+  ASSERT_EQ(chunked.model->groups().chunks, 5);
+  ASSERT_EQ(whole.model->groups().chunks, 1);
+  EXPECT_EQ(chunked.engine->layout(4).tensors[0].shape, (std::vector<int64_t>{128, 18}));
+  EXPECT_EQ(whole.engine->layout(0).tensors[0].shape, (std::vector<int64_t>{384, 18}));
+  // The same file fills the real rows of either chunking.
+  STRATA_ASSERT_OK(load_gpt2_weights(*chunked.engine, 0, reader, vocab_301_config()));
+  STRATA_ASSERT_OK(load_gpt2_weights(*whole.engine, 0, reader, vocab_301_config()));
+  STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses a, chunked.gradients(batch, 3, &eval, 2));
+  STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses b, whole.gradients(batch, 3, &eval, 2));
+  EXPECT_EQ(a.train_tokens, b.train_tokens);
+  EXPECT_NEAR(a.train_loss_sum, b.train_loss_sum, 2e-6 * std::abs(b.train_loss_sum));
+  EXPECT_NEAR(a.eval_loss_sum, b.eval_loss_sum, 2e-6 * std::abs(b.eval_loss_sum));
+  float padding_a = 0.0f, padding_b = 0.0f;
+  const auto grads_a = gradients_by_name(chunked, &padding_a);
+  const auto grads_b = gradients_by_name(whole, &padding_b);
+  EXPECT_EQ(padding_a, 0.0f);
+  EXPECT_EQ(padding_b, 0.0f);
+  ASSERT_EQ(grads_a.size(), grads_b.size());
+  for (const auto& [name, want] : grads_b) {
+    const std::vector<float>& got = grads_a.at(name);
+    ASSERT_EQ(got.size(), want.size()) << name;
+    float scale = 0.0f, worst = 0.0f;
+    for (size_t i = 0; i < want.size(); ++i) {
+      scale = std::max(scale, std::abs(want[i]));
+      worst = std::max(worst, std::abs(got[i] - want[i]));
+    }
+    EXPECT_LE(worst, 1e-5f * scale) << name;
+  }
+}
+
+TEST(GptModelTest, PaddedVocabularyRowsStartZeroTakeNoSoftmaxMassAndStayZero) {
+  const Batch batch = make_batch(vocab_301_config(), 3, 11, 31, /*with_ignored=*/false);
+  SingleRank rank;
+  STRATA_ASSERT_OK(rank.init(vocab_301_options(64), fp32_engine_options()));
+  const int last = rank.model->groups().wte(4);
+  const size_t C = 18, real = 45 * C, rows = 128 * C;
+  std::vector<float> table(rank.engine->layout(last).numel);
+  STRATA_ASSERT_OK(rank.master(last, table));
+  for (size_t i = real; i < rows; ++i) ASSERT_EQ(table[i], 0.0f) << "padding element " << i - real << " initialized";
+  EXPECT_NE(table[real - 1], 0.0f);
+  STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses zero_padding, rank.gradients(batch, 3));
+  // Large values in the padding rows: a softmax that saw them would put almost all its mass there.
+  std::vector<float> shard(rank.engine->layout(last).shard_numel, 0.0f);
+  std::copy(table.begin(), table.end(), shard.begin());
+  for (size_t i = real; i < rows; ++i) shard[i] = 50.0f;
+  STRATA_ASSERT_OK(rank.engine->write_state_shard(last, Engine::StateKind::kMaster, shard));
+  STRATA_ASSERT_OK(rank.engine->refresh_parameters());
+  STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses large_padding, rank.gradients(batch, 3));
+  EXPECT_EQ(large_padding.train_loss_sum, zero_padding.train_loss_sum);
+  const std::vector<float>& grad = rank.model->captured_gradients().at(last);
+  for (size_t i = real; i < rows; ++i) ASSERT_EQ(grad[i], 0.0f) << "padding element " << i - real << " got a gradient";
+  // Zero padding again, and real updates (AdamW, learning rate 0.1): the padding stays zero.
+  for (size_t i = real; i < rows; ++i) shard[i] = 0.0f;
+  STRATA_ASSERT_OK(rank.engine->write_state_shard(last, Engine::StateKind::kMaster, shard));
+  STRATA_ASSERT_OK(rank.engine->refresh_parameters());
+  for (int step = 0; step < 2; ++step) {
+    STRATA_ASSERT_OK(rank.engine->begin_step(0.1));
+    const TokenBatch train{batch.inputs.data(), batch.targets.data(), 3};
+    STRATA_ASSERT_OK_AND_ASSIGN(MicroBatchLosses losses, rank.model->run_micro_batch(&train, nullptr, 1.0f / 33.0f));
+    STRATA_ASSERT_OK(rank.engine->step(losses.train_loss_sum / 33.0).status());
+  }
+  STRATA_ASSERT_OK(rank.engine->finish());
+  std::vector<float> after(rank.engine->layout(last).numel);
+  STRATA_ASSERT_OK(rank.master(last, after));
+  for (size_t i = real; i < rows; ++i) ASSERT_EQ(after[i], 0.0f) << "padding element " << i - real << " moved";
+  EXPECT_NE(after[0], table[0]);  // the real rows did train
 }
 
 }  // namespace

@@ -171,7 +171,8 @@ std::map<std::string, std::vector<float>> to_hf(Engine& engine, const LlamaModel
       const HfTensorSlice slice = llama_tensor_source(options.config, chunks, layout.name, t.name);
       std::vector<float>& dst = out.at(slice.hf_name);
       const size_t row = dst.size() / static_cast<size_t>(slice.hf_shape[0]);
-      std::copy(values.begin() + static_cast<std::ptrdiff_t>(t.offset), values.begin() + static_cast<std::ptrdiff_t>(t.offset + t.numel),
+      const size_t mapped = static_cast<size_t>(slice.rows) * row;  // a chunk's padding rows are not Hugging Face's
+      std::copy(values.begin() + static_cast<std::ptrdiff_t>(t.offset), values.begin() + static_cast<std::ptrdiff_t>(t.offset + mapped),
                 dst.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(slice.row_offset) * row));
     }
   }
@@ -308,7 +309,7 @@ Status load_hf(SingleRank& rank, const LlamaModelOptions& options, const std::ma
       const HfTensorSlice slice = llama_tensor_source(options.config, chunks, layout.name, t.name);
       const std::vector<float>& src = tensors.at(slice.hf_name);
       const size_t row = src.size() / static_cast<size_t>(slice.hf_shape[0]);
-      std::copy_n(src.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(slice.row_offset) * row), t.numel,
+      std::copy_n(src.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(slice.row_offset) * row), static_cast<size_t>(slice.rows) * row,
                   shard.begin() + static_cast<std::ptrdiff_t>(t.offset));
     }
     STRATA_RETURN_IF_ERROR(rank.engine->write_state_shard(g, Engine::StateKind::kMaster, shard));
