@@ -19,7 +19,6 @@ namespace {
 
 using lm::bytes_text;
 using lm::device_reservation;
-using lm::kCudaBlasWorkspaceBytes;
 using lm::kSubBufferAlignment;
 using lm::round_up;
 
@@ -325,10 +324,7 @@ StatusOr<GptActivationPlan> plan_gpt_activations(const GptModelOptions& options,
   plan.chunks = layout.chunks;
   plan.lines.assign(layout.lines.begin(), layout.lines.end());
   plan.device_bytes = device_reservation(layout.total, device);
-  if (device == DeviceKind::kCuda) {
-    plan.device_bytes += device_reservation(kCudaBlasWorkspaceBytes, device);
-    plan.lines.emplace_back("cuBLAS workspace", kCudaBlasWorkspaceBytes);
-  }
+  plan.device_bytes += lm::model_blas_device_bytes(device, plan.lines);
   plan.pinned_bytes = static_cast<size_t>(layout.pinned_slots) * layout.pinned_slot_bytes;
   return plan;
 }
@@ -395,12 +391,9 @@ Status GptModel::allocate() {
   STRATA_ASSIGN_OR_RETURN(plan_, plan_gpt_activations(options_, device.kind()));
   auto buffers = std::make_unique<Buffers>();
   STRATA_ASSIGN_OR_RETURN(buffers->layout, make_layout(options_, device.kind()));
-  kernels::BlasOptions blas_options;
-  blas_options.cuda_workspace_bytes = kCudaBlasWorkspaceBytes;
-  // IEEE fp32 products: the vocabulary head's transpose by an identity is exact only with them (TF32 would round the log-sum-exps).
-  blas_options.fp32_math = kernels::Fp32Math::kExact;
-  STRATA_ASSIGN_OR_RETURN(kernels::BlasContext blas, kernels::BlasContext::create(device, blas_options));
-  blas_ = std::make_unique<kernels::BlasContext>(std::move(blas));
+  STRATA_ASSIGN_OR_RETURN(lm::ModelBlas blas, lm::create_model_blas(device));
+  blas_ = std::move(blas.blocks);
+  head_blas_ = std::move(blas.head);
   STRATA_ASSIGN_OR_RETURN(buffers->arena, device.allocate(buffers->layout.total, "GPT activations"));
   const DeviceLayout& d = buffers->layout;
   if (d.pinned_slots > 0) {
@@ -421,7 +414,7 @@ Status GptModel::allocate() {
       STRATA_ASSIGN_OR_RETURN(buffers->restored[i], device.create_event());
     }
   }
-  STRATA_ASSIGN_OR_RETURN(vocab_, lm::VocabHead::create(engine_, *blas_, d.head_shape, buffers->at(d.vocab_head), buffers->at(d.param_scratch)));
+  STRATA_ASSIGN_OR_RETURN(vocab_, lm::VocabHead::create(engine_, *head_blas_, d.head_shape, buffers->at(d.vocab_head), buffers->at(d.param_scratch)));
   // wpe's rows: each token's place in its sequence.
   const size_t position_rows = static_cast<size_t>(std::max(d.rows, d.eval_rows)), T = static_cast<size_t>(options_.seq_len);
   std::vector<int32_t> positions(position_rows);

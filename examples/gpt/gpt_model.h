@@ -216,7 +216,8 @@ class GptModel : public lm::CausalLm {
   GptModelOptions options_;
   GptActivationPlan plan_;
   GptGroups groups_;
-  std::unique_ptr<kernels::BlasContext> blas_;
+  std::unique_ptr<kernels::BlasContext> blas_;       // the blocks: strata.matmul_precision
+  std::unique_ptr<kernels::BlasContext> head_blas_;  // the vocabulary head: IEEE fp32 (lm::ModelBlas)
   std::unique_ptr<Buffers> buffers_;
   std::unique_ptr<lm::VocabHead> vocab_;
   std::map<int, std::vector<float>> captured_;

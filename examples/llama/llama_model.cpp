@@ -21,7 +21,6 @@ namespace {
 
 using lm::bytes_text;
 using lm::device_reservation;
-using lm::kCudaBlasWorkspaceBytes;
 using lm::kSubBufferAlignment;
 using lm::round_up;
 
@@ -322,10 +321,7 @@ StatusOr<LlamaActivationPlan> plan_llama_activations(const LlamaModelOptions& op
   plan.lines.assign(layout.lines.begin(), layout.lines.end());
   plan.device_bytes = device_reservation(layout.total, device);
   plan.pinned_bytes = static_cast<size_t>(layout.pinned_slots) * layout.pinned_slot_bytes;
-  if (device == DeviceKind::kCuda) {
-    plan.device_bytes += device_reservation(kCudaBlasWorkspaceBytes, device);
-    plan.lines.emplace_back("cuBLAS workspace", kCudaBlasWorkspaceBytes);
-  }
+  plan.device_bytes += lm::model_blas_device_bytes(device, plan.lines);
   return plan;
 }
 
@@ -407,16 +403,9 @@ Status LlamaModel::allocate() {
   auto b = std::make_unique<Buffers>();
   STRATA_ASSIGN_OR_RETURN(b->layout, make_layout(options_, device.kind()));
   block_tensors(options_.config, &b->index);
-  kernels::BlasOptions blas_options;
-  blas_options.cuda_workspace_bytes = kCudaBlasWorkspaceBytes;
-  // IEEE fp32 products: head_combine's transpose by an identity is exact only with them (TF32 would round the log-sum-exps).
-  blas_options.matmul_precision = MatmulPrecision::kFp32;
-  if (device.matmul_precision() != MatmulPrecision::kFp32) {
-    STRATA_LOG(kWarn) << "strata.matmul_precision=" << matmul_precision_name(device.matmul_precision())
-                      << " does not apply to the Llama family: its fp32 GEMMs stay exact (head_combine needs exact products)";
-  }
-  STRATA_ASSIGN_OR_RETURN(kernels::BlasContext blas, kernels::BlasContext::create(device, blas_options));
-  blas_ = std::make_unique<kernels::BlasContext>(std::move(blas));
+  STRATA_ASSIGN_OR_RETURN(lm::ModelBlas blas, lm::create_model_blas(device));
+  blas_ = std::move(blas.blocks);
+  head_blas_ = std::move(blas.head);
   STRATA_ASSIGN_OR_RETURN(b->arena, device.allocate(b->layout.total, "Llama activations"));
   const DeviceLayout& d = b->layout;
   if (d.pinned_slots > 0) {
@@ -438,7 +427,7 @@ Status LlamaModel::allocate() {
     }
   }
   b->positions.resize(static_cast<size_t>(d.rows));
-  STRATA_ASSIGN_OR_RETURN(vocab_, lm::VocabHead::create(engine_, *blas_, d.head_shape, b->at(d.vocab_head), b->at(d.matrix_scratch)));
+  STRATA_ASSIGN_OR_RETURN(vocab_, lm::VocabHead::create(engine_, *head_blas_, d.head_shape, b->at(d.vocab_head), b->at(d.matrix_scratch)));
 
   // The rotary inverse frequencies.
   Stream& stream = engine_.compute_stream();

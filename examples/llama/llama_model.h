@@ -192,7 +192,8 @@ class LlamaModel {
   LlamaModelOptions options_;
   LlamaActivationPlan plan_;
   LlamaGroups groups_;
-  std::unique_ptr<kernels::BlasContext> blas_;
+  std::unique_ptr<kernels::BlasContext> blas_;       // the blocks: strata.matmul_precision
+  std::unique_ptr<kernels::BlasContext> head_blas_;  // the vocabulary head: IEEE fp32 (lm::ModelBlas)
   std::unique_ptr<Buffers> buffers_;
   std::unique_ptr<lm::VocabHead> vocab_;
   std::map<int, std::vector<float>> captured_;

@@ -38,4 +38,27 @@ Status copy_gradient_to_host(Engine& engine, int group, const GroupView& grads, 
   return engine.compute_stream().synchronize();
 }
 
+StatusOr<ModelBlas> create_model_blas(Device& device) {
+  ModelBlas blas;
+  kernels::BlasOptions blocks_options;
+  blocks_options.cuda_workspace_bytes = kCudaBlasWorkspaceBytes;  // precision: the device's
+  StatusOr<kernels::BlasContext> blocks = kernels::BlasContext::create(device, blocks_options);
+  if (!blocks.ok()) return std::move(blocks).status().with_context("creating the model's BLAS handle");
+  blas.blocks = std::make_unique<kernels::BlasContext>(*std::move(blocks));
+  kernels::BlasOptions head_options;
+  head_options.cuda_workspace_bytes = kCudaHeadBlasWorkspaceBytes;
+  head_options.matmul_precision = MatmulPrecision::kFp32;
+  StatusOr<kernels::BlasContext> head = kernels::BlasContext::create(device, head_options);
+  if (!head.ok()) return std::move(head).status().with_context("creating the vocabulary head's BLAS handle");
+  blas.head = std::make_unique<kernels::BlasContext>(*std::move(head));
+  return blas;
+}
+
+size_t model_blas_device_bytes(DeviceKind device, std::vector<std::pair<std::string, size_t>>& lines) {
+  if (device != DeviceKind::kCuda) return 0;
+  lines.emplace_back("cuBLAS workspace", kCudaBlasWorkspaceBytes);
+  lines.emplace_back("cuBLAS workspace (vocabulary head, IEEE fp32)", kCudaHeadBlasWorkspaceBytes);
+  return device_reservation(kCudaBlasWorkspaceBytes, device) + device_reservation(kCudaHeadBlasWorkspaceBytes, device);
+}
+
 }  // namespace strata::lm

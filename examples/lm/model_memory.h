@@ -5,13 +5,16 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "engine/core/device.h"
 #include "engine/core/dtype.h"
 #include "engine/core/status.h"
 #include "engine/engine.h"
+#include "kernels/blas_context.h"
 
 namespace strata::lm {
 
@@ -20,6 +23,21 @@ inline constexpr size_t kSubBufferAlignment = 256;
 // cuBLAS's workspace, out of the device budget: 32 MiB, NVIDIA's advice for Hopper (with
 // 4 MiB cuBLAS falls back to slower kernels for the large GEMMs of GPT-2 XL and Llama-1B).
 inline constexpr size_t kCudaBlasWorkspaceBytes = size_t{32} << 20;
+// The vocabulary head's own handle needs little: its GEMMs are plain and few per chunk.
+inline constexpr size_t kCudaHeadBlasWorkspaceBytes = size_t{4} << 20;
+
+// A model's two BLAS handles. `blocks` computes the transformer blocks' fp32 GEMMs the way
+// the device's matmul_precision() says (strata.matmul_precision). `head` serves the
+// vocabulary head (lm::VocabHead), always in IEEE fp32: its chunked log-sum-exp combine
+// transposes by a product with an identity, which is exact only without TF32/bf16 inputs.
+struct ModelBlas {
+  std::unique_ptr<kernels::BlasContext> blocks;
+  std::unique_ptr<kernels::BlasContext> head;
+};
+StatusOr<ModelBlas> create_model_blas(Device& device);
+// The device bytes create_model_blas takes (CUDA: both workspaces, as the allocator
+// reserves them; CPU: none), with one line per workspace added to `lines`.
+size_t model_blas_device_bytes(DeviceKind device, std::vector<std::pair<std::string, size_t>>& lines);
 
 inline size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 

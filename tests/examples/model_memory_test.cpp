@@ -38,6 +38,13 @@ TEST(ModelMemoryTest, CudaPlansDeclareA32MiBCublasWorkspace) {
   STRATA_ASSERT_OK_AND_ASSIGN(llama::LlamaActivationPlan llama_plan, llama::plan_llama_activations(llama, DeviceKind::kCuda));
   EXPECT_EQ(line_bytes(llama_plan.lines, "cuBLAS workspace"), 32 * kMiB) << llama_plan.text();
 
+  // The vocabulary head has its own IEEE-fp32 handle (lm::ModelBlas), whose workspace is
+  // declared too, so strata.matmul_precision can apply to the blocks without the budget
+  // missing the second handle.
+  EXPECT_EQ(line_bytes(gpt_plan.lines, "cuBLAS workspace (vocabulary head, IEEE fp32)"), 4 * kMiB) << gpt_plan.text();
+  EXPECT_EQ(line_bytes(llama_plan.lines, "cuBLAS workspace (vocabulary head, IEEE fp32)"), 4 * kMiB) << llama_plan.text();
+  EXPECT_GE(gpt_plan.device_bytes, 36 * kMiB);
+
   // The CPU device has no cuBLAS: no workspace there.
   STRATA_ASSERT_OK_AND_ASSIGN(gpt::GptActivationPlan cpu_plan, gpt::plan_gpt_activations(gpt, DeviceKind::kCpu));
   EXPECT_EQ(line_bytes(cpu_plan.lines, "cuBLAS workspace"), 0u);
