@@ -692,6 +692,8 @@ StatusOr<Rendezvous> Rendezvous::start(const RendezvousOptions& options) {
                                 std::to_string(options.world_size - 1) + "] for world size " +
                                 std::to_string(options.world_size) + " (WORLD_SIZE)");
   if (options.timeout.count() <= 0) return InvalidArgumentError("rendezvous: the timeout must be positive");
+  if (options.collective_timeout.count() <= 0)
+    return InvalidArgumentError("rendezvous: the collective timeout (STRATA_COLLECTIVE_TIMEOUT_S) must be positive");
   Rendezvous rendezvous(options);
   rendezvous.port_ = options.master_port;
   if (options.world_size == 1) return rendezvous;
@@ -972,7 +974,7 @@ StatusOr<std::vector<std::vector<std::byte>>> Rendezvous::gather_all(std::span<c
   std::vector<std::vector<std::byte>> blobs(static_cast<size_t>(world));
   blobs[static_cast<size_t>(options_.rank)].assign(blob.begin(), blob.end());
   if (world == 1) return blobs;
-  const Clock::time_point deadline = Clock::now() + options_.timeout;
+  const Clock::time_point deadline = Clock::now() + options_.collective_timeout;
   const std::string what = collective_text(kind, sequence);
 
   if (options_.rank != 0) {
@@ -980,7 +982,7 @@ StatusOr<std::vector<std::vector<std::byte>>> Rendezvous::gather_all(std::span<c
     Status sent = root.send(MessageHeader{.kind = kind, .rank = options_.rank, .sequence = sequence}, blob, deadline);
     if (!sent.ok()) return fail(std::move(sent).with_context("rendezvous " + what));
     StatusOr<Message> reply = root.receive(deadline, "in " + what + " on rank " + std::to_string(options_.rank) +
-                                                         " waiting " + seconds_text(options_.timeout) +
+                                                         " waiting " + seconds_text(options_.collective_timeout) +
                                                          " for rank 0's reply (a rank has not called it yet?)");
     if (!reply.ok()) return fail(reply.status());
     if (Status status = expect_collective(*reply, kind, sequence, 0, options_.rank, "rank 0"); !status.ok())
@@ -1031,7 +1033,7 @@ StatusOr<std::vector<std::vector<std::byte>>> Rendezvous::gather_all(std::span<c
     if (Status status = poll_fds(fds, remaining_ms(deadline), &ready); !status.ok()) return fail(std::move(status));
     if (ready == 0)
       return fail(DeadlineExceededError("rendezvous: " + what + " on rank 0 timed out after " +
-                                        seconds_text(options_.timeout) + " waiting for rank" +
+                                        seconds_text(options_.collective_timeout) + " waiting for rank" +
                                         (fd_ranks.size() == 1 ? " " : "s ") + rank_list_text(fd_ranks) +
                                         " (still computing, stuck, or calling a different collective?)"));
     for (size_t i = 0; i < fds.size(); ++i) {
@@ -1066,7 +1068,7 @@ StatusOr<std::vector<std::byte>> Rendezvous::broadcast(std::span<const std::byte
                                 std::to_string(world - 1) + "]");
   const uint64_t sequence = next_sequence_++;
   if (world == 1) return std::vector<std::byte>(blob.begin(), blob.end());
-  const Clock::time_point deadline = Clock::now() + options_.timeout;
+  const Clock::time_point deadline = Clock::now() + options_.collective_timeout;
   const std::string what = collective_text(MessageKind::kBroadcast, sequence) + " from rank " + std::to_string(root);
   const MessageHeader header{.kind = MessageKind::kBroadcast, .rank = options_.rank, .aux = root, .sequence = sequence};
 
@@ -1078,7 +1080,7 @@ StatusOr<std::vector<std::byte>> Rendezvous::broadcast(std::span<const std::byte
     }
     // Every non-root rank gets the blob from rank 0; the root gets it back as its completion.
     StatusOr<Message> reply = link.receive(deadline, "in " + what + " on rank " + std::to_string(options_.rank) +
-                                                         " waiting " + seconds_text(options_.timeout) + " for rank 0");
+                                                         " waiting " + seconds_text(options_.collective_timeout) + " for rank 0");
     if (!reply.ok()) return fail(reply.status());
     if (Status status = expect_collective(*reply, MessageKind::kBroadcast, sequence, root, options_.rank, "rank 0");
         !status.ok())
@@ -1090,7 +1092,7 @@ StatusOr<std::vector<std::byte>> Rendezvous::broadcast(std::span<const std::byte
   if (root != 0) {
     Peer& source = peers_[static_cast<size_t>(root)];
     StatusOr<Message> message = source.receive(deadline, "in " + what + " on rank 0 waiting " +
-                                                             seconds_text(options_.timeout) + " for rank " +
+                                                             seconds_text(options_.collective_timeout) + " for rank " +
                                                              std::to_string(root) + "'s blob");
     if (!message.ok()) return fail(message.status());
     if (Status status = expect_collective(*message, MessageKind::kBroadcast, sequence, root, 0, source.description);

@@ -646,6 +646,9 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
   std::unique_ptr<StepBoard> board;
   std::mutex result_mutex;
   std::atomic<uint64_t> checksum{0};
+  // Per rank, summed in rank order at the end: param_norm is a number runs with different
+  // world sizes can compare within a tolerance (the checksum is a hash: equal or not).
+  std::vector<double> square_sums(static_cast<size_t>(world), 0.0);
   double eval_sum_final = 0.0;
   int64_t eval_tokens_final = 0;
   const int64_t global_tokens_per_step = micro * world * seq_len * accumulation;
@@ -825,18 +828,29 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     // The weights' checksum, from this rank's master shards.
     STRATA_RETURN_IF_ERROR(settle_state());
     uint64_t part = 0;
+    double square_sum = 0.0;  // this rank's shards; padding is zero
     std::vector<float> shard;
     for (int g = 0; g < engine->group_count(); ++g) {
       const GroupLayout& layout = engine->layout(g);
       shard.resize(layout.shard_numel);
       STRATA_RETURN_IF_ERROR(engine->read_state_shard(g, Engine::StateKind::kMaster, shard));
       part += master_checksum_part(layout, rank, shard);
+      for (const float w : shard) square_sum += double(w) * double(w);
     }
     if (processes != nullptr) {
-      // Every process's part, so that each reports the whole checksum.
-      STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> parts, processes->all_gather_strings(std::to_string(part)));
+      // Every process's parts, so that each reports the whole checksum and norm.
+      STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> parts,
+                              processes->all_gather_strings(nlohmann::json{{"checksum", part}, {"square_sum", square_sum}}.dump()));
       part = 0;
-      for (const std::string& text : parts) part += std::stoull(text);
+      for (size_t r = 0; r < parts.size(); ++r) {
+        const nlohmann::json j = nlohmann::json::parse(parts[r], nullptr, /*allow_exceptions=*/false);
+        if (!j.is_object() || !j.contains("checksum") || !j.contains("square_sum"))
+          return DataLossError("rank " + std::to_string(r) + " sent a weight checksum that is not JSON: " + parts[r]);
+        part += j["checksum"].get<uint64_t>();
+        square_sums[r] = j["square_sum"].get<double>();
+      }
+    } else {
+      square_sums[static_cast<size_t>(rank)] = square_sum;
     }
     checksum.fetch_add(part);
 
@@ -937,6 +951,9 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
   if (!result.steps.empty()) result.final_loss = result.steps.back().loss;
   if (eval_tokens_final > 0) result.eval_loss = eval_sum_final / double(eval_tokens_final);
   result.param_checksum = checksum.load();
+  double square_sum = 0.0;
+  for (const double part : square_sums) square_sum += part;
+  result.param_norm = std::sqrt(square_sum);
   const double tokens = double(global_tokens_per_step) * double(end_step - start_step);
   result.tokens_per_s = result.train_seconds > 0 ? tokens / result.train_seconds : 0.0;
   return result;
@@ -964,6 +981,7 @@ std::string summary_json(const TrainerResult& r) {
   j["nvme_bytes_read"] = r.nvme_bytes_read;
   j["nvme_bytes_written"] = r.nvme_bytes_written;
   j["param_checksum"] = checksum_hex(r.param_checksum);
+  j["param_norm"] = r.param_norm;
   j["parameters"] = r.parameters;
   j["world_size"] = r.world_size;
   j["device"] = r.device;

@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <map>
 #include <random>
 #include <string>
@@ -532,6 +533,33 @@ TEST(RendezvousTest, PeerThatExitsIsReportedNotWaitedFor) {
   const Status status = root.barrier();
   ASSERT_EQ(status.code(), StatusCode::kUnavailable) << status.to_string();
   EXPECT_NE(status.message().find("rank 1"), std::string::npos) << status.to_string();
+}
+
+// A peer that is alive but stuck (a stopped process, a rank in a long loop) holds a
+// collective for the collective timeout, not for the join's minutes.
+TEST(RendezvousTest, StuckPeerIsBoundedByTheCollectiveTimeoutNamingIt) {
+  RendezvousOptions root_options = loopback_options(0, 2, 0, std::chrono::minutes(5));
+  root_options.collective_timeout = milliseconds(300);
+  STRATA_ASSERT_OK_AND_ASSIGN(Rendezvous root, Rendezvous::start(root_options));
+  const uint16_t port = root.port();
+  std::promise<void> root_done;
+  Status peer_status;
+  std::thread peer([&, done = root_done.get_future()] {
+    peer_status = [&]() -> Status {
+      RendezvousOptions options = loopback_options(1, 2, port, std::chrono::minutes(5));
+      options.collective_timeout = milliseconds(300);
+      STRATA_ASSIGN_OR_RETURN(Rendezvous rendezvous, Rendezvous::create(options));
+      done.wait();  // stuck until rank 0 has given up on it
+      return rendezvous.barrier();
+    }();
+  });
+  STRATA_ASSERT_OK(root.join());
+  const Status status = root.all_gather_strings("step 1").status();
+  root_done.set_value();
+  peer.join();
+  ASSERT_EQ(status.code(), StatusCode::kDeadlineExceeded) << status.to_string();
+  EXPECT_NE(status.message().find("rank 1"), std::string::npos) << status.to_string();
+  EXPECT_FALSE(peer_status.ok()) << "rank 0 gave up: the late peer must not succeed";
 }
 
 // ---------------------------------------------------------------------------
