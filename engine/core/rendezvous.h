@@ -95,8 +95,8 @@ std::optional<std::string> process_env_lookup(const char* name);
 // world_size (one node), node_rank = rank / local_world_size. STRATA_MASTER_PORT, when set,
 // is the port whatever the launcher. With none of the launchers' variables set the result
 // is a world of one. Every launcher also reads
-// STRATA_RENDEZVOUS_TIMEOUT_S (seconds, default 300: join() and the rendezvous's own
-// collectives) and STRATA_COLLECTIVE_TIMEOUT_S (seconds, default 60: collective_timeout).
+// STRATA_RENDEZVOUS_TIMEOUT_S (seconds, default 300: join()) and
+// STRATA_COLLECTIVE_TIMEOUT_S (seconds, default 60: collective_timeout, every collective).
 // Errors (InvalidArgument) name the variable and its value: a value that is not a
 // number, RANK outside [0, WORLD_SIZE), a port outside [0, 65535], ...
 StatusOr<RendezvousOptions> rendezvous_options_from_env(const EnvLookup& lookup = process_env_lookup);

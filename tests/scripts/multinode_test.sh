@@ -127,11 +127,19 @@ start_node() {
 # node_codes. Fails, showing their output, when one is still running or (unless $1 is
 # "any-code") exited non-zero.
 wait_for_nodes() {
-  local expect=${1:-success} deadline=$((SECONDS + timeout_s)) failed=()
+  local expect=${1:-success} deadline=$((SECONDS + timeout_s)) failed=() running=2
+  node_ended_at=("" "")
+  # Both watched at once, so that each node's exit time is its own.
+  while [[ $running -gt 0 && $SECONDS -lt $deadline ]]; do
+    running=0
+    for node in 0 1; do
+      [[ -n "${node_ended_at[$node]}" ]] && continue
+      if kill -0 "${node_pids[$node]}" 2>/dev/null; then running=$((running + 1)); else node_ended_at[$node]=$EPOCHREALTIME; fi
+    done
+    [[ $running -gt 0 ]] && sleep 0.05
+  done
   for node in 0 1; do
     local pid=${node_pids[$node]}
-    while kill -0 "$pid" 2>/dev/null && [[ $SECONDS -lt $deadline ]]; do sleep 0.05; done
-    node_ended_at[$node]=$EPOCHREALTIME
     if kill -0 "$pid" 2>/dev/null; then
       failed+=("node $node still running after ${timeout_s} s")
       continue
