@@ -15,6 +15,7 @@
 #include <sstream>
 #include <thread>
 
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -22,6 +23,7 @@
 #include "engine/checkpoint.h"
 #include "engine/core/log.h"
 #include "engine/engine_config.h"
+#include "engine/engine_plan.h"
 #include "engine/local_cluster.h"
 #include "examples/gpt/gpt_weights.h"
 #include "examples/gpt/safetensors.h"
@@ -513,6 +515,53 @@ std::function<Status(std::string_view, int64_t)> checkpoint_pause_hook_from_env(
   };
 }
 
+// Process ranks: what this process planned and what its node has, for rank 0's summary of
+// every node (the per-rank checks ran in Engine::create; this shows them side by side).
+nlohmann::json node_startup_json(const RendezvousOptions& process, const EnginePlan& plan, const EngineOptions& engine_options) {
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "?");
+  uint64_t nvme_free = 0;
+  struct statvfs fs {};
+  if (plan.nvme_bytes > 0 && ::statvfs(engine_options.nvme_path.c_str(), &fs) == 0)
+    nvme_free = static_cast<uint64_t>(fs.f_bavail) * static_cast<uint64_t>(fs.f_frsize);
+  const uint64_t host_available = static_cast<uint64_t>(::sysconf(_SC_AVPHYS_PAGES)) * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  return {{"node", process.node_rank},       {"host", host},
+          {"rank", process.rank},            {"pinned_bytes", plan.pinned_bytes},
+          {"host_available_bytes", host_available}, {"nvme_path", plan.nvme_bytes > 0 ? engine_options.nvme_path : std::string()},
+          {"nvme_bytes", plan.nvme_bytes},   {"nvme_free_bytes", nvme_free}};
+}
+
+// Rank 0's summary: one line per node (its host, ranks, pinned planned / host memory
+// available, NVMe planned / free under its nvme_path after its files were made).
+StatusOr<std::string> node_summary_text(const std::vector<std::string>& gathered) {
+  std::map<int, std::vector<nlohmann::json>> nodes;
+  for (size_t r = 0; r < gathered.size(); ++r) {
+    nlohmann::json j = nlohmann::json::parse(gathered[r], nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || !j.contains("node")) return DataLossError("rank " + std::to_string(r) + " sent a start-up summary that is not JSON");
+    nodes[j["node"].get<int>()].push_back(std::move(j));
+  }
+  std::string text = "nodes: " + std::to_string(nodes.size()) + "\n";
+  for (const auto& [node, ranks] : nodes) {
+    uint64_t pinned = 0, nvme = 0;
+    std::string rank_list;
+    for (const nlohmann::json& j : ranks) {
+      pinned += j["pinned_bytes"].get<uint64_t>();
+      nvme += j["nvme_bytes"].get<uint64_t>();
+      if (!rank_list.empty()) rank_list += ',';
+      rank_list += std::to_string(j["rank"].get<int>());
+    }
+    const nlohmann::json& first = ranks.front();
+    text += "  node " + std::to_string(node) + " (" + first["host"].get<std::string>() + "): ranks " + rank_list + "; pinned " +
+            engine_internal::format_bytes(pinned) + " planned, host memory " +
+            engine_internal::format_bytes(first["host_available_bytes"].get<uint64_t>()) + " available";
+    if (nvme > 0)
+      text += "; nvme " + engine_internal::format_bytes(nvme) + " planned under " + first["nvme_path"].get<std::string>() + ", " +
+              engine_internal::format_bytes(first["nvme_free_bytes"].get<uint64_t>()) + " free after its files";
+    text += "\n";
+  }
+  return text;
+}
+
 }  // namespace
 
 StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
@@ -660,16 +709,36 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     STRATA_ASSIGN_OR_RETURN(lm::ActivationPlan activations, model.plan_activations(rank_model_options, device_kind));
     engine_options.activation_bytes = activations.device_bytes;
     Device& device = cluster->device(rank);
-    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(engine_options, device, cluster->gather_communicator(rank),
-                                                                          cluster->reduce_communicator(rank)));
+    // Process ranks: a start-up check that fails (pinned budget, NVMe room) names the node,
+    // so that a multi-node job's error points at the machine and the path.
+    auto on_node = [&](Status status) -> Status {
+      if (status.ok() || !options.process_group) return status;
+      char host[256] = {};
+      if (::gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "?");
+      return std::move(status).with_context("start-up checks of rank " + std::to_string(rank) + " on node " +
+                                            std::to_string(options.process_group->node_rank) + " (host " + host + ", nvme_path " +
+                                            engine_options.nvme_path + "), before step 1");
+    };
+    StatusOr<std::unique_ptr<Engine>> created =
+        Engine::create(engine_options, device, cluster->gather_communicator(rank), cluster->reduce_communicator(rank));
+    if (!created.ok()) return on_node(created.status());
+    std::unique_ptr<Engine> engine = std::move(created).value();
     STRATA_ASSIGN_OR_RETURN(std::unique_ptr<lm::CausalLm> rank_model, model.create(*engine, rank_model_options));
-    STRATA_RETURN_IF_ERROR(engine->start());
+    STRATA_RETURN_IF_ERROR(on_node(engine->start()));
     STRATA_RETURN_IF_ERROR(rank_model->allocate());
     {
       std::lock_guard<std::mutex> lock(result_mutex);
       result.pinned_bytes += engine->plan().pinned_bytes;
       result.host_bytes += engine->plan().host_bytes;
       result.nvme_file_bytes += engine->plan().nvme_bytes;
+    }
+    std::string nodes_text;
+    if (processes != nullptr) {
+      STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> startups,
+                              processes->all_gather_strings(node_startup_json(*options.process_group, engine->plan(), engine_options).dump()));
+      if (rank == 0) {
+        STRATA_ASSIGN_OR_RETURN(nodes_text, node_summary_text(startups));
+      }
     }
     if (rank == 0) {
       std::lock_guard<std::mutex> lock(result_mutex);
@@ -682,6 +751,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
                      << "data: " << dataset->describe() << "; " << world << " rank(s) x " << micro << " sequence(s) x " << seq_len
                      << " tokens x " << accumulation << " micro-batch(es) = " << global_tokens_per_step << " tokens per step\n"
                      << engine->plan().text << "\n"
+                     << nodes_text
                      << activations.text << "activation checkpointing: " << activation_checkpointing_name(options.checkpointing)
                      << "\n"
                      << std::flush;

@@ -48,6 +48,7 @@ node_pids=()      # the current run's launcher of node 0 and of node 1
 node_codes=()     # their exit codes, set by wait_for_nodes
 node_ended_at=()  # when each exited ($EPOCHREALTIME), set by wait_for_nodes
 node_env=()       # VAR=value for the next start_node's launcher and ranks
+mounted=          # the tmpfs of run_node_without_room while it is mounted
 stop_timeout_s=5  # STRATA_COLLECTIVE_TIMEOUT_S of the run whose rank 3 is stopped (SIGSTOP)
 
 # Stops process groups: SIGTERM to all, then SIGKILL to those still there after 8 s
@@ -69,6 +70,7 @@ cleanup() {
   local status=$?
   trap - EXIT INT TERM
   [[ ${#launcher_pids[@]} -gt 0 ]] && stop_groups "${launcher_pids[@]}"
+  [[ -n "$mounted" ]] && { umount "$mounted" 2>/dev/null || echo "multinode_test: could not unmount $mounted" >&2; }
   for ns in "${namespaces[@]}"; do
     if ip netns list | grep -qw "$ns"; then
       # Anything still running inside (a rank that escaped its launcher's group).
@@ -258,6 +260,13 @@ run_train() {
   got=$(field_in "$work/straight.out" param_checksum)
   [[ "$got" == "$want" ]] || fail "param_checksum of 2 namespaces x 2 processes is $got, --world-size 4 threads gave $want"
   echo "multinode_test: train_gpt 2 namespaces x 2 processes: param_checksum $got, same as --world-size 4 threads"
+  # Rank 0's one summary of every node, gathered through the rendezvous.
+  grep -q '^\[rank 0\] nodes: 2$' "$work/straight.out" || fail "rank 0 printed no summary of 2 nodes: $(head -40 "$work/straight.out")"
+  for node in 0 1; do
+    grep -q "^\[rank 0\]   node $node (.*): ranks $((2 * node)),$((2 * node + 1)); pinned .* planned, host memory .* available; nvme .* planned under $work/straight-nvme$node, .* free after its files$" \
+      "$work/straight.out" || fail "rank 0's summary has no line for node $node: $(grep -A3 'nodes:' "$work/straight.out")"
+  done
+  grep -A2 '^\[rank 0\] nodes: 2$' "$work/straight.out" | sed 's/^/multinode_test: /'
   expect_close "4 processes vs 1 rank: param_norm" "$(field_in "$work/straight.out" param_norm)" "$(field_in "$work/one.out" param_norm)"
   expect_close "4 processes vs 1 rank: the 8 losses" "$(field_in "$work/straight.out" losses)" "$(field_in "$work/one.out" losses)"
 }
@@ -292,6 +301,30 @@ rank_pid() {
     tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "RANK=$2" && { echo "$pid"; return 0; }
   done
   return 1
+}
+
+# Node 1's nvme_path is a 128 KiB tmpfs, too small for its ranks' NVMe files: both nodes
+# fail before step 1, node 1's error naming the node and the path.
+run_node_without_room() {
+  mkdir -p "$work/full"
+  if ! mount -t tmpfs -o size=128k strata-multinode-test "$work/full"; then
+    echo "multinode_test: mount -t tmpfs was refused: the node without room is not tested" >&2
+    return 0
+  fi
+  mounted=$work/full
+  for node in 0 1; do
+    local path=$work/room-nvme$node
+    [[ $node -eq 1 ]] && path=$work/full
+    start_node "$node" "$build_dir/bin/train_gpt" "${train_args[@]}" --nvme-path "$path"
+  done
+  wait_for_nodes any-code
+  [[ ${node_codes[0]} -ne 0 && ${node_codes[1]} -ne 0 ]] || { show_output; fail "no room: exit codes ${node_codes[*]}: both nodes must fail"; }
+  grep -q "start-up checks of rank [23] on node 1 (host .*, nvme_path $work/full), before step 1" "$work/node1.err" ||
+    { show_output; fail "no room: node 1's error does not name the node and the path"; }
+  grep -q 'nvme_path .* has .* free but rank [23] needs' "$work/node1.err" || { show_output; fail "no room: node 1's error does not say what is short"; }
+  ! grep -q '^\[rank [0-3]\] step ' "$work/node0.out" "$work/node1.out" || { show_output; fail "no room: a step ran"; }
+  echo "multinode_test: node 1 without NVMe room: both nodes failed before step 1: $(grep -h -m1 'start-up checks' "$work/node1.err" | cut -c1-200)"
+  umount "$work/full" && mounted=
 }
 
 # 3./4. Rank 3 (node 1) is sent $1 (KILL or STOP; VAR=value arguments after $2 go to every rank) once the checkpoint of step 2 is
@@ -348,6 +381,6 @@ set_up_network
 case "$mode" in
   probe) run_probe && run_probe_with_a_lost_rank ;;
   train)
-    run_train && run_resume_with_two_processes && run_lost_rank KILL 60 &&
+    run_train && run_node_without_room && run_resume_with_two_processes && run_lost_rank KILL 60 &&
       run_lost_rank STOP "$((stop_timeout_s + 10))" STRATA_COLLECTIVE_TIMEOUT_S="$stop_timeout_s" ;;
 esac
