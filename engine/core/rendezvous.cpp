@@ -422,6 +422,7 @@ enum class MessageKind : uint16_t {
   kBroadcast = 4,  // aux = root
   kAllGather = 5,  // peer -> root: its blob; root -> peer: every blob, length-prefixed
   kBarrier = 6,
+  kWaiting = 7,    // root -> peer: rank 0 is in this gather and waits for the others (no payload)
 };
 
 std::string_view message_kind_name(MessageKind kind) {
@@ -432,6 +433,7 @@ std::string_view message_kind_name(MessageKind kind) {
     case MessageKind::kBroadcast: return "broadcast";
     case MessageKind::kAllGather: return "all_gather";
     case MessageKind::kBarrier: return "barrier";
+    case MessageKind::kWaiting: return "waiting";
   }
   return "unknown";
 }
@@ -692,6 +694,8 @@ StatusOr<Rendezvous> Rendezvous::start(const RendezvousOptions& options) {
                                 std::to_string(options.world_size - 1) + "] for world size " +
                                 std::to_string(options.world_size) + " (WORLD_SIZE)");
   if (options.timeout.count() <= 0) return InvalidArgumentError("rendezvous: the timeout must be positive");
+  if (options.collective_timeout.count() <= 0)
+    return InvalidArgumentError("rendezvous: the collective timeout (STRATA_COLLECTIVE_TIMEOUT_S) must be positive");
   Rendezvous rendezvous(options);
   rendezvous.port_ = options.master_port;
   if (options.world_size == 1) return rendezvous;
@@ -932,6 +936,10 @@ std::string collective_text(MessageKind kind, uint64_t sequence) {
   return std::string(message_kind_name(kind)) + " #" + std::to_string(sequence);
 }
 
+// How much longer than collective_timeout a rank waits for rank 0's reply once rank 0 said
+// it is in the collective: the time rank 0 takes to send the names of the missing ranks.
+constexpr std::chrono::seconds kRelayMargin{1};
+
 // Checks that a received message is the collective this rank is running.
 Status expect_collective(const Message& message, MessageKind kind, uint64_t sequence, int aux, int my_rank,
                          const std::string& from) {
@@ -972,16 +980,25 @@ StatusOr<std::vector<std::vector<std::byte>>> Rendezvous::gather_all(std::span<c
   std::vector<std::vector<std::byte>> blobs(static_cast<size_t>(world));
   blobs[static_cast<size_t>(options_.rank)].assign(blob.begin(), blob.end());
   if (world == 1) return blobs;
-  const Clock::time_point deadline = Clock::now() + options_.timeout;
+  const Clock::time_point deadline = Clock::now() + options_.collective_timeout;
   const std::string what = collective_text(kind, sequence);
 
   if (options_.rank != 0) {
     Peer& root = peers_[0];
     Status sent = root.send(MessageHeader{.kind = kind, .rank = options_.rank, .sequence = sequence}, blob, deadline);
     if (!sent.ok()) return fail(std::move(sent).with_context("rendezvous " + what));
-    StatusOr<Message> reply = root.receive(deadline, "in " + what + " on rank " + std::to_string(options_.rank) +
-                                                         " waiting " + seconds_text(options_.timeout) +
-                                                         " for rank 0's reply (a rank has not called it yet?)");
+    Clock::time_point reply_deadline = deadline;
+    StatusOr<Message> reply = root.receive(reply_deadline, "in " + what + " on rank " + std::to_string(options_.rank) +
+                                                               " waiting " + seconds_text(options_.collective_timeout) +
+                                                               " for rank 0 (stuck, or not in this collective?)");
+    if (reply.ok() && reply->header.kind == MessageKind::kWaiting && reply->header.sequence == sequence) {
+      // Rank 0 is alive and in this gather, waiting at most collective_timeout for the
+      // missing ranks; it then sends their names. Waiting for that, rather than timing out
+      // first on a clock started earlier, is what lets this rank name the stuck one.
+      reply_deadline = Clock::now() + options_.collective_timeout + kRelayMargin;
+      reply = root.receive(reply_deadline, "in " + what + " on rank " + std::to_string(options_.rank) +
+                                               " waiting for rank 0's reply after it entered the collective");
+    }
     if (!reply.ok()) return fail(reply.status());
     if (Status status = expect_collective(*reply, kind, sequence, 0, options_.rank, "rank 0"); !status.ok())
       return fail(std::move(status));
@@ -999,7 +1016,14 @@ StatusOr<std::vector<std::vector<std::byte>>> Rendezvous::gather_all(std::span<c
     return blobs;
   }
 
-  // Rank 0: collect every rank's blob, waiting on all sockets at once.
+  // Rank 0: tell the others it is here (see kWaiting), then collect every rank's blob,
+  // waiting on all sockets at once. A peer that is gone shows at the reads below.
+  for (int rank = 1; rank < world; ++rank) {
+    Peer& peer = peers_[static_cast<size_t>(rank)];
+    if (!peer.closed)
+      (void)peer.send(MessageHeader{.kind = MessageKind::kWaiting, .rank = 0, .sequence = sequence}, {},
+                      std::min(deadline, Clock::now() + kRelayMargin));
+  }
   std::vector<bool> received(static_cast<size_t>(world), false);
   received[0] = true;
   int outstanding = world - 1;
@@ -1031,7 +1055,7 @@ StatusOr<std::vector<std::vector<std::byte>>> Rendezvous::gather_all(std::span<c
     if (Status status = poll_fds(fds, remaining_ms(deadline), &ready); !status.ok()) return fail(std::move(status));
     if (ready == 0)
       return fail(DeadlineExceededError("rendezvous: " + what + " on rank 0 timed out after " +
-                                        seconds_text(options_.timeout) + " waiting for rank" +
+                                        seconds_text(options_.collective_timeout) + " waiting for rank" +
                                         (fd_ranks.size() == 1 ? " " : "s ") + rank_list_text(fd_ranks) +
                                         " (still computing, stuck, or calling a different collective?)"));
     for (size_t i = 0; i < fds.size(); ++i) {
@@ -1066,7 +1090,7 @@ StatusOr<std::vector<std::byte>> Rendezvous::broadcast(std::span<const std::byte
                                 std::to_string(world - 1) + "]");
   const uint64_t sequence = next_sequence_++;
   if (world == 1) return std::vector<std::byte>(blob.begin(), blob.end());
-  const Clock::time_point deadline = Clock::now() + options_.timeout;
+  const Clock::time_point deadline = Clock::now() + options_.collective_timeout;
   const std::string what = collective_text(MessageKind::kBroadcast, sequence) + " from rank " + std::to_string(root);
   const MessageHeader header{.kind = MessageKind::kBroadcast, .rank = options_.rank, .aux = root, .sequence = sequence};
 
@@ -1078,7 +1102,7 @@ StatusOr<std::vector<std::byte>> Rendezvous::broadcast(std::span<const std::byte
     }
     // Every non-root rank gets the blob from rank 0; the root gets it back as its completion.
     StatusOr<Message> reply = link.receive(deadline, "in " + what + " on rank " + std::to_string(options_.rank) +
-                                                         " waiting " + seconds_text(options_.timeout) + " for rank 0");
+                                                         " waiting " + seconds_text(options_.collective_timeout) + " for rank 0");
     if (!reply.ok()) return fail(reply.status());
     if (Status status = expect_collective(*reply, MessageKind::kBroadcast, sequence, root, options_.rank, "rank 0");
         !status.ok())
@@ -1090,7 +1114,7 @@ StatusOr<std::vector<std::byte>> Rendezvous::broadcast(std::span<const std::byte
   if (root != 0) {
     Peer& source = peers_[static_cast<size_t>(root)];
     StatusOr<Message> message = source.receive(deadline, "in " + what + " on rank 0 waiting " +
-                                                             seconds_text(options_.timeout) + " for rank " +
+                                                             seconds_text(options_.collective_timeout) + " for rank " +
                                                              std::to_string(root) + "'s blob");
     if (!message.ok()) return fail(message.status());
     if (Status status = expect_collective(*message, MessageKind::kBroadcast, sequence, root, 0, source.description);

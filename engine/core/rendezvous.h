@@ -11,8 +11,11 @@
 // join() returns on every rank once all WORLD_SIZE ranks are present. The collectives
 // (broadcast, all_gather, barrier) then run over the sockets as a star through rank 0;
 // every rank must call the same collectives in the same order (a mismatch is an error
-// naming both calls, not a hang). Every wait has a deadline (options.timeout): a rank
-// that never arrives gives a DeadlineExceeded error naming the missing ranks.
+// naming both calls, not a hang). Every wait has a deadline: join() waits at most
+// options.timeout (ranks start at different times), each collective at most
+// options.collective_timeout (the ranks of a running job call it within moments of each
+// other; a peer that is alive but stuck must not hold the others for the join's minutes).
+// A rank that does not arrive gives a DeadlineExceeded error naming the missing ranks.
 //
 // Not for bulk data: payloads are meant to be bytes to megabytes. Not thread-safe: one
 // thread per process drives a Rendezvous.
@@ -56,9 +59,10 @@ struct RendezvousOptions {
   std::string master_addr = "127.0.0.1";  // host name or address of rank 0
   uint16_t master_port = 0;      // rank 0's port; 0 on rank 0 = pick a free one (see Rendezvous::port())
   std::string listen_address;    // where rank 0 binds; empty = master_addr ("0.0.0.0" = every interface)
-  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // deadline of join() and of each collective
-  // How long a collective of the communicators (Gloo, NCCL) may wait for a peer before
-  // the run fails naming it: the bound on a hang after a process dies.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};  // deadline of join()
+  // How long a collective (the rendezvous's own and the communicators': Gloo, NCCL) may
+  // wait for a peer before the run fails naming it: the bound on a hang after a process
+  // dies or stops.
   std::chrono::milliseconds collective_timeout{std::chrono::seconds(60)};
   LaunchEnvironment launched_by = LaunchEnvironment::kNone;  // whose variables these came from
 };
@@ -91,8 +95,8 @@ std::optional<std::string> process_env_lookup(const char* name);
 // world_size (one node), node_rank = rank / local_world_size. STRATA_MASTER_PORT, when set,
 // is the port whatever the launcher. With none of the launchers' variables set the result
 // is a world of one. Every launcher also reads
-// STRATA_RENDEZVOUS_TIMEOUT_S (seconds, default 300: join() and the rendezvous's own
-// collectives) and STRATA_COLLECTIVE_TIMEOUT_S (seconds, default 60: collective_timeout).
+// STRATA_RENDEZVOUS_TIMEOUT_S (seconds, default 300: join()) and
+// STRATA_COLLECTIVE_TIMEOUT_S (seconds, default 60: collective_timeout, every collective).
 // Errors (InvalidArgument) name the variable and its value: a value that is not a
 // number, RANK outside [0, WORLD_SIZE), a port outside [0, 65535], ...
 StatusOr<RendezvousOptions> rendezvous_options_from_env(const EnvLookup& lookup = process_env_lookup);

@@ -15,6 +15,7 @@
 #include <sstream>
 #include <thread>
 
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -22,6 +23,7 @@
 #include "engine/checkpoint.h"
 #include "engine/core/log.h"
 #include "engine/engine_config.h"
+#include "engine/engine_plan.h"
 #include "engine/local_cluster.h"
 #include "examples/gpt/gpt_weights.h"
 #include "examples/gpt/safetensors.h"
@@ -513,6 +515,53 @@ std::function<Status(std::string_view, int64_t)> checkpoint_pause_hook_from_env(
   };
 }
 
+// Process ranks: what this process planned and what its node has, for rank 0's summary of
+// every node (the per-rank checks ran in Engine::create; this shows them side by side).
+nlohmann::json node_startup_json(const RendezvousOptions& process, const EnginePlan& plan, const EngineOptions& engine_options) {
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "?");
+  uint64_t nvme_free = 0;
+  struct statvfs fs {};
+  if (plan.nvme_bytes > 0 && ::statvfs(engine_options.nvme_path.c_str(), &fs) == 0)
+    nvme_free = static_cast<uint64_t>(fs.f_bavail) * static_cast<uint64_t>(fs.f_frsize);
+  const uint64_t host_available = static_cast<uint64_t>(::sysconf(_SC_AVPHYS_PAGES)) * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  return {{"node", process.node_rank},       {"host", host},
+          {"rank", process.rank},            {"pinned_bytes", plan.pinned_bytes},
+          {"host_available_bytes", host_available}, {"nvme_path", plan.nvme_bytes > 0 ? engine_options.nvme_path : std::string()},
+          {"nvme_bytes", plan.nvme_bytes},   {"nvme_free_bytes", nvme_free}};
+}
+
+// Rank 0's summary: one line per node (its host, ranks, pinned planned / host memory
+// available, NVMe planned / free under its nvme_path after its files were made).
+StatusOr<std::string> node_summary_text(const std::vector<std::string>& gathered) {
+  std::map<int, std::vector<nlohmann::json>> nodes;
+  for (size_t r = 0; r < gathered.size(); ++r) {
+    nlohmann::json j = nlohmann::json::parse(gathered[r], nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || !j.contains("node")) return DataLossError("rank " + std::to_string(r) + " sent a start-up summary that is not JSON");
+    nodes[j["node"].get<int>()].push_back(std::move(j));
+  }
+  std::string text = "nodes: " + std::to_string(nodes.size()) + "\n";
+  for (const auto& [node, ranks] : nodes) {
+    uint64_t pinned = 0, nvme = 0;
+    std::string rank_list;
+    for (const nlohmann::json& j : ranks) {
+      pinned += j["pinned_bytes"].get<uint64_t>();
+      nvme += j["nvme_bytes"].get<uint64_t>();
+      if (!rank_list.empty()) rank_list += ',';
+      rank_list += std::to_string(j["rank"].get<int>());
+    }
+    const nlohmann::json& first = ranks.front();
+    text += "  node " + std::to_string(node) + " (" + first["host"].get<std::string>() + "): ranks " + rank_list + "; pinned " +
+            engine_internal::format_bytes(pinned) + " planned, host memory " +
+            engine_internal::format_bytes(first["host_available_bytes"].get<uint64_t>()) + " available";
+    if (nvme > 0)
+      text += "; nvme " + engine_internal::format_bytes(nvme) + " planned under " + first["nvme_path"].get<std::string>() + ", " +
+              engine_internal::format_bytes(first["nvme_free_bytes"].get<uint64_t>()) + " free after its files";
+    text += "\n";
+  }
+  return text;
+}
+
 }  // namespace
 
 StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
@@ -647,6 +696,9 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
   std::unique_ptr<StepBoard> board;
   std::mutex result_mutex;
   std::atomic<uint64_t> checksum{0};
+  // Per rank, summed in rank order at the end: param_norm is a number runs with different
+  // world sizes can compare within a tolerance (the checksum is a hash: equal or not).
+  std::vector<double> square_sums(static_cast<size_t>(world), 0.0);
   double eval_sum_final = 0.0;
   int64_t eval_tokens_final = 0;
   const int64_t global_tokens_per_step = micro * world * seq_len * accumulation;
@@ -658,15 +710,27 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     STRATA_ASSIGN_OR_RETURN(lm::ActivationPlan activations, model.plan_activations(rank_model_options, device_kind));
     engine_options.activation_bytes = activations.device_bytes;
     Device& device = cluster->device(rank);
-    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::create(engine_options, device, cluster->gather_communicator(rank),
-                                                                          cluster->reduce_communicator(rank)));
+    // Process ranks: a start-up check that fails (pinned budget, NVMe room) names the node,
+    // so that a multi-node job's error points at the machine and the path.
+    auto on_node = [&](Status status) -> Status {
+      if (status.ok() || !options.process_group) return status;
+      char host[256] = {};
+      if (::gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "?");
+      return std::move(status).with_context("start-up checks of rank " + std::to_string(rank) + " on node " +
+                                            std::to_string(options.process_group->node_rank) + " (host " + host + ", nvme_path " +
+                                            engine_options.nvme_path + "), before step 1");
+    };
+    StatusOr<std::unique_ptr<Engine>> created =
+        Engine::create(engine_options, device, cluster->gather_communicator(rank), cluster->reduce_communicator(rank));
+    if (!created.ok()) return on_node(created.status());
+    std::unique_ptr<Engine> engine = std::move(created).value();
     STRATA_ASSIGN_OR_RETURN(std::unique_ptr<lm::CausalLm> rank_model, model.create(*engine, rank_model_options));
     // A fine-tune's load writes every group (the Hugging Face loader refuses a file that
     // leaves any engine tensor out), so start() writes no random initial values it would
     // overwrite (a 1B model on NVMe: ~19 GB of writes).
     if (!resume && init_weights)
       for (int g = 0; g < engine->group_count(); ++g) STRATA_RETURN_IF_ERROR(engine->declare_loaded(g));
-    STRATA_RETURN_IF_ERROR(engine->start());
+    STRATA_RETURN_IF_ERROR(on_node(engine->start()));
     if (rank == 0 && init_weights && !resume)
       STRATA_LOG(kInfo) << "initial values drawn for " << engine->initialized_group_count() << " of " << engine->group_count()
                         << " groups; the others come from " << init_weights->describe();
@@ -676,6 +740,14 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       result.pinned_bytes += engine->plan().pinned_bytes;
       result.host_bytes += engine->plan().host_bytes;
       result.nvme_file_bytes += engine->plan().nvme_bytes;
+    }
+    std::string nodes_text;
+    if (processes != nullptr) {
+      STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> startups,
+                              processes->all_gather_strings(node_startup_json(*options.process_group, engine->plan(), engine_options).dump()));
+      if (rank == 0) {
+        STRATA_ASSIGN_OR_RETURN(nodes_text, node_summary_text(startups));
+      }
     }
     if (rank == 0) {
       std::lock_guard<std::mutex> lock(result_mutex);
@@ -688,6 +760,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
                      << "data: " << dataset->describe() << "; " << world << " rank(s) x " << micro << " sequence(s) x " << seq_len
                      << " tokens x " << accumulation << " micro-batch(es) = " << global_tokens_per_step << " tokens per step\n"
                      << engine->plan().text << "\n"
+                     << nodes_text
                      << activations.text << "activation checkpointing: " << activation_checkpointing_name(options.checkpointing)
                      << "\n"
                      << std::flush;
@@ -838,18 +911,29 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     // The weights' checksum, from this rank's master shards.
     STRATA_RETURN_IF_ERROR(settle_state());
     uint64_t part = 0;
+    double square_sum = 0.0;  // this rank's shards; padding is zero
     std::vector<float> shard;
     for (int g = 0; g < engine->group_count(); ++g) {
       const GroupLayout& layout = engine->layout(g);
       shard.resize(layout.shard_numel);
       STRATA_RETURN_IF_ERROR(engine->read_state_shard(g, Engine::StateKind::kMaster, shard));
       part += master_checksum_part(layout, rank, shard);
+      for (const float w : shard) square_sum += double(w) * double(w);
     }
     if (processes != nullptr) {
-      // Every process's part, so that each reports the whole checksum.
-      STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> parts, processes->all_gather_strings(std::to_string(part)));
+      // Every process's parts, so that each reports the whole checksum and norm.
+      STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> parts,
+                              processes->all_gather_strings(nlohmann::json{{"checksum", part}, {"square_sum", square_sum}}.dump()));
       part = 0;
-      for (const std::string& text : parts) part += std::stoull(text);
+      for (size_t r = 0; r < parts.size(); ++r) {
+        const nlohmann::json j = nlohmann::json::parse(parts[r], nullptr, /*allow_exceptions=*/false);
+        if (!j.is_object() || !j.contains("checksum") || !j.contains("square_sum"))
+          return DataLossError("rank " + std::to_string(r) + " sent a weight checksum that is not JSON: " + parts[r]);
+        part += j["checksum"].get<uint64_t>();
+        square_sums[r] = j["square_sum"].get<double>();
+      }
+    } else {
+      square_sums[static_cast<size_t>(rank)] = square_sum;
     }
     checksum.fetch_add(part);
 
@@ -950,6 +1034,9 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
   if (!result.steps.empty()) result.final_loss = result.steps.back().loss;
   if (eval_tokens_final > 0) result.eval_loss = eval_sum_final / double(eval_tokens_final);
   result.param_checksum = checksum.load();
+  double square_sum = 0.0;
+  for (const double part : square_sums) square_sum += part;
+  result.param_norm = std::sqrt(square_sum);
   const double tokens = double(global_tokens_per_step) * double(end_step - start_step);
   result.tokens_per_s = result.train_seconds > 0 ? tokens / result.train_seconds : 0.0;
   return result;
@@ -977,6 +1064,7 @@ std::string summary_json(const TrainerResult& r) {
   j["nvme_bytes_read"] = r.nvme_bytes_read;
   j["nvme_bytes_written"] = r.nvme_bytes_written;
   j["param_checksum"] = checksum_hex(r.param_checksum);
+  j["param_norm"] = r.param_norm;
   j["parameters"] = r.parameters;
   j["world_size"] = r.world_size;
   j["device"] = r.device;

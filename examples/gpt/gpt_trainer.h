@@ -118,6 +118,7 @@ struct TrainerResult {
   uint64_t nvme_bytes_read = 0;     // all ranks, the whole run
   uint64_t nvme_bytes_written = 0;
   uint64_t param_checksum = 0;
+  double param_norm = 0.0;          // L2 norm of the fp32 master weights (sum of squares in double, rank order)
   int64_t parameters = 0;
   int world_size = 1;
   std::string device;               // "cpu" | "cuda"

@@ -191,6 +191,9 @@ Status Supervisor::begin_stopping(const std::string& why) {
   std::snprintf(grace, sizeof(grace), "%.1f s", static_cast<double>(plan_.grace_period.count()) / 1000.0);
   if (any_running()) STRATA_RETURN_IF_ERROR(notice(why + ": stopping the other local ranks (SIGTERM, SIGKILL after " + grace + ")"));
   signal_running(SIGTERM);
+  // A stopped rank (SIGSTOP, a debugger) acts on the SIGTERM only once continued; without
+  // this it would hold the launcher for the whole grace period.
+  signal_running(SIGCONT);
   return Status::Ok();
 }
 

@@ -44,7 +44,7 @@ TEST(TrainGptTest, PrintsThePlanProgressAndOneJsonSummaryLast) {
   ASSERT_TRUE(run.summary.is_object()) << run.out;
   for (const char* key : {"final_loss", "eval_loss", "entropy_floor", "vocab_size", "steps", "resumed_from_step", "tokens_per_s",
                           "device_peak_bytes", "device_budget_bytes", "state_bytes", "nvme_bytes_read", "nvme_bytes_written",
-                          "param_checksum"})
+                          "param_checksum", "param_norm"})
     EXPECT_TRUE(run.summary.contains(key)) << key;
   EXPECT_EQ(run.summary["steps"], 4);
   EXPECT_EQ(run.summary["resumed_from_step"], 0);

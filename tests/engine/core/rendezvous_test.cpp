@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <map>
 #include <random>
 #include <string>
@@ -532,6 +533,69 @@ TEST(RendezvousTest, PeerThatExitsIsReportedNotWaitedFor) {
   const Status status = root.barrier();
   ASSERT_EQ(status.code(), StatusCode::kUnavailable) << status.to_string();
   EXPECT_NE(status.message().find("rank 1"), std::string::npos) << status.to_string();
+}
+
+// A peer that is alive but stuck (a stopped process, a rank in a long loop) holds a
+// collective for the collective timeout, not for the join's minutes.
+TEST(RendezvousTest, StuckPeerIsBoundedByTheCollectiveTimeoutNamingIt) {
+  RendezvousOptions root_options = loopback_options(0, 2, 0, std::chrono::minutes(5));
+  root_options.collective_timeout = milliseconds(300);
+  STRATA_ASSERT_OK_AND_ASSIGN(Rendezvous root, Rendezvous::start(root_options));
+  const uint16_t port = root.port();
+  std::promise<void> root_done;
+  Status peer_status;
+  std::thread peer([&, done = root_done.get_future()] {
+    peer_status = [&]() -> Status {
+      RendezvousOptions options = loopback_options(1, 2, port, std::chrono::minutes(5));
+      options.collective_timeout = milliseconds(300);
+      STRATA_ASSIGN_OR_RETURN(Rendezvous rendezvous, Rendezvous::create(options));
+      done.wait();  // stuck until rank 0 has given up on it
+      return rendezvous.barrier();
+    }();
+  });
+  STRATA_ASSERT_OK(root.join());
+  const Status status = root.all_gather_strings("step 1").status();
+  root_done.set_value();
+  peer.join();
+  ASSERT_EQ(status.code(), StatusCode::kDeadlineExceeded) << status.to_string();
+  EXPECT_NE(status.message().find("rank 1"), std::string::npos) << status.to_string();
+  EXPECT_FALSE(peer_status.ok()) << "rank 0 gave up: the late peer must not succeed";
+}
+
+// Rank 1 reached the gather before rank 0: its own clock would run out first, naming only
+// rank 0. Rank 0 says it is waiting, so rank 1 waits for its verdict and names rank 2.
+TEST(RendezvousTest, RanksWaitingOnRankZeroHearWhichRankIsStuck) {
+  auto options_for = [](int rank, uint16_t port) {
+    RendezvousOptions options = loopback_options(rank, 3, port, std::chrono::minutes(5));
+    options.collective_timeout = milliseconds(400);
+    return options;
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(Rendezvous root, Rendezvous::start(options_for(0, 0)));
+  const uint16_t port = root.port();
+  std::promise<void> first_arrived, all_done;
+  Status early_status;
+  std::thread early([&] {
+    early_status = [&]() -> Status {
+      STRATA_ASSIGN_OR_RETURN(Rendezvous rendezvous, Rendezvous::create(options_for(1, port)));
+      first_arrived.set_value();
+      return rendezvous.all_gather_strings("rank 1").status();
+    }();
+  });
+  std::thread stuck([&, done = all_done.get_future()] {
+    StatusOr<Rendezvous> rendezvous = Rendezvous::create(options_for(2, port));
+    done.wait();  // joined, then never calls the gather
+  });
+  STRATA_ASSERT_OK(root.join());
+  first_arrived.get_future().wait();
+  std::this_thread::sleep_for(milliseconds(250));  // rank 1's clock runs well ahead of rank 0's
+  const Status status = root.all_gather_strings("rank 0").status();
+  early.join();
+  all_done.set_value();
+  stuck.join();
+  ASSERT_EQ(status.code(), StatusCode::kDeadlineExceeded) << status.to_string();
+  EXPECT_NE(status.message().find("rank 2"), std::string::npos) << status.to_string();
+  ASSERT_FALSE(early_status.ok());
+  EXPECT_NE(early_status.message().find("rank 2"), std::string::npos) << early_status.to_string();
 }
 
 // ---------------------------------------------------------------------------
