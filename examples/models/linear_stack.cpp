@@ -64,8 +64,8 @@ std::vector<int> linear_stack_schedule(const LinearStackConfig& config) {
 lm::FlopShape linear_stack_flop_shape(const LinearStackConfig& config) {
   const int64_t f = config.features, w = config.width;
   lm::FlopShape shape;
-  shape.data_input_weights = f * w;                                          // x . E
-  shape.matmul_weights = shape.data_input_weights + config.layers * w * w + w * f;  // ... h_L . E^T
+  shape.data_input_weights = f * w;  // x . E
+  shape.matmul_weights = shape.data_input_weights + config.layers * w * w + w * f;  // x . E, h . W_l, h_L . E^T
   return shape;
 }
 
