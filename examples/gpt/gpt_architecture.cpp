@@ -66,6 +66,11 @@ std::string GptArchitecture::model_json() const {
 }
 
 int64_t GptArchitecture::parameter_count() const { return gpt_parameter_count(config_); }
+lm::FlopShape GptArchitecture::flop_shape() const {
+  const int64_t C = config_.n_embd;
+  return lm::decoder_flop_shape({.layers = config_.n_layer, .hidden = C, .query_width = C, .kv_width = C, .mlp_width = 4 * C,
+                                 .mlp_matrices = 2, .vocab = config_.vocab_size});
+}
 std::vector<GroupSpec> GptArchitecture::group_specs() const { return gpt_group_specs(config_); }
 std::vector<int> GptArchitecture::schedule() const { return gpt_schedule(config_); }
 std::vector<int> GptArchitecture::forward_order() const { return gpt_forward_order(config_); }

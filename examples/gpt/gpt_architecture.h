@@ -26,6 +26,7 @@ class GptArchitecture final : public lm::Architecture {
   int64_t context_length() const override { return config_.n_ctx; }
   int64_t hidden_size() const override { return config_.n_embd; }
   int64_t layers() const override { return config_.n_layer; }
+  lm::FlopShape flop_shape() const override;
   bool takes_position_ids() const override { return false; }
   bool evaluates_while_training() const override { return true; }
 

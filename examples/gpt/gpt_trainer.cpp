@@ -53,6 +53,16 @@ std::string rate_text(double per_second) {
   return out.str();
 }
 
+// "12.3 TFLOPS", "45.6 GFLOPS" (a tiny model on the CPU), "7.8 MFLOPS".
+std::string flops_rate_text(double tflops) {
+  std::ostringstream out;
+  out << std::fixed << std::setprecision(1);
+  if (tflops >= 1.0) out << tflops << " TFLOPS";
+  else if (tflops >= 1e-3) out << tflops * 1e3 << " GFLOPS";
+  else out << tflops * 1e6 << " MFLOPS";
+  return out.str();
+}
+
 // A barrier for the rank threads of one process that a failing rank can break, so the
 // others return an error instead of waiting forever.
 class RankSync {
@@ -107,8 +117,9 @@ struct RankStep {
 // Collects every rank's numbers for a step; the last rank to post prints the line.
 class StepBoard {
  public:
-  StepBoard(const TrainerOptions& options, int world, int64_t total_steps, std::string traffic_note)
-      : options_(options), world_(world), total_steps_(total_steps), traffic_note_(std::move(traffic_note)) {}
+  // step_flops: the model FLOPs of one step (all ranks, examples/lm/model_flops.h).
+  StepBoard(const TrainerOptions& options, int world, int64_t total_steps, double step_flops, std::string traffic_note)
+      : options_(options), world_(world), total_steps_(total_steps), step_flops_(step_flops), traffic_note_(std::move(traffic_note)) {}
 
   void post(int64_t step_index, int rank, const RankStep& numbers, double learning_rate) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -140,6 +151,7 @@ class StepBoard {
     record.learning_rate = pending.learning_rate;
     record.seconds = lead.step_seconds;
     record.tokens_per_s = lead.step_seconds > 0 ? double(tokens) / lead.step_seconds : 0.0;
+    record.model_tflops = lm::tflops(step_flops_, lead.step_seconds);
     record.grad_norm = lead.grad_norm;
     budget_ = lead.device_budget_bytes;
     pending_.erase(step_index);
@@ -176,7 +188,7 @@ class StepBoard {
          << std::fixed << std::setprecision(4) << r.loss;
     if (r.eval_loss) line << " | eval " << std::setprecision(4) << *r.eval_loss << " (at step " << r.eval_at_step << ")";
     line << " | lr " << std::scientific << std::setprecision(2) << r.learning_rate << std::fixed << " | " << rate_text(r.tokens_per_s)
-         << " tok/s | " << std::setprecision(3) << r.seconds << " s | " << traffic_note_ << " nvme r "
+         << " tok/s | model " << flops_rate_text(r.model_tflops) << " | " << std::setprecision(3) << r.seconds << " s | " << traffic_note_ << " nvme r "
          << bytes_text(double(r.nvme_bytes_read)) << " w " << bytes_text(double(r.nvme_bytes_written)) << " | device peak "
          << bytes_text(double(r.device_high_water_bytes)) << " of " << bytes_text(double(budget_));
     out << line.str() << "\n";
@@ -194,6 +206,7 @@ class StepBoard {
   const TrainerOptions& options_;
   const int world_;
   const int64_t total_steps_;
+  const double step_flops_;
   const std::string traffic_note_;
   std::mutex mutex_;
   std::map<int64_t, Pending> pending_;
@@ -702,6 +715,10 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
   double eval_sum_final = 0.0;
   int64_t eval_tokens_final = 0;
   const int64_t global_tokens_per_step = micro * world * seq_len * accumulation;
+  // Every position of every sequence is computed (ignored targets too), so all count.
+  const int64_t model_flops_per_token = lm::training_flops_per_token(model.flop_shape(), seq_len);
+  const double step_flops = double(model_flops_per_token) * double(global_tokens_per_step);
+  result.model_flops_per_token = model_flops_per_token;
 
   auto rank_body = [&](int rank) -> Status {
     STRATA_ASSIGN_OR_RETURN(EngineOptions engine_options, engine_options_from_config(config, rank));
@@ -751,7 +768,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
     }
     if (rank == 0) {
       std::lock_guard<std::mutex> lock(result_mutex);
-      board = std::make_unique<StepBoard>(options, world, total_steps, traffic_note(options, engine_options, rank_model_options, activations));
+      board = std::make_unique<StepBoard>(options, world, total_steps, step_flops, traffic_note(options, engine_options, rank_model_options, activations));
       result.state_bytes = engine->plan().state_bytes;
       result.device_budget_bytes = engine->plan().device_budget_bytes;
       result.activation_bytes = activations.device_bytes;
@@ -1039,6 +1056,7 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
   result.param_norm = std::sqrt(square_sum);
   const double tokens = double(global_tokens_per_step) * double(end_step - start_step);
   result.tokens_per_s = result.train_seconds > 0 ? tokens / result.train_seconds : 0.0;
+  result.model_tflops = lm::tflops(tokens * double(model_flops_per_token), result.train_seconds);
   return result;
 }
 
@@ -1053,6 +1071,8 @@ std::string summary_json(const TrainerResult& r) {
   j["steps"] = r.total_steps;
   j["resumed_from_step"] = r.resumed_from_step;
   j["tokens_per_s"] = r.tokens_per_s;
+  j["model_tflops"] = r.model_tflops;
+  j["model_flops_per_token"] = r.model_flops_per_token;
   j["train_seconds"] = r.train_seconds;
   j["device_peak_bytes"] = r.device_peak_bytes;
   j["device_budget_bytes"] = r.device_budget_bytes;

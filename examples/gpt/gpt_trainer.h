@@ -92,6 +92,7 @@ struct StepRecord {
   double learning_rate = 0.0;
   double seconds = 0.0;          // wall time of the step (rank 0's engine report)
   double tokens_per_s = 0.0;
+  double model_tflops = 0.0;     // the step's model FLOPs (examples/lm/model_flops.h) / seconds, in 1e12 FLOP/s
   double grad_norm = 0.0;
   size_t device_high_water_bytes = 0;  // max over ranks
   uint64_t nvme_bytes_read = 0;        // all ranks, this step
@@ -107,6 +108,8 @@ struct TrainerResult {
   std::optional<double> entropy_floor;
   int64_t vocab_size = 0;
   double tokens_per_s = 0.0;        // training tokens of all ranks / training wall time
+  double model_tflops = 0.0;        // tokens_per_s x model_flops_per_token / 1e12
+  int64_t model_flops_per_token = 0;  // forward + backward, recomputation not counted (examples/lm/model_flops.h)
   double train_seconds = 0.0;
   size_t device_peak_bytes = 0;     // max over ranks, the whole run
   size_t device_budget_bytes = 0;

@@ -119,6 +119,13 @@ StatusOr<std::shared_ptr<const LlamaArchitecture>> LlamaArchitecture::create(con
 LlamaArchitecture::LlamaArchitecture(const LlamaConfig& config, size_t vocab_chunk_bytes)
     : config_(config), vocab_chunk_bytes_(vocab_chunk_bytes), chunks_(vocab_chunks(config, vocab_chunk_bytes)) {}
 
+lm::FlopShape LlamaArchitecture::flop_shape() const {
+  const LlamaConfig& c = config_;
+  return lm::decoder_flop_shape({.layers = c.num_hidden_layers, .hidden = c.hidden_size, .query_width = c.num_attention_heads * c.head_dim,
+                                 .kv_width = c.num_key_value_heads * c.head_dim, .mlp_width = c.intermediate_size, .mlp_matrices = 3,
+                                 .vocab = c.vocab_size});
+}
+
 std::string LlamaArchitecture::family() const {
   switch (config_.family) {
     case LlamaFamily::kLlama: return "Llama";

@@ -42,6 +42,7 @@ class LlamaArchitecture final : public lm::Architecture {
   int64_t context_length() const override { return config_.max_position_embeddings; }
   int64_t hidden_size() const override { return config_.hidden_size; }
   int64_t layers() const override { return config_.num_hidden_layers; }
+  lm::FlopShape flop_shape() const override;
   bool takes_position_ids() const override { return true; }
   // LlamaModel does not measure an evaluation batch in a training forward.
   bool evaluates_while_training() const override { return false; }

@@ -21,6 +21,7 @@
 #include "engine/core/dtype.h"
 #include "engine/core/status.h"
 #include "engine/engine.h"
+#include "examples/lm/model_flops.h"
 
 namespace strata::lm {
 
@@ -113,6 +114,8 @@ class Architecture {
   virtual int64_t context_length() const = 0;  // the longest sequence it takes
   virtual int64_t hidden_size() const = 0;     // the width of a block's input (activation traffic)
   virtual int64_t layers() const = 0;
+  // What its model FLOPs per token depend on (examples/lm/model_flops.h).
+  virtual FlopShape flop_shape() const = 0;
   // True when TokenBatch::positions other than 0 .. seq_len-1 are honoured.
   virtual bool takes_position_ids() const = 0;
   // True when one forward can also measure an evaluation batch (CausalLm::run_micro_batch

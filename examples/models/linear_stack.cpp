@@ -61,6 +61,14 @@ std::vector<int> linear_stack_schedule(const LinearStackConfig& config) {
   return uses;
 }
 
+lm::FlopShape linear_stack_flop_shape(const LinearStackConfig& config) {
+  const int64_t f = config.features, w = config.width;
+  lm::FlopShape shape;
+  shape.data_input_weights = f * w;  // x . E
+  shape.matmul_weights = shape.data_input_weights + config.layers * w * w + w * f;  // x . E, h . W_l, h_L . E^T
+  return shape;
+}
+
 size_t linear_stack_activation_bytes(const LinearStackConfig& config, int local_rows, DType param_dtype) {
   const size_t rows = static_cast<size_t>(local_rows);
   const size_t f = static_cast<size_t>(config.features), w = static_cast<size_t>(config.width);

@@ -19,6 +19,7 @@
 
 #include "engine/core/device.h"
 #include "engine/engine.h"
+#include "examples/lm/model_flops.h"
 #include "kernels/blas_context.h"
 
 namespace strata::models {
@@ -38,6 +39,9 @@ void make_batch(const LinearStackConfig& config, int64_t step, int micro, int ro
 std::vector<GroupSpec> linear_stack_groups(const LinearStackConfig& config);
 // One micro-batch's group uses: forward then backward.
 std::vector<int> linear_stack_schedule(const LinearStackConfig& config);
+// Its model FLOPs per row (no attention): the input projection (whose input is the data,
+// so no input gradient), the hidden layers and the tied output layer.
+lm::FlopShape linear_stack_flop_shape(const LinearStackConfig& config);
 // Device bytes the model allocates for `local_rows` rows (activations, scratch).
 size_t linear_stack_activation_bytes(const LinearStackConfig& config, int local_rows, DType param_dtype);
 

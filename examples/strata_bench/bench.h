@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/core/device.h"
 #include "engine/core/status.h"
 #include "examples/gpt/flags.h"
 #include "offload/io_engine.h"
@@ -66,6 +67,20 @@ struct StoreBandwidth {
 // The store's bandwidth as `strata-bench nvme` measures it (the data verified after the
 // read, outside the timed part). Fails where the file system refuses O_DIRECT.
 StatusOr<StoreBandwidth> measure_store_bandwidth(const StoreMeasurement& measurement);
+
+// The NVIDIA H200 (SXM)'s peaks, from its datasheet (NVIDIA H200 Tensor Core GPU), dense:
+// the datasheet quotes the tensor-core figures with 2:4 structured sparsity (TF32 989,
+// BF16 1979 TFLOPS), which dense GEMMs get half of. Exact fp32 products run on the CUDA
+// cores (67 TFLOPS). One table for every subcommand that reports a fraction of peak.
+inline constexpr double kH200PeakBytesPerSecond = 4.8e12;  // HBM3e
+constexpr double h200_dense_peak_flops(MatmulPrecision precision) {
+  switch (precision) {
+    case MatmulPrecision::kFp32: return 67e12;
+    case MatmulPrecision::kTf32: return 494.5e12;
+    case MatmulPrecision::kBf16: return 989e12;
+  }
+  return 67e12;
+}
 
 // Subcommands: each returns the process exit code.
 int run_nvme(int argc, char** argv);

@@ -39,10 +39,6 @@
 namespace strata::bench {
 namespace {
 
-constexpr double kPeakBf16Flops = 989e12;  // H200 SXM, dense bf16 tensor cores
-constexpr double kPeakFp32Flops = 67e12;   // H200 SXM, fp32 on CUDA cores
-constexpr double kPeakBytesPerSecond = 4.8e12;
-
 struct ModelShape {
   const char* name;
   size_t seq_len;
@@ -406,7 +402,7 @@ Status bench_model(Bench& b, const ModelShape& m) {
 }
 
 void print_results(const Bench& b, bool on_gpu, size_t scale, bool json) {
-  const double peak_flops = b.dtype() == DType::kBFloat16 ? kPeakBf16Flops : kPeakFp32Flops;
+  const double peak_flops = h200_dense_peak_flops(b.dtype() == DType::kBFloat16 ? MatmulPrecision::kBf16 : MatmulPrecision::kFp32);
   std::printf("%-13s %-20s %-26s %10s %16s %8s\n", "model", "op", "shape", "ms", "achieved", "of peak");
   std::string out = "{\"subcommand\": \"kernels\", \"device\": \"" + std::string(on_gpu ? "cuda" : "cpu") +
                     "\", \"dtype\": \"" + std::string(dtype_name(b.dtype())) + "\", \"scale\": " + std::to_string(scale) +
@@ -415,7 +411,7 @@ void print_results(const Bench& b, bool on_gpu, size_t scale, bool json) {
     const Result& r = b.results()[i];
     const bool flops = r.work == Work::kFlops;
     const double rate = r.amount / r.seconds;
-    const double fraction = rate / (flops ? peak_flops : kPeakBytesPerSecond);
+    const double fraction = rate / (flops ? peak_flops : kH200PeakBytesPerSecond);
     const std::string achieved = flops ? std::to_string(rate / 1e12).substr(0, 7) + " TFLOPS"
                                        : std::to_string(rate / 1e9).substr(0, 7) + " GB/s";
     const std::string of_peak = on_gpu ? std::to_string(100 * fraction).substr(0, 5) + "%" : "-";

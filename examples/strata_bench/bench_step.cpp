@@ -5,7 +5,8 @@
 //                     --world-size N --device cpu|cuda --device-budget-mib M
 //                     --offload-param device|cpu|nvme --offload-optimizer device|cpu|nvme
 //                     --param-dtype bf16|fp32 --nvme-path D [--prefetch-depth P]
-//                     [--pinned-budget-mib M] [--store-gbps READ,WRITE] [--json]
+//                     [--pinned-budget-mib M] [--store-gbps READ,WRITE]
+//                     [--matmul-precision fp32|tf32|bf16] [--json]
 //
 // --batch is rows per micro-batch on each rank. The figures are rank 0's, for the median
 // step after a warm-up step: the step time, each stage's busy time (the union of the
@@ -19,6 +20,12 @@
 // step runs at the disk's speed). The bandwidths are measured on --nvme-path before
 // training, as `strata-bench nvme --size-mib 256 --block-kib 1024 --queue-depth 32` does
 // (--store-measure-mib sets the size), or given with --store-gbps.
+//
+// Model TFLOPS: the step's model FLOPs (examples/lm/model_flops.h: 6 per weight per row,
+// 4 for the input projection, whose input is the data) over its wall time; on CUDA also
+// the fraction of the H200's dense peak (times the ranks, one GPU each) for the GEMMs'
+// precision (the model multiplies in fp32, which --matmul-precision runs as exact fp32,
+// TF32 or bf16 on the tensor cores).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -31,6 +38,7 @@
 
 #include "engine/engine.h"
 #include "engine/local_cluster.h"
+#include "examples/lm/model_flops.h"
 #include "examples/models/linear_stack.h"
 #include "examples/strata_bench/bench.h"
 #include "kernels/blas_context.h"
@@ -43,7 +51,8 @@ constexpr const char* kUsage =
     "                         --device cpu|cuda --device-budget-mib M --offload-param device|cpu|nvme\n"
     "                         --offload-optimizer device|cpu|nvme --param-dtype bf16|fp32 --nvme-path D\n"
     "                         [--prefetch-depth P (default: the deepest that fits)] [--pinned-budget-mib M (0 = what the plan needs)] [--seed S]\n"
-    "                         [--store-gbps READ,WRITE | --store-measure-mib M=256] [--json] [--help]";
+    "                         [--store-gbps READ,WRITE | --store-measure-mib M=256] [--matmul-precision fp32|tf32|bf16 (cuda)]\n"
+    "                         [--json] [--help]";
 
 struct StepBenchOptions {
   models::LinearStackConfig model;
@@ -57,6 +66,7 @@ struct StepBenchOptions {
   Tier params = Tier::kPinned;
   Tier optimizer = Tier::kPinned;
   DType param_dtype = DType::kBFloat16;
+  MatmulPrecision matmul_precision = MatmulPrecision::kFp32;  // how the device runs the model's fp32 GEMMs
   std::string nvme_path;
   int prefetch_depth = EngineOptions::kAutoDepth;  // --prefetch-depth; unset = the deepest that fits
   size_t pinned_budget_bytes = 0;  // EngineOptions::pinned_budget_bytes
@@ -86,12 +96,18 @@ StatusOr<StoreBandwidth> parse_store_gbps(const std::string& text) {
   return InvalidArgumentError("--store-gbps expects READ,WRITE in GB/s (two positive numbers), got '" + text + "'");
 }
 
+StatusOr<MatmulPrecision> parse_matmul_precision(const std::string& text) {
+  for (const MatmulPrecision p : {MatmulPrecision::kFp32, MatmulPrecision::kTf32, MatmulPrecision::kBf16})
+    if (text == matmul_precision_name(p)) return p;
+  return InvalidArgumentError("--matmul-precision takes fp32, tf32 or bf16, got '" + text + "'");
+}
+
 StatusOr<StepBenchOptions> parse(int argc, char** argv) {
   STRATA_ASSIGN_OR_RETURN(Args args, Args::parse(argc, argv,
                                                  {"layers", "width", "batch", "micro-batches", "steps", "world-size", "device",
                                                   "device-budget-mib", "offload-param", "offload-optimizer", "param-dtype",
                                                   "nvme-path", "prefetch-depth", "seed", "pinned-budget-mib", "store-gbps",
-                                                  "store-measure-mib"},
+                                                  "store-measure-mib", "matmul-precision"},
                                                  {"json", "help"}));
   StepBenchOptions o;
   if (args.flag("help")) return StepBenchOptions{.help = true};
@@ -141,6 +157,7 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
   STRATA_ASSIGN_OR_RETURN(o.optimizer, parse_placement(args.get("offload-optimizer", "cpu")));
   STRATA_ASSIGN_OR_RETURN(o.param_dtype, parse_dtype(args.get("param-dtype", "bf16")));
   if (o.param_dtype == DType::kFloat16) return InvalidArgumentError("--param-dtype takes bf16 or fp32");
+  STRATA_ASSIGN_OR_RETURN(o.matmul_precision, parse_matmul_precision(args.get("matmul-precision", "fp32")));
   o.nvme_path = args.get("nvme-path", "");
   if ((o.params == Tier::kNvme || o.optimizer == Tier::kNvme) && o.nvme_path.empty())
     return InvalidArgumentError("--offload-param/--offload-optimizer nvme needs --nvme-path");
@@ -202,9 +219,17 @@ StatusOr<TrainingRun> train(const StepBenchOptions& o, LocalCluster& cluster) {
   return run;
 }
 
+// The work of one step for the model-TFLOPS figures.
+struct StepWork {
+  double model_flops = 0;            // all ranks, all micro-batches (examples/lm/model_flops.h)
+  std::optional<double> peak_flops;  // CUDA only: one H200's dense peak for the GEMM precision x the ranks (a GPU each)
+};
+
 // One step's figures: its own NVMe traffic (StepReport counts since start), its busy
-// seconds per stage by name, and the disk efficiency where the store's bandwidth is known.
-nlohmann::ordered_json step_figures(const std::vector<StepReport>& reports, size_t i, const std::optional<StoreBandwidth>& store) {
+// seconds per stage by name, its model TFLOPS (and fraction of peak on CUDA), and the
+// disk efficiency where the store's bandwidth is known.
+nlohmann::ordered_json step_figures(const std::vector<StepReport>& reports, size_t i, const StepWork& work,
+                                    const std::optional<StoreBandwidth>& store) {
   const StepReport& r = reports[i];
   const uint64_t read = r.nvme_bytes_read - reports[i - 1].nvme_bytes_read;
   const uint64_t written = r.nvme_bytes_written - reports[i - 1].nvme_bytes_written;
@@ -212,6 +237,9 @@ nlohmann::ordered_json step_figures(const std::vector<StepReport>& reports, size
   for (size_t s = 0; s < kStageCount; ++s) busy[std::string(stage_name(static_cast<Stage>(s)))] = r.busy[s];
   nlohmann::ordered_json figures = {{"step", r.step}, {"step_s", r.step_seconds}, {"busy_s", busy},
                                     {"nvme_bytes_read", read}, {"nvme_bytes_written", written}};
+  const double achieved = lm::tflops(work.model_flops, r.step_seconds);
+  figures["model_tflops"] = achieved;
+  if (work.peak_flops) figures["peak_fraction"] = achieved * 1e12 / *work.peak_flops;
   if (store) {
     const double disk_seconds = static_cast<double>(read) / (store->read_gbps * 1e9) + static_cast<double>(written) / (store->write_gbps * 1e9);
     figures["disk_s"] = disk_seconds;
@@ -238,6 +266,11 @@ void print_table(const TrainingRun& run, const StepReport& r, const nlohmann::or
   for (size_t s = 0; s < kStageCount; ++s)
     std::printf("%-16s %10.4f %7.1f%%\n", std::string(stage_name(static_cast<Stage>(s))).c_str(), r.busy[s],
                 r.step_seconds > 0 ? 100.0 * r.busy[s] / r.step_seconds : 0.0);
+  std::printf("model FLOPs %.4g per step: %.4g TFLOPS", median["model_flops"].get<double>(), median["model_tflops"].get<double>());
+  if (median.contains("peak_fraction"))
+    std::printf(", %.1f%% of the H200s' dense %s peak (%.1f TFLOPS)", 100 * median["peak_fraction"].get<double>(),
+                median["matmul_precision"].get<std::string>().c_str(), median["peak_tflops"].get<double>());
+  std::printf("\n");
   std::printf("overlap (slowest stage %s / step): %.3f\n", median["slowest_stage"].get<std::string>().c_str(),
               median["overlap"].get<double>());
   std::printf("device peak %.1f MiB of a %.1f MiB budget; training state %.1f MiB; host %.1f MiB pinned + %.1f MiB pageable\n",
@@ -274,6 +307,7 @@ int run_step(int argc, char** argv) {
   cluster_options.device = o.device;
   cluster_options.device_budget_bytes = o.budget_bytes;
   cluster_options.process_group = o.process_group;
+  cluster_options.matmul_precision = o.matmul_precision;
   auto cluster = LocalCluster::create(cluster_options);
   if (!cluster.ok()) return report_failure("step", cluster.status());
   auto run = train(o, **cluster);
@@ -297,7 +331,12 @@ int run_step(int argc, char** argv) {
   for (int rank = 0; rank < (*cluster)->local_ranks(); ++rank) peak = std::max(peak, (*cluster)->device((*cluster)->first_rank() + rank).memory_stats().high_water_bytes);
 
   nlohmann::ordered_json out = {{"bench", "step"}};
-  const nlohmann::ordered_json median = step_figures(reports, chosen, *store);
+  const int64_t rows_per_step = int64_t{o.model.global_rows} * o.micro_batches;
+  StepWork work;
+  work.model_flops = lm::training_step_flops(models::linear_stack_flop_shape(o.model), /*seq_len=*/1, rows_per_step);
+  const MatmulPrecision precision = (*cluster)->device((*cluster)->first_rank()).matmul_precision();
+  if (o.device == DeviceKind::kCuda) work.peak_flops = h200_dense_peak_flops(precision) * o.world;
+  const nlohmann::ordered_json median = step_figures(reports, chosen, work, *store);
   out.update(median);
   out.erase("step");  // the top level describes the median step; "steps" numbers them all
   out["overlap"] = overlap;
@@ -308,13 +347,16 @@ int run_step(int argc, char** argv) {
   out["pinned_bytes"] = run->pinned_bytes;
   out["host_bytes"] = run->host_bytes;
   out["pinned_budget_bytes"] = o.pinned_budget_bytes;
+  out["model_flops"] = work.model_flops;
+  out["matmul_precision"] = std::string(matmul_precision_name(precision));
+  if (work.peak_flops) out["peak_tflops"] = *work.peak_flops / 1e12;  // all ranks' GPUs
   if (*store) {
     out["store_read_gbps"] = (*store)->read_gbps;
     out["store_write_gbps"] = (*store)->write_gbps;
     out["store_gbps_source"] = o.store_bandwidth ? "given" : "measured";
   }
   nlohmann::ordered_json steps = nlohmann::ordered_json::array();
-  for (size_t i = 1; i < reports.size(); ++i) steps.push_back(step_figures(reports, i, *store));
+  for (size_t i = 1; i < reports.size(); ++i) steps.push_back(step_figures(reports, i, work, *store));
   out["steps"] = steps;
   if (o.json) {
     std::printf("%s\n", out.dump().c_str());

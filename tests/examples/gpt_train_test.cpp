@@ -65,6 +65,23 @@ TEST(TrainGptTest, PrintsThePlanProgressAndOneJsonSummaryLast) {
   EXPECT_TRUE(fs::exists(trace));
 }
 
+TEST(TrainGptTest, TheSummaryReportsModelTflopsFromTokensPerSecondAndTheModelsFlopsPerToken) {
+  testing::TempDir dir;
+  TrainRun run = train_gpt(dir, tiny({"--steps", "2"}));
+  ASSERT_RAN(run);
+  // The tiny settings: 2 layers, 32 wide (2 heads), vocabulary 64, 16 tokens a sequence.
+  const int64_t L = 2, C = 32, V = 64, T = 16;
+  const int64_t forward_per_token = L * 2 * (C * 3 * C + C * C + C * 4 * C + 4 * C * C)  // c_attn, c_proj, c_fc, mlp c_proj
+                                    + L * 2 * (2 * T * C)                                 // scores and values, full causal square
+                                    + 2 * C * V;                                          // the head (tied to wte)
+  EXPECT_EQ(run.summary["model_flops_per_token"].get<int64_t>(), 3 * forward_per_token);
+  const double tflops = run.summary["model_tflops"].get<double>();
+  EXPECT_TRUE(std::isfinite(tflops) && tflops > 0) << run.out;
+  EXPECT_NEAR(tflops, run.summary["tokens_per_s"].get<double>() * double(3 * forward_per_token) / 1e12, 1e-9 * tflops);
+  EXPECT_TRUE(contains(run.out, "tok/s | model ")) << run.out;
+  EXPECT_TRUE(contains(run.out, "FLOPS | ")) << run.out;
+}
+
 TEST(TrainGptTest, ResumingAfterFourStepsGivesTheStraightRunsLossesAndWeights) {
   testing::TempDir dir;
   const std::vector<std::string> common = {"--micro-batch", "2", "--grad-accum", "2"};
