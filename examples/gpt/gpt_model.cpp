@@ -626,9 +626,9 @@ Status check_default_positions(const TokenBatch* batch, size_t seq_len) {
 
 }  // namespace
 
-StatusOr<MicroBatchLosses> GptModel::run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {
-  if (!buffers_) return FailedPreconditionError("GptModel::run_micro_batch() before allocate()");
-  if (train == nullptr && eval == nullptr) return InvalidArgumentError("GptModel::run_micro_batch(): neither a training nor an evaluation batch");
+StatusOr<QueuedMicroBatch> GptModel::queue_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {
+  if (!buffers_) return FailedPreconditionError("GptModel::queue_micro_batch() before allocate()");
+  if (train == nullptr && eval == nullptr) return InvalidArgumentError("GptModel::queue_micro_batch(): neither a training nor an evaluation batch");
   Buffers& b = *buffers_;
   const DeviceLayout& d = b.layout;
   Device& device = engine_.device();
@@ -655,7 +655,7 @@ StatusOr<MicroBatchLosses> GptModel::run_micro_batch(const TokenBatch* train, co
 
   // Inputs: checked and staged per vocabulary chunk by the vocabulary head (pass 0:
   // training, pass 1: evaluation), from its own host staging.
-  MicroBatchLosses result;
+  QueuedMicroBatch result;
   if (train) {
     STRATA_ASSIGN_OR_RETURN(result.train_tokens, vocab_->stage(0, *train, options_.seq_len, grad_scale, "GPT"));
   }
@@ -723,6 +723,14 @@ StatusOr<MicroBatchLosses> GptModel::run_micro_batch(const TokenBatch* train, co
   }
   // The head's input gradient goes to grad_narrow, ln_f's backward reads it from there.
   STRATA_RETURN_IF_ERROR(head_forward(train_sequences, eval_sequences));
+  // The losses are final here: their copies to the host go behind the head, so collect()
+  // waits for the head only, not for the backward still to come.
+  if (train) {
+    STRATA_ASSIGN_OR_RETURN(result.train_loss, vocab_->queue_loss(0));
+  }
+  if (eval) {
+    STRATA_ASSIGN_OR_RETURN(result.eval_loss, vocab_->queue_loss(1));
+  }
 
   // ---- Backward.
   if (train) {
@@ -766,16 +774,12 @@ StatusOr<MicroBatchLosses> GptModel::run_micro_batch(const TokenBatch* train, co
     STRATA_RETURN_IF_ERROR(embed_backward());
   }
 
-  // ---- Losses (the vocabulary head's; each read waits for the compute).
-  if (train) {
-    STRATA_ASSIGN_OR_RETURN(result.train_loss_sum, vocab_->loss_sum(0));
-  }
-  if (eval) {
-    STRATA_ASSIGN_OR_RETURN(result.eval_loss_sum, vocab_->loss_sum(1));
-  }
-  STRATA_RETURN_IF_ERROR(stream.synchronize());
-  if (copies) STRATA_RETURN_IF_ERROR(copies->synchronize());
   return result;
+}
+
+StatusOr<MicroBatchLosses> GptModel::collect(const QueuedMicroBatch& queued) {
+  if (!buffers_) return FailedPreconditionError("GptModel::collect() before allocate()");
+  return vocab_->collect(queued);
 }
 
 }  // namespace strata::gpt

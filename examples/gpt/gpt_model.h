@@ -131,6 +131,7 @@ std::string hf_tensor_name(std::string_view group_name, std::string_view tensor_
 using lm::ActivationCheckpointing;
 using lm::activation_checkpointing_name;
 using lm::MicroBatchLosses;
+using lm::QueuedMicroBatch;
 using lm::TokenBatch;
 
 struct GptModelOptions {
@@ -188,9 +189,11 @@ class GptModel : public lm::CausalLm {
   // same gathered parameters (the weights before this step's update). Without `train`,
   // an evaluation-only pass (no gradients), run inside engine.begin_forward() ...
   // engine.end_forward() to see the weights after every step taken.
-  // Waits for the micro-batch's compute to finish.
+  // Returns once enqueued (the losses follow through collect(); CausalLm::run_micro_batch
+  // does both).
   // TokenBatch::positions must be null or 0 .. seq_len-1 (GPT-2's position table is indexed by place).
-  StatusOr<MicroBatchLosses> run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) override;
+  StatusOr<QueuedMicroBatch> queue_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) override;
+  StatusOr<MicroBatchLosses> collect(const QueuedMicroBatch& queued) override;
 
   // capture_gradients: the last captured full gradient (numel floats) per group id.
   const std::map<int, std::vector<float>>& captured_gradients() const { return captured_; }

@@ -882,16 +882,23 @@ StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
       STRATA_RETURN_IF_ERROR(engine->begin_step(lr));
       const bool evaluate = eval_loader && options.eval_every > 0 && model.evaluates_while_training() && s % options.eval_every == 0;
       RankStep numbers;
+      // The step's micro-batches are enqueued back to back; their losses are read after the
+      // last (each waits for its own head only), so the device never drains between them.
+      std::vector<QueuedMicroBatch> queued;
       for (int m = 0; m < accumulation; ++m) {
         if (m > 0) STRATA_RETURN_IF_ERROR(engine->begin_micro_batch());
         STRATA_RETURN_IF_ERROR(loader.batch(s, m, inputs, targets, positions));
         const TokenBatch train{inputs.data(), targets.data(), micro, positions.data()};
         const bool with_eval = evaluate && m == 0;
-        STRATA_ASSIGN_OR_RETURN(MicroBatchLosses losses,
-                                rank_model->run_micro_batch(&train, with_eval ? &eval_batch : nullptr, engine->loss_scale() * loss_scale_base));
+        STRATA_ASSIGN_OR_RETURN(QueuedMicroBatch q,
+                                rank_model->queue_micro_batch(&train, with_eval ? &eval_batch : nullptr, engine->loss_scale() * loss_scale_base));
+        queued.push_back(q);
+      }
+      for (size_t m = 0; m < queued.size(); ++m) {
+        STRATA_ASSIGN_OR_RETURN(MicroBatchLosses losses, rank_model->collect(queued[m]));
         numbers.loss_sum += losses.train_loss_sum;
         numbers.tokens += losses.train_tokens;
-        if (with_eval) {
+        if (queued[m].eval_loss.serial != 0) {
           numbers.evaluated = true;
           numbers.eval_sum = losses.eval_loss_sum;
           numbers.eval_tokens = losses.eval_tokens;

@@ -63,19 +63,6 @@ class LlamaWeights final : public lm::WeightSource {
   hf::HfCheckpoint checkpoint_;
 };
 
-// One rank's LlamaModel behind the trainer's interface.
-class LlamaRankModel final : public lm::CausalLm {
- public:
-  explicit LlamaRankModel(std::unique_ptr<LlamaModel> model) : model_(std::move(model)) {}
-  Status allocate() override { return model_->allocate(); }
-  StatusOr<lm::MicroBatchLosses> run_micro_batch(const lm::TokenBatch* train, const lm::TokenBatch* eval, float grad_scale) override {
-    return model_->run_micro_batch(train, eval, grad_scale);
-  }
-
- private:
-  std::unique_ptr<LlamaModel> model_;
-};
-
 }  // namespace
 
 json llama_config_json(const LlamaConfig& c) {
@@ -174,7 +161,7 @@ StatusOr<lm::ActivationPlan> LlamaArchitecture::plan_activations(const lm::Model
 StatusOr<std::unique_ptr<lm::CausalLm>> LlamaArchitecture::create(Engine& engine, const lm::ModelRunOptions& options) const {
   STRATA_ASSIGN_OR_RETURN(LlamaModelOptions model_opts, model_options(options));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaModel> model, LlamaModel::create(engine, model_opts));
-  return std::unique_ptr<lm::CausalLm>(new LlamaRankModel(std::move(model)));
+  return std::unique_ptr<lm::CausalLm>(std::move(model));
 }
 
 StatusOr<std::vector<GroupLayout>> LlamaArchitecture::layouts() const {

@@ -350,8 +350,8 @@ struct LlamaModel::Buffers {
   std::unique_ptr<Stream> copy_stream;
   std::unique_ptr<Event> input_ready, slot_free;
   std::unique_ptr<Event> saved[2], restored[2];
-  // Host staging of each pass's positions (copied from, asynchronously).
-  std::vector<int32_t> positions;
+  // Pinned staging of each pass's positions (copied from after stage_inputs returns).
+  lm::UploadStaging positions;
 
   void* at(size_t offset) const { return static_cast<char*>(arena.data()) + offset; }
   template <class T>
@@ -426,7 +426,7 @@ Status LlamaModel::allocate() {
       STRATA_ASSIGN_OR_RETURN(b->restored[i], device.create_event());
     }
   }
-  b->positions.resize(static_cast<size_t>(d.rows));
+  STRATA_ASSIGN_OR_RETURN(b->positions, lm::UploadStaging::create(device, static_cast<size_t>(d.rows) * 4, "Llama position ids"));
   STRATA_ASSIGN_OR_RETURN(vocab_, lm::VocabHead::create(engine_, *head_blas_, d.head_shape, b->at(d.vocab_head), b->at(d.matrix_scratch)));
 
   // The rotary inverse frequencies.
@@ -522,15 +522,18 @@ StatusOr<int64_t> LlamaModel::stage_inputs(const TokenBatch& batch, float grad_s
   rows.sequences = batch.sequences;
   rows.count = n;
   STRATA_ASSIGN_OR_RETURN(int64_t counted, vocab_->stage(0, batch, options_.seq_len, grad_scale, "Llama"));
+  STRATA_ASSIGN_OR_RETURN(std::byte* staging, b.positions.begin_fill());
+  auto* positions = reinterpret_cast<int32_t*>(staging);
   for (size_t r = 0; r < n; ++r) {
     const int32_t position = batch.positions ? batch.positions[r] : static_cast<int32_t>(r % T);
     if (position < 0)
       return InvalidArgumentError("Llama model: position id " + std::to_string(position) + " at sequence " + std::to_string(r / T) + ", position " +
                                   std::to_string(r % T) + " is negative");
-    b.positions[r] = position;
+    positions[r] = position;
   }
-  STRATA_RETURN_IF_ERROR(engine_.device().copy_async(b.at(b.layout.positions), b.positions.data(), n * 4, CopyKind::kHostToDevice,
+  STRATA_RETURN_IF_ERROR(engine_.device().copy_async(b.at(b.layout.positions), positions, n * 4, CopyKind::kHostToDevice,
                                                      engine_.compute_stream()));
+  STRATA_RETURN_IF_ERROR(b.positions.end_fill(engine_.compute_stream()));
   return counted;
 }
 
@@ -792,41 +795,39 @@ Status LlamaModel::backward(const Rows& rows) {
   return {};
 }
 
-// The pass's loss sum (the vocabulary head's); waits for the compute and the copies.
-StatusOr<double> LlamaModel::loss_sum(const Rows& rows) {
-  (void)rows;
-  STRATA_ASSIGN_OR_RETURN(double sum, vocab_->loss_sum(0));
-  if (buffers_->copy_stream) STRATA_RETURN_IF_ERROR(buffers_->copy_stream->synchronize());
-  return sum;
-}
-
-StatusOr<MicroBatchLosses> LlamaModel::run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {
-  if (!buffers_) return FailedPreconditionError("LlamaModel::run_micro_batch() before allocate()");
-  if (train == nullptr && eval == nullptr) return InvalidArgumentError("LlamaModel::run_micro_batch(): neither a training nor an evaluation batch");
+StatusOr<QueuedMicroBatch> LlamaModel::queue_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {
+  if (!buffers_) return FailedPreconditionError("LlamaModel::queue_micro_batch() before allocate()");
+  if (train == nullptr && eval == nullptr) return InvalidArgumentError("LlamaModel::queue_micro_batch(): neither a training nor an evaluation batch");
   if (train != nullptr && train->sequences != options_.batch)
     return InvalidArgumentError("Llama model: a training micro-batch has " + std::to_string(train->sequences) +
                                 " sequences, the model was planned for " + std::to_string(options_.batch));
   if (eval != nullptr && (eval->sequences < 1 || eval->sequences > options_.eval_batch))
     return InvalidArgumentError("Llama model: an evaluation batch has " + std::to_string(eval->sequences) + " sequences, the model was planned for 1 to " +
                                 std::to_string(options_.eval_batch));
-  MicroBatchLosses result;
-  // Evaluation first, through the same buffers, finished (its losses read back) before the
-  // training pass reuses them; within a step its gathers see the same weights.
+  QueuedMicroBatch result;
+  // Evaluation first, through the same buffers; its losses are copied out behind its
+  // forward, before the training pass's work reuses them (stream order).
   if (eval != nullptr) {
     Rows rows;
     STRATA_ASSIGN_OR_RETURN(result.eval_tokens, stage_inputs(*eval, 0.0f, rows));
     STRATA_RETURN_IF_ERROR(forward(rows));
-    STRATA_ASSIGN_OR_RETURN(result.eval_loss_sum, loss_sum(rows));
+    STRATA_ASSIGN_OR_RETURN(result.eval_loss, vocab_->queue_loss(0));
   }
   if (train != nullptr) {
     Rows rows;
     STRATA_ASSIGN_OR_RETURN(result.train_tokens, stage_inputs(*train, grad_scale, rows));
     rows.training = true;
     STRATA_RETURN_IF_ERROR(forward(rows));
+    // The losses are final after the forward: collect() waits for the head, not the backward.
+    STRATA_ASSIGN_OR_RETURN(result.train_loss, vocab_->queue_loss(0));
     STRATA_RETURN_IF_ERROR(backward(rows));
-    STRATA_ASSIGN_OR_RETURN(result.train_loss_sum, loss_sum(rows));
   }
   return result;
+}
+
+StatusOr<MicroBatchLosses> LlamaModel::collect(const QueuedMicroBatch& queued) {
+  if (!buffers_) return FailedPreconditionError("LlamaModel::collect() before allocate()");
+  return vocab_->collect(queued);
 }
 
 }  // namespace strata::llama

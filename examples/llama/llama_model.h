@@ -72,6 +72,7 @@ namespace strata::llama {
 using gpt::ActivationCheckpointing;
 using gpt::MicroBatchLosses;
 using gpt::TokenBatch;
+using lm::QueuedMicroBatch;
 
 using lm::kDefaultVocabChunkBytes;
 using lm::VocabChunks;
@@ -138,17 +139,17 @@ struct LlamaActivationPlan {
 };
 StatusOr<LlamaActivationPlan> plan_llama_activations(const LlamaModelOptions& options, DeviceKind device);
 
-class LlamaModel {
+class LlamaModel final : public lm::CausalLm {
  public:
   // Registers the groups with `engine` (first: ids from 0) and declares the schedule
   // (untied), before engine.start().
   static StatusOr<std::unique_ptr<LlamaModel>> create(Engine& engine, const LlamaModelOptions& options);
-  ~LlamaModel();
+  ~LlamaModel() override;
   LlamaModel(const LlamaModel&) = delete;
   LlamaModel& operator=(const LlamaModel&) = delete;
 
   // After engine.start(): allocates the activations and the rotary frequencies.
-  Status allocate();
+  Status allocate() override;
 
   const LlamaModelOptions& options() const { return options_; }
   const LlamaActivationPlan& activation_plan() const { return plan_; }
@@ -164,8 +165,10 @@ class LlamaModel {
   // GptModel's does; the weights are the same within the step, and the engine re-plans
   // its prefetches around the extra gathers). TokenBatch::positions (null = 0..T-1 in
   // each sequence) gives each token's rotary position; targets of -1 carry no loss.
-  // Waits for the compute.
-  StatusOr<MicroBatchLosses> run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale);
+  // Returns once enqueued; the losses follow through collect() (CausalLm::run_micro_batch
+  // does both).
+  StatusOr<QueuedMicroBatch> queue_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) override;
+  StatusOr<MicroBatchLosses> collect(const QueuedMicroBatch& queued) override;
 
   const std::map<int, std::vector<float>>& captured_gradients() const { return captured_; }
 
@@ -185,7 +188,6 @@ class LlamaModel {
   Status restore_block_input(int64_t layer, const Rows& rows);
   Status forward(const Rows& rows);
   Status backward(const Rows& rows);
-  StatusOr<double> loss_sum(const Rows& rows);
   Status capture(int group, const GroupView& grads);
 
   Engine& engine_;

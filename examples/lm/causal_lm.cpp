@@ -11,4 +11,9 @@ std::string_view activation_checkpointing_name(ActivationCheckpointing mode) {
   return "?";
 }
 
+StatusOr<MicroBatchLosses> CausalLm::run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {
+  STRATA_ASSIGN_OR_RETURN(const QueuedMicroBatch queued, queue_micro_batch(train, eval, grad_scale));
+  return collect(queued);
+}
+
 }  // namespace strata::lm

@@ -21,6 +21,7 @@
 #include "engine/core/dtype.h"
 #include "engine/core/status.h"
 #include "engine/engine.h"
+#include "examples/lm/host_staging.h"
 #include "examples/lm/model_flops.h"
 
 namespace strata::lm {
@@ -52,6 +53,15 @@ struct MicroBatchLosses {
   int64_t eval_tokens = 0;
 };
 
+// A micro-batch enqueued on the device whose loss sums are still on their way to the host
+// (examples/lm/host_staging.h); the token counts are known at once.
+struct QueuedMicroBatch {
+  int64_t train_tokens = 0;
+  int64_t eval_tokens = 0;
+  LossTicket train_loss;  // serial 0: no training batch
+  LossTicket eval_loss;   // serial 0: no evaluation batch
+};
+
 // How one rank runs the model.
 struct ModelRunOptions {
   DType param_dtype = DType::kFloat32;  // the engine's EngineOptions::param_dtype
@@ -80,7 +90,13 @@ class CausalLm {
   // with `train`, forward and backward, gradients scaled by grad_scale (d objective / d
   // per-token loss), grads_ready() for every group; with `eval`, its loss from the same
   // forward. Without `train`: an evaluation-only pass inside begin_forward()/end_forward().
-  virtual StatusOr<MicroBatchLosses> run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) = 0;
+  // Returns once the work is enqueued: the device is not drained, and the losses come
+  // from collect(). Queue a step's micro-batches, then collect them (before step()).
+  virtual StatusOr<QueuedMicroBatch> queue_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) = 0;
+  // A queued micro-batch's loss sums: waits for their copies (not for its backward), once.
+  virtual StatusOr<MicroBatchLosses> collect(const QueuedMicroBatch& queued) = 0;
+  // queue_micro_batch, then collect.
+  StatusOr<MicroBatchLosses> run_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale);
 };
 
 // Weights opened once (checked, shared read-only by every rank's load).

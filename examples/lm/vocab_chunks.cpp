@@ -115,17 +115,42 @@ StatusOr<VocabHeadPlan> plan_vocab_head(const VocabHeadShape& shape) {
 struct VocabHead::Pass {
   PassLayout layout;
   int64_t sequences = 0, seq_len = 0;
-  size_t count = 0;   // token rows
-  size_t blocks = 0;  // head row blocks
+  size_t count = 0;     // token rows
+  size_t capacity = 0;  // the most token rows it was planned for
+  size_t blocks = 0;    // head row blocks
   float grad_scale = 0.0f;
-  // Host staging of the inputs (copied from asynchronously) and the losses.
-  std::vector<int32_t> targets, embed_tokens, chunk_targets, head_targets, stand_in_targets;
-  std::vector<std::byte> fix_coef;
-  std::vector<float> chunk_losses, loss_lse;
+  // Pinned staging of the inputs, copied from after stage() returns; the arrays below
+  // point into it for the current fill.
+  UploadStaging staging;
+  int32_t *embed_tokens = nullptr, *chunk_targets = nullptr, *head_targets = nullptr, *stand_in_targets = nullptr;
+  std::byte* fix_coef = nullptr;
 };
 
+namespace {
+
+// The host image of a pass's uploaded inputs: the device's arrays in one pinned block.
+struct StagingLayout {
+  size_t embed_tokens = 0, chunk_targets = 0, head_targets = 0, stand_in_targets = 0, fix_coef = 0, total = 0;
+};
+StagingLayout staging_layout(size_t rows, size_t chunks, size_t compute_bytes) {
+  StagingLayout s;
+  auto add = [&](size_t bytes) {
+    const size_t offset = s.total;
+    s.total += round_up(bytes, 64);
+    return offset;
+  };
+  s.embed_tokens = add(chunks * rows * 4);
+  s.chunk_targets = add(rows * 4);
+  s.head_targets = add(chunks * rows * 4);
+  s.stand_in_targets = add(chunks * rows * 4);
+  s.fix_coef = add(chunks * rows * compute_bytes);
+  return s;
+}
+
+}  // namespace
+
 VocabHead::VocabHead(Engine& engine, kernels::BlasContext& blas, const VocabHeadShape& shape, const VocabHeadPlan& plan)
-    : engine_(engine), blas_(blas), shape_(shape), plan_(plan) {}
+    : engine_(engine), blas_(blas), shape_(shape), plan_(plan), losses_(engine.device()) {}
 
 VocabHead::~VocabHead() = default;
 
@@ -148,14 +173,9 @@ StatusOr<std::unique_ptr<VocabHead>> VocabHead::create(Engine& engine, kernels::
     Pass pass;
     pass.layout = d.passes[p];
     const size_t rows = static_cast<size_t>(std::max<int64_t>(shape.pass_rows[p], 1)), blocks = (rows + R - 1) / R;
-    pass.targets.resize(rows);
-    pass.embed_tokens.resize(E * rows);
-    pass.chunk_targets.resize(rows);
-    pass.head_targets.resize(E * rows);
-    pass.stand_in_targets.resize(E * rows);
-    pass.fix_coef.resize(E * rows * dtype_size(shape.compute_dtype));
-    pass.chunk_losses.resize(E * rows);
-    pass.loss_lse.resize(rows);
+    pass.capacity = rows;
+    const StagingLayout host = staging_layout(rows, E, dtype_size(shape.compute_dtype));
+    STRATA_ASSIGN_OR_RETURN(pass.staging, UploadStaging::create(device, host.total, "vocabulary head inputs, pass " + std::to_string(p)));
     // Zeros where a partial row block leaves the chunk_lse tail unwritten (the identity's zeros multiply it).
     STRATA_RETURN_IF_ERROR(device.memset_async(head->at(pass.layout.chunk_lse), 0, blocks * E * R * 4, stream));
     head->passes_.push_back(std::move(pass));
@@ -176,9 +196,17 @@ StatusOr<int64_t> VocabHead::stage(int pass_index, const TokenBatch& batch, int6
   const size_t E = static_cast<size_t>(chunks.count);
   const DType dt = shape_.compute_dtype;
   if (batch.inputs == nullptr || batch.targets == nullptr) return InvalidArgumentError(family + " model: a batch without inputs or targets");
-  if (n > pass.targets.size())
+  if (n > pass.capacity)
     return InvalidArgumentError(family + " model: a batch of " + std::to_string(n) + " token rows, the vocabulary head was planned for " +
-                                std::to_string(pass.targets.size()));
+                                std::to_string(pass.capacity));
+  // The previous fill's copies have run (long ago, in a pipeline) before this one is written.
+  STRATA_ASSIGN_OR_RETURN(std::byte* host, pass.staging.begin_fill());
+  const StagingLayout h = staging_layout(n, E, dtype_size(dt));
+  pass.embed_tokens = reinterpret_cast<int32_t*>(host + h.embed_tokens);
+  pass.chunk_targets = reinterpret_cast<int32_t*>(host + h.chunk_targets);
+  pass.head_targets = reinterpret_cast<int32_t*>(host + h.head_targets);
+  pass.stand_in_targets = reinterpret_cast<int32_t*>(host + h.stand_in_targets);
+  pass.fix_coef = host + h.fix_coef;
   pass.sequences = batch.sequences;
   pass.seq_len = seq_len;
   pass.count = n;
@@ -193,7 +221,6 @@ StatusOr<int64_t> VocabHead::stage(int pass_index, const TokenBatch& batch, int6
     if (target < -1 || target >= chunks.vocab)
       return InvalidArgumentError(family + " model: target " + std::to_string(target) + " at sequence " + std::to_string(r / T) + ", position " +
                                   std::to_string(r % T) + " is neither -1 (no loss) nor in the vocabulary [0, " + std::to_string(chunks.vocab) + ")");
-    pass.targets[r] = target;
     counted += target != -1;
     const int64_t token_chunk = chunks.chunk_of(token), target_chunk = target < 0 ? -1 : chunks.chunk_of(target);
     pass.chunk_targets[r] = static_cast<int32_t>(target_chunk);
@@ -205,18 +232,19 @@ StatusOr<int64_t> VocabHead::stage(int pass_index, const TokenBatch& batch, int6
       const bool here = target_chunk == int64_t(k);
       pass.head_targets[i] = here ? static_cast<int32_t>(target - first) : -1;
       pass.stand_in_targets[i] = target < 0 ? -1 : (here ? static_cast<int32_t>(target - first) : 0);
-      store_from_float(pass.fix_coef.data(), dt, i, target >= 0 && !here ? grad_scale : 0.0f);
+      store_from_float(pass.fix_coef, dt, i, target >= 0 && !here ? grad_scale : 0.0f);
     }
   }
   Device& device = engine_.device();
   Stream& stream = engine_.compute_stream();
   const PassLayout& d = pass.layout;
   auto up = [&](size_t offset, const void* host, size_t bytes) { return device.copy_async(at(offset), host, bytes, CopyKind::kHostToDevice, stream); };
-  STRATA_RETURN_IF_ERROR(up(d.chunk_targets, pass.chunk_targets.data(), n * 4));
-  STRATA_RETURN_IF_ERROR(up(d.embed_tokens, pass.embed_tokens.data(), E * n * 4));
-  STRATA_RETURN_IF_ERROR(up(d.head_targets, pass.head_targets.data(), E * n * 4));
-  STRATA_RETURN_IF_ERROR(up(d.stand_in_targets, pass.stand_in_targets.data(), E * n * 4));
-  STRATA_RETURN_IF_ERROR(up(d.fix_coef, pass.fix_coef.data(), E * n * dtype_size(dt)));
+  STRATA_RETURN_IF_ERROR(up(d.chunk_targets, pass.chunk_targets, n * 4));
+  STRATA_RETURN_IF_ERROR(up(d.embed_tokens, pass.embed_tokens, E * n * 4));
+  STRATA_RETURN_IF_ERROR(up(d.head_targets, pass.head_targets, E * n * 4));
+  STRATA_RETURN_IF_ERROR(up(d.stand_in_targets, pass.stand_in_targets, E * n * 4));
+  STRATA_RETURN_IF_ERROR(up(d.fix_coef, pass.fix_coef, E * n * dtype_size(dt)));
+  STRATA_RETURN_IF_ERROR(pass.staging.end_fill(stream));
   return counted;
 }
 
@@ -342,22 +370,25 @@ Status VocabHead::head_backward_chunk(int64_t chunk, const GroupView& view, cons
 
 // Each row's loss is loss_lse (LSE minus its target chunk's lse) plus the target chunk's
 // piece (that lse minus the target's logit); the other chunks' pieces are 0.
-StatusOr<double> VocabHead::loss_sum(int pass_index) {
-  Pass& pass = passes_.at(static_cast<size_t>(pass_index));
+StatusOr<LossTicket> VocabHead::queue_loss(int pass_index) {
+  const Pass& pass = passes_.at(static_cast<size_t>(pass_index));
   const PassLayout& d = pass.layout;
-  Device& device = engine_.device();
-  Stream& stream = engine_.compute_stream();
-  const size_t E = static_cast<size_t>(shape_.chunks.count), n = pass.count;
-  STRATA_RETURN_IF_ERROR(device.copy_async(pass.loss_lse.data(), at(d.loss_lse), n * 4, CopyKind::kDeviceToHost, stream));
-  STRATA_RETURN_IF_ERROR(device.copy_async(pass.chunk_losses.data(), at(d.chunk_losses), E * n * 4, CopyKind::kDeviceToHost, stream));
-  STRATA_RETURN_IF_ERROR(stream.synchronize());
-  double sum = 0.0;
-  for (size_t r = 0; r < n; ++r) {
-    if (pass.targets[r] == -1) continue;
-    const size_t k = static_cast<size_t>(pass.chunk_targets[r]);
-    sum += static_cast<double>(pass.loss_lse[r]) + static_cast<double>(pass.chunk_losses[k * n + r]);
+  const LossPieces pieces{static_cast<const float*>(at(d.loss_lse)), static_cast<const float*>(at(d.chunk_losses)), pass.count,
+                          static_cast<size_t>(shape_.chunks.count), std::span<const int32_t>(pass.chunk_targets, pass.count)};
+  return losses_.queue(engine_.compute_stream(), pieces);
+}
+
+StatusOr<MicroBatchLosses> VocabHead::collect(const QueuedMicroBatch& queued) {
+  MicroBatchLosses losses;
+  losses.train_tokens = queued.train_tokens;
+  losses.eval_tokens = queued.eval_tokens;
+  if (queued.train_loss.serial != 0) {
+    STRATA_ASSIGN_OR_RETURN(losses.train_loss_sum, losses_.take(queued.train_loss));
   }
-  return sum;
+  if (queued.eval_loss.serial != 0) {
+    STRATA_ASSIGN_OR_RETURN(losses.eval_loss_sum, losses_.take(queued.eval_loss));
+  }
+  return losses;
 }
 
 }  // namespace strata::lm

@@ -55,6 +55,7 @@
 #include "engine/core/status.h"
 #include "engine/engine.h"
 #include "examples/lm/causal_lm.h"
+#include "examples/lm/host_staging.h"
 #include "kernels/blas_context.h"
 
 namespace strata::lm {
@@ -139,8 +140,12 @@ class VocabHead {
   Status head_combine(int pass);
   // Pass 2 of chunk k for training pass 0: dx (+)= (chunk 0 writes) and/or dweight +=.
   Status head_backward_chunk(int64_t chunk, const GroupView& view, const void* x, float* dweight, void* dx);
-  // The sum of pass `pass`'s row losses (targets -1 excluded). Synchronizes the stream.
-  StatusOr<double> loss_sum(int pass);
+  // After head_combine(pass): enqueues the copy of pass `pass`'s row losses to the host
+  // behind the compute and returns at once (the device is not drained).
+  StatusOr<LossTicket> queue_loss(int pass);
+  // A queued micro-batch's loss sums (targets -1 excluded), each pass's taken once: waits
+  // for their copies only.
+  StatusOr<MicroBatchLosses> collect(const QueuedMicroBatch& queued);
 
  private:
   struct Pass;
@@ -157,6 +162,7 @@ class VocabHead {
   void* slot_ = nullptr;
   size_t logits_ = 0, dlogits_ = 0, lse_matrix_ = 0, identity_ = 0, grad_scratch_ = 0;
   std::vector<Pass> passes_;
+  LossReadback losses_;
 };
 
 }  // namespace strata::lm

@@ -236,6 +236,59 @@ TEST(GptModelTest, EvaluationInTheSameForwardChangesNoGradientAndMatchesAnEvalua
   EXPECT_NEAR(d.train_loss_sum, b.eval_loss_sum, 1e-6 * std::abs(d.train_loss_sum));
 }
 
+// The trainer enqueues a step's micro-batches back to back and reads their losses after
+// the last (no drain between them): the same losses and gradients as reading each at once,
+// with pinned checkpoints (a copy stream) and an evaluation batch riding along.
+TEST(GptModelTest, MicroBatchesQueuedBackToBackGiveTheLossesAndGradientsOfOneAtATime) {
+  const GptModelOptions model_options = odd_model_options(ActivationCheckpointing::kPinnedHost);
+  const Batch eval = make_batch(model_options.config, 5, 11, 30, false);
+  const TokenBatch eval_batch{eval.inputs.data(), eval.targets.data(), 5};
+  std::vector<Batch> batches;
+  for (uint64_t m = 0; m < 3; ++m) batches.push_back(make_batch(model_options.config, 3, 11, 31 + m, /*with_ignored=*/m == 1));
+  auto run = [&](SingleRank& rank, bool queue_all) -> StatusOr<std::vector<MicroBatchLosses>> {
+    STRATA_RETURN_IF_ERROR(rank.engine->begin_step(0.0));
+    std::vector<MicroBatchLosses> losses;
+    std::vector<QueuedMicroBatch> queued;
+    for (size_t m = 0; m < batches.size(); ++m) {
+      if (m > 0) STRATA_RETURN_IF_ERROR(rank.engine->begin_micro_batch());
+      const TokenBatch train{batches[m].inputs.data(), batches[m].targets.data(), 3};
+      const TokenBatch* with_eval = m == 0 ? &eval_batch : nullptr;
+      if (queue_all) {
+        STRATA_ASSIGN_OR_RETURN(QueuedMicroBatch q, rank.model->queue_micro_batch(&train, with_eval, 1.0f / 99.0f));
+        queued.push_back(q);
+      } else {
+        STRATA_ASSIGN_OR_RETURN(MicroBatchLosses l, rank.model->run_micro_batch(&train, with_eval, 1.0f / 99.0f));
+        losses.push_back(l);
+      }
+    }
+    for (const QueuedMicroBatch& q : queued) {
+      STRATA_ASSIGN_OR_RETURN(MicroBatchLosses l, rank.model->collect(q));
+      losses.push_back(l);
+    }
+    STRATA_RETURN_IF_ERROR(rank.engine->step(0.0).status());
+    STRATA_RETURN_IF_ERROR(rank.engine->finish());
+    return losses;
+  };
+  EngineOptions engine_options = fp32_engine_options();
+  engine_options.gradient_accumulation_steps = 3;
+  SingleRank one_at_a_time, back_to_back;
+  STRATA_ASSERT_OK(one_at_a_time.init(model_options, engine_options));
+  STRATA_ASSERT_OK(back_to_back.init(model_options, engine_options));
+  STRATA_ASSERT_OK_AND_ASSIGN(const std::vector<MicroBatchLosses> a, run(one_at_a_time, false));
+  STRATA_ASSERT_OK_AND_ASSIGN(const std::vector<MicroBatchLosses> b, run(back_to_back, true));
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);
+  for (size_t m = 0; m < 3; ++m) {
+    EXPECT_EQ(a[m].train_loss_sum, b[m].train_loss_sum) << "micro-batch " << m;
+    EXPECT_EQ(a[m].train_tokens, b[m].train_tokens) << "micro-batch " << m;
+    EXPECT_EQ(a[m].eval_loss_sum, b[m].eval_loss_sum) << "micro-batch " << m;
+  }
+  EXPECT_GT(b[0].eval_tokens, 0);
+  EXPECT_NE(b[0].train_loss_sum, b[2].train_loss_sum);  // each micro-batch read its own pieces
+  for (const auto& [g, values] : one_at_a_time.model->captured_gradients())
+    EXPECT_EQ(std::memcmp(back_to_back.model->captured_gradients().at(g).data(), values.data(), values.size() * 4), 0) << "group " << g;
+}
+
 TEST(GptModelTest, TheActivationPlanIsWhatTheDeviceIsCharged) {
   for (ActivationCheckpointing mode : {ActivationCheckpointing::kOff, ActivationCheckpointing::kDevice, ActivationCheckpointing::kPinnedHost}) {
     GptModelOptions options = odd_model_options(mode);
