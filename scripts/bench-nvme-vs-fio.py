@@ -4,7 +4,8 @@
 Both sides: O_DIRECT, io_uring, registered (fixed) buffers and files, buffers on
 reserved huge pages (fio: --iomem=mmaphuge), the same file system, 1 GiB, the same
 block size and queue depth. Strata runs with checksums off (what fio does) and on
-(what training does). Rounds alternate which side goes first; the report is the
+(what training does), and with checksums off through a ring of queue-depth blocks
+(--buffer-ring: fio's buffer footprint) as well as through 1 GiB of distinct memory. Rounds alternate which side goes first; the report is the
 median of each column and the ratio Strata / fio.
 
   sudo scripts/bench-nvme-vs-fio.py --nvme-path /work/nvme-bench [--rounds 5]
@@ -25,11 +26,13 @@ import time
 HUGE_PAGES_PATH = "/proc/sys/vm/nr_hugepages"
 
 
-def run_strata(bench, path, size_mib, block_kib, depth, checksums):
+def run_strata(bench, path, size_mib, block_kib, depth, checksums, ring=False):
     command = [bench, "nvme", "--nvme-path", path, "--size-mib", str(size_mib), "--block-kib", str(block_kib),
                "--queue-depth", str(depth), "--json"]
     if not checksums:
         command.append("--no-checksums")
+    if ring:
+        command.append("--buffer-ring")
     out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     result = json.loads(out.strip().splitlines()[-1])
     return result["write_gbps"], result["read_gbps"], command
@@ -82,9 +85,9 @@ def main():
         print(f"huge pages: {granted} of {pages} reserved (was {old_pages})", file=sys.stderr)
         for round_index in range(args.rounds):
             for block, depth in shapes:
-                def strata(checksums):
-                    w, r, cmd = run_strata(args.bench, args.nvme_path, args.size_mib, block, depth, checksums)
-                    tag = "strata_sums" if checksums else "strata"
+                def strata(checksums, ring=False):
+                    w, r, cmd = run_strata(args.bench, args.nvme_path, args.size_mib, block, depth, checksums, ring)
+                    tag = "strata_ring" if ring else ("strata_sums" if checksums else "strata")
                     results.setdefault(((block, depth), tag + "_write"), []).append(w)
                     results.setdefault(((block, depth), tag + "_read"), []).append(r)
                     commands[tag] = " ".join(cmd)
@@ -95,7 +98,7 @@ def main():
                         results.setdefault(((block, depth), "fio_" + rw), []).append(bw)
                         commands["fio_" + rw] = " ".join(cmd)
 
-                order = [lambda: strata(False), fio, lambda: strata(True)]
+                order = [lambda: strata(False), lambda: strata(False, ring=True), fio, lambda: strata(True)]
                 if round_index % 2 == 1:
                     order.reverse()
                 for step in order:
@@ -113,16 +116,18 @@ def main():
     print(f"date {time.strftime('%Y-%m-%d')}, CPU {cpu_name()} ({os.cpu_count()} cores), {args.rounds} rounds, medians, "
           f"{args.size_mib} MiB on {args.nvme_path}")
     print("| shape | op | fio (huge pages, fixedbufs, registerfiles) | Strata, checksums off | ratio | "
-          "Strata, checksums on | ratio |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "Strata, ring, checksums off | ratio | Strata, checksums on | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for block, depth in shapes:
         shape = (block, depth)
         label = f"{block // 1024} MiB QD{depth}" if block >= 1024 else f"{block} KiB QD{depth}"
         for op in ("write", "read"):
             f = median((shape, "fio_" + op))
             s = median((shape, "strata_" + op))
+            g = median((shape, "strata_ring_" + op))
             c = median((shape, "strata_sums_" + op))
-            print(f"| {label} | {op} | {f:.2f} GB/s | {s:.2f} GB/s | {s / f:.2f}x | {c:.2f} GB/s | {c / f:.2f}x |")
+            print(f"| {label} | {op} | {f:.2f} GB/s | {s:.2f} GB/s | {s / f:.2f}x | {g:.2f} GB/s | {g / f:.2f}x | "
+                  f"{c:.2f} GB/s | {c / f:.2f}x |")
     print("\nraw:", json.dumps({f"{k[0][0]}k_qd{k[0][1]}_{k[1]}": [round(v, 3) for v in vs] for k, vs in results.items()}))
     for name, command in sorted(commands.items()):
         print(f"{name}: {command}")

@@ -54,6 +54,10 @@ struct StoreMeasurement {
   bool sqpoll = false;           // an io_uring kernel submission thread
   bool huge_pages = true;        // the data buffer on huge pages where granted
   bool register_buffers = true;  // io_uring fixed buffers where the kernel allows
+  // The host memory the data moves through: `bytes` of distinct memory, or a ring of
+  // `queue_depth` blocks reused as requests complete (fio's footprint: iodepth x bs, which
+  // stays in cache; the engine's NVMe rings do the same).
+  enum class Footprint : uint8_t { kWholeSize, kRing } footprint = Footprint::kWholeSize;
 };
 struct StoreBandwidth {
   double write_seconds = 0;  // first submission to last completion

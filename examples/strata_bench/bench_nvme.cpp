@@ -3,7 +3,7 @@
 //
 //   strata-bench nvme --nvme-path D --size-mib M --block-kib B --queue-depth Q
 //                     [--engine io_uring|psync] [--no-checksums] [--sqpoll] [--json]
-//                     [--no-huge-pages] [--unregistered]
+//                     [--no-huge-pages] [--unregistered] [--buffer-ring]
 //
 // Compare with fio on the same directory, given the same advantages (huge-page buffers with
 // pages reserved in /proc/sys/vm/nr_hugepages, registered buffers and files):
@@ -16,6 +16,12 @@
 // cache). The pattern is generated, the file preallocated and the data verified outside
 // the timed part. Checksums (on by default, as in training) are computed and verified
 // inside it, because the store does that on its hot path.
+//
+// --buffer-ring moves the data through queue-depth blocks of memory reused as requests
+// complete, the footprint fio's buffers have (iodepth x bs); by default every block has
+// its own memory (size-mib of it). Each block written from the ring carries its index in
+// its first word, so the file is still verified block by block after the timed part.
+#include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -36,7 +42,8 @@ namespace {
 constexpr const char* kUsage =
     "usage: strata-bench nvme --nvme-path DIR [--size-mib M=1024] [--block-kib B=1024] [--queue-depth Q=32]\n"
     "                         [--engine io_uring|psync] [--no-checksums] [--sqpoll] [--json]\n"
-    "                         [--no-huge-pages] [--unregistered]   (to see what huge pages and fixed buffers bring)\n";
+    "                         [--no-huge-pages] [--unregistered]   (to see what huge pages and fixed buffers bring)\n"
+    "                         [--buffer-ring]   (the data moves through queue-depth blocks of memory, as fio's buffers do)\n";
 
 // Word j of the data: a counter-based hash, so the pattern can be regenerated to verify.
 inline uint64_t pattern_word(uint64_t index) {
@@ -46,22 +53,41 @@ inline uint64_t pattern_word(uint64_t index) {
   return z ^ (z >> 31);
 }
 
-// Moves every block of the extent between it and `buffer`, keeping `depth` requests in
+// Where the phase's blocks live in host memory: block i at i * block of `base` (whole-size
+// footprint), or in whichever of `slots` ring blocks is free when it is submitted.
+struct PhaseMemory {
+  char* base = nullptr;
+  size_t capacity = 0;  // bytes the transfers may touch from base (O_DIRECT rounding)
+  size_t slots = 0;     // 0: whole size
+};
+
+// Moves every block of the extent between it and host memory, keeping `depth` requests in
 // flight as fio does: each time the oldest request completes, every request that has
 // completed by then (in any order) frees its slot for a new one. Returns the seconds from
 // the first submission to the last completion.
-StatusOr<double> run_phase(NvmeStore& store, NvmeExtent extent, char* buffer, size_t bytes, size_t block, size_t capacity,
-                           unsigned depth, IoOp op) {
-  std::vector<IoTicket> in_flight;  // oldest first
+StatusOr<double> run_phase(NvmeStore& store, NvmeExtent extent, const PhaseMemory& memory, size_t bytes, size_t block, unsigned depth,
+                           IoOp op) {
+  struct InFlight {
+    IoTicket ticket;
+    size_t slot;
+  };
+  std::vector<InFlight> in_flight;  // oldest first
   in_flight.reserve(depth);
+  std::vector<size_t> free_slots;
+  for (size_t s = memory.slots; s > 0; --s) free_slots.push_back(s - 1);
+  auto retire = [&](const InFlight& done) -> Status {
+    STRATA_RETURN_IF_ERROR(store.wait(done.ticket));  // finished: returns its status at once
+    if (memory.slots > 0) free_slots.push_back(done.slot);
+    return {};
+  };
   const auto start = std::chrono::steady_clock::now();
   for (size_t offset = 0; offset < bytes; offset += block) {
     if (in_flight.size() >= depth) {
-      STRATA_RETURN_IF_ERROR(store.wait(in_flight.front()));
+      STRATA_RETURN_IF_ERROR(retire(in_flight.front()));
       size_t kept = 0;
       for (size_t i = 1; i < in_flight.size(); ++i) {
-        if (store.io_engine().done(in_flight[i])) {
-          STRATA_RETURN_IF_ERROR(store.wait(in_flight[i]));  // finished: returns its status at once
+        if (store.io_engine().done(in_flight[i].ticket)) {
+          STRATA_RETURN_IF_ERROR(retire(in_flight[i]));
         } else {
           in_flight[kept++] = in_flight[i];
         }
@@ -69,14 +95,38 @@ StatusOr<double> run_phase(NvmeStore& store, NvmeExtent extent, char* buffer, si
       in_flight.resize(kept);
     }
     const size_t length = std::min(block, bytes - offset);
-    StatusOr<IoTicket> ticket = op == IoOp::kWrite
-                                    ? store.write_async(extent, buffer + offset, length, offset, capacity - offset)
-                                    : store.read_async(extent, buffer + offset, length, offset, capacity - offset);
+    size_t slot = 0, at = offset;
+    if (memory.slots > 0) {
+      slot = free_slots.back();
+      free_slots.pop_back();
+      at = slot * block;
+      // The block's index in its first word: the file stays verifiable block by block.
+      if (op == IoOp::kWrite) std::memcpy(memory.base + at, &offset, sizeof(offset));
+    }
+    StatusOr<IoTicket> ticket = op == IoOp::kWrite ? store.write_async(extent, memory.base + at, length, offset, memory.capacity - at)
+                                                   : store.read_async(extent, memory.base + at, length, offset, memory.capacity - at);
     STRATA_RETURN_IF_ERROR(ticket.status());
-    in_flight.push_back(*ticket);
+    in_flight.push_back({*ticket, slot});
   }
-  for (IoTicket ticket : in_flight) STRATA_RETURN_IF_ERROR(store.wait(ticket));
+  for (const InFlight& request : in_flight) STRATA_RETURN_IF_ERROR(store.wait(request.ticket));
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// After a ring-footprint write: every block holds its offset in its first word and the
+// block-relative pattern after it. Read back one block at a time into the ring's first slot.
+Status verify_ring_file(NvmeStore& store, NvmeExtent extent, const PhaseMemory& memory, size_t bytes, size_t block) {
+  auto* words = reinterpret_cast<uint64_t*>(memory.base);
+  for (size_t offset = 0; offset < bytes; offset += block) {
+    const size_t length = std::min(block, bytes - offset);
+    std::memset(memory.base, 0, length);
+    STRATA_ASSIGN_OR_RETURN(const IoTicket ticket, store.read_async(extent, memory.base, length, offset, memory.capacity));
+    STRATA_RETURN_IF_ERROR(store.wait(ticket));
+    for (size_t j = 0; j < length / 8; ++j) {
+      if (words[j] != (j == 0 ? offset : pattern_word(j)))
+        return DataLossError("read-back mismatch at byte " + std::to_string(offset + j * 8) + " of " + store.file_path());
+    }
+  }
+  return {};
 }
 
 }  // namespace
@@ -89,10 +139,17 @@ StatusOr<StoreBandwidth> measure_store_bandwidth(const StoreMeasurement& m) {
   const IoEngineKind engine_kind = m.engine;
 
   // The data: one pinned buffer, registered with the engine, filled before timing.
-  STRATA_ASSIGN_OR_RETURN(auto arena, PinnedArena::create({.bytes = bytes, .try_huge_pages = m.huge_pages}));
-  STRATA_ASSIGN_OR_RETURN(PinnedBuffer data, arena->allocate(bytes, "nvme bench data"));
+  const bool ring = m.footprint == StoreMeasurement::Footprint::kRing;
+  const size_t host_bytes = ring ? std::min<size_t>(bytes, size_t{depth} * block) : bytes;
+  // A ring under one huge page still gets one (the arena takes huge pages from 2 MiB up), as
+  // fio's --iomem=mmaphuge maps even a small buffer on them.
+  const size_t arena_bytes = m.huge_pages ? std::max(host_bytes, size_t{2} << 20) : host_bytes;
+  STRATA_ASSIGN_OR_RETURN(auto arena, PinnedArena::create({.bytes = arena_bytes, .try_huge_pages = m.huge_pages}));
+  STRATA_ASSIGN_OR_RETURN(PinnedBuffer data, arena->allocate(host_bytes, "nvme bench data"));
   auto* words = data.as<uint64_t>();
-  for (size_t j = 0; j < bytes / 8; ++j) words[j] = pattern_word(j);
+  // Whole size: the word's index in the file; ring: its index in the block (every slot alike).
+  for (size_t j = 0; j < host_bytes / 8; ++j) words[j] = pattern_word(ring ? j % (block / 8) : j);
+  const PhaseMemory memory{data.as<char>(), data.capacity(), ring ? host_bytes / block : 0};
 
   NvmeStoreOptions options;
   options.nvme_path = path;
@@ -117,16 +174,16 @@ StatusOr<StoreBandwidth> measure_store_bandwidth(const StoreMeasurement& m) {
   }
   STRATA_ASSIGN_OR_RETURN(NvmeExtent extent, store->allocate("nvme bench", bytes));
 
-  STRATA_ASSIGN_OR_RETURN(const double write_seconds,
-                          run_phase(*store, extent, data.as<char>(), bytes, block, data.capacity(),
-                                    static_cast<unsigned>(depth), IoOp::kWrite));
-  std::memset(data.data(), 0, bytes);  // so the read must bring every byte back
-  STRATA_ASSIGN_OR_RETURN(const double read_seconds,
-                          run_phase(*store, extent, data.as<char>(), bytes, block, data.capacity(),
-                                    static_cast<unsigned>(depth), IoOp::kRead));
-  for (size_t j = 0; j < bytes / 8; ++j) {
-    if (words[j] != pattern_word(j)) {
-      return DataLossError("read-back mismatch at byte " + std::to_string(j * 8) + " of " + store->file_path());
+  STRATA_ASSIGN_OR_RETURN(const double write_seconds, run_phase(*store, extent, memory, bytes, block, depth, IoOp::kWrite));
+  std::memset(data.data(), 0, host_bytes);  // so the read must bring every byte back
+  STRATA_ASSIGN_OR_RETURN(const double read_seconds, run_phase(*store, extent, memory, bytes, block, depth, IoOp::kRead));
+  if (ring) {
+    STRATA_RETURN_IF_ERROR(verify_ring_file(*store, extent, memory, bytes, block));
+  } else {
+    for (size_t j = 0; j < bytes / 8; ++j) {
+      if (words[j] != pattern_word(j)) {
+        return DataLossError("read-back mismatch at byte " + std::to_string(j * 8) + " of " + store->file_path());
+      }
     }
   }
   STRATA_RETURN_IF_ERROR(store->free(extent));
@@ -160,6 +217,7 @@ Status run(const Args& args) {
   m.sqpoll = args.flag("sqpoll");
   m.huge_pages = !args.flag("no-huge-pages");
   m.register_buffers = !args.flag("unregistered");
+  if (args.flag("buffer-ring")) m.footprint = StoreMeasurement::Footprint::kRing;
   STRATA_ASSIGN_OR_RETURN(const StoreBandwidth measured, measure_store_bandwidth(m));
   const size_t bytes = m.bytes;
   const size_t block = m.block_bytes;
@@ -175,6 +233,7 @@ Status run(const Args& args) {
         {"bytes", bytes},
         {"block_bytes", block},
         {"queue_depth", depth},
+        {"buffer", m.footprint == StoreMeasurement::Footprint::kRing ? "ring" : "whole"},
         {"write_gbps", write_gbps},
         {"read_gbps", read_gbps},
     };
@@ -188,7 +247,8 @@ Status run(const Args& args) {
     std::printf("  %-6s %10s %10s %10s\n", "phase", "seconds", "GB/s", "GiB/s");
     std::printf("  %-6s %10.3f %10.3f %10.3f\n", "write", write_seconds, write_gbps, write_gbps * 1e9 / (1 << 30));
     std::printf("  %-6s %10.3f %10.3f %10.3f\n", "read", read_seconds, read_gbps, read_gbps * 1e9 / (1 << 30));
-    std::printf("  verify  ok (%zu bytes compared, outside the timed part)\n", bytes);
+    std::printf("  verify  ok (%zu bytes compared, outside the timed part; data through %s)\n", bytes,
+                m.footprint == StoreMeasurement::Footprint::kRing ? "a ring of queue-depth blocks" : "distinct memory");
   }
   std::fflush(stdout);
   return Status::Ok();
@@ -198,7 +258,7 @@ Status run(const Args& args) {
 
 int run_nvme(int argc, char** argv) {
   StatusOr<Args> args = Args::parse(argc, argv, {"nvme-path", "size-mib", "block-kib", "queue-depth", "engine"},
-                                    {"json", "no-checksums", "sqpoll", "no-huge-pages", "unregistered", "help"});
+                                    {"json", "no-checksums", "sqpoll", "no-huge-pages", "unregistered", "buffer-ring", "help"});
   if (!args.ok()) {
     std::fprintf(stderr, "%s", kUsage);
     return report_failure("nvme", args.status());
