@@ -314,7 +314,7 @@ StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::create(Rendezvous&
 }
 
 GlooCommunicator::GlooCommunicator(std::shared_ptr<State> state, Device& device)
-    : state_(std::move(state)), device_(device) {}
+    : StreamTaskCommunicator(device), state_(std::move(state)) {}
 
 GlooCommunicator::~GlooCommunicator() = default;
 
@@ -475,15 +475,7 @@ Status exchange(State& state, const std::vector<Transfer>& transfers, uint64_t s
 }
 
 // One collective as this rank issued it.
-struct Operation {
-  CollectiveKind kind = CollectiveKind::kBarrier;
-  DType dtype = DType::kFloat32;
-  DType wire = DType::kFloat32;  // reductions only
-  ReduceOp op = ReduceOp::kSum;  // reductions only
-  size_t count = 0;              // all_gather: per rank sent; reduce_scatter: per rank received; others: total
-  int root = 0;                  // broadcast only
-  const std::byte* send = nullptr;
-  std::byte* recv = nullptr;
+struct Operation : CollectiveCall {
   uint64_t sequence = 0;
   std::string what;  // "reduce_scatter #12"
 };
@@ -607,128 +599,38 @@ Status run_operation(State& state, const Operation& op, Executor* executor) {
   return status;
 }
 
-// Aborts the communicator when the task it rides in is destroyed without having run:
-// the peers would otherwise wait for this rank's part until their deadline.
-struct SkipGuard {
-  SkipGuard(std::shared_ptr<State> shared, std::string operation, std::string stream)
-      : state(std::move(shared)), what(std::move(operation)), stream_name(std::move(stream)) {}
-  SkipGuard(const SkipGuard&) = delete;
-  SkipGuard& operator=(const SkipGuard&) = delete;
-  ~SkipGuard() {
-    if (!ran) state->abort(CancelledError(state->who + ": " + what + " never ran: stream '" + stream_name +
-                                          "' dropped it (an earlier error on that stream, or the stream went away)"));
-  }
-  std::shared_ptr<State> state;
-  const std::string what;
-  const std::string stream_name;
-  std::atomic<bool> ran{false};
-};
-
 }  // namespace
 
 // ---------------------------------------------------------------------------
 // GlooCommunicator operations
 // ---------------------------------------------------------------------------
 
-struct GlooCommunicator::Call {
-  Operation operation;
-  std::optional<ReduceOptions> reduce;  // reductions only
-};
-
-Status GlooCommunicator::enqueue(Call call, Stream& stream) {
-  Operation& op = call.operation;
+Status GlooCommunicator::enqueue(CollectiveCall call, const std::optional<ReduceOptions>& reduce, Stream& stream) {
   State& state = *state_;
+  Operation op;
+  static_cast<CollectiveCall&>(op) = call;
   op.what = std::string(collective_kind_name(op.kind)) + " #" + std::to_string(next_sequence_.load());
   // Every enqueue-time failure aborts: the peers would otherwise wait for a collective
   // this rank never issues.
   const auto reject = [&](Status problem) {
-    Status status = std::move(problem).with_context(state.who + ": " + op.what + " was rejected");
+    Status status = std::move(problem).with_context("gloo: " + state.who + ": " + op.what + " was rejected");
     state.abort(status);
     return status;
   };
   if (Status failure = state.current_failure(); !failure.ok())
     return Status(failure.code(), state.who + ": " + op.what + " refused: the communicator failed earlier: " +
                                       failure.message());
-  if (&stream.device() != &device_)
-    return reject(InvalidArgumentError("gloo: stream '" + stream.name() + "' belongs to " +
-                                       stream.device().description() + ", not to this rank's device " +
-                                       device_.description()));
-  if (call.reduce) {
-    StatusOr<DType> wire = resolve_wire_dtype(op.dtype, *call.reduce);
-    if (!wire.ok()) return reject(wire.status());
-    op.wire = *wire;
-    op.op = call.reduce->op;
-  }
-  if (op.kind == CollectiveKind::kBroadcast && (op.root < 0 || op.root >= state.world_size))
-    return reject(InvalidArgumentError("gloo: broadcast root " + std::to_string(op.root) + " is outside [0, " +
-                                       std::to_string(state.world_size - 1) + "]"));
-  const size_t world = static_cast<size_t>(state.world_size);
-  if (op.count > std::numeric_limits<size_t>::max() / dtype_size(op.dtype) / world)
-    return reject(InvalidArgumentError("gloo: count " + std::to_string(op.count) + " is too large"));
-  if (op.count > 0 && op.kind != CollectiveKind::kBarrier) {
-    const bool needs_send = op.kind != CollectiveKind::kBroadcast || op.root == state.rank;
-    if ((needs_send && op.send == nullptr) || op.recv == nullptr)
-      return reject(InvalidArgumentError("gloo: " + op.what + " with a null " +
-                                         (op.recv == nullptr ? "receive" : "send") + " buffer"));
-  }
+  if (Status problem = check_call(op, reduce, stream); !problem.ok()) return reject(std::move(problem));
   op.sequence = next_sequence_.fetch_add(1);
-  auto guard = std::make_shared<SkipGuard>(state_, op.what, stream.name());
-  Status launched = stream.launch([guard, op = std::move(op)](const LaunchContext& context) -> Status {
-    guard->ran = true;
-    return run_operation(*guard->state, op, context.executor);
+  auto dropped = [state = state_, what = op.what, stream_name = stream.name()] {
+    state->abort(CancelledError(state->who + ": " + what + " never ran: stream '" + stream_name +
+                                "' dropped it (an earlier error on that stream, or the stream went away)"));
+  };
+  Status launched = launch_guarded(stream, std::move(dropped), [state = state_, op = std::move(op)](const LaunchContext& context) {
+    return run_operation(*state, op, context.executor);
   });
-  if (!launched.ok()) {
-    guard->ran = true;  // reported here, with the reason
-    return reject(std::move(launched));
-  }
+  if (!launched.ok()) return reject(std::move(launched));
   return Status::Ok();
-}
-
-Status GlooCommunicator::all_gather(const void* send, void* recv, size_t send_count, DType dtype, Stream& stream) {
-  return enqueue(Call{.operation = {.kind = CollectiveKind::kAllGather,
-                                    .dtype = dtype,
-                                    .wire = dtype,
-                                    .count = send_count,
-                                    .send = static_cast<const std::byte*>(send),
-                                    .recv = static_cast<std::byte*>(recv)}},
-                 stream);
-}
-
-Status GlooCommunicator::reduce_scatter(const void* send, void* recv, size_t recv_count, DType dtype,
-                                        const ReduceOptions& options, Stream& stream) {
-  return enqueue(Call{.operation = {.kind = CollectiveKind::kReduceScatter,
-                                    .dtype = dtype,
-                                    .count = recv_count,
-                                    .send = static_cast<const std::byte*>(send),
-                                    .recv = static_cast<std::byte*>(recv)},
-                      .reduce = options},
-                 stream);
-}
-
-Status GlooCommunicator::all_reduce(const void* send, void* recv, size_t count, DType dtype,
-                                    const ReduceOptions& options, Stream& stream) {
-  return enqueue(Call{.operation = {.kind = CollectiveKind::kAllReduce,
-                                    .dtype = dtype,
-                                    .count = count,
-                                    .send = static_cast<const std::byte*>(send),
-                                    .recv = static_cast<std::byte*>(recv)},
-                      .reduce = options},
-                 stream);
-}
-
-Status GlooCommunicator::broadcast(const void* send, void* recv, size_t count, DType dtype, int root, Stream& stream) {
-  return enqueue(Call{.operation = {.kind = CollectiveKind::kBroadcast,
-                                    .dtype = dtype,
-                                    .wire = dtype,
-                                    .count = count,
-                                    .root = root,
-                                    .send = static_cast<const std::byte*>(send),
-                                    .recv = static_cast<std::byte*>(recv)}},
-                 stream);
-}
-
-Status GlooCommunicator::barrier(Stream& stream) {
-  return enqueue(Call{.operation = {.kind = CollectiveKind::kBarrier}}, stream);
 }
 
 void GlooCommunicator::abort(std::string_view reason) {

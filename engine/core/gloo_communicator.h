@@ -42,6 +42,7 @@
 #include <string_view>
 
 #include "engine/core/communicator.h"
+#include "engine/core/stream_task_communicator.h"
 #include "engine/core/rendezvous.h"
 
 namespace strata {
@@ -60,7 +61,7 @@ namespace gloo_communicator_internal {
 struct State;
 }
 
-class GlooCommunicator final : public Communicator {
+class GlooCommunicator final : public StreamTaskCommunicator {
  public:
   // Collective over `rendezvous` (joined): every process calls it with the same options,
   // between the same other rendezvous collectives. `device` must be a CPU device.
@@ -77,16 +78,7 @@ class GlooCommunicator final : public Communicator {
 
   int rank() const override;
   int world_size() const override;
-  Device& device() override { return device_; }
   std::string_view backend_name() const override { return "gloo"; }
-
-  Status all_gather(const void* send, void* recv, size_t send_count, DType dtype, Stream& stream) override;
-  Status reduce_scatter(const void* send, void* recv, size_t recv_count, DType dtype, const ReduceOptions& options,
-                        Stream& stream) override;
-  Status all_reduce(const void* send, void* recv, size_t count, DType dtype, const ReduceOptions& options,
-                    Stream& stream) override;
-  Status broadcast(const void* send, void* recv, size_t count, DType dtype, int root, Stream& stream) override;
-  Status barrier(Stream& stream) override;
 
   // Fails this rank's pending and later operations with `reason` and closes its
   // connections, so that peers in (or entering) a collective with it fail too.
@@ -97,11 +89,9 @@ class GlooCommunicator final : public Communicator {
   const std::string& listen_address() const;
 
  private:
-  struct Call;  // one collective as this rank issues it
-  Status enqueue(Call call, Stream& stream);
+  Status enqueue(CollectiveCall call, const std::optional<ReduceOptions>& reduce, Stream& stream) override;
 
   std::shared_ptr<gloo_communicator_internal::State> state_;
-  Device& device_;
   std::atomic<uint64_t> next_sequence_{0};
 };
 

@@ -20,16 +20,7 @@ namespace strata {
 namespace host_communicator_internal {
 
 // One rank's view of one collective.
-struct Arrival {
-  CollectiveKind kind = CollectiveKind::kBarrier;
-  DType dtype = DType::kFloat32;
-  DType wire = DType::kFloat32;  // reductions only
-  ReduceOp op = ReduceOp::kSum;  // reductions only
-  size_t count = 0;              // all_gather: per rank sent; reduce_scatter: per rank received; others: total
-  int root = 0;                  // broadcast only
-  const std::byte* send = nullptr;
-  std::byte* recv = nullptr;
-};
+using Arrival = CollectiveCall;
 
 // One collective as the whole group sees it, keyed by sequence number.
 struct Slot {
@@ -258,24 +249,6 @@ Status run_collective(GroupState& group, int rank, uint64_t sequence, const Arri
 }
 
 // Aborts the group when the task it rides in is destroyed without having run.
-struct SkipGuard {
-  SkipGuard(std::shared_ptr<GroupState> group, int rank_index, std::string operation, std::string stream)
-      : state(std::move(group)), rank(rank_index), what(std::move(operation)), stream_name(std::move(stream)) {}
-  SkipGuard(const SkipGuard&) = delete;
-  SkipGuard& operator=(const SkipGuard&) = delete;
-  ~SkipGuard() {
-    if (ran) return;
-    std::lock_guard<std::mutex> lock(state->mutex);
-    state->abort_locked(CancelledError("host communicator: rank " + std::to_string(rank) + "'s " + what +
-                                       " never ran: stream '" + stream_name +
-                                       "' dropped it (an earlier error on that stream, or the stream went away)"));
-  }
-  std::shared_ptr<GroupState> state;
-  const int rank;
-  const std::string what;
-  const std::string stream_name;
-  std::atomic<bool> ran{false};  // the task ran (or its failure to enqueue was reported otherwise)
-};
 
 }  // namespace
 
@@ -323,13 +296,9 @@ void HostCommunicatorGroup::abort(std::string_view reason) {
 // HostCommunicator
 // ---------------------------------------------------------------------------
 
-struct HostCommunicator::Call {
-  Arrival arrival;
-  std::optional<ReduceOptions> reduce;  // reductions only
-};
 
 HostCommunicator::HostCommunicator(std::shared_ptr<GroupState> state, int rank, Device& device)
-    : state_(std::move(state)), rank_(rank), device_(device) {}
+    : StreamTaskCommunicator(device), state_(std::move(state)), rank_(rank) {}
 
 HostCommunicator::~HostCommunicator() {
   std::lock_guard<std::mutex> lock(state_->mutex);
@@ -339,13 +308,12 @@ HostCommunicator::~HostCommunicator() {
 
 int HostCommunicator::world_size() const { return state_->world_size; }
 
-Status HostCommunicator::enqueue(Call call, Stream& stream) {
-  Arrival& arrival = call.arrival;
-  const std::string what = std::string(collective_kind_name(arrival.kind)) + " #" + std::to_string(issued());
+Status HostCommunicator::enqueue(CollectiveCall call, const std::optional<ReduceOptions>& reduce, Stream& stream) {
+  const std::string what = std::string(collective_kind_name(call.kind)) + " #" + std::to_string(issued());
   // Every enqueue-time failure aborts the group: the other ranks would otherwise wait
   // for a collective this rank never issues.
   const auto reject = [&](Status problem) {
-    Status status = std::move(problem).with_context("rank " + std::to_string(rank_) + "'s " + what + " was rejected");
+    Status status = std::move(problem).with_context("host communicator: rank " + std::to_string(rank_) + "'s " + what + " was rejected");
     std::lock_guard<std::mutex> lock(state_->mutex);
     state_->abort_locked(status);
     return status;
@@ -354,29 +322,7 @@ Status HostCommunicator::enqueue(Call call, Stream& stream) {
     std::lock_guard<std::mutex> lock(state_->mutex);
     if (!state_->aborted.ok()) return aborted_error(state_->aborted, what, rank_);
   }
-  if (&stream.device() != &device_)
-    return reject(InvalidArgumentError("host communicator: stream '" + stream.name() + "' belongs to " +
-                                       stream.device().description() + ", not to rank " + std::to_string(rank_) +
-                                       "'s device " + device_.description()));
-  if (call.reduce) {
-    StatusOr<DType> wire = resolve_wire_dtype(arrival.dtype, *call.reduce);
-    if (!wire.ok()) return reject(wire.status());
-    arrival.wire = *wire;
-    arrival.op = call.reduce->op;
-  }
-  if (arrival.kind == CollectiveKind::kBroadcast && (arrival.root < 0 || arrival.root >= state_->world_size))
-    return reject(InvalidArgumentError("host communicator: broadcast root " + std::to_string(arrival.root) +
-                                       " is outside [0, " + std::to_string(state_->world_size - 1) + "]"));
-  const size_t element = dtype_size(arrival.dtype);
-  const size_t world = static_cast<size_t>(state_->world_size);
-  if (arrival.count > std::numeric_limits<size_t>::max() / element / world)
-    return reject(InvalidArgumentError("host communicator: count " + std::to_string(arrival.count) + " is too large"));
-  if (arrival.count > 0 && arrival.kind != CollectiveKind::kBarrier) {
-    const bool needs_send = arrival.kind != CollectiveKind::kBroadcast || arrival.root == rank_;
-    if ((needs_send && arrival.send == nullptr) || arrival.recv == nullptr)
-      return reject(InvalidArgumentError("host communicator: " + call_text(arrival) + " with a null " +
-                                         (arrival.recv == nullptr ? "receive" : "send") + " buffer"));
-  }
+  if (Status problem = check_call(call, reduce, stream); !problem.ok()) return reject(std::move(problem));
 
   const uint64_t sequence = next_sequence_.fetch_add(1);
   {
@@ -384,67 +330,16 @@ Status HostCommunicator::enqueue(Call call, Stream& stream) {
     state_->slots.try_emplace(sequence, state_->world_size).first->second.streams[static_cast<size_t>(rank_)] = &stream;
     state_->changed.notify_all();
   }
-  // A stream skips its later tasks after an error until the error is reported; a
-  // collective skipped that way would leave the other ranks waiting for it. The guard
-  // notices a task destroyed without having run and aborts the group instead.
-  auto guard = std::make_shared<SkipGuard>(state_, rank_, op_text(arrival, sequence),
-                                           stream.name());
-  Status launched = stream.launch([guard, arrival = arrival, sequence](const LaunchContext& context) -> Status {
-    guard->ran = true;
-    return run_collective(*guard->state, guard->rank, sequence, arrival, context.executor);
+  auto dropped = [state = state_, rank = rank_, text = op_text(call, sequence), stream_name = stream.name()] {
+    std::lock_guard<std::mutex> lock(state->mutex);
+    state->abort_locked(CancelledError("host communicator: rank " + std::to_string(rank) + "'s " + text + " never ran: stream '" + stream_name +
+                                       "' dropped it (an earlier error on that stream, or the stream went away)"));
+  };
+  Status launched = launch_guarded(stream, std::move(dropped), [state = state_, rank = rank_, call, sequence](const LaunchContext& context) {
+    return run_collective(*state, rank, sequence, call, context.executor);
   });
-  if (!launched.ok()) {
-    guard->ran = true;  // reported here, with the reason
-    return reject(std::move(launched));
-  }
+  if (!launched.ok()) return reject(std::move(launched));
   return Status::Ok();
-}
-
-Status HostCommunicator::all_gather(const void* send, void* recv, size_t send_count, DType dtype, Stream& stream) {
-  return enqueue(Call{.arrival = {.kind = CollectiveKind::kAllGather,
-                                  .dtype = dtype,
-                                  .wire = dtype,
-                                  .count = send_count,
-                                  .send = static_cast<const std::byte*>(send),
-                                  .recv = static_cast<std::byte*>(recv)}},
-                 stream);
-}
-
-Status HostCommunicator::reduce_scatter(const void* send, void* recv, size_t recv_count, DType dtype,
-                                        const ReduceOptions& options, Stream& stream) {
-  return enqueue(Call{.arrival = {.kind = CollectiveKind::kReduceScatter,
-                                  .dtype = dtype,
-                                  .count = recv_count,
-                                  .send = static_cast<const std::byte*>(send),
-                                  .recv = static_cast<std::byte*>(recv)},
-                      .reduce = options},
-                 stream);
-}
-
-Status HostCommunicator::all_reduce(const void* send, void* recv, size_t count, DType dtype,
-                                    const ReduceOptions& options, Stream& stream) {
-  return enqueue(Call{.arrival = {.kind = CollectiveKind::kAllReduce,
-                                  .dtype = dtype,
-                                  .count = count,
-                                  .send = static_cast<const std::byte*>(send),
-                                  .recv = static_cast<std::byte*>(recv)},
-                      .reduce = options},
-                 stream);
-}
-
-Status HostCommunicator::broadcast(const void* send, void* recv, size_t count, DType dtype, int root, Stream& stream) {
-  return enqueue(Call{.arrival = {.kind = CollectiveKind::kBroadcast,
-                                  .dtype = dtype,
-                                  .wire = dtype,
-                                  .count = count,
-                                  .root = root,
-                                  .send = static_cast<const std::byte*>(send),
-                                  .recv = static_cast<std::byte*>(recv)}},
-                 stream);
-}
-
-Status HostCommunicator::barrier(Stream& stream) {
-  return enqueue(Call{.arrival = {.kind = CollectiveKind::kBarrier}}, stream);
 }
 
 void HostCommunicator::abort(std::string_view reason) {

@@ -23,9 +23,11 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string_view>
 
 #include "engine/core/communicator.h"
+#include "engine/core/stream_task_communicator.h"
 
 namespace strata {
 
@@ -60,7 +62,7 @@ class HostCommunicatorGroup {
   std::shared_ptr<host_communicator_internal::GroupState> state_;
 };
 
-class HostCommunicator final : public Communicator {
+class HostCommunicator final : public StreamTaskCommunicator {
  public:
   // Use HostCommunicatorGroup::communicator().
   HostCommunicator(std::shared_ptr<host_communicator_internal::GroupState> state, int rank, Device& device);
@@ -72,16 +74,7 @@ class HostCommunicator final : public Communicator {
 
   int rank() const override { return rank_; }
   int world_size() const override;
-  Device& device() override { return device_; }
   std::string_view backend_name() const override { return "host"; }
-
-  Status all_gather(const void* send, void* recv, size_t send_count, DType dtype, Stream& stream) override;
-  Status reduce_scatter(const void* send, void* recv, size_t recv_count, DType dtype, const ReduceOptions& options,
-                        Stream& stream) override;
-  Status all_reduce(const void* send, void* recv, size_t count, DType dtype, const ReduceOptions& options,
-                    Stream& stream) override;
-  Status broadcast(const void* send, void* recv, size_t count, DType dtype, int root, Stream& stream) override;
-  Status barrier(Stream& stream) override;
 
   // Aborts the whole group (see HostCommunicatorGroup::abort).
   void abort(std::string_view reason) override;
@@ -91,12 +84,10 @@ class HostCommunicator final : public Communicator {
   uint64_t issued() const { return next_sequence_.load(std::memory_order_relaxed); }
 
  private:
-  struct Call;  // one collective as this rank issues it
-  Status enqueue(Call call, Stream& stream);
+  Status enqueue(CollectiveCall call, const std::optional<ReduceOptions>& reduce, Stream& stream) override;
 
   std::shared_ptr<host_communicator_internal::GroupState> state_;
   const int rank_;
-  Device& device_;
   std::atomic<uint64_t> next_sequence_{0};
 };
 
