@@ -34,9 +34,12 @@ class StreamGate {
 struct Fixture {
   std::unique_ptr<Device> device;
   std::unique_ptr<Stream> stream;
-  Status init() {
+  DeviceBuffer lse, chunk;  // one micro-batch's loss pieces on the device
+  Status init(size_t rows = 1, size_t chunks = 1) {
     STRATA_ASSIGN_OR_RETURN(device, create_cpu_device({}));
     STRATA_ASSIGN_OR_RETURN(stream, device->create_stream("test compute"));
+    STRATA_ASSIGN_OR_RETURN(lse, device->allocate(rows * 4, "lse"));
+    STRATA_ASSIGN_OR_RETURN(chunk, device->allocate(rows * chunks * 4, "chunk losses"));
     return {};
   }
 };
@@ -63,26 +66,24 @@ Pieces make_pieces(size_t rows, size_t chunks, float base) {
 
 // Device copies of `p`'s pieces, written in stream order (so they may be overwritten by the
 // next micro-batch's pieces after a queue()).
-Status upload(Fixture& f, const Pieces& p, DeviceBuffer& lse, DeviceBuffer& chunk) {
-  STRATA_RETURN_IF_ERROR(f.device->copy_async(lse.data(), p.loss_lse.data(), p.loss_lse.size() * 4, CopyKind::kHostToDevice, *f.stream));
-  return f.device->copy_async(chunk.data(), p.chunk_losses.data(), p.chunk_losses.size() * 4, CopyKind::kHostToDevice, *f.stream);
+Status upload(Fixture& f, const Pieces& p) {
+  STRATA_RETURN_IF_ERROR(f.device->copy_async(f.lse.data(), p.loss_lse.data(), p.loss_lse.size() * 4, CopyKind::kHostToDevice, *f.stream));
+  return f.device->copy_async(f.chunk.data(), p.chunk_losses.data(), p.chunk_losses.size() * 4, CopyKind::kHostToDevice, *f.stream);
 }
 
 TEST(HostStagingTest, QueuedLossesReturnWhileTheStreamIsHeldAndSumOnceItMovesOn) {
-  Fixture f;
-  STRATA_ASSERT_OK(f.init());
   constexpr size_t kRows = 37, kChunks = 3;
-  STRATA_ASSERT_OK_AND_ASSIGN(DeviceBuffer lse, f.device->allocate(kRows * 4, "lse"));
-  STRATA_ASSERT_OK_AND_ASSIGN(DeviceBuffer chunk, f.device->allocate(kRows * kChunks * 4, "chunk losses"));
+  Fixture f;
+  STRATA_ASSERT_OK(f.init(kRows, kChunks));
   LossReadback readback(*f.device);
   const Pieces first = make_pieces(kRows, kChunks, 2.0f), second = make_pieces(kRows, kChunks, 7.0f);
   StreamGate gate;
   STRATA_ASSERT_OK(gate.open(*f.stream));
   // Two micro-batches through the same device buffers, queued while nothing has run.
-  STRATA_ASSERT_OK(upload(f, first, lse, chunk));
-  STRATA_ASSERT_OK_AND_ASSIGN(const LossTicket a, readback.queue(*f.stream, {lse.as<float>(), chunk.as<float>(), kRows, kChunks, first.target_chunk}));
-  STRATA_ASSERT_OK(upload(f, second, lse, chunk));
-  STRATA_ASSERT_OK_AND_ASSIGN(const LossTicket b, readback.queue(*f.stream, {lse.as<float>(), chunk.as<float>(), kRows, kChunks, second.target_chunk}));
+  STRATA_ASSERT_OK(upload(f, first));
+  STRATA_ASSERT_OK_AND_ASSIGN(const LossTicket a, readback.queue(*f.stream, {f.lse.as<float>(), f.chunk.as<float>(), kRows, kChunks, first.target_chunk}));
+  STRATA_ASSERT_OK(upload(f, second));
+  STRATA_ASSERT_OK_AND_ASSIGN(const LossTicket b, readback.queue(*f.stream, {f.lse.as<float>(), f.chunk.as<float>(), kRows, kChunks, second.target_chunk}));
   EXPECT_EQ(readback.in_flight(), 2u);
   gate.release();
   STRATA_ASSERT_OK_AND_ASSIGN(const double sum_a, readback.take(a));
@@ -93,16 +94,14 @@ TEST(HostStagingTest, QueuedLossesReturnWhileTheStreamIsHeldAndSumOnceItMovesOn)
 }
 
 TEST(HostStagingTest, ATicketIsTakenOnceAndRecordsAreReused) {
-  Fixture f;
-  STRATA_ASSERT_OK(f.init());
   constexpr size_t kRows = 7, kChunks = 2;
-  STRATA_ASSERT_OK_AND_ASSIGN(DeviceBuffer lse, f.device->allocate(kRows * 4, "lse"));
-  STRATA_ASSERT_OK_AND_ASSIGN(DeviceBuffer chunk, f.device->allocate(kRows * kChunks * 4, "chunk losses"));
+  Fixture f;
+  STRATA_ASSERT_OK(f.init(kRows, kChunks));
   LossReadback readback(*f.device);
   for (int round = 0; round < 4; ++round) {
     const Pieces p = make_pieces(kRows, kChunks, 1.0f + float(round));
-    STRATA_ASSERT_OK(upload(f, p, lse, chunk));
-    STRATA_ASSERT_OK_AND_ASSIGN(const LossTicket t, readback.queue(*f.stream, {lse.as<float>(), chunk.as<float>(), kRows, kChunks, p.target_chunk}));
+    STRATA_ASSERT_OK(upload(f, p));
+    STRATA_ASSERT_OK_AND_ASSIGN(const LossTicket t, readback.queue(*f.stream, {f.lse.as<float>(), f.chunk.as<float>(), kRows, kChunks, p.target_chunk}));
     STRATA_ASSERT_OK_AND_ASSIGN(const double sum, readback.take(t));
     EXPECT_EQ(sum, p.sum);
     EXPECT_FALSE(readback.take(t).ok()) << "a ticket taken twice";
@@ -110,8 +109,8 @@ TEST(HostStagingTest, ATicketIsTakenOnceAndRecordsAreReused) {
   EXPECT_EQ(readback.records(), 1u);  // one micro-batch in flight at a time: one record
   const Pieces p = make_pieces(kRows, kChunks, 1.0f);
   const std::vector<int32_t> bad(kRows, int32_t(kChunks));
-  EXPECT_FALSE(readback.queue(*f.stream, {lse.as<float>(), chunk.as<float>(), kRows, kChunks, bad}).ok()) << "a target chunk past the last";
-  EXPECT_FALSE(readback.queue(*f.stream, {lse.as<float>(), chunk.as<float>(), kRows, kChunks, std::span(p.target_chunk).first(3)}).ok());
+  EXPECT_FALSE(readback.queue(*f.stream, {f.lse.as<float>(), f.chunk.as<float>(), kRows, kChunks, bad}).ok()) << "a target chunk past the last";
+  EXPECT_FALSE(readback.queue(*f.stream, {f.lse.as<float>(), f.chunk.as<float>(), kRows, kChunks, std::span(p.target_chunk).first(3)}).ok());
   EXPECT_FALSE(readback.take(LossTicket{}).ok());
 }
 
