@@ -1,5 +1,7 @@
 #include "examples/models/linear_stack.h"
 
+#include <functional>
+
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -134,7 +136,8 @@ Status LinearStackModel::allocate() {
 }
 
 StatusOr<const float*> LinearStackModel::as_fp32(const GroupView& view, size_t elements, DeviceBuffer& scratch) {
-  if (view.dtype == DType::kFloat32) return static_cast<const float*>(view.flat);
+  // Without compute nothing reads the parameters: no cast either.
+  if (view.dtype == DType::kFloat32 || config_.compute == StackCompute::kNone) return static_cast<const float*>(view.flat);
   if (scratch.empty()) {
     STRATA_ASSIGN_OR_RETURN(scratch, engine_.device().allocate(std::max(elements, engine_.layout(1).numel) * 4, "fp32 parameter copy"));
   }
@@ -154,8 +157,11 @@ Status LinearStackModel::forward_backward(int64_t step, int micro, int micro_bat
   float* hx = host_x_.data() + static_cast<size_t>(micro) * rows * f;
   int32_t* hl = host_labels_.data() + static_cast<size_t>(micro) * rows;
   make_batch(config_, step, micro, rank_ * local_rows_, local_rows_, hx, hl);
-  STRATA_RETURN_IF_ERROR(device.copy_async(x_.data(), hx, rows * f * 4, CopyKind::kHostToDevice, stream));
-  STRATA_RETURN_IF_ERROR(device.copy_async(labels_.data(), hl, rows * 4, CopyKind::kHostToDevice, stream));
+  // The device work of a step; with StackCompute::kNone only the engine's protocol runs.
+  const bool computes = config_.compute == StackCompute::kKernels;
+  auto kernel = [computes](const std::function<Status()>& launch) { return computes ? launch() : Status(); };
+  STRATA_RETURN_IF_ERROR(kernel([&] { return device.copy_async(x_.data(), hx, rows * f * 4, CopyKind::kHostToDevice, stream); }));
+  STRATA_RETURN_IF_ERROR(kernel([&] { return device.copy_async(labels_.data(), hl, rows * 4, CopyKind::kHostToDevice, stream); }));
 
   auto h = [&](int l) { return h_.as<float>() + static_cast<size_t>(l) * rows * w; };
   auto pre = [&](int l) { return pre_.as<float>() + static_cast<size_t>(l - 1) * rows * w; };
@@ -167,37 +173,37 @@ Status LinearStackModel::forward_backward(int64_t step, int micro, int micro_bat
   // Forward.
   STRATA_ASSIGN_OR_RETURN(GroupView embed, engine_.gather(0));
   STRATA_ASSIGN_OR_RETURN(const float* e, as_fp32(embed, embed_numel, scratch_embed_));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, embed_shape, DType::kFloat32, x_.data(), e, nullptr, h(0)));
+  STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::matmul_forward(stream, *blas_, embed_shape, DType::kFloat32, x_.data(), e, nullptr, h(0)); }));
   STRATA_RETURN_IF_ERROR(engine_.release(0));
   for (int l = 1; l <= layers; ++l) {
     STRATA_ASSIGN_OR_RETURN(GroupView layer, engine_.gather(l));
     STRATA_ASSIGN_OR_RETURN(const float* p, as_fp32(layer, engine_.layout(l).numel, scratch_layer_));
     const float* weight = p;
     const float* bias = p + engine_.layout(l).tensors[1].offset;
-    STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, layer_shape, DType::kFloat32, h(l - 1), weight, bias, pre(l)));
-    STRATA_RETURN_IF_ERROR(kernels::gelu_forward(stream, DType::kFloat32, pre(l), h(l), rows * w));
+    STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::matmul_forward(stream, *blas_, layer_shape, DType::kFloat32, h(l - 1), weight, bias, pre(l)); }));
+    STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::gelu_forward(stream, DType::kFloat32, pre(l), h(l), rows * w); }));
     STRATA_RETURN_IF_ERROR(engine_.release(l));
   }
   STRATA_ASSIGN_OR_RETURN(embed, engine_.gather(0));
   STRATA_ASSIGN_OR_RETURN(e, as_fp32(embed, embed_numel, scratch_embed_));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, head_shape, DType::kFloat32, h(layers), e, nullptr, logits_.data()));
+  STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::matmul_forward(stream, *blas_, head_shape, DType::kFloat32, h(layers), e, nullptr, logits_.data()); }));
   STRATA_RETURN_IF_ERROR(engine_.release(0));
   // The objective is the mean over all rows of all ranks and micro-batches, times the
   // loss scale: each rank's rows contribute 1 / (global rows x micro-batches).
   const float grad_scale = engine_.loss_scale() / static_cast<float>(config_.global_rows * micro_batches);
   const kernels::CrossEntropyShape ce{rows, f, -1};
-  STRATA_RETURN_IF_ERROR(kernels::cross_entropy_fused(stream, ce, DType::kFloat32, logits_.data(), labels_.as<int32_t>(), grad_scale,
-                                                      losses_.as<float>(), mean_loss_.as<float>(), logits_.data()));
+  STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::cross_entropy_fused(stream, ce, DType::kFloat32, logits_.data(), labels_.as<int32_t>(), grad_scale,
+                                                      losses_.as<float>(), mean_loss_.as<float>(), logits_.data()); }));
   float* loss_out = &micro_losses_[static_cast<size_t>(micro)];
-  STRATA_RETURN_IF_ERROR(device.copy_async(loss_out, mean_loss_.data(), 4, CopyKind::kDeviceToHost, stream));
+  STRATA_RETURN_IF_ERROR(kernel([&] { return device.copy_async(loss_out, mean_loss_.data(), 4, CopyKind::kDeviceToHost, stream); }));
 
   // Backward.
   const kernels::GradOptions accumulate_params{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
   STRATA_ASSIGN_OR_RETURN(embed, engine_.gather(0));
   STRATA_ASSIGN_OR_RETURN(e, as_fp32(embed, embed_numel, scratch_embed_));
   STRATA_ASSIGN_OR_RETURN(GroupView d_embed, engine_.gradient_buffer(0));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, head_shape, DType::kFloat32, logits_.data(), h(layers), e,
-                                                  grad_a_.data(), static_cast<float*>(d_embed.tensors[0]), nullptr, accumulate_params));
+  STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::matmul_backward(stream, *blas_, head_shape, DType::kFloat32, logits_.data(), h(layers), e,
+                                                  grad_a_.data(), static_cast<float*>(d_embed.tensors[0]), nullptr, accumulate_params); }));
   STRATA_RETURN_IF_ERROR(engine_.release(0));
   void* dh = grad_a_.data();
   void* dh_next = grad_b_.data();
@@ -205,18 +211,18 @@ Status LinearStackModel::forward_backward(int64_t step, int micro, int micro_bat
     STRATA_ASSIGN_OR_RETURN(GroupView layer, engine_.gather(l));
     STRATA_ASSIGN_OR_RETURN(const float* p, as_fp32(layer, engine_.layout(l).numel, scratch_layer_));
     STRATA_ASSIGN_OR_RETURN(GroupView d_layer, engine_.gradient_buffer(l));
-    STRATA_RETURN_IF_ERROR(kernels::gelu_backward(stream, DType::kFloat32, dh, pre(l), dh, rows * w, kernels::GradWrite::kOverwrite));
-    STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, layer_shape, DType::kFloat32, dh, h(l - 1), p, dh_next,
+    STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::gelu_backward(stream, DType::kFloat32, dh, pre(l), dh, rows * w, kernels::GradWrite::kOverwrite); }));
+    STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::matmul_backward(stream, *blas_, layer_shape, DType::kFloat32, dh, h(l - 1), p, dh_next,
                                                     static_cast<float*>(d_layer.tensors[0]), static_cast<float*>(d_layer.tensors[1]),
-                                                    accumulate_params));
+                                                    accumulate_params); }));
     STRATA_RETURN_IF_ERROR(engine_.release(l));
     STRATA_RETURN_IF_ERROR(engine_.grads_ready(l));
     std::swap(dh, dh_next);
   }
   STRATA_ASSIGN_OR_RETURN(embed, engine_.gather(0));
   STRATA_ASSIGN_OR_RETURN(e, as_fp32(embed, embed_numel, scratch_embed_));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, embed_shape, DType::kFloat32, dh, x_.data(), e, nullptr,
-                                                  static_cast<float*>(d_embed.tensors[0]), nullptr, accumulate_params));
+  STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::matmul_backward(stream, *blas_, embed_shape, DType::kFloat32, dh, x_.data(), e, nullptr,
+                                                  static_cast<float*>(d_embed.tensors[0]), nullptr, accumulate_params); }));
   STRATA_RETURN_IF_ERROR(engine_.release(0));
   STRATA_RETURN_IF_ERROR(engine_.grads_ready(0));
   (void)loss;

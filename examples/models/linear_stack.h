@@ -24,12 +24,21 @@
 
 namespace strata::models {
 
+// What a step computes. kNone runs the engine's whole protocol (every gather, release,
+// gradient buffer and grads_ready of a real step, in the same order) and no kernels: the
+// host stages (NVMe, copies, gradient landing, CPU Adam) at the pace a device that
+// computes in no time would leave them, which the CPU device's own compute otherwise hides
+// by sharing the cores and the memory bus with them. Gradients stay zero; Adam's work does
+// not depend on their values.
+enum class StackCompute : uint8_t { kKernels, kNone };
+
 struct LinearStackConfig {
   int features = 32;        // input features = classes
   int width = 64;
   int layers = 3;           // hidden square layers
   int global_rows = 16;     // rows per micro-batch over all ranks
   uint64_t data_seed = 7;
+  StackCompute compute = StackCompute::kKernels;
 };
 
 // The micro-batch rows [row_begin, row_begin + rows) of step `step`, micro-batch `micro`.

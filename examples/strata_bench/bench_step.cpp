@@ -52,6 +52,7 @@ constexpr const char* kUsage =
     "                         --offload-optimizer device|cpu|nvme --param-dtype bf16|fp32 --nvme-path D\n"
     "                         [--prefetch-depth P (default: the deepest that fits)] [--pinned-budget-mib M (0 = what the plan needs)] [--seed S]\n"
     "                         [--store-gbps READ,WRITE | --store-measure-mib M=256] [--matmul-precision fp32|tf32|bf16 (cuda)]\n"
+    "                         [--compute kernels|none (none: the engine's protocol alone, the host stages at the pace of a device that computes in no time)]\n"
     "                         [--json] [--help]";
 
 struct StepBenchOptions {
@@ -107,7 +108,7 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
                                                  {"layers", "width", "batch", "micro-batches", "steps", "world-size", "device",
                                                   "device-budget-mib", "offload-param", "offload-optimizer", "param-dtype",
                                                   "nvme-path", "prefetch-depth", "seed", "pinned-budget-mib", "store-gbps",
-                                                  "store-measure-mib", "matmul-precision"},
+                                                  "store-measure-mib", "matmul-precision", "compute"},
                                                  {"json", "help"}));
   StepBenchOptions o;
   if (args.flag("help")) return StepBenchOptions{.help = true};
@@ -158,6 +159,9 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
   STRATA_ASSIGN_OR_RETURN(o.param_dtype, parse_dtype(args.get("param-dtype", "bf16")));
   if (o.param_dtype == DType::kFloat16) return InvalidArgumentError("--param-dtype takes bf16 or fp32");
   STRATA_ASSIGN_OR_RETURN(o.matmul_precision, parse_matmul_precision(args.get("matmul-precision", "fp32")));
+  const std::string compute = args.get("compute", "kernels");
+  if (compute != "kernels" && compute != "none") return InvalidArgumentError("--compute takes kernels or none, got '" + compute + "'");
+  o.model.compute = compute == "none" ? models::StackCompute::kNone : models::StackCompute::kKernels;
   o.nvme_path = args.get("nvme-path", "");
   if ((o.params == Tier::kNvme || o.optimizer == Tier::kNvme) && o.nvme_path.empty())
     return InvalidArgumentError("--offload-param/--offload-optimizer nvme needs --nvme-path");
@@ -333,7 +337,8 @@ int run_step(int argc, char** argv) {
   nlohmann::ordered_json out = {{"bench", "step"}};
   const int64_t rows_per_step = int64_t{o.model.global_rows} * o.micro_batches;
   StepWork work;
-  work.model_flops = lm::training_step_flops(models::linear_stack_flop_shape(o.model), /*seq_len=*/1, rows_per_step);
+  const bool computes = o.model.compute == models::StackCompute::kKernels;
+  work.model_flops = computes ? lm::training_step_flops(models::linear_stack_flop_shape(o.model), /*seq_len=*/1, rows_per_step) : 0.0;
   const MatmulPrecision precision = (*cluster)->device((*cluster)->first_rank()).matmul_precision();
   if (o.device == DeviceKind::kCuda) work.peak_flops = h200_dense_peak_flops(precision) * o.world;
   const nlohmann::ordered_json median = step_figures(reports, chosen, work, *store);
@@ -347,6 +352,7 @@ int run_step(int argc, char** argv) {
   out["pinned_bytes"] = run->pinned_bytes;
   out["host_bytes"] = run->host_bytes;
   out["pinned_budget_bytes"] = o.pinned_budget_bytes;
+  out["compute"] = computes ? "kernels" : "none";
   out["model_flops"] = work.model_flops;
   out["matmul_precision"] = std::string(matmul_precision_name(precision));
   if (work.peak_flops) out["peak_tflops"] = *work.peak_flops / 1e12;  // all ranks' GPUs
