@@ -5,6 +5,7 @@
 // was one file.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -83,18 +84,32 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // Column sums over rows for dgamma / dbeta (LayerNorm and, with mean == nullptr,
-// RMSNorm: x != nullptr) or dbias (x == nullptr, result in dsum). Block (32, 32): threadIdx.x picks the column of a 32-wide
-// tile, threadIdx.y strides over rows; the 32 partials are added in a fixed order.
+// RMSNorm: x != nullptr) or dbias (x == nullptr, result in dsum).
+//
+// One 32-column tile is summed by a cluster of kColumnGradSplits blocks (Hopper thread
+// block clusters): block b of the cluster takes rows b*32 + threadIdx.y, stepping by
+// 32 x kColumnGradSplits, so a tile's rows are read by 8 SMs instead of one (GPT-2 XL's
+// 1600 channels are 50 tiles: one block per tile would leave 82 of the H200's 132 SMs idle
+// and keep too few loads in flight on the others). Each block adds its 32 row partials in
+// a fixed order into shared memory; the cluster's first block then adds the blocks'
+// partials, read through distributed shared memory, in block order. No atomics and no
+// global scratch: the same bits on every run.
+constexpr unsigned kColumnGradSplits = 8;
+
 template <class T>
-__global__ void column_grads_kernel(const T* dy, const T* x, const float* mean, const float* rstd, float* dscaled,
-                                    float* dsum, size_t rows, size_t channels, bool accumulate) {
+__global__ void __cluster_dims__(1, kColumnGradSplits, 1)
+    column_grads_kernel(const T* dy, const T* x, const float* mean, const float* rstd, float* dscaled, float* dsum, size_t rows,
+                        size_t channels, bool accumulate) {
   __shared__ float scaled_part[32][33];
   __shared__ float sum_part[32][33];
+  __shared__ float block_scaled[32];
+  __shared__ float block_sum[32];
   const size_t c = blockIdx.x * size_t(32) + threadIdx.x;
   float scaled = 0.0f;
   float sum = 0.0f;
   if (c < channels) {
-    for (size_t r = threadIdx.y; r < rows; r += 32) {
+    const size_t step = size_t(32) * kColumnGradSplits;
+    for (size_t r = blockIdx.y * size_t(32) + threadIdx.y; r < rows; r += step) {
       const float d = load(dy, r * channels + c);
       sum += d;
       if (x != nullptr) scaled += d * ((load(x, r * channels + c) - (mean != nullptr ? mean[r] : 0.0f)) * rstd[r]);
@@ -103,23 +118,36 @@ __global__ void column_grads_kernel(const T* dy, const T* x, const float* mean, 
   scaled_part[threadIdx.y][threadIdx.x] = scaled;
   sum_part[threadIdx.y][threadIdx.x] = sum;
   __syncthreads();
-  if (threadIdx.y == 0 && c < channels) {
+  if (threadIdx.y == 0) {
     float total_scaled = 0.0f;
     float total_sum = 0.0f;
     for (int y = 0; y < 32; ++y) {
       total_scaled += scaled_part[y][threadIdx.x];
       total_sum += sum_part[y][threadIdx.x];
     }
+    block_scaled[threadIdx.x] = total_scaled;
+    block_sum[threadIdx.x] = total_sum;
+  }
+  cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+  cluster.sync();  // every block's partials are in its shared memory
+  if (cluster.block_rank() == 0 && threadIdx.y == 0 && c < channels) {
+    float total_scaled = 0.0f;
+    float total_sum = 0.0f;
+    for (unsigned b = 0; b < kColumnGradSplits; ++b) {
+      total_scaled += cluster.map_shared_rank(block_scaled, b)[threadIdx.x];
+      total_sum += cluster.map_shared_rank(block_sum, b)[threadIdx.x];
+    }
     if (dscaled != nullptr) dscaled[c] = accumulate ? dscaled[c] + total_scaled : total_scaled;
     if (dsum != nullptr) dsum[c] = accumulate ? dsum[c] + total_sum : total_sum;
   }
+  cluster.sync();  // the first block has read the others' shared memory before they exit
 }
 
 template <class T>
 Status launch_column_grads(cudaStream_t stream, const T* dy, const T* x, const float* mean, const float* rstd,
                            float* dscaled, float* dsum, size_t rows, size_t channels, bool accumulate) {
   const dim3 block(32, 32);
-  const dim3 grid(static_cast<unsigned>((channels + 31) / 32));
+  const dim3 grid(static_cast<unsigned>((channels + 31) / 32), kColumnGradSplits);
   column_grads_kernel<T><<<grid, block, 0, stream>>>(dy, x, mean, rstd, dscaled, dsum, rows, channels, accumulate);
   return check_launch();
 }
