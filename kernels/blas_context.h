@@ -39,6 +39,15 @@ struct BlasOptions {
   size_t cuda_workspace_bytes = size_t{32} << 20;  // cuBLAS workspace from the device budget (NVIDIA suggests 32 MiB on Hopper)
 };
 
+// What became of the GEMMs that asked cuBLASLt for an epilogue (bias, bias gradient,
+// GELU): `fused` ran with it; `fallbacks` found no algorithm for the combination (shape,
+// types, alignment), and the op took its unfused path (slower, same result). Zero on a
+// CpuDevice. Tests and benchmarks read it to tell a fused run from a fallback.
+struct EpilogueCounts {
+  uint64_t fused = 0;
+  uint64_t fallbacks = 0;
+};
+
 class BlasContext {
  public:
   struct Impl;  // defined in kernels/blas_context_impl.h (cuBLAS state); opaque to callers
@@ -57,6 +66,8 @@ class BlasContext {
   const BlasOptions& options() const;
   // How this context's fp32 GEMMs run: options().matmul_precision, else the device's.
   MatmulPrecision matmul_precision() const;
+  // The epilogue outcomes of the GEMMs run through this context so far.
+  EpilogueCounts epilogue_counts() const;
   Impl& impl() const { return *impl_; }
 
  private:
