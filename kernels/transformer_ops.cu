@@ -558,8 +558,12 @@ StatusOr<bool> try_gemm_with_epilogue(BlasContext::Impl& impl, cudaStream_t stre
   if (heuristic == CUBLAS_STATUS_NOT_SUPPORTED || heuristic == CUBLAS_STATUS_INVALID_VALUE) return false;
   if (heuristic == CUBLAS_STATUS_SUCCESS && found == 0) return false;
   STRATA_RETURN_IF_CUBLAS_ERROR(heuristic);
-  STRATA_RETURN_IF_CUBLAS_ERROR(cublasLtMatmul(lt, d.matmul, &alpha, b.data, d.a, a.data, d.b, &beta, c, d.c, c, d.c,
-                                               &result.algo, impl.workspace.data(), workspace_bytes, stream));
+  const cublasStatus_t matmul = cublasLtMatmul(lt, d.matmul, &alpha, b.data, d.a, a.data, d.b, &beta, c, d.c, c, d.c,
+                                               &result.algo, impl.workspace.data(), workspace_bytes, stream);
+  // Some combinations (an epilogue's bias or aux type) pass the heuristic and are refused
+  // here, before anything is enqueued (cublasLt.h, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE).
+  if (matmul == CUBLAS_STATUS_NOT_SUPPORTED || matmul == CUBLAS_STATUS_INVALID_VALUE) return false;
+  STRATA_RETURN_IF_CUBLAS_ERROR(matmul);
   return true;
 }
 
