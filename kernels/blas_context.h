@@ -32,10 +32,19 @@
 
 namespace strata::kernels {
 
+// Which GEMMs may take cuBLASLt's GELU epilogues (matmul_bias_gelu_forward and
+// gelu_matmul_backward, kernels/transformer_ops.h, say why bf16 only by default).
+enum class GeluEpilogue : uint8_t {
+  kBf16Only,  // bf16 GEMMs: the epilogue agrees with gelu_forward to bf16 precision whichever GELU it computes
+  kAlways,    // fp32 GEMMs too: what a test uses to measure cuBLASLt's GELU against gelu_forward at fp32 precision
+  kNever,     // always the unfused path (GEMM, then the GELU kernels): for comparing the two
+};
+
 struct BlasOptions {
   // How fp32 GEMMs run on the GPU (engine/core/device.h); unset = the device's
   // matmul_precision() (strata.matmul_precision). An op that needs exact products sets kFp32.
   std::optional<MatmulPrecision> matmul_precision;
+  GeluEpilogue gelu_epilogue = GeluEpilogue::kBf16Only;
   size_t cuda_workspace_bytes = size_t{32} << 20;  // cuBLAS workspace from the device budget (NVIDIA suggests 32 MiB on Hopper)
 };
 

@@ -676,15 +676,22 @@ Status matmul_backward(void* cuda_stream, BlasContext& blas, const MatmulShape& 
 }
 
 namespace {
-// The GELU epilogues only for bf16 (kernels/transformer_ops.h, matmul_bias_gelu_forward:
-// cuBLASLt's GELU is not documented to be GPT-2's tanh form to fp32 accuracy).
-bool gelu_epilogue_applies(DType dtype) { return dtype == DType::kBFloat16; }
+// Whether to try cuBLASLt's GELU epilogues (BlasOptions::gelu_epilogue; bf16 only by
+// default: cuBLASLt's GELU is not documented to be GPT-2's tanh form to fp32 accuracy).
+bool gelu_epilogue_applies(const BlasContext& blas, DType dtype) {
+  switch (blas.options().gelu_epilogue) {
+    case GeluEpilogue::kBf16Only: return dtype == DType::kBFloat16;
+    case GeluEpilogue::kAlways: return true;
+    case GeluEpilogue::kNever: return false;
+  }
+  return false;
+}
 }  // namespace
 
 Status matmul_bias_gelu_forward(void* cuda_stream, BlasContext& blas, const MatmulShape& shape, DType dtype,
                                 const void* x, const void* weight, const void* bias, void* pre_activation, void* y) {
   STRATA_RETURN_IF_ERROR(check_handle(blas, "matmul_bias_gelu_forward"));
-  if (gelu_epilogue_applies(dtype)) {
+  if (gelu_epilogue_applies(blas, dtype)) {
     bool fused = false;
     STRATA_RETURN_IF_ERROR(dispatch(dtype, "matmul_bias_gelu_forward", [&](auto tag) -> Status {
       using T = typename decltype(tag)::type;
@@ -729,7 +736,7 @@ Status gelu_matmul_backward(void* cuda_stream, BlasContext& blas, const MatmulSh
     };
     bool fused = false;
     bool bias_pending = pre_bias_grad != nullptr;
-    if (gelu_epilogue_applies(dtype)) {
+    if (gelu_epilogue_applies(blas, dtype)) {
       // The bias gradient rides on the epilogue only when overwritten (it cannot add).
       if (bias_pending && bias_grad == GradWrite::kOverwrite) {
         STRATA_ASSIGN_OR_RETURN(fused, gemm_with(EpilogueArgs{GemmEpilogue::kGeluGradBiasGrad, pre_bias_grad, aux}));

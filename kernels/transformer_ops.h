@@ -133,7 +133,8 @@ Status gelu_backward(Stream& stream, DType dtype, const void* dy, const void* x,
 // GPU, bf16: one cuBLASLt GEMM whose GELU_AUX(_BIAS) epilogue adds the bias and writes
 // pre_activation and gelu of it from the fp32 accumulator (one rounding each), where
 // cuBLASLt has an algorithm and out_features is a multiple of 8 (its leading dimension
-// of the aux matrix); otherwise, and always in fp32, matmul_forward then gelu_forward.
+// of the aux matrix); otherwise, and in fp32, matmul_forward then gelu_forward
+// (BlasOptions::gelu_epilogue changes which dtypes try the epilogue).
 // Not in fp32: NVIDIA documents neither which GELU the epilogue computes (GPT-2's tanh
 // form or the erf form) nor how accurately, and the two forms differ by up to 4.7e-4,
 // 1.5e-4 to 2e-4 relative over a tensor of N(0, 1..2) inputs, which fp32 runs, held to
@@ -150,7 +151,7 @@ Status matmul_bias_gelu_forward(Stream& stream, BlasContext& blas, const MatmulS
 // dpre per bias_grad: the bias gradient of the product that made pre_activation (c_fc).
 // GPU, bf16: one cuBLASLt GEMM with the DGELU epilogue (DGELU_BGRAD, giving
 // pre_bias_grad too, when it is overwritten and cuBLASLt takes an fp32 bias gradient),
-// where cuBLASLt has an algorithm; otherwise, and always in fp32, the GEMM, gelu_backward
+// where cuBLASLt has an algorithm; otherwise, and in fp32, the GEMM, gelu_backward
 // and a column sum. CPU: matmul_backward's dx, gelu_backward in place, matmul_backward's
 // dbias column sum, bit for bit.
 Status gelu_matmul_backward(Stream& stream, BlasContext& blas, const MatmulShape& shape, DType dtype, const void* dy,

@@ -507,6 +507,55 @@ INSTANTIATE_TEST_SUITE_P(Devices, TransformerOpsTest,
                                            Target{DeviceKind::kCuda, DType::kBFloat16}),
                          target_name);
 
+// GPU-only behaviour ------------------------------------------------------------------
+
+// Which GELU cuBLASLt's epilogue computes is not documented. In fp32 (GeluEpilogue::kAlways)
+// the fused ops must match the unfused ones (the GELU kernels, GPT-2's tanh form) to the
+// fp32 tolerance: the erf form would differ by ~2e-4 relative, a fast tanh by about as
+// much. The default (kBf16Only) does not depend on this; kAlways does.
+TEST(TransformerOpsCudaTest, GeluEpilogueInFp32MatchesTheGeluKernels) {
+  if (!gpu_available()) GTEST_SKIP() << "no GPU: " << discover_gpus().reason;
+  Harness h(Target{DeviceKind::kCuda, DType::kFloat32});
+  auto context = [&](kernels::GeluEpilogue epilogue) {
+    auto blas = BlasContext::create(h.device(), {.matmul_precision = MatmulPrecision::kFp32, .gelu_epilogue = epilogue});
+    STRATA_CHECK_OK(blas);
+    return std::move(blas).value();
+  };
+  BlasContext fused_blas = context(kernels::GeluEpilogue::kAlways);
+  BlasContext unfused_blas = context(kernels::GeluEpilogue::kNever);
+  std::mt19937 rng(18);
+  const Sizes s = kSizes[1];  // 4C = 288: a valid aux leading dimension
+  const size_t m = s.batch * s.seq_len, c = s.channels, wide = 4 * s.channels;
+  const MatmulShape fc{.rows = m, .in_features = c, .out_features = wide};
+  const MatmulShape proj{.rows = m, .in_features = wide, .out_features = c};
+  auto x = h.put(random_vector(m * c, rng));
+  auto fc_weight = h.put(random_vector(c * wide, rng, 0.2));
+  auto fc_bias = h.put(random_vector(wide, rng));
+  auto dy = h.put(random_vector(m * c, rng));
+  auto proj_weight = h.put(random_vector(wide * c, rng, 0.2));
+  auto pre = h.put(random_vector(m * wide, rng, 2.0));
+  auto run = [&](BlasContext& blas) {
+    auto pre_out = h.nans(m * wide), y = h.nans(m * wide), dpre = h.nans(m * wide);
+    auto dbias = h.nans(wide, DType::kFloat32);
+    STRATA_CHECK_OK(kernels::matmul_bias_gelu_forward(h.stream(), blas, fc, DType::kFloat32, x.data(), fc_weight.data(),
+                                                      fc_bias.data(), pre_out.data(), y.data()));
+    STRATA_CHECK_OK(kernels::gelu_matmul_backward(h.stream(), blas, proj, DType::kFloat32, dy.data(), proj_weight.data(),
+                                                  pre.data(), dpre.data(), dbias.as<float>(), GradWrite::kOverwrite));
+    return std::vector<std::vector<double>>{h.get(y, m * wide), h.get(dpre, m * wide), h.get(dbias, wide, DType::kFloat32)};
+  };
+  const auto want = run(unfused_blas);
+  EXPECT_EQ(unfused_blas.epilogue_counts().fused, 0u);
+  const auto got = run(fused_blas);
+  EXPECT_EQ(fused_blas.epilogue_counts().fused, 2u) << "cuBLASLt had no fp32 GELU epilogue for this shape";
+  const char* names[] = {"gelu output", "dpre", "bias gradient"};
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double difference = relative_error(got[i], want[i]);
+    RecordProperty(std::string(names[i]) + "_relative_difference", std::to_string(difference));
+    EXPECT_LE(difference, 2e-5) << names[i] << ": cuBLASLt's GELU epilogue is not the GELU kernels' tanh form to fp32 "
+                                << "precision; keep GeluEpilogue::kBf16Only and drop kAlways";
+  }
+}
+
 // CPU-only behaviour ------------------------------------------------------------------
 
 TEST(TransformerOpsCpuTest, BadTokensAndTargetsFailAtTheNextSynchronize) {
