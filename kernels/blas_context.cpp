@@ -1,5 +1,6 @@
 #include "kernels/blas_context.h"
 
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -75,6 +76,14 @@ BlasContext::~BlasContext() = default;
 
 Device& BlasContext::device() const { return *impl_->device; }
 const BlasOptions& BlasContext::options() const { return impl_->options; }
+EpilogueCounts BlasContext::epilogue_counts() const {
+#if defined(STRATA_HAVE_CUDA)
+  std::lock_guard lock(impl_->mutex);
+  return impl_->epilogue_counts;
+#else
+  return {};
+#endif
+}
 MatmulPrecision BlasContext::matmul_precision() const {
   return impl_->options.matmul_precision.value_or(impl_->device->matmul_precision());
 }

@@ -32,11 +32,29 @@
 
 namespace strata::kernels {
 
+// Which GEMMs may take cuBLASLt's GELU epilogues (matmul_bias_gelu_forward and
+// gelu_matmul_backward, kernels/transformer_ops.h, say why bf16 only by default).
+enum class GeluEpilogue : uint8_t {
+  kBf16Only,  // bf16 GEMMs: the epilogue agrees with gelu_forward to bf16 precision whichever GELU it computes
+  kAlways,    // fp32 GEMMs too: what a test uses to measure cuBLASLt's GELU against gelu_forward at fp32 precision
+  kNever,     // always the unfused path (GEMM, then the GELU kernels): for comparing the two
+};
+
 struct BlasOptions {
   // How fp32 GEMMs run on the GPU (engine/core/device.h); unset = the device's
   // matmul_precision() (strata.matmul_precision). An op that needs exact products sets kFp32.
   std::optional<MatmulPrecision> matmul_precision;
+  GeluEpilogue gelu_epilogue = GeluEpilogue::kBf16Only;
   size_t cuda_workspace_bytes = size_t{32} << 20;  // cuBLAS workspace from the device budget (NVIDIA suggests 32 MiB on Hopper)
+};
+
+// What became of the GEMMs that asked cuBLASLt for an epilogue (bias, bias gradient,
+// GELU): `fused` ran with it; `fallbacks` found no algorithm for the combination (shape,
+// types, alignment), and the op took its unfused path (slower, same result). Zero on a
+// CpuDevice. Tests and benchmarks read it to tell a fused run from a fallback.
+struct EpilogueCounts {
+  uint64_t fused = 0;
+  uint64_t fallbacks = 0;
 };
 
 class BlasContext {
@@ -57,6 +75,8 @@ class BlasContext {
   const BlasOptions& options() const;
   // How this context's fp32 GEMMs run: options().matmul_precision, else the device's.
   MatmulPrecision matmul_precision() const;
+  // The epilogue outcomes of the GEMMs run through this context so far.
+  EpilogueCounts epilogue_counts() const;
   Impl& impl() const { return *impl_; }
 
  private:

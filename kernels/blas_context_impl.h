@@ -21,6 +21,7 @@ struct BlasContext::Impl {
   std::mutex mutex;
   cublasHandle_t handle = nullptr;  // null on a CpuDevice
   DeviceBuffer workspace;           // cuBLAS workspace from the device budget
+  EpilogueCounts epilogue_counts;   // guarded by mutex, counted by the CUDA ops' epilogue GEMMs
 #endif
   ~Impl();
 };

@@ -139,6 +139,62 @@ Status matmul_backward(Stream& stream, BlasContext& blas, const MatmulShape& sha
   });
 }
 
+// A matrix product fused with the GELU ------------------------------------------------
+
+Status matmul_bias_gelu_forward(Stream& stream, BlasContext& blas, const MatmulShape& shape, DType dtype, const void* x,
+                                const void* weight, const void* bias, void* pre_activation, void* y) {
+  constexpr const char* kOp = "matmul_bias_gelu_forward";
+  if (shape.rows == 0 || shape.out_features == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
+  STRATA_RETURN_IF_ERROR(check_blas(stream, blas, kOp));
+  if (shape.in_features == 0) return InvalidArgumentError(std::string(kOp) + ": in_features is 0");
+  STRATA_RETURN_IF_ERROR(check_present(x, kOp, "x"));
+  STRATA_RETURN_IF_ERROR(check_present(weight, kOp, "weight"));
+  STRATA_RETURN_IF_ERROR(check_present(pre_activation, kOp, "pre_activation"));
+  STRATA_RETURN_IF_ERROR(check_present(y, kOp, "y"));
+  if (pre_activation == y) return InvalidArgumentError(std::string(kOp) + ": pre_activation and y are the same buffer");
+  BlasContext* context = &blas;
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(
+          cuda::matmul_bias_gelu_forward(ctx.native_stream, *context, shape, dtype, x, weight, bias, pre_activation, y));
+    }
+    (void)context;
+    cpu::matmul_forward(*ctx.executor, shape, f32(x), f32(weight), f32(bias), f32(pre_activation));
+    cpu::gelu_forward(*ctx.executor, f32(pre_activation), f32(y), shape.rows * shape.out_features);
+    return {};
+  });
+}
+
+Status gelu_matmul_backward(Stream& stream, BlasContext& blas, const MatmulShape& shape, DType dtype, const void* dy,
+                            const void* weight, const void* pre_activation, void* dpre, float* pre_bias_grad,
+                            GradWrite bias_grad) {
+  constexpr const char* kOp = "gelu_matmul_backward";
+  if (shape.rows == 0 || shape.in_features == 0) return {};
+  STRATA_RETURN_IF_ERROR(check_dtype(stream, dtype, kOp));
+  STRATA_RETURN_IF_ERROR(check_blas(stream, blas, kOp));
+  if (shape.out_features == 0) return InvalidArgumentError(std::string(kOp) + ": out_features is 0");
+  STRATA_RETURN_IF_ERROR(check_present(dy, kOp, "dy"));
+  STRATA_RETURN_IF_ERROR(check_present(weight, kOp, "weight"));
+  STRATA_RETURN_IF_ERROR(check_present(pre_activation, kOp, "pre_activation"));
+  STRATA_RETURN_IF_ERROR(check_present(dpre, kOp, "dpre"));
+  BlasContext* context = &blas;
+  return stream.launch([=](const LaunchContext& ctx) -> Status {
+    if (ctx.native_stream != nullptr) {
+      STRATA_OP_ON_CUDA(cuda::gelu_matmul_backward(ctx.native_stream, *context, shape, dtype, dy, weight, pre_activation,
+                                                   dpre, pre_bias_grad, bias_grad));
+    }
+    (void)context;
+    const size_t count = shape.rows * shape.in_features;
+    cpu::matmul_backward(*ctx.executor, shape, f32(dy), nullptr, f32(weight), f32(dpre), nullptr, nullptr, GradOptions{});
+    cpu::gelu_backward(*ctx.executor, f32(dpre), f32(pre_activation), f32(dpre), count, GradWrite::kOverwrite);
+    if (pre_bias_grad != nullptr) {
+      cpu::bias_backward(*ctx.executor, shape.rows, shape.in_features, f32(dpre), pre_bias_grad, bias_grad);
+    }
+    return {};
+  });
+}
+
 // GELU and residual ------------------------------------------------------------------
 
 Status gelu_forward(Stream& stream, DType dtype, const void* x, void* y, size_t count) {

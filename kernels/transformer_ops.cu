@@ -428,12 +428,41 @@ namespace {
 
 // cuBLASLt GEMMs with an epilogue -------------------------------------------------------
 
-// What the epilogue adds to a row-major GEMM C[m,n] = op(A) op(B) (+ beta C):
+// What the epilogue does to a row-major GEMM C[m,n] = op(A) op(B) (+ beta C):
 enum class GemmEpilogue : uint8_t {
-  kBias,            // C[r,c] += bias[c] (bias of C's type), in fp32 before C is rounded
-  kBiasGradOfA,     // bias[r'] = sum over the GEMM's k of op(A) (fp32): dbias from A = dy^T
-  kBiasGradOfB,     // bias[c] = sum over the GEMM's k of op(B) (fp32): dbias from B = dy
+  kBias,              // C[r,c] += bias[c] (bias of C's type), in fp32 before C is rounded
+  kBiasGradOfA,       // bias[r'] = sum over the GEMM's k of op(A) (fp32): dbias from A = dy^T
+  kBiasGradOfB,       // bias[c] = sum over the GEMM's k of op(B) (fp32): dbias from B = dy
+  kGeluAux,           // aux = C (+ bias[c] when given), C = gelu(aux), both from the fp32 value
+  kGeluGrad,          // C = op(A) op(B) * gelu'(aux) (aux: the forward's GELU input)
+  kGeluGradBiasGrad,  // kGeluGrad, and bias[c] = sum over rows of the new C (fp32)
 };
+
+// The epilogue and the vector and matrix it reads or writes.
+struct EpilogueArgs {
+  GemmEpilogue kind;
+  void* bias = nullptr;  // the bias it adds, or the bias gradient it writes
+  void* aux = nullptr;   // kGelu*: the GELU input, C's type and layout (leading dimension ldc)
+};
+
+// cuBLASLt's name for an epilogue and the type of its bias vector. Our A is cuBLAS's B
+// and vice versa (gemm()'s operand swap).
+struct LtEpilogue {
+  cublasLtEpilogue_t epilogue;
+  cudaDataType_t bias_type;
+};
+LtEpilogue lt_epilogue_of(const EpilogueArgs& args, cudaDataType_t c_type) {
+  switch (args.kind) {
+    case GemmEpilogue::kBias: return {CUBLASLT_EPILOGUE_BIAS, c_type};
+    case GemmEpilogue::kBiasGradOfA: return {CUBLASLT_EPILOGUE_BGRADB, CUDA_R_32F};
+    case GemmEpilogue::kBiasGradOfB: return {CUBLASLT_EPILOGUE_BGRADA, CUDA_R_32F};
+    case GemmEpilogue::kGeluAux:
+      return {args.bias != nullptr ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX, c_type};
+    case GemmEpilogue::kGeluGrad: return {CUBLASLT_EPILOGUE_DGELU, c_type};
+    case GemmEpilogue::kGeluGradBiasGrad: return {CUBLASLT_EPILOGUE_DGELU_BGRAD, CUDA_R_32F};
+  }
+  return {CUBLASLT_EPILOGUE_DEFAULT, c_type};
+}
 
 // The descriptors of one cublasLtMatmul, destroyed together.
 struct LtDescriptors {
@@ -463,41 +492,43 @@ uint32_t alignment_of(const void* pointer) {
   return alignment;
 }
 
-// Row-major C[m,n] = alpha op(A) op(B) + beta C with `epilogue`, as gemm() (the operands
-// swapped for column-major cuBLAS, so row-major columns are cuBLAS rows). Returns false,
-// having enqueued nothing, when cuBLASLt has no algorithm for the combination; the
-// caller then takes the unfused path. Call with impl.mutex held (the workspace is shared).
-StatusOr<bool> gemm_with_epilogue(BlasContext::Impl& impl, cudaStream_t stream, cublasComputeType_t compute, size_t m,
-                                  size_t n, size_t k, float alpha, Operand a, Operand b, float beta, void* c,
-                                  cudaDataType_t c_type, size_t ldc, GemmEpilogue epilogue, void* bias) {
+// gemm_with_epilogue without the counting.
+StatusOr<bool> try_gemm_with_epilogue(BlasContext::Impl& impl, cudaStream_t stream, cublasComputeType_t compute,
+                                      size_t m, size_t n, size_t k, float alpha, Operand a, Operand b, float beta, void* c,
+                                      cudaDataType_t c_type, size_t ldc, const EpilogueArgs& args) {
   for (size_t dim : {m, n, k, a.ld, b.ld, ldc}) {
     if (dim > size_t(INT_MAX)) return InvalidArgumentError("GEMM dimension " + std::to_string(dim) + " exceeds INT_MAX");
   }
-  if (alignment_of(bias) < 16) return false;  // the epilogue reads the vector in 16-byte pieces
+  if (alignment_of(args.bias) < 16) return false;  // the epilogue reads the vector in 16-byte pieces
+  if (args.aux != nullptr && ldc % 8 != 0) return false;  // cuBLASLt: the aux leading dimension is a multiple of 8
   // cuBLAS's handle encapsulates a cuBLASLt handle and may be cast to one (cuBLAS docs,
   // cublasLtHandle_t), so the context's handle and workspace serve both APIs.
   const auto lt = reinterpret_cast<cublasLtHandle_t>(impl.handle);
   LtDescriptors d;
   const cublasOperation_t op_first = b.trans ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLAS's A is our B
   const cublasOperation_t op_second = a.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
-  cublasLtEpilogue_t lt_epilogue = CUBLASLT_EPILOGUE_BIAS;
-  cudaDataType_t bias_type = c_type;
-  if (epilogue != GemmEpilogue::kBias) {
-    // Our A is cuBLAS's B and vice versa.
-    lt_epilogue = epilogue == GemmEpilogue::kBiasGradOfA ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_BGRADA;
-    bias_type = CUDA_R_32F;
-  }
+  const LtEpilogue epilogue = lt_epilogue_of(args, c_type);
   STRATA_RETURN_IF_CUBLAS_ERROR(cublasLtMatmulDescCreate(&d.matmul, compute, CUDA_R_32F));
   STRATA_RETURN_IF_CUBLAS_ERROR(
       cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
   STRATA_RETURN_IF_CUBLAS_ERROR(
       cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
-  STRATA_RETURN_IF_CUBLAS_ERROR(
-      cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_EPILOGUE, &lt_epilogue, sizeof(lt_epilogue)));
-  STRATA_RETURN_IF_CUBLAS_ERROR(
-      cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-  STRATA_RETURN_IF_CUBLAS_ERROR(
-      cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+  STRATA_RETURN_IF_CUBLAS_ERROR(cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_EPILOGUE,
+                                                               &epilogue.epilogue, sizeof(epilogue.epilogue)));
+  if (args.bias != nullptr) {
+    STRATA_RETURN_IF_CUBLAS_ERROR(
+        cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &args.bias, sizeof(args.bias)));
+    STRATA_RETURN_IF_CUBLAS_ERROR(cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                                 &epilogue.bias_type, sizeof(epilogue.bias_type)));
+  }
+  if (args.aux != nullptr) {
+    // The aux matrix has C's shape, type (the default aux type) and leading dimension.
+    const int64_t aux_ld = int64_t(ldc);
+    STRATA_RETURN_IF_CUBLAS_ERROR(
+        cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &args.aux, sizeof(args.aux)));
+    STRATA_RETURN_IF_CUBLAS_ERROR(
+        cublasLtMatmulDescSetAttribute(d.matmul, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld)));
+  }
   // Column-major shapes of the stored matrices: cuBLAS's A (our B) is n x k, or k x n
   // stored when transposed; cuBLAS's B (our A) is k x m, or m x k; C is n x m.
   STRATA_RETURN_IF_CUBLAS_ERROR(cublasLtMatrixLayoutCreate(&d.a, b.type, b.trans ? k : n, b.trans ? n : k, int64_t(b.ld)));
@@ -527,9 +558,27 @@ StatusOr<bool> gemm_with_epilogue(BlasContext::Impl& impl, cudaStream_t stream, 
   if (heuristic == CUBLAS_STATUS_NOT_SUPPORTED || heuristic == CUBLAS_STATUS_INVALID_VALUE) return false;
   if (heuristic == CUBLAS_STATUS_SUCCESS && found == 0) return false;
   STRATA_RETURN_IF_CUBLAS_ERROR(heuristic);
-  STRATA_RETURN_IF_CUBLAS_ERROR(cublasLtMatmul(lt, d.matmul, &alpha, b.data, d.a, a.data, d.b, &beta, c, d.c, c, d.c,
-                                               &result.algo, impl.workspace.data(), workspace_bytes, stream));
+  const cublasStatus_t matmul = cublasLtMatmul(lt, d.matmul, &alpha, b.data, d.a, a.data, d.b, &beta, c, d.c, c, d.c,
+                                               &result.algo, impl.workspace.data(), workspace_bytes, stream);
+  // Some combinations (an epilogue's bias or aux type) pass the heuristic and are refused
+  // here, before anything is enqueued (cublasLt.h, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE).
+  if (matmul == CUBLAS_STATUS_NOT_SUPPORTED || matmul == CUBLAS_STATUS_INVALID_VALUE) return false;
+  STRATA_RETURN_IF_CUBLAS_ERROR(matmul);
   return true;
+}
+
+// Row-major C[m,n] = alpha op(A) op(B) + beta C with the epilogue, as gemm() (the
+// operands swapped for column-major cuBLAS, so row-major columns are cuBLAS rows).
+// Returns false, having enqueued nothing, when cuBLASLt has no algorithm for the
+// combination; the caller then takes the unfused path. Counts both outcomes in the
+// context (BlasContext::epilogue_counts). Call with impl.mutex held (the workspace is shared).
+StatusOr<bool> gemm_with_epilogue(BlasContext::Impl& impl, cudaStream_t stream, cublasComputeType_t compute, size_t m,
+                                  size_t n, size_t k, float alpha, Operand a, Operand b, float beta, void* c,
+                                  cudaDataType_t c_type, size_t ldc, const EpilogueArgs& args) {
+  STRATA_ASSIGN_OR_RETURN(const bool fused,
+                          try_gemm_with_epilogue(impl, stream, compute, m, n, k, alpha, a, b, beta, c, c_type, ldc, args));
+  ++(fused ? impl.epilogue_counts.fused : impl.epilogue_counts.fallbacks);
+  return fused;
 }
 
 }  // namespace
@@ -555,8 +604,8 @@ Status matmul_forward(void* cuda_stream, BlasContext& blas, const MatmulShape& s
       // with no separate pass over y.
       STRATA_ASSIGN_OR_RETURN(const bool fused,
                               gemm_with_epilogue(blas.impl(), native(cuda_stream), compute, m, n, k, 1.0f, x_operand,
-                                                 weight_operand, 0.0f, y, type, n, GemmEpilogue::kBias,
-                                                 const_cast<void*>(bias)));
+                                                 weight_operand, 0.0f, y, type, n,
+                                                 EpilogueArgs{GemmEpilogue::kBias, const_cast<void*>(bias)}));
       if (fused) return {};
       // No cuBLASLt algorithm (or a misaligned bias): the GEMM adds onto the broadcast
       // bias, still one rounding for bf16.
@@ -594,9 +643,9 @@ Status matmul_backward(void* cuda_stream, BlasContext& blas, const MatmulShape& 
       STRATA_ASSIGN_OR_RETURN(
           const bool fused,
           out_in ? gemm_with_epilogue(blas.impl(), native(cuda_stream), compute, n, k, m, 1.0f, dy_operand, x_operand,
-                                      0.0f, dweight, CUDA_R_32F, k, GemmEpilogue::kBiasGradOfA, dbias)
+                                      0.0f, dweight, CUDA_R_32F, k, EpilogueArgs{GemmEpilogue::kBiasGradOfA, dbias})
                  : gemm_with_epilogue(blas.impl(), native(cuda_stream), compute, k, n, m, 1.0f, x_operand, dy_operand,
-                                      0.0f, dweight, CUDA_R_32F, n, GemmEpilogue::kBiasGradOfB, dbias));
+                                      0.0f, dweight, CUDA_R_32F, n, EpilogueArgs{GemmEpilogue::kBiasGradOfB, dbias}));
       dbias_pending = dweight_pending = !fused;
     }
     if (dbias_pending) {
@@ -623,6 +672,90 @@ Status matmul_backward(void* cuda_stream, BlasContext& blas, const MatmulShape& 
       }
     }
     return {};
+  });
+}
+
+namespace {
+// Whether to try cuBLASLt's GELU epilogues (BlasOptions::gelu_epilogue; bf16 only by
+// default: cuBLASLt's GELU is not documented to be GPT-2's tanh form to fp32 accuracy).
+bool gelu_epilogue_applies(const BlasContext& blas, DType dtype) {
+  switch (blas.options().gelu_epilogue) {
+    case GeluEpilogue::kBf16Only: return dtype == DType::kBFloat16;
+    case GeluEpilogue::kAlways: return true;
+    case GeluEpilogue::kNever: return false;
+  }
+  return false;
+}
+}  // namespace
+
+Status matmul_bias_gelu_forward(void* cuda_stream, BlasContext& blas, const MatmulShape& shape, DType dtype,
+                                const void* x, const void* weight, const void* bias, void* pre_activation, void* y) {
+  STRATA_RETURN_IF_ERROR(check_handle(blas, "matmul_bias_gelu_forward"));
+  if (gelu_epilogue_applies(blas, dtype)) {
+    bool fused = false;
+    STRATA_RETURN_IF_ERROR(dispatch(dtype, "matmul_bias_gelu_forward", [&](auto tag) -> Status {
+      using T = typename decltype(tag)::type;
+      const size_t k = shape.in_features;
+      const size_t n = shape.out_features;
+      const bool out_in = shape.layout == WeightLayout::kOutIn;
+      const cudaDataType_t type = cuda_type<T>();
+      std::lock_guard lock(blas.impl().mutex);
+      STRATA_RETURN_IF_ERROR(bind_cublas_to_stream(blas.impl(), cuda_stream));
+      STRATA_ASSIGN_OR_RETURN(
+          fused, gemm_with_epilogue(blas.impl(), native(cuda_stream), compute_type(blas, dtype), shape.rows, n, k, 1.0f,
+                                    Operand{x, type, k, 0, false}, Operand{weight, type, out_in ? k : n, 0, out_in}, 0.0f,
+                                    y, type, n, EpilogueArgs{GemmEpilogue::kGeluAux, const_cast<void*>(bias), pre_activation}));
+      return {};
+    }));
+    if (fused) return {};
+  }
+  STRATA_RETURN_IF_ERROR(matmul_forward(cuda_stream, blas, shape, dtype, x, weight, bias, pre_activation));
+  return gelu_forward(cuda_stream, dtype, pre_activation, y, shape.rows * shape.out_features);
+}
+
+Status gelu_matmul_backward(void* cuda_stream, BlasContext& blas, const MatmulShape& shape, DType dtype, const void* dy,
+                            const void* weight, const void* pre_activation, void* dpre, float* pre_bias_grad,
+                            GradWrite bias_grad) {
+  STRATA_RETURN_IF_ERROR(check_handle(blas, "gelu_matmul_backward"));
+  return dispatch(dtype, "gelu_matmul_backward", [&](auto tag) -> Status {
+    using T = typename decltype(tag)::type;
+    const size_t m = shape.rows;
+    const size_t k = shape.in_features;
+    const size_t n = shape.out_features;
+    const bool out_in = shape.layout == WeightLayout::kOutIn;
+    const cudaDataType_t type = cuda_type<T>();
+    // dpre[m,k] = dy[m,n] . W'^T, as matmul_backward's dx.
+    const Operand dy_operand{dy, type, n, 0, false};
+    const Operand weight_operand{weight, type, out_in ? k : n, 0, !out_in};
+    void* aux = const_cast<void*>(pre_activation);
+    std::lock_guard lock(blas.impl().mutex);
+    STRATA_RETURN_IF_ERROR(bind_cublas_to_stream(blas.impl(), cuda_stream));
+    const auto gemm_with = [&](const EpilogueArgs& args) {
+      return gemm_with_epilogue(blas.impl(), native(cuda_stream), compute_type(blas, dtype), m, k, n, 1.0f, dy_operand,
+                                weight_operand, 0.0f, dpre, type, k, args);
+    };
+    bool fused = false;
+    bool bias_pending = pre_bias_grad != nullptr;
+    if (gelu_epilogue_applies(blas, dtype)) {
+      // The bias gradient rides on the epilogue only when overwritten (it cannot add).
+      if (bias_pending && bias_grad == GradWrite::kOverwrite) {
+        STRATA_ASSIGN_OR_RETURN(fused, gemm_with(EpilogueArgs{GemmEpilogue::kGeluGradBiasGrad, pre_bias_grad, aux}));
+        bias_pending = !fused;
+      }
+      if (!fused) {
+        STRATA_ASSIGN_OR_RETURN(fused, gemm_with(EpilogueArgs{GemmEpilogue::kGeluGrad, nullptr, aux}));
+      }
+    }
+    if (!fused) {
+      STRATA_RETURN_IF_ERROR(gemm(blas.impl().handle, compute_type(blas, dtype), m, k, n, 1.0f, dy_operand, weight_operand,
+                                  0.0f, dpre, type, k, 0, 1));
+      gelu_backward_kernel<T><<<blocks_for(m * k), kThreads, 0, native(cuda_stream)>>>(
+          static_cast<const T*>(dpre), static_cast<const T*>(pre_activation), static_cast<T*>(dpre), m * k, false);
+      STRATA_RETURN_IF_ERROR(check_launch());
+    }
+    if (!bias_pending) return {};
+    return launch_column_grads<T>(native(cuda_stream), static_cast<const T*>(dpre), nullptr, nullptr, nullptr, nullptr,
+                                  pre_bias_grad, m, k, bias_grad == GradWrite::kAccumulate);
   });
 }
 

@@ -125,6 +125,40 @@ Status gelu_backward(Stream& stream, DType dtype, const void* dy, const void* x,
                      GradWrite input_grad);
 
 // ---------------------------------------------------------------------------------
+// A matrix product and the GELU after it, in one op (GPT-2's mlp.c_fc):
+//   pre_activation = x . W + bias, y = gelu(pre_activation).
+// Shape, layout and bias (may be null) as matmul_forward; pre_activation and y:
+// [rows, out_features], distinct buffers, both kept for the backward (pre_activation
+// for gelu_matmul_backward, y as the next product's input).
+// GPU, bf16: one cuBLASLt GEMM whose GELU_AUX(_BIAS) epilogue adds the bias and writes
+// pre_activation and gelu of it from the fp32 accumulator (one rounding each), where
+// cuBLASLt has an algorithm and out_features is a multiple of 8 (its leading dimension
+// of the aux matrix); otherwise, and in fp32, matmul_forward then gelu_forward
+// (BlasOptions::gelu_epilogue changes which dtypes try the epilogue).
+// Not in fp32: NVIDIA documents neither which GELU the epilogue computes (GPT-2's tanh
+// form or the erf form) nor how accurately, and the two forms differ by up to 4.7e-4,
+// 1.5e-4 to 2e-4 relative over a tensor of N(0, 1..2) inputs, which fp32 runs, held to
+// 2e-5 against the CPU twin, would see. In bf16 one rounding (2^-9 relative, ~2e-3
+// over a tensor) is ten times that, so the epilogue agrees with gelu_forward to bf16
+// precision whichever form it computes. CPU: matmul_forward then gelu_forward, bit for bit.
+Status matmul_bias_gelu_forward(Stream& stream, BlasContext& blas, const MatmulShape& shape, DType dtype, const void* x,
+                                const void* weight, const void* bias, void* pre_activation, void* y);
+// The input gradient of a matrix product whose input was gelu(pre_activation) (GPT-2's
+// mlp.c_proj after c_fc), through the GELU:
+//   dpre = (dy . W'^T) * gelu'(pre_activation), overwritten ([rows, in_features]).
+// Shape and weight are the product's; its dweight and dbias come from matmul_backward
+// with dx null. pre_bias_grad (fp32 [in_features], may be null) gets the column sums of
+// dpre per bias_grad: the bias gradient of the product that made pre_activation (c_fc).
+// GPU, bf16: one cuBLASLt GEMM with the DGELU epilogue (DGELU_BGRAD, giving
+// pre_bias_grad too, when it is overwritten and cuBLASLt takes an fp32 bias gradient),
+// where cuBLASLt has an algorithm; otherwise, and in fp32, the GEMM, gelu_backward
+// and a column sum. CPU: matmul_backward's dx, gelu_backward in place, matmul_backward's
+// dbias column sum, bit for bit.
+Status gelu_matmul_backward(Stream& stream, BlasContext& blas, const MatmulShape& shape, DType dtype, const void* dy,
+                            const void* weight, const void* pre_activation, void* dpre, float* pre_bias_grad,
+                            GradWrite bias_grad);
+
+// ---------------------------------------------------------------------------------
 // Residual add: out = a + b (out may alias a or b).
 Status residual_forward(Stream& stream, DType dtype, const void* a, const void* b, void* out, size_t count);
 // da (+)= dout and db (+)= dout; either may be null. Needs nothing saved.

@@ -312,12 +312,14 @@ void matmul_backward(Executor& executor, const MatmulShape& shape, const float* 
       gemm(executor, true, false, k, n, m, 1.0f, x, k, dy, n, beta, dweight, n);  // dW[k,n] = x^T dy
     }
   }
-  if (dbias != nullptr) {
-    column_sums(executor, m, n, dbias, options.param_grad, [&](size_t r, size_t c0, size_t c1, float* acc) {
-      const float* dy_row = dy + r * n;
-      for (size_t c = c0; c < c1; ++c) acc[c - c0] += dy_row[c];
-    });
-  }
+  if (dbias != nullptr) bias_backward(executor, m, n, dy, dbias, options.param_grad);
+}
+
+void bias_backward(Executor& executor, size_t rows, size_t columns, const float* dy, float* dbias, GradWrite param_grad) {
+  column_sums(executor, rows, columns, dbias, param_grad, [&](size_t r, size_t c0, size_t c1, float* acc) {
+    const float* dy_row = dy + r * columns;
+    for (size_t c = c0; c < c1; ++c) acc[c - c0] += dy_row[c];
+  });
 }
 
 // GELU and residual ------------------------------------------------------------------

@@ -38,6 +38,10 @@ void matmul_forward(Executor& executor, const MatmulShape& shape, const float* x
 void matmul_backward(Executor& executor, const MatmulShape& shape, const float* dy, const float* x, const float* weight,
                      float* dx, float* dweight, float* dbias, const GradOptions& options);
 
+// dbias[c] (+)= sum over rows of dy[r, c] (dy: [rows, columns]), rows added in order:
+// matmul_backward's dbias, and the bias gradient gelu_matmul_backward passes on.
+void bias_backward(Executor& executor, size_t rows, size_t columns, const float* dy, float* dbias, GradWrite param_grad);
+
 void gelu_forward(Executor& executor, const float* x, float* y, size_t count);
 void gelu_backward(Executor& executor, const float* dy, const float* x, float* dx, size_t count, GradWrite input_grad);
 

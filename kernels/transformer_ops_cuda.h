@@ -34,6 +34,12 @@ Status gelu_forward(void* cuda_stream, DType dtype, const void* x, void* y, size
 Status gelu_backward(void* cuda_stream, DType dtype, const void* dy, const void* x, void* dx, size_t count,
                      GradWrite input_grad);
 
+Status matmul_bias_gelu_forward(void* cuda_stream, BlasContext& blas, const MatmulShape& shape, DType dtype,
+                                const void* x, const void* weight, const void* bias, void* pre_activation, void* y);
+Status gelu_matmul_backward(void* cuda_stream, BlasContext& blas, const MatmulShape& shape, DType dtype, const void* dy,
+                            const void* weight, const void* pre_activation, void* dpre, float* pre_bias_grad,
+                            GradWrite bias_grad);
+
 Status residual_forward(void* cuda_stream, DType dtype, const void* a, const void* b, void* out, size_t count);
 Status residual_backward(void* cuda_stream, DType dtype, const void* dout, void* da, void* db, size_t count,
                          GradWrite input_grad);

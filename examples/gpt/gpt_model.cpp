@@ -473,9 +473,9 @@ Status GptModel::block_forward(const std::vector<const void*>& p, const void* x,
                                                  p[kAttnProjWeight], p[kAttnProjBias], a.x2));
   STRATA_RETURN_IF_ERROR(kernels::residual_forward(stream, dt, x, a.x2, a.x2, rows * C));
   STRATA_RETURN_IF_ERROR(kernels::layernorm_forward(stream, ln, dt, a.x2, p[kLn2Weight], p[kLn2Bias], a.ln2, a.mean2, a.rstd2));
-  STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, {rows, C, 4 * C, kernels::WeightLayout::kInOut}, dt, a.ln2,
-                                                 p[kFcWeight], p[kFcBias], a.fc));
-  STRATA_RETURN_IF_ERROR(kernels::gelu_forward(stream, dt, a.fc, a.gelu, rows * 4 * C));
+  // mlp.c_fc and its GELU in one op (one GEMM with a GELU epilogue where cuBLASLt has it).
+  STRATA_RETURN_IF_ERROR(kernels::matmul_bias_gelu_forward(stream, *blas_, {rows, C, 4 * C, kernels::WeightLayout::kInOut}, dt,
+                                                           a.ln2, p[kFcWeight], p[kFcBias], a.fc, a.gelu));
   if (y == nullptr) return {};  // a recompute: the block's output is not needed again
   // mlp.c_proj into y, then y += x2. y may be x (evaluation runs in place): x is dead here.
   STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, {rows, 4 * C, C, kernels::WeightLayout::kInOut}, dt, a.gelu,
@@ -501,11 +501,16 @@ Status GptModel::block_backward(const std::vector<const void*>& p, const std::ve
   const kernels::GradOptions fresh_dx{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
   const kernels::GradOptions add_dx{kernels::GradWrite::kAccumulate, kernels::GradWrite::kAccumulate};
   // MLP.
-  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, {rows, 4 * C, C, kernels::WeightLayout::kInOut}, dt, dresid, a.gelu,
-                                                  p[kMlpProjWeight], wide, g[kMlpProjWeight], g[kMlpProjBias], fresh_dx));
-  STRATA_RETURN_IF_ERROR(kernels::gelu_backward(stream, dt, wide, a.fc, wide, rows * 4 * C, kernels::GradWrite::kOverwrite));
+  // mlp.c_proj's weight and bias gradients; its input gradient goes through the GELU in one
+  // op (a GEMM with a GELU-gradient epilogue where cuBLASLt has it), which also gives
+  // c_fc's bias gradient, the column sums of d(c_fc's output).
+  const kernels::MatmulShape mlp_proj{rows, 4 * C, C, kernels::WeightLayout::kInOut};
+  STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, mlp_proj, dt, dresid, a.gelu, p[kMlpProjWeight], nullptr,
+                                                  g[kMlpProjWeight], g[kMlpProjBias], fresh_dx));
+  STRATA_RETURN_IF_ERROR(kernels::gelu_matmul_backward(stream, *blas_, mlp_proj, dt, dresid, p[kMlpProjWeight], a.fc, wide,
+                                                       g[kFcBias], kernels::GradWrite::kAccumulate));
   STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, {rows, C, 4 * C, kernels::WeightLayout::kInOut}, dt, wide, a.ln2,
-                                                  p[kFcWeight], narrow, g[kFcWeight], g[kFcBias], fresh_dx));
+                                                  p[kFcWeight], narrow, g[kFcWeight], nullptr, fresh_dx));
   // dresid += ln_2's input gradient: now d loss / d x2.
   STRATA_RETURN_IF_ERROR(kernels::layernorm_backward(stream, ln, dt, narrow, a.x2, p[kLn2Weight], a.mean2, a.rstd2, dresid,
                                                      g[kLn2Weight], g[kLn2Bias], add_dx));

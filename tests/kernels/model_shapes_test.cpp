@@ -235,6 +235,45 @@ TEST_P(ModelShapesTest, MatmulAtModelShapes) {
   }
 }
 
+// GPT-2 XL's MLP: c_fc with its GELU, and c_proj's input gradient through the GELU. In bf16
+// both must take cuBLASLt's GELU epilogues (the fused path this shape exists for); in
+// fp32 neither may (kernels/transformer_ops.h says why). The CPU twin is the composition
+// of matmul, gelu and column sums.
+TEST_P(ModelShapesTest, FusedMatmulGeluAtGpt2XlMlpShape) {
+  const kernels::MatmulShape fc{1024, 1600, 6400, kernels::WeightLayout::kInOut};
+  const kernels::MatmulShape proj{1024, 6400, 1600, kernels::WeightLayout::kInOut};
+  const auto x = input(fc.rows * fc.in_features);
+  const auto fc_weight = input(fc.in_features * fc.out_features, 0.02);
+  const auto fc_bias = input(fc.out_features, 0.1);
+  const auto dy = input(proj.rows * proj.out_features);
+  const auto proj_weight = input(proj.in_features * proj.out_features, 0.02);
+  const auto pre = input(proj.rows * proj.in_features, 2.0);
+  const size_t wide = fc.rows * fc.out_features;
+  const uint64_t expected_fused = dtype() == DType::kBFloat16 ? 2 : 0;
+  expect_twins_agree(
+      "matmul + bias + gelu and its backward, GPT-2 XL MLP",
+      [&](Harness& h) -> Outputs {
+        auto d_x = h.put(x), d_fc_w = h.put(fc_weight), d_fc_b = h.put(fc_bias);
+        auto d_dy = h.put(dy), d_proj_w = h.put(proj_weight), d_pre = h.put(pre);
+        auto pre_out = h.nans(wide), y = h.nans(wide), dpre = h.nans(wide);
+        auto dbias = h.nans(fc.out_features, DType::kFloat32);
+        const kernels::EpilogueCounts before = h.blas().epilogue_counts();
+        STRATA_CHECK_OK(kernels::matmul_bias_gelu_forward(h.stream(), h.blas(), fc, h.dtype(), d_x.data(), d_fc_w.data(),
+                                                          d_fc_b.data(), pre_out.data(), y.data()));
+        STRATA_CHECK_OK(kernels::gelu_matmul_backward(h.stream(), h.blas(), proj, h.dtype(), d_dy.data(), d_proj_w.data(),
+                                                      d_pre.data(), dpre.data(), dbias.as<float>(),
+                                                      GradWrite::kOverwrite));
+        Outputs outputs{h.get(pre_out, wide), h.get(y, wide), h.get(dpre, wide),
+                        h.get(dbias, fc.out_features, DType::kFloat32)};
+        if (h.device().kind() == DeviceKind::kCuda) {
+          EXPECT_EQ(h.blas().epilogue_counts().fused - before.fused, expected_fused)
+              << "GELU epilogue GEMMs that ran fused (forward + backward) in " << dtype_name(dtype());
+        }
+        return outputs;
+      },
+      {OutputKind::kActivation, OutputKind::kActivation, OutputKind::kActivation, OutputKind::kFp32});
+}
+
 // Norms, activations, rotary embeddings -------------------------------------------------
 
 TEST_P(ModelShapesTest, LayerNormAndRmsNormAtModelShapes) {

@@ -265,6 +265,70 @@ TEST_P(TransformerOpsTest, Matmul) {
   }
 }
 
+// GPT-2's MLP: c_fc with its GELU in one op, and c_proj's input gradient through the
+// GELU (plus c_fc's bias gradient). 4C = 220 is not a multiple of 8, so a bf16 GPU run
+// takes the unfused path there (cuBLASLt's aux leading dimension); 4C = 288 may fuse.
+TEST_P(TransformerOpsTest, MatmulWithGeluForwardAndBackward) {
+  std::mt19937 rng(15);
+  for (const Sizes& s : kSizes) {
+    const size_t m = s.batch * s.seq_len, c = s.channels, wide = 4 * s.channels;
+    const MatmulShape fc{.rows = m, .in_features = c, .out_features = wide};
+    const MatmulShape proj{.rows = m, .in_features = wide, .out_features = c};
+    const auto x = rounded(random_vector(m * c, rng), dtype());
+    const auto fc_weight = rounded(random_vector(c * wide, rng, 0.2), dtype());
+    const auto fc_bias = rounded(random_vector(wide, rng), dtype());
+    const auto dy = rounded(random_vector(m * c, rng), dtype());
+    const auto proj_weight = rounded(random_vector(wide * c, rng, 0.2), dtype());
+    const auto pre = rounded(random_vector(m * wide, rng, 2.0), dtype());
+    auto d_x = h().put(x), d_fc_w = h().put(fc_weight), d_fc_b = h().put(fc_bias);
+    auto d_dy = h().put(dy), d_proj_w = h().put(proj_weight), d_pre = h().put(pre);
+    const uint64_t fallbacks_before = h().blas().epilogue_counts().fallbacks;
+    for (bool with_bias : {true, false}) {
+      context_ = describe(s) + (with_bias ? " forward with bias" : " forward without bias");
+      std::vector<double> want_pre(m * wide), want_y(m * wide);
+      ref::matmul_forward(fc, x.data(), fc_weight.data(), with_bias ? fc_bias.data() : nullptr, want_pre.data());
+      ref::gelu_forward(want_pre.data(), want_y.data(), want_pre.size());
+      auto d_pre_out = h().nans(m * wide), d_y = h().nans(m * wide);
+      STRATA_ASSERT_OK(kernels::matmul_bias_gelu_forward(h().stream(), h().blas(), fc, dtype(), d_x.data(), d_fc_w.data(),
+                                                         with_bias ? d_fc_b.data() : nullptr, d_pre_out.data(),
+                                                         d_y.data()));
+      EXPECT_CLOSE(h().get(d_pre_out, m * wide), want_pre, h().tolerance(), "pre-activation");
+      EXPECT_CLOSE(h().get(d_y, m * wide), want_y, h().tolerance(), "gelu output");
+    }
+    // dpre = (dy . W^T) * gelu'(pre); the bias gradient is its column sums.
+    std::vector<double> want_dgelu(m * wide), want_dpre(m * wide), want_db(wide, 0.0);
+    std::vector<double> zero_x(m * wide, 0.0), unused_dw(wide * c), unused_db(c);  // the reference computes all three
+    ref::matmul_backward(proj, dy.data(), zero_x.data(), proj_weight.data(), want_dgelu.data(), unused_dw.data(),
+                         unused_db.data());
+    ref::gelu_backward(want_dgelu.data(), pre.data(), want_dpre.data(), want_dpre.size());
+    for (size_t r = 0; r < m; ++r) {
+      for (size_t j = 0; j < wide; ++j) want_db[j] += want_dpre[r * wide + j];
+    }
+    for (GradWrite mode : {GradWrite::kOverwrite, GradWrite::kAccumulate}) {
+      const bool accumulate = mode == GradWrite::kAccumulate;
+      context_ = describe(s) + (accumulate ? " backward, bias gradient accumulated" : " backward, bias gradient overwritten");
+      const auto init_db = random_vector(wide, rng);
+      auto d_dpre = h().nans(m * wide);
+      auto d_db = accumulate ? h().put(init_db, DType::kFloat32) : h().nans(wide, DType::kFloat32);
+      STRATA_ASSERT_OK(kernels::gelu_matmul_backward(h().stream(), h().blas(), proj, dtype(), d_dy.data(),
+                                                     d_proj_w.data(), d_pre.data(), d_dpre.data(), d_db.as<float>(),
+                                                     mode));
+      EXPECT_CLOSE(h().get(d_dpre, m * wide), want_dpre, h().tolerance(), "dpre");
+      EXPECT_CLOSE(h().get(d_db, wide, DType::kFloat32), accumulate ? plus(init_db, want_db) : want_db,
+                   h().fp32_tolerance(), "bias gradient");
+    }
+    context_ = describe(s) + " backward without a bias gradient";
+    auto d_dpre = h().nans(m * wide);
+    STRATA_ASSERT_OK(kernels::gelu_matmul_backward(h().stream(), h().blas(), proj, dtype(), d_dy.data(), d_proj_w.data(),
+                                                   d_pre.data(), d_dpre.data(), nullptr, GradWrite::kOverwrite));
+    EXPECT_CLOSE(h().get(d_dpre, m * wide), want_dpre, h().tolerance(), "dpre");
+    if (GetParam().kind == DeviceKind::kCuda && dtype() == DType::kBFloat16 && wide % 8 != 0) {
+      EXPECT_GT(h().blas().epilogue_counts().fallbacks, fallbacks_before)
+          << "4C = " << wide << " cannot be cuBLASLt's aux leading dimension: the unfused path must run";
+    }
+  }
+}
+
 TEST_P(TransformerOpsTest, GeluAndResidual) {
   std::mt19937 rng(14);
   for (size_t count : {size_t{1}, size_t{55}, size_t{4097}}) {
@@ -443,6 +507,55 @@ INSTANTIATE_TEST_SUITE_P(Devices, TransformerOpsTest,
                                            Target{DeviceKind::kCuda, DType::kBFloat16}),
                          target_name);
 
+// GPU-only behaviour ------------------------------------------------------------------
+
+// Which GELU cuBLASLt's epilogue computes is not documented. In fp32 (GeluEpilogue::kAlways)
+// the fused ops must match the unfused ones (the GELU kernels, GPT-2's tanh form) to the
+// fp32 tolerance: the erf form would differ by ~2e-4 relative, a fast tanh by about as
+// much. The default (kBf16Only) does not depend on this; kAlways does.
+TEST(TransformerOpsCudaTest, GeluEpilogueInFp32MatchesTheGeluKernels) {
+  if (!gpu_available()) GTEST_SKIP() << "no GPU: " << discover_gpus().reason;
+  Harness h(Target{DeviceKind::kCuda, DType::kFloat32});
+  auto context = [&](kernels::GeluEpilogue epilogue) {
+    auto blas = BlasContext::create(h.device(), {.matmul_precision = MatmulPrecision::kFp32, .gelu_epilogue = epilogue});
+    STRATA_CHECK_OK(blas);
+    return std::move(blas).value();
+  };
+  BlasContext fused_blas = context(kernels::GeluEpilogue::kAlways);
+  BlasContext unfused_blas = context(kernels::GeluEpilogue::kNever);
+  std::mt19937 rng(18);
+  const Sizes s = kSizes[1];  // 4C = 288: a valid aux leading dimension
+  const size_t m = s.batch * s.seq_len, c = s.channels, wide = 4 * s.channels;
+  const MatmulShape fc{.rows = m, .in_features = c, .out_features = wide};
+  const MatmulShape proj{.rows = m, .in_features = wide, .out_features = c};
+  auto x = h.put(random_vector(m * c, rng));
+  auto fc_weight = h.put(random_vector(c * wide, rng, 0.2));
+  auto fc_bias = h.put(random_vector(wide, rng));
+  auto dy = h.put(random_vector(m * c, rng));
+  auto proj_weight = h.put(random_vector(wide * c, rng, 0.2));
+  auto pre = h.put(random_vector(m * wide, rng, 2.0));
+  auto run = [&](BlasContext& blas) {
+    auto pre_out = h.nans(m * wide), y = h.nans(m * wide), dpre = h.nans(m * wide);
+    auto dbias = h.nans(wide, DType::kFloat32);
+    STRATA_CHECK_OK(kernels::matmul_bias_gelu_forward(h.stream(), blas, fc, DType::kFloat32, x.data(), fc_weight.data(),
+                                                      fc_bias.data(), pre_out.data(), y.data()));
+    STRATA_CHECK_OK(kernels::gelu_matmul_backward(h.stream(), blas, proj, DType::kFloat32, dy.data(), proj_weight.data(),
+                                                  pre.data(), dpre.data(), dbias.as<float>(), GradWrite::kOverwrite));
+    return std::vector<std::vector<double>>{h.get(y, m * wide), h.get(dpre, m * wide), h.get(dbias, wide, DType::kFloat32)};
+  };
+  const auto want = run(unfused_blas);
+  EXPECT_EQ(unfused_blas.epilogue_counts().fused, 0u);
+  const auto got = run(fused_blas);
+  EXPECT_EQ(fused_blas.epilogue_counts().fused, 2u) << "cuBLASLt had no fp32 GELU epilogue for this shape";
+  const char* names[] = {"gelu output", "dpre", "bias gradient"};
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double difference = relative_error(got[i], want[i]);
+    RecordProperty(std::string(names[i]) + "_relative_difference", std::to_string(difference));
+    EXPECT_LE(difference, 2e-5) << names[i] << ": cuBLASLt's GELU epilogue is not the GELU kernels' tanh form to fp32 "
+                                << "precision; keep GeluEpilogue::kBf16Only and drop kAlways";
+  }
+}
+
 // CPU-only behaviour ------------------------------------------------------------------
 
 TEST(TransformerOpsCpuTest, BadTokensAndTargetsFailAtTheNextSynchronize) {
@@ -492,6 +605,53 @@ TEST(TransformerOpsCpuTest, BlasContextOfAnotherDeviceIsRefused) {
 // The CPU twins promise results independent of the thread count: column sums are split
 // by column, attention by (batch, head) and matrix products by fixed tiles, never
 // changing the order of a sum.
+// The fused ops' CPU twins are the compositions the GPT-2 block ran before them, so CPU
+// training keeps its bits: matmul_forward + gelu_forward, and matmul_backward's dx +
+// gelu_backward in place + the next product's dbias column sum.
+TEST(TransformerOpsCpuTest, MatmulWithGeluOpsEqualTheirCompositionBitForBit) {
+  std::mt19937 rng(16);
+  Harness h(Target{DeviceKind::kCpu, DType::kFloat32});
+  const Sizes s = kSizes[1];
+  const size_t m = s.batch * s.seq_len, c = s.channels, wide = 4 * s.channels;
+  const MatmulShape fc{.rows = m, .in_features = c, .out_features = wide};
+  const MatmulShape proj{.rows = m, .in_features = wide, .out_features = c};
+  auto x = h.put(random_vector(m * c, rng));
+  auto fc_weight = h.put(random_vector(c * wide, rng, 0.2));
+  auto fc_bias = h.put(random_vector(wide, rng));
+  auto dy = h.put(random_vector(m * c, rng));
+  auto proj_weight = h.put(random_vector(wide * c, rng, 0.2));
+  const auto start_db = random_vector(wide, rng);
+  Stream& st = h.stream();
+
+  auto fused_pre = h.nans(m * wide), fused_y = h.nans(m * wide);
+  STRATA_ASSERT_OK(kernels::matmul_bias_gelu_forward(st, h.blas(), fc, DType::kFloat32, x.data(), fc_weight.data(),
+                                                     fc_bias.data(), fused_pre.data(), fused_y.data()));
+  auto pre = h.nans(m * wide), y = h.nans(m * wide);
+  STRATA_ASSERT_OK(
+      kernels::matmul_forward(st, h.blas(), fc, DType::kFloat32, x.data(), fc_weight.data(), fc_bias.data(), pre.data()));
+  STRATA_ASSERT_OK(kernels::gelu_forward(st, DType::kFloat32, pre.data(), y.data(), m * wide));
+  EXPECT_EQ(h.get_bytes(fused_pre), h.get_bytes(pre));
+  EXPECT_EQ(h.get_bytes(fused_y), h.get_bytes(y));
+
+  for (GradWrite mode : {GradWrite::kOverwrite, GradWrite::kAccumulate}) {
+    auto fused_dpre = h.nans(m * wide);
+    auto fused_db = h.put(start_db, DType::kFloat32);
+    STRATA_ASSERT_OK(kernels::gelu_matmul_backward(st, h.blas(), proj, DType::kFloat32, dy.data(), proj_weight.data(),
+                                                   pre.data(), fused_dpre.data(), fused_db.as<float>(), mode));
+    auto dpre = h.nans(m * wide), unused_dweight = h.nans(c * wide, DType::kFloat32);
+    auto db = h.put(start_db, DType::kFloat32);
+    STRATA_ASSERT_OK(kernels::matmul_backward(st, h.blas(), proj, DType::kFloat32, dy.data(), nullptr,
+                                              proj_weight.data(), dpre.data(), nullptr, nullptr, GradOptions{}));
+    STRATA_ASSERT_OK(
+        kernels::gelu_backward(st, DType::kFloat32, dpre.data(), pre.data(), dpre.data(), m * wide, GradWrite::kOverwrite));
+    STRATA_ASSERT_OK(kernels::matmul_backward(st, h.blas(), fc, DType::kFloat32, dpre.data(), x.data(), fc_weight.data(),
+                                              nullptr, unused_dweight.as<float>(), db.as<float>(),
+                                              GradOptions{.param_grad = mode}));
+    EXPECT_EQ(h.get_bytes(fused_dpre), h.get_bytes(dpre)) << "GradWrite " << static_cast<int>(mode);
+    EXPECT_EQ(h.get_bytes(fused_db), h.get_bytes(db)) << "GradWrite " << static_cast<int>(mode);
+  }
+}
+
 TEST(TransformerOpsCpuTest, ResultsDoNotDependOnTheThreadCount) {
   std::mt19937 rng(17);
   const Sizes s = kSizes[1];
