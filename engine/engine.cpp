@@ -770,6 +770,11 @@ Status EngineImpl::finish() {
   STRATA_RETURN_IF_ERROR(background_error());
   // The streams are drained: every interval closed so far resolves.
   STRATA_RETURN_IF_ERROR(stream_trace_->collect());
+  if (const StreamTraceStats traced = stream_trace_->stats(); traced.dropped > 0) {
+    STRATA_LOG(kInfo) << "rank " << options_.rank << ": " << traced.dropped << " stream interval(s) of " << traced.resolved + traced.dropped
+                      << " are missing from the trace and the busy seconds (the pool of timing events was exhausted, or a stream "
+                         "skipped them after an error)";
+  }
   if (!options_.trace_path.empty() && options_.rank == 0) STRATA_RETURN_IF_ERROR(write_chrome_trace(options_.trace_path, {&tracer_}));
   finished_cleanly_ = true;
   return {};
