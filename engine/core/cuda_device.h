@@ -19,7 +19,7 @@
 // resolution with distance: a quarter of a millisecond an hour away). An event is always
 // converted through the anchor current when it was recorded, which completed before it.
 //
-// Real CUDA streams (non-blocking) and events (timing disabled, but timing events), and a caching
+// Real CUDA streams (non-blocking) and events (timing disabled but for timing events), and a caching
 // allocator under the budget: blocks are rounded to a size class and kept, when given
 // back, in a free list per class for the next allocation of that class. Cached blocks
 // count against the budget; an allocation that would exceed it first returns the cache
