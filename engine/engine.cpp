@@ -59,6 +59,7 @@ class EngineImpl final : public Engine {
     STRATA_ASSIGN_OR_RETURN(reduce_stream_, device_.create_stream("reduce"));
     STRATA_ASSIGN_OR_RETURN(d2h_stream_, device_.create_stream("d2h"));
     STRATA_ASSIGN_OR_RETURN(update_stream_, device_.create_stream("update"));
+    STRATA_ASSIGN_OR_RETURN(stream_trace_, StreamTrace::create(device_, tracer_));
     learning_rate_ = options_.adam.lr;
     return {};
   }
@@ -203,6 +204,8 @@ class EngineImpl final : public Engine {
   Communicator& reduce_comm_;
   Tracer tracer_;
   std::unique_ptr<Stream> compute_stream_, h2d_stream_, gather_stream_, reduce_stream_, d2h_stream_, update_stream_;
+  // Before the groups: their open compute intervals give their events back to it.
+  std::unique_ptr<StreamTrace> stream_trace_;
 
   // The arena and the store first: everything below holds buffers or extents of them, and
   // members are destroyed in reverse order.
@@ -360,6 +363,7 @@ Status EngineImpl::create_gradient_path() {
   context.d2h = d2h_stream_.get();
   context.reduce_comm = &reduce_comm_;
   context.tracer = &tracer_;
+  context.stream_trace = stream_trace_.get();
   context.groups = &groups_;
   context.arena = arena_.get();
   context.spill = optimizer_stage_->nvme_state();
@@ -389,6 +393,7 @@ Status EngineImpl::create_param_fetcher() {
   context.compute = compute_stream_.get();
   context.gather_comm = &gather_comm_;
   context.tracer = &tracer_;
+  context.stream_trace = stream_trace_.get();
   context.groups = &groups_;
   context.nvme = nvme_.get();
   context.arena = arena_.get();
@@ -597,10 +602,9 @@ StatusOr<GroupView> EngineImpl::gather(int g) {
     flat = state.persistent_full.data();
   }
   active_uses_[g] = use;
-  STRATA_RETURN_IF_ERROR(compute_stream_->enqueue_host([&state] {
-    state.compute_begin = TraceClock::now();
-    return Status();
-  }));
+  // A timing event, not a host callback: a CUDA host function would hold the compute
+  // stream until a runtime thread had run it, at every gather and release.
+  STRATA_ASSIGN_OR_RETURN(state.compute_trace, stream_trace_->open(*compute_stream_));
   return view_of(state, flat, options_.param_dtype);
 }
 
@@ -611,11 +615,7 @@ Status EngineImpl::release(int g) {
   const ActiveUse use = it->second;
   active_uses_.erase(it);
   GroupState& state = group(g);
-  const std::string label = state.layout.name;
-  STRATA_RETURN_IF_ERROR(compute_stream_->enqueue_host([this, &state, label] {
-    tracer_.record(Stage::kCompute, state.layout.id, state.compute_begin, TraceClock::now(), label);
-    return Status();
-  }));
+  STRATA_RETURN_IF_ERROR(stream_trace_->close(std::move(state.compute_trace), Stage::kCompute, state.layout.id, state.layout.name));
   if (direct_view(state)) return {};
   return fetcher_->release(g, use.position);
 }
@@ -721,6 +721,8 @@ StatusOr<StepReport> EngineImpl::step(double loss) {
 Status EngineImpl::finish_report(StepReport& report) {
   const auto now = TraceClock::now();
   report.step_seconds = std::chrono::duration<double>(now - step_window_begin_).count();
+  // The streams' intervals that have completed by now (non-blocking; the rest count in a later window).
+  STRATA_RETURN_IF_ERROR(stream_trace_->collect());
   report.busy = tracer_.busy_seconds(step_window_begin_, now);
   const MemoryStats memory = device_.memory_stats();
   report.device_high_water_bytes = memory.high_water_bytes;
@@ -766,6 +768,13 @@ Status EngineImpl::finish() {
   STRATA_RETURN_IF_ERROR(device_.synchronize());
   if (nvme_) STRATA_RETURN_IF_ERROR(nvme_->wait_all());
   STRATA_RETURN_IF_ERROR(background_error());
+  // The streams are drained: every interval closed so far resolves.
+  STRATA_RETURN_IF_ERROR(stream_trace_->collect());
+  if (const StreamTraceStats traced = stream_trace_->stats(); traced.dropped > 0) {
+    STRATA_LOG(kInfo) << "rank " << options_.rank << ": " << traced.dropped << " stream interval(s) of " << traced.resolved + traced.dropped
+                      << " are missing from the trace and the busy seconds (the pool of timing events was exhausted, or a stream "
+                         "skipped them after an error)";
+  }
   if (!options_.trace_path.empty() && options_.rank == 0) STRATA_RETURN_IF_ERROR(write_chrome_trace(options_.trace_path, {&tracer_}));
   finished_cleanly_ = true;
   return {};

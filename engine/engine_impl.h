@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/stream_trace.h"
 #include "offload/nvme_store.h"
 #include "offload/pinned_arena.h"
 #include "optim/cpu_adam.h"
@@ -64,22 +65,7 @@ struct GroupState {
 
   std::vector<DecayRun> decay_runs;
 
-  TraceClock::time_point compute_begin;      // start of the current use's compute (compute stream thread)
+  StreamTrace::Opened compute_trace;         // the current use's compute interval, opened by gather() (model thread)
 };
-
-// Enqueues `work` on `stream` with its execution interval traced: host callbacks on the
-// same stream stamp when the stream reaches the work and when it has finished it.
-inline Status traced(Tracer& tracer, Stream& stream, Stage stage, int group, std::string label, const std::function<Status()>& work) {
-  auto begin = std::make_shared<TraceClock::time_point>();
-  STRATA_RETURN_IF_ERROR(stream.enqueue_host([begin] {
-    *begin = TraceClock::now();
-    return Status();
-  }));
-  STRATA_RETURN_IF_ERROR(work());
-  return stream.enqueue_host([&tracer, begin, stage, group, label = std::move(label)]() mutable {
-    tracer.record(stage, group, *begin, TraceClock::now(), std::move(label));
-    return Status();
-  });
-}
 
 }  // namespace strata::engine_internal

@@ -142,7 +142,7 @@ Status GradientPath::reduce(int g, Slot& slot) {
   Communicator& comm = *ctx_.reduce_comm;
   Stream& stream = *ctx_.reduce;
   const size_t bucket = ctx_.plan->reduce_bucket_elements;
-  return traced(*ctx_.tracer, stream, Stage::kReduceScatter, g, group(g).layout.name, [&]() -> Status {
+  return ctx_.stream_trace->traced(stream, Stage::kReduceScatter, g, group(g).layout.name, [&]() -> Status {
     if (bucket == 0 || bucket >= shard) return comm.reduce_scatter(slot.full.data(), slot.shard.data(), shard, DType::kFloat32, options, stream);
     for (size_t begin = 0; begin < shard; begin += bucket) {
       const size_t count = std::min(bucket, shard - begin);
@@ -189,7 +189,7 @@ StatusOr<void*> GradientPath::landing_target(int g, int64_t step, int* ring) {
 
 Status GradientPath::enqueue_copy(int g, Slot& slot, const void* source, size_t bytes, void* landing) {
   STRATA_RETURN_IF_ERROR(ctx_.d2h->wait(*slot.reduced));
-  STRATA_RETURN_IF_ERROR(traced(*ctx_.tracer, *ctx_.d2h, Stage::kD2H, g, group(g).layout.name, [&] {
+  STRATA_RETURN_IF_ERROR(ctx_.stream_trace->traced(*ctx_.d2h, Stage::kD2H, g, group(g).layout.name, [&] {
     return ctx_.device->copy_async(landing, source, bytes, CopyKind::kDeviceToHost, *ctx_.d2h);
   }));
   return ctx_.d2h->record(*slot.copied);

@@ -40,6 +40,7 @@ struct GradientPathContext {
   Stream* d2h = nullptr;
   Communicator* reduce_comm = nullptr;
   Tracer* tracer = nullptr;
+  StreamTrace* stream_trace = nullptr;  // device work on the streams, traced from timing events
   std::vector<std::unique_ptr<GroupState>>* groups = nullptr;
   PinnedArena* arena = nullptr;
   NvmeAdamState* spill = nullptr;    // where spilled gradients go (plan->gradients_spilled)

@@ -328,7 +328,7 @@ Status ParamFetcher::fill_device(const Request& r, const Target& t, const void* 
     // World 1 overwrites the gathered buffer itself: wait for its last reader. Otherwise
     // the staging shard: wait for the all-gather that read it last.
     STRATA_RETURN_IF_ERROR(ctx_.h2d->wait(world == 1 ? *t.released : *t.ready));
-    STRATA_RETURN_IF_ERROR(traced(*ctx_.tracer, *ctx_.h2d, Stage::kH2D, r.group, label, [&] {
+    STRATA_RETURN_IF_ERROR(ctx_.stream_trace->traced(*ctx_.h2d, Stage::kH2D, r.group, label, [&] {
       return ctx_.device->copy_async(h2d_target, host_source, param_bytes(shard), CopyKind::kHostToDevice, *ctx_.h2d);
     }));
     STRATA_RETURN_IF_ERROR(ctx_.h2d->record(*t.h2d_done));
@@ -338,7 +338,7 @@ Status ParamFetcher::fill_device(const Request& r, const Target& t, const void* 
     if (host_source != nullptr) STRATA_RETURN_IF_ERROR(ctx_.gather->wait(*t.h2d_done));
     STRATA_RETURN_IF_ERROR(ctx_.gather->wait(*t.released));
     const void* source = host_source != nullptr ? t.staging : ctx_.shards->source(r.group, r.version).device;
-    STRATA_RETURN_IF_ERROR(traced(*ctx_.tracer, *ctx_.gather, Stage::kAllGather, r.group, label, [&] {
+    STRATA_RETURN_IF_ERROR(ctx_.stream_trace->traced(*ctx_.gather, Stage::kAllGather, r.group, label, [&] {
       return ctx_.gather_comm->all_gather(source, t.dest, shard, o.param_dtype, *ctx_.gather);
     }));
     STRATA_RETURN_IF_ERROR(ctx_.gather->record(*t.ready));

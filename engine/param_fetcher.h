@@ -62,6 +62,7 @@ struct ParamFetcherContext {
   Stream* compute = nullptr;
   Communicator* gather_comm = nullptr;
   Tracer* tracer = nullptr;
+  StreamTrace* stream_trace = nullptr;  // device work on the streams, traced from timing events
   std::vector<std::unique_ptr<GroupState>>* groups = nullptr;
   NvmeStore* nvme = nullptr;
   PinnedArena* arena = nullptr;

@@ -5,7 +5,8 @@
 // flight (an NVMe read from submission to completion, a copy from the moment its stream
 // starts it to its end, a group's Adam from start to end). A stage's busy time over a
 // window is the length of the union of its intervals clipped to the window, so 32 reads
-// in flight at once count once.
+// in flight at once count once. Work on device streams is traced from timing events
+// (stream_trace.h), so tracing puts no host callback in a stream.
 #pragma once
 
 #include <array>

@@ -3,6 +3,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -165,11 +166,24 @@ class StreamCore {
 using cpu_device_internal::StreamCore;
 using cpu_device_internal::Task;
 
+// The time a stream worker reached a timing event: written once by the worker, read by
+// whoever asks the event after the stream says the task finished (whose mutex orders the
+// two; the atomic keeps the hand-over explicit). One per record, so a re-record cannot
+// receive the stamp of the record before it.
+struct TimingStamp {
+  static constexpr TimingEvent::Clock::rep kUnset = std::numeric_limits<TimingEvent::Clock::rep>::min();
+  std::atomic<TimingEvent::Clock::rep> ticks{kUnset};  // time_since_epoch of the moment reached
+};
+
+// Whether an event keeps the time it completed.
+enum class EventTiming : uint8_t { kDisabled, kEnabled };
+
 // An event: the stream it was last recorded on and the number of the last task enqueued
-// there at that moment. Never recorded = complete.
-class CpuEvent final : public Event {
+// there at that moment. Never recorded = complete. A timing event is recorded as a task
+// of its own that stamps the clock when the worker reaches it.
+class CpuEvent final : public TimingEvent {
  public:
-  explicit CpuEvent(const CpuDevice* device) : device_(device) {}
+  CpuEvent(const CpuDevice* device, EventTiming timing) : device_(device), timing_(timing) {}
 
   Status synchronize() override {
     auto [core, target] = snapshot();
@@ -183,12 +197,37 @@ class CpuEvent final : public Event {
     return core == nullptr || core->finished_through(target);
   }
 
-  const CpuDevice* device() const { return device_; }
+  StatusOr<std::optional<Clock::time_point>> completion_time() override {
+    if (timing_ != EventTiming::kEnabled) {
+      return FailedPreconditionError("completion_time() of an event made by create_event(): use create_timing_event()");
+    }
+    std::shared_ptr<StreamCore> core;
+    uint64_t target = 0;
+    std::shared_ptr<const TimingStamp> stamp;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      core = core_;
+      target = target_;
+      stamp = stamp_;
+    }
+    if (core == nullptr) return FailedPreconditionError("completion_time() of a timing event that was never recorded");
+    if (!core->finished_through(target)) return std::optional<Clock::time_point>();
+    const Clock::rep ticks = stamp->ticks.load(std::memory_order_acquire);
+    if (ticks == TimingStamp::kUnset) {
+      return CancelledError("timing event on stream '" + core->name() +
+                            "' has no time: the stream skipped it after an earlier error of its work");
+    }
+    return std::optional<Clock::time_point>(Clock::time_point(Clock::duration(ticks)));
+  }
 
-  void set(std::shared_ptr<StreamCore> core, uint64_t target) {
+  const CpuDevice* device() const { return device_; }
+  EventTiming timing() const { return timing_; }
+
+  void set(std::shared_ptr<StreamCore> core, uint64_t target, std::shared_ptr<const TimingStamp> stamp = nullptr) {
     std::lock_guard<std::mutex> lock(mutex_);
     core_ = std::move(core);
     target_ = target;
+    stamp_ = std::move(stamp);
   }
 
   std::pair<std::shared_ptr<StreamCore>, uint64_t> snapshot() const {
@@ -198,9 +237,11 @@ class CpuEvent final : public Event {
 
  private:
   const CpuDevice* const device_;
+  const EventTiming timing_;
   mutable std::mutex mutex_;
-  std::shared_ptr<StreamCore> core_;  // guarded by mutex_
-  uint64_t target_ = 0;               // guarded by mutex_
+  std::shared_ptr<StreamCore> core_;         // guarded by mutex_
+  uint64_t target_ = 0;                      // guarded by mutex_
+  std::shared_ptr<const TimingStamp> stamp_; // the last record's stamp (timing events); guarded by mutex_
 };
 
 class CpuStream final : public Stream {
@@ -226,7 +267,20 @@ class CpuStream final : public Stream {
 
   Status record(Event& event) override {
     STRATA_ASSIGN_OR_RETURN(CpuEvent * cpu_event, own_event(event, "record"));
-    cpu_event->set(core_, core_->enqueued());
+    if (cpu_event->timing() == EventTiming::kDisabled) {
+      cpu_event->set(core_, core_->enqueued());
+      return {};
+    }
+    // The stamp task is the event's point in the stream: it runs once the work before it
+    // has finished, so its clock reading is when the stream reached the event.
+    auto stamp = std::make_shared<TimingStamp>();
+    STRATA_ASSIGN_OR_RETURN(const uint64_t number, core_->push({[stamp]() -> Status {
+                                                                  stamp->ticks.store(TimingEvent::Clock::now().time_since_epoch().count(),
+                                                                                     std::memory_order_release);
+                                                                  return {};
+                                                                },
+                                                                "timing event"}));
+    cpu_event->set(core_, number, std::move(stamp));
     return {};
   }
 
@@ -413,7 +467,13 @@ StatusOr<std::unique_ptr<Stream>> CpuDevice::create_stream(std::string name) {
   return std::unique_ptr<Stream>(std::move(stream));
 }
 
-StatusOr<std::unique_ptr<Event>> CpuDevice::create_event() { return std::unique_ptr<Event>(std::make_unique<CpuEvent>(this)); }
+StatusOr<std::unique_ptr<Event>> CpuDevice::create_event() {
+  return std::unique_ptr<Event>(std::make_unique<CpuEvent>(this, EventTiming::kDisabled));
+}
+
+StatusOr<std::unique_ptr<TimingEvent>> CpuDevice::create_timing_event() {
+  return std::unique_ptr<TimingEvent>(std::make_unique<CpuEvent>(this, EventTiming::kEnabled));
+}
 
 void CpuDevice::on_stream_destroyed(const std::shared_ptr<StreamCore>& core) {
   std::lock_guard<std::mutex> lock(streams_mutex_);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -141,9 +142,27 @@ class StreamState {
   bool destroyed_ = false;
 };
 
+// A GPU timestamp with the host steady_clock time it was taken at (see cuda_device.h).
+struct TimingAnchor {
+  explicit TimingAnchor(int device_ordinal) : ordinal(device_ordinal) {}
+  ~TimingAnchor() {
+    if (event == nullptr) return;
+    DeviceScope scope(ordinal);
+    if (cudaEventDestroy(event) != cudaSuccess) (void)cudaGetLastError();
+  }
+  TimingAnchor(const TimingAnchor&) = delete;
+  TimingAnchor& operator=(const TimingAnchor&) = delete;
+
+  const int ordinal;
+  cudaEvent_t event = nullptr;               // timing enabled, completed
+  TimingEvent::Clock::time_point host_time;  // when the GPU took its timestamp, in host time
+  TimingEvent::Clock::duration window{};     // the host time is within half of this of the truth
+};
+
 }  // namespace cuda_device_internal
 
 using cuda_device_internal::StreamState;
+using cuda_device_internal::TimingAnchor;
 
 namespace {
 
@@ -161,9 +180,12 @@ void CUDART_CB run_host_call(void* user_data) {
 
 }  // namespace
 
-class CudaEvent final : public Event {
+// Whether an event keeps the time it completed.
+enum class EventTiming : uint8_t { kDisabled, kEnabled };
+
+class CudaEvent final : public TimingEvent {
  public:
-  CudaEvent(CudaDevice* device, cudaEvent_t event) : device_(device), event_(event) {}
+  CudaEvent(CudaDevice* device, cudaEvent_t event, EventTiming timing) : device_(device), event_(event), timing_(timing) {}
   ~CudaEvent() override {
     DeviceScope scope(device_->ordinal());
     const cudaError_t error = cudaEventDestroy(event_);
@@ -195,13 +217,34 @@ class CudaEvent final : public Event {
     return false;
   }
 
+  StatusOr<std::optional<Clock::time_point>> completion_time() override {
+    if (timing_ != EventTiming::kEnabled) {
+      return FailedPreconditionError("completion_time() of an event made by create_event(): use create_timing_event()");
+    }
+    std::shared_ptr<const TimingAnchor> anchor;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      anchor = anchor_;
+    }
+    if (anchor == nullptr) return FailedPreconditionError("completion_time() of a timing event that was never recorded");
+    STRATA_ASSIGN_OR_RETURN(const bool done, query());
+    if (!done) return std::optional<Clock::time_point>();
+    STRATA_ENTER_DEVICE(device_->ordinal());
+    float milliseconds = 0.0f;
+    STRATA_RETURN_IF_CUDA_ERROR(cudaEventElapsedTime(&milliseconds, anchor->event, event_));
+    const auto since_anchor = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double, std::milli>(milliseconds));
+    return std::optional<Clock::time_point>(anchor->host_time + since_anchor);
+  }
+
   CudaDevice* device() const { return device_; }
+  EventTiming timing() const { return timing_; }
   cudaEvent_t native() const { return event_; }
 
-  void set(std::shared_ptr<StreamState> state, uint64_t target) {
+  void set(std::shared_ptr<StreamState> state, uint64_t target, std::shared_ptr<const TimingAnchor> anchor = nullptr) {
     std::lock_guard<std::mutex> lock(mutex_);
     state_ = std::move(state);
     target_ = target;
+    anchor_ = std::move(anchor);
   }
   std::pair<std::shared_ptr<StreamState>, uint64_t> snapshot() const {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -211,9 +254,11 @@ class CudaEvent final : public Event {
  private:
   CudaDevice* const device_;
   const cudaEvent_t event_;
+  const EventTiming timing_;
   mutable std::mutex mutex_;
   std::shared_ptr<StreamState> state_;  // the stream last recorded on; guarded by mutex_
   uint64_t target_ = 0;                 // its host functions enqueued by then; guarded by mutex_
+  std::shared_ptr<const TimingAnchor> anchor_;  // timing events: the anchor of the last record; guarded by mutex_
 };
 
 class CudaStream final : public Stream {
@@ -249,9 +294,14 @@ class CudaStream final : public Stream {
 
   Status record(Event& event) override {
     STRATA_ASSIGN_OR_RETURN(CudaEvent * cuda_event, own_event(event, "record"));
+    std::shared_ptr<const TimingAnchor> anchor;
+    // Taken before the record: the anchor has completed, so the event's timestamp follows it.
+    if (cuda_event->timing() == EventTiming::kEnabled) {
+      STRATA_ASSIGN_OR_RETURN(anchor, device_.timing_anchor());
+    }
     STRATA_ENTER_DEVICE(device_.ordinal());
     STRATA_RETURN_IF_CUDA_ERROR(cudaEventRecord(cuda_event->native(), stream_));
-    cuda_event->set(state_, state_->host_enqueued());
+    cuda_event->set(state_, state_->host_enqueued(), std::move(anchor));
     return {};
   }
 
@@ -352,6 +402,14 @@ CudaDevice::~CudaDevice() {
     if (live_stream_count_ > 0) {
       STRATA_LOG(kError) << name() << " destroyed while " << live_stream_count_
                          << " of its streams still exist (streams must not outlive their device)";
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(anchor_mutex_);
+    anchor_.reset();  // timing events still alive keep theirs
+    if (anchor_stream_ != nullptr) {
+      DeviceScope scope(ordinal_);
+      if (cudaStreamDestroy(anchor_stream_) != cudaSuccess) (void)cudaGetLastError();
     }
   }
   std::unique_lock<std::mutex> lock(memory_mutex_);
@@ -525,7 +583,53 @@ StatusOr<std::unique_ptr<Event>> CudaDevice::create_event() {
   cudaEvent_t event = nullptr;
   // BlockingSync: Event::synchronize sleeps until the GPU signals, whatever the device flags.
   STRATA_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventBlockingSync));
-  return std::unique_ptr<Event>(std::make_unique<CudaEvent>(this, event));
+  return std::unique_ptr<Event>(std::make_unique<CudaEvent>(this, event, EventTiming::kDisabled));
+}
+
+StatusOr<std::unique_ptr<TimingEvent>> CudaDevice::create_timing_event() {
+  STRATA_ENTER_DEVICE(ordinal_);
+  cudaEvent_t event = nullptr;
+  // Timing enabled (no cudaEventDisableTiming); BlockingSync as for every event.
+  STRATA_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&event, cudaEventBlockingSync));
+  return std::unique_ptr<TimingEvent>(std::make_unique<CudaEvent>(this, event, EventTiming::kEnabled));
+}
+
+StatusOr<std::shared_ptr<const TimingAnchor>> CudaDevice::timing_anchor() {
+  using Clock = TimingEvent::Clock;
+  std::lock_guard<std::mutex> lock(anchor_mutex_);
+  if (anchor_ != nullptr && Clock::now() - anchor_->host_time < kAnchorRefresh) return anchor_;
+  STRATA_ENTER_DEVICE(ordinal_);
+  if (anchor_stream_ == nullptr) STRATA_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&anchor_stream_, cudaStreamNonBlocking));
+  auto anchor = std::make_shared<TimingAnchor>(ordinal_);
+  // No BlockingSync: the anchor is polled, never slept on.
+  STRATA_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&anchor->event, cudaEventDefault));
+  constexpr auto kGoodWindow = std::chrono::microseconds(100);
+  constexpr int kAttempts = 3;  // a preempted host thread widens a window; retry a few times
+  for (int attempt = 0; attempt < kAttempts; ++attempt) {
+    const Clock::time_point before = Clock::now();
+    STRATA_RETURN_IF_CUDA_ERROR(cudaEventRecord(anchor->event, anchor_stream_));
+    // Polled: an event on an idle stream completes within microseconds, and a sleeping
+    // wait would widen the window by its wake-up. Past 10 ms something else holds the
+    // GPU; sleep then, and accept the wide window.
+    cudaError_t state = cudaEventQuery(anchor->event);
+    while (state == cudaErrorNotReady && Clock::now() - before < std::chrono::milliseconds(10)) state = cudaEventQuery(anchor->event);
+    if (state == cudaErrorNotReady) {
+      (void)cudaGetLastError();
+      state = cudaEventSynchronize(anchor->event);
+    }
+    STRATA_RETURN_IF_CUDA_ERROR(state);
+    const Clock::time_point after = Clock::now();
+    anchor->window = after - before;
+    anchor->host_time = before + anchor->window / 2;
+    if (anchor->window <= kGoodWindow) break;
+  }
+  if (anchor->window > kGoodWindow) {
+    STRATA_LOG(kDebug) << name() << ": timing anchor taken within a window of "
+                       << std::chrono::duration<double, std::micro>(anchor->window).count()
+                       << " us: traced GPU times may be off by half of it";
+  }
+  anchor_ = std::move(anchor);
+  return anchor_;
 }
 
 void CudaDevice::on_stream_destroyed(const std::shared_ptr<StreamState>& state) {

@@ -7,7 +7,19 @@
 // to CPU Adam and the I/O threads; a wake-up costs tens of microseconds, which no wait of
 // the step's pipeline notices.
 //
-// Real CUDA streams (non-blocking) and events (timing disabled), and a caching
+// Timing events (create_timing_event) tell the host steady_clock time at which the GPU
+// reached them without a host function in the stream: the GPU's timestamp is converted
+// through an anchor, an event recorded on an idle stream of the device's own while the
+// host read its clock just before and just after it completed (polled, not slept on, so
+// the window is microseconds). The anchor's host time is the middle of that window, so a
+// converted time is off by at most half the window (logged at debug level when over
+// 100 us) plus the drift of the GPU's clock against the host's since the anchor was
+// taken, which is why a timing event recorded more than kAnchorRefresh after the
+// current anchor gets a fresh one (cudaEventElapsedTime's float milliseconds also lose
+// resolution with distance: a quarter of a millisecond an hour away). An event is always
+// converted through the anchor current when it was recorded, which completed before it.
+//
+// Real CUDA streams (non-blocking) and events (timing disabled but for timing events), and a caching
 // allocator under the budget: blocks are rounded to a size class and kept, when given
 // back, in a free list per class for the next allocation of that class. Cached blocks
 // count against the budget; an allocation that would exceed it first returns the cache
@@ -21,6 +33,7 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <chrono>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -34,6 +47,7 @@ namespace strata {
 
 namespace cuda_device_internal {
 class StreamState;
+struct TimingAnchor;
 }
 
 class CudaDevice final : public Device {
@@ -60,6 +74,10 @@ class CudaDevice final : public Device {
 
   StatusOr<std::unique_ptr<Stream>> create_stream(std::string name) override;
   StatusOr<std::unique_ptr<Event>> create_event() override;
+  StatusOr<std::unique_ptr<TimingEvent>> create_timing_event() override;
+
+  // How old the timing anchor may get before a timing event recorded then takes a new one.
+  static constexpr std::chrono::milliseconds kAnchorRefresh{1000};
 
   Status copy_async(void* dst, const void* src, size_t bytes, CopyKind kind, Stream& stream) override;
   Status memset_async(void* dst, int value, size_t bytes, Stream& stream) override;
@@ -82,6 +100,9 @@ class CudaDevice final : public Device {
   // on entry and on return; it is released while the driver frees.
   Status release_cached(std::unique_lock<std::mutex>& lock);
   void on_stream_destroyed(const std::shared_ptr<cuda_device_internal::StreamState>& state);
+  // The anchor a timing event recorded now is converted through: the current one, or a
+  // new one when it is older than kAnchorRefresh (or there is none yet).
+  StatusOr<std::shared_ptr<const cuda_device_internal::TimingAnchor>> timing_anchor();
   // Logs once, at debug level, when a host pointer of a copy is pageable.
   void note_if_pageable(const void* host, CopyKind kind);
 
@@ -95,6 +116,10 @@ class CudaDevice final : public Device {
   std::map<size_t, std::vector<void*>> cached_;      // block size -> free blocks; guarded by memory_mutex_
 
   std::atomic<bool> pageable_noted_{false};
+
+  std::mutex anchor_mutex_;
+  cudaStream_t anchor_stream_ = nullptr;  // idle stream the anchors are recorded on; made with the first; guarded by anchor_mutex_
+  std::shared_ptr<const cuda_device_internal::TimingAnchor> anchor_;  // guarded by anchor_mutex_
 
   std::mutex streams_mutex_;
   // Live streams, plus destroyed ones whose host-function error is not reported yet.

@@ -18,10 +18,12 @@
 // with an unreported error hands it to the next Device::synchronize().
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -105,6 +107,24 @@ class Event {
   virtual StatusOr<bool> query() = 0;
 };
 
+// An event that also says when the stream reached it, in host steady_clock time, so
+// device work can be traced without a host callback in the stream (a CUDA host function
+// holds its stream until a runtime thread has run it). Made by
+// Device::create_timing_event(); recorded and waited on like any event.
+//
+// How exact the time is depends on the device: a CpuDevice's stream worker reads the
+// clock when it reaches the event (exact); a CudaDevice converts the GPU's timestamp
+// through an anchor event whose host time it measured (see cuda_device.h).
+class TimingEvent : public Event {
+ public:
+  using Clock = std::chrono::steady_clock;
+  // Non-blocking: nullopt while the work recorded before the event is unfinished, the
+  // time the stream reached the event once it has. An error when the event was never
+  // recorded, or (kCancelled) when the stream skipped it after an earlier error of its
+  // work and so has no time for it.
+  virtual StatusOr<std::optional<Clock::time_point>> completion_time() = 0;
+};
+
 // What a kernel gets when it runs.
 struct LaunchContext {
   Device* device = nullptr;
@@ -163,6 +183,9 @@ class Device {
 
   virtual StatusOr<std::unique_ptr<Stream>> create_stream(std::string name) = 0;
   virtual StatusOr<std::unique_ptr<Event>> create_event() = 0;
+  // An event that records when it completed (see TimingEvent); a little dearer to record
+  // than create_event()'s, so made only where a time is wanted.
+  virtual StatusOr<std::unique_ptr<TimingEvent>> create_timing_event() = 0;
 
   // The one place copies are routed: copies `bytes` from `src` to `dst` in `stream`
   // order. Host pointers may be pinned or pageable; the device picks the fastest path

@@ -495,6 +495,70 @@ TEST_P(DeviceTest, ConcurrentAllocationsNeverPassTheBudget) {
   EXPECT_EQ(granted.load() + refused.load(), 400);
 }
 
+// A timing event's time is when its stream reached it: the event before a task is no
+// later than the task's start, the event after it no earlier than its end. The CPU
+// device reads the clock on the stream's worker (exact); the CUDA device converts the
+// GPU's timestamp through its anchor, which CudaDevice documents to be within tens of
+// microseconds: kCudaAnchorSlack bounds that error, not a duration of the work.
+TEST_P(DeviceTest, TimingEventsTellWhenTheStreamReachedThemWithoutBlocking) {
+  constexpr auto kCudaAnchorSlack = std::chrono::microseconds(500);
+  const auto slack = is_cpu() ? TimingEvent::Clock::duration::zero() : TimingEvent::Clock::duration(kCudaAnchorSlack);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto device, make_device(size_t{16} << 20));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto stream, device->create_stream("timed"));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto before, device->create_timing_event());
+  STRATA_ASSERT_OK_AND_ASSIGN(auto after, device->create_timing_event());
+  TimingEvent::Clock::time_point task_begin, task_end;  // written by the stream, read after it finished
+  Gate gate;
+  {
+    OpenOnExit opener(gate);
+    STRATA_ASSERT_OK(stream->record(*before));
+    STRATA_ASSERT_OK(stream->enqueue_host([&]() -> Status {
+      task_begin = TimingEvent::Clock::now();
+      gate.wait();
+      task_end = TimingEvent::Clock::now();
+      return {};
+    }));
+    STRATA_ASSERT_OK(stream->record(*after));
+    // The task is held at the gate: the event after it has no time yet, and asking does not wait.
+    STRATA_ASSERT_OK_AND_ASSIGN(auto pending, after->completion_time());
+    EXPECT_FALSE(pending.has_value());
+    gate.open();
+  }
+  STRATA_ASSERT_OK(after->synchronize());
+  STRATA_ASSERT_OK_AND_ASSIGN(auto reached_before, before->completion_time());
+  STRATA_ASSERT_OK_AND_ASSIGN(auto reached_after, after->completion_time());
+  ASSERT_TRUE(reached_before.has_value());
+  ASSERT_TRUE(reached_after.has_value());
+  EXPECT_LE(*reached_before, task_begin + slack);
+  EXPECT_GE(*reached_after + slack, task_end);
+  EXPECT_LE(*reached_before, *reached_after);
+  // A timing event is an event: another stream can wait on it.
+  STRATA_ASSERT_OK_AND_ASSIGN(auto other, device->create_stream("waiter"));
+  STRATA_ASSERT_OK(other->wait(*after));
+  STRATA_ASSERT_OK(other->synchronize());
+  STRATA_ASSERT_OK(device->synchronize());
+}
+
+TEST_P(DeviceTest, TimingQuestionsToTheWrongEventAreErrors) {
+  STRATA_ASSERT_OK_AND_ASSIGN(auto device, make_device(size_t{16} << 20));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto never_recorded, device->create_timing_event());
+  const auto unrecorded = never_recorded->completion_time();
+  ASSERT_FALSE(unrecorded.ok());
+  EXPECT_EQ(unrecorded.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(unrecorded.status().message().find("never recorded"), std::string::npos) << unrecorded.status().to_string();
+  // A plain event keeps no time: asking it is refused, not answered with a made-up one.
+  STRATA_ASSERT_OK_AND_ASSIGN(auto stream, device->create_stream("plain"));
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Event> plain, device->create_event());
+  STRATA_ASSERT_OK(stream->record(*plain));
+  STRATA_ASSERT_OK(stream->synchronize());
+  auto* as_timing = dynamic_cast<TimingEvent*>(plain.get());
+  if (as_timing != nullptr) {
+    const auto untimed = as_timing->completion_time();
+    ASSERT_FALSE(untimed.ok());
+    EXPECT_NE(untimed.status().message().find("create_timing_event"), std::string::npos) << untimed.status().to_string();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, DeviceTest, ::testing::Values(DeviceKind::kCpu, DeviceKind::kCuda),
                          [](const auto& info) { return std::string(device_kind_name(info.param)); });
 
@@ -542,6 +606,26 @@ TEST(CpuDeviceTest, CopyStreamCompletesWhileAKernelBlocksTheComputeStream) {
   STRATA_ASSERT_OK(compute->synchronize());
   const auto* values = activations.as<const uint32_t>();
   for (size_t i = 0; i < kBytes / 4; ++i) ASSERT_EQ(values[i], i);
+}
+
+// After an error the CPU stream skips its later tasks, the timing event's stamp among
+// them: the event completes without a time, and says so (kCancelled) instead of giving one.
+TEST(CpuDeviceTest, ATimingEventSkippedAfterAnErrorHasNoTime) {
+  STRATA_ASSERT_OK_AND_ASSIGN(auto device, create_cpu_device({.budget_bytes = size_t{1} << 20, .compute = {.threads = 1}}));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto stream, device->create_stream("failing"));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto event, device->create_timing_event());
+  STRATA_ASSERT_OK(stream->enqueue_host([]() -> Status { return IoError("read of extent 3 failed"); }));
+  STRATA_ASSERT_OK(stream->record(*event));
+  const Status failure = event->synchronize();
+  EXPECT_EQ(failure.code(), StatusCode::kIoError) << failure.to_string();
+  const auto time = event->completion_time();
+  ASSERT_FALSE(time.ok());
+  EXPECT_EQ(time.status().code(), StatusCode::kCancelled) << time.status().to_string();
+  // Recorded again once the error is reported, it has one.
+  STRATA_ASSERT_OK(stream->record(*event));
+  STRATA_ASSERT_OK(event->synchronize());
+  STRATA_ASSERT_OK_AND_ASSIGN(auto recorded, event->completion_time());
+  EXPECT_TRUE(recorded.has_value());
 }
 
 TEST(CpuDeviceTest, SynchronizeFromAStreamTaskIsRefusedNotADeadlock) {
