@@ -24,26 +24,7 @@ void PrintTo(DeviceKind kind, std::ostream* os) { *os << device_kind_name(kind);
 
 namespace {
 
-// A one-shot gate a stream task waits on until the test opens it; opened on destruction
-// too, so a failed assertion cannot leave a stream blocked while its destructor drains it.
-class Gate {
- public:
-  ~Gate() { open(); }
-  void open() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    open_ = true;
-    opened_.notify_all();
-  }
-  void wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    opened_.wait(lock, [&] { return open_; });
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable opened_;
-  bool open_ = false;
-};
+using testing::Gate;
 
 // The device and two streams; declared before the gates of a test, so the gates open
 // (their destructors run) before the streams drain.

@@ -7,7 +7,6 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
-#include <future>
 #include <vector>
 
 #include "tests/support/test_support.h"
@@ -15,21 +14,13 @@
 namespace strata::lm {
 namespace {
 
-// Holds `stream` at the point of open() until release().
-class StreamGate {
- public:
-  Status open(Stream& stream) {
-    auto released = released_.get_future().share();
-    return stream.enqueue_host([released] {
-      released.wait();
-      return Status();
-    });
-  }
-  void release() { released_.set_value(); }
-
- private:
-  std::promise<void> released_;
-};
+// Holds `stream` at this point until the gate opens.
+Status hold(Stream& stream, testing::Gate& gate) {
+  return stream.enqueue_host([&gate] {
+    gate.wait();
+    return Status();
+  });
+}
 
 struct Fixture {
   std::unique_ptr<Device> device;
@@ -77,15 +68,15 @@ TEST(HostStagingTest, QueuedLossesReturnWhileTheStreamIsHeldAndSumOnceItMovesOn)
   STRATA_ASSERT_OK(f.init(kRows, kChunks));
   LossReadback readback(*f.device);
   const Pieces first = make_pieces(kRows, kChunks, 2.0f), second = make_pieces(kRows, kChunks, 7.0f);
-  StreamGate gate;
-  STRATA_ASSERT_OK(gate.open(*f.stream));
+  testing::Gate gate;  // after the stream: it opens when destroyed, so a failed assertion cannot leave the stream held
+  STRATA_ASSERT_OK(hold(*f.stream, gate));
   // Two micro-batches through the same device buffers, queued while nothing has run.
   STRATA_ASSERT_OK(upload(f, first));
   STRATA_ASSERT_OK_AND_ASSIGN(const LossTicket a, readback.queue(*f.stream, {f.lse.as<float>(), f.chunk.as<float>(), kRows, kChunks, first.target_chunk}));
   STRATA_ASSERT_OK(upload(f, second));
   STRATA_ASSERT_OK_AND_ASSIGN(const LossTicket b, readback.queue(*f.stream, {f.lse.as<float>(), f.chunk.as<float>(), kRows, kChunks, second.target_chunk}));
   EXPECT_EQ(readback.in_flight(), 2u);
-  gate.release();
+  gate.open();
   STRATA_ASSERT_OK_AND_ASSIGN(const double sum_a, readback.take(a));
   STRATA_ASSERT_OK_AND_ASSIGN(const double sum_b, readback.take(b));
   EXPECT_EQ(sum_a, first.sum);  // the same additions in the same order: the same bits
@@ -121,15 +112,15 @@ TEST(HostStagingTest, TwoFillsAreStagedWhileTheStreamIsHeldAndEachCopyReadsItsOw
   STRATA_ASSERT_OK_AND_ASSIGN(UploadStaging staging, UploadStaging::create(*f.device, kBytes, "test inputs"));
   STRATA_ASSERT_OK_AND_ASSIGN(DeviceBuffer first, f.device->allocate(kBytes, "first"));
   STRATA_ASSERT_OK_AND_ASSIGN(DeviceBuffer second, f.device->allocate(kBytes, "second"));
-  StreamGate gate;
-  STRATA_ASSERT_OK(gate.open(*f.stream));
+  testing::Gate gate;  // after the stream: it opens when destroyed, so a failed assertion cannot leave the stream held
+  STRATA_ASSERT_OK(hold(*f.stream, gate));
   for (auto [target, value] : {std::pair{&first, 0x11}, std::pair{&second, 0x22}}) {
     STRATA_ASSERT_OK_AND_ASSIGN(std::byte * fill, staging.begin_fill());  // must not wait: the stream is held
     std::memset(fill, value, kBytes);
     STRATA_ASSERT_OK(f.device->copy_async(target->data(), fill, kBytes, CopyKind::kHostToDevice, *f.stream));
     STRATA_ASSERT_OK(staging.end_fill(*f.stream));
   }
-  gate.release();
+  gate.open();
   // The third fill reuses the first: it waits for the first fill's copy, then may be written.
   STRATA_ASSERT_OK_AND_ASSIGN(std::byte * third, staging.begin_fill());
   std::memset(third, 0x33, kBytes);

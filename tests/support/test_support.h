@@ -3,7 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <condition_variable>
 #include <filesystem>
+#include <mutex>
 #include <string>
 
 #include "engine/core/status.h"
@@ -35,6 +37,45 @@ struct ScopedTmpfs {
   ~ScopedTmpfs();
   ScopedTmpfs(const ScopedTmpfs&) = delete;
   ScopedTmpfs& operator=(const ScopedTmpfs&) = delete;
+};
+
+// A one-shot gate a stream task waits on (`wait()`) until the test opens it: holds a stream
+// at a point while the test checks what the host can do meanwhile. It opens when destroyed
+// too, so declared after the streams it cannot leave one blocked while its destructor
+// drains it (otherwise use OpenOnExit).
+class Gate {
+ public:
+  Gate() = default;
+  ~Gate() { open(); }
+  Gate(const Gate&) = delete;
+  Gate& operator=(const Gate&) = delete;
+  void open() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    open_ = true;
+    opened_.notify_all();
+  }
+  void wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    opened_.wait(lock, [&] { return open_; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable opened_;
+  bool open_ = false;
+};
+
+// Opens a gate when the scope ends (a failed assertion returns early). Declare it after
+// the streams the gate holds.
+class OpenOnExit {
+ public:
+  explicit OpenOnExit(Gate& gate) : gate_(gate) {}
+  ~OpenOnExit() { gate_.open(); }
+  OpenOnExit(const OpenOnExit&) = delete;
+  OpenOnExit& operator=(const OpenOnExit&) = delete;
+
+ private:
+  Gate& gate_;
 };
 
 // The source tree's root (STRATA_SOURCE_DIR) and the build tree's (STRATA_BINARY_DIR).

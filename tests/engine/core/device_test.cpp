@@ -38,37 +38,8 @@ constexpr int kManyTasks = 300;
 constexpr int kManyTasks = 3000;
 #endif
 
-// A one-shot gate a stream task waits on until the test opens it.
-class Gate {
- public:
-  void open() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    open_ = true;
-    opened_.notify_all();
-  }
-  void wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    opened_.wait(lock, [&] { return open_; });
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable opened_;
-  bool open_ = false;
-};
-
-// Opens a gate when the scope ends, so a failed assertion cannot leave a stream blocked
-// forever while its destructor drains it. Declare it after the streams.
-class OpenOnExit {
- public:
-  explicit OpenOnExit(Gate& gate) : gate_(gate) {}
-  ~OpenOnExit() { gate_.open(); }
-  OpenOnExit(const OpenOnExit&) = delete;
-  OpenOnExit& operator=(const OpenOnExit&) = delete;
-
- private:
-  Gate& gate_;
-};
+using testing::Gate;
+using testing::OpenOnExit;
 
 // A flag one thread sets and another waits for.
 class Signal {
