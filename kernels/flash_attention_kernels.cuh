@@ -124,6 +124,17 @@ __device__ __forceinline__ size_t row_index(const P& p, size_t b, size_t h, size
 __device__ __forceinline__ size_t query_tile_of_block() { return gridDim.x - 1 - blockIdx.x; }
 __device__ __forceinline__ size_t key_tile_of_block() { return blockIdx.x; }
 
+// Key tile `key0`'s K and V rows into shared memory, once every warp is done with the
+// previous tile's (the first barrier) and before any warp reads them (the second).
+template <int kDim, class T>
+__device__ __forceinline__ void load_kv_tiles(float* k_tile, float* v_tile, const T* k_rows, const T* v_rows, const AttentionParams<T>& p,
+                                              size_t key0) {
+  __syncthreads();
+  load_tile<kDim>(k_tile, k_rows, p.k_stride, key0, p.seq_len, p.head_dim);
+  load_tile<kDim>(v_tile, v_rows, p.v_stride, key0, p.seq_len, p.head_dim);
+  __syncthreads();
+}
+
 // Forward ---------------------------------------------------------------------------------
 
 template <class T, int kDim>
@@ -162,10 +173,7 @@ __global__ void __launch_bounds__(kAttentionThreads) flash_forward_kernel(Attent
   // running max is finite after the first.
   for (size_t key_tile = 0; key_tile <= query_tile; ++key_tile) {
     const size_t key0 = key_tile * kTile;
-    __syncthreads();  // every warp is done with the previous K and V tiles
-    load_tile<kDim>(k_tile, k_rows, p.k_stride, key0, T_len, p.head_dim);
-    load_tile<kDim>(v_tile, v_rows, p.v_stride, key0, T_len, p.head_dim);
-    __syncthreads();
+    load_kv_tiles<kDim>(k_tile, v_tile, k_rows, v_rows, p, key0);
     float s[kRowsPerWarp];
     dot_rows<kDim>(my_q_rows, k_tile + lane * kLd, s);
     const size_t key = key0 + lane;
@@ -262,10 +270,7 @@ __global__ void __launch_bounds__(kAttentionThreads) flash_backward_dq_kernel(At
   float delta[kRowsPerWarp] = {};
   for (size_t key_tile = 0; key_tile <= query_tile; ++key_tile) {
     const size_t key0 = key_tile * kTile;
-    __syncthreads();
-    load_tile<kDim>(k_tile, k_rows, p.k_stride, key0, T_len, p.head_dim);
-    load_tile<kDim>(v_tile, v_rows, p.v_stride, key0, T_len, p.head_dim);
-    __syncthreads();
+    load_kv_tiles<kDim>(k_tile, v_tile, k_rows, v_rows, p, key0);
     float prob[kRowsPerWarp];
     float dprob[kRowsPerWarp];
     probabilities_and_dprobs<kDim>(my_q_rows, my_dout_rows, k_tile, v_tile, row0, key0 + lane, T_len, p.scale, row_lse,
@@ -280,10 +285,7 @@ __global__ void __launch_bounds__(kAttentionThreads) flash_backward_dq_kernel(At
   float acc[kRowsPerWarp][kPerLane] = {};
   for (size_t key_tile = 0; key_tile <= query_tile; ++key_tile) {
     const size_t key0 = key_tile * kTile;
-    __syncthreads();
-    load_tile<kDim>(k_tile, k_rows, p.k_stride, key0, T_len, p.head_dim);
-    load_tile<kDim>(v_tile, v_rows, p.v_stride, key0, T_len, p.head_dim);
-    __syncthreads();
+    load_kv_tiles<kDim>(k_tile, v_tile, k_rows, v_rows, p, key0);
     float prob[kRowsPerWarp];
     float dprob[kRowsPerWarp];
     probabilities_and_dprobs<kDim>(my_q_rows, my_dout_rows, k_tile, v_tile, row0, key0 + lane, T_len, p.scale, row_lse,
