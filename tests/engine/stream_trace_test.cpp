@@ -189,9 +189,9 @@ TEST_P(StreamTraceTest, AnExhaustedPoolDropsIntervalsInsteadOfWaiting) {
 // An interval opened and never closed (its use failed) gives its event back; one whose
 // events the stream skipped after an error is dropped, the error left to the stream. (A
 // CUDA stream skips only host functions after an error; its events still complete.)
-TEST_P(StreamTraceTest, UnclosedAndSkippedIntervalsGiveTheirEventsBack) {
-  if (GetParam() != DeviceKind::kCpu) GTEST_SKIP() << "only the CPU device skips a stream's events after an error";
-  Rig rig(GetParam());
+// CPU only, not a case of each device: gpu-check fails a GPU run on any skipped case.
+TEST(StreamTraceCpuTest, UnclosedAndSkippedIntervalsGiveTheirEventsBack) {
+  Rig rig(DeviceKind::kCpu);
   STRATA_ASSERT_OK_AND_ASSIGN(auto trace, StreamTrace::create(*rig.device, rig.tracer, {.max_events = 2}));
   {
     STRATA_ASSERT_OK_AND_ASSIGN(StreamTrace::Opened forgotten, trace->open(*rig.first));
