@@ -41,24 +41,8 @@ constexpr int kManyTasks = 3000;
 using testing::Gate;
 using testing::OpenOnExit;
 
-// A flag one thread sets and another waits for.
-class Signal {
- public:
-  void set() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    set_ = true;
-    changed_.notify_all();
-  }
-  void wait() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    changed_.wait(lock, [&] { return set_; });
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  bool set_ = false;
-};
+// A flag one thread sets (opens) and another waits for: a gate by another name.
+using Signal = testing::Gate;
 
 std::vector<uint8_t> pattern(size_t bytes, uint32_t seed) {
   std::vector<uint8_t> data(bytes);
@@ -399,7 +383,7 @@ TEST_P(DeviceTest, DestroyingAStreamWithQueuedWorkDrainsIt) {
   Signal first_started;
   int ran = 0;  // written by the stream only; read after its destructor returned
   STRATA_ASSERT_OK(stream->enqueue_host([&]() -> Status {
-    first_started.set();
+    first_started.open();
     gate.wait();
     return {};
   }));
@@ -557,7 +541,7 @@ TEST(CpuDeviceTest, CopyStreamCompletesWhileAKernelBlocksTheComputeStream) {
       ctx.executor->parallel_for(0, kBytes / 4, 4096, [out](size_t lo, size_t hi) {
         for (size_t i = lo; i < hi; ++i) out[i] = static_cast<uint32_t>(i);
       });
-      kernel_started.set();
+      kernel_started.open();
       gate.wait();
       return {};
     }));
