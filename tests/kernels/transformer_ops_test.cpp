@@ -507,6 +507,29 @@ INSTANTIATE_TEST_SUITE_P(Devices, TransformerOpsTest,
                                            Target{DeviceKind::kCuda, DType::kBFloat16}),
                          target_name);
 
+// GPT-2's MLP at size `s` on the harness's device, drawn from `rng`: c_fc (C -> 4C) with
+// its input, weight and bias, c_proj (4C -> C) with its weight and the gradient arriving
+// at its output.
+struct MlpOperands {
+  size_t m = 0, c = 0, wide = 0;
+  MatmulShape fc, proj;
+  DeviceBuffer x, fc_weight, fc_bias, dy, proj_weight;
+};
+MlpOperands mlp_operands(Harness& h, const Sizes& s, std::mt19937& rng) {
+  MlpOperands o;
+  o.m = s.batch * s.seq_len;
+  o.c = s.channels;
+  o.wide = 4 * s.channels;
+  o.fc = {.rows = o.m, .in_features = o.c, .out_features = o.wide};
+  o.proj = {.rows = o.m, .in_features = o.wide, .out_features = o.c};
+  o.x = h.put(random_vector(o.m * o.c, rng));
+  o.fc_weight = h.put(random_vector(o.c * o.wide, rng, 0.2));
+  o.fc_bias = h.put(random_vector(o.wide, rng));
+  o.dy = h.put(random_vector(o.m * o.c, rng));
+  o.proj_weight = h.put(random_vector(o.wide * o.c, rng, 0.2));
+  return o;
+}
+
 // GPU-only behaviour ------------------------------------------------------------------
 
 // Which GELU cuBLASLt's epilogue computes is not documented. In fp32 (GeluEpilogue::kAlways)
@@ -525,23 +548,16 @@ TEST(TransformerOpsCudaTest, GeluEpilogueInFp32MatchesTheGeluKernels) {
   BlasContext unfused_blas = context(kernels::GeluEpilogue::kNever);
   std::mt19937 rng(18);
   const Sizes s = kSizes[1];  // 4C = 288: a valid aux leading dimension
-  const size_t m = s.batch * s.seq_len, c = s.channels, wide = 4 * s.channels;
-  const MatmulShape fc{.rows = m, .in_features = c, .out_features = wide};
-  const MatmulShape proj{.rows = m, .in_features = wide, .out_features = c};
-  auto x = h.put(random_vector(m * c, rng));
-  auto fc_weight = h.put(random_vector(c * wide, rng, 0.2));
-  auto fc_bias = h.put(random_vector(wide, rng));
-  auto dy = h.put(random_vector(m * c, rng));
-  auto proj_weight = h.put(random_vector(wide * c, rng, 0.2));
-  auto pre = h.put(random_vector(m * wide, rng, 2.0));
+  const MlpOperands o = mlp_operands(h, s, rng);
+  auto pre = h.put(random_vector(o.m * o.wide, rng, 2.0));
   auto run = [&](BlasContext& blas) {
-    auto pre_out = h.nans(m * wide), y = h.nans(m * wide), dpre = h.nans(m * wide);
-    auto dbias = h.nans(wide, DType::kFloat32);
-    STRATA_CHECK_OK(kernels::matmul_bias_gelu_forward(h.stream(), blas, fc, DType::kFloat32, x.data(), fc_weight.data(),
-                                                      fc_bias.data(), pre_out.data(), y.data()));
-    STRATA_CHECK_OK(kernels::gelu_matmul_backward(h.stream(), blas, proj, DType::kFloat32, dy.data(), proj_weight.data(),
+    auto pre_out = h.nans(o.m * o.wide), y = h.nans(o.m * o.wide), dpre = h.nans(o.m * o.wide);
+    auto dbias = h.nans(o.wide, DType::kFloat32);
+    STRATA_CHECK_OK(kernels::matmul_bias_gelu_forward(h.stream(), blas, o.fc, DType::kFloat32, o.x.data(), o.fc_weight.data(),
+                                                      o.fc_bias.data(), pre_out.data(), y.data()));
+    STRATA_CHECK_OK(kernels::gelu_matmul_backward(h.stream(), blas, o.proj, DType::kFloat32, o.dy.data(), o.proj_weight.data(),
                                                   pre.data(), dpre.data(), dbias.as<float>(), GradWrite::kOverwrite));
-    return std::vector<std::vector<double>>{h.get(y, m * wide), h.get(dpre, m * wide), h.get(dbias, wide, DType::kFloat32)};
+    return std::vector<std::vector<double>>{h.get(y, o.m * o.wide), h.get(dpre, o.m * o.wide), h.get(dbias, o.wide, DType::kFloat32)};
   };
   const auto want = run(unfused_blas);
   EXPECT_EQ(unfused_blas.epilogue_counts().fused, 0u);
@@ -612,39 +628,32 @@ TEST(TransformerOpsCpuTest, MatmulWithGeluOpsEqualTheirCompositionBitForBit) {
   std::mt19937 rng(16);
   Harness h(Target{DeviceKind::kCpu, DType::kFloat32});
   const Sizes s = kSizes[1];
-  const size_t m = s.batch * s.seq_len, c = s.channels, wide = 4 * s.channels;
-  const MatmulShape fc{.rows = m, .in_features = c, .out_features = wide};
-  const MatmulShape proj{.rows = m, .in_features = wide, .out_features = c};
-  auto x = h.put(random_vector(m * c, rng));
-  auto fc_weight = h.put(random_vector(c * wide, rng, 0.2));
-  auto fc_bias = h.put(random_vector(wide, rng));
-  auto dy = h.put(random_vector(m * c, rng));
-  auto proj_weight = h.put(random_vector(wide * c, rng, 0.2));
-  const auto start_db = random_vector(wide, rng);
+  const MlpOperands o = mlp_operands(h, s, rng);
+  const auto start_db = random_vector(o.wide, rng);
   Stream& st = h.stream();
 
-  auto fused_pre = h.nans(m * wide), fused_y = h.nans(m * wide);
-  STRATA_ASSERT_OK(kernels::matmul_bias_gelu_forward(st, h.blas(), fc, DType::kFloat32, x.data(), fc_weight.data(),
-                                                     fc_bias.data(), fused_pre.data(), fused_y.data()));
-  auto pre = h.nans(m * wide), y = h.nans(m * wide);
+  auto fused_pre = h.nans(o.m * o.wide), fused_y = h.nans(o.m * o.wide);
+  STRATA_ASSERT_OK(kernels::matmul_bias_gelu_forward(st, h.blas(), o.fc, DType::kFloat32, o.x.data(), o.fc_weight.data(),
+                                                     o.fc_bias.data(), fused_pre.data(), fused_y.data()));
+  auto pre = h.nans(o.m * o.wide), y = h.nans(o.m * o.wide);
   STRATA_ASSERT_OK(
-      kernels::matmul_forward(st, h.blas(), fc, DType::kFloat32, x.data(), fc_weight.data(), fc_bias.data(), pre.data()));
-  STRATA_ASSERT_OK(kernels::gelu_forward(st, DType::kFloat32, pre.data(), y.data(), m * wide));
+      kernels::matmul_forward(st, h.blas(), o.fc, DType::kFloat32, o.x.data(), o.fc_weight.data(), o.fc_bias.data(), pre.data()));
+  STRATA_ASSERT_OK(kernels::gelu_forward(st, DType::kFloat32, pre.data(), y.data(), o.m * o.wide));
   EXPECT_EQ(h.get_bytes(fused_pre), h.get_bytes(pre));
   EXPECT_EQ(h.get_bytes(fused_y), h.get_bytes(y));
 
   for (GradWrite mode : {GradWrite::kOverwrite, GradWrite::kAccumulate}) {
-    auto fused_dpre = h.nans(m * wide);
+    auto fused_dpre = h.nans(o.m * o.wide);
     auto fused_db = h.put(start_db, DType::kFloat32);
-    STRATA_ASSERT_OK(kernels::gelu_matmul_backward(st, h.blas(), proj, DType::kFloat32, dy.data(), proj_weight.data(),
+    STRATA_ASSERT_OK(kernels::gelu_matmul_backward(st, h.blas(), o.proj, DType::kFloat32, o.dy.data(), o.proj_weight.data(),
                                                    pre.data(), fused_dpre.data(), fused_db.as<float>(), mode));
-    auto dpre = h.nans(m * wide), unused_dweight = h.nans(c * wide, DType::kFloat32);
+    auto dpre = h.nans(o.m * o.wide), unused_dweight = h.nans(o.c * o.wide, DType::kFloat32);
     auto db = h.put(start_db, DType::kFloat32);
-    STRATA_ASSERT_OK(kernels::matmul_backward(st, h.blas(), proj, DType::kFloat32, dy.data(), nullptr,
-                                              proj_weight.data(), dpre.data(), nullptr, nullptr, GradOptions{}));
+    STRATA_ASSERT_OK(kernels::matmul_backward(st, h.blas(), o.proj, DType::kFloat32, o.dy.data(), nullptr,
+                                              o.proj_weight.data(), dpre.data(), nullptr, nullptr, GradOptions{}));
     STRATA_ASSERT_OK(
-        kernels::gelu_backward(st, DType::kFloat32, dpre.data(), pre.data(), dpre.data(), m * wide, GradWrite::kOverwrite));
-    STRATA_ASSERT_OK(kernels::matmul_backward(st, h.blas(), fc, DType::kFloat32, dpre.data(), x.data(), fc_weight.data(),
+        kernels::gelu_backward(st, DType::kFloat32, dpre.data(), pre.data(), dpre.data(), o.m * o.wide, GradWrite::kOverwrite));
+    STRATA_ASSERT_OK(kernels::matmul_backward(st, h.blas(), o.fc, DType::kFloat32, dpre.data(), o.x.data(), o.fc_weight.data(),
                                               nullptr, unused_dweight.as<float>(), db.as<float>(),
                                               GradOptions{.param_grad = mode}));
     EXPECT_EQ(h.get_bytes(fused_dpre), h.get_bytes(dpre)) << "GradWrite " << static_cast<int>(mode);
