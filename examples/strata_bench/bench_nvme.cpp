@@ -140,7 +140,10 @@ StatusOr<StoreBandwidth> measure_store_bandwidth(const StoreMeasurement& m) {
 
   // The data: one pinned buffer, registered with the engine, filled before timing.
   const bool ring = m.footprint == StoreMeasurement::Footprint::kRing;
-  const size_t host_bytes = ring ? std::min<size_t>(bytes, size_t{depth} * block) : bytes;
+  // The ring: one block per request in flight, never more blocks than the data has (and at
+  // least one, however short the data).
+  const size_t blocks = (bytes + block - 1) / block;
+  const size_t host_bytes = ring ? std::min<size_t>(blocks, depth) * block : bytes;
   // A ring under one huge page still gets one (the arena takes huge pages from 2 MiB up), as
   // fio's --iomem=mmaphuge maps even a small buffer on them.
   const size_t arena_bytes = m.huge_pages ? std::max(host_bytes, size_t{2} << 20) : host_bytes;
