@@ -94,15 +94,15 @@ StatusOr<LossTicket> LossReadback::queue(Stream& stream, const LossPieces& piece
   if (pieces.target_chunk.size() != pieces.rows)
     return InvalidArgumentError("loss readback: " + std::to_string(pieces.target_chunk.size()) + " target chunks for " +
                                 std::to_string(pieces.rows) + " rows");
+  for (const int32_t chunk : pieces.target_chunk) {
+    if (chunk < -1 || static_cast<size_t>(chunk + 1) > pieces.chunks)
+      return InvalidArgumentError("loss readback: target chunk " + std::to_string(chunk) + " outside [-1, " + std::to_string(pieces.chunks) + ")");
+  }
   const size_t lse_bytes = pieces.rows * 4, chunk_bytes = pieces.chunks * pieces.rows * 4;
   STRATA_ASSIGN_OR_RETURN(const size_t index, free_record(lse_bytes + chunk_bytes));
   Record& record = *records_[index];
   record.rows = pieces.rows;
   record.target_chunk.assign(pieces.target_chunk.begin(), pieces.target_chunk.end());
-  for (const int32_t chunk : record.target_chunk) {
-    if (chunk < -1 || static_cast<size_t>(chunk + 1) > pieces.chunks)
-      return InvalidArgumentError("loss readback: target chunk " + std::to_string(chunk) + " outside [-1, " + std::to_string(pieces.chunks) + ")");
-  }
   auto* host = record.pieces.as<char>();
   STRATA_RETURN_IF_ERROR(device_->copy_async(host, pieces.loss_lse, lse_bytes, CopyKind::kDeviceToHost, stream));
   STRATA_RETURN_IF_ERROR(device_->copy_async(host + lse_bytes, pieces.chunk_losses, chunk_bytes, CopyKind::kDeviceToHost, stream));
