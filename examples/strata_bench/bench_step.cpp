@@ -29,8 +29,10 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <optional>
+#include <functional>
 #include <mutex>
+#include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,6 +55,8 @@ constexpr const char* kUsage =
     "                         [--prefetch-depth P (default: the deepest that fits)] [--pinned-budget-mib M (0 = what the plan needs)] [--seed S]\n"
     "                         [--store-gbps READ,WRITE | --store-measure-mib M=256] [--matmul-precision fp32|tf32|bf16 (cuda)]\n"
     "                         [--compute kernels|none (none: the engine's protocol alone, the host stages at the pace of a device that computes in no time)]\n"
+    "                         [--clip-grad-norm X (0 = off: Adam(g) starts as g's gradients land; on: after backward, as training with clipping does)]\n"
+    "                         [--trace PATH (Chrome trace of every stage's intervals, written at the end)]\n"
     "                         [--json] [--help]";
 
 struct StepBenchOptions {
@@ -74,6 +78,8 @@ struct StepBenchOptions {
   std::optional<StoreBandwidth> store_bandwidth;  // --store-gbps; else measured when a tier is NVMe
   size_t store_measure_bytes = size_t{256} << 20;
   uint64_t seed = 1234;
+  double clip_grad_norm = 0.0;  // EngineOptions::gradient_clipping
+  std::string trace_path;       // EngineOptions::trace_path
   bool json = false;
   bool help = false;
 };
@@ -108,7 +114,7 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
                                                  {"layers", "width", "batch", "micro-batches", "steps", "world-size", "device",
                                                   "device-budget-mib", "offload-param", "offload-optimizer", "param-dtype",
                                                   "nvme-path", "prefetch-depth", "seed", "pinned-budget-mib", "store-gbps",
-                                                  "store-measure-mib", "matmul-precision", "compute"},
+                                                  "store-measure-mib", "matmul-precision", "compute", "clip-grad-norm", "trace"},
                                                  {"json", "help"}));
   StepBenchOptions o;
   if (args.flag("help")) return StepBenchOptions{.help = true};
@@ -162,6 +168,9 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
   const std::string compute = args.get("compute", "kernels");
   if (compute != "kernels" && compute != "none") return InvalidArgumentError("--compute takes kernels or none, got '" + compute + "'");
   o.model.compute = compute == "none" ? models::StackCompute::kNone : models::StackCompute::kKernels;
+  STRATA_ASSIGN_OR_RETURN(o.clip_grad_norm, args.get_double("clip-grad-norm", 0.0));
+  if (!(o.clip_grad_norm >= 0.0)) return InvalidArgumentError("--clip-grad-norm takes a norm >= 0 (0 = off)");
+  o.trace_path = args.get("trace", "");
   o.nvme_path = args.get("nvme-path", "");
   if ((o.params == Tier::kNvme || o.optimizer == Tier::kNvme) && o.nvme_path.empty())
     return InvalidArgumentError("--offload-param/--offload-optimizer nvme needs --nvme-path");
@@ -198,6 +207,8 @@ StatusOr<TrainingRun> train(const StepBenchOptions& o, LocalCluster& cluster) {
     options.activation_bytes = models::linear_stack_activation_bytes(o.model, o.model.global_rows / o.world, o.param_dtype) +
                                (o.device == DeviceKind::kCuda ? kernels::BlasOptions{}.cuda_workspace_bytes : 0);  // the model's cuBLAS workspace
     options.adam.lr = 1e-3;
+    options.gradient_clipping = o.clip_grad_norm;
+    options.trace_path = o.trace_path;
     STRATA_ASSIGN_OR_RETURN(auto engine, Engine::create(options, cluster.device(rank), cluster.gather_communicator(rank),
                                                         cluster.reduce_communicator(rank)));
     STRATA_ASSIGN_OR_RETURN(auto model, models::LinearStackModel::create(*engine, o.model, rank, o.world, /*declare_schedule=*/true));
@@ -221,6 +232,15 @@ StatusOr<TrainingRun> train(const StepBenchOptions& o, LocalCluster& cluster) {
     return {};
   }));
   return run;
+}
+
+// Every parameter of the model (all ranks).
+int64_t model_parameter_count(const models::LinearStackConfig& config) {
+  int64_t count = 0;
+  for (const GroupSpec& group : models::linear_stack_groups(config))
+    for (const TensorSpec& tensor : group.tensors)
+      count += std::accumulate(tensor.shape.begin(), tensor.shape.end(), int64_t{1}, std::multiplies<int64_t>());
+  return count;
 }
 
 // The work of one step for the model-TFLOPS figures.
@@ -277,6 +297,8 @@ void print_table(const TrainingRun& run, const StepReport& r, const nlohmann::or
   std::printf("\n");
   std::printf("overlap (slowest stage %s / step): %.3f\n", median["slowest_stage"].get<std::string>().c_str(),
               median["overlap"].get<double>());
+  std::printf("optimizer stage: %.3g params/s over its busy time (clip-grad-norm %g)\n",
+              median["optimizer_params_per_s"].get<double>(), median["clip_grad_norm"].get<double>());
   std::printf("device peak %.1f MiB of a %.1f MiB budget; training state %.1f MiB; host %.1f MiB pinned + %.1f MiB pageable\n",
               peak / 1048576.0, r.device_budget_bytes / 1048576.0, run.state_bytes / 1048576.0, run.pinned_bytes / 1048576.0,
               run.host_bytes / 1048576.0);
@@ -356,6 +378,12 @@ int run_step(int argc, char** argv) {
   out["model_flops"] = work.model_flops;
   out["matmul_precision"] = std::string(matmul_precision_name(precision));
   if (work.peak_flops) out["peak_tflops"] = *work.peak_flops / 1e12;  // all ranks' GPUs
+  out["clip_grad_norm"] = o.clip_grad_norm;
+  // The optimizer stage's rate over its busy time: this rank's shard of every parameter
+  // per second of Adam, to set beside `strata-bench adam` at the same count.
+  const double optimizer_busy = r.busy[static_cast<size_t>(Stage::kOptimizer)];
+  const double shard_params = static_cast<double>(model_parameter_count(o.model)) / o.world;
+  out["optimizer_params_per_s"] = optimizer_busy > 0 ? shard_params / optimizer_busy : 0.0;
   if (*store) {
     out["store_read_gbps"] = (*store)->read_gbps;
     out["store_write_gbps"] = (*store)->write_gbps;

@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <bit>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
@@ -57,6 +59,58 @@ TEST_P(CastTest, MatchesScalarConversion) {
           const float want_back = to == DType::kBFloat16 ? bf16_bits_to_float(want) : fp16_bits_to_float(want);
           ASSERT_EQ(std::memcmp(&got32[i], &want_back, 4), 0) << "i=" << i;
         }
+      }
+    }
+  }
+}
+
+// The values where a vectorized conversion can go wrong: NaNs with payloads (quietened),
+// infinities, subnormals, exact ties (to even), the largest finite values (to infinity),
+// negative zero. The CPU keeps a NaN's payload as the scalar conversion does; CUDA's
+// conversions give the canonical NaN, so there a NaN need only stay one. Every source value in the run, at every offset of a 64-byte vector, so
+// each lane of the span functions' main loops and of their scalar tails sees each value.
+TEST_P(CastTest, SpecialValuesConvertAsTheScalarConversionsDo) {
+  const std::vector<uint32_t> special = {
+      0x7fc00000u, 0xffc00001u, 0x7f800001u, 0x7fbfffffu,  // NaNs, quiet and signalling, with payloads
+      0x7f800000u, 0xff800000u,                            // infinities
+      0x00000001u, 0x807fffffu, 0x00400000u, 0x00008000u,  // subnormals
+      0x3f808000u, 0x3f818000u, 0xbf808000u, 0x3f807fffu,  // bf16 ties to even, and just below
+      0x7f7fffffu, 0xff7f8000u, 0x477ff000u, 0x477fefffu,  // largest finite: to bf16 / fp16 infinity and not
+      0x80000000u, 0x00000000u, 0x33000000u, 0x38800000u,  // signed zeros, fp16 subnormal edges
+  };
+  std::vector<float> input;
+  for (size_t repeat = 0; repeat < 17; ++repeat)
+    for (uint32_t bits : special) input.push_back(std::bit_cast<float>(bits));
+  const size_t n = input.size();
+  const DeviceKind kind = GetParam();
+  STRATA_ASSERT_OK_AND_ASSIGN(auto device, make_device(kind));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto stream, device->create_stream("cast"));
+  for (DType to : {DType::kBFloat16, DType::kFloat16}) {
+    for (size_t offset : {size_t{0}, size_t{1}, size_t{5}, size_t{15}}) {
+      const size_t count = n - offset;
+      STRATA_ASSERT_OK_AND_ASSIGN(auto src, device->allocate(n * 4, "cast src"));
+      STRATA_ASSERT_OK_AND_ASSIGN(auto mid, device->allocate(n * 2, "cast mid"));
+      STRATA_ASSERT_OK_AND_ASSIGN(auto back, device->allocate(n * 4, "cast back"));
+      std::vector<uint16_t> got16(count);
+      std::vector<uint32_t> got32(count);
+      STRATA_ASSERT_OK(device->copy_async(src.data(), input.data(), n * 4, CopyKind::kHostToDevice, *stream));
+      STRATA_ASSERT_OK(kernels::cast(*stream, src.as<float>() + offset, DType::kFloat32, mid.data(), to, count));
+      STRATA_ASSERT_OK(kernels::cast(*stream, mid.data(), to, back.data(), DType::kFloat32, count));
+      STRATA_ASSERT_OK(device->copy_async(got16.data(), mid.data(), count * 2, CopyKind::kDeviceToHost, *stream));
+      STRATA_ASSERT_OK(device->copy_async(got32.data(), back.data(), count * 4, CopyKind::kDeviceToHost, *stream));
+      STRATA_ASSERT_OK(stream->synchronize());
+      for (size_t i = 0; i < count; ++i) {
+        const float x = input[offset + i];
+        if (std::isnan(x) && kind == DeviceKind::kCuda) {  // CUDA's conversions give the canonical NaN, not the payload
+          const uint16_t magnitude = got16[i] & 0x7fffu;
+          EXPECT_GT(magnitude, to == DType::kBFloat16 ? 0x7f80u : 0x7c00u) << "a NaN stays a NaN";
+          continue;
+        }
+        const uint16_t want = to == DType::kBFloat16 ? float_to_bf16_bits(x) : float_to_fp16_bits(x);
+        ASSERT_EQ(got16[i], want) << device_kind_name(kind) << " " << dtype_name(to) << " offset " << offset << " input 0x" << std::hex
+                                  << std::bit_cast<uint32_t>(x);
+        const float want_back = to == DType::kBFloat16 ? bf16_bits_to_float(want) : fp16_bits_to_float(want);
+        ASSERT_EQ(got32[i], std::bit_cast<uint32_t>(want_back)) << dtype_name(to) << " back from 0x" << std::hex << want;
       }
     }
   }
