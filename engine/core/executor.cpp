@@ -193,7 +193,8 @@ class TbbExecutor final : public Executor {
     // chunk, taken by whichever thread is free (simple_partitioner), not one pre-assigned
     // half per thread (static_partitioner): the engine's stages share the cores, and with a
     // static split a call waited for its slower half while the caller's own thread sat
-    // idle (CPU Adam at 0.6 of its standalone rate beside the CPU device's copies).
+    // idle. The engine's CPU Adam beside the CPU device's copies went from 0.60-0.69 to
+    // 0.81-0.82 of its standalone rate (docs/benchmarks.md, 2026-12-02 AVX-512 section).
     arena_.execute([&] {
       oneapi::tbb::parallel_for(
           oneapi::tbb::blocked_range<size_t>(0, chunks, 1),
