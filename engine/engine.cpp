@@ -189,7 +189,6 @@ class EngineImpl final : public Engine {
   int64_t current_use_version() const { return forward_only_ ? step_index_ : uses_->step_version(step_index_); }
   StatusOr<GradientStats> reduce_statistics(const GradientStats& local);
   StatusOr<OptimizerJob> plan_update(int64_t t, const GradientStats& global);
-  std::vector<int> forward_order() const;
   Status finish_report(StepReport& report);
   // Waits until everything planned is carried out (landings, updates, fetches).
   Status drain();
@@ -255,7 +254,6 @@ class EngineImpl final : public Engine {
   StageHalt halt_;                      // the first error of any stage; shutdown
   double step_learning_rate_ = 0.0;     // the rate this step's early updates use
   int64_t step_applied_number_ = 1;     // the applied-step number this step's early updates use
-  std::vector<int> step_forward_position_;  // per group: its place in this step's forward order (early updates)
   int64_t steps_finished_ = 0;          // step() calls completed
   int64_t optimizer_jobs_queued_ = 0;
   int64_t optimizer_jobs_done_ = 0;
@@ -418,13 +416,12 @@ Status EngineImpl::create_param_fetcher() {
 Status EngineImpl::submit_early_update(int g, int64_t step) {
   double lr = 0.0;
   int64_t applied = 0;
-  OptimizerJob job;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     lr = step_learning_rate_;
     applied = step_applied_number_;
-    if (static_cast<size_t>(g) < step_forward_position_.size()) job.forward_position = step_forward_position_[static_cast<size_t>(g)];
   }
+  OptimizerJob job;
   kernels::AdamHyperparams hyper = options_.adam;
   hyper.lr = lr;
   GradientStats none;  // no clipping, no loss scale: the plan does not depend on the norm
@@ -561,11 +558,6 @@ Status EngineImpl::begin_step(double learning_rate) {
     std::lock_guard<std::mutex> lock(mutex_);
     step_learning_rate_ = learning_rate_;
     step_applied_number_ = applied_steps_ + 1;
-    if (early_update_) {
-      const std::vector<int> order = forward_order();
-      step_forward_position_.assign(order.size(), 0);
-      for (size_t i = 0; i < order.size(); ++i) step_forward_position_[static_cast<size_t>(order[i])] = static_cast<int>(i);
-    }
   }
   if (!window_open_) {
     step_window_begin_ = TraceClock::now();
@@ -673,19 +665,13 @@ StatusOr<OptimizerJob> EngineImpl::plan_update(int64_t t, const GradientStats& g
   no_decay.weight_decay = 0.0;
   STRATA_ASSIGN_OR_RETURN(job.no_decay_plan, plan_adam_step(no_decay, applied_steps_ + 1, global, plan_options));
   job.skip = job.decay_plan.skip;
-  job.order = forward_order();
-  return job;
-}
-
-// The first use of each group in the schedule, then any group not in it.
-std::vector<int> EngineImpl::forward_order() const {
-  std::vector<int> order;
+  // Forward order: the first use of each group in the schedule, then any group not in it.
   std::set<int> seen;
   for (int g : uses_->schedule())
-    if (seen.insert(g).second) order.push_back(g);
+    if (seen.insert(g).second) job.order.push_back(g);
   for (int g = 0; g < group_count(); ++g)
-    if (seen.insert(g).second) order.push_back(g);
-  return order;
+    if (seen.insert(g).second) job.order.push_back(g);
+  return job;
 }
 
 StatusOr<StepReport> EngineImpl::step(double loss) {

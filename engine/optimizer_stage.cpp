@@ -25,12 +25,6 @@ StatusOr<std::unique_ptr<OptimizerStage>> OptimizerStage::create(const Optimizer
   return stage;
 }
 
-void order_for_the_next_forward(std::vector<OptimizerJob>& jobs) {
-  std::stable_sort(jobs.begin(), jobs.end(), [](const OptimizerJob& a, const OptimizerJob& b) {
-    return a.step_index != b.step_index ? a.step_index < b.step_index : a.forward_position < b.forward_position;
-  });
-}
-
 OptimizerStage::~OptimizerStage() { stop(); }
 
 Status OptimizerStage::start() {
@@ -72,7 +66,6 @@ void OptimizerStage::loop() {
         batch.push_back(job);
       }
     }
-    order_for_the_next_forward(batch);
     Status status = run_jobs(batch);
     {
       std::lock_guard<std::mutex> lock(sync_.mutex);

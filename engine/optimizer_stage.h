@@ -34,17 +34,7 @@ struct OptimizerJob {
   AdamStepPlan decay_plan;           // for tensors with weight decay
   AdamStepPlan no_decay_plan;        // for tensors without
   std::vector<int> order;            // groups in the order to update
-  // Where the job's group comes in the next forward (a one-group early update): an NVMe
-  // pass steps the jobs it holds in this order, so the group the next forward needs first
-  // is not left behind groups that landed before it.
-  int forward_position = 0;
 };
-
-// The order in which a pass steps the jobs it holds: by step, and within a step in the next
-// forward's order. Early updates arrive in landing order (the last group first) and the
-// next forward waits for its first group's update; the sort is stable, so jobs of equal
-// position (whole-step jobs) keep their order.
-void order_for_the_next_forward(std::vector<OptimizerJob>& jobs);
 
 // What the stage works on; everything outlives the stage.
 struct OptimizerStageContext {
