@@ -310,7 +310,8 @@ Status NvmeStore::check_range(const Extent& extent, size_t bytes, size_t extent_
   }
   const bool reaches_end = extent_offset + bytes == extent.bytes;
   const size_t granule = transfer_granularity();
-  if (!is_aligned(extent_offset, granule) || (!reaches_end && !is_aligned(bytes, granule))) {
+  // A checksum block is a multiple of 4 KiB, not always a power of two: modulo, not a mask.
+  if (extent_offset % granule != 0 || (!reaches_end && bytes % granule != 0)) {
     return InvalidArgumentError(describe() + " must start on a multiple of " + std::to_string(granule) +
                                 " bytes and end on one or at the extent's end (" +
                                 (options_.checksums ? "the checksum block" : "the O_DIRECT alignment") + ")");

@@ -238,6 +238,30 @@ TEST(NvmeStoreTest, RangedTransfersFollowTheChecksumBlocks) {
   EXPECT_TRUE(contains(past_end.message(), "past the extent's end")) << past_end.to_string();
 }
 
+// A checksum block need only be a multiple of 4 KiB: 132 KiB blocks (not a power of two)
+// take ranges on their boundaries and refuse ranges that cut one.
+TEST(NvmeStoreTest, ChecksumBlocksThatAreNotAPowerOfTwoTakeRangesOnTheirBoundaries) {
+  testing::TempDir dir;
+  NvmeStoreOptions options = store_options(dir.str());
+  const size_t block = 132 * kKiB;
+  options.checksum_block_bytes = block;
+  OPEN_STORE_OR_SKIP(store, options);
+  const size_t bytes = 3 * block + 100;
+  STRATA_ASSERT_OK_AND_ASSIGN(NvmeExtent extent, store->allocate("odd blocks", bytes));
+  testing::AlignedMemory whole = aligned_memory(bytes + 4096);
+  fill_pattern(whole.get(), bytes, 5);
+  for (size_t at = 0; at < bytes; at += block)
+    STRATA_ASSERT_OK(store->write(extent, whole.get() + at, std::min(block, bytes - at), at, block + 4096));
+  testing::AlignedMemory back = aligned_memory(bytes + 4096);
+  STRATA_ASSERT_OK(store->read(extent, back.get() + block, 2 * block, block));
+  STRATA_ASSERT_OK(store->read(extent, back.get(), block, 0));
+  STRATA_ASSERT_OK(store->read(extent, back.get() + 3 * block, 100, 3 * block, 4096));
+  EXPECT_EQ(first_pattern_mismatch(back.get(), bytes, 5), -1);
+  const Status cut = store->read(extent, back.get(), 128 * kKiB, 0);
+  EXPECT_EQ(cut.code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(contains(cut.message(), "multiple of 135168")) << cut.to_string();
+}
+
 TEST(NvmeStoreTest, FilesAFinishedRunLeftAreReused) {
   testing::TempDir dir;
   NvmeStoreOptions options = store_options(dir.str() + "/scratch");
