@@ -58,7 +58,8 @@ TEST(ChecksumTest, MatchesReferenceXxhash64) {
   ASSERT_NE(reference, nullptr);
   std::vector<unsigned char> data(5000);
   fill_pattern(data.data(), data.size(), 1);
-  for (size_t bytes : {0, 1, 3, 4, 7, 8, 31, 32, 33, 63, 64, 100, 4095, 4096, 4097, 5000}) {
+  // Around the 32-byte stripe, the 96 bytes where the two-stripe prefetching loop starts, and pages.
+  for (size_t bytes : {0, 1, 3, 4, 7, 8, 31, 32, 33, 63, 64, 95, 96, 97, 100, 127, 128, 159, 160, 161, 4095, 4096, 4097, 5000}) {
     for (uint64_t seed : {0ULL, 42ULL}) {
       for (size_t shift : {0, 3}) {
         if (shift + bytes > data.size()) continue;
