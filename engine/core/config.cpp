@@ -566,19 +566,20 @@ constexpr const char* kPythonOnly = "applies to DeepSpeed's PyTorch integration 
 constexpr const char* kIoEngine = "Strata's I/O engine is set by strata.io_engine, aio.block_size and aio.queue_depth";
 constexpr const char* kQuantized = "Strata does not quantize weights or gradients";
 
-std::vector<KeySpec> build_schema() {
-  std::vector<KeySpec> s;
+// DeepSpeed: batch size, logging, clipping.
+void add_training_loop_keys(std::vector<KeySpec>& s) {
   auto add = [&s](KeySpec spec) { s.push_back(std::move(spec)); };
-
-  // --- DeepSpeed: batch size, logging, clipping -------------------------------------
   add(value_key("train_batch_size", FIELD(train_batch_size), optional_of(positive())));
   add(value_key("train_micro_batch_size_per_gpu", FIELD(train_micro_batch_size_per_gpu), optional_of(positive())));
   add(value_key("gradient_accumulation_steps", FIELD(gradient_accumulation_steps), optional_of(positive_int())));
   add(value_key("steps_per_print", FIELD(steps_per_print), non_negative_int()));
   add(value_key("wall_clock_breakdown", FIELD(wall_clock_breakdown), BoolCodec{}));
   add(value_key("gradient_clipping", FIELD(gradient_clipping), non_negative_number()));
+}
 
-  // --- DeepSpeed: zero_optimization ---------------------------------------------------
+// DeepSpeed: zero_optimization.
+void add_zero_optimization_keys(std::vector<KeySpec>& s) {
+  auto add = [&s](KeySpec spec) { s.push_back(std::move(spec)); };
   add(value_key("zero_optimization.stage", FIELD(zero.stage), SmallIntCodec{IntCodec{.min = 0, .max = 3}}));
   add(value_key("zero_optimization.offload_param.device", FIELD(zero.offload_param.device), placement_codec()));
   add(alias_key("zero_optimization.offload_param.nvme_path", "strata.nvme_path"));
@@ -637,8 +638,11 @@ std::vector<KeySpec> build_schema() {
   add(ignored_key("zero_optimization.mics_hierarchical_params_gather", kNotImplemented));
   add(ignored_key("zero_optimization.save_muon_momentum_buffer_in_memory", "Strata implements Adam and AdamW only"));
   add(ignored_key("zero_optimization.zenflow", kNotImplemented));
+}
 
-  // --- DeepSpeed: aio -------------------------------------------------------------------
+// DeepSpeed: aio.
+void add_aio_keys(std::vector<KeySpec>& s) {
+  auto add = [&s](KeySpec spec) { s.push_back(std::move(spec)); };
   add(value_key("aio.block_size", FIELD(aio.block_size), IntCodec{.min = 4096, .multiple_of = 4096}));
   add(value_key("aio.queue_depth", FIELD(aio.queue_depth), IntCodec{.min = 1, .max = 32768}));
   add(ignored_key("aio.thread_count", kIoEngine));
@@ -646,8 +650,11 @@ std::vector<KeySpec> build_schema() {
   add(ignored_key("aio.overlap_events", "Strata keeps up to aio.queue_depth requests in flight"));
   add(ignored_key("aio.use_gds", "Strata does not use GPUDirect Storage"));
   add(ignored_key("aio.intra_op_parallelism", kIoEngine));
+}
 
-  // --- DeepSpeed: precision -------------------------------------------------------------
+// DeepSpeed: precision.
+void add_precision_keys(std::vector<KeySpec>& s) {
+  auto add = [&s](KeySpec spec) { s.push_back(std::move(spec)); };
   add(value_key("bf16.enabled", FIELD(bf16.enabled), BoolCodec{}));
   add(alias_key("bfloat16.enabled", "bf16.enabled"));  // DeepSpeed's older name for the section
   for (const char* section : {"bf16", "bfloat16"}) {
@@ -663,8 +670,11 @@ std::vector<KeySpec> build_schema() {
   add(ignored_key("fp16.auto_cast", "Strata has no input auto-casting"));
   add(ignored_key("fp16.consecutive_hysteresis", "not configurable in Strata"));
   add(ignored_key("fp16.fp16_master_weights_and_grads", "Strata keeps fp32 master weights and gradients"));
+}
 
-  // --- DeepSpeed: optimizer -------------------------------------------------------------
+// DeepSpeed: optimizer.
+void add_optimizer_keys(std::vector<KeySpec>& s) {
+  auto add = [&s](KeySpec spec) { s.push_back(std::move(spec)); };
   add(value_key("optimizer.type", FIELD(optimizer.type),
                 EnumCodec<OptimizerType>{
                     .names = {{"Adam", OptimizerType::kAdam}, {"AdamW", OptimizerType::kAdamW}},
@@ -685,8 +695,11 @@ std::vector<KeySpec> build_schema() {
     add(ignored_key(std::string("optimizer.params.") + key, "a PyTorch implementation choice"));
   }
   add(ignored_key("optimizer.legacy_fusion", kPythonOnly));
+}
 
-  // --- DeepSpeed: scheduler -------------------------------------------------------------
+// DeepSpeed: scheduler.
+void add_scheduler_keys(std::vector<KeySpec>& s) {
+  auto add = [&s](KeySpec spec) { s.push_back(std::move(spec)); };
   add(value_key("scheduler.type", FIELD(scheduler.type),
                 EnumCodec<SchedulerType>{.names = {{"WarmupLR", SchedulerType::kWarmupLR},
                                                    {"WarmupDecayLR", SchedulerType::kWarmupDecayLR},
@@ -701,8 +714,11 @@ std::vector<KeySpec> build_schema() {
   add(value_key("scheduler.params.warmup_min_ratio", FIELD(scheduler.warmup_min_ratio), optional_of(DoubleCodec{.min = 0.0, .max = 1.0})));
   add(value_key("scheduler.params.cos_min_ratio", FIELD(scheduler.cos_min_ratio), optional_of(DoubleCodec{.min = 0.0, .max = 1.0})));
   add(ignored_key("scheduler.params.last_batch_iteration", "Strata resumes the schedule from the checkpoint's step"));
+}
 
-  // --- DeepSpeed: everything else Strata knows and does not act on ------------------------
+// DeepSpeed: everything else Strata knows and does not act on.
+void add_unused_deepspeed_keys(std::vector<KeySpec>& s) {
+  auto add = [&s](KeySpec spec) { s.push_back(std::move(spec)); };
   add(ignored_key("activation_checkpointing", "use strata.model.activation_checkpointing"));
   for (const char* key : {"flops_profiler", "tensorboard", "wandb", "comet", "csv_monitor", "comms_logger", "memory_breakdown", "dump_state", "timers"}) {
     add(ignored_key(key, kMonitoring));
@@ -731,8 +747,11 @@ std::vector<KeySpec> build_schema() {
   add(ignored_key("managed_gradient_accumulation", "Strata's step loop always manages accumulation"));
   add(ignored_key("disable_python_gc", kPythonOnly));
   add(ignored_key("log_level", "use the STRATA_LOG_LEVEL environment variable"));
+}
 
-  // --- Strata's own --------------------------------------------------------------------
+// Strata's own.
+void add_strata_keys(std::vector<KeySpec>& s) {
+  auto add = [&s](KeySpec spec) { s.push_back(std::move(spec)); };
   add(value_key("strata.device", FIELD(strata.device),
                 OptionalCodec<EnumCodec<DeviceKind>>{
                     .inner = {.names = {{"cpu", DeviceKind::kCpu}, {"cuda", DeviceKind::kCuda}}, .aliases = {{"gpu", DeviceKind::kCuda}}},
@@ -776,6 +795,18 @@ std::vector<KeySpec> build_schema() {
   add(value_key("strata.data.path", FIELD(strata.data.path), StringCodec{}));
   add(value_key("strata.data.eval_fraction", FIELD(strata.data.eval_fraction), DoubleCodec{.min = 0.0, .max = 1.0, .max_exclusive = true}));
   add(value_key("strata.data.seq_len", FIELD(strata.data.seq_len), non_negative()));
+}
+
+std::vector<KeySpec> build_schema() {
+  std::vector<KeySpec> s;
+  add_training_loop_keys(s);
+  add_zero_optimization_keys(s);
+  add_aio_keys(s);
+  add_precision_keys(s);
+  add_optimizer_keys(s);
+  add_scheduler_keys(s);
+  add_unused_deepspeed_keys(s);
+  add_strata_keys(s);
   return s;
 }
 
