@@ -122,14 +122,10 @@ void copy_bytes(std::byte* dst, const std::byte* src, size_t bytes) {
 // One collective on one rank, run in stream order on the rank's stream worker.
 // ---------------------------------------------------------------------------
 
-Status run_collective(GroupState& group, int rank, uint64_t sequence, const Arrival& mine, Executor* executor) {
-  const int world = group.world_size;
-  const std::string what = op_text(mine, sequence);
-  std::unique_lock<std::mutex> lock(group.mutex);
-  if (!group.aborted.ok()) return aborted_error(group.aborted, what, rank);
-
-  Slot& slot = group.slots.try_emplace(sequence, world).first->second;
-  for (int other = 0; other < world; ++other) {
+// Records this rank's arrival at `slot` (lock held), after checking that the ranks already
+// there issued the same collective.
+Status record_arrival(GroupState& group, Slot& slot, int rank, uint64_t sequence, const Arrival& mine) {
+  for (int other = 0; other < group.world_size; ++other) {
     const std::optional<Arrival>& theirs = slot.arrivals[static_cast<size_t>(other)];
     if (theirs && !same_collective(*theirs, mine)) {
       Status mismatch = FailedPreconditionError(
@@ -143,8 +139,15 @@ Status run_collective(GroupState& group, int rank, uint64_t sequence, const Arri
   slot.arrivals[static_cast<size_t>(rank)] = mine;
   ++slot.arrived;
   group.changed.notify_all();
+  return Status::Ok();
+}
 
-  // Wait for the others, as long as they can still come.
+// Waits (lock held) for the other ranks to arrive at `slot`, as long as they can still
+// come: not when the group is aborted, another rank's task sits behind this one on the
+// same stream, a missing rank's communicator is gone, or the timeout passes.
+Status wait_for_arrivals(GroupState& group, Slot& slot, int rank, uint64_t sequence, const Arrival& mine, const std::string& what,
+                         std::unique_lock<std::mutex>& lock) {
+  const int world = group.world_size;
   const auto deadline = std::chrono::steady_clock::now() + group.timeout;
   const auto gone_missing_rank = [&]() -> int {
     for (int other = 0; other < world; ++other)
@@ -187,19 +190,24 @@ Status run_collective(GroupState& group, int rank, uint64_t sequence, const Arri
       return timeout;
     }
   }
+  return Status::Ok();
+}
 
-  // Everyone is here, so every rank is now only moving data: the waits below depend on
-  // nothing but that, and neither abort nor timeout may end them early — a rank that
-  // left now could reuse a buffer another rank is still reading.
+// Counts this rank in at `counter` and waits (lock held) until every rank has. Once all
+// have arrived every rank is only moving data, so neither abort nor timeout may end this
+// wait early: a rank that left now could reuse a buffer another rank is still reading.
+void wait_for_all(GroupState& group, Slot& slot, int Slot::*counter, std::unique_lock<std::mutex>& lock) {
+  ++(slot.*counter);
+  group.changed.notify_all();
+  group.changed.wait(lock, [&] { return slot.*counter == group.world_size; });
+}
+
+// Moves this rank's data once every rank has arrived (lock not held; the all-reduce takes
+// it for the barrier between its reduce and its copies).
+void move_data(GroupState& group, Slot& slot, int rank, const Arrival& mine, Executor* executor, std::unique_lock<std::mutex>& lock) {
+  const int world = group.world_size;
   std::vector<const Arrival*> all(static_cast<size_t>(world));
   for (int other = 0; other < world; ++other) all[static_cast<size_t>(other)] = &*slot.arrivals[static_cast<size_t>(other)];
-  const auto wait_for_all = [&](int Slot::*counter) {
-    ++(slot.*counter);
-    group.changed.notify_all();
-    group.changed.wait(lock, [&] { return slot.*counter == world; });
-  };
-  lock.unlock();
-
   const size_t element = dtype_size(mine.dtype);
   switch (mine.kind) {
     case CollectiveKind::kBarrier: break;
@@ -230,7 +238,7 @@ Status run_collective(GroupState& group, int rank, uint64_t sequence, const Arri
       reduce_in_rank_order(inputs, end - begin, mine.dtype, mine.wire, mine.op, mine.dtype, mine.recv + begin * element,
                            executor);
       lock.lock();
-      wait_for_all(&Slot::reduced);
+      wait_for_all(group, slot, &Slot::reduced, lock);
       lock.unlock();
       for (int other = 0; other < world; ++other) {
         if (other == rank) continue;
@@ -241,10 +249,20 @@ Status run_collective(GroupState& group, int rank, uint64_t sequence, const Arri
       break;
     }
   }
+}
 
+Status run_collective(GroupState& group, int rank, uint64_t sequence, const Arrival& mine, Executor* executor) {
+  const std::string what = op_text(mine, sequence);
+  std::unique_lock<std::mutex> lock(group.mutex);
+  if (!group.aborted.ok()) return aborted_error(group.aborted, what, rank);
+  Slot& slot = group.slots.try_emplace(sequence, group.world_size).first->second;
+  STRATA_RETURN_IF_ERROR(record_arrival(group, slot, rank, sequence, mine));
+  STRATA_RETURN_IF_ERROR(wait_for_arrivals(group, slot, rank, sequence, mine, what, lock));
+  lock.unlock();
+  move_data(group, slot, rank, mine, executor, lock);
   lock.lock();
-  wait_for_all(&Slot::finished);
-  if (++slot.left == world) group.slots.erase(sequence);
+  wait_for_all(group, slot, &Slot::finished, lock);
+  if (++slot.left == group.world_size) group.slots.erase(sequence);
   return Status::Ok();
 }
 
