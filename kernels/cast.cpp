@@ -22,8 +22,9 @@ template <DType Src, DType Dst>
 
 // The bf16 pairs, which carry every gradient and parameter transfer, as span functions
 // compiled per ISA (STRATA_SIMD_SPAN): their loops are branch-free and vectorize. Baseline
-// x86-64 gets SSE2 only, half of AVX2's width and a quarter of AVX-512's, and the gradient
-// cast ran at a third of the copy bandwidth there.
+// x86-64 gets SSE2 only, half of AVX2's width and a quarter of AVX-512's: fp32 -> bf16 moved
+// 4.4 GB/s there on one thread of an AVX-512 machine whose memcpy moves 25, and 9 with the
+// AVX-512 clone (64 M elements, out of cache; 4 G elements/s at 4 M, in cache).
 STRATA_SIMD_SPAN void fp32_to_bf16_span(const void* src, void* dst, size_t begin, size_t end) {
   cast_typed<DType::kFloat32, DType::kBFloat16>(src, dst, begin, end);
 }
