@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <mutex>
 #include <numeric>
@@ -171,6 +172,14 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
   STRATA_ASSIGN_OR_RETURN(o.clip_grad_norm, args.get_double("clip-grad-norm", 0.0));
   if (!(o.clip_grad_norm >= 0.0)) return InvalidArgumentError("--clip-grad-norm takes a norm >= 0 (0 = off)");
   o.trace_path = args.get("trace", "");
+  if (!o.trace_path.empty()) {
+    // Checked now: the engine writes the trace after the last step, and a run should not be
+    // lost to a mistyped folder.
+    const std::filesystem::path folder = std::filesystem::absolute(o.trace_path).parent_path();
+    std::error_code error;
+    if (!std::filesystem::is_directory(folder, error))
+      return InvalidArgumentError("--trace " + o.trace_path + ": the folder " + folder.string() + " does not exist");
+  }
   o.nvme_path = args.get("nvme-path", "");
   if ((o.params == Tier::kNvme || o.optimizer == Tier::kNvme) && o.nvme_path.empty())
     return InvalidArgumentError("--offload-param/--offload-optimizer nvme needs --nvme-path");
