@@ -30,9 +30,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <functional>
 #include <mutex>
-#include <numeric>
 #include <optional>
 #include <string>
 #include <vector>
@@ -194,6 +192,7 @@ struct TrainingRun {
   size_t pinned_bytes = 0;
   size_t host_bytes = 0;
   std::string plan_text;
+  size_t shard_elements = 0;        // rank 0's shard of every group: what its optimizer steps
 };
 
 StatusOr<TrainingRun> train(const StepBenchOptions& o, LocalCluster& cluster) {
@@ -237,19 +236,11 @@ StatusOr<TrainingRun> train(const StepBenchOptions& o, LocalCluster& cluster) {
       run.pinned_bytes = plan.pinned_bytes;
       run.host_bytes = plan.host_bytes;
       run.plan_text = plan.text;
+      for (int g = 0; g < engine->group_count(); ++g) run.shard_elements += engine->layout(g).shard_numel;
     }
     return {};
   }));
   return run;
-}
-
-// Every parameter of the model (all ranks).
-int64_t model_parameter_count(const models::LinearStackConfig& config) {
-  int64_t count = 0;
-  for (const GroupSpec& group : models::linear_stack_groups(config))
-    for (const TensorSpec& tensor : group.tensors)
-      count += std::accumulate(tensor.shape.begin(), tensor.shape.end(), int64_t{1}, std::multiplies<int64_t>());
-  return count;
 }
 
 // The work of one step for the model-TFLOPS figures.
@@ -388,11 +379,10 @@ int run_step(int argc, char** argv) {
   out["matmul_precision"] = std::string(matmul_precision_name(precision));
   if (work.peak_flops) out["peak_tflops"] = *work.peak_flops / 1e12;  // all ranks' GPUs
   out["clip_grad_norm"] = o.clip_grad_norm;
-  // The optimizer stage's rate over its busy time: this rank's shard of every parameter
-  // per second of Adam, to set beside `strata-bench adam` at the same count.
+  // The optimizer stage's rate over its busy time: rank 0's shard elements per second of
+  // Adam, to set beside `strata-bench adam` at the same count.
   const double optimizer_busy = r.busy[static_cast<size_t>(Stage::kOptimizer)];
-  const double shard_params = static_cast<double>(model_parameter_count(o.model)) / o.world;
-  out["optimizer_params_per_s"] = optimizer_busy > 0 ? shard_params / optimizer_busy : 0.0;
+  out["optimizer_params_per_s"] = optimizer_busy > 0 ? static_cast<double>(run->shard_elements) / optimizer_busy : 0.0;
   if (*store) {
     out["store_read_gbps"] = (*store)->read_gbps;
     out["store_write_gbps"] = (*store)->write_gbps;
