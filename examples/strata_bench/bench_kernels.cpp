@@ -13,7 +13,8 @@
 // Work counted: a GEMM 2 m n k FLOPs forward, 4 m n k backward (dx and dweight);
 // causal attention the unmasked half of its products, 2 T^2 head_dim heads forward
 // and 2.5 times that backward (FlashAttention's convention, so figures compare with
-// its papers); memory-bound ops the bytes they must read and write once.
+// its papers); memory-bound ops the bytes they must read and write once. Adam and the
+// gradient cast (fp32 to the transfer dtype) run over 12 C^2 elements, one layer's weights.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -33,6 +34,7 @@
 #include "examples/strata_bench/bench.h"
 #include "kernels/adam.h"
 #include "kernels/blas_context.h"
+#include "kernels/cast.h"
 #include "kernels/llama_ops.h"
 #include "kernels/transformer_ops.h"
 
@@ -382,6 +384,18 @@ Status bench_adam(Bench& b, const ModelShape& m) {
                    [&] { return kernels::adam_step(b.stream(), buffers, scalars); });
 }
 
+// The cast every gradient takes before its transfer (fp32 -> the transfer dtype), over the
+// gradient count of bench_adam; bf16 transfers unless the bench runs in fp32.
+Status bench_gradient_cast(Bench& b, const ModelShape& m) {
+  const size_t count = 12 * m.channels * m.channels;
+  const DType to = b.dtype() == DType::kFloat32 ? DType::kBFloat16 : b.dtype();
+  STRATA_ASSIGN_OR_RETURN(DeviceBuffer grad, b.filled(count, DType::kFloat32));
+  STRATA_ASSIGN_OR_RETURN(DeviceBuffer wire, b.zeros(count * dtype_size(to)));
+  const double bytes = double(count) * double(4 + dtype_size(to));
+  return b.measure(m, "grad cast to " + std::string(dtype_name(to)), std::to_string(count) + " elements",
+                   Work::kBytes, bytes, [&] { return kernels::cast(b.stream(), grad.data(), DType::kFloat32, wire.data(), to, count); });
+}
+
 Status bench_model(Bench& b, const ModelShape& m) {
   if (m.family != ModelShape::Family::kAttentionOnly) {
     const bool gpt2 = m.family == ModelShape::Family::kGpt2;
@@ -398,6 +412,7 @@ Status bench_model(Bench& b, const ModelShape& m) {
   STRATA_RETURN_IF_ERROR(bench_activation(b, m));
   if (m.family == ModelShape::Family::kLlama) STRATA_RETURN_IF_ERROR(bench_rope(b, m));
   STRATA_RETURN_IF_ERROR(bench_cross_entropy(b, m));
+  STRATA_RETURN_IF_ERROR(bench_gradient_cast(b, m));
   return bench_adam(b, m);
 }
 
