@@ -37,11 +37,17 @@ template <DType Src>
 void cast_from(const void* src, void* dst, DType dst_type, size_t begin, size_t end) {
   switch (dst_type) {
     case DType::kFloat32:
-      if constexpr (Src == DType::kBFloat16) return bf16_to_fp32_span(src, dst, begin, end);
-      return cast_typed<Src, DType::kFloat32>(src, dst, begin, end);
+      if constexpr (Src == DType::kBFloat16) {
+        return bf16_to_fp32_span(src, dst, begin, end);
+      } else {
+        return cast_typed<Src, DType::kFloat32>(src, dst, begin, end);
+      }
     case DType::kBFloat16:
-      if constexpr (Src == DType::kFloat32) return fp32_to_bf16_span(src, dst, begin, end);
-      return cast_typed<Src, DType::kBFloat16>(src, dst, begin, end);
+      if constexpr (Src == DType::kFloat32) {
+        return fp32_to_bf16_span(src, dst, begin, end);
+      } else {
+        return cast_typed<Src, DType::kBFloat16>(src, dst, begin, end);
+      }
     case DType::kFloat16: return cast_typed<Src, DType::kFloat16>(src, dst, begin, end);
   }
 }
