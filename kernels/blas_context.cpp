@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "kernels/blas_context_impl.h"
+#include "kernels/transformer_ops_cpu.h"
 
 #if defined(STRATA_HAVE_CUDA)
 #include <cuda_runtime_api.h>
@@ -65,6 +66,8 @@ StatusOr<BlasContext> BlasContext::create(Device& device, const BlasOptions& opt
 #else
     return UnimplementedError("BlasContext: " + device.description() + " is a CUDA device in a build without CUDA");
 #endif
+  } else {
+    cpu::keep_blas_single_threaded();
   }
   return BlasContext(std::move(impl));
 }

@@ -10,10 +10,11 @@
 //
 // On a CpuDevice it holds nothing: matrix products are split into fixed tiles of 64
 // rows (or columns) of the result, run in parallel on the device executor, one
-// single-threaded CPU BLAS call (OpenBLAS's cblas_sgemm) each. The first CPU matrix
-// product therefore sets OpenBLAS's own thread count to 1, process-wide: OpenBLAS
-// threads inside executor threads oversubscribe the cores and serialize on OpenBLAS's
-// level-3 lock. Measured on the 2-core dev box while other builds ran, backward of a
+// single-threaded CPU BLAS call (OpenBLAS's cblas_sgemm) each. Creating the context
+// (or the first CPU matrix product) therefore makes the BLAS single-threaded,
+// process-wide, and stops OpenBLAS's idle pool (cpu::keep_blas_single_threaded):
+// OpenBLAS threads inside executor threads oversubscribe the cores and serialize on
+// OpenBLAS's level-3 lock. Measured on the 2-core dev box while other builds ran, backward of a
 // [256 x 128] . [128 x 512] product: 24 ms as one call with OpenBLAS's 2 threads beside
 // a 2-thread executor, 1.1 ms as one single-threaded call, 0.57 ms in executor tiles.
 //

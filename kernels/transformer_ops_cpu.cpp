@@ -17,6 +17,7 @@
 
 #if __has_include(<cblas.h>)
 #include <cblas.h>
+#include <dlfcn.h>
 #define STRATA_KERNELS_HAVE_CBLAS 1
 #endif
 
@@ -75,20 +76,6 @@ void gemm_tile(bool trans_a, bool trans_b, size_t m, size_t n, size_t k, float a
 // count, so results do not depend on how many threads the executor has.
 constexpr size_t kGemmTile = 64;
 
-// The BLAS must not start threads of its own inside the executor's: OpenBLAS's pool
-// spins and takes a global lock around threaded level-3 calls, so tiles would
-// serialize and oversubscribe the cores. Set once per process (OpenBLAS's setting is
-// process-wide; nothing else in Strata uses the BLAS).
-void keep_blas_single_threaded() {
-#if defined(OPENBLAS_VERSION)
-  static const bool once = [] {
-    openblas_set_num_threads(1);
-    return true;
-  }();
-  (void)once;
-#endif
-}
-
 // Row-major GEMM as above, split into tiles of kGemmTile rows of C (or columns, when C
 // has more columns than rows) run in parallel on the executor, one single-threaded BLAS
 // call each.
@@ -127,6 +114,25 @@ bool has_blas() {
   return true;
 #else
   return false;
+#endif
+}
+
+// OpenBLAS's pool threads, started when the library loads, stay alive after
+// openblas_set_num_threads(1) and spin in sched_yield for good (0.3.21: ~270k calls a
+// second), so the pool is stopped too. Its shutdown entry point is OpenBLAS's own (it
+// runs it at fork); it is looked up at run time because other BLAS builds lack it, and
+// a serial OpenBLAS has no pool. With one thread set, OpenBLAS starts no new pool.
+void keep_blas_single_threaded() {
+#if defined(OPENBLAS_VERSION)
+  static const bool once = [] {
+    openblas_set_num_threads(1);
+    if (openblas_get_parallel() == OPENBLAS_THREAD) {
+      using Shutdown = int (*)();
+      if (auto shutdown = reinterpret_cast<Shutdown>(dlsym(RTLD_DEFAULT, "blas_thread_shutdown_"))) shutdown();
+    }
+    return true;
+  }();
+  (void)once;
 #endif
 }
 

@@ -64,4 +64,14 @@ Status cross_entropy_fused(Executor& executor, const CrossEntropyShape& shape, c
 // back to the plain loops (no cblas.h at build time).
 bool has_blas();
 
+// Makes the CPU BLAS single-threaded for the whole process, once: the matrix products
+// run one single-threaded BLAS call per tile on the executor's threads, and BLAS
+// threads inside those oversubscribe the cores and serialize on OpenBLAS's level-3
+// lock. With OpenBLAS's threaded build it also stops the pool OpenBLAS started at load,
+// whose idle threads otherwise spin in sched_yield and take CPU from CPU Adam, the
+// gradient landing and the I/O threads. BlasContext::create on a CPU device and every
+// CPU matrix product call it; a program may call it first thing, so the pool does not
+// spin through its set-up either. Idempotent and thread-safe; a no-op without OpenBLAS.
+void keep_blas_single_threaded();
+
 }  // namespace strata::kernels::cpu

@@ -4,6 +4,7 @@
 
 #include "engine/version.h"
 #include "examples/strata_bench/bench.h"
+#include "kernels/transformer_ops_cpu.h"
 
 namespace {
 
@@ -31,6 +32,9 @@ void print_usage() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before anything is measured: OpenBLAS's idle pool would otherwise spin on a core
+  // through every subcommand, including those that never multiply (nvme, adam).
+  strata::kernels::cpu::keep_blas_single_threaded();
   if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
     print_usage();
     return argc < 2 ? 2 : 0;
