@@ -15,6 +15,7 @@ Reserves huge pages in /proc/sys/vm/nr_hugepages for the run and restores the ol
 value afterwards (root needed).
 """
 import argparse
+import glob
 import json
 import os
 import platform
@@ -26,7 +27,17 @@ import time
 HUGE_PAGES_PATH = "/proc/sys/vm/nr_hugepages"
 
 
+def remove_store_files(path):
+    # The store reuses a data file a finished run left in the directory, so without this
+    # every run after the first would rewrite written blocks, while fio writes a new file
+    # (see run_fio): ext4 converts fallocated extents on a file's first write, and a
+    # rewrite skips that. Both sides write a new file every time.
+    for name in glob.glob(os.path.join(path, "strata-rank*.swap")) + glob.glob(os.path.join(path, "strata-rank*.lock")):
+        os.remove(name)
+
+
 def run_strata(bench, path, size_mib, block_kib, depth, checksums, ring=False):
+    remove_store_files(path)
     command = [bench, "nvme", "--nvme-path", path, "--size-mib", str(size_mib), "--block-kib", str(block_kib),
                "--queue-depth", str(depth), "--json"]
     if not checksums:
@@ -39,7 +50,7 @@ def run_strata(bench, path, size_mib, block_kib, depth, checksums, ring=False):
 
 
 def run_fio(path, size_mib, block_kib, depth, rw):
-    # Each write goes to a new file, as each strata-bench run writes a new store file: ext4
+    # Each write goes to a new file, as each strata-bench run does (remove_store_files): ext4
     # converts fallocated (unwritten) extents on a file's first write, which costs ~40% of
     # the bandwidth here, so a rewrite of the file a previous round left would not compare.
     if rw == "write":
@@ -119,6 +130,7 @@ def main():
             os.remove(os.path.join(args.nvme_path, "fio-compare.dat"))
         except FileNotFoundError:
             pass
+        remove_store_files(args.nvme_path)
 
     median = lambda key: statistics.median(results[key])
     print(f"date {time.strftime('%Y-%m-%d')}, CPU {cpu_name()} ({os.cpu_count()} cores), {args.rounds} rounds, medians, "
