@@ -38,6 +38,7 @@
 #include "examples/gpt/token_data.h"
 #include "examples/llama/llama_architecture.h"
 #include "examples/hf/hf_export.h"
+#include "kernels/transformer_ops_cpu.h"
 
 namespace {
 
@@ -288,6 +289,9 @@ StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // First thing: OpenBLAS's idle pool would otherwise spin on a core through the set-up
+  // (the token file's scan, the checkpoint's load) until the first BlasContext stops it.
+  strata::kernels::cpu::keep_blas_single_threaded();
   // Messages carry the name the program was started under (strata-train or train_gpt).
   const std::string program = argc > 0 ? std::filesystem::path(argv[0]).filename().string() : std::string("strata-train");
   const std::vector<std::string> arguments(argv + 1, argv + argc);
