@@ -118,8 +118,9 @@ bool has_blas() {
 }
 
 // OpenBLAS's pool threads, started when the library loads, stay alive after
-// openblas_set_num_threads(1) and spin in sched_yield for good (0.3.21: ~270k calls a
-// second), so the pool is stopped too. Its shutdown entry point is OpenBLAS's own (it
+// openblas_set_num_threads(1), and with Debian's 0.3.21 on the 2-core dev VMs their idle
+// loop never went to sleep: ~270k sched_yield calls a second for as long as the process
+// ran (docs/benchmarks.md). So the pool is stopped too. Its shutdown entry point is OpenBLAS's own (it
 // runs it at fork); it is looked up at run time because other BLAS builds lack it, and
 // a serial OpenBLAS has no pool. With one thread set, OpenBLAS starts no new pool.
 void keep_blas_single_threaded() {
