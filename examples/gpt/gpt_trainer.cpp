@@ -12,6 +12,7 @@
 #include <iomanip>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -575,496 +576,710 @@ StatusOr<std::string> node_summary_text(const std::vector<std::string>& gathered
   return text;
 }
 
-}  // namespace
+// ------------------------------------------------------------------------------ one run
 
-StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
+// The run's shape, from the config: what every rank agrees on before anything is opened.
+struct RunShape {
+  int world = 1;
+  int accumulation = 1;  // micro-batches per step
+  int64_t micro = 1;     // sequences per micro-batch and rank
+  int64_t seq_len = 0;
+  int64_t total_steps = 0;
+  DeviceKind device_kind = DeviceKind::kCpu;
+  int64_t global_tokens_per_step = 0;
+};
+
+StatusOr<RunShape> run_shape(const TrainerOptions& options) {
   const StrataConfig& config = options.config;
-  const int world = static_cast<int>(config.strata.world_size);
-  const int accumulation = static_cast<int>(config.gradient_accumulation_steps.value_or(1));
-  const int64_t micro = config.train_micro_batch_size_per_gpu.value_or(1);
   if (options.model == nullptr) return InvalidArgumentError("the trainer was given no model architecture");
   const lm::Architecture& model = *options.model;
-  const int64_t seq_len = config.strata.data.seq_len > 0 ? config.strata.data.seq_len : model.context_length();
-  const int64_t total_steps = options.eval_only ? 0 : config.strata.steps;
-  const DeviceKind device_kind = resolve_device(config);
-  if (seq_len > model.context_length())
-    return InvalidArgumentError("strata.data.seq_len (" + std::to_string(seq_len) + ") is longer than the model's context (" +
+  RunShape shape;
+  shape.world = static_cast<int>(config.strata.world_size);
+  shape.accumulation = static_cast<int>(config.gradient_accumulation_steps.value_or(1));
+  shape.micro = config.train_micro_batch_size_per_gpu.value_or(1);
+  shape.seq_len = config.strata.data.seq_len > 0 ? config.strata.data.seq_len : model.context_length();
+  shape.total_steps = options.eval_only ? 0 : config.strata.steps;
+  shape.device_kind = resolve_device(config);
+  if (shape.seq_len > model.context_length())
+    return InvalidArgumentError("strata.data.seq_len (" + std::to_string(shape.seq_len) + ") is longer than the model's context (" +
                                 std::to_string(model.context_length()) + ")");
+  shape.global_tokens_per_step = shape.micro * shape.world * shape.seq_len * shape.accumulation;
+  return shape;
+}
 
-  // Data.
-  SyntheticLanguageOptions synthetic = options.synthetic;
-  synthetic.vocab_size = model.vocab_size();
-  STRATA_ASSIGN_OR_RETURN(std::shared_ptr<const TokenDataset> dataset, TokenDataset::open(config.strata.data, synthetic));
-  if (dataset->vocab_size() > model.vocab_size())
-    return InvalidArgumentError("the data's vocabulary (" + std::to_string(dataset->vocab_size()) + " tokens, " + dataset->describe() +
-                                ") is larger than the model's vocab_size (" + std::to_string(model.vocab_size()) + ")");
+// The data and the starting weights, opened once and shared by the ranks.
+struct RunSources {
+  std::shared_ptr<const TokenDataset> dataset;
+  int64_t eval_sequences = 0;                      // the evaluation batch of all ranks together (0 = none)
+  std::unique_ptr<CheckpointReader> resume;        // --resume: the newest complete checkpoint
+  nlohmann::json trainer_state;                    // ... and the trainer state saved with it
+  std::unique_ptr<lm::WeightSource> init_weights;  // --init-from, when not resuming
+  int64_t start_step() const { return resume ? trainer_state.at("step").get<int64_t>() : 0; }
+};
+
+// The evaluation batch over all ranks: --eval-sequences rounded up to a multiple of the
+// world size, none where the data has no evaluation split.
+int64_t evaluation_sequences(const TrainerOptions& options, const RunShape& shape) {
+  const StrataConfig& config = options.config;
   int64_t eval_sequences = options.eval_only ? 0 : options.eval_sequences;
-  if (options.eval_only) STRATA_RETURN_IF_ERROR(check_eval_windows(*dataset, options.eval_sequences, seq_len));
-  if (eval_sequences > 0 && eval_sequences % world != 0) eval_sequences = (eval_sequences + world - 1) / world * world;
+  if (eval_sequences > 0 && eval_sequences % shape.world != 0) eval_sequences = (eval_sequences + shape.world - 1) / shape.world * shape.world;
   if (eval_sequences > 0 && config.strata.data.kind != DataKind::kSynthetic && config.strata.data.eval_fraction <= 0.0) {
     STRATA_LOG(kWarn) << "no evaluation: strata.data.eval_fraction is 0 for " << config.strata.data.path;
     eval_sequences = 0;
   }
-
+  const lm::Architecture& model = *options.model;
   if (eval_sequences > 0 && options.eval_every > 0 && !model.evaluates_while_training())
     STRATA_LOG(kInfo) << "the " << model.family() << " model evaluates in forward-only passes: the evaluation batch is measured after the last "
                       << "step (--eval-every " << options.eval_every << " does not apply)";
+  return eval_sequences;
+}
 
-  // Resume and fine-tuning sources, opened once and shared by the ranks.
-  std::unique_ptr<CheckpointReader> resume;
-  nlohmann::json trainer_state;
-  if (!options.resume_dir.empty()) {
-    STRATA_ASSIGN_OR_RETURN(CheckpointRef latest, latest_complete(options.resume_dir));
-    STRATA_ASSIGN_OR_RETURN(resume, CheckpointReader::open(latest.path));
-    trainer_state = nlohmann::json::parse(resume->trainer_state(), nullptr, /*allow_exceptions=*/false);
-    if (trainer_state.is_discarded() || !trainer_state.is_object() || !trainer_state.contains("step") ||
-        !trainer_state["step"].is_number_integer() || trainer_state["step"].get<int64_t>() < 0)
-      return DataLossError("the trainer state of " + latest.path + " is not the JSON object train_gpt writes");
-    const std::string saved_model = trainer_state.value("model", nlohmann::json::object()).dump();
-    if (saved_model != model.model_json())
-      return InvalidArgumentError("checkpoint " + latest.path + " holds a model " + saved_model + " but this run's model is " +
-                                  model.model_json());
-    STRATA_LOG(kInfo) << "resuming from " << latest.path << " (step " << latest.step << ", saved with " << resume->world_size() << " ranks)";
-  }
-  std::unique_ptr<lm::WeightSource> init_weights;
-  if (!options.init_from.empty() && !resume) {
-    STRATA_ASSIGN_OR_RETURN(init_weights, model.open_weights(options.init_from));
-  }
+// --resume: the newest complete checkpoint under `directory`, and its trainer state, which
+// must be train_gpt's and hold the same model.
+Status open_resume(const std::string& directory, const lm::Architecture& model, RunSources& sources) {
+  STRATA_ASSIGN_OR_RETURN(CheckpointRef latest, latest_complete(directory));
+  STRATA_ASSIGN_OR_RETURN(sources.resume, CheckpointReader::open(latest.path));
+  nlohmann::json& state = sources.trainer_state;
+  state = nlohmann::json::parse(sources.resume->trainer_state(), nullptr, /*allow_exceptions=*/false);
+  if (state.is_discarded() || !state.is_object() || !state.contains("step") || !state["step"].is_number_integer() ||
+      state["step"].get<int64_t>() < 0)
+    return DataLossError("the trainer state of " + latest.path + " is not the JSON object train_gpt writes");
+  const std::string saved_model = state.value("model", nlohmann::json::object()).dump();
+  if (saved_model != model.model_json())
+    return InvalidArgumentError("checkpoint " + latest.path + " holds a model " + saved_model + " but this run's model is " + model.model_json());
+  STRATA_LOG(kInfo) << "resuming from " << latest.path << " (step " << latest.step << ", saved with " << sources.resume->world_size() << " ranks)";
+  return {};
+}
 
-  // Ranks.
+StatusOr<RunSources> open_sources(const TrainerOptions& options, const RunShape& shape) {
+  const lm::Architecture& model = *options.model;
+  RunSources sources;
+  SyntheticLanguageOptions synthetic = options.synthetic;
+  synthetic.vocab_size = model.vocab_size();
+  STRATA_ASSIGN_OR_RETURN(sources.dataset, TokenDataset::open(options.config.strata.data, synthetic));
+  if (sources.dataset->vocab_size() > model.vocab_size())
+    return InvalidArgumentError("the data's vocabulary (" + std::to_string(sources.dataset->vocab_size()) + " tokens, " +
+                                sources.dataset->describe() + ") is larger than the model's vocab_size (" +
+                                std::to_string(model.vocab_size()) + ")");
+  if (options.eval_only) STRATA_RETURN_IF_ERROR(check_eval_windows(*sources.dataset, options.eval_sequences, shape.seq_len));
+  sources.eval_sequences = evaluation_sequences(options, shape);
+  if (!options.resume_dir.empty()) STRATA_RETURN_IF_ERROR(open_resume(options.resume_dir, model, sources));
+  if (!options.init_from.empty() && !sources.resume) {
+    STRATA_ASSIGN_OR_RETURN(sources.init_weights, model.open_weights(options.init_from));
+  }
+  return sources;
+}
+
+StatusOr<std::unique_ptr<LocalCluster>> make_cluster(const TrainerOptions& options, const RunShape& shape) {
+  const StrataConfig& config = options.config;
   LocalClusterOptions cluster_options;
-  cluster_options.world_size = world;
-  cluster_options.device = device_kind;
+  cluster_options.world_size = shape.world;
+  cluster_options.device = shape.device_kind;
   cluster_options.device_budget_bytes = config.strata.device_budget_mib > 0 ? static_cast<size_t>(config.strata.device_budget_mib) * kMiB
-                                        : device_kind == DeviceKind::kCpu ? size_t{1} << 30
-                                                                          : 0;
+                                        : shape.device_kind == DeviceKind::kCpu ? size_t{1} << 30
+                                                                                : 0;
   cluster_options.compute_threads = static_cast<int>(config.strata.compute_threads);
   cluster_options.matmul_precision = config.strata.matmul_precision;
   cluster_options.process_group = options.process_group;
   if (options.process_group) {
-    if (options.process_group->world_size != world)
-      return InvalidArgumentError("strata.world_size (--world-size) is " + std::to_string(world) + " but the launcher's WORLD_SIZE is " +
+    if (options.process_group->world_size != shape.world)
+      return InvalidArgumentError("strata.world_size (--world-size) is " + std::to_string(shape.world) + " but the launcher's WORLD_SIZE is " +
                                   std::to_string(options.process_group->world_size) + "; drop --world-size or make them agree");
     // Not yet across processes: the export gathers whole groups through one process's memory.
-    if (!options.export_dir.empty())
-      return UnimplementedError("--export-dir with process ranks is not supported yet; export with thread ranks");
+    if (!options.export_dir.empty()) return UnimplementedError("--export-dir with process ranks is not supported yet; export with thread ranks");
   }
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<LocalCluster> cluster, LocalCluster::create(cluster_options));
-  Rendezvous* const processes = cluster->rendezvous();  // process ranks only
+  return LocalCluster::create(cluster_options);
+}
 
-  std::unique_ptr<CheckpointSaver> saver;
-  if (!options.save_dir.empty()) {
-    CheckpointSaverOptions saver_options;
-    saver_options.directory = options.save_dir;
-    saver_options.world_size = world;
-    saver_options.first_rank = cluster->first_rank();  // process ranks: each process writes its own rank's file
-    saver_options.local_ranks = cluster->local_ranks();
-    saver_options.keep_last = options.keep_checkpoints;
-    for (const auto& spec : model.group_specs()) {
-      STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, world));
-      saver_options.checkpoint_elements += layout.padded_numel;
-    }
-    // Delayed overlap saves the stale parameter copy as a fourth segment.
-    if (config.strata.optimizer_overlap == OverlapMode::kDelayed) saver_options.state_segments = kCheckpointStateKinds + 1;
-    // Rotation keeps the newest checkpoint whose step ended with a finite loss.
-    saver_options.is_healthy = [](std::string_view state) {
-      const auto parsed = nlohmann::json::parse(state, nullptr, /*allow_exceptions=*/false);
-      return parsed.is_object() && parsed.value("loss_finite", true);
-    };
-    saver_options.fault_hook = checkpoint_pause_hook_from_env();
-    STRATA_ASSIGN_OR_RETURN(saver, CheckpointSaver::create(saver_options));
+StatusOr<std::unique_ptr<CheckpointSaver>> make_saver(const TrainerOptions& options, const RunShape& shape, const LocalCluster& cluster) {
+  CheckpointSaverOptions saver_options;
+  saver_options.directory = options.save_dir;
+  saver_options.world_size = shape.world;
+  saver_options.first_rank = cluster.first_rank();  // process ranks: each process writes its own rank's file
+  saver_options.local_ranks = cluster.local_ranks();
+  saver_options.keep_last = options.keep_checkpoints;
+  for (const auto& spec : options.model->group_specs()) {
+    STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, shape.world));
+    saver_options.checkpoint_elements += layout.padded_numel;
   }
+  // Delayed overlap saves the stale parameter copy as a fourth segment.
+  if (options.config.strata.optimizer_overlap == OverlapMode::kDelayed) saver_options.state_segments = kCheckpointStateKinds + 1;
+  // Rotation keeps the newest checkpoint whose step ended with a finite loss.
+  saver_options.is_healthy = [](std::string_view state) {
+    const auto parsed = nlohmann::json::parse(state, nullptr, /*allow_exceptions=*/false);
+    return parsed.is_object() && parsed.value("loss_finite", true);
+  };
+  saver_options.fault_hook = checkpoint_pause_hook_from_env();
+  return CheckpointSaver::create(saver_options);
+}
 
+// What the ranks of one run share: the inputs above, the ranks' barrier and agreement, and
+// what each rank adds to the result.
+struct SharedRun {
+  SharedRun(const TrainerOptions& options_in, const RunShape& shape_in, const RunSources& sources_in, LocalCluster& cluster_in,
+            CheckpointSaver* saver_in)
+      : options(options_in),
+        model(*options_in.model),
+        shape(shape_in),
+        sources(sources_in),
+        cluster(cluster_in),
+        processes(cluster_in.rendezvous()),
+        saver(saver_in),
+        sync(cluster_in.local_ranks(), processes),
+        agreement(shape_in.world, sync, processes),
+        judge(options_in, saver_in, options_in.config.fp16.enabled, sources_in.resume ? sources_in.resume->path() : std::string()),
+        start_step(sources_in.start_step()),
+        end_step(shape_in.total_steps),
+        square_sums(static_cast<size_t>(shape_in.world), 0.0) {}
+
+  // The model's run options, the export's exchange buffer and the result's fixed fields.
+  Status prepare();
+  // The result once every rank has returned.
+  TrainerResult summarize();
+
+  const TrainerOptions& options;
+  const lm::Architecture& model;
+  const RunShape& shape;
+  const RunSources& sources;
+  LocalCluster& cluster;
+  Rendezvous* const processes;  // process ranks only
+  CheckpointSaver* const saver;  // null without --save-dir
+  RankSync sync;
+  StepAgreement agreement;
+  StepJudge judge;
+  const int64_t start_step;
   lm::ModelRunOptions model_options;
-  model_options.batch = micro;
-  model_options.seq_len = seq_len;
-  model_options.eval_batch = options.eval_only ? micro : eval_sequences / world;
+  int64_t model_flops_per_token = 0;
+  std::vector<float> exchange;  // export: one full group at a time
+
+  std::mutex mutex;                  // guards what follows, but for the atomic
+  std::unique_ptr<StepBoard> board;  // rank 0 makes it before the ranks' first barrier
+  TrainerResult result;
+  int64_t end_step;  // the step the loop ends after (earlier when stopped)
+  int stop_signal = 0;
+  std::atomic<uint64_t> checksum{0};
+  // Per rank, summed in rank order at the end: param_norm is a number runs with different
+  // world sizes can compare within a tolerance (the checksum is a hash: equal or not).
+  std::vector<double> square_sums;
+  double eval_sum = 0.0;
+  int64_t eval_tokens = 0;
+};
+
+Status SharedRun::prepare() {
+  model_options.batch = shape.micro;
+  model_options.seq_len = shape.seq_len;
+  model_options.eval_batch = options.eval_only ? shape.micro : sources.eval_sequences / shape.world;
   model_options.checkpointing = options.checkpointing;
   model_options.head_chunk_rows = options.head_chunk_rows;
-
-  TrainerResult result;
-  result.total_steps = total_steps;
-  result.vocab_size = model.vocab_size();
-  result.entropy_floor = dataset->entropy_floor();
-  result.parameters = model.parameter_count();
-  result.world_size = world;
-  result.device = std::string(device_kind_name(device_kind));
-  const int64_t start_step = resume ? trainer_state["step"].get<int64_t>() : 0;
-  result.resumed_from_step = start_step;
-
-  RankSync sync(cluster->local_ranks(), processes);
-  StepAgreement agreement(world, sync, processes);
-  StepJudge judge(options, saver.get(), config.fp16.enabled, resume ? resume->path() : std::string());
-  int64_t end_step = total_steps;  // the step the loop ends after (earlier when stopped)
-  int stop_signal = 0;
-  std::vector<float> exchange;  // export: one full group at a time
   if (!options.export_dir.empty()) {
     size_t largest = 0;
     for (const auto& spec : model.group_specs()) {
-      STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, world));
+      STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, shape.world));
       largest = std::max(largest, layout.padded_numel);
     }
     exchange.assign(largest, 0.0f);
   }
-  std::unique_ptr<StepBoard> board;
-  std::mutex result_mutex;
-  std::atomic<uint64_t> checksum{0};
-  // Per rank, summed in rank order at the end: param_norm is a number runs with different
-  // world sizes can compare within a tolerance (the checksum is a hash: equal or not).
-  std::vector<double> square_sums(static_cast<size_t>(world), 0.0);
-  double eval_sum_final = 0.0;
-  int64_t eval_tokens_final = 0;
-  const int64_t global_tokens_per_step = micro * world * seq_len * accumulation;
   // Every position of every sequence is computed (ignored targets too), so all count.
-  const int64_t model_flops_per_token = lm::training_flops_per_token(model.flop_shape(), seq_len);
-  const double step_flops = double(model_flops_per_token) * double(global_tokens_per_step);
+  model_flops_per_token = lm::training_flops_per_token(model.flop_shape(), shape.seq_len);
+  result.total_steps = shape.total_steps;
+  result.vocab_size = model.vocab_size();
+  result.entropy_floor = sources.dataset->entropy_floor();
+  result.parameters = model.parameter_count();
+  result.world_size = shape.world;
+  result.device = std::string(device_kind_name(shape.device_kind));
+  result.resumed_from_step = start_step;
   result.model_flops_per_token = model_flops_per_token;
+  return {};
+}
 
-  auto rank_body = [&](int rank) -> Status {
-    STRATA_ASSIGN_OR_RETURN(EngineOptions engine_options, engine_options_from_config(config, rank));
-    lm::ModelRunOptions rank_model_options = model_options;
-    rank_model_options.param_dtype = engine_options.param_dtype;
-    STRATA_ASSIGN_OR_RETURN(lm::ActivationPlan activations, model.plan_activations(rank_model_options, device_kind));
-    engine_options.activation_bytes = activations.device_bytes;
-    Device& device = cluster->device(rank);
-    // Process ranks: a start-up check that fails (pinned budget, NVMe room) names the node,
-    // so that a multi-node job's error points at the machine and the path.
-    auto on_node = [&](Status status) -> Status {
-      if (status.ok() || !options.process_group) return status;
-      char host[256] = {};
-      if (::gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "?");
-      return std::move(status).with_context("start-up checks of rank " + std::to_string(rank) + " on node " +
-                                            std::to_string(options.process_group->node_rank) + " (host " + host + ", nvme_path " +
-                                            engine_options.nvme_path + "), before step 1");
-    };
-    StatusOr<std::unique_ptr<Engine>> created =
-        Engine::create(engine_options, device, cluster->gather_communicator(rank), cluster->reduce_communicator(rank));
-    if (!created.ok()) return on_node(created.status());
-    std::unique_ptr<Engine> engine = std::move(created).value();
-    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<lm::CausalLm> rank_model, model.create(*engine, rank_model_options));
-    // A fine-tune's load writes every group (the Hugging Face loader refuses a file that
-    // leaves any engine tensor out), so start() writes no random initial values it would
-    // overwrite (a 1B model on NVMe: ~19 GB of writes).
-    if (!resume && init_weights)
-      for (int g = 0; g < engine->group_count(); ++g) STRATA_RETURN_IF_ERROR(engine->declare_loaded(g));
-    STRATA_RETURN_IF_ERROR(on_node(engine->start()));
-    if (rank == 0 && init_weights && !resume)
-      STRATA_LOG(kInfo) << "initial values drawn for " << engine->initialized_group_count() << " of " << engine->group_count()
-                        << " groups; the others come from " << init_weights->describe();
-    STRATA_RETURN_IF_ERROR(rank_model->allocate());
-    {
-      std::lock_guard<std::mutex> lock(result_mutex);
-      result.pinned_bytes += engine->plan().pinned_bytes;
-      result.host_bytes += engine->plan().host_bytes;
-      result.nvme_file_bytes += engine->plan().nvme_bytes;
-    }
-    std::string nodes_text;
-    if (processes != nullptr) {
-      STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> startups,
-                              processes->all_gather_strings(node_startup_json(*options.process_group, engine->plan(), engine_options).dump()));
-      if (rank == 0) {
-        STRATA_ASSIGN_OR_RETURN(nodes_text, node_summary_text(startups));
-      }
-    }
-    if (rank == 0) {
-      std::lock_guard<std::mutex> lock(result_mutex);
-      board = std::make_unique<StepBoard>(options, world, total_steps, step_flops, traffic_note(options, engine_options, rank_model_options, activations));
-      result.state_bytes = engine->plan().state_bytes;
-      result.device_budget_bytes = engine->plan().device_budget_bytes;
-      result.activation_bytes = activations.device_bytes;
-      if (options.out) {
-        *options.out << "model: " << model.family() << ", " << model.describe() << "\n"
-                     << "data: " << dataset->describe() << "; " << world << " rank(s) x " << micro << " sequence(s) x " << seq_len
-                     << " tokens x " << accumulation << " micro-batch(es) = " << global_tokens_per_step << " tokens per step\n"
-                     << engine->plan().text << "\n"
-                     << nodes_text
-                     << activations.text << "activation checkpointing: " << activation_checkpointing_name(options.checkpointing)
-                     << "\n"
-                     << std::flush;
-      }
-    }
-    STRATA_RETURN_IF_ERROR(sync.arrive_and_wait());  // the board exists
-
-    // Schedule and data.
-    STRATA_ASSIGN_OR_RETURN(LrSchedule schedule, LrSchedule::create(config.scheduler, config.optimizer.lr));
-    DataLoaderOptions loader_options;
-    loader_options.global_batch = micro * world;
-    loader_options.seq_len = seq_len;
-    loader_options.micro_batches = accumulation;
-    loader_options.rank = rank;
-    loader_options.world_size = world;
-    loader_options.seed = options.data_seed;
-    loader_options.split = DataSplit::kTrain;
-    STRATA_ASSIGN_OR_RETURN(DataLoader loader, DataLoader::create(dataset, loader_options));
-    std::optional<DataLoader> eval_loader;
-    std::vector<int32_t> eval_inputs, eval_targets, eval_positions;
-    if (eval_sequences > 0) {
-      DataLoaderOptions eval_options = loader_options;
-      eval_options.global_batch = eval_sequences;
-      eval_options.micro_batches = 1;
-      eval_options.split = DataSplit::kEval;
-      STRATA_ASSIGN_OR_RETURN(DataLoader eval, DataLoader::create(dataset, eval_options));
-      eval_inputs.resize(eval.batch_elements());
-      eval_targets.resize(eval.batch_elements());
-      eval_positions.resize(eval.batch_elements());
-      STRATA_RETURN_IF_ERROR(eval.batch_at(0, eval_inputs, eval_targets, eval_positions));
-      eval_loader.emplace(std::move(eval));
-    }
-    const TokenBatch eval_batch{eval_inputs.data(), eval_targets.data(), model_options.eval_batch, eval_positions.data()};
-
-    // Starting point.
-    if (resume) {
-      STRATA_RETURN_IF_ERROR(load_engine_state(*engine, rank, *resume)
-                                 .with_context("resuming from " + resume->path() +
-                                               " (when the groups differ: checkpoints saved before wte/embed_tokens were split into "
-                                               "vocabulary-chunk groups padded to a multiple of 128 rows do not resume; export the "
-                                               "weights with the build that saved them and start from the export with --model or --init-from)"));
-      STRATA_RETURN_IF_ERROR(schedule.restore_json(trainer_state["schedule"].dump()));
-      STRATA_RETURN_IF_ERROR(loader.restore_json(trainer_state["data"].dump()));
-    } else if (init_weights) {
-      const auto load_begin = std::chrono::steady_clock::now();
-      STRATA_RETURN_IF_ERROR(model.load_weights(*engine, rank, *init_weights));
-      if (rank == 0)
-        STRATA_LOG(kInfo) << "loaded " << init_weights->describe() << " into rank 0's shards in "
-                          << std::chrono::duration<double>(std::chrono::steady_clock::now() - load_begin).count() << " s";
-    }
-
-    if (options.eval_only) {
-      STRATA_ASSIGN_OR_RETURN(const MicroBatchLosses windows,
-                              evaluate_windows(*engine, *rank_model, model, *dataset, {rank, world, micro, seq_len, options.eval_sequences}));
-      std::lock_guard<std::mutex> lock(result_mutex);
-      eval_sum_final += windows.eval_loss_sum;
-      eval_tokens_final += windows.eval_tokens;
-    }
-
-    // read_state_shard() waits for a group's update but, with optimizer state on NVMe, not
-    // for its write-back (the engine marks the group updated when the write is submitted),
-    // so a read can meet an extent still being written. finish() waits for the write-backs.
-    auto settle_state = [&]() -> Status {
-      if (engine_options.optimizer_tier != Tier::kNvme) return {};
-      return engine->finish();
-    };
-    auto submit_trainer_state = [&](int64_t steps_done, bool loss_finite) -> Status {
-      loader.set_position(static_cast<uint64_t>(steps_done) * static_cast<uint64_t>(accumulation));
-      nlohmann::json state = {{"format", "strata-gpt-trainer/1"},
-                              {"step", steps_done},
-                              {"model", nlohmann::json::parse(model.model_json())},
-                              {"schedule", nlohmann::json::parse(schedule.state_json())},
-                              {"data", nlohmann::json::parse(loader.state_json())},
-                              {"world_size", world},
-                              {"data_seed", options.data_seed},
-                              {"loss_finite", loss_finite}};  // the loss scaler is in the manifest
-      return saver->submit_trainer_state(steps_done, state.dump());
-    };
-
-    auto save = [&](int64_t steps_done, bool loss_finite) -> Status {
-      STRATA_RETURN_IF_ERROR(settle_state());
-      STRATA_ASSIGN_OR_RETURN(RankSnapshot snapshot, snapshot_engine_state(*engine, rank));
-      STRATA_RETURN_IF_ERROR(saver->submit(steps_done, std::move(snapshot)));
-      if (rank == 0) STRATA_RETURN_IF_ERROR(submit_trainer_state(steps_done, loss_finite));
-      if (processes == nullptr) return {};
-      // Process ranks: every process's shards are durable, then rank 0 commits with their records.
-      STRATA_ASSIGN_OR_RETURN(const std::string mine, saver->local_files(steps_done));
-      STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> all, processes->all_gather_strings(mine));
-      if (rank == 0) STRATA_RETURN_IF_ERROR(saver->add_peer_files(steps_done, all));
-      return {};
-    };
-
-    // Training.
-    std::vector<int32_t> inputs(loader.batch_elements()), targets(loader.batch_elements()), positions(loader.batch_elements());
-    const float loss_scale_base = 1.0f / static_cast<float>(global_tokens_per_step);
-    uint64_t nvme_read = 0, nvme_written = 0;
-    const auto train_begin = std::chrono::steady_clock::now();
-    int64_t last_saved = -1;
-    bool last_loss_finite = true;
-    for (int64_t s = start_step; s < total_steps; ++s) {
-      const double lr = schedule.current_lr();
-      STRATA_RETURN_IF_ERROR(engine->begin_step(lr));
-      const bool evaluate = eval_loader && options.eval_every > 0 && model.evaluates_while_training() && s % options.eval_every == 0;
-      RankStep numbers;
-      // The step's micro-batches are enqueued back to back; their losses are read after the
-      // last (each waits for its own head only), so the device never drains between them.
-      std::vector<QueuedMicroBatch> queued;
-      for (int m = 0; m < accumulation; ++m) {
-        if (m > 0) STRATA_RETURN_IF_ERROR(engine->begin_micro_batch());
-        STRATA_RETURN_IF_ERROR(loader.batch(s, m, inputs, targets, positions));
-        const TokenBatch train{inputs.data(), targets.data(), micro, positions.data()};
-        const bool with_eval = evaluate && m == 0;
-        STRATA_ASSIGN_OR_RETURN(QueuedMicroBatch q,
-                                rank_model->queue_micro_batch(&train, with_eval ? &eval_batch : nullptr, engine->loss_scale() * loss_scale_base));
-        queued.push_back(q);
-      }
-      for (size_t m = 0; m < queued.size(); ++m) {
-        STRATA_ASSIGN_OR_RETURN(MicroBatchLosses losses, rank_model->collect(queued[m]));
-        numbers.loss_sum += losses.train_loss_sum;
-        numbers.tokens += losses.train_tokens;
-        if (queued[m].eval_loss.serial != 0) {
-          numbers.evaluated = true;
-          numbers.eval_sum = losses.eval_loss_sum;
-          numbers.eval_tokens = losses.eval_tokens;
-        }
-      }
-      const double local_loss = numbers.tokens > 0 ? numbers.loss_sum / double(numbers.tokens) : 0.0;
-      STRATA_ASSIGN_OR_RETURN(StepReport report, engine->step(local_loss));
-      if (!report.skipped) schedule.step();
-      numbers.report = report;
-      numbers.nvme_read_delta = report.nvme_bytes_read - nvme_read;
-      numbers.nvme_written_delta = report.nvme_bytes_written - nvme_written;
-      nvme_read = report.nvme_bytes_read;
-      nvme_written = report.nvme_bytes_written;
-      STRATA_ASSIGN_OR_RETURN(const StepOutcome outcome, agreement.agree(s, rank, numbers, lr, board.get(), judge));
-      STRATA_RETURN_IF_ERROR(outcome.stop);
-      last_loss_finite = !outcome.non_finite;
-      if (saver && options.save_every > 0 && (s + 1) % options.save_every == 0) {
-        STRATA_RETURN_IF_ERROR(save(s + 1, last_loss_finite));
-        last_saved = s + 1;
-      }
-      if (outcome.stop_signal != 0) {
-        if (rank == 0 || processes != nullptr) {  // every process keeps its own
-          std::lock_guard<std::mutex> lock(result_mutex);
-          end_step = s + 1;
-          stop_signal = outcome.stop_signal;
-        }
-        break;
-      }
-    }
-    const double train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - train_begin).count();
-    STRATA_RETURN_IF_ERROR(sync.arrive_and_wait());  // rank 0 has set end_step
-    if (saver && end_step > start_step && last_saved != end_step) STRATA_RETURN_IF_ERROR(save(end_step, last_loss_finite));
-
-    // The weights' checksum, from this rank's master shards.
-    STRATA_RETURN_IF_ERROR(settle_state());
-    uint64_t part = 0;
-    double square_sum = 0.0;  // this rank's shards; padding is zero
-    std::vector<float> shard;
-    for (int g = 0; g < engine->group_count(); ++g) {
-      const GroupLayout& layout = engine->layout(g);
-      shard.resize(layout.shard_numel);
-      STRATA_RETURN_IF_ERROR(engine->read_state_shard(g, Engine::StateKind::kMaster, shard));
-      part += master_checksum_part(layout, rank, shard);
-      for (const float w : shard) square_sum += double(w) * double(w);
-    }
-    if (processes != nullptr) {
-      // Every process's parts, so that each reports the whole checksum and norm.
-      STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> parts,
-                              processes->all_gather_strings(nlohmann::json{{"checksum", part}, {"square_sum", square_sum}}.dump()));
-      part = 0;
-      for (size_t r = 0; r < parts.size(); ++r) {
-        const nlohmann::json j = nlohmann::json::parse(parts[r], nullptr, /*allow_exceptions=*/false);
-        if (!j.is_object() || !j.contains("checksum") || !j.contains("square_sum"))
-          return DataLossError("rank " + std::to_string(r) + " sent a weight checksum that is not JSON: " + parts[r]);
-        part += j["checksum"].get<uint64_t>();
-        square_sums[r] = j["square_sum"].get<double>();
-      }
-    } else {
-      square_sums[static_cast<size_t>(rank)] = square_sum;
-    }
-    checksum.fetch_add(part);
-
-    // Export: every rank puts its shard of a group into one host buffer, rank 0 writes it.
-    if (!options.export_dir.empty() && stop_signal == 0) {
-      auto contribute = [&](int g) -> Status {
-        const GroupLayout& layout = engine->layout(g);
-        shard.resize(layout.shard_numel);
-        STRATA_RETURN_IF_ERROR(engine->read_state_shard(g, Engine::StateKind::kMaster, shard));
-        const size_t begin = layout.shard_begin(rank);
-        const size_t count = begin < layout.numel ? std::min(layout.shard_numel, layout.numel - begin) : 0;
-        std::copy(shard.begin(), shard.begin() + static_cast<std::ptrdiff_t>(count), exchange.begin() + static_cast<std::ptrdiff_t>(begin));
-        return sync.arrive_and_wait();  // every part is in
-      };
-      if (rank == 0) {
-        lm::ExportSettings settings;
-        settings.dtype = options.export_dtype.value_or(init_weights ? init_weights->stored_dtype() : DType::kFloat32);
-        settings.shard_bytes = options.export_shard_bytes;
-        settings.metadata["strata_model"] = model.model_json();
-        settings.metadata["strata_steps"] = std::to_string(total_steps);
-        // Tokenizer files beside the starting weights travel with the export.
-        if (!options.init_from.empty())
-          settings.source_dir = std::filesystem::is_directory(options.init_from) ? options.init_from
-                                                                                 : std::filesystem::path(options.init_from).parent_path().string();
-        STRATA_RETURN_IF_ERROR(model.export_weights(
-            options.export_dir,
-            [&](int g, std::span<float> out) -> Status {
-              STRATA_RETURN_IF_ERROR(contribute(g));
-              std::copy(exchange.begin(), exchange.begin() + static_cast<std::ptrdiff_t>(out.size()), out.begin());
-              return sync.arrive_and_wait();  // the buffer may be reused
-            },
-            settings));
-        STRATA_LOG(kInfo) << "exported " << options.export_dir;
-      } else {
-        STRATA_ASSIGN_OR_RETURN(const std::vector<int> order, model.export_group_order());
-        for (int g : order) {
-          STRATA_RETURN_IF_ERROR(contribute(g));
-          STRATA_RETURN_IF_ERROR(sync.arrive_and_wait());
-        }
-      }
-    }
-
-    // Evaluation after the last step: a forward-only pass with the final weights.
-    if (eval_loader && stop_signal == 0) {
-      STRATA_RETURN_IF_ERROR(engine->begin_forward(model.forward_order()));
-      STRATA_ASSIGN_OR_RETURN(MicroBatchLosses eval_losses, rank_model->run_micro_batch(nullptr, &eval_batch, 0.0f));
-      STRATA_RETURN_IF_ERROR(engine->end_forward());
-      std::lock_guard<std::mutex> lock(result_mutex);
-      eval_sum_final += eval_losses.eval_loss_sum;
-      eval_tokens_final += eval_losses.eval_tokens;
-    }
-    STRATA_RETURN_IF_ERROR(engine->finish());
-    rank_model.reset();
-    if (processes != nullptr && (options.eval_only || eval_loader)) {
-      // The evaluation sums over every process's rows, in rank order.
-      STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> sums,
-                              processes->all_gather_strings(nlohmann::json{{"sum", eval_sum_final}, {"tokens", eval_tokens_final}}.dump()));
-      eval_sum_final = 0.0;
-      eval_tokens_final = 0;
-      for (const std::string& text : sums) {
-        const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-        if (!j.is_object() || !j.contains("sum")) return DataLossError("a process sent evaluation sums that are not JSON: " + text);
-        eval_sum_final += j["sum"].get<double>();
-        eval_tokens_final += j["tokens"].get<int64_t>();
-      }
-    }
-    std::lock_guard<std::mutex> lock(result_mutex);
-    result.device_peak_bytes = std::max(result.device_peak_bytes, device.memory_stats().high_water_bytes);
-    result.nvme_bytes_read += nvme_read;
-    result.nvme_bytes_written += nvme_written;
-    if (rank == 0) result.train_seconds = train_seconds;
-    return {};
-  };
-
-  Status status = cluster->run([&](int rank) -> Status {
-    Status s = rank_body(rank);
-    if (!s.ok()) sync.abort("rank " + std::to_string(rank) + ": " + s.message());
-    return s;
-  });
-  if (board) board->finish_output();
-  if (saver) {
-    Status saved = saver->finish();
-    if (!saved.ok() && status.ok()) {
-      if (config.strata.on_save_failure == SaveFailurePolicy::kContinue)
-        STRATA_LOG(kWarn) << saved.to_string() << "\n  (strata.checkpoint.on_save_failure=continue: the run still succeeds)";
-      else
-        status = std::move(saved).with_context("the last good checkpoint is " +
-                                               (saver->last_committed_step() >= 0 ? checkpoint_path(options.save_dir, saver->last_committed_step())
-                                                                                  : std::string("none")));
-    }
-    if (saver->last_committed_step() >= 0) result.last_checkpoint = checkpoint_path(options.save_dir, saver->last_committed_step());
-  }
-  STRATA_RETURN_IF_ERROR(status);
+TrainerResult SharedRun::summarize() {
   result.stopped_by_signal = stop_signal;
   result.nonfinite_steps = judge.skipped_steps();
   if (stop_signal != 0 && options.out) *options.out << stopped_line(options, result, stop_signal, end_step) << "\n" << std::flush;
   result.steps = board ? board->records() : std::vector<StepRecord>{};
   if (!result.steps.empty()) result.final_loss = result.steps.back().loss;
-  if (eval_tokens_final > 0) result.eval_loss = eval_sum_final / double(eval_tokens_final);
+  if (eval_tokens > 0) result.eval_loss = eval_sum / double(eval_tokens);
   result.param_checksum = checksum.load();
   double square_sum = 0.0;
   for (const double part : square_sums) square_sum += part;
   result.param_norm = std::sqrt(square_sum);
-  const double tokens = double(global_tokens_per_step) * double(end_step - start_step);
+  const double tokens = double(shape.global_tokens_per_step) * double(end_step - start_step);
   result.tokens_per_s = result.train_seconds > 0 ? tokens / result.train_seconds : 0.0;
   result.model_tflops = lm::tflops(tokens * double(model_flops_per_token), result.train_seconds);
   return result;
+}
+
+// The saver's last word: a failed final save fails the run (naming the last good
+// checkpoint) unless strata.checkpoint.on_save_failure is continue.
+Status finish_saving(const TrainerOptions& options, CheckpointSaver& saver, Status status, TrainerResult& result) {
+  Status saved = saver.finish();
+  if (!saved.ok() && status.ok()) {
+    if (options.config.strata.on_save_failure == SaveFailurePolicy::kContinue)
+      STRATA_LOG(kWarn) << saved.to_string() << "\n  (strata.checkpoint.on_save_failure=continue: the run still succeeds)";
+    else
+      status = std::move(saved).with_context("the last good checkpoint is " + (saver.last_committed_step() >= 0
+                                                                                    ? checkpoint_path(options.save_dir, saver.last_committed_step())
+                                                                                    : std::string("none")));
+  }
+  if (saver.last_committed_step() >= 0) result.last_checkpoint = checkpoint_path(options.save_dir, saver.last_committed_step());
+  return status;
+}
+
+// One rank's part of the run: its engine and model, its data, the steps, then the weights'
+// checksum, the export and the final evaluation.
+class RankRun {
+ public:
+  RankRun(SharedRun& run, int rank) : run_(run), rank_(rank) {}
+  Status run();
+
+ private:
+  Status start_engine();
+  Status announce();
+  Status open_loaders();
+  Status restore();
+  Status evaluate_windows_only();
+  Status train();
+  // One step; sets `stop` when the ranks agreed to stop after it.
+  Status train_step(int64_t s, bool* stop);
+  Status save(int64_t steps_done, bool loss_finite);
+  Status submit_trainer_state(int64_t steps_done, bool loss_finite);
+  Status settle_state();
+  Status add_checksum();
+  Status export_weights();
+  Status evaluate_after_training();
+  Status gather_evaluation();
+  void report();
+  // Process ranks: a start-up check that fails (pinned budget, NVMe room) names the node,
+  // so that a multi-node job's error points at the machine and the path.
+  Status on_node(Status status) const;
+
+  SharedRun& run_;
+  const int rank_;
+  EngineOptions engine_options_;
+  lm::ModelRunOptions model_options_;
+  lm::ActivationPlan activations_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<lm::CausalLm> model_;  // after engine_: destroyed first
+  std::optional<LrSchedule> schedule_;
+  std::optional<DataLoader> loader_;
+  std::vector<int32_t> inputs_, targets_, positions_;  // one micro-batch of training tokens
+  std::optional<DataLoader> eval_loader_;
+  std::vector<int32_t> eval_inputs_, eval_targets_, eval_positions_;
+  TokenBatch eval_batch_;
+  uint64_t nvme_read_ = 0, nvme_written_ = 0;  // the engine's totals at the last step
+  int64_t last_saved_ = -1;
+  bool last_loss_finite_ = true;
+  double train_seconds_ = 0.0;
+};
+
+Status RankRun::run() {
+  const TrainerOptions& options = run_.options;
+  STRATA_RETURN_IF_ERROR(start_engine());
+  STRATA_RETURN_IF_ERROR(announce());
+  STRATA_RETURN_IF_ERROR(run_.sync.arrive_and_wait());  // the board exists
+  STRATA_RETURN_IF_ERROR(open_loaders());
+  STRATA_RETURN_IF_ERROR(restore());
+  if (options.eval_only) STRATA_RETURN_IF_ERROR(evaluate_windows_only());
+  STRATA_RETURN_IF_ERROR(train());
+  STRATA_RETURN_IF_ERROR(run_.sync.arrive_and_wait());  // rank 0 has set end_step
+  if (run_.saver && run_.end_step > run_.start_step && last_saved_ != run_.end_step)
+    STRATA_RETURN_IF_ERROR(save(run_.end_step, last_loss_finite_));
+  STRATA_RETURN_IF_ERROR(add_checksum());
+  if (!options.export_dir.empty() && run_.stop_signal == 0) STRATA_RETURN_IF_ERROR(export_weights());
+  if (eval_loader_ && run_.stop_signal == 0) STRATA_RETURN_IF_ERROR(evaluate_after_training());
+  STRATA_RETURN_IF_ERROR(engine_->finish());
+  model_.reset();
+  if (run_.processes != nullptr && (options.eval_only || eval_loader_)) STRATA_RETURN_IF_ERROR(gather_evaluation());
+  report();
+  return {};
+}
+
+Status RankRun::on_node(Status status) const {
+  const TrainerOptions& options = run_.options;
+  if (status.ok() || !options.process_group) return status;
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) != 0) std::snprintf(host, sizeof(host), "?");
+  return std::move(status).with_context("start-up checks of rank " + std::to_string(rank_) + " on node " +
+                                        std::to_string(options.process_group->node_rank) + " (host " + host + ", nvme_path " +
+                                        engine_options_.nvme_path + "), before step 1");
+}
+
+Status RankRun::start_engine() {
+  STRATA_ASSIGN_OR_RETURN(engine_options_, engine_options_from_config(run_.options.config, rank_));
+  model_options_ = run_.model_options;
+  model_options_.param_dtype = engine_options_.param_dtype;
+  STRATA_ASSIGN_OR_RETURN(activations_, run_.model.plan_activations(model_options_, run_.shape.device_kind));
+  engine_options_.activation_bytes = activations_.device_bytes;
+  StatusOr<std::unique_ptr<Engine>> created = Engine::create(engine_options_, run_.cluster.device(rank_), run_.cluster.gather_communicator(rank_),
+                                                             run_.cluster.reduce_communicator(rank_));
+  if (!created.ok()) return on_node(created.status());
+  engine_ = std::move(created).value();
+  STRATA_ASSIGN_OR_RETURN(model_, run_.model.create(*engine_, model_options_));
+  // A fine-tune's load writes every group (the Hugging Face loader refuses a file that
+  // leaves any engine tensor out), so start() writes no random initial values it would
+  // overwrite (a 1B model on NVMe: ~19 GB of writes).
+  const lm::WeightSource* init_weights = run_.sources.init_weights.get();
+  if (!run_.sources.resume && init_weights != nullptr)
+    for (int g = 0; g < engine_->group_count(); ++g) STRATA_RETURN_IF_ERROR(engine_->declare_loaded(g));
+  STRATA_RETURN_IF_ERROR(on_node(engine_->start()));
+  if (rank_ == 0 && init_weights != nullptr && !run_.sources.resume)
+    STRATA_LOG(kInfo) << "initial values drawn for " << engine_->initialized_group_count() << " of " << engine_->group_count()
+                      << " groups; the others come from " << init_weights->describe();
+  return model_->allocate();
+}
+
+// The plan's bytes into the result; process ranks gather every node's start-up summary;
+// rank 0 makes the step board and prints the start-up text.
+Status RankRun::announce() {
+  const EnginePlan& plan = engine_->plan();
+  {
+    std::lock_guard<std::mutex> lock(run_.mutex);
+    run_.result.pinned_bytes += plan.pinned_bytes;
+    run_.result.host_bytes += plan.host_bytes;
+    run_.result.nvme_file_bytes += plan.nvme_bytes;
+  }
+  std::string nodes_text;
+  if (run_.processes != nullptr) {
+    STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> startups,
+                            run_.processes->all_gather_strings(node_startup_json(*run_.options.process_group, plan, engine_options_).dump()));
+    if (rank_ == 0) {
+      STRATA_ASSIGN_OR_RETURN(nodes_text, node_summary_text(startups));
+    }
+  }
+  if (rank_ != 0) return {};
+  const TrainerOptions& options = run_.options;
+  const RunShape& shape = run_.shape;
+  std::lock_guard<std::mutex> lock(run_.mutex);
+  const double step_flops = double(run_.model_flops_per_token) * double(shape.global_tokens_per_step);
+  run_.board = std::make_unique<StepBoard>(options, shape.world, shape.total_steps, step_flops,
+                                           traffic_note(options, engine_options_, model_options_, activations_));
+  run_.result.state_bytes = plan.state_bytes;
+  run_.result.device_budget_bytes = plan.device_budget_bytes;
+  run_.result.activation_bytes = activations_.device_bytes;
+  if (options.out) {
+    *options.out << "model: " << run_.model.family() << ", " << run_.model.describe() << "\n"
+                 << "data: " << run_.sources.dataset->describe() << "; " << shape.world << " rank(s) x " << shape.micro << " sequence(s) x "
+                 << shape.seq_len << " tokens x " << shape.accumulation << " micro-batch(es) = " << shape.global_tokens_per_step
+                 << " tokens per step\n"
+                 << plan.text << "\n"
+                 << nodes_text << activations_.text << "activation checkpointing: " << activation_checkpointing_name(options.checkpointing)
+                 << "\n"
+                 << std::flush;
+  }
+  return {};
+}
+
+// The schedule, the training loader and, with an evaluation batch, its (fixed) batch.
+Status RankRun::open_loaders() {
+  const RunShape& shape = run_.shape;
+  const StrataConfig& config = run_.options.config;
+  STRATA_ASSIGN_OR_RETURN(LrSchedule schedule, LrSchedule::create(config.scheduler, config.optimizer.lr));
+  schedule_.emplace(std::move(schedule));
+  DataLoaderOptions loader_options;
+  loader_options.global_batch = shape.micro * shape.world;
+  loader_options.seq_len = shape.seq_len;
+  loader_options.micro_batches = shape.accumulation;
+  loader_options.rank = rank_;
+  loader_options.world_size = shape.world;
+  loader_options.seed = run_.options.data_seed;
+  loader_options.split = DataSplit::kTrain;
+  STRATA_ASSIGN_OR_RETURN(DataLoader loader, DataLoader::create(run_.sources.dataset, loader_options));
+  loader_.emplace(std::move(loader));
+  inputs_.resize(loader_->batch_elements());
+  targets_.resize(loader_->batch_elements());
+  positions_.resize(loader_->batch_elements());
+  if (run_.sources.eval_sequences > 0) {
+    DataLoaderOptions eval_options = loader_options;
+    eval_options.global_batch = run_.sources.eval_sequences;
+    eval_options.micro_batches = 1;
+    eval_options.split = DataSplit::kEval;
+    STRATA_ASSIGN_OR_RETURN(DataLoader eval, DataLoader::create(run_.sources.dataset, eval_options));
+    eval_inputs_.resize(eval.batch_elements());
+    eval_targets_.resize(eval.batch_elements());
+    eval_positions_.resize(eval.batch_elements());
+    STRATA_RETURN_IF_ERROR(eval.batch_at(0, eval_inputs_, eval_targets_, eval_positions_));
+    eval_loader_.emplace(std::move(eval));
+  }
+  eval_batch_ = TokenBatch{eval_inputs_.data(), eval_targets_.data(), model_options_.eval_batch, eval_positions_.data()};
+  return {};
+}
+
+// The starting point: the checkpoint resumed from (state, schedule, data position), or the
+// weights fine-tuned from, or the engine's own initial values.
+Status RankRun::restore() {
+  const RunSources& sources = run_.sources;
+  if (sources.resume) {
+    STRATA_RETURN_IF_ERROR(load_engine_state(*engine_, rank_, *sources.resume)
+                               .with_context("resuming from " + sources.resume->path() +
+                                             " (when the groups differ: checkpoints saved before wte/embed_tokens were split into "
+                                             "vocabulary-chunk groups padded to a multiple of 128 rows do not resume; export the "
+                                             "weights with the build that saved them and start from the export with --model or --init-from)"));
+    STRATA_RETURN_IF_ERROR(schedule_->restore_json(sources.trainer_state.value("schedule", nlohmann::json()).dump()));
+    return loader_->restore_json(sources.trainer_state.value("data", nlohmann::json()).dump());
+  }
+  if (!sources.init_weights) return {};
+  const auto load_begin = std::chrono::steady_clock::now();
+  STRATA_RETURN_IF_ERROR(run_.model.load_weights(*engine_, rank_, *sources.init_weights));
+  if (rank_ == 0)
+    STRATA_LOG(kInfo) << "loaded " << sources.init_weights->describe() << " into rank 0's shards in "
+                      << std::chrono::duration<double>(std::chrono::steady_clock::now() - load_begin).count() << " s";
+  return {};
+}
+
+Status RankRun::evaluate_windows_only() {
+  const RunShape& shape = run_.shape;
+  STRATA_ASSIGN_OR_RETURN(const MicroBatchLosses windows,
+                          evaluate_windows(*engine_, *model_, run_.model, *run_.sources.dataset,
+                                           {rank_, shape.world, shape.micro, shape.seq_len, run_.options.eval_sequences}));
+  std::lock_guard<std::mutex> lock(run_.mutex);
+  run_.eval_sum += windows.eval_loss_sum;
+  run_.eval_tokens += windows.eval_tokens;
+  return {};
+}
+
+// read_state_shard() waits for a group's update but, with optimizer state on NVMe, not for
+// its write-back (the engine marks the group updated when the write is submitted), so a
+// read can meet an extent still being written. finish() waits for the write-backs.
+Status RankRun::settle_state() {
+  if (engine_options_.optimizer_tier != Tier::kNvme) return {};
+  return engine_->finish();
+}
+
+Status RankRun::submit_trainer_state(int64_t steps_done, bool loss_finite) {
+  loader_->set_position(static_cast<uint64_t>(steps_done) * static_cast<uint64_t>(run_.shape.accumulation));
+  nlohmann::json state = {{"format", "strata-gpt-trainer/1"},
+                          {"step", steps_done},
+                          {"model", nlohmann::json::parse(run_.model.model_json())},
+                          {"schedule", nlohmann::json::parse(schedule_->state_json())},
+                          {"data", nlohmann::json::parse(loader_->state_json())},
+                          {"world_size", run_.shape.world},
+                          {"data_seed", run_.options.data_seed},
+                          {"loss_finite", loss_finite}};  // the loss scaler is in the manifest
+  return run_.saver->submit_trainer_state(steps_done, state.dump());
+}
+
+Status RankRun::save(int64_t steps_done, bool loss_finite) {
+  STRATA_RETURN_IF_ERROR(settle_state());
+  STRATA_ASSIGN_OR_RETURN(RankSnapshot snapshot, snapshot_engine_state(*engine_, rank_));
+  STRATA_RETURN_IF_ERROR(run_.saver->submit(steps_done, std::move(snapshot)));
+  if (rank_ == 0) STRATA_RETURN_IF_ERROR(submit_trainer_state(steps_done, loss_finite));
+  if (run_.processes == nullptr) return {};
+  // Process ranks: every process's shards are durable, then rank 0 commits with their records.
+  STRATA_ASSIGN_OR_RETURN(const std::string mine, run_.saver->local_files(steps_done));
+  STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> all, run_.processes->all_gather_strings(mine));
+  if (rank_ == 0) STRATA_RETURN_IF_ERROR(run_.saver->add_peer_files(steps_done, all));
+  return {};
+}
+
+Status RankRun::train() {
+  const auto train_begin = std::chrono::steady_clock::now();
+  for (int64_t s = run_.start_step; s < run_.shape.total_steps; ++s) {
+    bool stop = false;
+    STRATA_RETURN_IF_ERROR(train_step(s, &stop));
+    if (stop) break;
+  }
+  train_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - train_begin).count();
+  return {};
+}
+
+Status RankRun::train_step(int64_t s, bool* stop) {
+  const TrainerOptions& options = run_.options;
+  const RunShape& shape = run_.shape;
+  const double lr = schedule_->current_lr();
+  STRATA_RETURN_IF_ERROR(engine_->begin_step(lr));
+  const bool evaluate = eval_loader_ && options.eval_every > 0 && run_.model.evaluates_while_training() && s % options.eval_every == 0;
+  // The step's micro-batches are enqueued back to back; their losses are read after the
+  // last (each waits for its own head only), so the device never drains between them.
+  const float loss_scale_base = 1.0f / static_cast<float>(shape.global_tokens_per_step);
+  std::vector<QueuedMicroBatch> queued;
+  for (int m = 0; m < shape.accumulation; ++m) {
+    if (m > 0) STRATA_RETURN_IF_ERROR(engine_->begin_micro_batch());
+    STRATA_RETURN_IF_ERROR(loader_->batch(s, m, inputs_, targets_, positions_));
+    const TokenBatch train{inputs_.data(), targets_.data(), shape.micro, positions_.data()};
+    const bool with_eval = evaluate && m == 0;
+    STRATA_ASSIGN_OR_RETURN(QueuedMicroBatch q,
+                            model_->queue_micro_batch(&train, with_eval ? &eval_batch_ : nullptr, engine_->loss_scale() * loss_scale_base));
+    queued.push_back(q);
+  }
+  RankStep numbers;
+  for (const QueuedMicroBatch& q : queued) {
+    STRATA_ASSIGN_OR_RETURN(MicroBatchLosses losses, model_->collect(q));
+    numbers.loss_sum += losses.train_loss_sum;
+    numbers.tokens += losses.train_tokens;
+    if (q.eval_loss.serial != 0) {
+      numbers.evaluated = true;
+      numbers.eval_sum = losses.eval_loss_sum;
+      numbers.eval_tokens = losses.eval_tokens;
+    }
+  }
+  const double local_loss = numbers.tokens > 0 ? numbers.loss_sum / double(numbers.tokens) : 0.0;
+  STRATA_ASSIGN_OR_RETURN(StepReport report, engine_->step(local_loss));
+  if (!report.skipped) schedule_->step();
+  numbers.report = report;
+  numbers.nvme_read_delta = report.nvme_bytes_read - nvme_read_;
+  numbers.nvme_written_delta = report.nvme_bytes_written - nvme_written_;
+  nvme_read_ = report.nvme_bytes_read;
+  nvme_written_ = report.nvme_bytes_written;
+  STRATA_ASSIGN_OR_RETURN(const StepOutcome outcome, run_.agreement.agree(s, rank_, numbers, lr, run_.board.get(), run_.judge));
+  STRATA_RETURN_IF_ERROR(outcome.stop);
+  last_loss_finite_ = !outcome.non_finite;
+  if (run_.saver && options.save_every > 0 && (s + 1) % options.save_every == 0) {
+    STRATA_RETURN_IF_ERROR(save(s + 1, last_loss_finite_));
+    last_saved_ = s + 1;
+  }
+  if (outcome.stop_signal == 0) return {};
+  if (rank_ == 0 || run_.processes != nullptr) {  // every process keeps its own
+    std::lock_guard<std::mutex> lock(run_.mutex);
+    run_.end_step = s + 1;
+    run_.stop_signal = outcome.stop_signal;
+  }
+  *stop = true;
+  return {};
+}
+
+// The weights' checksum and sum of squares, from this rank's master shards (process ranks:
+// every process's parts, so that each reports the whole).
+Status RankRun::add_checksum() {
+  STRATA_RETURN_IF_ERROR(settle_state());
+  uint64_t part = 0;
+  double square_sum = 0.0;  // this rank's shards; padding is zero
+  std::vector<float> shard;
+  for (int g = 0; g < engine_->group_count(); ++g) {
+    const GroupLayout& layout = engine_->layout(g);
+    shard.resize(layout.shard_numel);
+    STRATA_RETURN_IF_ERROR(engine_->read_state_shard(g, Engine::StateKind::kMaster, shard));
+    part += master_checksum_part(layout, rank_, shard);
+    for (const float w : shard) square_sum += double(w) * double(w);
+  }
+  if (run_.processes == nullptr) {
+    run_.square_sums[static_cast<size_t>(rank_)] = square_sum;
+    run_.checksum.fetch_add(part);
+    return {};
+  }
+  STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> parts,
+                          run_.processes->all_gather_strings(nlohmann::json{{"checksum", part}, {"square_sum", square_sum}}.dump()));
+  part = 0;
+  for (size_t r = 0; r < parts.size(); ++r) {
+    const nlohmann::json j = nlohmann::json::parse(parts[r], nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || !j.contains("checksum") || !j.contains("square_sum"))
+      return DataLossError("rank " + std::to_string(r) + " sent a weight checksum that is not JSON: " + parts[r]);
+    part += j["checksum"].get<uint64_t>();
+    run_.square_sums[r] = j["square_sum"].get<double>();
+  }
+  run_.checksum.fetch_add(part);
+  return {};
+}
+
+// Export: every rank puts its shard of a group into one host buffer, rank 0 writes it.
+Status RankRun::export_weights() {
+  const TrainerOptions& options = run_.options;
+  std::vector<float> shard;
+  auto contribute = [&](int g) -> Status {
+    const GroupLayout& layout = engine_->layout(g);
+    shard.resize(layout.shard_numel);
+    STRATA_RETURN_IF_ERROR(engine_->read_state_shard(g, Engine::StateKind::kMaster, shard));
+    const size_t begin = layout.shard_begin(rank_);
+    const size_t count = begin < layout.numel ? std::min(layout.shard_numel, layout.numel - begin) : 0;
+    std::copy(shard.begin(), shard.begin() + static_cast<std::ptrdiff_t>(count), run_.exchange.begin() + static_cast<std::ptrdiff_t>(begin));
+    return run_.sync.arrive_and_wait();  // every part is in
+  };
+  if (rank_ != 0) {
+    STRATA_ASSIGN_OR_RETURN(const std::vector<int> order, run_.model.export_group_order());
+    for (int g : order) {
+      STRATA_RETURN_IF_ERROR(contribute(g));
+      STRATA_RETURN_IF_ERROR(run_.sync.arrive_and_wait());
+    }
+    return {};
+  }
+  const lm::WeightSource* init_weights = run_.sources.init_weights.get();
+  lm::ExportSettings settings;
+  settings.dtype = options.export_dtype.value_or(init_weights != nullptr ? init_weights->stored_dtype() : DType::kFloat32);
+  settings.shard_bytes = options.export_shard_bytes;
+  settings.metadata["strata_model"] = run_.model.model_json();
+  settings.metadata["strata_steps"] = std::to_string(run_.shape.total_steps);
+  // Tokenizer files beside the starting weights travel with the export.
+  if (!options.init_from.empty())
+    settings.source_dir = std::filesystem::is_directory(options.init_from) ? options.init_from
+                                                                           : std::filesystem::path(options.init_from).parent_path().string();
+  STRATA_RETURN_IF_ERROR(run_.model.export_weights(
+      options.export_dir,
+      [&](int g, std::span<float> out) -> Status {
+        STRATA_RETURN_IF_ERROR(contribute(g));
+        std::copy(run_.exchange.begin(), run_.exchange.begin() + static_cast<std::ptrdiff_t>(out.size()), out.begin());
+        return run_.sync.arrive_and_wait();  // the buffer may be reused
+      },
+      settings));
+  STRATA_LOG(kInfo) << "exported " << options.export_dir;
+  return {};
+}
+
+// Evaluation after the last step: a forward-only pass with the final weights.
+Status RankRun::evaluate_after_training() {
+  STRATA_RETURN_IF_ERROR(engine_->begin_forward(run_.model.forward_order()));
+  STRATA_ASSIGN_OR_RETURN(MicroBatchLosses eval_losses, model_->run_micro_batch(nullptr, &eval_batch_, 0.0f));
+  STRATA_RETURN_IF_ERROR(engine_->end_forward());
+  std::lock_guard<std::mutex> lock(run_.mutex);
+  run_.eval_sum += eval_losses.eval_loss_sum;
+  run_.eval_tokens += eval_losses.eval_tokens;
+  return {};
+}
+
+// Process ranks: the evaluation sums over every process's rows, in rank order.
+Status RankRun::gather_evaluation() {
+  double sum = 0.0;
+  int64_t tokens = 0;
+  {
+    std::lock_guard<std::mutex> lock(run_.mutex);
+    sum = run_.eval_sum;
+    tokens = run_.eval_tokens;
+  }
+  STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> sums,
+                          run_.processes->all_gather_strings(nlohmann::json{{"sum", sum}, {"tokens", tokens}}.dump()));
+  sum = 0.0;
+  tokens = 0;
+  for (const std::string& text : sums) {
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object() || !j.contains("sum")) return DataLossError("a process sent evaluation sums that are not JSON: " + text);
+    sum += j["sum"].get<double>();
+    tokens += j["tokens"].get<int64_t>();
+  }
+  std::lock_guard<std::mutex> lock(run_.mutex);
+  run_.eval_sum = sum;
+  run_.eval_tokens = tokens;
+  return {};
+}
+
+void RankRun::report() {
+  std::lock_guard<std::mutex> lock(run_.mutex);
+  TrainerResult& result = run_.result;
+  result.device_peak_bytes = std::max(result.device_peak_bytes, run_.cluster.device(rank_).memory_stats().high_water_bytes);
+  result.nvme_bytes_read += nvme_read_;
+  result.nvme_bytes_written += nvme_written_;
+  if (rank_ == 0) result.train_seconds = train_seconds_;
+}
+
+}  // namespace
+
+StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
+  STRATA_ASSIGN_OR_RETURN(const RunShape shape, run_shape(options));
+  STRATA_ASSIGN_OR_RETURN(const RunSources sources, open_sources(options, shape));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<LocalCluster> cluster, make_cluster(options, shape));
+  std::unique_ptr<CheckpointSaver> saver;
+  if (!options.save_dir.empty()) {
+    STRATA_ASSIGN_OR_RETURN(saver, make_saver(options, shape, *cluster));
+  }
+  SharedRun run(options, shape, sources, *cluster, saver.get());
+  STRATA_RETURN_IF_ERROR(run.prepare());
+  Status status = cluster->run([&](int rank) -> Status {
+    // The rank's engine is gone before the others hear of a failure.
+    Status s = RankRun(run, rank).run();
+    if (!s.ok()) run.sync.abort("rank " + std::to_string(rank) + ": " + s.message());
+    return s;
+  });
+  if (run.board) run.board->finish_output();
+  if (saver) status = finish_saving(options, *saver, std::move(status), run.result);
+  STRATA_RETURN_IF_ERROR(status);
+  return run.summarize();
 }
 
 std::string summary_json(const TrainerResult& r) {
