@@ -631,32 +631,57 @@ Status check_default_positions(const TokenBatch* batch, size_t seq_len) {
 
 }  // namespace
 
-StatusOr<QueuedMicroBatch> GptModel::queue_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {
-  if (!buffers_) return FailedPreconditionError("GptModel::queue_micro_batch() before allocate()");
-  if (train == nullptr && eval == nullptr) return InvalidArgumentError("GptModel::queue_micro_batch(): neither a training nor an evaluation batch");
-  Buffers& b = *buffers_;
-  const DeviceLayout& d = b.layout;
-  Device& device = engine_.device();
-  Stream& stream = engine_.compute_stream();
-  const GptConfig& c = options_.config;
-  const int L = static_cast<int>(c.n_layer);
-  const size_t T = static_cast<size_t>(options_.seq_len);
-  const size_t C = static_cast<size_t>(c.n_embd);
-  const DType dt = plan_.compute_dtype;
-  const size_t cs = dtype_size(dt);
-  const bool pinned = options_.checkpointing == ActivationCheckpointing::kPinnedHost;
-  const bool keep_all = options_.checkpointing == ActivationCheckpointing::kOff;
+// What one micro-batch's passes share: their shapes, and where each block's input lives.
+struct GptModel::Pass {
+  Buffers* b = nullptr;
+  bool train = false;          // a training batch: forward and backward
+  int64_t eval_sequences = 0;  // 0 = no evaluation batch
+  int layers = 0;
+  size_t seq_len = 0, width = 0, dtype_bytes = 0;  // T, C and the compute dtype's size
+  size_t rows = 0;                                 // the training batch's rows (batch x T)
+  size_t eval_rows = 0;
+  bool pinned = false;    // block inputs saved to pinned host memory and brought back for backward
+  bool keep_all = false;  // every block's activations kept (no checkpointing)
 
+  size_t row_bytes() const { return width * dtype_bytes; }
+  // Where block l's input (l = layers: the final residual) lives during forward.
+  void* resid(int l) const { return b->at(b->layout.resid[static_cast<size_t>(pinned ? l % 2 : l)]); }
+  BlockActs train_acts(int l) const { return b->acts(keep_all ? static_cast<size_t>(l) : 0); }
+  BlockActs eval_acts() const { return b->acts(keep_all ? static_cast<size_t>(layers) : 0); }
+  // The evaluation batch's residual rows, from sequence `sequence` on.
+  void* eval_rows_at(int64_t sequence) const {
+    return static_cast<char*>(b->at(b->layout.eval_resid)) + static_cast<size_t>(sequence) * seq_len * row_bytes();
+  }
+};
+
+Status GptModel::check_batches(const TokenBatch* train, const TokenBatch* eval) const {
   if (train != nullptr && train->sequences != options_.batch)
     return InvalidArgumentError("GPT model: a training micro-batch has " + std::to_string(train->sequences) + " sequences, the model was planned for " +
                                 std::to_string(options_.batch));
   if (eval != nullptr && (eval->sequences < 1 || eval->sequences > options_.eval_batch))
     return InvalidArgumentError("GPT model: an evaluation batch has " + std::to_string(eval->sequences) +
                                 " sequences, the model was planned for 1 to " + std::to_string(options_.eval_batch));
-  const size_t rows = static_cast<size_t>(d.rows);
-  const size_t erows = eval ? static_cast<size_t>(eval->sequences) * T : 0;
+  const size_t T = static_cast<size_t>(options_.seq_len);
   STRATA_RETURN_IF_ERROR(check_default_positions(train, T));
-  STRATA_RETURN_IF_ERROR(check_default_positions(eval, T));
+  return check_default_positions(eval, T);
+}
+
+StatusOr<QueuedMicroBatch> GptModel::queue_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {
+  if (!buffers_) return FailedPreconditionError("GptModel::queue_micro_batch() before allocate()");
+  if (train == nullptr && eval == nullptr) return InvalidArgumentError("GptModel::queue_micro_batch(): neither a training nor an evaluation batch");
+  STRATA_RETURN_IF_ERROR(check_batches(train, eval));
+  Pass pass;
+  pass.b = buffers_.get();
+  pass.train = train != nullptr;
+  pass.eval_sequences = eval ? eval->sequences : 0;
+  pass.layers = static_cast<int>(options_.config.n_layer);
+  pass.seq_len = static_cast<size_t>(options_.seq_len);
+  pass.width = static_cast<size_t>(options_.config.n_embd);
+  pass.dtype_bytes = dtype_size(plan_.compute_dtype);
+  pass.rows = static_cast<size_t>(buffers_->layout.rows);
+  pass.eval_rows = static_cast<size_t>(pass.eval_sequences) * pass.seq_len;
+  pass.pinned = options_.checkpointing == ActivationCheckpointing::kPinnedHost;
+  pass.keep_all = options_.checkpointing == ActivationCheckpointing::kOff;
 
   // Inputs: checked and staged per vocabulary chunk by the vocabulary head (pass 0:
   // training, pass 1: evaluation), from its own host staging.
@@ -667,67 +692,12 @@ StatusOr<QueuedMicroBatch> GptModel::queue_micro_batch(const TokenBatch* train, 
   if (eval) {
     STRATA_ASSIGN_OR_RETURN(result.eval_tokens, vocab_->stage(1, *eval, options_.seq_len, 0.0f, "GPT"));
   }
-
-  // Where block l's input lives during forward.
-  auto resid = [&](int l) { return b.at(d.resid[static_cast<size_t>(pinned ? l % 2 : l)]); };
-  auto train_acts = [&](int l) { return b.acts(keep_all ? static_cast<size_t>(l) : 0); };
-  const BlockActs eval_acts = b.acts(keep_all ? static_cast<size_t>(L) : 0);
-  void* eval_x = eval ? b.at(d.eval_resid) : nullptr;
-  const int64_t eval_sequences = eval ? eval->sequences : 0;
-  Stream* copies = b.copy_stream.get();
-  // Evaluation runs in chunks of at most `batch` sequences through the shared activations.
-  auto for_eval_chunks = [&](const std::function<Status(int64_t first, int64_t count)>& body) -> Status {
-    for (int64_t first = 0; first < eval_sequences; first += options_.batch)
-      STRATA_RETURN_IF_ERROR(body(first, std::min<int64_t>(options_.batch, eval_sequences - first)));
-    return {};
-  };
-  auto eval_rows_at = [&](int64_t sequence) { return static_cast<char*>(eval_x) + static_cast<size_t>(sequence) * T * C * cs; };
-
-  // ---- Forward.
   const int64_t train_sequences = train ? options_.batch : 0;
-  STRATA_RETURN_IF_ERROR(embed_forward(train_sequences, eval_sequences));
-  for (int l = 0; l < L; ++l) {
-    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(groups_.block(l)));
-    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(groups_.block(l), view));
-    STRATA_RETURN_IF_ERROR(for_eval_chunks([&](int64_t first, int64_t count) {
-      return block_forward(p, eval_rows_at(first), eval_rows_at(first), eval_acts, count);
-    }));
-    if (train) {
-      if (pinned) {
-        // Save this block's input (all but the last block's, which stays on the device)
-        // while the block computes; the block after next overwrites it.
-        if (l < L - 1) {
-          STRATA_RETURN_IF_ERROR(stream.record(*b.input_ready));
-          STRATA_RETURN_IF_ERROR(copies->wait(*b.input_ready));
-          STRATA_RETURN_IF_ERROR(device.copy_async(b.pinned[static_cast<size_t>(l)].data(), resid(l), rows * C * cs, CopyKind::kDeviceToHost, *copies));
-          STRATA_RETURN_IF_ERROR(copies->record(*b.saved[l % 2]));
-        }
-        // This block writes over block l-1's input: wait until it has been saved.
-        if (l >= 1) STRATA_RETURN_IF_ERROR(stream.wait(*b.saved[(l - 1) % 2]));
-      }
-      STRATA_RETURN_IF_ERROR(block_forward(p, resid(l), resid(l + 1), train_acts(l), options_.batch));
-    }
-    STRATA_RETURN_IF_ERROR(engine_.release(groups_.block(l)));
-  }
-  const int lnf = groups_.final_norm();
-  void* final_resid = resid(L);
-  const kernels::LayerNormShape lnf_train{rows, C, 1e-5f};
-  {
-    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(lnf));
-    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(lnf, view));
-    if (train) {
-      STRATA_RETURN_IF_ERROR(kernels::layernorm_forward(stream, lnf_train, dt, final_resid, p[0], p[1], b.at(d.lnf_out),
-                                                        static_cast<float*>(b.at(d.lnf_mean)), static_cast<float*>(b.at(d.lnf_rstd))));
-    }
-    if (eval)
-      STRATA_RETURN_IF_ERROR(kernels::layernorm_forward(stream, {erows, C, 1e-5f}, dt, eval_x, p[0], p[1], b.at(d.eval_lnf), nullptr, nullptr));
-    // ln_f's backward runs without gathering the group again: keep its gain and shift.
-    STRATA_RETURN_IF_ERROR(device.copy_async(b.at(d.lnf_gamma), p[0], C * cs, CopyKind::kDeviceToDevice, stream));
-    STRATA_RETURN_IF_ERROR(device.copy_async(static_cast<char*>(b.at(d.lnf_gamma)) + C * cs, p[1], C * cs, CopyKind::kDeviceToDevice, stream));
-    STRATA_RETURN_IF_ERROR(engine_.release(lnf));
-  }
+  STRATA_RETURN_IF_ERROR(embed_forward(train_sequences, pass.eval_sequences));
+  STRATA_RETURN_IF_ERROR(forward_blocks(pass));
+  STRATA_RETURN_IF_ERROR(final_norm_forward(pass));
   // The head's input gradient goes to grad_narrow, ln_f's backward reads it from there.
-  STRATA_RETURN_IF_ERROR(head_forward(train_sequences, eval_sequences));
+  STRATA_RETURN_IF_ERROR(head_forward(train_sequences, pass.eval_sequences));
   // The losses are final here: their copies to the host go behind the head, so collect()
   // waits for the head only, not for the backward still to come.
   if (train) {
@@ -736,50 +706,125 @@ StatusOr<QueuedMicroBatch> GptModel::queue_micro_batch(const TokenBatch* train, 
   if (eval) {
     STRATA_ASSIGN_OR_RETURN(result.eval_loss, vocab_->queue_loss(1));
   }
-
-  // ---- Backward.
-  if (train) {
-    {
-      STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(lnf));
-      const kernels::GradOptions options{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
-      STRATA_RETURN_IF_ERROR(kernels::layernorm_backward(stream, lnf_train, dt, b.at(d.grad_narrow), final_resid, b.at(d.lnf_gamma),
-                                                         static_cast<const float*>(b.at(d.lnf_mean)),
-                                                         static_cast<const float*>(b.at(d.lnf_rstd)), b.at(d.dresid),
-                                                         static_cast<float*>(grads.tensors[0]), static_cast<float*>(grads.tensors[1]), options));
-      STRATA_RETURN_IF_ERROR(capture(lnf, grads));
-      STRATA_RETURN_IF_ERROR(engine_.grads_ready(lnf));
-    }
-    // Pinned: after the buffer that held block m's input (or the final residual, m = L) is
-    // no longer read, bring back block m-2's input into it, ahead of its recompute.
-    auto restore_ahead = [&](int m) -> Status {
-      if (!pinned || m - 2 < 0) return {};
-      STRATA_RETURN_IF_ERROR(stream.record(*b.slot_free));
-      STRATA_RETURN_IF_ERROR(copies->wait(*b.slot_free));
-      STRATA_RETURN_IF_ERROR(device.copy_async(resid(m - 2), b.pinned[static_cast<size_t>(m - 2)].data(), rows * C * cs,
-                                               CopyKind::kHostToDevice, *copies));
-      return copies->record(*b.restored[(m - 2) % 2]);
-    };
-    STRATA_RETURN_IF_ERROR(restore_ahead(L));
-    for (int l = L - 1; l >= 0; --l) {
-      const int g = groups_.block(l);
-      STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-      STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
-      STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
-      std::vector<float*> gp;
-      for (void* t : grads.tensors) gp.push_back(static_cast<float*>(t));
-      if (pinned && l < L - 1) STRATA_RETURN_IF_ERROR(stream.wait(*b.restored[l % 2]));
-      const BlockActs acts = train_acts(l);
-      if (!keep_all) STRATA_RETURN_IF_ERROR(block_forward(p, resid(l), nullptr, acts, options_.batch));
-      STRATA_RETURN_IF_ERROR(block_backward(p, gp, resid(l), acts));
-      STRATA_RETURN_IF_ERROR(engine_.release(g));
-      STRATA_RETURN_IF_ERROR(capture(g, grads));
-      STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
-      STRATA_RETURN_IF_ERROR(restore_ahead(l));
-    }
-    STRATA_RETURN_IF_ERROR(embed_backward());
-  }
-
+  if (!train) return result;
+  STRATA_RETURN_IF_ERROR(final_norm_backward(pass));
+  STRATA_RETURN_IF_ERROR(backward_blocks(pass));
+  STRATA_RETURN_IF_ERROR(embed_backward());
   return result;
+}
+
+Status GptModel::forward_blocks(const Pass& pass) {
+  Buffers& b = *buffers_;
+  Device& device = engine_.device();
+  Stream& stream = engine_.compute_stream();
+  Stream* copies = b.copy_stream.get();
+  const int L = pass.layers;
+  const BlockActs eval_acts = pass.eval_acts();
+  for (int l = 0; l < L; ++l) {
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(groups_.block(l)));
+    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(groups_.block(l), view));
+    // Evaluation runs in chunks of at most `batch` sequences through the shared activations.
+    for (int64_t first = 0; first < pass.eval_sequences; first += options_.batch) {
+      const int64_t count = std::min<int64_t>(options_.batch, pass.eval_sequences - first);
+      STRATA_RETURN_IF_ERROR(block_forward(p, pass.eval_rows_at(first), pass.eval_rows_at(first), eval_acts, count));
+    }
+    if (pass.train) {
+      if (pass.pinned) {
+        // Save this block's input (all but the last block's, which stays on the device)
+        // while the block computes; the block after next overwrites it.
+        if (l < L - 1) {
+          STRATA_RETURN_IF_ERROR(stream.record(*b.input_ready));
+          STRATA_RETURN_IF_ERROR(copies->wait(*b.input_ready));
+          STRATA_RETURN_IF_ERROR(device.copy_async(b.pinned[static_cast<size_t>(l)].data(), pass.resid(l), pass.rows * pass.row_bytes(),
+                                                   CopyKind::kDeviceToHost, *copies));
+          STRATA_RETURN_IF_ERROR(copies->record(*b.saved[l % 2]));
+        }
+        // This block writes over block l-1's input: wait until it has been saved.
+        if (l >= 1) STRATA_RETURN_IF_ERROR(stream.wait(*b.saved[(l - 1) % 2]));
+      }
+      STRATA_RETURN_IF_ERROR(block_forward(p, pass.resid(l), pass.resid(l + 1), pass.train_acts(l), options_.batch));
+    }
+    STRATA_RETURN_IF_ERROR(engine_.release(groups_.block(l)));
+  }
+  return {};
+}
+
+Status GptModel::final_norm_forward(const Pass& pass) {
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
+  Device& device = engine_.device();
+  Stream& stream = engine_.compute_stream();
+  const DType dt = plan_.compute_dtype;
+  const int lnf = groups_.final_norm();
+  STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(lnf));
+  STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(lnf, view));
+  if (pass.train) {
+    const kernels::LayerNormShape shape{pass.rows, pass.width, 1e-5f};
+    STRATA_RETURN_IF_ERROR(kernels::layernorm_forward(stream, shape, dt, pass.resid(pass.layers), p[0], p[1], b.at(d.lnf_out),
+                                                      static_cast<float*>(b.at(d.lnf_mean)), static_cast<float*>(b.at(d.lnf_rstd))));
+  }
+  if (pass.eval_sequences > 0) {
+    const kernels::LayerNormShape shape{pass.eval_rows, pass.width, 1e-5f};
+    STRATA_RETURN_IF_ERROR(kernels::layernorm_forward(stream, shape, dt, pass.eval_rows_at(0), p[0], p[1], b.at(d.eval_lnf), nullptr, nullptr));
+  }
+  // ln_f's backward runs without gathering the group again: keep its gain and shift.
+  const size_t row_bytes = pass.row_bytes();
+  STRATA_RETURN_IF_ERROR(device.copy_async(b.at(d.lnf_gamma), p[0], row_bytes, CopyKind::kDeviceToDevice, stream));
+  STRATA_RETURN_IF_ERROR(device.copy_async(static_cast<char*>(b.at(d.lnf_gamma)) + row_bytes, p[1], row_bytes, CopyKind::kDeviceToDevice, stream));
+  return engine_.release(lnf);
+}
+
+Status GptModel::final_norm_backward(const Pass& pass) {
+  Buffers& b = *buffers_;
+  const DeviceLayout& d = b.layout;
+  const int lnf = groups_.final_norm();
+  STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(lnf));
+  const kernels::GradOptions options{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
+  const kernels::LayerNormShape shape{pass.rows, pass.width, 1e-5f};
+  STRATA_RETURN_IF_ERROR(kernels::layernorm_backward(engine_.compute_stream(), shape, plan_.compute_dtype, b.at(d.grad_narrow),
+                                                     pass.resid(pass.layers), b.at(d.lnf_gamma), static_cast<const float*>(b.at(d.lnf_mean)),
+                                                     static_cast<const float*>(b.at(d.lnf_rstd)), b.at(d.dresid),
+                                                     static_cast<float*>(grads.tensors[0]), static_cast<float*>(grads.tensors[1]), options));
+  STRATA_RETURN_IF_ERROR(capture(lnf, grads));
+  return engine_.grads_ready(lnf);
+}
+
+// Pinned: after the buffer that held block m's input (or the final residual, m = layers) is
+// no longer read, brings back block m-2's input into it, ahead of its recompute.
+Status GptModel::restore_block_input(const Pass& pass, int m) {
+  if (!pass.pinned || m - 2 < 0) return {};
+  Buffers& b = *buffers_;
+  Stream& stream = engine_.compute_stream();
+  Stream* copies = b.copy_stream.get();
+  STRATA_RETURN_IF_ERROR(stream.record(*b.slot_free));
+  STRATA_RETURN_IF_ERROR(copies->wait(*b.slot_free));
+  STRATA_RETURN_IF_ERROR(engine_.device().copy_async(pass.resid(m - 2), b.pinned[static_cast<size_t>(m - 2)].data(), pass.rows * pass.row_bytes(),
+                                                     CopyKind::kHostToDevice, *copies));
+  return copies->record(*b.restored[(m - 2) % 2]);
+}
+
+Status GptModel::backward_blocks(const Pass& pass) {
+  Buffers& b = *buffers_;
+  Stream& stream = engine_.compute_stream();
+  const int L = pass.layers;
+  STRATA_RETURN_IF_ERROR(restore_block_input(pass, L));
+  for (int l = L - 1; l >= 0; --l) {
+    const int g = groups_.block(l);
+    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
+    STRATA_ASSIGN_OR_RETURN(std::vector<const void*> p, params_of(g, view));
+    STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
+    std::vector<float*> gp;
+    for (void* t : grads.tensors) gp.push_back(static_cast<float*>(t));
+    if (pass.pinned && l < L - 1) STRATA_RETURN_IF_ERROR(stream.wait(*b.restored[l % 2]));
+    const BlockActs acts = pass.train_acts(l);
+    if (!pass.keep_all) STRATA_RETURN_IF_ERROR(block_forward(p, pass.resid(l), nullptr, acts, options_.batch));
+    STRATA_RETURN_IF_ERROR(block_backward(p, gp, pass.resid(l), acts));
+    STRATA_RETURN_IF_ERROR(engine_.release(g));
+    STRATA_RETURN_IF_ERROR(capture(g, grads));
+    STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
+    STRATA_RETURN_IF_ERROR(restore_block_input(pass, l));
+  }
+  return {};
 }
 
 StatusOr<MicroBatchLosses> GptModel::collect(const QueuedMicroBatch& queued) {

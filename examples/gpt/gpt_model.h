@@ -215,6 +215,15 @@ class GptModel : public lm::CausalLm {
   Status embed_backward();
   Status capture(int group, const GroupView& grads);
 
+  // queue_micro_batch's passes, in order (Pass: the micro-batch's shapes and buffers).
+  struct Pass;
+  Status check_batches(const TokenBatch* train, const TokenBatch* eval) const;
+  Status forward_blocks(const Pass& pass);
+  Status final_norm_forward(const Pass& pass);
+  Status final_norm_backward(const Pass& pass);
+  Status backward_blocks(const Pass& pass);
+  Status restore_block_input(const Pass& pass, int m);
+
   Engine& engine_;
   GptModelOptions options_;
   GptActivationPlan plan_;
