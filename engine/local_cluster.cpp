@@ -50,6 +50,7 @@ Status LocalCluster::create_process_rank(const LocalClusterOptions& options, Loc
     device_options.ordinal = group.rank;
     device_options.budget_bytes = options.device_budget_bytes;
     device_options.matmul_precision = options.matmul_precision;
+    device_options.thread_nice = options.device_thread_nice;
     // The ranks of one node share its cores (all ranks on one node, as a launcher on one
     // machine starts them; a multi-node launch should set compute_threads).
     device_options.compute.threads =
@@ -106,6 +107,7 @@ StatusOr<std::unique_ptr<LocalCluster>> LocalCluster::create(const LocalClusterO
       device_options.budget_bytes = options.device_budget_bytes;
       device_options.compute.threads = threads;
       device_options.matmul_precision = options.matmul_precision;
+      device_options.thread_nice = options.device_thread_nice;
       STRATA_ASSIGN_OR_RETURN(auto device, create_cpu_device(device_options));
       cluster->devices_.push_back(std::move(device));
     }

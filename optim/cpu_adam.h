@@ -1,8 +1,8 @@
 // The CPU Adam/AdamW: the parallel driver over the SIMD span kernels (optim/adam_span.h).
 //
 // It steps one shard per call (the engine calls it as each group's gradients land) in
-// its own executor (a oneTBB task_arena with a settable thread count and affinity; plain
-// threads under ThreadSanitizer). A shard is cut into chunks of `chunk_elements`; each
+// its own executor (plain threads of its own by default, with a settable thread count and
+// affinity; a oneTBB task_arena on request). A shard is cut into chunks of `chunk_elements`; each
 // worker streams a contiguous run of chunks, so its pages stay together and its hardware
 // prefetchers see long streams.
 //
@@ -63,7 +63,10 @@ StatusOr<AdamStepPlan> plan_adam_step(const kernels::AdamHyperparams& hyper, int
 struct CpuAdamOptions {
   int threads = 0;                               // workers; 0 = every core this process may use
   std::vector<int> cpu_affinity;                 // cores to pin the workers to; empty = no pinning
-  ExecutorKind executor = ExecutorKind::kDefault;  // oneTBB (plain threads under TSan)
+  // Plain threads of its own by default, not oneTBB's workers, which every arena in the
+  // process shares: the CPU device lowers their priority (CpuDeviceOptions::thread_nice),
+  // and CPU Adam and the gradient path (on this executor) are host stages that run first.
+  ExecutorKind executor = ExecutorKind::kThreads;
   std::optional<CpuIsa> isa;                     // force a path; unset = the best this CPU has
   AdamSpanKernelOptions span;                    // e.g. whether to use AVX512-BF16 conversions
   size_t chunk_elements = size_t{1} << 16;       // elements per parallel chunk; a multiple of 64

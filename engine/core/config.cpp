@@ -760,6 +760,7 @@ void add_strata_keys(std::vector<KeySpec>& s) {
   add(value_key("strata.device_budget_mib", FIELD(strata.device_budget_mib), non_negative()));
   add(value_key("strata.pinned_budget_mib", FIELD(strata.pinned_budget_mib), non_negative()));
   add(value_key("strata.compute_threads", FIELD(strata.compute_threads), IntCodec{.min = 0, .max = 4096}));
+  add(value_key("strata.device_thread_nice", FIELD(strata.device_thread_nice), IntCodec{.min = 0, .max = 19}));
   add(value_key("strata.matmul_precision", FIELD(strata.matmul_precision),
                 named_codec({MatmulPrecision::kFp32, MatmulPrecision::kTf32, MatmulPrecision::kBf16}, matmul_precision_name)));
   add(value_key("strata.optimizer_threads", FIELD(strata.optimizer_threads), IntCodec{.min = 0, .max = 4096}));

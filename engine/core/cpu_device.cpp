@@ -351,7 +351,9 @@ StatusOr<std::unique_ptr<CpuDevice>> CpuDevice::create(const CpuDeviceOptions& o
                                 "\", but the CPU device computes matrix products in fp32 only (OpenBLAS sgemm): set it "
                                 "to \"fp32\" or run on --device cuda");
   }
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Executor> executor, make_executor(options.compute));
+  ExecutorOptions compute = options.compute;
+  if (compute.worker_nice == 0) compute.worker_nice = options.thread_nice;
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Executor> executor, make_executor(compute));
   return std::make_unique<CpuDevice>(ConstructorKey(), options, std::move(executor));
 }
 
@@ -458,7 +460,10 @@ Status CpuDevice::check_device_range(const void* data, size_t bytes, std::string
 
 StatusOr<std::unique_ptr<Stream>> CpuDevice::create_stream(std::string name) {
   auto core = std::make_shared<StreamCore>(std::move(name), this->name());
-  StatusOr<std::thread> worker = spawn_thread("strata:" + core->name(), [core] { core->run_worker(); });
+  StatusOr<std::thread> worker = spawn_thread("strata:" + core->name(), [core, nice = options_.thread_nice] {
+    lower_current_thread_priority(nice);
+    core->run_worker();
+  });
   if (!worker.ok()) return std::move(worker).status().with_context(this->name() + ": the worker of stream '" + core->name() + "'");
   auto stream = std::make_unique<CpuStream>(*this, core, *std::move(worker));
   std::lock_guard<std::mutex> lock(streams_mutex_);

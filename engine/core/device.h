@@ -209,6 +209,13 @@ struct CpuDeviceOptions {
   int ordinal = 0;
   size_t budget_bytes = size_t{1} << 30;  // the hard cap on "device" memory
   ExecutorOptions compute;                // the executor kernels fan out through
+  // The nice value of the device's own threads: its streams' workers and its executor's
+  // workers (compute.worker_nice, where that is 0). The CPU device stands in for an
+  // accelerator, whose work never takes a host core from the host pipeline (CPU Adam, the
+  // gradient landing, the I/O): at 19 those stages run first and the device computes in
+  // the time they leave; the work is the same, so the step is not longer (docs/benchmarks.md,
+  // "the host stages given the cores"). 0 = the process's priority.
+  int thread_nice = 19;
   // Only kFp32: OpenBLAS's sgemm has no reduced-precision mode, so create_cpu_device
   // rejects the others rather than silently computing in fp32.
   MatmulPrecision matmul_precision = MatmulPrecision::kFp32;

@@ -52,12 +52,14 @@ void pin_current_thread(const std::vector<int>& cpus, size_t slot) {
 // through an atomic counter, and the caller works too.
 class ThreadExecutor final : public Executor {
  public:
-  ThreadExecutor(int threads, std::vector<int> affinity) : threads_(threads), affinity_(std::move(affinity)) {}
+  ThreadExecutor(int threads, std::vector<int> affinity, int worker_nice)
+      : threads_(threads), affinity_(std::move(affinity)), worker_nice_(worker_nice) {}
   // Starts the workers (the caller is worker 0); the destructor joins those started.
   Status start() {
     for (int i = 1; i < threads_; ++i) {
       STRATA_ASSIGN_OR_RETURN(std::thread worker, spawn_thread("strata:exec", [this, i] {
                                 pin_current_thread(affinity_, static_cast<size_t>(i));
+                                lower_current_thread_priority(worker_nice_);
                                 worker_loop();
                               }));
       workers_.push_back(std::move(worker));
@@ -144,6 +146,7 @@ class ThreadExecutor final : public Executor {
 
   const int threads_;
   const std::vector<int> affinity_;
+  const int worker_nice_;
   std::vector<std::thread> workers_;
   std::mutex job_mutex_;
   std::mutex mutex_;
@@ -173,10 +176,32 @@ class AffinityObserver final : public oneapi::tbb::task_scheduler_observer {
   std::vector<int> cpus_;
 };
 
+// Lowers the priority of oneTBB's worker threads as they enter the arena. The workers are
+// the process's, shared by every arena, and cannot raise a priority back without privilege,
+// so a worker only ever goes lower: to the highest nice any observer asked of it. Callers
+// of parallel_for keep theirs.
+class WorkerNiceObserver final : public oneapi::tbb::task_scheduler_observer {
+ public:
+  WorkerNiceObserver(oneapi::tbb::task_arena& arena, int nice) : oneapi::tbb::task_scheduler_observer(arena), nice_(nice) {
+    observe(true);
+  }
+  ~WorkerNiceObserver() override { observe(false); }
+  void on_scheduler_entry(bool is_worker) override {
+    thread_local int applied = 0;
+    if (!is_worker || nice_ <= applied) return;
+    applied = nice_;
+    lower_current_thread_priority(nice_);
+  }
+
+ private:
+  const int nice_;
+};
+
 class TbbExecutor final : public Executor {
  public:
-  TbbExecutor(int threads, std::vector<int> affinity) : threads_(threads), arena_(threads) {
+  TbbExecutor(int threads, std::vector<int> affinity, int worker_nice) : threads_(threads), arena_(threads) {
     if (!affinity.empty()) observer_ = std::make_unique<AffinityObserver>(arena_, std::move(affinity));
+    if (worker_nice != 0) nice_observer_ = std::make_unique<WorkerNiceObserver>(arena_, worker_nice);
   }
   int concurrency() const override { return threads_; }
   std::string_view name() const override { return "tbb"; }
@@ -213,6 +238,7 @@ class TbbExecutor final : public Executor {
   const int threads_;
   oneapi::tbb::task_arena arena_;
   std::unique_ptr<AffinityObserver> observer_;
+  std::unique_ptr<WorkerNiceObserver> nice_observer_;
 };
 #endif
 
@@ -224,14 +250,14 @@ StatusOr<std::unique_ptr<Executor>> make_executor(const ExecutorOptions& options
   ExecutorKind kind = options.kind;
   if (kind == ExecutorKind::kDefault) kind = built_with_thread_sanitizer() ? ExecutorKind::kThreads : ExecutorKind::kTbb;
   if (kind == ExecutorKind::kThreads) {
-    auto executor = std::make_unique<ThreadExecutor>(threads, options.cpu_affinity);
+    auto executor = std::make_unique<ThreadExecutor>(threads, options.cpu_affinity, options.worker_nice);
     STRATA_RETURN_IF_ERROR(executor->start().with_context("while starting a " + std::to_string(threads) + "-thread executor"));
     return std::unique_ptr<Executor>(std::move(executor));
   }
 #if defined(STRATA_SANITIZER_THREAD)
   return UnavailableError("the oneTBB executor is not built into ThreadSanitizer builds (its synchronization is invisible to TSan)");
 #else
-  return std::unique_ptr<Executor>(std::make_unique<TbbExecutor>(threads, options.cpu_affinity));
+  return std::unique_ptr<Executor>(std::make_unique<TbbExecutor>(threads, options.cpu_affinity, options.worker_nice));
 #endif
 }
 

@@ -3,10 +3,14 @@
 #include <dirent.h>
 #include <pthread.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <mutex>
+
+#include "engine/core/log.h"
 
 namespace strata {
 namespace {
@@ -56,6 +60,23 @@ Status injected_thread_spawn_failure(std::string_view name) {
   if (g_injected_count.fetch_add(1) + 1 != target) return {};
   return thread_spawn_error(name, EAGAIN);
 }
+
+}  // namespace internal
+
+Status set_current_thread_nice(int nice) {
+  if (::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), nice) != 0)
+    return Status::FromErrno(errno, "setpriority(nice " + std::to_string(nice) + ") of this thread");
+  return {};
+}
+
+void lower_current_thread_priority(int nice) {
+  if (nice == 0) return;
+  const Status status = set_current_thread_nice(nice);
+  static std::once_flag warned;
+  if (!status.ok()) std::call_once(warned, [&] { STRATA_LOG(kWarn) << "a thread keeps its priority: " << status.to_string(); });
+}
+
+namespace internal {
 
 void set_current_thread_name(const std::string& name) { (void)pthread_setname_np(pthread_self(), name.substr(0, 15).c_str()); }
 

@@ -27,6 +27,13 @@ Status injected_thread_spawn_failure(std::string_view name);
 void set_current_thread_name(const std::string& name);
 }  // namespace internal
 
+// Sets the calling thread's nice value (Linux: per thread). Only ever used to lower a
+// thread's priority, which needs no privilege; raising it back would (CAP_SYS_NICE).
+Status set_current_thread_nice(int nice);
+// The same, best effort: a thread that cannot lower its priority works on at the
+// process's, and the first such failure in the process is logged as a warning.
+void lower_current_thread_priority(int nice);
+
 // Starts `body` on a new thread named `name` (as `top` and debuggers show it). Fails with
 // ResourceExhausted naming the thread, the errno meaning and RLIMIT_NPROC's value when the
 // system refuses a thread; never throws.

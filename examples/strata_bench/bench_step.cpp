@@ -54,6 +54,7 @@ constexpr const char* kUsage =
     "                         [--prefetch-depth P (default: the deepest that fits)] [--pinned-budget-mib M (0 = what the plan needs)] [--seed S]\n"
     "                         [--store-gbps READ,WRITE | --store-measure-mib M=256] [--matmul-precision fp32|tf32|bf16 (cuda)]\n"
     "                         [--compute kernels|none (none: the engine's protocol alone, the host stages at the pace of a device that computes in no time)]\n"
+    "                         [--device-thread-nice N (cpu: the device's threads' nice value, 0-19; default 19: the host stages run first)]\n"
     "                         [--clip-grad-norm X (0 = off: Adam(g) starts as g's gradients land; on: after backward, as training with clipping does)]\n"
     "                         [--trace PATH (Chrome trace of every stage's intervals, written at the end)]\n"
     "                         [--json] [--help]";
@@ -68,6 +69,7 @@ struct StepBenchOptions {
   DeviceKind device = DeviceKind::kCpu;
   size_t budget_bytes = size_t{1} << 30;
   Tier params = Tier::kPinned;
+  int device_thread_nice = LocalClusterOptions{}.device_thread_nice;
   Tier optimizer = Tier::kPinned;
   DType param_dtype = DType::kBFloat16;
   MatmulPrecision matmul_precision = MatmulPrecision::kFp32;  // how the device runs the model's fp32 GEMMs
@@ -113,7 +115,7 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
                                                  {"layers", "width", "batch", "micro-batches", "steps", "world-size", "device",
                                                   "device-budget-mib", "offload-param", "offload-optimizer", "param-dtype",
                                                   "nvme-path", "prefetch-depth", "seed", "pinned-budget-mib", "store-gbps",
-                                                  "store-measure-mib", "matmul-precision", "compute", "clip-grad-norm", "trace"},
+                                                  "store-measure-mib", "matmul-precision", "compute", "device-thread-nice", "clip-grad-norm", "trace"},
                                                  {"json", "help"}));
   StepBenchOptions o;
   if (args.flag("help")) return StepBenchOptions{.help = true};
@@ -167,6 +169,9 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
   const std::string compute = args.get("compute", "kernels");
   if (compute != "kernels" && compute != "none") return InvalidArgumentError("--compute takes kernels or none, got '" + compute + "'");
   o.model.compute = compute == "none" ? models::StackCompute::kNone : models::StackCompute::kKernels;
+  STRATA_ASSIGN_OR_RETURN(o.device_thread_nice, args.get_integer<int>("device-thread-nice", o.device_thread_nice));
+  if (o.device_thread_nice < 0 || o.device_thread_nice > 19)
+    return InvalidArgumentError("--device-thread-nice takes a nice value 0-19, got " + std::to_string(o.device_thread_nice));
   STRATA_ASSIGN_OR_RETURN(o.clip_grad_norm, args.get_double("clip-grad-norm", 0.0));
   if (!(o.clip_grad_norm >= 0.0)) return InvalidArgumentError("--clip-grad-norm takes a norm >= 0 (0 = off)");
   o.trace_path = args.get("trace", "");
@@ -334,6 +339,7 @@ int run_step(int argc, char** argv) {
   cluster_options.device_budget_bytes = o.budget_bytes;
   cluster_options.process_group = o.process_group;
   cluster_options.matmul_precision = o.matmul_precision;
+  cluster_options.device_thread_nice = o.device_thread_nice;
   auto cluster = LocalCluster::create(cluster_options);
   if (!cluster.ok()) return report_failure("step", cluster.status());
   auto run = train(o, **cluster);

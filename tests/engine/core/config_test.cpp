@@ -267,6 +267,7 @@ TEST_F(ConfigTest, IllTypedAndOutOfRangeValues) {
       {R"({"aio": {"block_size": 1000}})", "aio.block_size: expected an integer >= 4096 that is a multiple of 4096, got 1000 in "},
       {R"({"aio": {"queue_depth": 0}})", "aio.queue_depth: expected an integer in [1, 32768], got 0 in "},
       {R"({"zero_optimization": {"stage": 4}})", "zero_optimization.stage: expected an integer in [0, 3], got 4 in "},
+      {R"({"strata": {"device_thread_nice": 20}})", "strata.device_thread_nice: expected an integer in [0, 19], got 20 in "},
       {R"({"fp16": {"min_loss_scale": 0}})", "fp16.min_loss_scale: expected a number > 0, got 0 in "},
       {R"({"bf16": {"enabled": 1}})", "bf16.enabled: expected true or false, got 1 in "},
       {R"({"gradient_clipping": -1})", "gradient_clipping: expected a number >= 0, got -1 in "},
