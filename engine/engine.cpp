@@ -189,7 +189,7 @@ class EngineImpl final : public Engine {
   int64_t current_use_version() const { return forward_only_ ? step_index_ : uses_->step_version(step_index_); }
   StatusOr<GradientStats> reduce_statistics(const GradientStats& local);
   StatusOr<OptimizerJob> plan_update(int64_t t, const GradientStats& global);
-  Status finish_report(StepReport& report);
+  Status finish_report(StepReport& report, TraceClock::time_point window_end);
   // Waits until everything planned is carried out (landings, updates, fetches).
   Status drain();
   // Delayed mode, loading a stale copy before any step: the engine moves to the position
@@ -688,6 +688,10 @@ StatusOr<StepReport> EngineImpl::step(double loss) {
   STRATA_ASSIGN_OR_RETURN(const GradientStats global, reduce_statistics(local));
   StepReport report;
   report.loss_scale = loss_scale();
+  // Where this step's report window ends. A job submitted below runs on the optimizer's
+  // thread; it counts in the next step's window whole, never partly in this one by how
+  // soon that thread wakes (its params are not fetched again before it has run).
+  TraceClock::time_point window_end = TraceClock::now();
   if (early_update_) {
     // The updates were planned as the gradients landed.
     report.grad_norm = std::sqrt(global.sum_of_squares);
@@ -702,6 +706,7 @@ StatusOr<StepReport> EngineImpl::step(double loss) {
       std::lock_guard<std::mutex> lock(mutex_);
       ++optimizer_jobs_queued_;
     }
+    window_end = TraceClock::now();
     optimizer_stage_->submit(std::move(job));
   }
   {
@@ -713,13 +718,13 @@ StatusOr<StepReport> EngineImpl::step(double loss) {
   micro_ = -1;
   report.step = applied_steps_;
   report.loss = loss;
-  STRATA_RETURN_IF_ERROR(finish_report(report));
+  STRATA_RETURN_IF_ERROR(finish_report(report, window_end));
   return report;
 }
 
-// The report and metrics over the window since the previous step.
-Status EngineImpl::finish_report(StepReport& report) {
-  const auto now = TraceClock::now();
+// The report and metrics over the window from the previous step's end to `window_end`.
+Status EngineImpl::finish_report(StepReport& report, TraceClock::time_point window_end) {
+  const auto now = window_end;
   report.step_seconds = std::chrono::duration<double>(now - step_window_begin_).count();
   // The streams' intervals that have completed by now (non-blocking; the rest count in a later window).
   STRATA_RETURN_IF_ERROR(stream_trace_->collect());
