@@ -180,7 +180,10 @@ struct GroupView {
 struct StepReport {
   int64_t step = 0;               // steps completed, including this one
   double loss = 0.0;              // what the model passed to step()
-  double step_seconds = 0.0;      // wall time since the previous step() returned (or begin_step of the first)
+  // Wall time of the step's window: from the previous window's end (or begin_step of the
+  // first) to the moment step() hands its optimizer job over, so a job submitted by step()
+  // (clipping, fp16) counts whole in the next step's window.
+  double step_seconds = 0.0;
   StageSeconds busy{};            // per stage, over the same window (union of in-flight intervals)
   double grad_norm = 0.0;         // global L2 norm of the (unscaled) gradient
   bool skipped = false;           // overflow: the update was skipped (fp16)
