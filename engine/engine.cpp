@@ -722,9 +722,8 @@ StatusOr<StepReport> EngineImpl::step(double loss) {
   return report;
 }
 
-// The report and metrics over the window from the previous step's end to `window_end`.
-Status EngineImpl::finish_report(StepReport& report, TraceClock::time_point window_end) {
-  const auto now = window_end;
+// The report and metrics over the window from the previous step's end to `now` (step()'s window end).
+Status EngineImpl::finish_report(StepReport& report, TraceClock::time_point now) {
   report.step_seconds = std::chrono::duration<double>(now - step_window_begin_).count();
   // The streams' intervals that have completed by now (non-blocking; the rest count in a later window).
   STRATA_RETURN_IF_ERROR(stream_trace_->collect());

@@ -34,7 +34,7 @@ struct LocalClusterOptions {
   DeviceKind device = DeviceKind::kCpu;
   size_t device_budget_bytes = size_t{1} << 30;  // per rank; for CUDA 0 = the GPU's free memory
   int compute_threads = 0;                       // CPU device: executor threads per rank; 0 = cores / world size
-  int device_thread_nice = 19;                   // CPU device: its threads' nice value (CpuDeviceOptions::thread_nice)
+  int device_thread_nice = kCpuDeviceThreadNice;  // CPU device: its threads' nice value (CpuDeviceOptions::thread_nice)
   MatmulPrecision matmul_precision = MatmulPrecision::kFp32;  // fp32 GEMMs (the CPU device takes only kFp32)
   std::chrono::milliseconds collective_timeout{std::chrono::minutes(10)};  // host and NCCL communicators (thread ranks)
   // Process ranks: this process's place in a multi-process world (world_size above is

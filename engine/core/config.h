@@ -207,7 +207,7 @@ struct StrataSection {
   int64_t device_budget_mib = 0;      // hard cap on device memory per rank; 0 = the device's own limit
   int64_t pinned_budget_mib = 0;      // cap on the engine's host memory per rank (pinned or pageable), MiB; 0 = what the plan needs
   int64_t compute_threads = 0;        // CPU device compute threads; 0 = all hardware threads
-  int64_t device_thread_nice = 19;    // CPU device: the nice value of its threads (the host stages run first)
+  int64_t device_thread_nice = kCpuDeviceThreadNice;// CPU device: the nice value of its threads (the host stages run first)
   MatmulPrecision matmul_precision = MatmulPrecision::kFp32;  // fp32 GEMMs on the GPU: fp32 | tf32 | bf16 (CPU: fp32 only)
   int64_t optimizer_threads = 0;      // CPU Adam threads; 0 = all hardware threads
   OverlapMode optimizer_overlap = OverlapMode::kExact;

@@ -205,6 +205,10 @@ class Device {
   friend class DeviceBuffer;
 };
 
+// The CPU device's threads' default nice value (CpuDeviceOptions::thread_nice,
+// strata.device_thread_nice): the lowest priority, below every host stage.
+inline constexpr int kCpuDeviceThreadNice = 19;
+
 struct CpuDeviceOptions {
   int ordinal = 0;
   size_t budget_bytes = size_t{1} << 30;  // the hard cap on "device" memory
@@ -215,7 +219,7 @@ struct CpuDeviceOptions {
   // gradient landing, the I/O): at 19 those stages run first and the device computes in
   // the time they leave; the work is the same, so the step is not longer (docs/benchmarks.md,
   // "the host stages given the cores"). 0 = the process's priority.
-  int thread_nice = 19;
+  int thread_nice = kCpuDeviceThreadNice;
   // Only kFp32: OpenBLAS's sgemm has no reduced-precision mode, so create_cpu_device
   // rejects the others rather than silently computing in fp32.
   MatmulPrecision matmul_precision = MatmulPrecision::kFp32;

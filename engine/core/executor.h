@@ -27,9 +27,9 @@ struct ExecutorOptions {
   int threads = 0;                // worker count; 0 = the cores this process may run on
   ExecutorKind kind = ExecutorKind::kDefault;
   std::vector<int> cpu_affinity;  // cores to pin workers to (TBB: via an observer); empty = no pinning
-  // Nice value for the workers (0 = the process's own). Plain threads: each worker. oneTBB:
-  // each worker thread as it first enters the arena; oneTBB's workers serve every arena of
-  // the process, so they keep it there too (the CPU device sets it; CPU Adam and the
+  // Nice value for the workers (0 = the process's own; only ever lowers one). Plain threads:
+  // each worker. oneTBB: each worker thread as it enters the arena; oneTBB's workers serve
+  // every arena of the process, so they keep it there too (the CPU device sets it; CPU Adam and the
   // gradient path run on plain threads of their own for that reason). The thread that
   // calls parallel_for keeps its own.
   int worker_nice = 0;

@@ -70,7 +70,9 @@ Status set_current_thread_nice(int nice) {
 }
 
 void lower_current_thread_priority(int nice) {
-  if (nice == 0) return;
+  errno = 0;
+  const int current = ::getpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()));
+  if (errno == 0 && current >= nice) return;  // already that low (or lower): never raise it
   const Status status = set_current_thread_nice(nice);
   static std::once_flag warned;
   if (!status.ok()) std::call_once(warned, [&] { STRATA_LOG(kWarn) << "a thread keeps its priority: " << status.to_string(); });

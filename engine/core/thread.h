@@ -30,8 +30,9 @@ void set_current_thread_name(const std::string& name);
 // Sets the calling thread's nice value (Linux: per thread). Only ever used to lower a
 // thread's priority, which needs no privilege; raising it back would (CAP_SYS_NICE).
 Status set_current_thread_nice(int nice);
-// The same, best effort: a thread that cannot lower its priority works on at the
-// process's, and the first such failure in the process is logged as a warning.
+// The same, best effort and only downwards: a thread already at `nice` or lower keeps its
+// priority; one that cannot lower it works on at the process's, and the first such failure
+// in the process is logged as a warning.
 void lower_current_thread_priority(int nice);
 
 // Starts `body` on a new thread named `name` (as `top` and debuggers show it). Fails with

@@ -680,7 +680,7 @@ StatusOr<std::unique_ptr<LocalCluster>> make_cluster(const TrainerOptions& optio
                                                                                 : 0;
   cluster_options.compute_threads = static_cast<int>(config.strata.compute_threads);
   cluster_options.device_thread_nice = static_cast<int>(config.strata.device_thread_nice);
-  if (shape.device_kind != DeviceKind::kCpu && (config.strata.compute_threads != 0 || config.strata.device_thread_nice != StrataSection{}.device_thread_nice))
+  if (shape.device_kind != DeviceKind::kCpu && (config.strata.compute_threads != 0 || config.strata.device_thread_nice != kCpuDeviceThreadNice))
     STRATA_LOG(kWarn) << "strata.compute_threads and strata.device_thread_nice shape the CPU device's threads; this run computes on "
                       << device_kind_name(shape.device_kind) << ", so they are ignored";
   cluster_options.matmul_precision = config.strata.matmul_precision;

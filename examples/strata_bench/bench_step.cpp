@@ -68,8 +68,8 @@ struct StepBenchOptions {
   std::optional<RendezvousOptions> process_group;
   DeviceKind device = DeviceKind::kCpu;
   size_t budget_bytes = size_t{1} << 30;
+  int device_thread_nice = kCpuDeviceThreadNice;  // cpu: the device's threads
   Tier params = Tier::kPinned;
-  int device_thread_nice = LocalClusterOptions{}.device_thread_nice;
   Tier optimizer = Tier::kPinned;
   DType param_dtype = DType::kBFloat16;
   MatmulPrecision matmul_precision = MatmulPrecision::kFp32;  // how the device runs the model's fp32 GEMMs
