@@ -1,0 +1,203 @@
+#include "python/src/session.h"
+
+#include <algorithm>
+#include <map>
+#include <utility>
+
+#include "engine/core/log.h"
+#include "engine/engine_config.h"
+#include "examples/hf/hf_checkpoint.h"
+#include "examples/hf/hf_weights.h"
+
+namespace strata::python {
+namespace {
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+// Settings of strata-train that the front end cannot honour: its model and data come from
+// the caller. Rejected rather than ignored, so a config copied from a trainer run says so.
+Status reject_trainer_keys(const StrataConfig& config) {
+  for (const auto& [key, where] : config.given) {
+    const bool trainer_key = key.starts_with("strata.model.") || key.starts_with("strata.data.") || key == "strata.steps";
+    if (trainer_key)
+      return InvalidArgumentError(key + " (" + where + ") is a strata-train setting; the Python front end takes the model, the data and " +
+                                  "the number of steps from the calling script");
+  }
+  return {};
+}
+
+StatusOr<LocalClusterOptions> cluster_options(const StrataConfig& config, DeviceKind device) {
+  LocalClusterOptions options;
+  options.device = device;
+  options.device_budget_bytes = config.strata.device_budget_mib > 0 ? static_cast<size_t>(config.strata.device_budget_mib) * kMiB
+                                : device == DeviceKind::kCpu        ? size_t{1} << 30
+                                                                    : 0;
+  options.compute_threads = static_cast<int>(config.strata.compute_threads);
+  options.device_thread_nice = static_cast<int>(config.strata.device_thread_nice);
+  options.matmul_precision = config.strata.matmul_precision;
+  STRATA_ASSIGN_OR_RETURN(options.process_group, LocalCluster::process_group_from_env());
+  const int64_t configured = config.strata.world_size;
+  if (options.process_group) {
+    if (config.was_given("strata.world_size") && configured != options.process_group->world_size)
+      return InvalidArgumentError("strata.world_size is " + std::to_string(configured) + " but the launcher's WORLD_SIZE is " +
+                                  std::to_string(options.process_group->world_size) + "; drop the key or make them agree");
+  } else if (configured > 1) {
+    return InvalidArgumentError("strata.world_size is " + std::to_string(configured) +
+                                ", but the Python front end runs one rank per process: start the ranks with torchrun, strata-launch or "
+                                "srun (which set WORLD_SIZE and RANK), or drop the key");
+  }
+  return options;
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Session>> Session::create(const std::string& config_text, const std::string& source) {
+  std::unique_ptr<Session> session(new Session());
+  STRATA_ASSIGN_OR_RETURN(session->config_, parse_config_json(config_text, source));
+  StrataConfig& config = session->config_;
+  STRATA_RETURN_IF_ERROR(reject_trainer_keys(config));
+  const DeviceKind device = resolve_device(config);
+  if (device != DeviceKind::kCpu)
+    return UnimplementedError("strata.device is " + std::string(device_kind_name(device)) +
+                              ": the Python front end computes on the CPU device only so far (set \"strata\": {\"device\": \"cpu\"})");
+  STRATA_ASSIGN_OR_RETURN(const LocalClusterOptions options, cluster_options(config, device));
+  STRATA_ASSIGN_OR_RETURN(session->cluster_, LocalCluster::create(options));
+  LocalCluster& cluster = *session->cluster_;
+  session->rank_ = cluster.first_rank();
+  session->world_size_ = cluster.world_size();
+  STRATA_RETURN_IF_ERROR(finalize(config, session->world_size_));
+  STRATA_ASSIGN_OR_RETURN(session->options_, engine_options_from_config(config, session->rank_));
+  STRATA_ASSIGN_OR_RETURN(session->engine_, Engine::create(session->options_, cluster.device(session->rank_),
+                                                           cluster.gather_communicator(session->rank_),
+                                                           cluster.reduce_communicator(session->rank_)));
+  STRATA_ASSIGN_OR_RETURN(LrSchedule schedule, LrSchedule::create(config.scheduler, config.optimizer.lr));
+  session->schedule_ = std::move(schedule);
+  return session;
+}
+
+Session::~Session() {
+  if (!closed_) {
+    const Status status = close();
+    if (!status.ok()) STRATA_LOG(kWarn) << "closing the engine: " << status.to_string();
+  }
+}
+
+DeviceKind Session::device_kind() const { return cluster_->device(rank_).kind(); }
+
+Status Session::check_open(std::string_view call) const {
+  if (closed_) return FailedPreconditionError(std::string(call) + " after close()");
+  if (!started_) return FailedPreconditionError(std::string(call) + " before the engine started");
+  return {};
+}
+
+StatusOr<int> Session::register_group(const std::string& name, const std::vector<TensorEntry>& tensors) {
+  if (started_) return FailedPreconditionError("register_group(" + name + ") after start()");
+  GroupSpec spec;
+  spec.name = name;
+  for (const TensorEntry& entry : tensors) {
+    TensorSpec tensor;
+    tensor.name = entry.name;
+    tensor.shape = entry.shape;
+    tensor.weight_decay = entry.weight_decay;
+    spec.tensors.push_back(std::move(tensor));
+  }
+  return engine_->register_group(spec);
+}
+
+Status Session::start() {
+  if (closed_) return FailedPreconditionError("start() after close()");
+  if (started_) return FailedPreconditionError("start() called twice");
+  if (engine_->group_count() == 0) return InvalidArgumentError("the model has no parameters to train: no group was registered");
+  for (int g = 0; g < engine_->group_count(); ++g) STRATA_RETURN_IF_ERROR(engine_->declare_loaded(g));
+  STRATA_RETURN_IF_ERROR(engine_->start());
+  started_ = true;
+  return {};
+}
+
+Status Session::write_group(int group, std::span<const float> full) {
+  STRATA_RETURN_IF_ERROR(check_open("write_group"));
+  const GroupLayout& l = engine_->layout(group);
+  if (full.size() != l.numel)
+    return InvalidArgumentError("write_group(" + l.name + "): " + std::to_string(full.size()) + " values for a group of " +
+                                std::to_string(l.numel));
+  std::vector<float> shard(l.shard_numel, 0.0f);
+  const size_t begin = l.shard_begin(rank_);
+  if (begin < l.numel) {
+    const size_t count = std::min(l.shard_numel, l.numel - begin);
+    std::copy_n(full.begin() + static_cast<std::ptrdiff_t>(begin), count, shard.begin());
+  }
+  return engine_->write_state_shard(group, Engine::StateKind::kMaster, shard);
+}
+
+Status Session::read_group(int group, std::span<float> full) {
+  STRATA_RETURN_IF_ERROR(check_open("read_group"));
+  if (world_size_ != 1) return UnimplementedError("reading whole groups with more than one rank is not supported yet");
+  const GroupLayout& l = engine_->layout(group);
+  if (full.size() != l.numel) return InvalidArgumentError("read_group(" + l.name + "): the buffer holds " + std::to_string(full.size()) +
+                                                          " values for a group of " + std::to_string(l.numel));
+  std::vector<float> shard(l.shard_numel);
+  STRATA_RETURN_IF_ERROR(engine_->read_state_shard(group, Engine::StateKind::kMaster, shard));
+  std::copy_n(shard.begin(), l.numel, full.begin());
+  return {};
+}
+
+Status Session::begin_micro_batch() {
+  STRATA_RETURN_IF_ERROR(check_open("a forward pass"));
+  if (micro_open_) return {};
+  if (micro_ == 0) STRATA_RETURN_IF_ERROR(engine_->begin_step(schedule_->current_lr()));
+  else STRATA_RETURN_IF_ERROR(engine_->begin_micro_batch());
+  micro_open_ = true;
+  return {};
+}
+
+StatusOr<Region> Session::gather(int group) {
+  STRATA_RETURN_IF_ERROR(check_open("gather"));
+  STRATA_ASSIGN_OR_RETURN(const GroupView view, engine_->gather(group));
+  // PyTorch computes on this thread, not in the compute stream's order: wait for the
+  // gathered data to be there.
+  STRATA_RETURN_IF_ERROR(engine_->compute_stream().synchronize());
+  return Region{view.flat, engine_->layout(group).padded_numel, view.dtype};
+}
+
+Status Session::release(int group) {
+  STRATA_RETURN_IF_ERROR(check_open("release"));
+  return engine_->release(group);
+}
+
+StatusOr<Region> Session::gradient_buffer(int group) {
+  STRATA_RETURN_IF_ERROR(check_open("gradient_buffer"));
+  STRATA_ASSIGN_OR_RETURN(const GroupView view, engine_->gradient_buffer(group));
+  STRATA_RETURN_IF_ERROR(engine_->compute_stream().synchronize());  // the buffer is zeroed in stream order
+  return Region{view.flat, engine_->layout(group).padded_numel, DType::kFloat32};
+}
+
+Status Session::grads_ready(int group) {
+  STRATA_RETURN_IF_ERROR(check_open("grads_ready"));
+  return engine_->grads_ready(group);
+}
+
+StatusOr<std::optional<StepReport>> Session::end_micro_batch(double loss) {
+  STRATA_RETURN_IF_ERROR(check_open("step"));
+  if (!micro_open_) return FailedPreconditionError("step() without a forward and backward pass since the last step()");
+  micro_open_ = false;
+  if (++micro_ < options_.gradient_accumulation_steps) return std::optional<StepReport>();
+  micro_ = 0;
+  STRATA_ASSIGN_OR_RETURN(StepReport report, engine_->step(loss));
+  if (!report.skipped) schedule_->step();
+  return std::optional<StepReport>(std::move(report));
+}
+
+Status Session::close() {
+  if (closed_) return {};
+  closed_ = true;
+  Status status;
+  if (engine_ && started_) status = engine_->finish();
+  if (saver_) {
+    const Status saved = saver_->finish();
+    if (status.ok()) status = saved;
+  }
+  saver_.reset();
+  return status;
+}
+
+}  // namespace strata::python

@@ -1,0 +1,139 @@
+// The engine as the Python front end drives it: one rank of one process, built from a
+// DeepSpeed-vocabulary config, with the groups the front end found in a PyTorch model.
+//
+// A Session owns everything a rank needs (its LocalCluster — device and communicators —,
+// the Engine, the learning-rate schedule and the checkpoint saver) and speaks in plain
+// C++ types: the binding (module.cpp) turns its Status into Python exceptions and its
+// memory into DLPack tensors (tensor_bridge.h). It holds no Python objects, so it is
+// testable and usable without an interpreter.
+//
+// Life of a session:
+//   Session::create(config)  ->  register_group() per group  ->  start()
+//   ->  write_group() per group (the model's initial values)  ->  refresh()
+//   ->  per step: begin_micro_batch() (begin_step at the first), gather/release,
+//       gradient_buffer/grads_ready, step()
+//   ->  save_checkpoint()/load_checkpoint()/export_hf()/load_hf() between steps
+//   ->  close().
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/checkpoint.h"
+#include "engine/core/config.h"
+#include "engine/core/status.h"
+#include "engine/engine.h"
+#include "engine/local_cluster.h"
+#include "optim/lr_schedule.h"
+
+namespace strata::python {
+
+// One parameter of a group as the front end registers it.
+struct TensorEntry {
+  std::string name;            // the model's qualified parameter name
+  std::vector<int64_t> shape;
+  bool weight_decay = true;
+};
+
+// A device region the binding hands to Python: `numel` elements of `dtype` at `data`.
+struct Region {
+  void* data = nullptr;
+  size_t numel = 0;
+  DType dtype = DType::kFloat32;
+};
+
+// One HF tensor of an export or load: checkpoint name <-> engine (group, tensor).
+struct HfTensorName {
+  std::string name;  // in the checkpoint
+  int group = 0;
+  int tensor = 0;    // index within the group's registration order
+};
+
+class Session {
+ public:
+  // `config_text` is JSON in Strata's config vocabulary; `source` names it in messages.
+  // The launcher's environment (torchrun, strata-launch, Slurm) makes this process one rank
+  // of a multi-process world; without one, a world of one.
+  static StatusOr<std::unique_ptr<Session>> create(const std::string& config_text, const std::string& source);
+  ~Session();
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  DeviceKind device_kind() const;
+  DType param_dtype() const { return options_.param_dtype; }
+  int gradient_accumulation_steps() const { return options_.gradient_accumulation_steps; }
+  const StrataConfig& config() const { return config_; }
+
+  // Before start().
+  StatusOr<int> register_group(const std::string& name, const std::vector<TensorEntry>& tensors);
+  // Plans, checks the budgets and allocates. Every group is declared loaded: the caller
+  // writes its values (write_group, or load_hf) before the first step.
+  Status start();
+  const EnginePlan& plan() const { return engine_->plan(); }
+  const GroupLayout& layout(int group) const { return engine_->layout(group); }
+  int group_count() const { return engine_->group_count(); }
+
+  // The group's full unpadded fp32 values (layout.numel): this rank keeps its shard.
+  Status write_group(int group, std::span<const float> full);
+  // After every write_group: the parameter copies from the masters.
+  Status refresh() { return engine_->refresh_parameters(); }
+  // The group's full unpadded fp32 master values into `full` (world size 1 only).
+  Status read_group(int group, std::span<float> full);
+
+  // A step: begin_micro_batch() starts the step at its first micro-batch (with the
+  // schedule's rate); the last micro-batch's step() applies the update.
+  Status begin_micro_batch();
+  bool in_micro_batch() const { return micro_open_; }
+  StatusOr<Region> gather(int group);
+  Status release(int group);
+  StatusOr<Region> gradient_buffer(int group);
+  Status grads_ready(int group);
+  float loss_scale() const { return engine_->loss_scale(); }
+  // Ends the micro-batch; at the accumulation boundary runs the engine's step and returns
+  // its report, else nullopt.
+  StatusOr<std::optional<StepReport>> end_micro_batch(double loss);
+  double learning_rate() const { return schedule_->current_lr(); }
+  int64_t steps_taken() const { return engine_->steps_taken(); }
+
+  // Forward-only passes between steps (evaluation, generation).
+  Status begin_forward() { return engine_->begin_forward(); }
+  Status end_forward() { return engine_->end_forward(); }
+
+  // Checkpoints (world size 1): D/step-<N> holding the engine's state and `client_state`
+  // (JSON text) beside the schedule's; load returns the client state.
+  Status save_checkpoint(const std::string& dir, const std::string& client_state);
+  StatusOr<std::string> load_checkpoint(const std::string& dir);
+
+  // Hugging Face directories: the named tensors out of (export) or into (load) the
+  // engine's master weights. `config_json` is written as config.json.
+  Status export_hf(const std::string& dir, const std::string& config_json, const std::vector<HfTensorName>& names,
+                   const std::string& tokenizer_dir, uint64_t shard_bytes, const std::string& dtype);
+  Status load_hf(const std::string& dir, const std::vector<HfTensorName>& names);
+
+  // Waits for all work (the last update included); the session is unusable after.
+  Status close();
+  bool closed() const { return closed_; }
+
+ private:
+  Session() = default;
+  Status check_open(std::string_view call) const;
+
+  StrataConfig config_;
+  EngineOptions options_;
+  std::unique_ptr<LocalCluster> cluster_;
+  std::unique_ptr<Engine> engine_;
+  std::optional<LrSchedule> schedule_;
+  std::unique_ptr<CheckpointSaver> saver_;
+  int rank_ = 0;
+  int world_size_ = 1;
+  int micro_ = 0;              // micro-batches finished in the current step
+  bool micro_open_ = false;
+  bool started_ = false;
+  bool closed_ = false;
+};
+
+}  // namespace strata::python

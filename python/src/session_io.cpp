@@ -1,0 +1,116 @@
+// Session's state in and out: checkpoints and Hugging Face model directories.
+#include <filesystem>
+#include <map>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "examples/hf/hf_checkpoint.h"
+#include "examples/hf/hf_export.h"
+#include "examples/hf/hf_weights.h"
+#include "python/src/session.h"
+
+namespace strata::python {
+namespace {
+
+// The name map of an export or load: engine (group, tensor) -> the checkpoint tensor, whole.
+StatusOr<hf::HfNameMap> name_map(const Engine& engine, const std::vector<HfTensorName>& names) {
+  std::map<std::pair<int, std::string>, std::string> by_tensor;
+  for (const HfTensorName& n : names) {
+    if (n.group < 0 || n.group >= engine.group_count())
+      return InvalidArgumentError("tensor " + n.name + " names group " + std::to_string(n.group) + " of " + std::to_string(engine.group_count()));
+    const GroupLayout& layout = engine.layout(n.group);
+    if (n.tensor < 0 || static_cast<size_t>(n.tensor) >= layout.tensors.size())
+      return InvalidArgumentError("tensor " + n.name + " names tensor " + std::to_string(n.tensor) + " of group " + layout.name);
+    by_tensor[{n.group, layout.tensors[static_cast<size_t>(n.tensor)].name}] = n.name;
+  }
+  for (int g = 0; g < engine.group_count(); ++g)
+    for (const TensorLayout& t : engine.layout(g).tensors)
+      if (by_tensor.count({g, t.name}) == 0) return InvalidArgumentError("no checkpoint name for parameter " + t.name);
+  return hf::HfNameMap([by_tensor = std::move(by_tensor)](const GroupLayout& group, const TensorLayout& tensor) {
+    hf::HfTensorSlice slice;
+    slice.name = by_tensor.at({group.id, tensor.name});
+    slice.shape = tensor.shape;
+    return slice;
+  });
+}
+
+std::vector<GroupLayout> layouts_of(const Engine& engine) {
+  std::vector<GroupLayout> layouts;
+  for (int g = 0; g < engine.group_count(); ++g) layouts.push_back(engine.layout(g));
+  return layouts;
+}
+
+Status check_between_steps(bool micro_open, std::string_view call) {
+  if (micro_open) return FailedPreconditionError(std::string(call) + " inside a step: call it after step() at an accumulation boundary");
+  return {};
+}
+
+}  // namespace
+
+Status Session::save_checkpoint(const std::string& dir, const std::string& client_state) {
+  STRATA_RETURN_IF_ERROR(check_open("save_checkpoint"));
+  STRATA_RETURN_IF_ERROR(check_between_steps(micro_open_ || micro_ != 0, "save_checkpoint()"));
+  if (world_size_ != 1) return UnimplementedError("save_checkpoint() with more than one process is not supported yet");
+  if (!saver_ || saver_->directory() != dir) {
+    if (saver_) STRATA_RETURN_IF_ERROR(saver_->finish());
+    saver_.reset();
+    CheckpointSaverOptions options;
+    options.directory = dir;
+    for (int g = 0; g < engine_->group_count(); ++g) options.checkpoint_elements += engine_->layout(g).padded_numel;
+    if (options_.overlap == OverlapMode::kDelayed) options.state_segments = kCheckpointStateKinds + 1;
+    STRATA_ASSIGN_OR_RETURN(saver_, CheckpointSaver::create(options));
+  }
+  nlohmann::json client = nlohmann::json::parse(client_state, nullptr, /*allow_exceptions=*/false);
+  if (client.is_discarded()) return InvalidArgumentError("save_checkpoint(): client_state is not JSON");
+  const nlohmann::json state = {{"client_state", client}, {"lr_schedule", schedule_->state_json()}};
+  const int64_t step = engine_->steps_taken();
+  STRATA_ASSIGN_OR_RETURN(RankSnapshot snapshot, snapshot_engine_state(*engine_, rank_));
+  STRATA_RETURN_IF_ERROR(saver_->submit(step, std::move(snapshot)));
+  STRATA_RETURN_IF_ERROR(saver_->submit_trainer_state(step, state.dump()));
+  return saver_->wait();
+}
+
+StatusOr<std::string> Session::load_checkpoint(const std::string& dir) {
+  STRATA_RETURN_IF_ERROR(check_open("load_checkpoint"));
+  STRATA_RETURN_IF_ERROR(check_between_steps(micro_open_ || micro_ != 0, "load_checkpoint()"));
+  std::string path = dir;
+  if (!std::filesystem::exists(std::filesystem::path(dir) / "manifest.json")) {
+    STRATA_ASSIGN_OR_RETURN(const CheckpointRef ref, latest_complete(dir));
+    path = ref.path;
+  }
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::open(path));
+  STRATA_RETURN_IF_ERROR(load_engine_state(*engine_, rank_, *reader));
+  const nlohmann::json state = nlohmann::json::parse(reader->trainer_state(), nullptr, /*allow_exceptions=*/false);
+  if (state.is_discarded() || !state.is_object() || !state.contains("lr_schedule") || !state.contains("client_state"))
+    return DataLossError(path + "/trainer_state.json was not written by the Python front end (no lr_schedule and client_state)");
+  STRATA_RETURN_IF_ERROR(schedule_->restore_json(state["lr_schedule"].get<std::string>()));
+  return state["client_state"].dump();
+}
+
+Status Session::export_hf(const std::string& dir, const std::string& config_json, const std::vector<HfTensorName>& names,
+                          const std::string& tokenizer_dir, uint64_t shard_bytes, const std::string& dtype) {
+  STRATA_RETURN_IF_ERROR(check_open("export_hf"));
+  STRATA_RETURN_IF_ERROR(check_between_steps(micro_open_ || micro_ != 0, "export_hf()"));
+  if (world_size_ != 1) return UnimplementedError("export_hf() with more than one process is not supported yet");
+  const nlohmann::json config = nlohmann::json::parse(config_json, nullptr, /*allow_exceptions=*/false);
+  if (config.is_discarded() || !config.is_object()) return InvalidArgumentError("export_hf(): the model config is not a JSON object");
+  STRATA_ASSIGN_OR_RETURN(const gpt::SafetensorsDType file_dtype, gpt::parse_safetensors_dtype(dtype));
+  STRATA_ASSIGN_OR_RETURN(const hf::HfNameMap map, name_map(*engine_, names));
+  hf::HfExportOptions options;
+  options.tokenizer_source_dir = tokenizer_dir;
+  if (shard_bytes > 0) options.shard_bytes = shard_bytes;
+  const std::vector<GroupLayout> layouts = layouts_of(*engine_);
+  auto source = [&](int group, std::span<float> out) { return read_group(group, out); };
+  return hf::export_hf_from_groups(dir, config, layouts, map, file_dtype, source, options);
+}
+
+Status Session::load_hf(const std::string& dir, const std::vector<HfTensorName>& names) {
+  STRATA_RETURN_IF_ERROR(check_open("load_hf"));
+  STRATA_RETURN_IF_ERROR(check_between_steps(micro_open_ || micro_ != 0, "load_hf()"));
+  STRATA_ASSIGN_OR_RETURN(const hf::HfNameMap map, name_map(*engine_, names));
+  STRATA_ASSIGN_OR_RETURN(hf::HfCheckpoint checkpoint, hf::HfCheckpoint::open(dir));
+  return hf::load_hf_weights(*engine_, rank_, checkpoint, map);
+}
+
+}  // namespace strata::python

@@ -1,0 +1,465 @@
+"""strata.Engine: a PyTorch model trained on Strata's engine (see docs/python.md).
+
+The model's parameters leave it at initialize(): each becomes an empty placeholder and its
+values go to the engine's tiers. Every unit (see _groups.py) gathers its groups before
+its forward and releases them after; backward gathers a group again when autograd first
+needs one of its saved tensors, and the unit's gradients go into the engine's gradient
+buffer when its GatherFn node runs (_autograd.py). step() is the engine's optimizer stage.
+
+Per group and micro-batch the engine keeps:
+  flat        the gathered memory as a tensor, or None
+  open        unit forwards running with it
+  refs        saved tensors that point into it and have not been unpacked
+  holds       backward-time uses whose GatherFn has not run (their saved tensors are
+              autograd's own, invisible to refs: a recompute's, under checkpointing)
+  expected    forward uses whose gradients have not all arrived; 0 -> grads_ready
+A group gathered in backward is released once open, refs and holds are all 0 — at the
+next unit forward, GatherFn backward, gather or the end of backward, never inside the
+unpack that dropped refs to 0, since the op that unpacked it is about to read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+from torch.utils import dlpack
+
+from . import _autograd, _groups
+from ._strata import Session, StrataError
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _Group:
+    __slots__ = ("id", "name", "trainable", "params", "layout", "flat", "open", "refs", "holds", "expected",
+                 "grads", "ready", "gathered_in_backward")
+
+    def __init__(self, gid: int, plan: _groups.GroupPlan, layout: dict):
+        self.id = gid
+        self.name = plan.name
+        self.trainable = plan.trainable
+        self.params = plan.params
+        self.layout = layout  # tensors: (name, shape, offset, numel)
+        self.flat: Optional[torch.Tensor] = None
+        self.open = 0
+        self.refs = 0
+        self.holds = 0
+        self.expected = 0
+        self.grads: Optional[torch.Tensor] = None
+        self.ready = False
+        self.gathered_in_backward = False
+
+    def tensor(self, flat: torch.Tensor, index: int) -> torch.Tensor:
+        _, shape, offset, numel = self.layout["tensors"][index]
+        return flat[offset:offset + numel].view(shape)
+
+    def holds_memory_of(self, t: torch.Tensor) -> bool:
+        flat = self.flat
+        if flat is None or t.dtype != flat.dtype or t.device != flat.device:
+            return False
+        begin = flat.data_ptr()
+        return begin <= t.data_ptr() < begin + flat.numel() * flat.element_size()
+
+
+class Engine:
+    """What strata.initialize returns. Call it as the model; then backward(loss), step()."""
+
+    def __init__(self, model: nn.Module, config: Any, groups: _groups.GroupsArg = None,
+                 weight_decay: Optional[Any] = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+        text, source = _config_text(config)
+        self.module = model
+        self._session = Session(text, source)
+        self._units = _groups.plan_units(model, groups)
+        plans, self._where = _groups.plan_groups(model, self._units)
+        if not plans:
+            raise StrataError("the model has no parameters: there is nothing to train")
+        self._dtype = _DTYPES[self._session.param_dtype]
+        self._check_parameters(plans)
+        for plan in plans:
+            decay = weight_decay or (lambda name, p: True)
+            self._session.register_group(plan.name, [(n, list(p.shape), bool(decay(n, p))) for n, p in plan.params])
+        self._session.start()
+        self._groups = [_Group(i, plan, self._session.layout(i)) for i, plan in enumerate(plans)]
+        self._needs_load = any(p.is_meta for g in self._groups for _, p in g.params)
+        if not self._needs_load:
+            self._write_model_values()
+        self._take_parameters()
+        self._install_hooks()
+        self._phase = "idle"          # idle | forward (a training forward ran) | backward (done)
+        self._eval_pass = False
+        self._in_backward = False
+        self._pending_release: List[_Group] = []
+        self._losses: List[float] = []
+        self.last_report: Optional[dict] = None
+
+    # ---- set-up -------------------------------------------------------------------------
+    def _check_parameters(self, plans: List[_groups.GroupPlan]) -> None:
+        seen: Dict[int, str] = {}
+        for plan in plans:
+            for name, p in plan.params:
+                if not p.is_floating_point():
+                    raise StrataError(f"parameter {name} is {p.dtype}: the engine holds floating-point parameters only")
+                if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise StrataError(f"parameter {name} is {p.dtype}: the engine holds fp32, bf16 and fp16 parameters")
+                if p.device.type not in ("cpu", "meta"):
+                    raise StrataError(f"parameter {name} is on {p.device}: the CPU device front end takes a model on the CPU "
+                                      "(or built under strata.init_empty())")
+                if not p.requires_grad:
+                    raise StrataError(f"parameter {name} is frozen (requires_grad=False): frozen parameters are not supported "
+                                      "by this build of the engine yet")
+                seen[id(p)] = name
+
+    def _write_model_values(self) -> None:
+        for g in self._groups:
+            flat = torch.zeros(g.layout["numel"], dtype=torch.float32)
+            for index, (_, p) in enumerate(g.params):
+                g.tensor(flat, index).copy_(p.detach().float())
+            self._session.write_group(g.id, dlpack.to_dlpack(flat))
+        self._session.refresh()
+
+    def _take_parameters(self) -> None:
+        for g in self._groups:
+            for _, p in g.params:
+                p.strata_shape = tuple(p.shape)
+                p.data = torch.empty(0, dtype=p.dtype)
+
+    def _install_hooks(self) -> None:
+        self._unit_groups = []
+        for unit in self._units:
+            gids = sorted({self._where[id(b.param)][0] for b in unit.bindings})
+            self._unit_groups.append(gids)
+            unit.module.register_forward_pre_hook(self._make_pre_hook(unit, gids))
+            unit.module.register_forward_hook(self._make_post_hook(unit, gids))
+
+    # ---- the API ------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        self._check_open()
+        if torch.is_grad_enabled():
+            if self._phase == "backward":
+                raise StrataError("forward after backward() without step(): call engine.step() after every backward")
+            self._session.begin_micro_batch()
+            self._phase = "forward"
+            return self._run(args, kwargs)
+        if self._session.in_micro_batch:
+            return self._run(args, kwargs)
+        self._session.begin_forward()
+        self._eval_pass = True
+        try:
+            return self._run(args, kwargs)
+        finally:
+            self._eval_pass = False
+            self._release_all()
+            self._session.end_forward()
+
+    def _run(self, args, kwargs):
+        self._active = True
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._active = False
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Scales the loss (1 / (gradient_accumulation_steps x world size), and the fp16 loss
+        scale) and runs backward; gradients land in the engine as they are produced."""
+        self._check_open()
+        if self._phase != "forward":
+            raise StrataError("backward() without a training forward since the last step(): call engine(**batch) first")
+        scale = self._session.loss_scale / (self._session.gradient_accumulation_steps * self._session.world_size)
+        self._in_backward = True
+        try:
+            (loss * scale).backward()
+        finally:
+            self._in_backward = False
+            self._finish_backward()
+        self._losses.append(float(loss.detach()))
+        self._phase = "backward"
+
+    def step(self) -> None:
+        """After every micro-batch; the update runs at the accumulation boundary."""
+        self._check_open()
+        if self._phase != "backward":
+            raise StrataError("step() without backward(): each micro-batch is engine(**batch), engine.backward(loss), engine.step()")
+        loss = sum(self._losses) / len(self._losses)
+        report = self._session.end_micro_batch(loss)
+        self._phase = "idle"
+        if report is not None:
+            self._losses = []
+            self.last_report = report
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self._session.in_micro_batch is False and not self._losses
+
+    @property
+    def global_steps(self) -> int:
+        return self._session.steps_taken
+
+    def get_lr(self) -> List[float]:
+        return [self._session.learning_rate]
+
+    def plan(self) -> dict:
+        return self._session.plan()
+
+    @property
+    def rank(self) -> int:
+        return self._session.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._session.world_size
+
+    def close(self) -> None:
+        """Waits for the last update and frees the engine; the engine is unusable after."""
+        if not self._session.closed:
+            self._session.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- state in and out ---------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None) -> None:
+        self._check_between_steps("save_checkpoint()")
+        if tag is not None:
+            raise StrataError("save_checkpoint(tag=...) is not supported: checkpoints are named step-<N> by the engine")
+        self._session.save_checkpoint(os.fspath(save_dir), json.dumps(client_state or {}))
+
+    def load_checkpoint(self, load_dir: str):
+        """Loads the newest complete checkpoint of load_dir (or load_dir itself when it is
+        one step-<N> directory); returns (path, client_state) as DeepSpeed does."""
+        self._check_between_steps("load_checkpoint()")
+        client = json.loads(self._session.load_checkpoint(os.fspath(load_dir)))
+        self._needs_load = False
+        return os.fspath(load_dir), client
+
+    def _hf_names(self):
+        return [(name, g.id, index) for g in self._groups for index, (name, _) in enumerate(g.params)]
+
+    def export_hf(self, out_dir: str, tokenizer_dir: Optional[str] = None, shard_bytes: int = 0,
+                  dtype: Optional[torch.dtype] = None) -> None:
+        """Writes a directory from_pretrained loads: config.json, (sharded) safetensors and
+        the tokenizer files of tokenizer_dir."""
+        self._check_between_steps("export_hf()")
+        config = getattr(self.module, "config", None)
+        config_json = config.to_json_string() if hasattr(config, "to_json_string") else "{}"
+        dtype = dtype or next(p.dtype for g in self._groups for _, p in g.params)
+        names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+        self._session.export_hf(os.fspath(out_dir), config_json, self._hf_names(), os.fspath(tokenizer_dir or ""),
+                                int(shard_bytes), names[dtype])
+
+    def load_hf(self, model_dir: str) -> None:
+        """Streams a Hugging Face directory's weights into the engine by parameter name."""
+        self._check_between_steps("load_hf()")
+        self._session.load_hf(os.fspath(model_dir), self._hf_names())
+        self._needs_load = False
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """The full fp32 weights by parameter name (one group at a time through host memory)."""
+        self._check_between_steps("state_dict()")
+        out = {}
+        for g in self._groups:
+            flat = torch.empty(g.layout["numel"], dtype=torch.float32)
+            self._session.read_group(g.id, dlpack.to_dlpack(flat))
+            for index, (name, _) in enumerate(g.params):
+                out[name] = g.tensor(flat, index).clone()
+        return out
+
+    def _check_open(self) -> None:
+        if self._session.closed:
+            raise StrataError("the engine was closed")
+        if self._needs_load:
+            raise StrataError("the model was built under strata.init_empty(): load its weights with engine.load_hf(dir) "
+                              "or engine.load_checkpoint(dir) before training")
+
+    def _check_between_steps(self, call: str) -> None:
+        if self._session.closed:
+            raise StrataError(f"{call} after close()")
+        if self._phase != "idle" or self._losses:
+            raise StrataError(f"{call} inside a step: call it after step() at an accumulation boundary")
+
+    # ---- unit forwards ------------------------------------------------------------------
+    def _make_pre_hook(self, unit, gids):
+        def pre_hook(module, args):
+            if not (self._active or self._in_backward):
+                raise StrataError(f"{unit.name} ran outside the engine: call engine(...) rather than the model, "
+                                  "so its parameters are gathered")
+            self._flush_releases()
+            for gid in gids:
+                g = self._gather(self._groups[gid])
+                g.open += 1
+                if not self._in_backward and not self._eval_pass and g.trainable:
+                    g.expected += 1
+            self._bind(unit, gids)
+            unit._strata_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            unit._strata_hooks.__enter__()
+        return pre_hook
+
+    def _make_post_hook(self, unit, gids):
+        def post_hook(module, args, output):
+            unit._strata_hooks.__exit__(None, None, None)
+            for b in unit.bindings:
+                b.module._parameters[b.attr] = b.param
+            handle = unit._strata_use
+            unit._strata_use = None
+            for gid in gids:
+                g = self._groups[gid]
+                g.open -= 1
+                if self._in_backward:
+                    g.holds += handle is not None
+                    self._release_when_unused(g)
+                elif g.open == 0:
+                    self._release(g)
+            return None
+        return post_hook
+
+    def _bind(self, unit, gids) -> None:
+        trainable_views, slots, bound = [], [], {}
+        for b in unit.bindings:
+            gid, index = self._where[id(b.param)]
+            g = self._groups[gid]
+            if id(b.param) in bound:
+                continue
+            view = g.tensor(g.flat, index)
+            if g.trainable and torch.is_grad_enabled():
+                bound[id(b.param)] = len(trainable_views)
+                trainable_views.append(view)
+                slots.append((gid, index))
+            else:
+                bound[id(b.param)] = view if view.dtype == b.param.dtype else view.to(b.param.dtype)
+        handle = None
+        outputs: tuple = ()
+        if trainable_views:
+            handle = _autograd.UseHandle(self, gids, trainable_views, slots, self._in_backward)
+            outputs = _autograd.GatherFn.apply(_autograd.make_anchor(), handle)
+        unit._strata_use = handle
+        for b in unit.bindings:
+            value = bound[id(b.param)]
+            if isinstance(value, int):
+                value = outputs[value]
+                if value.dtype != b.param.dtype:
+                    value = value.to(b.param.dtype)
+            b.module._parameters[b.attr] = value
+
+    # ---- gathers and releases -----------------------------------------------------------
+    def _gather(self, g: _Group) -> _Group:
+        if g.flat is None:
+            capsule = self._session.gather(g.id)
+            g.flat = dlpack.from_dlpack(capsule)
+            g.gathered_in_backward = self._in_backward
+        if g in self._pending_release:
+            self._pending_release.remove(g)
+        return g
+
+    def _release(self, g: _Group) -> None:
+        if g.flat is not None:
+            g.flat = None
+            self._session.release(g.id)
+
+    def _release_when_unused(self, g: _Group) -> None:
+        if g.flat is not None and g.open == 0 and g.refs == 0 and g.holds == 0 and g not in self._pending_release:
+            self._pending_release.append(g)
+
+    def _flush_releases(self) -> None:
+        pending, self._pending_release = self._pending_release, []
+        for g in pending:
+            if g.open == 0 and g.refs == 0 and g.holds == 0:
+                self._release(g)
+
+    def _release_all(self) -> None:
+        self._pending_release = []
+        for g in self._groups:
+            self._release(g)
+
+    # ---- saved tensors ------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor):
+        for g in self._groups:
+            if g.flat is not None and g.holds_memory_of(t):
+                g.refs += 1
+                offset = (t.data_ptr() - g.flat.data_ptr()) // t.element_size()
+                return _autograd.SavedRef(g.id, offset, t.size(), t.stride())
+        return t
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _autograd.SavedRef):
+            return saved
+        self._check_in_backward()
+        g = self._groups[saved.group]
+        if g.flat is None:
+            self._flush_releases()
+            self._gather(g)
+        g.refs -= 1
+        view = g.flat.as_strided(saved.size, saved.stride, saved.offset)
+        self._release_when_unused(g)
+        return view
+
+    # ---- gradients ----------------------------------------------------------------------
+    def _use_backward(self, handle: _autograd.UseHandle, grads) -> None:
+        """GatherFn's backward: one unit use's parameter gradients are complete."""
+        self._check_in_backward()
+        self._flush_releases()
+        for (gid, index), grad in zip(handle.slots, grads):
+            if grad is not None:
+                g = self._groups[gid]
+                g.tensor(self._gradient_buffer(g), index).add_(grad)
+        for gid in sorted({gid for gid, _ in handle.slots}):
+            g = self._groups[gid]
+            if g.expected > 0:
+                g.expected -= 1
+                if g.expected == 0:
+                    self._grads_ready(g)
+        if handle.in_backward:
+            for gid in handle.groups:
+                g = self._groups[gid]
+                g.holds -= 1
+                self._release_when_unused(g)
+
+    def _check_in_backward(self) -> None:
+        if not self._in_backward:
+            raise StrataError("backward ran outside engine.backward(loss): call engine.backward(loss), not loss.backward()")
+
+    def _gradient_buffer(self, g: _Group) -> torch.Tensor:
+        if g.grads is None:
+            g.grads = dlpack.from_dlpack(self._session.gradient_buffer(g.id))
+        return g.grads
+
+    def _grads_ready(self, g: _Group) -> None:
+        if not g.ready:
+            self._gradient_buffer(g)
+            g.grads = None
+            g.ready = True
+            self._session.grads_ready(g.id)
+
+    def _finish_backward(self) -> None:
+        """After loss.backward(): every group released, every trainable group's gradients
+        handed over (a group no gradient reached gets zeros), the counts reset."""
+        self._release_all()
+        for g in self._groups:
+            if g.trainable:
+                self._grads_ready(g)
+        for g in self._groups:
+            g.open = g.refs = g.holds = g.expected = 0
+            g.ready = False
+            g.grads = None
+
+
+def _config_text(config: Any):
+    if isinstance(config, dict):
+        return json.dumps(config), "<config dict>"
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read(), path
+        except OSError as e:
+            raise StrataError(f"cannot read the config file {path}: {e.strerror}") from None
+    raise TypeError(f"config must be a dict or a path to a JSON file, not {type(config).__name__}")
