@@ -34,6 +34,26 @@ T value(StatusOr<T> result) {
   return std::move(result).value();
 }
 
+// Runs `f` (returning Status or StatusOr) without the GIL; raises, holding it, on failure.
+template <class F>
+auto unlocked(F&& f) {
+  auto result = [&] {
+    py::gil_scoped_release release;
+    return f();
+  }();
+  if constexpr (std::is_same_v<decltype(result), Status>) {
+    check(result);
+  } else {
+    return value(std::move(result));
+  }
+}
+
+// The session, for calls that read the engine: an error once it is closed.
+const Session& live(const Session& s) {
+  if (s.closed()) check(FailedPreconditionError("the engine was closed"));
+  return s;
+}
+
 py::object capsule_of(const Session& session, const Region& region) {
   (void)session;
   const DLDevice device{kDLCPU, 0};
@@ -97,9 +117,8 @@ std::vector<HfTensorName> hf_names(const std::vector<std::tuple<std::string, int
 }
 
 void bind_session(py::module_& m) {
-  using R = py::call_guard<py::gil_scoped_release>;
   py::class_<Session>(m, "Session")
-      .def(py::init([](const std::string& text, const std::string& source) { return value(Session::create(text, source)); }),
+      .def(py::init([](const std::string& text, const std::string& source) { return unlocked([&] { return Session::create(text, source); }); }),
            py::arg("config_json"), py::arg("source"))
       .def_property_readonly("rank", &Session::rank)
       .def_property_readonly("world_size", &Session::world_size)
@@ -109,79 +128,61 @@ void bind_session(py::module_& m) {
       .def_property_readonly("closed", &Session::closed)
       .def_property_readonly("in_micro_batch", &Session::in_micro_batch)
       .def_property_readonly("learning_rate", &Session::learning_rate)
-      .def_property_readonly("steps_taken", &Session::steps_taken)
-      .def_property_readonly("loss_scale", &Session::loss_scale)
+      .def_property_readonly("steps_taken", [](const Session& s) { return live(s).steps_taken(); })
+      .def_property_readonly("loss_scale", [](const Session& s) { return live(s).loss_scale(); })
       .def("register_group",
            [](Session& s, const std::string& name, const std::vector<std::tuple<std::string, std::vector<int64_t>, bool>>& tensors) {
              std::vector<TensorEntry> entries;
              for (const auto& [tensor, shape, decay] : tensors) entries.push_back({tensor, shape, decay});
              return value(s.register_group(name, entries));
            })
-      .def("start", [](Session& s) { check(s.start()); }, R())
-      .def("plan", [](const Session& s) { return plan_dict(s.plan()); })
-      .def("layout", [](const Session& s, int g) { return layout_dict(s.layout(g)); })
+      .def("start", [](Session& s) { unlocked([&] { return s.start(); }); })
+      .def("plan", [](const Session& s) { return plan_dict(live(s).plan()); })
+      .def("layout", [](const Session& s, int g) { return layout_dict(live(s).layout(g)); })
       .def("write_group",
            [](Session& s, int g, py::capsule values) {
              BorrowedTensor t = value(BorrowedTensor::borrow(values.ptr(), DType::kFloat32, "write_group"));
-             py::gil_scoped_release release;
-             check(s.write_group(g, {static_cast<const float*>(t.data()), t.numel()}));
+             unlocked([&] { return s.write_group(g, {static_cast<const float*>(t.data()), t.numel()}); });
            })
       .def("read_group",
            [](Session& s, int g, py::capsule out) {
              BorrowedTensor t = value(BorrowedTensor::borrow(out.ptr(), DType::kFloat32, "read_group"));
-             py::gil_scoped_release release;
-             check(s.read_group(g, {static_cast<float*>(t.data()), t.numel()}));
+             unlocked([&] { return s.read_group(g, {static_cast<float*>(t.data()), t.numel()}); });
            })
-      .def("refresh", [](Session& s) { check(s.refresh()); }, R())
-      .def("begin_micro_batch", [](Session& s) { check(s.begin_micro_batch()); }, R())
+      .def("refresh", [](Session& s) { unlocked([&] { return s.refresh(); }); })
+      .def("begin_micro_batch", [](Session& s) { unlocked([&] { return s.begin_micro_batch(); }); })
       .def("gather",
            [](Session& s, int g) {
-             Region region;
-             {
-               py::gil_scoped_release release;
-               region = value(s.gather(g));
-             }
-             return capsule_of(s, region);
+             return capsule_of(s, unlocked([&] { return s.gather(g); }));
            })
-      .def("release", [](Session& s, int g) { check(s.release(g)); }, R())
+      .def("release", [](Session& s, int g) { unlocked([&] { return s.release(g); }); })
       .def("gradient_buffer",
            [](Session& s, int g) {
-             Region region;
-             {
-               py::gil_scoped_release release;
-               region = value(s.gradient_buffer(g));
-             }
-             return capsule_of(s, region);
+             return capsule_of(s, unlocked([&] { return s.gradient_buffer(g); }));
            })
-      .def("grads_ready", [](Session& s, int g) { check(s.grads_ready(g)); }, R())
+      .def("grads_ready", [](Session& s, int g) { unlocked([&] { return s.grads_ready(g); }); })
       .def("end_micro_batch",
            [](Session& s, double loss) -> py::object {
-             std::optional<StepReport> report;
-             {
-               py::gil_scoped_release release;
-               report = value(s.end_micro_batch(loss));
-             }
+             const std::optional<StepReport> report = unlocked([&] { return s.end_micro_batch(loss); });
              if (!report) return py::none();
              return report_dict(*report);
            })
-      .def("begin_forward", [](Session& s) { check(s.begin_forward()); }, R())
-      .def("end_forward", [](Session& s) { check(s.end_forward()); }, R())
-      .def("save_checkpoint", [](Session& s, const std::string& dir, const std::string& state) { check(s.save_checkpoint(dir, state)); }, R())
-      .def("load_checkpoint", [](Session& s, const std::string& dir) { return value(s.load_checkpoint(dir)); }, R())
+      .def("begin_forward", [](Session& s) { unlocked([&] { return s.begin_forward(); }); })
+      .def("end_forward", [](Session& s) { unlocked([&] { return s.end_forward(); }); })
+      .def("save_checkpoint", [](Session& s, const std::string& dir, const std::string& state) { unlocked([&] { return s.save_checkpoint(dir, state); }); })
+      .def("load_checkpoint", [](Session& s, const std::string& dir) { return unlocked([&] { return s.load_checkpoint(dir); }); })
       .def("export_hf",
            [](Session& s, const std::string& dir, const std::string& config, const std::vector<std::tuple<std::string, int, int>>& names,
               const std::string& tokenizer_dir, uint64_t shard_bytes, const std::string& dtype) {
              const std::vector<HfTensorName> n = hf_names(names);
-             py::gil_scoped_release release;
-             check(s.export_hf(dir, config, n, tokenizer_dir, shard_bytes, dtype));
+             unlocked([&] { return s.export_hf(dir, config, n, tokenizer_dir, shard_bytes, dtype); });
            })
       .def("load_hf",
            [](Session& s, const std::string& dir, const std::vector<std::tuple<std::string, int, int>>& names) {
              const std::vector<HfTensorName> n = hf_names(names);
-             py::gil_scoped_release release;
-             check(s.load_hf(dir, n));
+             unlocked([&] { return s.load_hf(dir, n); });
            })
-      .def("close", [](Session& s) { check(s.close()); }, R());
+      .def("close", [](Session& s) { unlocked([&] { return s.close(); }); });
 }
 
 }  // namespace

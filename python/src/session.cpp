@@ -191,12 +191,15 @@ Status Session::close() {
   if (closed_) return {};
   closed_ = true;
   Status status;
-  if (engine_ && started_) status = engine_->finish();
+  // Inside a step the engine cannot finish: the step is abandoned (its updates never run).
+  const bool between_steps = !micro_open_ && micro_ == 0;
+  if (engine_ && started_ && between_steps) status = engine_->finish();
   if (saver_) {
     const Status saved = saver_->finish();
     if (status.ok()) status = saved;
   }
   saver_.reset();
+  engine_.reset();
   return status;
 }
 

@@ -114,7 +114,8 @@ class Session {
                    const std::string& tokenizer_dir, uint64_t shard_bytes, const std::string& dtype);
   Status load_hf(const std::string& dir, const std::vector<HfTensorName>& names);
 
-  // Waits for all work (the last update included); the session is unusable after.
+  // Waits for all work (the last update included); the session is unusable after. Inside
+  // a step the step is abandoned: its micro-batches are dropped and no update runs.
   Status close();
   bool closed() const { return closed_; }
 

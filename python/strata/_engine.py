@@ -94,6 +94,7 @@ class Engine:
         self._phase = "idle"          # idle | forward (a training forward ran) | backward (done)
         self._eval_pass = False
         self._in_backward = False
+        self._active = False          # inside engine(...): unit forwards may gather
         self._pending_release: List[_Group] = []
         self._losses: List[float] = []
         self.last_report: Optional[dict] = None
@@ -127,7 +128,7 @@ class Engine:
         for g in self._groups:
             for _, p in g.params:
                 p.strata_shape = tuple(p.shape)
-                p.data = torch.empty(0, dtype=p.dtype)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # meta stays meta (init_empty)
 
     def _install_hooks(self) -> None:
         self._unit_groups = []
@@ -217,8 +218,10 @@ class Engine:
         return self._session.world_size
 
     def close(self) -> None:
-        """Waits for the last update and frees the engine; the engine is unusable after."""
+        """Waits for the last update and frees the engine; the engine is unusable after.
+        Inside a step (after an error, say) the step is abandoned."""
         if not self._session.closed:
+            self._release_all()
             self._session.close()
 
     def __enter__(self):
