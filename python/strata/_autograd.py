@@ -29,16 +29,28 @@ class SavedRef:
         self.stride = tuple(stride)
 
 
-class UseHandle:
-    """One use of one unit in a training forward: its trainable groups and tensors."""
-    __slots__ = ("engine", "groups", "views", "slots", "in_backward")
+class Holding:
+    """Groups kept gathered (and, for a unit bound without its own hooks, its parameters kept
+    bound) until the GatherFn of a use runs: a recompute's memory is read by the backward of
+    the ops it recomputed, which all come before that node."""
+    __slots__ = ("unit", "groups", "bound", "done")
 
-    def __init__(self, engine: Any, groups: List[int], views: List[torch.Tensor], slots: List[tuple], in_backward: bool):
+    def __init__(self, unit: Any, groups: List[int], bound: bool):
+        self.unit = unit
+        self.groups = groups
+        self.bound = bound    # the unit's parameters stay bound until then (a forward run without hooks)
+        self.done = False
+
+
+class UseHandle:
+    """One use of one unit: its trainable parameters' views, and what its backward ends."""
+    __slots__ = ("engine", "views", "slots", "holdings")
+
+    def __init__(self, engine: Any, views: List[torch.Tensor], slots: List[tuple]):
         self.engine = engine
-        self.groups = groups            # the engine groups this use gathered (trainable and frozen)
-        self.views = views              # trainable parameters' views, in the order GatherFn returns them
-        self.slots = slots              # per view: (group, tensor index)
-        self.in_backward = in_backward  # a recompute (checkpointing): its groups are held until GatherFn runs
+        self.views = views                     # trainable parameters' views, in the order GatherFn returns them
+        self.slots = slots                     # per view: (group, tensor index)
+        self.holdings: List[Holding] = []      # released when this use's GatherFn runs
 
 
 class GatherFn(torch.autograd.Function):

@@ -36,7 +36,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class _Group:
     __slots__ = ("id", "name", "trainable", "params", "layout", "flat", "open", "refs", "holds", "expected",
-                 "grads", "ready", "gathered_in_backward")
+                 "grads", "ready")
 
     def __init__(self, gid: int, plan: _groups.GroupPlan, layout: dict):
         self.id = gid
@@ -51,7 +51,6 @@ class _Group:
         self.expected = 0
         self.grads: Optional[torch.Tensor] = None
         self.ready = False
-        self.gathered_in_backward = False
 
     def tensor(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         _, shape, offset, numel = self.layout["tensors"][index]
@@ -96,6 +95,7 @@ class Engine:
         self._in_backward = False
         self._active = False          # inside engine(...): unit forwards may gather
         self._pending_release: List[_Group] = []
+        self._holdings: List[_autograd.Holding] = []
         self._losses: List[float] = []
         self.last_report: Optional[dict] = None
 
@@ -131,12 +131,17 @@ class Engine:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # meta stays meta (init_empty)
 
     def _install_hooks(self) -> None:
-        self._unit_groups = []
         for unit in self._units:
-            gids = sorted({self._where[id(b.param)][0] for b in unit.bindings})
-            self._unit_groups.append(gids)
-            unit.module.register_forward_pre_hook(self._make_pre_hook(unit, gids))
-            unit.module.register_forward_hook(self._make_post_hook(unit, gids))
+            unit.gids = sorted({self._where[id(b.param)][0] for b in unit.bindings})
+            unit.bound = False
+            unit.uses = []  # this micro-batch's forward uses with a GatherFn, newest last
+            unit.module.register_forward_pre_hook(self._make_pre_hook(unit))
+            unit.module.register_forward_hook(self._make_post_hook(unit))
+            # A checkpointed block may be recomputed by calling its forward directly, without
+            # its own hooks (transformers 5): its inner modules' hooks bind it then.
+            inner = {id(b.module): b.module for b in unit.bindings if b.module is not unit.module}
+            for module in inner.values():
+                module.register_forward_pre_hook(self._make_inner_hook(unit))
 
     # ---- the API ------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -291,41 +296,88 @@ class Engine:
             raise StrataError(f"{call} inside a step: call it after step() at an accumulation boundary")
 
     # ---- unit forwards ------------------------------------------------------------------
-    def _make_pre_hook(self, unit, gids):
+    def _make_pre_hook(self, unit):
         def pre_hook(module, args):
             if not (self._active or self._in_backward):
                 raise StrataError(f"{unit.name} ran outside the engine: call engine(...) rather than the model, "
                                   "so its parameters are gathered")
             self._flush_releases()
-            for gid in gids:
+            for gid in unit.gids:
                 g = self._gather(self._groups[gid])
                 g.open += 1
                 if not self._in_backward and not self._eval_pass and g.trainable:
                     g.expected += 1
-            self._bind(unit, gids)
-            unit._strata_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-            unit._strata_hooks.__enter__()
+            unit.handle = self._bind(unit)
+            unit.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            unit.hooks.__enter__()
         return pre_hook
 
-    def _make_post_hook(self, unit, gids):
+    def _make_post_hook(self, unit):
         def post_hook(module, args, output):
-            unit._strata_hooks.__exit__(None, None, None)
-            for b in unit.bindings:
-                b.module._parameters[b.attr] = b.param
-            handle = unit._strata_use
-            unit._strata_use = None
-            for gid in gids:
+            unit.hooks.__exit__(None, None, None)
+            self._unbind(unit)
+            handle, unit.handle = unit.handle, None
+            if self._in_backward and handle is not None:
+                self._hold(handle, _autograd.Holding(unit, unit.gids, bound=False))
+            for gid in unit.gids:
                 g = self._groups[gid]
                 g.open -= 1
                 if self._in_backward:
-                    g.holds += handle is not None
                     self._release_when_unused(g)
                 elif g.open == 0:
                     self._release(g)
             return None
         return post_hook
 
-    def _bind(self, unit, gids) -> None:
+    def _make_inner_hook(self, unit):
+        def inner_hook(module, args):
+            if unit.bound:
+                return None
+            if not self._in_backward:
+                raise StrataError(f"a module of {unit.name} ran without {unit.name}'s forward: call the unit (its __call__), "
+                                  "not its forward(), so its parameters are gathered")
+            self._bind_for_recompute(unit)
+            return None
+        return inner_hook
+
+    def _bind_for_recompute(self, unit) -> None:
+        """A unit recomputed in backward without its hooks: gathered and bound until its
+        recompute's GatherFn runs (reentrant checkpointing: the recompute's graph is the one
+        backward follows) or its forward's (non-reentrant: backward follows the forward's
+        graph, with the recomputed tensors)."""
+        self._flush_releases()
+        for gid in unit.gids:
+            self._gather(self._groups[gid])
+        handle = self._bind(unit)
+        holding = _autograd.Holding(unit, unit.gids, bound=True)
+        if handle is not None:
+            self._hold(handle, holding)
+        if unit.uses:
+            self._hold(unit.uses.pop(), holding)
+
+    def _hold(self, handle: _autograd.UseHandle, holding: _autograd.Holding) -> None:
+        if holding not in handle.holdings:
+            handle.holdings.append(holding)
+        if all(h is not holding for h in self._holdings):
+            self._holdings.append(holding)
+            for gid in holding.groups:
+                self._groups[gid].holds += 1
+
+    def _end_holding(self, holding: _autograd.Holding) -> None:
+        if holding.done:
+            return
+        holding.done = True
+        self._holdings.remove(holding)
+        if holding.bound:
+            self._unbind(holding.unit)
+        for gid in holding.groups:
+            g = self._groups[gid]
+            g.holds -= 1
+            self._release_when_unused(g)
+
+    def _bind(self, unit) -> Optional[_autograd.UseHandle]:
+        """Points the unit's parameters into its gathered groups; trainable ones (with
+        gradients enabled) through one GatherFn, whose handle is returned."""
         trainable_views, slots, bound = [], [], {}
         for b in unit.bindings:
             gid, index = self._where[id(b.param)]
@@ -342,9 +394,10 @@ class Engine:
         handle = None
         outputs: tuple = ()
         if trainable_views:
-            handle = _autograd.UseHandle(self, gids, trainable_views, slots, self._in_backward)
+            handle = _autograd.UseHandle(self, trainable_views, slots)
             outputs = _autograd.GatherFn.apply(_autograd.make_anchor(), handle)
-        unit._strata_use = handle
+            if not self._in_backward:
+                unit.uses.append(handle)
         for b in unit.bindings:
             value = bound[id(b.param)]
             if isinstance(value, int):
@@ -352,13 +405,19 @@ class Engine:
                 if value.dtype != b.param.dtype:
                     value = value.to(b.param.dtype)
             b.module._parameters[b.attr] = value
+        unit.bound = True
+        return handle
+
+    def _unbind(self, unit) -> None:
+        for b in unit.bindings:
+            b.module._parameters[b.attr] = b.param
+        unit.bound = False
 
     # ---- gathers and releases -----------------------------------------------------------
     def _gather(self, g: _Group) -> _Group:
         if g.flat is None:
             capsule = self._session.gather(g.id)
             g.flat = dlpack.from_dlpack(capsule)
-            g.gathered_in_backward = self._in_backward
         if g in self._pending_release:
             self._pending_release.remove(g)
         return g
@@ -420,11 +479,8 @@ class Engine:
                 g.expected -= 1
                 if g.expected == 0:
                     self._grads_ready(g)
-        if handle.in_backward:
-            for gid in handle.groups:
-                g = self._groups[gid]
-                g.holds -= 1
-                self._release_when_unused(g)
+        for holding in handle.holdings:
+            self._end_holding(holding)
 
     def _check_in_backward(self) -> None:
         if not self._in_backward:
@@ -445,6 +501,8 @@ class Engine:
     def _finish_backward(self) -> None:
         """After loss.backward(): every group released, every trainable group's gradients
         handed over (a group no gradient reached gets zeros), the counts reset."""
+        for holding in list(self._holdings):
+            self._end_holding(holding)
         self._release_all()
         for g in self._groups:
             if g.trainable:
@@ -453,6 +511,8 @@ class Engine:
             g.open = g.refs = g.holds = g.expected = 0
             g.ready = False
             g.grads = None
+        for unit in self._units:
+            unit.uses = []
 
 
 def _config_text(config: Any):

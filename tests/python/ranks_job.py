@@ -31,12 +31,13 @@ def count_idle_experts(model) -> list:
     """Hooks every router: appends, per call, how many experts no token chose."""
     idle = []
     for name, module in model.named_modules():
-        if name.endswith("block_sparse_moe.gate"):
+        if name.endswith(("block_sparse_moe.gate", "mlp.gate")):  # transformers 4 | 5
             k = model.config.num_experts_per_tok
             experts = model.config.num_local_experts
 
             def hook(mod, args, out, k=k, experts=experts):
-                chosen = torch.topk(out, k, dim=-1).indices.flatten().tolist()
+                logits = out[0] if isinstance(out, tuple) else out  # 5 returns (logits, scores, indices)
+                chosen = torch.topk(logits, k, dim=-1).indices.flatten().tolist()
                 idle.append(experts - len(set(chosen)))
             module.register_forward_hook(hook)
     return idle
