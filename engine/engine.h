@@ -142,7 +142,7 @@ struct EnginePlan {
   size_t pinned_bytes = 0;        // the pinned arena's size
   size_t host_bytes = 0;          // pageable host memory
   size_t nvme_bytes = 0;          // this rank's NVMe file
-  size_t state_bytes = 0;         // the model's full training state over all ranks: params + master + moments + grads
+  size_t state_bytes = 0;         // the model's full training state over all ranks: params + master + moments + grads (frozen groups: params)
   int prefetch_depth = 0;         // after the caps
   bool prefetch_depth_chosen = false;  // the engine picked it (no explicit setting)
   int gather_slots = 0;
@@ -153,6 +153,9 @@ struct EnginePlan {
   size_t max_gather_shard = 0;    // its shard
   size_t max_padded_elements = 0; // the largest group (padded), persistent or not
   size_t max_shard_elements = 0;  // the largest shard
+  // The largest trainable shard: what gradient and optimizer buffers are sized by (frozen
+  // groups have neither; 0 when every group is frozen).
+  size_t max_trainable_shard_elements = 0;
   int gradient_slots = 0;         // device gradient buffers
   // Elements (padded) each gradient slot holds: the first fits the largest group, the
   // others the largest of the rest (a vocabulary-sized group takes the big one).
