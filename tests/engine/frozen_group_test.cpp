@@ -15,6 +15,7 @@
 #include "engine/local_cluster.h"
 #include "examples/models/linear_stack.h"
 #include "kernels/blas_context.h"
+#include "kernels/cast.h"
 #include "kernels/transformer_ops.h"
 #include "tests/support/test_support.h"
 
@@ -90,6 +91,10 @@ class FrozenStack {
     STRATA_ASSIGN_OR_RETURN(logits_, device.allocate(r * kFeatures * 4, "logits"));
     STRATA_ASSIGN_OR_RETURN(losses_, device.allocate(r * 4, "losses"));
     STRATA_ASSIGN_OR_RETURN(mean_loss_, device.allocate(4, "mean loss"));
+    for (int g = 0; g < 3; ++g) {
+      STRATA_ASSIGN_OR_RETURN(DeviceBuffer scratch, device.allocate(engine_.layout(g).padded_numel * 4, "fp32 parameters"));
+      fp32_.push_back(std::move(scratch));
+    }
     return {};
   }
 
@@ -105,6 +110,20 @@ class FrozenStack {
   }
 
  private:
+  // The gathered group as fp32 (16-bit parameters are widened into a scratch copy).
+  StatusOr<GroupView> as_fp32(StatusOr<GroupView> gathered) {
+    STRATA_ASSIGN_OR_RETURN(GroupView view, std::move(gathered));
+    if (view.dtype == DType::kFloat32) return view;
+    const GroupLayout& layout = engine_.layout(view.group);
+    DeviceBuffer& scratch = fp32_[static_cast<size_t>(view.group)];
+    STRATA_RETURN_IF_ERROR(kernels::cast(engine_.compute_stream(), view.flat, view.dtype, scratch.data(), DType::kFloat32, layout.padded_numel));
+    GroupView widened = view;
+    widened.dtype = DType::kFloat32;
+    widened.flat = scratch.data();
+    for (size_t t = 0; t < layout.tensors.size(); ++t) widened.tensors[t] = scratch.as<float>() + layout.tensors[t].offset;
+    return widened;
+  }
+
   Status check_base(const GroupView& view, const std::vector<uint32_t>& expected, int* mismatches) {
     std::vector<char> host(expected.size() * dtype_size(view.dtype));
     STRATA_RETURN_IF_ERROR(engine_.device().copy_async(host.data(), view.flat, host.size(), CopyKind::kDeviceToHost, engine_.compute_stream()));
@@ -128,15 +147,16 @@ class FrozenStack {
     const DType f32 = DType::kFloat32;
     auto bias_of = [&](const GroupView& view) { return view.tensors[1]; };
 
-    STRATA_ASSIGN_OR_RETURN(GroupView embed, engine_.gather(kEmbed));
+    STRATA_ASSIGN_OR_RETURN(GroupView embed, as_fp32(engine_.gather(kEmbed)));
     STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, embed_shape, f32, x_.data(), embed.flat, nullptr, h0_.data()));
     STRATA_RETURN_IF_ERROR(engine_.release(kEmbed));
     STRATA_ASSIGN_OR_RETURN(GroupView base, engine_.gather(kBase));
     STRATA_RETURN_IF_ERROR(check_base(base, expected, mismatches));
+    STRATA_ASSIGN_OR_RETURN(base, as_fp32(base));
     STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, base_shape, f32, h0_.data(), base.flat, bias_of(base), pre_.data()));
     STRATA_RETURN_IF_ERROR(kernels::gelu_forward(stream, f32, pre_.data(), h1_.data(), r * kWidth));
     STRATA_RETURN_IF_ERROR(engine_.release(kBase));
-    STRATA_ASSIGN_OR_RETURN(GroupView head, engine_.gather(kHead));
+    STRATA_ASSIGN_OR_RETURN(GroupView head, as_fp32(engine_.gather(kHead)));
     STRATA_RETURN_IF_ERROR(kernels::matmul_forward(stream, *blas_, head_shape, f32, h1_.data(), head.flat, bias_of(head), logits_.data()));
     STRATA_RETURN_IF_ERROR(engine_.release(kHead));
     const float grad_scale = 1.0f / static_cast<float>(kGlobalRows * micro_batches);
@@ -144,13 +164,13 @@ class FrozenStack {
                                                         losses_.as<float>(), mean_loss_.as<float>(), logits_.data()));
 
     const kernels::GradOptions add_params{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
-    STRATA_ASSIGN_OR_RETURN(head, engine_.gather(kHead));
+    STRATA_ASSIGN_OR_RETURN(head, as_fp32(engine_.gather(kHead)));
     STRATA_ASSIGN_OR_RETURN(GroupView d_head, engine_.gradient_buffer(kHead));
     STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, head_shape, f32, logits_.data(), h1_.data(), head.flat, dh1_.data(),
                                                     static_cast<float*>(d_head.tensors[0]), static_cast<float*>(d_head.tensors[1]), add_params));
     STRATA_RETURN_IF_ERROR(engine_.release(kHead));
     STRATA_RETURN_IF_ERROR(engine_.grads_ready(kHead));
-    STRATA_ASSIGN_OR_RETURN(base, engine_.gather(kBase));
+    STRATA_ASSIGN_OR_RETURN(base, as_fp32(engine_.gather(kBase)));
     // The zero-gradient twin asks for its (zeroed) buffer and writes nothing into it.
     if (base_trainable_) STRATA_RETURN_IF_ERROR(engine_.gradient_buffer(kBase).status());
     STRATA_RETURN_IF_ERROR(kernels::gelu_backward(stream, f32, dh1_.data(), pre_.data(), dh1_.data(), r * kWidth, kernels::GradWrite::kOverwrite));
@@ -158,7 +178,7 @@ class FrozenStack {
                                                     nullptr, add_params));
     STRATA_RETURN_IF_ERROR(engine_.release(kBase));
     if (base_trainable_) STRATA_RETURN_IF_ERROR(engine_.grads_ready(kBase));
-    STRATA_ASSIGN_OR_RETURN(embed, engine_.gather(kEmbed));
+    STRATA_ASSIGN_OR_RETURN(embed, as_fp32(engine_.gather(kEmbed)));
     STRATA_ASSIGN_OR_RETURN(GroupView d_embed, engine_.gradient_buffer(kEmbed));
     STRATA_RETURN_IF_ERROR(kernels::matmul_backward(stream, *blas_, embed_shape, f32, dh0_.data(), x_.data(), embed.flat, nullptr,
                                                     static_cast<float*>(d_embed.tensors[0]), nullptr, add_params));
@@ -172,6 +192,7 @@ class FrozenStack {
   bool base_trainable_;
   std::unique_ptr<kernels::BlasContext> blas_;
   DeviceBuffer x_, labels_, h0_, pre_, h1_, dh1_, dh0_, logits_, losses_, mean_loss_;
+  std::vector<DeviceBuffer> fp32_;  // per group: its fp32 copy when parameters are 16-bit
   std::vector<float> host_x_;
   std::vector<int32_t> host_labels_;
 };
