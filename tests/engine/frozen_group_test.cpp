@@ -488,6 +488,49 @@ const PlanLine* find_line(const EnginePlan& plan, const std::string& prefix, Tie
   return nullptr;
 }
 
+// Inference on the engine: every group frozen, so no gradient slot, landing buffer or
+// optimizer state exists, and steps (with their gathers) still run.
+TEST(FrozenGroupTest, AModelWithEveryGroupFrozenStepsWithoutGradients) {
+  testing::TempDir dir;
+  for (Tier optimizer_tier : {Tier::kPinned, Tier::kNvme, Tier::kDevice}) {
+    SCOPED_TRACE(tier_name(optimizer_tier));
+    LocalClusterOptions cluster_options;
+    cluster_options.device_budget_bytes = size_t{256} << 20;
+    cluster_options.compute_threads = 1;
+    STRATA_ASSERT_OK_AND_ASSIGN(auto cluster, LocalCluster::create(cluster_options));
+    EngineOptions options = fp32_options();
+    options.optimizer_tier = optimizer_tier;
+    options.param_tier = Tier::kNvme;
+    options.overlap = OverlapMode::kDelayed;
+    options.nvme_path = dir.str() + "/" + std::string(tier_name(optimizer_tier));
+    STRATA_ASSERT_OK_AND_ASSIGN(auto engine, Engine::create(options, cluster->device(0), cluster->gather_communicator(0),
+                                                            cluster->reduce_communicator(0)));
+    for (GroupSpec spec : frozen_stack_groups(false)) {
+      spec.trainable = false;
+      STRATA_ASSERT_OK(engine->register_group(spec).status());
+    }
+    STRATA_ASSERT_OK(engine->start());
+    EXPECT_EQ(engine->plan().gradient_slots, 0) << engine->plan().text;
+    EXPECT_EQ(engine->plan().max_trainable_shard_elements, 0u);
+    EXPECT_EQ(find_line(engine->plan(), "master weights", Tier::kPinned), nullptr) << engine->plan().text;
+    EXPECT_EQ(find_line(engine->plan(), "master weights", Tier::kNvme), nullptr) << engine->plan().text;
+    for (int step = 0; step < 3; ++step) {
+      STRATA_ASSERT_OK(engine->begin_step());
+      for (int g = 0; g < engine->group_count(); ++g) {
+        STRATA_ASSERT_OK(engine->gather(g).status());
+        STRATA_ASSERT_OK(engine->release(g));
+      }
+      STRATA_ASSERT_OK_AND_ASSIGN(StepReport report, engine->step(0.0));
+      EXPECT_EQ(report.grad_norm, 0.0);
+    }
+    STRATA_ASSERT_OK(engine->finish());
+    std::vector<float> values(engine->layout(kBase).shard_numel);
+    STRATA_ASSERT_OK(engine->read_state_shard(kBase, Engine::StateKind::kMaster, values));
+    values.resize(engine->layout(kBase).numel);
+    EXPECT_TRUE(same_bits(values, initial_values(kBase, options.seed)));
+  }
+}
+
 TEST(FrozenGroupTest, ThePlanCountsOptimizerStateAndGradientsOfTrainableGroupsOnly) {
   for (OverlapMode overlap : {OverlapMode::kExact, OverlapMode::kDelayed}) {
     SCOPED_TRACE(overlap_mode_name(overlap));
