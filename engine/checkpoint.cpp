@@ -154,11 +154,14 @@ json group_to_json(const GroupLayout& layout) {
   for (const TensorLayout& tensor : layout.tensors) {
     tensors.push_back({{"name", tensor.name}, {"shape", tensor.shape}, {"offset", tensor.offset}, {"numel", tensor.numel}});
   }
-  return {{"id", layout.id},
-          {"name", layout.name},
-          {"numel", layout.numel},
-          {"shard_numel", layout.shard_numel},
-          {"tensors", std::move(tensors)}};
+  json group = {{"id", layout.id},
+                {"name", layout.name},
+                {"numel", layout.numel},
+                {"shard_numel", layout.shard_numel},
+                {"tensors", std::move(tensors)}};
+  // Only where true, so manifests without frozen groups stay as they were.
+  if (!layout.trainable) group["frozen"] = true;
+  return group;
 }
 
 // Same groups (names, sizes, tensors) and world size.
@@ -171,11 +174,12 @@ Status check_same_layouts(const std::vector<GroupLayout>& expected, const std::v
     const GroupLayout& a = expected[g];
     const GroupLayout& b = got[g];
     if (a.name != b.name || a.numel != b.numel || a.shard_numel != b.shard_numel || a.world_size != b.world_size ||
-        a.tensors.size() != b.tensors.size()) {
+        a.tensors.size() != b.tensors.size() || a.trainable != b.trainable) {
       return InvalidArgumentError("rank " + std::to_string(rank) + "'s group " + std::to_string(g) + " ('" + b.name + "', " +
                                   std::to_string(b.numel) + " elements, shard " + std::to_string(b.shard_numel) +
-                                  ") differs from another rank's ('" + a.name + "', " + std::to_string(a.numel) +
-                                  " elements, shard " + std::to_string(a.shard_numel) + ")");
+                                  (b.trainable ? "" : ", frozen") + ") differs from another rank's ('" + a.name + "', " +
+                                  std::to_string(a.numel) + " elements, shard " + std::to_string(a.shard_numel) +
+                                  (a.trainable ? "" : ", frozen") + ")");
     }
   }
   return Status::Ok();
@@ -226,6 +230,10 @@ StatusOr<RankSnapshot> RankSnapshot::allocate(std::vector<GroupLayout> layouts, 
       return InvalidArgumentError("checkpoint snapshot: group '" + layout.name + "' has shard_numel " +
                                   std::to_string(layout.shard_numel) + ", not a positive multiple of 1024 elements");
     }
+    if (!layout.trainable) {  // a frozen group has no state to save
+      snapshot.blocks_.emplace_back();
+      continue;
+    }
     const size_t bytes = static_cast<size_t>(kinds) * layout.shard_numel * sizeof(float);
     StatusOr<AlignedBuffer> block = AlignedBuffer::allocate(bytes, kDirectIoAlignment);
     if (!block.ok()) {
@@ -243,25 +251,27 @@ StatusOr<RankSnapshot> RankSnapshot::allocate(std::vector<GroupLayout> layouts, 
 }
 
 std::span<float> RankSnapshot::shard(int group, CheckpointStateKind kind) {
-  if (static_cast<int>(kind) >= kinds_) return {};
+  if (static_cast<int>(kind) >= kinds_ || !layouts_[static_cast<size_t>(group)].trainable) return {};
   const size_t shard = layouts_[static_cast<size_t>(group)].shard_numel;
   return {blocks_[static_cast<size_t>(group)].as<float>() + static_cast<size_t>(kind) * shard, shard};
 }
 
 std::span<const float> RankSnapshot::shard(int group, CheckpointStateKind kind) const {
-  if (static_cast<int>(kind) >= kinds_) return {};
+  if (static_cast<int>(kind) >= kinds_ || !layouts_[static_cast<size_t>(group)].trainable) return {};
   const size_t shard = layouts_[static_cast<size_t>(group)].shard_numel;
   return {blocks_[static_cast<size_t>(group)].as<float>() + static_cast<size_t>(kind) * shard, shard};
 }
 
 std::span<const float> RankSnapshot::group_block(int group) const {
+  if (!layouts_[static_cast<size_t>(group)].trainable) return {};
   const size_t shard = layouts_[static_cast<size_t>(group)].shard_numel;
   return {blocks_[static_cast<size_t>(group)].as<float>(), static_cast<size_t>(kinds_) * shard};
 }
 
 size_t RankSnapshot::bytes() const {
   size_t total = 0;
-  for (const GroupLayout& layout : layouts_) total += static_cast<size_t>(kinds_) * layout.shard_numel * sizeof(float);
+  for (const GroupLayout& layout : layouts_)
+    if (layout.trainable) total += static_cast<size_t>(kinds_) * layout.shard_numel * sizeof(float);
   return total;
 }
 
@@ -757,6 +767,7 @@ class CheckpointSaver::Impl {
     uint64_t offset = 0;
     Status submit_status;
     for (int g = 0; g < snapshot.group_count() && submit_status.ok(); ++g) {
+      if (!snapshot.layouts()[static_cast<size_t>(g)].trainable) continue;  // frozen: no segments
       const size_t shard_bytes = snapshot.layouts()[static_cast<size_t>(g)].shard_numel * sizeof(float);
       for (int k = 0; k < snapshot.kinds(); ++k) {
         const CheckpointStateKind kind = kSegmentKinds[static_cast<size_t>(k)];
@@ -954,7 +965,7 @@ struct CheckpointReader::File {
   uint64_t bytes = 0;
   bool direct = false;
   ::strata::File fd;
-  std::vector<Segment> segments;  // rank files: group * kinds_ + kind
+  std::vector<Segment> segments;  // rank files: group_segment_[group] + kind
 };
 
 CheckpointReader::~CheckpointReader() = default;
@@ -1020,6 +1031,7 @@ namespace {
 Status parse_manifest_groups(const json& manifest, const ManifestFields& fields, CheckpointManifest& out) {
   STRATA_ASSIGN_OR_RETURN(const json* groups, fields.array(manifest, "groups", "the manifest"));
   uint64_t block_offset = 0;
+  size_t segments = 0;  // of a rank file, before the group's
   for (size_t g = 0; g < groups->size(); ++g) {
     const json& entry = (*groups)[g];
     const std::string where = "groups[" + std::to_string(g) + "]";
@@ -1029,11 +1041,15 @@ Status parse_manifest_groups(const json& manifest, const ManifestFields& fields,
     STRATA_ASSIGN_OR_RETURN(group.numel, fields.get<size_t>(entry, "numel", where));
     STRATA_ASSIGN_OR_RETURN(group.shard_numel, fields.get<size_t>(entry, "shard_numel", where));
     if (group.id != static_cast<int>(g)) return fields.error(where + " has id " + std::to_string(group.id));
-    // A rank file holds three (or, with stale parameters, four) shards of every group; its
-    // size must fit 64 bits.
+    if (entry.contains("frozen")) {
+      STRATA_ASSIGN_OR_RETURN(group.frozen, fields.get<bool>(entry, "frozen", where));
+    }
+    // A rank file holds three (or, with stale parameters, four) shards of every trainable
+    // group (none of a frozen one); its size must fit 64 bits.
     uint64_t block_bytes = 0;
     uint64_t block_end = 0;
-    if (__builtin_mul_overflow(uint64_t{group.shard_numel}, static_cast<uint64_t>(out.kinds) * sizeof(float), &block_bytes) ||
+    const uint64_t kinds = group.frozen ? 0 : static_cast<uint64_t>(out.kinds);
+    if (__builtin_mul_overflow(uint64_t{group.shard_numel}, kinds * sizeof(float), &block_bytes) ||
         __builtin_add_overflow(block_offset, block_bytes, &block_end)) {
       return fields.error(where + " ('" + group.name + "'): shard_numel " + std::to_string(group.shard_numel) +
                           " makes the rank files larger than 2^64 bytes");
@@ -1059,10 +1075,13 @@ Status parse_manifest_groups(const json& manifest, const ManifestFields& fields,
       group.tensors.push_back(std::move(tensor));
     }
     out.group_base.push_back(block_offset);
+    out.group_segment.push_back(group.frozen ? kNoSegment : segments);
+    if (!group.frozen) segments += static_cast<size_t>(out.kinds);
     block_offset = block_end;
     out.groups.push_back(std::move(group));
   }
   out.rank_file_bytes = block_offset;
+  out.rank_file_segments = segments;
   return Status::Ok();
 }
 
@@ -1071,7 +1090,9 @@ Status parse_manifest_segments(const json& entry, const ManifestFields& fields, 
   const bool is_rank_file = file.rank >= 0;
   STRATA_ASSIGN_OR_RETURN(const json* segments, fields.array(entry, "segments", where));
   const size_t kinds = static_cast<size_t>(manifest.kinds);
-  const size_t expected_segments = is_rank_file ? manifest.groups.size() * kinds : 1;
+  const size_t expected_segments = is_rank_file ? manifest.rank_file_segments : 1;
+  // Rank files: segment s belongs to the trainable group whose segments start at or before it.
+  size_t group_of_segment = 0;
   if (segments->size() != expected_segments) {
     return fields.error(where + " ('" + file.name + "') has " + std::to_string(segments->size()) + " segments, expected " +
                         std::to_string(expected_segments));
@@ -1084,7 +1105,9 @@ Status parse_manifest_segments(const json& entry, const ManifestFields& fields, 
     STRATA_ASSIGN_OR_RETURN(segment.bytes, fields.get<uint64_t>(sentry, "bytes", swhere));
     STRATA_ASSIGN_OR_RETURN(const std::vector<std::string> sums, fields.get<std::vector<std::string>>(sentry, "checksums", swhere));
     if (is_rank_file) {
-      segment.group = static_cast<int>(s / kinds);
+      while (manifest.group_segment[group_of_segment] == kNoSegment || manifest.group_segment[group_of_segment] + kinds <= s)
+        ++group_of_segment;
+      segment.group = static_cast<int>(group_of_segment);
       segment.kind = kSegmentKinds[s % kinds];
       const size_t shard_bytes = manifest.groups[static_cast<size_t>(segment.group)].shard_numel * sizeof(float);
       const uint64_t expected_offset = manifest.group_base[static_cast<size_t>(segment.group)] +
@@ -1237,6 +1260,7 @@ StatusOr<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::st
   reader->kinds_ = manifest.kinds;
   reader->groups_ = std::move(manifest.groups);
   reader->group_base_ = std::move(manifest.group_base);
+  reader->group_segment_ = std::move(manifest.group_segment);
 
   for (ManifestFile& entry : manifest.files) {
     File file;
@@ -1355,6 +1379,11 @@ Status CheckpointReader::check_layout(const GroupLayout& layout) const {
     return InvalidArgumentError(what + " ('" + saved.name + "') has " + std::to_string(saved.numel) +
                                 " elements in the checkpoint, " + std::to_string(layout.numel) + " in the model");
   }
+  if (saved.frozen == layout.trainable) {
+    return InvalidArgumentError(what + " ('" + saved.name + "') is " + (saved.frozen ? "frozen" : "trainable") +
+                                " in the checkpoint but " + (layout.trainable ? "trainable" : "frozen") +
+                                " in the model: a group must be frozen in both or in neither");
+  }
   return Status::Ok();
 }
 
@@ -1368,6 +1397,10 @@ Status CheckpointReader::read_range(int group, CheckpointStateKind kind, uint64_
                                 " (not a delayed-mode save)");
   }
   const SavedGroup& saved = groups_[static_cast<size_t>(group)];
+  if (saved.frozen) {
+    return FailedPreconditionError("checkpoint " + path_ + ": group " + std::to_string(group) + " ('" + saved.name +
+                                   "') is frozen; checkpoints hold no state of frozen groups (load their weights from their source)");
+  }
   const uint64_t end = first + out.size();
   const uint64_t data_end = std::min<uint64_t>(end, saved.numel);
   uint64_t element = first;
@@ -1375,7 +1408,7 @@ Status CheckpointReader::read_range(int group, CheckpointStateKind kind, uint64_
     const uint64_t rank = element / saved.shard_numel;
     const uint64_t rank_end = std::min<uint64_t>(data_end, (rank + 1) * saved.shard_numel);
     const File& file = files_[static_cast<size_t>(rank)];
-    const Segment& segment = file.segments[static_cast<size_t>(group) * static_cast<size_t>(kinds_) + static_cast<size_t>(kind)];
+    const Segment& segment = file.segments[group_segment_[static_cast<size_t>(group)] + static_cast<size_t>(kind)];
     const uint64_t local = element - rank * saved.shard_numel;
     STRATA_RETURN_IF_ERROR_CTX(read_segment(file, segment, local * sizeof(float), (rank_end - element) * sizeof(float),
                                             out.data() + (element - first)),
@@ -1470,6 +1503,7 @@ StatusOr<RankSnapshot> snapshot_engine_state(Engine& engine, int rank) {
   STRATA_ASSIGN_OR_RETURN(RankSnapshot snapshot, RankSnapshot::allocate(std::move(layouts), rank, engine.steps_taken(), stale));
   snapshot.set_loss_scaler(engine.loss_scaler_state());
   for (int g = 0; g < snapshot.group_count(); ++g) {
+    if (!snapshot.layouts()[static_cast<size_t>(g)].trainable) continue;  // frozen: not saved
     for (int k = 0; k < snapshot.kinds(); ++k) {
       const CheckpointStateKind kind = kSegmentKinds[static_cast<size_t>(k)];
       STRATA_RETURN_IF_ERROR_CTX(engine.read_state_shard(g, kind, snapshot.shard(g, kind)),
@@ -1501,6 +1535,7 @@ Status load_stale_parameters(Engine& engine, int rank, const CheckpointReader& r
   std::vector<float> shard;
   for (int g = 0; g < engine.group_count(); ++g) {
     const GroupLayout& layout = engine.layout(g);
+    if (!layout.trainable) continue;
     shard.resize(layout.shard_numel);
     STRATA_RETURN_IF_ERROR(reader.load_shard(g, CheckpointStateKind::kStaleParams, rank, layout.world_size, shard));
     STRATA_RETURN_IF_ERROR_CTX(engine.write_state_shard(g, CheckpointStateKind::kStaleParams, shard),
@@ -1520,6 +1555,7 @@ Status load_engine_state(Engine& engine, int rank, const CheckpointReader& reade
   for (int g = 0; g < engine.group_count(); ++g) {
     const GroupLayout& layout = engine.layout(g);
     STRATA_RETURN_IF_ERROR(reader.check_layout(layout));
+    if (!layout.trainable) continue;  // frozen: its weights are the caller's to load
     shard.resize(layout.shard_numel);
     for (CheckpointStateKind kind : kAllKinds) {
       STRATA_RETURN_IF_ERROR(reader.load_shard(g, kind, rank, layout.world_size, shard));

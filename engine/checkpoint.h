@@ -29,6 +29,15 @@
 // delayed run does from the masters (its first two steps compute with them). Both say so
 // in an info line.
 //
+// Frozen groups (GroupSpec::trainable false: PEFT base weights) are not saved. The
+// manifest lists them among the groups with "frozen": true (the field appears on frozen
+// groups only, so a manifest without them is what it always was) and the rank files hold
+// no segments for them: only the trainable groups' state, in id order. Loading requires
+// the engine's groups to be frozen exactly where the checkpoint's are (a mismatch is an
+// error naming the group); load_engine_state() leaves frozen groups as they are, and the
+// caller loads their weights from where they came from (write_state_shard(kMaster) of a
+// frozen group writes its parameters), as it did for the run that saved.
+//
 // Saving (CheckpointSaver): every rank hands over a RankSnapshot — its shards copied into
 // host memory the snapshot owns — and returns to training; the saver's thread writes the
 // files through the I/O engine (O_DIRECT where the file system takes it, else buffered,
@@ -68,7 +77,7 @@
 // set_steps_taken).
 //
 // Memory: a RankSnapshot is a full copy of the rank's fp32 optimizer state (12 bytes per
-// parameter / world size, 16 with stale parameters); the saver keeps at most
+// trainable parameter / world size, 16 with stale parameters); the saver keeps at most
 // max_pending_saves steps of them, each until its save has committed or failed for good
 // (the retry rewrites them).
 #pragma once
@@ -130,7 +139,7 @@ class RankSnapshot {
   bool has_stale_parameters() const { return kinds_ > kCheckpointStateKinds; }
   int kinds() const { return kinds_; }  // shards per group: 3, or 4 with stale parameters
   // Group `group`'s shard of `kind`: layouts()[group].shard_numel floats (kStaleParams:
-  // empty without has_stale_parameters()).
+  // empty without has_stale_parameters(); every kind empty for a frozen group).
   std::span<float> shard(int group, CheckpointStateKind kind);
   std::span<const float> shard(int group, CheckpointStateKind kind) const;
   // The group's shards back to back (master, exp_avg, exp_avg_sq[, stale params]), as they go to disk.
@@ -244,8 +253,11 @@ struct SavedGroup {
   std::string name;
   size_t numel = 0;        // unpadded
   size_t shard_numel = 0;  // per rank, at the saved world size
+  bool frozen = false;     // "frozen": true: no segments in the rank files
   std::vector<SavedTensor> tensors;
 };
+
+inline constexpr size_t kNoSegment = static_cast<size_t>(-1);
 
 // What the manifest says about one stored range of a file: a rank file holds one segment
 // per (group, kind), group-major; the trainer state one segment covering it.
@@ -272,7 +284,9 @@ struct CheckpointManifest {
   int kinds = kCheckpointStateKinds;  // segments per group in the rank files: 4 with stale parameters (version 2)
   std::vector<SavedGroup> groups;
   std::vector<uint64_t> group_base;  // per group: byte offset of its block in every rank file
-  uint64_t rank_file_bytes = 0;      // every rank file's size: the groups' blocks back to back
+  std::vector<size_t> group_segment; // per group: index of its first segment in a rank file (kNoSegment: frozen)
+  size_t rank_file_segments = 0;     // segments per rank file: kinds per trainable group
+  uint64_t rank_file_bytes = 0;      // every rank file's size: the trainable groups' blocks back to back
   std::vector<ManifestFile> files;   // rank files in rank order, then trainer_state.json
 };
 
@@ -346,6 +360,7 @@ class CheckpointReader {
   std::vector<SavedGroup> groups_;
   std::vector<File> files_;        // rank files in rank order, then trainer_state.json
   std::vector<size_t> group_base_; // per group: byte offset of its block in every rank file
+  std::vector<size_t> group_segment_; // per group: its first segment in a rank file (kNoSegment: frozen)
 };
 
 struct CheckpointRef {
@@ -365,12 +380,12 @@ struct LatestCompleteOptions {
 StatusOr<CheckpointRef> latest_complete(const std::string& save_dir, const LatestCompleteOptions& options = {});
 
 // Engine glue. `rank` is the engine's rank (EngineOptions::rank).
-// Copies this rank's master, exp_avg and exp_avg_sq shards of every group out of the
+// Copies this rank's master, exp_avg and exp_avg_sq shards of every trainable group out of the
 // engine (waiting for pending updates), and the stale parameters when the engine has them
 // (delayed overlap mode), with engine.steps_taken(). Call between steps.
 StatusOr<RankSnapshot> snapshot_engine_state(Engine& engine, int rank);
-// Loads this rank's shards of every group from `reader` (any saved world size): checks
-// every group's layout, write_state_shard() for the three kinds, refresh_parameters(), the
+// Loads this rank's shards of every trainable group from `reader` (any saved world size):
+// checks every group's layout (frozen groups included: frozen in both or neither), write_state_shard() for the three kinds, refresh_parameters(), the
 // stale parameters when both the checkpoint and the engine are delayed-mode (see above),
 // set_steps_taken(reader.engine_steps()), set_step_number(reader.step()), and the loss
 // scaler's state when both the checkpoint and the engine have one. Call after start(),

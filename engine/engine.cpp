@@ -172,6 +172,13 @@ class EngineImpl final : public Engine {
       return InvalidArgumentError(std::string(call) + ": no group " + std::to_string(g));
     return {};
   }
+  // Gradients and optimizer state exist for trainable groups only.
+  Status check_trainable(int g, const std::string& call) const {
+    const GroupLayout& layout = groups_[static_cast<size_t>(g)]->layout;
+    if (layout.trainable) return {};
+    return FailedPreconditionError(call + ": group " + std::to_string(g) + " ('" + layout.name +
+                                   "') is frozen (GroupSpec::trainable is false): it has no gradients and no optimizer state");
+  }
   bool device_state() const { return options_.optimizer_tier == Tier::kDevice; }
   bool direct_view(const GroupState& /*state*/) const { return options_.param_tier == Tier::kDevice && options_.world_size == 1; }
   size_t param_bytes(size_t elements) const { return elements * dtype_size(options_.param_dtype); }
@@ -197,6 +204,7 @@ class EngineImpl final : public Engine {
   // masters, and the step number the metrics give is kept.
   Status enter_stale_position();
   Status write_stale_parameters(int g, std::span<const float> in);
+  Status write_frozen_parameters(int g, std::span<const float> in);
 
   EngineOptions options_;
   Device& device_;
@@ -298,18 +306,21 @@ Status EngineImpl::allocate_and_initialize() {
     }
   }
 
-  // Device buffers.
+  // Device buffers. The new-parameter staging serves the optimizer: trainable groups only.
   const size_t all_max_shard = plan_.max_shard_elements;
+  const size_t update_shard = std::max<size_t>(plan_.max_trainable_shard_elements, 1);
   STRATA_ASSIGN_OR_RETURN(norm_buffer_, device_.allocate(256, "norm all-reduce"));
   if ((nvme_params || options_.param_tier == Tier::kDevice) && options_.optimizer_tier != Tier::kNvme) {
-    STRATA_ASSIGN_OR_RETURN(param_out_stage_, host_alloc(param_bytes(all_max_shard), "new-parameter staging"));
+    STRATA_ASSIGN_OR_RETURN(param_out_stage_, host_alloc(param_bytes(update_shard), "new-parameter staging"));
   }
   if (device_state() && options_.param_tier != Tier::kDevice) {
-    STRATA_ASSIGN_OR_RETURN(param_out_device_, device_.allocate(param_bytes(all_max_shard), "new-parameter staging"));
+    STRATA_ASSIGN_OR_RETURN(param_out_device_, device_.allocate(param_bytes(update_shard), "new-parameter staging"));
   }
   ShardStoreContext shard_context{&options_, &device_, update_stream_.get(), arena_.get(), nvme_.get(), &tracer_, &groups_};
   shards_ = std::make_unique<ShardStore>(shard_context);
-  versions_ = std::make_unique<VersionBoard>(groups_.size());
+  std::vector<bool> trainable;
+  for (const auto& g : groups_) trainable.push_back(g->layout.trainable);
+  versions_ = std::make_unique<VersionBoard>(trainable);
   STRATA_RETURN_IF_ERROR(create_optimizer_stage());
   STRATA_RETURN_IF_ERROR(create_gradient_path());
   STRATA_RETURN_IF_ERROR(create_param_fetcher());
@@ -444,11 +455,14 @@ Status EngineImpl::initialize_group(GroupState& g, std::vector<float>& init) {
   if (id < loaded_groups_.size() && loaded_groups_[id]) {
     // The caller's load writes the master weights and the parameters: storage, zero moments.
     STRATA_RETURN_IF_ERROR(shards_->allocate_group(g.layout.id, nullptr));
+    if (!g.layout.trainable) return {};
     return optimizer_stage_->initialize_group(g.layout.id, nullptr);
   }
   ++initialized_groups_;
   init_shard(g.layout, options_.rank, options_.seed, init.data());
   STRATA_RETURN_IF_ERROR(shards_->allocate_group(g.layout.id, init.data()));
+  // A frozen group is its parameters alone: no optimizer state.
+  if (!g.layout.trainable) return {};
   // Optimizer state: master = the fp32 initial values, moments zero.
   return optimizer_stage_->initialize_group(g.layout.id, init.data());
 }
@@ -622,6 +636,7 @@ Status EngineImpl::release(int g) {
 
 StatusOr<GroupView> EngineImpl::gradient_buffer(int g) {
   STRATA_RETURN_IF_ERROR(check_group(g, "gradient_buffer"));
+  STRATA_RETURN_IF_ERROR(check_trainable(g, "gradient_buffer(" + std::to_string(g) + ")"));
   if (micro_ < 0) return FailedPreconditionError("gradient_buffer() outside a step");
   if (forward_only_) return FailedPreconditionError("gradient_buffer() in a forward-only pass");
   STRATA_ASSIGN_OR_RETURN(float* buffer, gradient_path_->buffer(g));
@@ -630,6 +645,7 @@ StatusOr<GroupView> EngineImpl::gradient_buffer(int g) {
 
 Status EngineImpl::grads_ready(int g) {
   STRATA_RETURN_IF_ERROR(check_group(g, "grads_ready"));
+  STRATA_RETURN_IF_ERROR(check_trainable(g, "grads_ready(" + std::to_string(g) + ")"));
   if (forward_only_) return FailedPreconditionError("grads_ready() in a forward-only pass");
   if (micro_ < 0) return FailedPreconditionError("grads_ready() outside a step");
   STRATA_RETURN_IF_ERROR(background_error());
@@ -666,7 +682,10 @@ StatusOr<OptimizerJob> EngineImpl::plan_update(int64_t t, const GradientStats& g
   STRATA_ASSIGN_OR_RETURN(job.no_decay_plan, plan_adam_step(no_decay, applied_steps_ + 1, global, plan_options));
   job.skip = job.decay_plan.skip;
   // Forward order: the first use of each group in the schedule, then any group not in it.
+  // Frozen groups have nothing to update (their versions are always current).
   std::set<int> seen;
+  for (int g = 0; g < group_count(); ++g)
+    if (!group(g).layout.trainable) seen.insert(g);
   for (int g : uses_->schedule())
     if (seen.insert(g).second) job.order.push_back(g);
   for (int g = 0; g < group_count(); ++g)
@@ -839,21 +858,55 @@ Status EngineImpl::wait_for_state_access(int g, size_t elements, const char* cal
   return wait_for_updates("the group's update");
 }
 
+const char* state_kind_name(Engine::StateKind kind) {
+  switch (kind) {
+    case Engine::StateKind::kMaster: return "master";
+    case Engine::StateKind::kExpAvg: return "exp_avg";
+    case Engine::StateKind::kExpAvgSq: return "exp_avg_sq";
+    case Engine::StateKind::kStaleParams: return "stale parameters";
+  }
+  return "?";
+}
+
+// A frozen group's only state is its parameter copy, which stands in for its master.
 Status EngineImpl::read_state_shard(int g, StateKind kind, std::span<float> out) {
   STRATA_RETURN_IF_ERROR(wait_for_state_access(g, out.size(), "read_state_shard"));
+  if (!group(g).layout.trainable) {
+    if (kind != StateKind::kMaster)
+      return check_trainable(g, "read_state_shard(" + std::to_string(g) + ", " + state_kind_name(kind) + ")");
+    return shards_->load_values(g, 0, out.data());
+  }
   if (kind != StateKind::kStaleParams) return optimizer_stage_->read_state(g, kind, out);
   if (!has_stale_parameters())
     return FailedPreconditionError("read_state_shard(" + std::to_string(g) + ", stale parameters): there is no stale copy (" +
                                    (options_.overlap == OverlapMode::kExact ? "exact overlap mode" : "no step taken yet") +
                                    "); ask has_stale_parameters() first");
   // Between steps: the copy the next step reads, one version behind the masters.
-  return shards_->load_values(g, shards_->copy_of(uses_->step_version(step_index_)), out.data());
+  return shards_->load_values(g, shards_->copy_of(g, uses_->step_version(step_index_)), out.data());
 }
 
 Status EngineImpl::write_state_shard(int g, StateKind kind, std::span<const float> in) {
   STRATA_RETURN_IF_ERROR(wait_for_state_access(g, in.size(), "write_state_shard"));
+  if (!group(g).layout.trainable) {
+    if (kind != StateKind::kMaster)
+      return check_trainable(g, "write_state_shard(" + std::to_string(g) + ", " + state_kind_name(kind) + ")");
+    return write_frozen_parameters(g, in);
+  }
   if (kind == StateKind::kStaleParams) return write_stale_parameters(g, in);
   return optimizer_stage_->write_state(g, kind, in);
+}
+
+// As refresh_parameters() for one group, whose new values come from the caller.
+Status EngineImpl::write_frozen_parameters(int g, std::span<const float> in) {
+  if (micro_ >= 0 || forward_only_)
+    return FailedPreconditionError("write_state_shard(" + std::to_string(g) + ", master) of frozen group '" + group(g).layout.name +
+                                   "' inside a step or a forward-only pass");
+  // Fetches planned ahead would carry the old values: let them finish, then forget them.
+  uses_->restart(step_index_);
+  STRATA_RETURN_IF_ERROR(drain());
+  STRATA_RETURN_IF_ERROR(shards_->store_values(g, 0, in.data()));
+  fetcher_->forget_persistent_fetches();
+  return {};
 }
 
 Status EngineImpl::write_stale_parameters(int g, std::span<const float> in) {
@@ -864,7 +917,7 @@ Status EngineImpl::write_stale_parameters(int g, std::span<const float> in) {
   if (step_index_ == 0) STRATA_RETURN_IF_ERROR(enter_stale_position());
   // The next step reads version step_index_ - 1; the masters' version step_index_ is in the
   // other copy (refresh_parameters() wrote it).
-  STRATA_RETURN_IF_ERROR(shards_->store_values(g, shards_->copy_of(uses_->step_version(step_index_)), in.data()));
+  STRATA_RETURN_IF_ERROR(shards_->store_values(g, shards_->copy_of(g, uses_->step_version(step_index_)), in.data()));
   fetcher_->forget_persistent_fetches();
   return {};
 }
@@ -897,10 +950,11 @@ Status EngineImpl::refresh_parameters() {
   std::vector<float> master;
   for (auto& gp : groups_) {
     GroupState& g = *gp;
+    if (!g.layout.trainable) continue;  // its parameters are its state: nothing to refresh from
     master.resize(g.layout.shard_numel);
     STRATA_RETURN_IF_ERROR(read_state_shard(g.layout.id, StateKind::kMaster, master));
     // Every copy gets the same values: the next fetch reads whichever its version picks.
-    for (int c = 0; c < shards_->copies(); ++c) STRATA_RETURN_IF_ERROR(shards_->store_values(g.layout.id, c, master.data()));
+    for (int c = 0; c < shards_->copies(g.layout.id); ++c) STRATA_RETURN_IF_ERROR(shards_->store_values(g.layout.id, c, master.data()));
   }
   fetcher_->forget_persistent_fetches();
   return {};

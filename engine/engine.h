@@ -24,6 +24,12 @@
 // are gathered again for every micro-batch; reduced gradient shards accumulate in fp32 in
 // host memory (or device memory when the optimizer state lives there).
 //
+// A frozen group (GroupSpec::trainable false: PEFT base weights) is gathered and released
+// like any other, and has nothing else: no gradient buffer (gradient_buffer() and
+// grads_ready() are FailedPrecondition errors naming it), no master weights, moments or
+// gradient shards in any tier, one parameter copy in either overlap mode, and no share in
+// the gradient norm or the update.
+//
 // Behind the API: each group is flattened, padded and split across ranks (partition.h);
 // each kind of shard state lives in the tier the options name; a prefetch pipeline
 // follows the schedule (declared, or recorded on the first step and replayed) and moves
@@ -142,7 +148,7 @@ struct EnginePlan {
   size_t pinned_bytes = 0;        // the pinned arena's size
   size_t host_bytes = 0;          // pageable host memory
   size_t nvme_bytes = 0;          // this rank's NVMe file
-  size_t state_bytes = 0;         // the model's full training state over all ranks: params + master + moments + grads
+  size_t state_bytes = 0;         // the model's full training state over all ranks: params + master + moments + grads (frozen groups: params)
   int prefetch_depth = 0;         // after the caps
   bool prefetch_depth_chosen = false;  // the engine picked it (no explicit setting)
   int gather_slots = 0;
@@ -153,6 +159,9 @@ struct EnginePlan {
   size_t max_gather_shard = 0;    // its shard
   size_t max_padded_elements = 0; // the largest group (padded), persistent or not
   size_t max_shard_elements = 0;  // the largest shard
+  // The largest trainable shard: what gradient and optimizer buffers are sized by (frozen
+  // groups have neither; 0 when every group is frozen).
+  size_t max_trainable_shard_elements = 0;
   int gradient_slots = 0;         // device gradient buffers
   // Elements (padded) each gradient slot holds: the first fits the largest group, the
   // others the largest of the rest (a vocabulary-sized group takes the big one).
@@ -243,7 +252,8 @@ class Engine {
   virtual Status begin_micro_batch() = 0;
   virtual StatusOr<GroupView> gather(int group) = 0;
   virtual Status release(int group) = 0;
-  // The fp32 full-group gradient buffer for this micro-batch (zeroed on first request).
+  // The fp32 full-group gradient buffer for this micro-batch (zeroed on first request); an
+  // error for a frozen group, as is grads_ready().
   virtual StatusOr<GroupView> gradient_buffer(int group) = 0;
   virtual Status grads_ready(int group) = 0;
   // What the model multiplies its loss by before backward (1 unless fp16 loss scaling).
@@ -267,6 +277,11 @@ class Engine {
 
   // State access (waits for pending updates of the group). Shards are this rank's.
   //
+  // A frozen group's only state is its parameter copy: kMaster reads it widened to fp32
+  // and writes it in the parameter dtype (rounded as refresh_parameters() rounds a master;
+  // between steps, and at once: no refresh_parameters() is needed); the other kinds are
+  // FailedPrecondition errors naming the group.
+  //
   // kStaleParams exists in delayed overlap mode once a step was taken (has_stale_parameters()):
   // the parameter copy the next step computes with, one update behind the master, as fp32
   // (the parameter dtype's values, widened exactly). Written after refresh_parameters(),
@@ -276,8 +291,8 @@ class Engine {
   enum class StateKind : uint8_t { kMaster, kExpAvg, kExpAvgSq, kStaleParams };
   virtual Status read_state_shard(int group, StateKind kind, std::span<float> out) = 0;
   virtual Status write_state_shard(int group, StateKind kind, std::span<const float> in) = 0;
-  // After write_state_shard(kMaster, ...) calls: refreshes every parameter copy from the
-  // masters (a stale copy included: write kStaleParams after this).
+  // After write_state_shard(kMaster, ...) calls: refreshes every trainable group's
+  // parameter copies from the masters (a stale copy included: write kStaleParams after this).
   virtual Status refresh_parameters() = 0;
   // Delayed overlap after at least one step (or a kStaleParams write): the next step's
   // parameters are one update behind the masters.

@@ -48,8 +48,12 @@ NvmeAdamStateOptions ring_shape(const EngineOptions& o, const EnginePlan& plan) 
 struct ModelShape {
   size_t max_padded = 0, max_shard = 0;          // groups that take a gather slot
   size_t all_max_padded = 0, all_max_shard = 0;  // every group
-  size_t second_max_padded = 0;                  // the largest group but one (by padded size)
+  // Gradients and optimizer state are sized by the trainable groups alone (frozen groups
+  // have neither): the largest, the largest but one (by padded size), and the largest shard.
+  size_t trainable_max_padded = 0, trainable_second_max_padded = 0, trainable_max_shard = 0;
   size_t total_numel = 0, total_shard = 0;
+  size_t trainable_numel = 0;
+  int frozen_groups = 0;
   size_t persistent_full_bytes = 0, persistent_shard_bytes = 0, persistent_stage_bytes = 0;
   int slot_groups = 0;                           // groups that take a gather slot
 };
@@ -83,19 +87,38 @@ class Planner {
   size_t param_bytes(size_t elements) const { return elements * dtype_size(o_.param_dtype); }
   int copies() const { return o_.overlap == OverlapMode::kDelayed ? 2 : 1; }
   bool direct_view() const { return o_.param_tier == Tier::kDevice && o_.world_size == 1; }
-  size_t sum_shards(size_t bytes_per_element) const {
+  // Per-shard state of the trainable groups (gradients, master weights, moments).
+  size_t sum_trainable_shards(size_t bytes_per_element) const {
     size_t total = 0;
-    for (const auto& g : in_.layouts) total += round_up_4k(g.shard_numel * bytes_per_element);
+    for (const auto& g : in_.layouts)
+      if (g.trainable) total += round_up_4k(g.shard_numel * bytes_per_element);
+    return total;
+  }
+  // Every group's parameter copies (a frozen group has one in either overlap mode).
+  size_t param_shard_bytes(bool rounded) const {
+    size_t total = 0;
+    for (const auto& g : in_.layouts) {
+      const size_t bytes = param_bytes(g.shard_numel);
+      total += static_cast<size_t>(g.trainable ? copies() : 1) * (rounded ? round_up_4k(bytes) : bytes);
+    }
     return total;
   }
 
   void measure_shape() {
     persistent_.clear();
     std::vector<size_t> padded;
-    for (const auto& g : in_.layouts) padded.push_back(g.padded_numel);
+    for (const auto& g : in_.layouts)
+      if (g.trainable) padded.push_back(g.padded_numel);
     std::sort(padded.begin(), padded.end(), std::greater<>());
-    shape_.second_max_padded = padded.size() > 1 ? padded[1] : padded.front();
+    shape_.trainable_max_padded = padded.empty() ? 0 : padded.front();
+    shape_.trainable_second_max_padded = padded.size() > 1 ? padded[1] : shape_.trainable_max_padded;
     for (const auto& g : in_.layouts) {
+      if (g.trainable) {
+        shape_.trainable_numel += g.numel;
+        shape_.trainable_max_shard = std::max(shape_.trainable_max_shard, g.shard_numel);
+      } else {
+        ++shape_.frozen_groups;
+      }
       const bool persistent = g.padded_numel <= o_.persistence_threshold;
       persistent_.push_back(persistent ? 1 : 0);
       shape_.total_numel += g.numel;
@@ -120,6 +143,7 @@ class Planner {
   // Two slots let one group's gradient be reduced and copied out while the next group's
   // backward fills the other; each gradient the model holds between uses takes one more.
   int gradient_slot_count() const {
+    if (shape_.trainable_max_padded == 0) return 0;  // every group frozen: no gradients
     if (in_.held_gradients >= 0) return 2 + in_.held_gradients;
     if (in_.schedule.empty()) return 3;
     std::map<int, int> uses;
@@ -136,16 +160,17 @@ class Planner {
     p.max_gather_shard = shape_.max_shard;
     p.max_padded_elements = shape_.all_max_padded;
     p.max_shard_elements = shape_.all_max_shard;
+    p.max_trainable_shard_elements = shape_.trainable_max_shard;
     p.pinned_budget_bytes = o_.pinned_budget_bytes;
     p.device_budget_bytes = in_.device_budget_bytes;
-    p.state_bytes = shape_.total_numel * (dtype_size(o_.param_dtype) + 12 + 4);
+    p.state_bytes = shape_.total_numel * dtype_size(o_.param_dtype) + shape_.trainable_numel * (12 + 4);
     size_gather_slots(p, requested_depth);
     p.gradient_slots = gradient_slot_count();
-    p.gradient_slot_elements.assign(static_cast<size_t>(p.gradient_slots), std::max<size_t>(shape_.second_max_padded, 1));
-    p.gradient_slot_elements.front() = shape_.all_max_padded;
-    if (o_.world_size > 1 && o_.reduce_bucket_elements > 0 && o_.reduce_bucket_elements < shape_.all_max_shard)
+    p.gradient_slot_elements.assign(static_cast<size_t>(p.gradient_slots), std::max<size_t>(shape_.trainable_second_max_padded, 1));
+    if (p.gradient_slots > 0) p.gradient_slot_elements.front() = shape_.trainable_max_padded;
+    if (o_.world_size > 1 && o_.reduce_bucket_elements > 0 && o_.reduce_bucket_elements < shape_.trainable_max_shard)
       p.reduce_bucket_elements = o_.reduce_bucket_elements;
-    p.gradients_spilled = o_.optimizer_tier == Tier::kNvme;
+    p.gradients_spilled = o_.optimizer_tier == Tier::kNvme && p.gradient_slots > 0;
     p.landing_buffers = p.gradients_spilled ? p.gradient_slots + 1 : 0;
     add_device_lines(p);
     STRATA_RETURN_IF_ERROR(add_host_lines(p));
@@ -184,23 +209,24 @@ class Planner {
     add(p, "gather buffers (" + std::to_string(slots) + " x " + format_bytes(param_bytes(shape_.max_padded)) + ")", Tier::kDevice,
         slots * param_bytes(shape_.max_padded));
     if (world > 1 && o_.param_tier != Tier::kDevice) add(p, "device staging shards", Tier::kDevice, slots * param_bytes(shape_.max_shard));
-    if (o_.param_tier == Tier::kDevice) add(p, "parameter shards (" + pname + ")", Tier::kDevice, copies() * param_bytes(shape_.total_shard));
+    if (o_.param_tier == Tier::kDevice) add(p, "parameter shards (" + pname + ")", Tier::kDevice, param_shard_bytes(false));
     add(p, "persistent groups (gathered)", Tier::kDevice, shape_.persistent_full_bytes + shape_.persistent_shard_bytes);
     size_t gradient_elements = 0;
     for (size_t elements : p.gradient_slot_elements) gradient_elements += elements;
-    add(p, "gradient buffers (fp32: 1 x " + format_bytes(shape_.all_max_padded * 4) + " + " + std::to_string(gslots - 1) + " x " +
-               format_bytes(p.gradient_slot_elements.back() * 4) + ")",
-        Tier::kDevice, gradient_elements * 4);
+    if (gslots > 0)
+      add(p, "gradient buffers (fp32: 1 x " + format_bytes(shape_.trainable_max_padded * 4) + " + " + std::to_string(gslots - 1) + " x " +
+                 format_bytes(p.gradient_slot_elements.back() * 4) + ")",
+          Tier::kDevice, gradient_elements * 4);
     if (world > 1) add(p, "reduce-scatter shards", Tier::kDevice, gradient_elements / static_cast<size_t>(world) * 4);
     add(p, "reduce-scatter buckets (reduce_bucket_size " + std::to_string(p.reduce_bucket_elements) + ")", Tier::kDevice,
         gslots * p.reduce_bucket_elements * 4 * static_cast<size_t>(world));
     if (o_.grad_transfer_dtype != DType::kFloat32)
-      add(p, "gradient transfer cast (one, shared by the slots)", Tier::kDevice, shape_.all_max_shard * dtype_size(o_.grad_transfer_dtype));
+      add(p, "gradient transfer cast (one, shared by the slots)", Tier::kDevice, shape_.trainable_max_shard * dtype_size(o_.grad_transfer_dtype));
     if (o_.optimizer_tier == Tier::kDevice) {
       size_t state = 0;
-      for (const auto& g : in_.layouts) state += g.shard_numel * 16;
+      for (const auto& g : in_.layouts) state += g.trainable ? g.shard_numel * 16 : 0;
       add(p, "master weights + exp_avg + exp_avg_sq + gradient accumulators (fp32)", Tier::kDevice, state);
-      if (o_.param_tier != Tier::kDevice) add(p, "new-parameter staging", Tier::kDevice, param_bytes(shape_.all_max_shard));
+      if (o_.param_tier != Tier::kDevice) add(p, "new-parameter staging", Tier::kDevice, param_bytes(shape_.trainable_max_shard));
     }
     add(p, "norm all-reduce", Tier::kDevice, 256);
     add(p, "activations (declared by the model)", Tier::kDevice, o_.activation_bytes);
@@ -213,7 +239,7 @@ class Planner {
     const size_t tsize = dtype_size(o_.grad_transfer_dtype);
     const bool nvme_params = o_.param_tier == Tier::kNvme;
     if (o_.param_tier == Tier::kPinned || o_.param_tier == Tier::kHost)
-      add(p, "parameter shards (" + pname + ")", host, copies() * sum_shards(dtype_size(o_.param_dtype)));
+      add(p, "parameter shards (" + pname + ")", host, param_shard_bytes(true));
     if (nvme_params) {
       add(p, "NVMe parameter read staging (" + std::to_string(std::max(p.gather_slots, 1)) + " x " +
                  format_bytes(round_up_4k(param_bytes(shape_.max_shard))) + ")",
@@ -223,22 +249,23 @@ class Planner {
     // New parameters on their way to the device or NVMe: in the optimizer ring's slots
     // when the state streams from NVMe, else one shard's worth.
     if ((nvme_params || o_.param_tier == Tier::kDevice) && o_.optimizer_tier != Tier::kNvme)
-      add(p, "new-parameter staging", host, round_up_4k(param_bytes(shape_.all_max_shard)));
+      add(p, "new-parameter staging", host, round_up_4k(param_bytes(shape_.trainable_max_shard)));
+    const size_t grad_shard = shape_.trainable_max_shard;
     if (p.gradients_spilled) {
       add(p, "gradient landing ring (" + std::to_string(p.landing_buffers) + " x " + tname + " " +
-                 format_bytes(round_up_4k(shape_.all_max_shard * tsize)) + ")",
-          host, static_cast<size_t>(p.landing_buffers) * round_up_4k(shape_.all_max_shard * tsize));
+                 format_bytes(round_up_4k(grad_shard * tsize)) + ")",
+          host, static_cast<size_t>(p.landing_buffers) * round_up_4k(grad_shard * tsize));
       if (o_.gradient_accumulation_steps > 1)
-        add(p, "gradient accumulation scratch (fp32)", host, round_up_4k(shape_.all_max_shard * 4));
+        add(p, "gradient accumulation scratch (fp32)", host, round_up_4k(grad_shard * 4));
     } else {
-      add(p, "gradient landing shards (" + tname + ")", host, copies() * sum_shards(tsize));
+      add(p, "gradient landing shards (" + tname + ")", host, copies() * sum_trainable_shards(tsize));
       if (o_.gradient_accumulation_steps > 1 && o_.optimizer_tier != Tier::kDevice)
-        add(p, "gradient accumulators (fp32)", host, copies() * sum_shards(4));
+        add(p, "gradient accumulators (fp32)", host, copies() * sum_trainable_shards(4));
     }
     if (o_.optimizer_tier == Tier::kPinned || o_.optimizer_tier == Tier::kHost)
-      add(p, "master weights + exp_avg + exp_avg_sq (fp32)", host, 3 * sum_shards(4));
+      add(p, "master weights + exp_avg + exp_avg_sq (fp32)", host, 3 * sum_trainable_shards(4));
     else if (o_.optimizer_tier == Tier::kDevice)
-      add(p, "optimizer-state access staging", host, round_up_4k(shape_.all_max_shard * 12));
+      add(p, "optimizer-state access staging", host, round_up_4k(grad_shard * 12));
     else
       size_state_ring(p, host);
     return {};
@@ -253,7 +280,8 @@ class Planner {
     const size_t align = NvmeAdamState::piece_alignment(ring, planned_store_granularity(o_));
     const size_t unit = NvmeAdamState::slot_bytes(ring, align, kPlannedStoreAlignment);
     size_t piece = room / ring.slots / unit * align;
-    const size_t whole = (shape_.all_max_shard + align - 1) / align * align;
+    // At least one chunk's worth, as the state allocates, when every group is frozen.
+    const size_t whole = (std::max<size_t>(shape_.trainable_max_shard, 1) + align - 1) / align * align;
     if (o_.sub_group_elements > 0) piece = std::min(piece, std::max(align, o_.sub_group_elements / align * align));
     piece = std::min(piece, whole);
     p.state_ring_slots = static_cast<int>(ring.slots);
@@ -270,13 +298,13 @@ class Planner {
   void add_nvme_lines(EnginePlan& p) const {
     const std::string pname(dtype_name(o_.param_dtype));
     if (o_.param_tier == Tier::kNvme)
-      add(p, "parameter shards (" + pname + ")", Tier::kNvme, copies() * sum_shards(dtype_size(o_.param_dtype)));
+      add(p, "parameter shards (" + pname + ")", Tier::kNvme, param_shard_bytes(true));
     if (o_.optimizer_tier == Tier::kNvme) {
-      add(p, "master weights + exp_avg + exp_avg_sq (fp32)", Tier::kNvme, 3 * sum_shards(4));
+      add(p, "master weights + exp_avg + exp_avg_sq (fp32)", Tier::kNvme, 3 * sum_trainable_shards(4));
       if (p.gradients_spilled) {
         const NvmeAdamStateOptions ring = ring_shape(o_, p);
         add(p, "gradient shards (" + std::string(dtype_name(*ring.stored_gradient_type)) + ")", Tier::kNvme,
-            ring.gradient_copies * sum_shards(dtype_size(*ring.stored_gradient_type)));
+            ring.gradient_copies * sum_trainable_shards(dtype_size(*ring.stored_gradient_type)));
       }
     }
   }
@@ -284,7 +312,10 @@ class Planner {
   std::string describe(const EnginePlan& p) const {
     std::ostringstream text;
     text << "Strata plan, rank " << o_.rank << " of " << o_.world_size << ": " << in_.layouts.size() << " groups, "
-         << shape_.total_numel << " parameters; training state " << format_bytes(p.state_bytes) << " (all ranks)\n";
+         << shape_.total_numel << " parameters";
+    if (shape_.frozen_groups > 0)
+      text << " (" << shape_.frozen_groups << " frozen group(s): parameters only; " << shape_.trainable_numel << " trainable)";
+    text << "; training state " << format_bytes(p.state_bytes) << " (all ranks)\n";
     text << "  parameters: " << dtype_name(o_.param_dtype) << " on " << tier_name(o_.param_tier) << "; optimizer state: fp32 on "
          << tier_name(o_.optimizer_tier) << "; gradients: " << dtype_name(o_.grad_wire_dtype) << " on the wire, "
          << dtype_name(o_.grad_transfer_dtype) << " to the host" << (p.gradients_spilled ? ", spilled to NVMe" : "") << "\n";

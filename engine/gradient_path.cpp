@@ -25,7 +25,7 @@ GradientPath::~GradientPath() { stop(); }
 Status GradientPath::allocate() {
   const EngineOptions& o = *ctx_.options;
   const EnginePlan& plan = *ctx_.plan;
-  const size_t max_shard = plan.max_shard_elements;
+  const size_t max_shard = plan.max_trainable_shard_elements;  // frozen groups take no gradients
   const size_t tsize = dtype_size(o.grad_transfer_dtype);
   const size_t world = static_cast<size_t>(o.world_size);
   slots_.resize(static_cast<size_t>(plan.gradient_slots));
@@ -45,7 +45,7 @@ Status GradientPath::allocate() {
     STRATA_ASSIGN_OR_RETURN(slot.reduced, ctx_.device->create_event());
     STRATA_ASSIGN_OR_RETURN(slot.copied, ctx_.device->create_event());
   }
-  if (o.grad_transfer_dtype != DType::kFloat32 && o.optimizer_tier != Tier::kDevice) {
+  if (o.grad_transfer_dtype != DType::kFloat32 && o.optimizer_tier != Tier::kDevice && max_shard > 0) {
     STRATA_ASSIGN_OR_RETURN(cast_, ctx_.device->allocate(max_shard * tsize, "gradient transfer cast"));
     STRATA_ASSIGN_OR_RETURN(cast_free_, ctx_.device->create_event());
     STRATA_RETURN_IF_ERROR(ctx_.d2h->record(*cast_free_));
@@ -65,6 +65,7 @@ Status GradientPath::allocate() {
   // step parity in delayed mode, until the optimizer has read it.
   const int copies = o.overlap == OverlapMode::kDelayed ? 2 : 1;
   for (auto& gp : *ctx_.groups) {
+    if (!gp->layout.trainable) continue;
     const size_t shard = gp->layout.shard_numel;
     const std::string name = "group " + gp->layout.name;
     for (int c = 0; c < copies; ++c) {
@@ -268,9 +269,10 @@ Status GradientPath::hand_over(int g, int64_t step, int micro) {
 StatusOr<GradientStats> GradientPath::wait_step_landed(int64_t step) {
   std::unique_lock<std::mutex> lock(sync_.mutex);
   STRATA_RETURN_IF_ERROR(stage_wait(lock, sync_.cv, sync_.halt, [&] {
-    for (const GroupFacts& facts : facts_) if (facts.landed_step < step) return false;
+    for (size_t g = 0; g < facts_.size(); ++g)
+      if (facts_[g].landed_step < step && group(static_cast<int>(g)).layout.trainable) return false;
     return true;
-  }, "every group's gradients of this step", describer()));
+  }, "every trainable group's gradients of this step", describer()));
   GradientStats total;
   for (const GroupFacts& facts : facts_) total += facts.stats;
   return total;

@@ -80,8 +80,9 @@ class GradientPath {
   StatusOr<float*> buffer(int g);
   // The model's gradients of g for this micro-batch are enqueued on the compute stream.
   Status hand_over(int g, int64_t step, int micro);
-  // Every group's final gradient of `step` has landed: their statistics, added in group
-  // order (so the sum does not depend on landing order).
+  // Every trainable group's final gradient of `step` has landed: their statistics, added
+  // in group order (so the sum does not depend on landing order). Frozen groups take no
+  // gradients and add nothing.
   StatusOr<GradientStats> wait_step_landed(int64_t step);
   // Every landing queued so far is done.
   Status wait_drained();

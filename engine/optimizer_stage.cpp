@@ -18,7 +18,7 @@ StatusOr<std::unique_ptr<OptimizerStage>> OptimizerStage::create(const Optimizer
   stage->adam_.emplace(std::move(adam));
   if (o.optimizer_tier == Tier::kNvme) {
     std::vector<size_t> shards;
-    for (const auto& g : *context.groups) shards.push_back(g->layout.shard_numel);
+    for (const auto& g : *context.groups) shards.push_back(g->layout.trainable ? g->layout.shard_numel : 0);  // frozen: no state
     STRATA_ASSIGN_OR_RETURN(stage->nvme_state_, NvmeAdamState::create(*context.nvme, *context.arena, std::move(shards),
                                                                       state_ring_options(o, *context.plan)));
   }
@@ -145,7 +145,7 @@ Status OptimizerStage::run_nvme_jobs(const std::vector<const OptimizerJob*>& job
       AdamGroupIo io;
       io.grad = host_gradient(state, job->step_index, &io.grad_type);
       io.stored_gradient_copy = static_cast<unsigned>(gradient_copy(job->step_index));
-      io.param = ctx_.shards->host_copy(g, ctx_.shards->copy_of(job->step_index + 1));  // nullptr: staged, written out piece by piece
+      io.param = ctx_.shards->host_copy(g, ctx_.shards->copy_of(g, job->step_index + 1));  // nullptr: staged, written out piece by piece
       io.param_type = ctx_.options->param_dtype;
       steps.push_back({static_cast<size_t>(g), io, runs.back()});
       job_of.push_back(job);
@@ -154,7 +154,7 @@ Status OptimizerStage::run_nvme_jobs(const std::vector<const OptimizerJob*>& job
   size_t current = 0;  // the step being stepped: group_stepped comes in step order
   NvmeAdamStepSinks sinks;
   sinks.staged_params = [&](size_t g, size_t begin, size_t end, const void* param) {
-    const int out_copy = ctx_.shards->copy_of(job_of[current]->step_index + 1);
+    const int out_copy = ctx_.shards->copy_of(static_cast<int>(g), job_of[current]->step_index + 1);
     return ctx_.shards->write(static_cast<int>(g), out_copy, begin, end - begin, param, 0);
   };
   sinks.group_stepped = [&](size_t g) {
@@ -178,7 +178,7 @@ Status OptimizerStage::run_nvme_jobs(const std::vector<const OptimizerJob*>& job
 Status OptimizerStage::update_host_group(const OptimizerJob& job, int g) {
   const EngineOptions& o = *ctx_.options;
   GroupState& s = group(g);
-  const int out_copy = ctx_.shards->copy_of(job.step_index + 1);
+  const int out_copy = ctx_.shards->copy_of(g, job.step_index + 1);
   kernels::AdamBuffers buffers;
   buffers.grad = host_gradient(s, job.step_index, &buffers.grad_type);
   buffers.master = s.master.as<float>();
@@ -211,7 +211,7 @@ Status OptimizerStage::update_device_group(const OptimizerJob& job, int g) {
   const EngineOptions& o = *ctx_.options;
   GroupState& s = group(g);
   const size_t shard = s.layout.shard_numel;
-  const int out_copy = ctx_.shards->copy_of(job.step_index + 1);
+  const int out_copy = ctx_.shards->copy_of(g, job.step_index + 1);
   float* state = s.state_device.as<float>();
   void* on_device = ctx_.shards->device_copy(g, out_copy);
   void* param_out = on_device != nullptr ? on_device : ctx_.param_out_device->data();

@@ -41,7 +41,10 @@ std::string VersionBoard::describe() const {
   std::lock_guard<std::mutex> lock(sync_.mutex);
   std::ostringstream text;
   text << "parameter versions:";
-  for (int64_t v : versions_) text << " " << v;
+  for (int64_t v : versions_) {
+    if (v == kAlwaysCurrent) text << " frozen";
+    else text << " " << v;
+  }
   return text.str();
 }
 

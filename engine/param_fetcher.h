@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -30,10 +31,14 @@
 
 namespace strata::engine_internal {
 
-// The parameter version (updates applied) of every group's copy the fetcher reads.
+// The parameter version (updates applied) of every group's copy the fetcher reads. A
+// frozen group's one copy is every version: it reads as always current.
 class VersionBoard {
  public:
-  explicit VersionBoard(size_t groups) : versions_(groups, 0) {}
+  static constexpr int64_t kAlwaysCurrent = std::numeric_limits<int64_t>::max();
+  explicit VersionBoard(const std::vector<bool>& trainable) {
+    for (bool t : trainable) versions_.push_back(t ? 0 : kAlwaysCurrent);
+  }
   void publish(int g, int64_t version);  // versions only grow
   int64_t version(int g) const;
   Status wait_for(int g, int64_t version, const char* what, const std::function<std::string()>& describe);

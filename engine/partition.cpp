@@ -27,6 +27,7 @@ StatusOr<GroupLayout> layout_group(const GroupSpec& spec, int id, int world_size
   layout.id = id;
   layout.name = spec.name;
   layout.world_size = world_size;
+  layout.trainable = spec.trainable;
   std::set<std::string> names;
   size_t cursor = 0;
   for (const auto& tensor : spec.tensors) {

@@ -50,6 +50,9 @@ struct TensorSpec {
 struct GroupSpec {
   std::string name;  // e.g. "h.3" or "wte"
   std::vector<TensorSpec> tensors;
+  // false: a frozen group (PEFT base weights): parameters only, never updated; no
+  // gradients, master weights or optimizer moments anywhere.
+  bool trainable = true;
 };
 
 // Tensors start at multiples of this many elements within a group.
@@ -74,6 +77,7 @@ struct GroupLayout {
   size_t padded_numel = 0;  // world_size * shard_numel
   size_t shard_numel = 0;   // elements each rank owns
   int world_size = 1;
+  bool trainable = true;    // GroupSpec::trainable
 
   size_t shard_begin(int rank) const { return static_cast<size_t>(rank) * shard_numel; }
   // Index of the tensor that holds flat element `element`, or -1 for padding.

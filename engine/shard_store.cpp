@@ -7,9 +7,9 @@ namespace strata::engine_internal {
 Status ShardStore::allocate_group(int g, const float* values) {
   GroupState& state = group(g);
   const size_t bytes = param_bytes(state.layout.shard_numel);
-  for (int c = 0; c < copies(); ++c) {
+  for (int c = 0; c < copies(g); ++c) {
     std::string name = "group " + state.layout.name + " parameters";
-    if (copies() > 1) name += " copy " + std::to_string(c);
+    if (copies(g) > 1) name += " copy " + std::to_string(c);
     switch (ctx_.options->param_tier) {
       case Tier::kDevice: {
         STRATA_ASSIGN_OR_RETURN(DeviceBuffer buffer, ctx_.device->allocate(bytes, name));
@@ -39,7 +39,7 @@ Status ShardStore::allocate_group(int g, const float* values) {
 
 ParamSource ShardStore::source(int g, int64_t version) {
   GroupState& state = group(g);
-  const size_t c = static_cast<size_t>(copy_of(version));
+  const size_t c = static_cast<size_t>(copy_of(g, version));
   ParamSource where;
   where.tier = ctx_.options->param_tier;
   switch (where.tier) {

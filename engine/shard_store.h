@@ -1,6 +1,7 @@
 // The shard store: where this rank's parameter shard copies live (device memory, pinned
 // or pageable host memory, or NVMe extents: one copy, or two in delayed mode indexed by
-// version parity), and the one place that branches on the parameter tier.
+// version parity; a frozen group has one), and the one place that branches on the
+// parameter tier.
 //
 // The fetcher asks it where a version lives (source); the optimizer asks where to write
 // new values in place (host_copy: the host tiers) and hands it values staged elsewhere
@@ -37,8 +38,12 @@ class ShardStore {
  public:
   explicit ShardStore(const ShardStoreContext& context) : ctx_(context) {}
 
-  int copies() const { return ctx_.options->overlap == OverlapMode::kDelayed ? 2 : 1; }
-  int copy_of(int64_t version) const { return copies() == 1 ? 0 : static_cast<int>(version % 2); }
+  // Group g's copies: two in delayed mode (by version parity), else one. A frozen group
+  // never changes, so one copy serves every version.
+  int copies(int g) const {
+    return ctx_.options->overlap == OverlapMode::kDelayed && group_layout(g).trainable ? 2 : 1;
+  }
+  int copy_of(int g, int64_t version) const { return copies(g) == 1 ? 0 : static_cast<int>(version % 2); }
   size_t param_bytes(size_t elements) const { return elements * dtype_size(ctx_.options->param_dtype); }
 
   // Allocates group g's copies and stores `values` (fp32) in each (null: nothing stored; a load follows).
@@ -59,6 +64,7 @@ class ShardStore {
 
  private:
   GroupState& group(int g) { return *(*ctx_.groups)[static_cast<size_t>(g)]; }
+  const GroupLayout& group_layout(int g) const { return (*ctx_.groups)[static_cast<size_t>(g)]->layout; }
   ShardStoreContext ctx_;
 };
 

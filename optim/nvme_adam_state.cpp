@@ -88,16 +88,14 @@ StatusOr<std::unique_ptr<NvmeAdamState>> NvmeAdamState::create(NvmeStore& store,
   if (options.stored_gradient_type && options.gradient_copies < 1)
     return InvalidArgumentError("nvme adam state: stored gradients need at least one copy");
   if (group_elements.empty()) return InvalidArgumentError("nvme adam state: no groups");
-  for (size_t g = 0; g < group_elements.size(); ++g) {
-    if (group_elements[g] == 0) return InvalidArgumentError("nvme adam state: group " + std::to_string(g) + " has no elements");
-  }
   auto state = std::make_unique<NvmeAdamState>(ConstructionKey(), store, arena, std::move(group_elements), options);
 
   // A piece starts where every array's byte offset is a multiple of the store's transfer
   // granularity (the checksum block, or the O_DIRECT alignment without checksums).
   const size_t granularity = store.transfer_granularity();
   const size_t align_elements = piece_alignment(options, granularity);
-  const size_t largest_group = *std::max_element(state->group_elements_.begin(), state->group_elements_.end());
+  // At least one element: a state whose groups all hold nothing still has a (smallest) ring.
+  const size_t largest_group = std::max<size_t>(1, *std::max_element(state->group_elements_.begin(), state->group_elements_.end()));
   const size_t per_slot = options.pinned_budget_bytes / options.slots;
   const size_t unit = slot_bytes(options, align_elements, store.alignment());
   size_t piece = 0;
@@ -145,6 +143,7 @@ StatusOr<std::unique_ptr<NvmeAdamState>> NvmeAdamState::create(NvmeStore& store,
   for (size_t g = 0; g < state->group_elements_.size(); ++g) {
     const std::string prefix = options.key_prefix + "/group" + std::to_string(g) + "/";
     const size_t n = state->group_elements_[g];
+    if (n == 0) continue;  // a group without state (an engine's frozen group): no extents
     GroupExtents& extents = state->extents_[g];
     STRATA_ASSIGN_OR_RETURN(extents.master, store.allocate(prefix + "master", n * 4));
     STRATA_ASSIGN_OR_RETURN(extents.exp_avg, store.allocate(prefix + "exp_avg", n * moment_width));
@@ -161,7 +160,7 @@ StatusOr<std::unique_ptr<NvmeAdamState>> NvmeAdamState::create(NvmeStore& store,
 
 Status NvmeAdamState::store_group(size_t group, const float* master, const void* exp_avg, const void* exp_avg_sq) {
   STRATA_RETURN_IF_ERROR(flush());
-  if (group >= groups()) return InvalidArgumentError("nvme adam state: no group " + std::to_string(group) + " (of " + std::to_string(groups()) + ")");
+  STRATA_RETURN_IF_ERROR(check_group_has_state(group));
   const size_t n = group_elements_[group];
   const size_t moment_bytes = n * dtype_size(options_.moment_type);
   if (master != nullptr)
@@ -176,7 +175,7 @@ Status NvmeAdamState::store_group(size_t group, const float* master, const void*
 
 Status NvmeAdamState::load_group(size_t group, float* master, void* exp_avg, void* exp_avg_sq) {
   STRATA_RETURN_IF_ERROR(flush());
-  if (group >= groups()) return InvalidArgumentError("nvme adam state: no group " + std::to_string(group) + " (of " + std::to_string(groups()) + ")");
+  STRATA_RETURN_IF_ERROR(check_group_has_state(group));
   const size_t n = group_elements_[group];
   const size_t moment_bytes = n * dtype_size(options_.moment_type);
   if (master != nullptr)
@@ -189,9 +188,17 @@ Status NvmeAdamState::load_group(size_t group, float* master, void* exp_avg, voi
   return {};
 }
 
+Status NvmeAdamState::check_group_has_state(size_t group) const {
+  if (group >= groups()) return InvalidArgumentError("nvme adam state: no group " + std::to_string(group) + " (of " + std::to_string(groups()) + ")");
+  if (group_elements_[group] == 0)
+    return FailedPreconditionError("nvme adam state: group " + std::to_string(group) + " has no elements, so no state");
+  return {};
+}
+
 Status NvmeAdamState::check_gradient_access(size_t group, unsigned copy, const char* what) const {
   if (!options_.stored_gradient_type) return FailedPreconditionError(std::string("nvme adam state: ") + what + " but gradients are not stored");
   if (group >= groups()) return InvalidArgumentError(std::string("nvme adam state: ") + what + " of group " + std::to_string(group) + " (of " + std::to_string(groups()) + ")");
+  if (group_elements_[group] == 0) return FailedPreconditionError(std::string("nvme adam state: ") + what + " of group " + std::to_string(group) + ", which has no elements");
   if (copy >= options_.gradient_copies)
     return InvalidArgumentError(std::string("nvme adam state: ") + what + " of gradient copy " + std::to_string(copy) + " (of " +
                                 std::to_string(options_.gradient_copies) + ")");

@@ -110,7 +110,8 @@ struct NvmeAdamStateStats {
 class NvmeAdamState {
  public:
   // Allocates the extents of `group_elements.size()` groups in `store` and the staging
-  // ring in `arena`. Both must outlive the state. Errors name the budget that cannot
+  // ring in `arena`. A group of 0 elements holds no state (it keeps its index: an
+  // engine's frozen group); storing or loading it is an error. Both must outlive the state. Errors name the budget that cannot
   // hold a piece, or the extent that cannot be allocated.
   static StatusOr<std::unique_ptr<NvmeAdamState>> create(NvmeStore& store, PinnedArena& arena, std::vector<size_t> group_elements,
                                                           const NvmeAdamStateOptions& options = {});
@@ -189,6 +190,7 @@ class NvmeAdamState {
   Status write_piece(const Piece& piece, Slot& slot);
   Status step_piece(CpuAdam& adam, const Piece& piece, const NvmeAdamGroupStep& step, Slot& slot, const NvmeAdamStepSinks& sinks);
   Status check_gradient_access(size_t group, unsigned copy, const char* what) const;
+  Status check_group_has_state(size_t group) const;
   // Waits for the slot's outstanding transfers; returns the first error.
   Status wait_slot(Slot& slot);
 
