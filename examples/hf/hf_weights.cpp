@@ -46,6 +46,7 @@ Status check_hf_mapping(const HfTensorSource& source, std::span<const GroupLayou
   for (const GroupLayout& layout : layouts) {
     for (const TensorLayout& t : layout.tensors) {
       const HfTensorSlice slice = map(layout, t);
+      if (slice.kept()) continue;
       const std::string engine_name = engine_tensor_name(layout, t);
       if (faulty.count(slice.name) != 0) continue;
       const std::optional<HfTensorRef> ref = source.find(slice.name);
@@ -101,10 +102,14 @@ Status load_hf_weights(Engine& engine, int rank, const HfTensorSource& source, c
   for (int g = 0; g < engine.group_count(); ++g) {
     const GroupLayout& layout = layouts[static_cast<size_t>(g)];
     shard.assign(layout.shard_numel, 0.0f);
+    // A tensor the checkpoint does not hold keeps its values: start from the shard as it is.
+    const bool keeps = std::any_of(layout.tensors.begin(), layout.tensors.end(), [&](const TensorLayout& t) { return map(layout, t).kept(); });
+    if (keeps) STRATA_RETURN_IF_ERROR(engine.read_state_shard(g, Engine::StateKind::kMaster, shard));
     const size_t begin = layout.shard_begin(rank);
     const size_t end = begin + layout.shard_numel;
     for (const TensorLayout& t : layout.tensors) {
       const HfTensorSlice slice = map(layout, t);
+      if (slice.kept()) continue;
       // Elements past the mapped ones (vocabulary padding) keep the zeros assigned above.
       const size_t lo = std::max(begin, t.offset), hi = std::min(end, t.offset + static_cast<size_t>(slice.mapped(t)));
       if (lo >= hi) continue;
@@ -129,6 +134,7 @@ StatusOr<HfGroupExport> HfGroupExport::plan(std::span<const GroupLayout> layouts
     result.group_numel_.push_back(layout.numel);
     for (const TensorLayout& t : layout.tensors) {
       HfTensorSlice slice = map(layout, t);
+      if (slice.kept()) continue;  // not a checkpoint tensor: not exported
       const auto [it, inserted] = index_of.emplace(slice.name, result.tensors_.size());
       if (inserted) {
         result.tensors_.push_back({slice.name, slice.shape, dtype});

@@ -37,7 +37,9 @@ namespace strata::hf {
 
 // Where one engine tensor lives in the checkpoint.
 struct HfTensorSlice {
-  std::string name;             // the checkpoint tensor's name
+  // The checkpoint tensor's name; empty: the checkpoint does not hold this engine tensor and
+  // a load keeps its values (an adapter added to a checkpoint's model).
+  std::string name;
   uint64_t element_offset = 0;  // the engine tensor's first element within it (row-major)
   std::vector<int64_t> shape;   // the checkpoint tensor's whole shape
   // The engine tensor's leading elements the checkpoint holds; the rest (a vocabulary's
@@ -46,6 +48,7 @@ struct HfTensorSlice {
   uint64_t mapped_elements = 0;
 
   uint64_t mapped(const TensorLayout& tensor) const { return mapped_elements > 0 ? mapped_elements : tensor.numel; }
+  bool kept() const { return name.empty(); }
 };
 using HfNameMap = std::function<HfTensorSlice(const GroupLayout& group, const TensorLayout& tensor)>;
 

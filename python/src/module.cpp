@@ -131,10 +131,11 @@ void bind_session(py::module_& m) {
       .def_property_readonly("steps_taken", [](const Session& s) { return live(s).steps_taken(); })
       .def_property_readonly("loss_scale", [](const Session& s) { return live(s).loss_scale(); })
       .def("register_group",
-           [](Session& s, const std::string& name, const std::vector<std::tuple<std::string, std::vector<int64_t>, bool>>& tensors) {
+           [](Session& s, const std::string& name, const std::vector<std::tuple<std::string, std::vector<int64_t>, bool>>& tensors,
+              bool trainable) {
              std::vector<TensorEntry> entries;
              for (const auto& [tensor, shape, decay] : tensors) entries.push_back({tensor, shape, decay});
-             return value(s.register_group(name, entries));
+             return value(s.register_group(name, entries, trainable));
            })
       .def("start", [](Session& s) { unlocked([&] { return s.start(); }); })
       .def("plan", [](const Session& s) { return plan_dict(live(s).plan()); })

@@ -90,10 +90,11 @@ Status Session::check_open(std::string_view call) const {
   return {};
 }
 
-StatusOr<int> Session::register_group(const std::string& name, const std::vector<TensorEntry>& tensors) {
+StatusOr<int> Session::register_group(const std::string& name, const std::vector<TensorEntry>& tensors, bool trainable) {
   if (started_) return FailedPreconditionError("register_group(" + name + ") after start()");
   GroupSpec spec;
   spec.name = name;
+  spec.trainable = trainable;
   for (const TensorEntry& entry : tensors) {
     TensorSpec tensor;
     tensor.name = entry.name;

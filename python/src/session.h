@@ -48,7 +48,7 @@ struct Region {
 
 // One HF tensor of an export or load: checkpoint name <-> engine (group, tensor).
 struct HfTensorName {
-  std::string name;  // in the checkpoint
+  std::string name;  // in the checkpoint; empty: not in it (a load keeps the tensor's values; an export skips it)
   int group = 0;
   int tensor = 0;    // index within the group's registration order
 };
@@ -69,7 +69,8 @@ class Session {
   const StrataConfig& config() const { return config_; }
 
   // Before start().
-  StatusOr<int> register_group(const std::string& name, const std::vector<TensorEntry>& tensors);
+  // A frozen group (trainable false) gets parameter storage and gathers only.
+  StatusOr<int> register_group(const std::string& name, const std::vector<TensorEntry>& tensors, bool trainable);
   // Plans, checks the budgets and allocates. Every group is declared loaded: the caller
   // writes its values (write_group, or load_hf) before the first step.
   Status start();

@@ -13,7 +13,8 @@
 namespace strata::python {
 namespace {
 
-// The name map of an export or load: engine (group, tensor) -> the checkpoint tensor, whole.
+// The name map of an export or load: engine (group, tensor) -> the checkpoint tensor, whole;
+// an empty name: a tensor the checkpoint does not hold (kept by a load, not exported).
 StatusOr<hf::HfNameMap> name_map(const Engine& engine, const std::vector<HfTensorName>& names) {
   std::map<std::pair<int, std::string>, std::string> by_tensor;
   for (const HfTensorName& n : names) {

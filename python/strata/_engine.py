@@ -82,7 +82,8 @@ class Engine:
         self._check_parameters(plans)
         for plan in plans:
             decay = weight_decay or (lambda name, p: True)
-            self._session.register_group(plan.name, [(n, list(p.shape), bool(decay(n, p))) for n, p in plan.params])
+            self._session.register_group(plan.name, [(n, list(p.shape), bool(decay(n, p))) for n, p in plan.params],
+                                         plan.trainable)
         self._session.start()
         self._groups = [_Group(i, plan, self._session.layout(i)) for i, plan in enumerate(plans)]
         self._needs_load = any(p.is_meta for g in self._groups for _, p in g.params)
@@ -101,7 +102,6 @@ class Engine:
 
     # ---- set-up -------------------------------------------------------------------------
     def _check_parameters(self, plans: List[_groups.GroupPlan]) -> None:
-        seen: Dict[int, str] = {}
         for plan in plans:
             for name, p in plan.params:
                 if not p.is_floating_point():
@@ -111,10 +111,6 @@ class Engine:
                 if p.device.type not in ("cpu", "meta"):
                     raise StrataError(f"parameter {name} is on {p.device}: the CPU device front end takes a model on the CPU "
                                       "(or built under strata.init_empty())")
-                if not p.requires_grad:
-                    raise StrataError(f"parameter {name} is frozen (requires_grad=False): frozen parameters are not supported "
-                                      "by this build of the engine yet")
-                seen[id(p)] = name
 
     def _write_model_values(self) -> None:
         for g in self._groups:
@@ -251,7 +247,9 @@ class Engine:
         return os.fspath(load_dir), client
 
     def _hf_names(self):
-        return [(name, g.id, index) for g in self._groups for index, (name, _) in enumerate(g.params)]
+        """Each tensor's name in a Hugging Face checkpoint of the model: a PEFT model's base
+        weights under their base model's names; adapters (not in such a checkpoint: "")."""
+        return [(_checkpoint_name(name), g.id, index) for g in self._groups for index, (name, _) in enumerate(g.params)]
 
     def export_hf(self, out_dir: str, tokenizer_dir: Optional[str] = None, shard_bytes: int = 0,
                   dtype: Optional[torch.dtype] = None) -> None:
@@ -513,6 +511,18 @@ class Engine:
             g.grads = None
         for unit in self._units:
             unit.uses = []
+
+
+_PEFT_PREFIX = "base_model.model."
+_ADAPTER_MARKERS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
+
+
+def _checkpoint_name(name: str) -> str:
+    if not name.startswith(_PEFT_PREFIX):
+        return name
+    if any(marker in name for marker in _ADAPTER_MARKERS):
+        return ""
+    return name[len(_PEFT_PREFIX):].replace(".base_layer.", ".")
 
 
 def _config_text(config: Any):
