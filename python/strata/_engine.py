@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -99,6 +100,8 @@ class Engine:
         self._holdings: List[_autograd.Holding] = []
         self._losses: List[float] = []
         self.last_report: Optional[dict] = None
+        self._hook_seconds = 0.0      # time inside the front end's hooks (gathers and releases included)
+        self._hook_calls = 0
 
     # ---- set-up -------------------------------------------------------------------------
     def _check_parameters(self, plans: List[_groups.GroupPlan]) -> None:
@@ -210,6 +213,11 @@ class Engine:
     def plan(self) -> dict:
         return self._session.plan()
 
+    def hook_stats(self) -> dict:
+        """The front end's own cost: calls of its unit hooks and GatherFn backwards, and the
+        seconds spent in them (engine gathers and releases included)."""
+        return {"calls": self._hook_calls, "seconds": self._hook_seconds}
+
     @property
     def rank(self) -> int:
         return self._session.rank
@@ -294,7 +302,18 @@ class Engine:
             raise StrataError(f"{call} inside a step: call it after step() at an accumulation boundary")
 
     # ---- unit forwards ------------------------------------------------------------------
+    def _timed(self, fn):
+        def timed(*args):
+            began = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self._hook_seconds += time.perf_counter() - began
+                self._hook_calls += 1
+        return timed
+
     def _make_pre_hook(self, unit):
+        @self._timed
         def pre_hook(module, args):
             if not (self._active or self._in_backward):
                 raise StrataError(f"{unit.name} ran outside the engine: call engine(...) rather than the model, "
@@ -311,6 +330,7 @@ class Engine:
         return pre_hook
 
     def _make_post_hook(self, unit):
+        @self._timed
         def post_hook(module, args, output):
             unit.hooks.__exit__(None, None, None)
             self._unbind(unit)
@@ -465,6 +485,14 @@ class Engine:
     # ---- gradients ----------------------------------------------------------------------
     def _use_backward(self, handle: _autograd.UseHandle, grads) -> None:
         """GatherFn's backward: one unit use's parameter gradients are complete."""
+        began = time.perf_counter()
+        try:
+            self._add_gradients(handle, grads)
+        finally:
+            self._hook_seconds += time.perf_counter() - began
+            self._hook_calls += 1
+
+    def _add_gradients(self, handle: _autograd.UseHandle, grads) -> None:
         self._check_in_backward()
         self._flush_releases()
         for (gid, index), grad in zip(handle.slots, grads):
