@@ -33,8 +33,11 @@ void print_usage() {
 
 int main(int argc, char** argv) {
   // Before anything is measured: OpenBLAS's idle pool would otherwise spin on a core
-  // through every subcommand, including those that never multiply (nvme, adam).
-  strata::kernels::cpu::keep_blas_single_threaded();
+  // through every subcommand, including those that never multiply (nvme, adam), or hang
+  // the tool under an address-space limit; this may re-execute the tool, so it comes first.
+  if (strata::Status blas = strata::kernels::cpu::reexec_with_single_threaded_blas(argv); !blas.ok()) {
+    std::fprintf(stderr, "strata-bench: warning: %s\n", blas.to_string().c_str());
+  }
   if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
     print_usage();
     return argc < 2 ? 2 : 0;
