@@ -20,6 +20,7 @@
 #if __has_include(<cblas.h>)
 #include <cblas.h>
 #include <dlfcn.h>
+#include <sys/auxv.h>
 #include <unistd.h>
 #define STRATA_KERNELS_HAVE_CBLAS 1
 #endif
@@ -145,7 +146,10 @@ Status reexec_with_single_threaded_blas(char** argv) {
 #if defined(OPENBLAS_VERSION)
   const char* threads = std::getenv("OPENBLAS_NUM_THREADS");
   const bool pool_started = openblas_get_parallel() == OPENBLAS_THREAD && openblas_get_num_threads() > 1;
-  if (pool_started && (threads == nullptr || std::strcmp(threads, "1") != 0)) {
+  // With no interpreter base the kernel started the dynamic loader itself (`ld.so PROGRAM
+  // ...`): /proc/self/exe is then the loader, which would take the flags for its own.
+  const bool exe_is_the_program = ::getauxval(AT_BASE) != 0;
+  if (pool_started && exe_is_the_program && (threads == nullptr || std::strcmp(threads, "1") != 0)) {
     if (::setenv("OPENBLAS_NUM_THREADS", "1", 1) == 0) ::execv("/proc/self/exe", argv);
     status = UnavailableError(std::string("cannot re-execute /proc/self/exe with OPENBLAS_NUM_THREADS=1 (") +
                               std::strerror(errno) +

@@ -84,9 +84,10 @@ void keep_blas_single_threaded();
 // started and OPENBLAS_NUM_THREADS is not 1, this sets it to 1 and re-executes the program
 // (/proc/self/exe with the same argv: argv[0], which names the program in its messages,
 // and every flag are kept). The new image finds the variable set and does not re-execute
-// again. Returns when no re-execution was needed, or with the reason it failed (the
-// program may go on: the pool is then stopped as before). Either way the BLAS is
-// single-threaded on return (keep_blas_single_threaded).
+// again. Returns when no re-execution was needed (or possible: a program started through
+// an explicit `ld.so PROGRAM`, whose /proc/self/exe is the loader, stops the pool as
+// before), or with the reason it failed (the program may go on: the pool is then stopped
+// as before). Either way the BLAS is single-threaded on return (keep_blas_single_threaded).
 //
 // Why a re-execution: a .preinit_array entry in the executable runs before the libraries'
 // constructors, but glibc sets up the C library's environment only after it, so a
