@@ -289,11 +289,14 @@ StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // First thing: OpenBLAS's idle pool would otherwise spin on a core through the set-up
-  // (the token file's scan, the checkpoint's load) until the first BlasContext stops it.
-  strata::kernels::cpu::keep_blas_single_threaded();
   // Messages carry the name the program was started under (strata-train or train_gpt).
   const std::string program = argc > 0 ? std::filesystem::path(argv[0]).filename().string() : std::string("strata-train");
+  // First thing: OpenBLAS's pool would otherwise spin on a core through the set-up (the
+  // token file's scan, the checkpoint's load), or hang the program under an address-space
+  // limit; this may re-execute the program, so nothing may come before it.
+  if (strata::Status blas = strata::kernels::cpu::reexec_with_single_threaded_blas(argv); !blas.ok()) {
+    std::cerr << program << ": warning: " << blas.to_string() << "\n";
+  }
   const std::vector<std::string> arguments(argv + 1, argv + argc);
   auto args = strata::gpt::parse_train_gpt_args(arguments);
   if (!args.ok()) {

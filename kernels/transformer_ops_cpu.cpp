@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <bit>
+#include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -18,6 +20,8 @@
 #if __has_include(<cblas.h>)
 #include <cblas.h>
 #include <dlfcn.h>
+#include <sys/auxv.h>
+#include <unistd.h>
 #define STRATA_KERNELS_HAVE_CBLAS 1
 #endif
 
@@ -135,6 +139,28 @@ void keep_blas_single_threaded() {
   }();
   (void)once;
 #endif
+}
+
+Status reexec_with_single_threaded_blas(char** argv) {
+  Status status;
+#if defined(OPENBLAS_VERSION)
+  const char* threads = std::getenv("OPENBLAS_NUM_THREADS");
+  const bool pool_started = openblas_get_parallel() == OPENBLAS_THREAD && openblas_get_num_threads() > 1;
+  // With no interpreter base the kernel started the dynamic loader itself (`ld.so PROGRAM
+  // ...`): /proc/self/exe is then the loader, which would take the flags for its own.
+  const bool exe_is_the_program = ::getauxval(AT_BASE) != 0;
+  if (pool_started && exe_is_the_program && (threads == nullptr || std::strcmp(threads, "1") != 0)) {
+    if (::setenv("OPENBLAS_NUM_THREADS", "1", 1) == 0) ::execv("/proc/self/exe", argv);
+    status = UnavailableError(std::string("cannot re-execute /proc/self/exe with OPENBLAS_NUM_THREADS=1 (") +
+                              std::strerror(errno) +
+                              "); OpenBLAS's thread pool is stopped instead, which waits forever where an "
+                              "address-space limit keeps its threads from mapping their buffers");
+  }
+#else
+  (void)argv;
+#endif
+  keep_blas_single_threaded();
+  return status;
 }
 
 // Embedding --------------------------------------------------------------------------

@@ -70,8 +70,29 @@ bool has_blas();
 // lock. With OpenBLAS's threaded build it also stops the pool OpenBLAS started at load,
 // whose idle threads otherwise spin in sched_yield and take CPU from CPU Adam, the
 // gradient landing and the I/O threads. BlasContext::create on a CPU device and every
-// CPU matrix product call it; a program may call it first thing, so the pool does not
-// spin through its set-up either. Idempotent and thread-safe; a no-op without OpenBLAS.
+// CPU matrix product call it; a program calls reexec_with_single_threaded_blas (below)
+// first thing instead, so the pool does not spin through its set-up either. Idempotent
+// and thread-safe; a no-op without OpenBLAS.
 void keep_blas_single_threaded();
+
+// For a program's main, first thing: makes the CPU BLAS single-threaded from the moment
+// it loads. OpenBLAS's threaded build starts its pool in its library constructor, before
+// main, and each pool thread maps a 128 MiB buffer; where that mmap fails (an address-space
+// limit, `ulimit -v`) the thread retries forever, so keep_blas_single_threaded() would wait
+// forever for it to stop and the program would hang before its first line. Only the
+// environment OpenBLAS reads at load keeps the pool from starting, so when a pool was
+// started and OPENBLAS_NUM_THREADS is not 1, this sets it to 1 and re-executes the program
+// (/proc/self/exe with the same argv: argv[0], which names the program in its messages,
+// and every flag are kept). The new image finds the variable set and does not re-execute
+// again. Returns when no re-execution was needed (or possible: a program started through
+// an explicit `ld.so PROGRAM`, whose /proc/self/exe is the loader, stops the pool as
+// before), or with the reason it failed (the program may go on: the pool is then stopped
+// as before). Either way the BLAS is single-threaded on return (keep_blas_single_threaded).
+//
+// Why a re-execution: a .preinit_array entry in the executable runs before the libraries'
+// constructors, but glibc sets up the C library's environment only after it, so a
+// setenv there is lost; and a serial OpenBLAS is not what libopenblas-dev links by default,
+// its path differs between distributions, so the program would not choose it reliably.
+Status reexec_with_single_threaded_blas(char** argv);
 
 }  // namespace strata::kernels::cpu

@@ -1,8 +1,8 @@
 // NvmeStore: a rank's scratch file under nvme_path, carved into extents, read and
 // written asynchronously through the I/O engine with O_DIRECT.
 //
-// nvme_path (DESIGN.md): the directory is created if missing and creatable; an error
-// names the path when it cannot be created or written. The store holds
+// nvme_path (strata.nvme_path, docs/config.md): the directory is created if missing and
+// creatable; an error names the path when it cannot be created or written. The store holds
 //   <nvme_path>/strata-rank<R>.swap  the data file, flock'ed for the store's life (the file
 //                                    itself, so deleting any other file cannot unlock it):
 //                                    a second live process (or a second store in this

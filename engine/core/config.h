@@ -35,9 +35,10 @@
 
 namespace strata {
 
-// Where bytes live (DESIGN.md, "The objects"). Configs and command lines name a
-// placement with three words, `device|cpu|nvme` (DeepSpeed's offload device "none" is
-// `device`); `cpu` is kPinned, or kHost when pin_memory is false (finalize() decides).
+// Where bytes live (the README's table of tiers; docs/architecture.md says where a tier
+// is added). Configs and command lines name a placement with three words,
+// `device|cpu|nvme` (DeepSpeed's offload device "none" is `device`); `cpu` is kPinned, or
+// kHost when pin_memory is false (finalize() decides).
 // offload/tier.h adds what the tiers' buffers need (alignment, host access).
 enum class Tier : uint8_t {
   kDevice,  // the compute device's memory (under its budget)
@@ -51,7 +52,8 @@ std::string_view placement_name(Tier tier);  // "device" | "cpu" (kPinned and kH
 // tier; `pin_memory` picks kPinned or kHost for `cpu`.
 StatusOr<Tier> parse_placement(std::string_view text, bool pin_memory = true);
 
-// When the optimizer runs relative to the next step (DESIGN.md, "Overlap modes").
+// When the optimizer runs relative to the next step (docs/architecture.md, "One step,
+// stage by stage").
 enum class OverlapMode : uint8_t {
   // Global norm and overflow are reduced at the end of backward; then Adam runs group by
   // group in forward order while the next forward starts, forward(g) waiting only for
@@ -265,7 +267,7 @@ StatusOr<StrataConfig> parse_config_json(std::string_view text, std::string_view
 // names; betas as "0.9,0.95"). Apply overrides before finalize().
 Status apply_override(StrataConfig& config, std::string_view dotted_key, std::string_view value);
 
-// The config key a trainer flag sets, for the shared flags of DESIGN.md:
+// The config key a trainer flag sets, for the flags every program that reads a config shares:
 // --device, --world-size, --device-budget-mib, --pinned-budget-mib, --offload-param,
 // --offload-optimizer, --nvme-path, --steps, --metrics, --trace, --seed, --io-engine,
 // --micro-batch, --grad-accum, --batch-size, --lr ... and "--<key>" for any top-level

@@ -86,13 +86,22 @@ constexpr double h200_dense_peak_flops(MatmulPrecision precision) {
   return 67e12;
 }
 
-// Subcommands: each returns the process exit code.
+// Subcommands: each returns the process exit code. main.cpp answers `--help` for all of
+// them alike, with the usage below, so none parses --help itself.
 int run_nvme(int argc, char** argv);
 int run_copy(int argc, char** argv);
 int run_adam(int argc, char** argv);
 int run_step(int argc, char** argv);
 int run_token_scan(int argc, char** argv);
 int run_kernels(int argc, char** argv);
+
+// Each subcommand's usage, "usage: strata-bench <subcommand> ...", defined beside it.
+extern const char* const kNvmeUsage;
+extern const char* const kCopyUsage;
+extern const char* const kAdamUsage;
+extern const char* const kStepUsage;
+extern const char* const kTokenScanUsage;
+extern const char* const kKernelsUsage;
 
 // Prints "strata-bench <subcommand>: <status>" to stderr and returns 1 (or 2 for usage errors).
 int report_failure(const char* subcommand, const Status& status);

@@ -34,14 +34,15 @@
 #include "optim/nvme_adam_state.h"
 
 namespace strata::bench {
-namespace {
 
-constexpr const char* kUsage =
+const char* const kAdamUsage =
     "usage: strata-bench adam [--params N] [--threads T (0 = all cores)] [--grad-dtype bf16|fp16|fp32] [--param-dtype bf16|fp16|fp32|none]\n"
     "                         [--moment-dtype fp32|bf16] [--state memory|nvme] [--nvme-path DIR] [--isa avx512|avx2|scalar]\n"
     "                         [--group-params G] [--steps S] [--warmup W] [--chunk-elements C] [--stagger-bytes B]\n"
     "                         [--param-stores streaming|cached] [--state-stores cached|streaming] [--no-avx512-bf16]\n"
     "                         [--pinned-budget BYTES] [--slots K] [--queue-depth Q] [--no-checksums] [--json]";
+
+namespace {
 
 // Anonymous memory for the benchmark's state, 2 MiB aligned and advised onto transparent
 // huge pages, as the pinned arena holds it.
@@ -155,9 +156,8 @@ StatusOr<Config> parse_config(int argc, char** argv) {
       Args args, Args::parse(argc, argv,
                              {"params", "threads", "grad-dtype", "param-dtype", "moment-dtype", "state", "nvme-path", "isa", "group-params",
                               "steps", "warmup", "chunk-elements", "stagger-bytes", "param-stores", "state-stores", "pinned-budget", "slots", "queue-depth"},
-                             {"json", "no-avx512-bf16", "no-checksums", "help"}));
+                             {"json", "no-avx512-bf16", "no-checksums"}));
   Config c;
-  if (args.flag("help")) return InvalidArgumentError(kUsage);
   STRATA_ASSIGN_OR_RETURN(c.params, args.get_int("params", c.params));
   STRATA_ASSIGN_OR_RETURN(c.threads, args.get_integer<int>("threads", c.threads));
   STRATA_ASSIGN_OR_RETURN(c.grad_type, parse_dtype(args.get("grad-dtype", "bf16")));
@@ -473,11 +473,7 @@ StatusOr<Result> run_nvme(const Config& c, CpuAdam& adam) {
 int run_adam(int argc, char** argv) {
   auto parsed = parse_config(argc, argv);
   if (!parsed.ok()) {
-    if (parsed.status().message() == kUsage) {
-      std::fprintf(stdout, "%s\n", kUsage);
-      return 0;
-    }
-    std::fprintf(stderr, "%s\n", kUsage);
+    std::fprintf(stderr, "%s\n", kAdamUsage);
     return report_failure("adam", parsed.status());
   }
   const Config& c = *parsed;

@@ -22,15 +22,16 @@
 #include "offload/pinned_arena.h"
 
 namespace strata::bench {
-namespace {
 
-constexpr const char* kUsage =
+const char* const kCopyUsage =
     "usage: strata-bench copy [--bytes N] [--device cpu|cuda] [--repetitions R] [--warmup W] [--json]\n"
     "  --bytes N        bytes per copy (default 268435456)\n"
     "  --device D       where the device buffer lives: cpu (default) or cuda\n"
     "  --repetitions R  timed copies per direction and host memory kind; the median is reported (default 7)\n"
     "  --warmup W       untimed copies before the timed ones (default 1)\n"
     "  --json           print one JSON object as the last line of stdout";
+
+namespace {
 
 struct Config {
   size_t bytes = size_t{256} << 20;
@@ -172,15 +173,9 @@ Status run(const Config& config) {
 }  // namespace
 
 int run_copy(int argc, char** argv) {
-  for (int i = 0; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
-      std::printf("%s\n", kUsage);
-      return 0;
-    }
-  }
   auto config = parse_config(argc, argv);
   if (!config.ok()) {
-    std::fprintf(stderr, "%s\n", kUsage);
+    std::fprintf(stderr, "%s\n", kCopyUsage);
     return report_failure("copy", config.status());
   }
   const Status status = run(*config);

@@ -39,6 +39,15 @@
 #include "kernels/transformer_ops.h"
 
 namespace strata::bench {
+
+const char* const kKernelsUsage =
+    "usage: strata-bench kernels [--device cuda|cpu] [--dtype bf16|fp32] [--scale S] [--repetitions R] [--json]\n"
+    "  --device D       cuda (default): the CUDA kernels against the H200's peak; cpu: their CPU twins (fp32)\n"
+    "  --dtype T        bf16 (default on cuda) or fp32 (the only one on cpu)\n"
+    "  --scale S        every dimension but head_dim divided by S, 1-1024 (default 1 on cuda, 16 on cpu)\n"
+    "  --repetitions R  timed runs per op; the median is reported (default 20 on cuda, 3 on cpu)\n"
+    "  --json           print one JSON object as the last line of stdout";
+
 namespace {
 
 struct ModelShape {

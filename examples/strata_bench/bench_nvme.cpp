@@ -37,13 +37,14 @@
 #include "offload/pinned_arena.h"
 
 namespace strata::bench {
-namespace {
 
-constexpr const char* kUsage =
+const char* const kNvmeUsage =
     "usage: strata-bench nvme --nvme-path DIR [--size-mib M=1024] [--block-kib B=1024] [--queue-depth Q=32]\n"
     "                         [--engine io_uring|psync] [--no-checksums] [--sqpoll] [--json]\n"
     "                         [--no-huge-pages] [--unregistered]   (to see what huge pages and fixed buffers bring)\n"
-    "                         [--buffer-ring]   (the data moves through queue-depth blocks of memory, as fio's buffers do)\n";
+    "                         [--buffer-ring]   (the data moves through queue-depth blocks of memory, as fio's buffers do)";
+
+namespace {
 
 // Word j of the data: a counter-based hash, so the pattern can be regenerated to verify.
 inline uint64_t pattern_word(uint64_t index) {
@@ -261,18 +262,14 @@ Status run(const Args& args) {
 
 int run_nvme(int argc, char** argv) {
   StatusOr<Args> args = Args::parse(argc, argv, {"nvme-path", "size-mib", "block-kib", "queue-depth", "engine"},
-                                    {"json", "no-checksums", "sqpoll", "no-huge-pages", "unregistered", "buffer-ring", "help"});
+                                    {"json", "no-checksums", "sqpoll", "no-huge-pages", "unregistered", "buffer-ring"});
   if (!args.ok()) {
-    std::fprintf(stderr, "%s", kUsage);
+    std::fprintf(stderr, "%s\n", kNvmeUsage);
     return report_failure("nvme", args.status());
-  }
-  if (args->flag("help")) {
-    std::fprintf(stdout, "%s", kUsage);
-    return 0;
   }
   const Status status = run(*args);
   if (!status.ok()) {
-    if (status.code() == StatusCode::kInvalidArgument) std::fprintf(stderr, "%s", kUsage);
+    if (status.code() == StatusCode::kInvalidArgument) std::fprintf(stderr, "%s\n", kNvmeUsage);
     return report_failure("nvme", status);
   }
   return 0;

@@ -45,9 +45,8 @@
 #include "kernels/blas_context.h"
 
 namespace strata::bench {
-namespace {
 
-constexpr const char* kUsage =
+const char* const kStepUsage =
     "usage: strata-bench step --layers L --width W --batch B --micro-batches K --steps S --world-size N\n"
     "                         --device cpu|cuda --device-budget-mib M --offload-param device|cpu|nvme\n"
     "                         --offload-optimizer device|cpu|nvme --param-dtype bf16|fp32 --nvme-path D\n"
@@ -57,7 +56,9 @@ constexpr const char* kUsage =
     "                         [--device-thread-nice N (cpu: the device's threads' nice value, 0-19; default 19: the host stages run first)]\n"
     "                         [--clip-grad-norm X (0 = off: Adam(g) starts as g's gradients land; on: after backward, as training with clipping does)]\n"
     "                         [--trace PATH (Chrome trace of every stage's intervals, written at the end)]\n"
-    "                         [--json] [--help]";
+    "                         [--json]";
+
+namespace {
 
 struct StepBenchOptions {
   models::LinearStackConfig model;
@@ -82,7 +83,6 @@ struct StepBenchOptions {
   double clip_grad_norm = 0.0;  // EngineOptions::gradient_clipping
   std::string trace_path;       // EngineOptions::trace_path
   bool json = false;
-  bool help = false;
 };
 
 // "READ,WRITE" in GB/s, both positive.
@@ -116,9 +116,8 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
                                                   "device-budget-mib", "offload-param", "offload-optimizer", "param-dtype",
                                                   "nvme-path", "prefetch-depth", "seed", "pinned-budget-mib", "store-gbps",
                                                   "store-measure-mib", "matmul-precision", "compute", "device-thread-nice", "clip-grad-norm", "trace"},
-                                                 {"json", "help"}));
+                                                 {"json"}));
   StepBenchOptions o;
-  if (args.flag("help")) return StepBenchOptions{.help = true};
   STRATA_ASSIGN_OR_RETURN(const int layers, args.get_integer<int>("layers", 8));
   STRATA_ASSIGN_OR_RETURN(const int width, args.get_integer<int>("width", 1024));
   STRATA_ASSIGN_OR_RETURN(const int batch, args.get_integer<int>("batch", 64));
@@ -323,12 +322,8 @@ void print_table(const TrainingRun& run, const StepReport& r, const nlohmann::or
 int run_step(int argc, char** argv) {
   auto parsed = parse(argc, argv);
   if (!parsed.ok()) {
-    std::fprintf(stderr, "%s\n", kUsage);
+    std::fprintf(stderr, "%s\n", kStepUsage);
     return report_failure("step", parsed.status());
-  }
-  if (parsed->help) {
-    std::printf("%s\n", kUsage);
-    return 0;
   }
   const StepBenchOptions& o = *parsed;
   auto store = store_bandwidth(o);

@@ -14,6 +14,14 @@
 #include "examples/strata_bench/bench.h"
 
 namespace strata::bench {
+
+const char* const kTokenScanUsage =
+    "usage: strata-bench token-scan [--dir D] [--tokens N] [--repetitions R] [--json]\n"
+    "  --dir D          where the token file is written and scanned, then removed (default /tmp)\n"
+    "  --tokens N       uint16 tokens in the file, 1 to 2^31 - 1 (default 2^29: 1 GiB)\n"
+    "  --repetitions R  rounds over every ISA and thread count; the median is reported (default 7)\n"
+    "  --json           print one JSON object as the last line of stdout";
+
 namespace {
 
 Status write_uniform_token_file(const std::string& path, uint64_t tokens) {

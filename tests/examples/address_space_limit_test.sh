@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# The trainer under an address-space limit (`ulimit -v`, as some clusters set) ends at once
+# with the allocation the limit refused, however it is started. OpenBLAS's threaded build
+# starts a thread pool when the library loads; a pool thread that cannot map its 128 MiB
+# buffer retries forever, and stopping the pool waited for it: the program hung before its
+# first line. Each case asks for activations far above the limit (--micro-batch 512 is
+# about 4 GiB; the device budget allows it), so the run must fail at that allocation:
+#
+#   1. train_gpt under `ulimit -v 1000000` (1 GB), the limit of the report: a pool of a few
+#      threads already cannot map its buffers there on a machine with many cores;
+#   2. train_gpt under `ulimit -v 130000` with 1 MiB thread stacks (`ulimit -s 1024`): too
+#      little for even one pool thread's buffer on top of the loaded program (about 50 MB),
+#      so the pool would hang on any machine with two cores or more, while the program's own
+#      threads still fit before the activations;
+#   3. case 2 as strata-train (the same program under its other name: messages name it);
+#   4. case 2 under strata-launch, which starts train_gpt as a rank.
+#
+# A run that has not ended after 60 s is killed and fails the test (a hang, not an error).
+#
+#   address_space_limit_test.sh BUILD_DIR
+set -uo pipefail
+
+build_dir=$(cd "${1:?usage: address_space_limit_test.sh BUILD_DIR}" && pwd)
+bin=$build_dir/bin
+failures=0
+
+# The trainer's flags: the tiny model, activations of about 4 GiB, a budget that allows them.
+train_args=(--device cpu --preset tiny --steps 2 --micro-batch 512 --device-budget-mib 65536)
+
+# run_case NAME VMEM_KB STACK_KB EXPECTED_PREFIX COMMAND...: runs COMMAND under the limits
+# and checks it ended by itself, non-zero, with "<prefix>OUT_OF_MEMORY: ... 'GPT activations'".
+run_case() {
+  local name=$1 vmem=$2 stack=$3 prefix=$4
+  shift 4
+  local err
+  err=$(mktemp)
+  (
+    ulimit -s "$stack" && ulimit -v "$vmem" || exit 99
+    exec timeout -k 5 60 "$@" >/dev/null 2>"$err"
+  )
+  local rc=$?
+  local why=""
+  if [[ $rc -eq 99 ]]; then
+    why="could not set the limits (ulimit -s $stack, ulimit -v $vmem)"
+  elif [[ $rc -eq 124 || $rc -eq 137 ]]; then
+    why="still running after 60 s (exit $rc from timeout): it hung instead of failing"
+  elif [[ $rc -eq 0 ]]; then
+    why="succeeded, but its 4 GiB of activations cannot fit under the limit"
+  elif ! grep -Eq "^${prefix}OUT_OF_MEMORY: .*'GPT activations'" "$err"; then
+    why="exit $rc without an OUT_OF_MEMORY error naming 'GPT activations'"
+  fi
+  if [[ -n $why ]]; then
+    echo "FAILED: $name: $why; its stderr:" >&2
+    tail -5 "$err" >&2
+    failures=$((failures + 1))
+  else
+    echo "ok: $name: exit $rc, $(grep -E "OUT_OF_MEMORY" "$err" | head -1 | cut -c1-160)"
+  fi
+  rm -f "$err"
+}
+
+default_stack=$(ulimit -s)
+run_case "train_gpt, ulimit -v 1000000" 1000000 "$default_stack" "train_gpt: " \
+  "$bin/train_gpt" "${train_args[@]}"
+run_case "train_gpt, ulimit -v 130000 -s 1024" 130000 1024 "train_gpt: " \
+  "$bin/train_gpt" "${train_args[@]}"
+run_case "strata-train, ulimit -v 130000 -s 1024" 130000 1024 "strata-train: " \
+  "$bin/strata-train" "${train_args[@]}"
+run_case "strata-launch -- train_gpt, ulimit -v 130000 -s 1024" 130000 1024 "\\[rank 0\\] train_gpt: " \
+  "$bin/strata-launch" --nproc-per-node 1 -- "$bin/train_gpt" "${train_args[@]}"
+
+if [[ $failures -gt 0 ]]; then
+  echo "address_space_limit_test: $failures case(s) failed" >&2
+  exit 1
+fi
+echo "address_space_limit_test: all cases passed"
