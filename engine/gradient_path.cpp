@@ -118,6 +118,7 @@ StatusOr<float*> GradientPath::buffer(int g) {
   if (facts.active_slot < 0) {
     int chosen = -1;
     const size_t elements = group(g).layout.padded_numel;
+    STRATA_RETURN_IF_ERROR(check_slot_can_free(g, elements));
     {
       std::unique_lock<std::mutex> lock(sync_.mutex);
       STRATA_RETURN_IF_ERROR(
@@ -155,6 +156,24 @@ Status GradientPath::reduce(int g, Slot& slot) {
     }
     return {};
   });
+}
+
+// A wait for a slot ends only when the lander returns one; a slot the model still holds
+// (its group's grads_ready has not come) is never returned. When every slot that fits is
+// held so, the wait could not end: an error naming the holders, not a hang.
+Status GradientPath::check_slot_can_free(int g, size_t elements) {
+  std::vector<int> holders(slots_.size(), -1);
+  for (size_t h = 0; h < facts_.size(); ++h)
+    if (facts_[h].active_slot >= 0) holders[static_cast<size_t>(facts_[h].active_slot)] = static_cast<int>(h);
+  std::string held;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    if (slots_[i].elements < elements) continue;
+    if (holders[i] < 0) return {};
+    held += (held.empty() ? "" : ", ") + group(holders[i]).layout.name;
+  }
+  return FailedPreconditionError("gradient_buffer(" + std::to_string(g) + ", '" + group(g).layout.name + "'): every gradient buffer that fits it (" +
+                                 std::to_string(slots_.size()) + " in all) is held by a group whose grads_ready() has not come (" + held +
+                                 "): the model keeps more gradient buffers at once than planned; declare them with declare_held_gradients()");
 }
 
 int GradientPath::free_slot_for(size_t elements) const {

@@ -115,6 +115,7 @@ class GradientPath {
   };
 
   void loop();
+  Status check_slot_can_free(int g, size_t elements);
   Status land(const Landing& item);
   // The final gradient's statistics, accumulating first where micro-batches add up.
   StatusOr<GradientStats> accumulate_host(const Landing& item, const void* landed);

@@ -110,9 +110,11 @@ py::dict layout_dict(const GroupLayout& layout) {
   return d;
 }
 
-std::vector<HfTensorName> hf_names(const std::vector<std::tuple<std::string, int, int>>& names) {
+using HfNameTuple = std::tuple<std::string, int, int, uint64_t, std::vector<int64_t>>;  // name, group, tensor, offset, full shape
+
+std::vector<HfTensorName> hf_names(const std::vector<HfNameTuple>& names) {
   std::vector<HfTensorName> out;
-  for (const auto& [name, group, tensor] : names) out.push_back({name, group, tensor});
+  for (const auto& [name, group, tensor, offset, shape] : names) out.push_back({name, group, tensor, offset, shape});
   return out;
 }
 
@@ -137,6 +139,7 @@ void bind_session(py::module_& m) {
              for (const auto& [tensor, shape, decay] : tensors) entries.push_back({tensor, shape, decay});
              return value(s.register_group(name, entries, trainable));
            })
+      .def("declare_held_gradients", [](Session& s, int count) { check(s.declare_held_gradients(count)); })
       .def("start", [](Session& s) { unlocked([&] { return s.start(); }); })
       .def("plan", [](const Session& s) { return plan_dict(live(s).plan()); })
       .def("layout", [](const Session& s, int g) { return layout_dict(live(s).layout(g)); })
@@ -173,13 +176,13 @@ void bind_session(py::module_& m) {
       .def("save_checkpoint", [](Session& s, const std::string& dir, const std::string& state) { unlocked([&] { return s.save_checkpoint(dir, state); }); })
       .def("load_checkpoint", [](Session& s, const std::string& dir) { return unlocked([&] { return s.load_checkpoint(dir); }); })
       .def("export_hf",
-           [](Session& s, const std::string& dir, const std::string& config, const std::vector<std::tuple<std::string, int, int>>& names,
+           [](Session& s, const std::string& dir, const std::string& config, const std::vector<HfNameTuple>& names,
               const std::string& tokenizer_dir, uint64_t shard_bytes, const std::string& dtype) {
              const std::vector<HfTensorName> n = hf_names(names);
              unlocked([&] { return s.export_hf(dir, config, n, tokenizer_dir, shard_bytes, dtype); });
            })
       .def("load_hf",
-           [](Session& s, const std::string& dir, const std::vector<std::tuple<std::string, int, int>>& names) {
+           [](Session& s, const std::string& dir, const std::vector<HfNameTuple>& names) {
              const std::vector<HfTensorName> n = hf_names(names);
              unlocked([&] { return s.load_hf(dir, n); });
            })

@@ -46,11 +46,15 @@ struct Region {
   DType dtype = DType::kFloat32;
 };
 
-// One HF tensor of an export or load: checkpoint name <-> engine (group, tensor).
+// One HF tensor of an export or load: checkpoint name <-> engine (group, tensor). An engine
+// tensor is the checkpoint tensor whole, or a contiguous row range of it (a piece of a
+// vocabulary-sized embedding).
 struct HfTensorName {
   std::string name;  // in the checkpoint; empty: not in it (a load keeps the tensor's values; an export skips it)
   int group = 0;
   int tensor = 0;    // index within the group's registration order
+  uint64_t element_offset = 0;     // the engine tensor's first element within the checkpoint tensor
+  std::vector<int64_t> full_shape; // the checkpoint tensor's shape
 };
 
 class Session {
@@ -71,6 +75,9 @@ class Session {
   // Before start().
   // A frozen group (trainable false) gets parameter storage and gathers only.
   StatusOr<int> register_group(const std::string& name, const std::vector<TensorEntry>& tensors, bool trainable);
+  // Before start(): the most gradient buffers the model keeps between uses of their groups
+  // (a group shared by two units keeps its buffer from the first unit's backward to the second's).
+  Status declare_held_gradients(int count) { return engine_->declare_held_gradients(count); }
   // Plans, checks the budgets and allocates. Every group is declared loaded: the caller
   // writes its values (write_group, or load_hf) before the first step.
   Status start();

@@ -16,22 +16,24 @@ namespace {
 // The name map of an export or load: engine (group, tensor) -> the checkpoint tensor, whole;
 // an empty name: a tensor the checkpoint does not hold (kept by a load, not exported).
 StatusOr<hf::HfNameMap> name_map(const Engine& engine, const std::vector<HfTensorName>& names) {
-  std::map<std::pair<int, std::string>, std::string> by_tensor;
+  std::map<std::pair<int, std::string>, HfTensorName> by_tensor;
   for (const HfTensorName& n : names) {
     if (n.group < 0 || n.group >= engine.group_count())
       return InvalidArgumentError("tensor " + n.name + " names group " + std::to_string(n.group) + " of " + std::to_string(engine.group_count()));
     const GroupLayout& layout = engine.layout(n.group);
     if (n.tensor < 0 || static_cast<size_t>(n.tensor) >= layout.tensors.size())
       return InvalidArgumentError("tensor " + n.name + " names tensor " + std::to_string(n.tensor) + " of group " + layout.name);
-    by_tensor[{n.group, layout.tensors[static_cast<size_t>(n.tensor)].name}] = n.name;
+    by_tensor[{n.group, layout.tensors[static_cast<size_t>(n.tensor)].name}] = n;
   }
   for (int g = 0; g < engine.group_count(); ++g)
     for (const TensorLayout& t : engine.layout(g).tensors)
       if (by_tensor.count({g, t.name}) == 0) return InvalidArgumentError("no checkpoint name for parameter " + t.name);
   return hf::HfNameMap([by_tensor = std::move(by_tensor)](const GroupLayout& group, const TensorLayout& tensor) {
+    const HfTensorName& n = by_tensor.at({group.id, tensor.name});
     hf::HfTensorSlice slice;
-    slice.name = by_tensor.at({group.id, tensor.name});
-    slice.shape = tensor.shape;
+    slice.name = n.name;
+    slice.element_offset = n.element_offset;
+    slice.shape = n.full_shape.empty() && n.element_offset == 0 ? tensor.shape : n.full_shape;
     return slice;
   });
 }

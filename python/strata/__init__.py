@@ -23,13 +23,16 @@ __all__ = ["Engine", "StrataError", "init_empty", "initialize", "rank", "world_s
 _live: Optional[Engine] = None
 
 
-def initialize(model=None, config: Any = None, groups=None, weight_decay=None, **unsupported) -> Engine:
+def initialize(model=None, config: Any = None, groups=None, weight_decay=None, max_group_elements: int = 1 << 26,
+               **unsupported) -> Engine:
     """The engine for ``model`` under ``config`` (a DeepSpeed-vocabulary dict or JSON file).
 
     ``groups``: module classes, or a function of the model giving the modules, whose
     instances are gathered whole (default: the blocks of the model's repeated ModuleList).
     ``weight_decay``: a function (name, parameter) -> bool choosing the parameters AdamW
     decays (default: all, as torch.optim.AdamW(model.parameters()) does).
+    ``max_group_elements``: a parameter larger than this is cut by rows into groups of its
+    own (a vocabulary-sized embedding), so no engine buffer is sized by it.
     """
     global _live
     if unsupported:
@@ -38,7 +41,7 @@ def initialize(model=None, config: Any = None, groups=None, weight_decay=None, *
                           "'optimizer' and 'scheduler' sections, the data from the calling script")
     if model is None or config is None:
         raise TypeError("strata.initialize() needs model= and config=")
-    _live = Engine(model, config, groups=groups, weight_decay=weight_decay)
+    _live = Engine(model, config, groups=groups, weight_decay=weight_decay, max_group_elements=max_group_elements)
     return _live
 
 

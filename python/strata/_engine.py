@@ -36,14 +36,14 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class _Group:
-    __slots__ = ("id", "name", "trainable", "params", "layout", "flat", "open", "refs", "holds", "expected",
+    __slots__ = ("id", "name", "trainable", "pieces", "layout", "flat", "open", "refs", "holds", "expected",
                  "grads", "ready")
 
     def __init__(self, gid: int, plan: _groups.GroupPlan, layout: dict):
         self.id = gid
         self.name = plan.name
         self.trainable = plan.trainable
-        self.params = plan.params
+        self.pieces = plan.pieces
         self.layout = layout  # tensors: (name, shape, offset, numel)
         self.flat: Optional[torch.Tensor] = None
         self.open = 0
@@ -69,25 +69,27 @@ class Engine:
     """What strata.initialize returns. Call it as the model; then backward(loss), step()."""
 
     def __init__(self, model: nn.Module, config: Any, groups: _groups.GroupsArg = None,
-                 weight_decay: Optional[Any] = None):
+                 weight_decay: Optional[Any] = None, max_group_elements: int = 1 << 26):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         text, source = _config_text(config)
         self.module = model
         self._session = Session(text, source)
         self._units = _groups.plan_units(model, groups)
-        plans, self._where = _groups.plan_groups(model, self._units)
+        plans, self._where = _groups.plan_groups(model, self._units, max_group_elements)
         if not plans:
             raise StrataError("the model has no parameters: there is nothing to train")
         self._dtype = _DTYPES[self._session.param_dtype]
         self._check_parameters(plans)
         for plan in plans:
             decay = weight_decay or (lambda name, p: True)
-            self._session.register_group(plan.name, [(n, list(p.shape), bool(decay(n, p))) for n, p in plan.params],
-                                         plan.trainable)
+            self._session.register_group(plan.name, [(piece.label, piece.shape, bool(decay(piece.name, piece.param)))
+                                                     for piece in plan.pieces], plan.trainable)
+        self._session.declare_held_gradients(self._shared_trainable_groups(plans))
         self._session.start()
         self._groups = [_Group(i, plan, self._session.layout(i)) for i, plan in enumerate(plans)]
-        self._needs_load = any(p.is_meta for g in self._groups for _, p in g.params)
+        self._params = list({id(piece.param): piece.param for g in self._groups for piece in g.pieces}.values())
+        self._needs_load = any(p.is_meta for p in self._params)
         if not self._needs_load:
             self._write_model_values()
         self._take_parameters()
@@ -106,7 +108,8 @@ class Engine:
     # ---- set-up -------------------------------------------------------------------------
     def _check_parameters(self, plans: List[_groups.GroupPlan]) -> None:
         for plan in plans:
-            for name, p in plan.params:
+            for piece in plan.pieces:
+                name, p = piece.name, piece.param
                 if not p.is_floating_point():
                     raise StrataError(f"parameter {name} is {p.dtype}: the engine holds floating-point parameters only")
                 if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -115,23 +118,31 @@ class Engine:
                     raise StrataError(f"parameter {name} is on {p.device}: the CPU device front end takes a model on the CPU "
                                       "(or built under strata.init_empty())")
 
+    def _shared_trainable_groups(self, plans: List[_groups.GroupPlan]) -> int:
+        """Trainable groups bound by more than one unit: each keeps its gradient buffer from
+        one unit's backward to the other's."""
+        users: Dict[int, int] = {}
+        for unit in self._units:
+            for gid in {gid for b in unit.bindings for gid, _, _ in self._where[id(b.param)]}:
+                users[gid] = users.get(gid, 0) + 1
+        return sum(1 for gid, n in users.items() if n > 1 and plans[gid].trainable)
+
     def _write_model_values(self) -> None:
         for g in self._groups:
             flat = torch.zeros(g.layout["numel"], dtype=torch.float32)
-            for index, (_, p) in enumerate(g.params):
-                g.tensor(flat, index).copy_(p.detach().float())
+            for index, piece in enumerate(g.pieces):
+                g.tensor(flat, index).copy_(piece.values(piece.param.detach()).float().reshape(piece.shape))
             self._session.write_group(g.id, dlpack.to_dlpack(flat))
         self._session.refresh()
 
     def _take_parameters(self) -> None:
-        for g in self._groups:
-            for _, p in g.params:
-                p.strata_shape = tuple(p.shape)
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # meta stays meta (init_empty)
+        for p in self._params:
+            p.strata_shape = tuple(p.shape)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # meta stays meta (init_empty)
 
     def _install_hooks(self) -> None:
         for unit in self._units:
-            unit.gids = sorted({self._where[id(b.param)][0] for b in unit.bindings})
+            unit.gids = sorted({gid for b in unit.bindings for gid, _, _ in self._where[id(b.param)]})
             unit.bound = False
             unit.uses = []  # this micro-batch's forward uses with a GatherFn, newest last
             unit.module.register_forward_pre_hook(self._make_pre_hook(unit))
@@ -257,7 +268,8 @@ class Engine:
     def _hf_names(self):
         """Each tensor's name in a Hugging Face checkpoint of the model: a PEFT model's base
         weights under their base model's names; adapters (not in such a checkpoint: "")."""
-        return [(_checkpoint_name(name), g.id, index) for g in self._groups for index, (name, _) in enumerate(g.params)]
+        return [(_checkpoint_name(piece.name), g.id, index, piece.element_offset(), list(piece.param.strata_shape))
+                for g in self._groups for index, piece in enumerate(g.pieces)]
 
     def export_hf(self, out_dir: str, tokenizer_dir: Optional[str] = None, shard_bytes: int = 0,
                   dtype: Optional[torch.dtype] = None) -> None:
@@ -266,7 +278,7 @@ class Engine:
         self._check_between_steps("export_hf()")
         config = getattr(self.module, "config", None)
         config_json = config.to_json_string() if hasattr(config, "to_json_string") else "{}"
-        dtype = dtype or next(p.dtype for g in self._groups for _, p in g.params)
+        dtype = dtype or self._params[0].dtype
         names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
         self._session.export_hf(os.fspath(out_dir), config_json, self._hf_names(), os.fspath(tokenizer_dir or ""),
                                 int(shard_bytes), names[dtype])
@@ -280,12 +292,13 @@ class Engine:
     def state_dict(self) -> Dict[str, torch.Tensor]:
         """The full fp32 weights by parameter name (one group at a time through host memory)."""
         self._check_between_steps("state_dict()")
-        out = {}
+        out: Dict[str, torch.Tensor] = {}
         for g in self._groups:
             flat = torch.empty(g.layout["numel"], dtype=torch.float32)
             self._session.read_group(g.id, dlpack.to_dlpack(flat))
-            for index, (name, _) in enumerate(g.params):
-                out[name] = g.tensor(flat, index).clone()
+            for index, piece in enumerate(g.pieces):
+                full = out.setdefault(piece.name, torch.empty(piece.param.strata_shape, dtype=torch.float32))
+                piece.values(full).copy_(g.tensor(flat, index).reshape(piece.values(full).shape))
         return out
 
     def _check_open(self) -> None:
@@ -394,21 +407,23 @@ class Engine:
             self._release_when_unused(g)
 
     def _bind(self, unit) -> Optional[_autograd.UseHandle]:
-        """Points the unit's parameters into its gathered groups; trainable ones (with
-        gradients enabled) through one GatherFn, whose handle is returned."""
+        """Points the unit's parameters into its gathered groups (a parameter cut into pieces
+        joined by rows); trainable ones, with gradients enabled, through one GatherFn, whose
+        handle is returned."""
         trainable_views, slots, bound = [], [], {}
         for b in unit.bindings:
-            gid, index = self._where[id(b.param)]
-            g = self._groups[gid]
             if id(b.param) in bound:
                 continue
-            view = g.tensor(g.flat, index)
-            if g.trainable and torch.is_grad_enabled():
+            entries = self._where[id(b.param)]
+            views = [self._groups[gid].tensor(self._groups[gid].flat, index) for gid, index, _ in entries]
+            view = views[0] if len(views) == 1 else views
+            if self._groups[entries[0][0]].trainable and torch.is_grad_enabled():
                 bound[id(b.param)] = len(trainable_views)
                 trainable_views.append(view)
-                slots.append((gid, index))
+                slots.append(entries)
             else:
-                bound[id(b.param)] = view if view.dtype == b.param.dtype else view.to(b.param.dtype)
+                joined = view if len(views) == 1 else torch.cat(views, 0)
+                bound[id(b.param)] = joined if joined.dtype == b.param.dtype else joined.to(b.param.dtype)
         handle = None
         outputs: tuple = ()
         if trainable_views:
@@ -495,12 +510,18 @@ class Engine:
     def _add_gradients(self, handle: _autograd.UseHandle, grads) -> None:
         self._check_in_backward()
         self._flush_releases()
-        for (gid, index), grad in zip(handle.slots, grads):
-            if grad is not None:
-                g = self._groups[gid]
-                g.tensor(self._gradient_buffer(g), index).add_(grad)
-        for gid in sorted({gid for gid, _ in handle.slots}):
+        # Group by group, each handed over before the next buffer is asked for: a unit may
+        # hold more groups than the engine has gradient buffers.
+        parts: Dict[int, list] = {}
+        for entries, grad in zip(handle.slots, grads):
+            for gid, index, piece in entries:
+                part = grad if grad is None or len(entries) == 1 else grad[piece.row_begin:piece.row_end]
+                parts.setdefault(gid, []).append((index, part))
+        for gid, group_parts in parts.items():
             g = self._groups[gid]
+            for index, part in group_parts:
+                if part is not None:
+                    g.tensor(self._gradient_buffer(g), index).add_(part)
             if g.expected > 0:
                 g.expected -= 1
                 if g.expected == 0:

@@ -9,7 +9,10 @@ parameter belongs to the first unit (in module order) that binds it; another uni
 uses the same parameter (a head tied to the embedding) gathers the owner's group.
 
 Each unit's parameters form one engine group, split in two when it holds both trainable
-and frozen parameters (the frozen part keeps no gradient or optimizer state).
+and frozen parameters (the frozen part keeps no gradient or optimizer state). A parameter
+larger than ``max_group_elements`` (a vocabulary-sized embedding or head) is cut by rows
+into groups of its own, so no group — and no buffer the engine sizes by the largest group —
+is vocabulary-sized; the unit that uses it joins the pieces at each gather.
 """
 
 from __future__ import annotations
@@ -39,10 +42,57 @@ class Unit:
 
 
 @dataclasses.dataclass
+class Piece:
+    """Rows [row_begin, row_end) of a parameter: one tensor of an engine group."""
+    name: str            # the parameter's qualified name
+    param: nn.Parameter
+    row_begin: int = 0
+    row_end: int = 0     # == rows: to the end
+    row_elements: int = 1  # elements per row (kept: the parameter itself is emptied by initialize)
+
+    full_shape: Tuple[int, ...] = ()
+
+    @property
+    def whole(self) -> bool:
+        return self.row_begin == 0 and self.row_end == (self.full_shape[0] if self.full_shape else 1)
+
+    @property
+    def shape(self) -> List[int]:
+        if not self.full_shape:
+            return []
+        return [self.row_end - self.row_begin, *self.full_shape[1:]]
+
+    @property
+    def label(self) -> str:
+        """The engine tensor's name: the parameter's, with its rows when it is a piece."""
+        return self.name if self.whole else f"{self.name}[{self.row_begin}:{self.row_end}]"
+
+    def values(self, full: "torch.Tensor") -> "torch.Tensor":
+        """This piece of a tensor of the parameter's full shape."""
+        return full if self.whole else full[self.row_begin:self.row_end]
+
+    def element_offset(self) -> int:
+        return self.row_begin * self.row_elements
+
+
+@dataclasses.dataclass
 class GroupPlan:
     name: str
     trainable: bool
-    params: List[Tuple[str, nn.Parameter]]  # (qualified name, parameter), registration order
+    pieces: List[Piece]  # registration order
+
+
+def _rows(param: nn.Parameter) -> int:
+    return param.shape[0] if param.dim() > 0 else 1
+
+
+def _split(name: str, param: nn.Parameter, max_elements: int) -> List[Piece]:
+    rows, shape = _rows(param), tuple(param.shape)
+    per_row = param.numel() // max(1, rows)
+    if param.numel() <= max_elements or param.dim() == 0 or rows < 2:
+        return [Piece(name, param, 0, rows, per_row, shape)]
+    step = max(1, max_elements // max(1, per_row))
+    return [Piece(name, param, r, min(rows, r + step), per_row, shape) for r in range(0, rows, step)]
 
 
 def _block_list(model: nn.Module) -> Optional[nn.ModuleList]:
@@ -111,23 +161,34 @@ def plan_units(model: nn.Module, groups: GroupsArg = None) -> List[Unit]:
     return units
 
 
-def plan_groups(model: nn.Module, units: List[Unit]) -> Tuple[List[GroupPlan], dict]:
-    """Engine groups from the units, and {id(param): (group index, tensor index)}."""
+def plan_groups(model: nn.Module, units: List[Unit], max_group_elements: int) -> Tuple[List[GroupPlan], dict]:
+    """Engine groups from the units, and {id(param): [(group index, tensor index, piece)]}."""
     qualified = {id(param): name for name, param in model.named_parameters()}  # a shared parameter: its first name
     plans: List[GroupPlan] = []
     where: dict = {}
+
+    def add(plan: GroupPlan) -> None:
+        for index, piece in enumerate(plan.pieces):
+            where.setdefault(id(piece.param), []).append((len(plans), index, piece))
+        plans.append(plan)
+
     for unit in units:
         trainable = GroupPlan(unit.name, True, [])
         frozen = GroupPlan(unit.name + ":frozen", False, [])
+        large: List[GroupPlan] = []
+        taken = set()
         for b in unit.bindings:
-            if id(b.param) in where or any(b.param is p for _, p in trainable.params + frozen.params):
+            if id(b.param) in where or id(b.param) in taken:
                 continue
-            target = trainable if b.param.requires_grad else frozen
-            target.params.append((qualified.get(id(b.param), unit.name + "." + b.attr), b.param))
-        for plan in (trainable, frozen):
-            if plan.params:
-                for index, (_, param) in enumerate(plan.params):
-                    where[id(param)] = (len(plans), index)
-                plans.append(plan)
+            taken.add(id(b.param))
+            name = qualified.get(id(b.param), unit.name + "." + b.attr)
+            pieces = _split(name, b.param, max_group_elements)
+            if len(pieces) > 1:
+                suffix = "" if b.param.requires_grad else ":frozen"
+                large += [GroupPlan(f"{name}[{p.row_begin}:{p.row_end}]{suffix}", b.param.requires_grad, [p]) for p in pieces]
+            else:
+                (trainable if b.param.requires_grad else frozen).pieces.append(pieces[0])
+        for plan in [trainable, frozen, *large]:
+            if plan.pieces:
+                add(plan)
     return plans, where
-

@@ -21,7 +21,7 @@ def families():
     return names
 
 
-def run_both(family, tmp_path, checkpointing=False, nvme=True):
+def run_both(family, tmp_path, checkpointing=False, nvme=True, **initialize):
     model = ref.make_model(family)
     plain = ref.copy_model(model)
     if checkpointing:
@@ -30,7 +30,7 @@ def run_both(family, tmp_path, checkpointing=False, nvme=True):
     data = ref.batches()
     want = ref.train_reference(plain, data)
     nvme_path = str(tmp_path / "nvme") if nvme else None
-    engine = strata.initialize(model=model, config=ref.strata_config(nvme_path))
+    engine = strata.initialize(model=model, config=ref.strata_config(nvme_path), **initialize)
     got = ref.train_strata(engine, data)
     return engine, plain, got, want
 
@@ -48,6 +48,20 @@ def test_gradient_checkpointing_trains_as_plain_pytorch(family, tmp_path):
     engine, plain, got, want = run_both(family, tmp_path, checkpointing=True)
     ref.assert_losses_close(got, want)
     ref.assert_weights_close(engine.state_dict(), plain)
+    engine.close()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_parameters_cut_into_row_pieces_train_as_plain_pytorch(family, tmp_path):
+    # 1000 elements: the embedding (tied to GPT-2's head), the head and the MLP matrices are cut into pieces.
+    engine, plain, got, want = run_both(family, tmp_path, checkpointing=family == "llama", max_group_elements=1000)
+    assert sum(1 for g in engine._groups if "[" in g.name) >= 4
+    ref.assert_losses_close(got, want)
+    ref.assert_weights_close(engine.state_dict(), plain)
+    out = tmp_path / "export"
+    engine.export_hf(str(out))
+    import transformers
+    ref.assert_weights_close(dict(transformers.AutoModelForCausalLM.from_pretrained(str(out)).named_parameters()), plain)
     engine.close()
 
 
