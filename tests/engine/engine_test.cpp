@@ -1023,6 +1023,31 @@ TEST(EngineTest, MisuseGetsClearErrors) {
   STRATA_ASSERT_OK(engine->finish());
 }
 
+TEST(EngineTest, AskingForMoreGradientBuffersThanPlannedWhileHoldingThemAllIsAnErrorNotAHang) {
+  LocalClusterOptions cluster_options;
+  auto cluster = LocalCluster::create(cluster_options);
+  STRATA_ASSERT_OK(cluster.status());
+  EngineOptions options;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto engine, Engine::create(options, (*cluster)->device(0), (*cluster)->gather_communicator(0),
+                                                          (*cluster)->reduce_communicator(0)));
+  constexpr int kGroups = 6;
+  for (int g = 0; g < kGroups; ++g) STRATA_ASSERT_OK(engine->register_group({"g" + std::to_string(g), {{"w", {8, 8}}}}).status());
+  STRATA_ASSERT_OK(engine->declare_held_gradients(0));
+  STRATA_ASSERT_OK(engine->start());
+  const int slots = engine->plan().gradient_slots;
+  ASSERT_LT(slots, kGroups);
+  STRATA_ASSERT_OK(engine->begin_step());
+  for (int g = 0; g < slots; ++g) STRATA_ASSERT_OK(engine->gradient_buffer(g).status());
+  // Every slot is held by a group whose grads_ready has not come: no wait could end.
+  const Status held = engine->gradient_buffer(slots).status();
+  EXPECT_EQ(held.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(held.message().find("declare_held_gradients"), std::string::npos) << held.to_string();
+  EXPECT_NE(held.message().find("g0"), std::string::npos) << held.to_string();
+  // Handing one over frees its slot for the next group.
+  STRATA_ASSERT_OK(engine->grads_ready(0));
+  STRATA_ASSERT_OK(engine->gradient_buffer(slots).status());
+}
+
 TEST(EngineOptionsTest, NvmeWithoutAPathIsAnError) {
   LocalClusterOptions cluster_options;
   auto cluster = LocalCluster::create(cluster_options);
