@@ -125,6 +125,7 @@ class EngineImpl final : public Engine {
   Status begin_micro_batch() override;
   StatusOr<GroupView> gather(int group) override;
   Status release(int group) override;
+  Status check_gather_slot_free(int g) const;
   StatusOr<GroupView> gradient_buffer(int group) override;
   Status grads_ready(int group) override;
   StatusOr<StepReport> step(double loss) override;
@@ -601,6 +602,8 @@ StatusOr<GroupView> EngineImpl::gather(int g) {
   if (active_uses_.count(g) != 0)
     return FailedPreconditionError("gather(" + std::to_string(g) + ") while the group is gathered: release() it first");
   GroupState& state = group(g);
+  // Before the use is planned: a refused gather leaves no fetch behind.
+  if (!state.persistent && !direct_view(state)) STRATA_RETURN_IF_ERROR(check_gather_slot_free(g));
   const uint64_t request = forward_only_ ? uses_->next_forward_gather(g, step_index_) : uses_->next_gather(g, step_index_, micro_);
   ActiveUse use{request, {}};
   void* flat = nullptr;
@@ -620,6 +623,23 @@ StatusOr<GroupView> EngineImpl::gather(int g) {
   // stream until a runtime thread had run it, at every gather and release.
   STRATA_ASSIGN_OR_RETURN(state.compute_trace, stream_trace_->open(*compute_stream_));
   return view_of(state, flat, options_.param_dtype);
+}
+
+// A gather waits for the fetcher to fill a slot; a slot the model holds (gathered, not
+// released) is never refilled. With every slot held the wait could not end: an error naming
+// the holders, not a hang.
+Status EngineImpl::check_gather_slot_free(int g) const {
+  std::string held;
+  int holding = 0;
+  for (const auto& [h, use] : active_uses_) {
+    if (use.position.index < 0) continue;
+    ++holding;
+    held += (held.empty() ? "" : ", ") + groups_[static_cast<size_t>(h)]->layout.name;
+  }
+  if (holding < plan_.gather_slots) return {};
+  return FailedPreconditionError("gather(" + std::to_string(g) + "): all " + std::to_string(plan_.gather_slots) +
+                                 " gather slots hold groups that are gathered and not released (" + held +
+                                 "): release one first, or plan more slots (a deeper prefetch, strata.prefetch_depth)");
 }
 
 Status EngineImpl::release(int g) {

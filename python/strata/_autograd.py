@@ -48,7 +48,7 @@ class UseHandle:
 
     def __init__(self, engine: Any, views: List[torch.Tensor], slots: List[tuple]):
         self.engine = engine
-        self.views = views                     # per trainable parameter: its view, or its pieces' views (joined by rows)
+        self.views = views                     # per trainable parameter: its view (a joined copy when it is in pieces)
         self.slots = slots                     # per trainable parameter: [(group, tensor index, piece)]
         self.holdings: List[Holding] = []      # released when this use's GatherFn runs
 
@@ -59,7 +59,7 @@ class GatherFn(torch.autograd.Function):
         ctx.handle = handle
         if hasattr(ctx, "set_materialize_grads"):
             ctx.set_materialize_grads(False)
-        return tuple(v.view_as(v) if isinstance(v, torch.Tensor) else torch.cat(v, 0) for v in handle.views)
+        return tuple(v.view_as(v) for v in handle.views)
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]

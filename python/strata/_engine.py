@@ -142,7 +142,11 @@ class Engine:
 
     def _install_hooks(self) -> None:
         for unit in self._units:
-            unit.gids = sorted({gid for b in unit.bindings for gid, _, _ in self._where[id(b.param)]})
+            # Groups held gathered through the unit's forward; a parameter cut into pieces is
+            # assembled at each bind, its pieces gathered one at a time (unit.piece_gids).
+            entries = [e for b in unit.bindings for e in self._where[id(b.param)]]
+            unit.gids = sorted({gid for gid, _, piece in entries if piece.whole})
+            unit.piece_gids = sorted({gid for gid, _, piece in entries if not piece.whole})
             unit.bound = False
             unit.uses = []  # this micro-batch's forward uses with a GatherFn, newest last
             unit.module.register_forward_pre_hook(self._make_pre_hook(unit))
@@ -335,8 +339,9 @@ class Engine:
             for gid in unit.gids:
                 g = self._gather(self._groups[gid])
                 g.open += 1
-                if not self._in_backward and not self._eval_pass and g.trainable:
-                    g.expected += 1
+            if not self._in_backward and not self._eval_pass:
+                for gid in unit.gids + unit.piece_gids:
+                    self._groups[gid].expected += self._groups[gid].trainable
             unit.handle = self._bind(unit)
             unit.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             unit.hooks.__enter__()
@@ -415,15 +420,17 @@ class Engine:
             if id(b.param) in bound:
                 continue
             entries = self._where[id(b.param)]
-            views = [self._groups[gid].tensor(self._groups[gid].flat, index) for gid, index, _ in entries]
-            view = views[0] if len(views) == 1 else views
+            if len(entries) == 1:
+                gid, index, _ = entries[0]
+                view = self._groups[gid].tensor(self._groups[gid].flat, index)
+            else:
+                view = self._assemble(b.param, entries)
             if self._groups[entries[0][0]].trainable and torch.is_grad_enabled():
                 bound[id(b.param)] = len(trainable_views)
                 trainable_views.append(view)
                 slots.append(entries)
             else:
-                joined = view if len(views) == 1 else torch.cat(views, 0)
-                bound[id(b.param)] = joined if joined.dtype == b.param.dtype else joined.to(b.param.dtype)
+                bound[id(b.param)] = view if view.dtype == b.param.dtype else view.to(b.param.dtype)
         handle = None
         outputs: tuple = ()
         if trainable_views:
@@ -440,6 +447,22 @@ class Engine:
             b.module._parameters[b.attr] = value
         unit.bound = True
         return handle
+
+    def _assemble(self, param: nn.Parameter, entries) -> torch.Tensor:
+        """A parameter cut into pieces, joined into one tensor: each piece gathered, copied
+        and released in turn, so a unit never holds more than one piece's slot."""
+        full = None
+        for gid, index, piece in entries:
+            g = self._groups[gid]
+            held = g.flat is not None
+            self._gather(g)
+            view = g.tensor(g.flat, index)
+            if full is None:
+                full = torch.empty(piece.full_shape, dtype=view.dtype)
+            piece.values(full).copy_(view)
+            if not held:
+                self._release(g)
+        return full
 
     def _unbind(self, unit) -> None:
         for b in unit.bindings:

@@ -1048,6 +1048,27 @@ TEST(EngineTest, AskingForMoreGradientBuffersThanPlannedWhileHoldingThemAllIsAnE
   STRATA_ASSERT_OK(engine->gradient_buffer(slots).status());
 }
 
+TEST(EngineTest, GatheringWhileHoldingEveryGatherSlotIsAnErrorNotAHang) {
+  LocalClusterOptions cluster_options;
+  auto cluster = LocalCluster::create(cluster_options);
+  STRATA_ASSERT_OK(cluster.status());
+  EngineOptions options;
+  options.prefetch_depth = 1;  // two gather slots
+  STRATA_ASSERT_OK_AND_ASSIGN(auto engine, Engine::create(options, (*cluster)->device(0), (*cluster)->gather_communicator(0),
+                                                          (*cluster)->reduce_communicator(0)));
+  for (int g = 0; g < 4; ++g) STRATA_ASSERT_OK(engine->register_group({"g" + std::to_string(g), {{"w", {8, 8}}}}).status());
+  STRATA_ASSERT_OK(engine->start());
+  ASSERT_EQ(engine->plan().gather_slots, 2);
+  STRATA_ASSERT_OK(engine->begin_step());
+  STRATA_ASSERT_OK(engine->gather(0).status());
+  STRATA_ASSERT_OK(engine->gather(1).status());
+  const Status full = engine->gather(2).status();
+  EXPECT_EQ(full.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(full.message().find("g0, g1"), std::string::npos) << full.to_string();
+  STRATA_ASSERT_OK(engine->release(0));
+  STRATA_ASSERT_OK(engine->gather(2).status());
+}
+
 TEST(EngineOptionsTest, NvmeWithoutAPathIsAnError) {
   LocalClusterOptions cluster_options;
   auto cluster = LocalCluster::create(cluster_options);
