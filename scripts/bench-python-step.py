@@ -63,11 +63,12 @@ def main():
     for name, default in (("layers", 8), ("hidden", 512), ("vocab", 8192), ("seq", 256), ("batch", 4), ("steps", 4), ("rounds", 5)):
         parser.add_argument("--" + name, type=int, default=default)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--strata", default="{}", help="more keys of the config's strata section, as JSON")
     args = parser.parse_args()
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
               "zero_optimization": {"stage": 3, "offload_param": {"device": "none"}, "offload_optimizer": {"device": "cpu"}},
-              "strata": {"device": "cpu", "device_budget_mib": 16384}}
+              "strata": {"device": "cpu", "device_budget_mib": 16384, **json.loads(args.strata)}}
     plain = make_model(args)
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
     engine = strata.initialize(model=make_model(args), config=config)
