@@ -184,8 +184,25 @@ class Engine:
         self._active = True
         try:
             return self.module(*args, **kwargs)
+        except BaseException:
+            self._abandon_forward()
+            raise
         finally:
             self._active = False
+
+    def _abandon_forward(self) -> None:
+        """After an exception inside the model's forward: units left bound are unbound (their
+        saved-tensor hooks popped, innermost first) and every gathered group is released, so
+        the engine can still be closed or the step retried."""
+        for unit in reversed(self._units):
+            if unit.bound:
+                hooks, unit.hooks = getattr(unit, "hooks", None), None
+                if hooks is not None:
+                    hooks.__exit__(None, None, None)
+                self._unbind(unit)
+        for g in self._groups:
+            g.open = 0
+        self._release_all()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Scales the loss (1 / (gradient_accumulation_steps x world size), and the fp16 loss
@@ -350,7 +367,8 @@ class Engine:
     def _make_post_hook(self, unit):
         @self._timed
         def post_hook(module, args, output):
-            unit.hooks.__exit__(None, None, None)
+            hooks, unit.hooks = unit.hooks, None
+            hooks.__exit__(None, None, None)
             self._unbind(unit)
             handle, unit.handle = unit.handle, None
             if self._in_backward and handle is not None:

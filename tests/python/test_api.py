@@ -108,6 +108,17 @@ def test_loss_backward_instead_of_engine_backward_is_an_error():
         loss.backward()
 
 
+def test_an_exception_inside_the_forward_leaves_the_engine_usable():
+    model, engine = tiny_engine(accumulation=1)
+    ids = ref.batches(1, 1)[0][0]
+    with pytest.raises(IndexError):
+        engine(input_ids=ids + 1000, labels=ids)  # token ids past the vocabulary: the embedding raises
+    for name, p in model.named_parameters():
+        assert p.numel() == 0, f"{name} is still bound"
+    one_micro_batch(engine)
+    engine.close()
+
+
 def test_use_after_close_is_an_error():
     _, engine = tiny_engine()
     engine.close()
