@@ -283,7 +283,8 @@ class Engine:
         one step-<N> directory); returns (path, client_state) as DeepSpeed does."""
         self._check_between_steps("load_checkpoint()")
         client = json.loads(self._session.load_checkpoint(os.fspath(load_dir)))
-        self._needs_load = False
+        # A checkpoint holds trainable state only: frozen groups still need load_hf.
+        self._needs_load = self._needs_load and any(not g.trainable for g in self._groups)
         return os.fspath(load_dir), client
 
     def _hf_names(self):
