@@ -37,7 +37,7 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class _Group:
     __slots__ = ("id", "name", "trainable", "pieces", "layout", "flat", "open", "refs", "holds", "expected",
-                 "grads", "ready")
+                 "grads", "ready", "written")
 
     def __init__(self, gid: int, plan: _groups.GroupPlan, layout: dict):
         self.id = gid
@@ -52,6 +52,7 @@ class _Group:
         self.expected = 0
         self.grads: Optional[torch.Tensor] = None
         self.ready = False
+        self.written: set = set()  # tensors with a gradient in this micro-batch's buffer
 
     def tensor(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         _, shape, offset, numel = self.layout["tensors"][index]
@@ -99,6 +100,7 @@ class Engine:
         self._in_backward = False
         self._active = False          # inside engine(...): unit forwards may gather
         self._pending_release: List[_Group] = []
+        self._gathered: Dict[int, _Group] = {}  # groups whose memory is gathered now
         self._holdings: List[_autograd.Holding] = []
         self._losses: List[float] = []
         self.last_report: Optional[dict] = None
@@ -493,6 +495,7 @@ class Engine:
         if g.flat is None:
             capsule = self._session.gather(g.id)
             g.flat = dlpack.from_dlpack(capsule)
+            self._gathered[g.id] = g
         if g in self._pending_release:
             self._pending_release.remove(g)
         return g
@@ -500,6 +503,7 @@ class Engine:
     def _release(self, g: _Group) -> None:
         if g.flat is not None:
             g.flat = None
+            del self._gathered[g.id]
             self._session.release(g.id)
 
     def _release_when_unused(self, g: _Group) -> None:
@@ -519,8 +523,8 @@ class Engine:
 
     # ---- saved tensors ------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        for g in self._groups:
-            if g.flat is not None and g.holds_memory_of(t):
+        for g in self._gathered.values():
+            if g.holds_memory_of(t):
                 g.refs += 1
                 offset = (t.data_ptr() - g.flat.data_ptr()) // t.element_size()
                 return _autograd.SavedRef(g.id, offset, t.size(), t.stride())
@@ -562,8 +566,14 @@ class Engine:
         for gid, group_parts in parts.items():
             g = self._groups[gid]
             for index, part in group_parts:
-                if part is not None:
-                    g.tensor(self._gradient_buffer(g), index).add_(part)
+                if part is None:
+                    continue
+                target = g.tensor(self._gradient_buffer(g), index)
+                if index in g.written:
+                    target.add_(part)
+                else:  # the buffer starts at zero: the first gradient is a copy
+                    target.copy_(part)
+                    g.written.add(index)
             if g.expected > 0:
                 g.expected -= 1
                 if g.expected == 0:
@@ -600,6 +610,7 @@ class Engine:
             g.open = g.refs = g.holds = g.expected = 0
             g.ready = False
             g.grads = None
+            g.written = set()
         for unit in self._units:
             unit.uses = []
 
