@@ -981,13 +981,23 @@ TEST(EngineTest, TheStaleCopyIsTheMasterOfOneUpdateBefore) {
   }
 }
 
+// One rank's engine on the CPU device; the cluster outlives the engine (members go in
+// reverse order).
+struct OneRank {
+  std::unique_ptr<LocalCluster> cluster;
+  std::unique_ptr<Engine> engine;
+};
+StatusOr<OneRank> one_rank_engine(const EngineOptions& options) {
+  OneRank rank;
+  STRATA_ASSIGN_OR_RETURN(rank.cluster, LocalCluster::create(LocalClusterOptions{}));
+  STRATA_ASSIGN_OR_RETURN(rank.engine, Engine::create(options, rank.cluster->device(0), rank.cluster->gather_communicator(0),
+                                                      rank.cluster->reduce_communicator(0)));
+  return rank;
+}
+
 TEST(EngineTest, MisuseGetsClearErrors) {
-  LocalClusterOptions cluster_options;
-  auto cluster = LocalCluster::create(cluster_options);
-  STRATA_ASSERT_OK(cluster.status());
-  EngineOptions options;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto engine, Engine::create(options, (*cluster)->device(0), (*cluster)->gather_communicator(0),
-                                                          (*cluster)->reduce_communicator(0)));
+  STRATA_ASSERT_OK_AND_ASSIGN(OneRank rank, one_rank_engine(EngineOptions{}));
+  Engine* engine = rank.engine.get();
   EXPECT_EQ(engine->begin_step().code(), StatusCode::kFailedPrecondition);
   auto bad = engine->register_group({"empty", {}});
   EXPECT_FALSE(bad.ok());
@@ -1024,12 +1034,8 @@ TEST(EngineTest, MisuseGetsClearErrors) {
 }
 
 TEST(EngineTest, AskingForMoreGradientBuffersThanPlannedWhileHoldingThemAllIsAnErrorNotAHang) {
-  LocalClusterOptions cluster_options;
-  auto cluster = LocalCluster::create(cluster_options);
-  STRATA_ASSERT_OK(cluster.status());
-  EngineOptions options;
-  STRATA_ASSERT_OK_AND_ASSIGN(auto engine, Engine::create(options, (*cluster)->device(0), (*cluster)->gather_communicator(0),
-                                                          (*cluster)->reduce_communicator(0)));
+  STRATA_ASSERT_OK_AND_ASSIGN(OneRank rank, one_rank_engine(EngineOptions{}));
+  Engine* engine = rank.engine.get();
   constexpr int kGroups = 6;
   for (int g = 0; g < kGroups; ++g) STRATA_ASSERT_OK(engine->register_group({"g" + std::to_string(g), {{"w", {8, 8}}}}).status());
   STRATA_ASSERT_OK(engine->declare_held_gradients(0));
@@ -1049,13 +1055,10 @@ TEST(EngineTest, AskingForMoreGradientBuffersThanPlannedWhileHoldingThemAllIsAnE
 }
 
 TEST(EngineTest, GatheringWhileHoldingEveryGatherSlotIsAnErrorNotAHang) {
-  LocalClusterOptions cluster_options;
-  auto cluster = LocalCluster::create(cluster_options);
-  STRATA_ASSERT_OK(cluster.status());
   EngineOptions options;
   options.prefetch_depth = 1;  // two gather slots
-  STRATA_ASSERT_OK_AND_ASSIGN(auto engine, Engine::create(options, (*cluster)->device(0), (*cluster)->gather_communicator(0),
-                                                          (*cluster)->reduce_communicator(0)));
+  STRATA_ASSERT_OK_AND_ASSIGN(OneRank rank, one_rank_engine(options));
+  Engine* engine = rank.engine.get();
   for (int g = 0; g < 4; ++g) STRATA_ASSERT_OK(engine->register_group({"g" + std::to_string(g), {{"w", {8, 8}}}}).status());
   STRATA_ASSERT_OK(engine->start());
   ASSERT_EQ(engine->plan().gather_slots, 2);
