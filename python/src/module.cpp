@@ -54,8 +54,8 @@ const Session& live(const Session& s) {
   return s;
 }
 
-py::object capsule_of(const Session& session, const Region& region) {
-  (void)session;
+// The front end computes on the CPU device only (Session refuses CUDA), so regions are host memory.
+py::object capsule_of(const Region& region) {
   const DLDevice device{kDLCPU, 0};
   PyObject* capsule = make_capsule(region.data, region.numel, region.dtype, device);
   if (capsule == nullptr) throw py::error_already_set();
@@ -157,12 +157,12 @@ void bind_session(py::module_& m) {
       .def("begin_micro_batch", [](Session& s) { unlocked([&] { return s.begin_micro_batch(); }); })
       .def("gather",
            [](Session& s, int g) {
-             return capsule_of(s, unlocked([&] { return s.gather(g); }));
+             return capsule_of(unlocked([&] { return s.gather(g); }));
            })
       .def("release", [](Session& s, int g) { unlocked([&] { return s.release(g); }); })
       .def("gradient_buffer",
            [](Session& s, int g) {
-             return capsule_of(s, unlocked([&] { return s.gradient_buffer(g); }));
+             return capsule_of(unlocked([&] { return s.gradient_buffer(g); }));
            })
       .def("grads_ready", [](Session& s, int g) { unlocked([&] { return s.grads_ready(g); }); })
       .def("end_micro_batch",

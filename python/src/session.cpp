@@ -82,8 +82,6 @@ Session::~Session() {
   }
 }
 
-DeviceKind Session::device_kind() const { return cluster_->device(rank_).kind(); }
-
 Status Session::check_open(std::string_view call) const {
   if (closed_) return FailedPreconditionError(std::string(call) + " after close()");
   if (!started_) return FailedPreconditionError(std::string(call) + " before the engine started");

@@ -67,7 +67,6 @@ class Session {
 
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
-  DeviceKind device_kind() const;
   DType param_dtype() const { return options_.param_dtype; }
   int gradient_accumulation_steps() const { return options_.gradient_accumulation_steps; }
   const StrataConfig& config() const { return config_; }
