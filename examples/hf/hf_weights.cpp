@@ -92,19 +92,15 @@ Status check_hf_mapping(const HfTensorSource& source, std::span<const GroupLayou
   return problem_list_error(source.where() + " does not hold this model's weights", problems);
 }
 
-Status load_hf_weights(Engine& engine, int rank, const HfTensorSource& source, const HfNameMap& map, const HfLoadOptions& options) {
-  std::vector<GroupLayout> layouts;
-  layouts.reserve(static_cast<size_t>(engine.group_count()));
-  for (int g = 0; g < engine.group_count(); ++g) layouts.push_back(engine.layout(g));
+Status load_hf_shards(std::span<const GroupLayout> layouts, int rank, const HfTensorSource& source, const HfNameMap& map,
+                      const HfShardAccess& access, const HfLoadOptions& options) {
   STRATA_RETURN_IF_ERROR(check_hf_mapping(source, layouts, map, options));
-
   std::vector<float> shard;
-  for (int g = 0; g < engine.group_count(); ++g) {
-    const GroupLayout& layout = layouts[static_cast<size_t>(g)];
+  for (const GroupLayout& layout : layouts) {
     shard.assign(layout.shard_numel, 0.0f);
     // A tensor the checkpoint does not hold keeps its values: start from the shard as it is.
     const bool keeps = std::any_of(layout.tensors.begin(), layout.tensors.end(), [&](const TensorLayout& t) { return map(layout, t).kept(); });
-    if (keeps) STRATA_RETURN_IF_ERROR(engine.read_state_shard(g, Engine::StateKind::kMaster, shard));
+    if (keeps) STRATA_RETURN_IF_ERROR(access.read(layout.id, shard));
     const size_t begin = layout.shard_begin(rank);
     const size_t end = begin + layout.shard_numel;
     for (const TensorLayout& t : layout.tensors) {
@@ -117,8 +113,19 @@ Status load_hf_weights(Engine& engine, int rank, const HfTensorSource& source, c
       STRATA_RETURN_IF_ERROR_CTX(source.read_fp32(*ref, slice.element_offset + (lo - t.offset), std::span<float>(shard.data() + (lo - begin), hi - lo)),
                                  source.where() + ": loading " + engine_tensor_name(layout, t) + " on rank " + std::to_string(rank));
     }
-    STRATA_RETURN_IF_ERROR(engine.write_state_shard(g, Engine::StateKind::kMaster, shard));
+    STRATA_RETURN_IF_ERROR(access.write(layout.id, shard));
   }
+  return {};
+}
+
+Status load_hf_weights(Engine& engine, int rank, const HfTensorSource& source, const HfNameMap& map, const HfLoadOptions& options) {
+  std::vector<GroupLayout> layouts;
+  layouts.reserve(static_cast<size_t>(engine.group_count()));
+  for (int g = 0; g < engine.group_count(); ++g) layouts.push_back(engine.layout(g));
+  HfShardAccess access;
+  access.read = [&](int g, std::span<float> shard) { return engine.read_state_shard(g, Engine::StateKind::kMaster, shard); };
+  access.write = [&](int g, std::span<const float> shard) { return engine.write_state_shard(g, Engine::StateKind::kMaster, shard); };
+  STRATA_RETURN_IF_ERROR(load_hf_shards(layouts, rank, source, map, access, options));
   return engine.refresh_parameters();
 }
 

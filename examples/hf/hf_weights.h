@@ -63,10 +63,22 @@ struct HfLoadOptions {
 Status check_hf_mapping(const HfTensorSource& source, std::span<const GroupLayout> layouts, const HfNameMap& map,
                         const HfLoadOptions& options = {});
 
-// Loads rank `rank`'s fp32 master shards of every group of `engine` from `source` through
-// `map` (any float dtype the source holds), checking first (check_hf_mapping: nothing is
-// written when a check fails), then refresh_parameters(). Optimizer moments are left as
-// they are (zero on a fresh engine). Call after start(), between steps.
+// Where a load puts rank `rank`'s shard of each group (shard_numel fp32 values), and where
+// it reads the shard first when a tensor of the group is kept (HfTensorSlice::kept()).
+struct HfShardAccess {
+  std::function<Status(int group, std::span<float> shard)> read;
+  std::function<Status(int group, std::span<const float> shard)> write;
+};
+
+// Loads rank `rank`'s shard of every group of `layouts` from `source` through `map` (any
+// float dtype the source holds), group by group, checking first (check_hf_mapping: nothing
+// is written when a check fails).
+Status load_hf_shards(std::span<const GroupLayout> layouts, int rank, const HfTensorSource& source, const HfNameMap& map,
+                      const HfShardAccess& access, const HfLoadOptions& options = {});
+
+// load_hf_shards into the fp32 master shards of every group of `engine`, then
+// refresh_parameters(). Optimizer moments are left as they are (zero on a fresh engine).
+// Call after start(), between steps.
 Status load_hf_weights(Engine& engine, int rank, const HfTensorSource& source, const HfNameMap& map,
                        const HfLoadOptions& options = {});
 

@@ -134,10 +134,10 @@ void bind_session(py::module_& m) {
       .def_property_readonly("loss_scale", [](const Session& s) { return live(s).loss_scale(); })
       .def("register_group",
            [](Session& s, const std::string& name, const std::vector<std::tuple<std::string, std::vector<int64_t>, bool>>& tensors,
-              bool trainable) {
+              bool trainable, const std::string& dtype) {
              std::vector<TensorEntry> entries;
              for (const auto& [tensor, shape, decay] : tensors) entries.push_back({tensor, shape, decay});
-             return value(s.register_group(name, entries, trainable));
+             return value(s.register_group(name, entries, trainable, value(parse_dtype(dtype))));
            })
       .def("declare_held_gradients", [](Session& s, int count) { check(s.declare_held_gradients(count)); })
       .def("start", [](Session& s) { unlocked([&] { return s.start(); }); })

@@ -88,19 +88,35 @@ Status Session::check_open(std::string_view call) const {
   return {};
 }
 
-StatusOr<int> Session::register_group(const std::string& name, const std::vector<TensorEntry>& tensors, bool trainable) {
+StatusOr<int> Session::register_group(const std::string& name, const std::vector<TensorEntry>& tensors, bool trainable,
+                                      DType dtype) {
   if (started_) return FailedPreconditionError("register_group(" + name + ") after start()");
+  const size_t factor = trainable ? 1 : pack_factor(dtype, options_.param_dtype);
   GroupSpec spec;
   spec.name = name;
   spec.trainable = trainable;
+  std::vector<std::vector<int64_t>> shapes;
   for (const TensorEntry& entry : tensors) {
     TensorSpec tensor;
     tensor.name = entry.name;
     tensor.shape = entry.shape;
     tensor.weight_decay = entry.weight_decay;
+    if (factor > 1) {  // one flat run of packed words
+      int64_t numel = 1;
+      for (const int64_t d : entry.shape) numel *= d;
+      tensor.shape = {packed_words(numel, factor)};
+    }
+    shapes.push_back(entry.shape);
     spec.tensors.push_back(std::move(tensor));
   }
-  return engine_->register_group(spec);
+  STRATA_ASSIGN_OR_RETURN(const int id, engine_->register_group(spec));
+  packed_shapes_.resize(static_cast<size_t>(id) + 1);
+  packed_dtypes_.resize(static_cast<size_t>(id) + 1, options_.param_dtype);
+  if (factor > 1) {
+    packed_shapes_[static_cast<size_t>(id)] = std::move(shapes);
+    packed_dtypes_[static_cast<size_t>(id)] = dtype;
+  }
+  return id;
 }
 
 Status Session::start() {
@@ -109,13 +125,58 @@ Status Session::start() {
   if (engine_->group_count() == 0) return InvalidArgumentError("the model has no parameters to train: no group was registered");
   for (int g = 0; g < engine_->group_count(); ++g) STRATA_RETURN_IF_ERROR(engine_->declare_loaded(g));
   STRATA_RETURN_IF_ERROR(engine_->start());
+  packed_.assign(static_cast<size_t>(engine_->group_count()), std::nullopt);
+  for (int g = 0; g < engine_->group_count(); ++g) {
+    const DType dtype = packed_dtypes_[static_cast<size_t>(g)];
+    const size_t factor = pack_factor(dtype, options_.param_dtype);
+    if (factor == 1) continue;
+    packed_[static_cast<size_t>(g)] = PackedGroup{dtype, factor, logical_layout(engine_->layout(g), packed_shapes_[static_cast<size_t>(g)], factor)};
+  }
   started_ = true;
   return {};
 }
 
+const PackedGroup* Session::packed(int group) const {
+  const size_t g = static_cast<size_t>(group);
+  return g < packed_.size() && packed_[g] ? &*packed_[g] : nullptr;
+}
+
+const GroupLayout& Session::layout(int group) const {
+  const PackedGroup* p = packed(group);
+  return p ? p->logical : engine_->layout(group);
+}
+
+DType Session::group_dtype(int group) const {
+  const PackedGroup* p = packed(group);
+  return p ? p->dtype : options_.param_dtype;
+}
+
+std::vector<GroupLayout> Session::layouts() const {
+  std::vector<GroupLayout> out;
+  for (int g = 0; g < engine_->group_count(); ++g) out.push_back(layout(g));
+  return out;
+}
+
+Status Session::read_shard(int group, std::span<float> shard) {
+  const PackedGroup* p = packed(group);
+  if (!p) return engine_->read_state_shard(group, Engine::StateKind::kMaster, shard);
+  std::vector<float> words(engine_->layout(group).shard_numel);
+  STRATA_RETURN_IF_ERROR(engine_->read_state_shard(group, Engine::StateKind::kMaster, words));
+  unpack_elements(words, p->dtype, shard);
+  return {};
+}
+
+Status Session::write_shard(int group, std::span<const float> shard) {
+  const PackedGroup* p = packed(group);
+  if (!p) return engine_->write_state_shard(group, Engine::StateKind::kMaster, shard);
+  std::vector<float> words(engine_->layout(group).shard_numel);
+  pack_elements(shard, p->dtype, words);
+  return engine_->write_state_shard(group, Engine::StateKind::kMaster, words);
+}
+
 Status Session::write_group(int group, std::span<const float> full) {
   STRATA_RETURN_IF_ERROR(check_open("write_group"));
-  const GroupLayout& l = engine_->layout(group);
+  const GroupLayout& l = layout(group);
   if (full.size() != l.numel)
     return InvalidArgumentError("write_group(" + l.name + "): " + std::to_string(full.size()) + " values for a group of " +
                                 std::to_string(l.numel));
@@ -125,17 +186,17 @@ Status Session::write_group(int group, std::span<const float> full) {
     const size_t count = std::min(l.shard_numel, l.numel - begin);
     std::copy_n(full.begin() + static_cast<std::ptrdiff_t>(begin), count, shard.begin());
   }
-  return engine_->write_state_shard(group, Engine::StateKind::kMaster, shard);
+  return write_shard(group, shard);
 }
 
 Status Session::read_group(int group, std::span<float> full) {
   STRATA_RETURN_IF_ERROR(check_open("read_group"));
   if (world_size_ != 1) return UnimplementedError("reading whole groups with more than one rank is not supported yet");
-  const GroupLayout& l = engine_->layout(group);
+  const GroupLayout& l = layout(group);
   if (full.size() != l.numel) return InvalidArgumentError("read_group(" + l.name + "): the buffer holds " + std::to_string(full.size()) +
                                                           " values for a group of " + std::to_string(l.numel));
   std::vector<float> shard(l.shard_numel);
-  STRATA_RETURN_IF_ERROR(engine_->read_state_shard(group, Engine::StateKind::kMaster, shard));
+  STRATA_RETURN_IF_ERROR(read_shard(group, shard));
   std::copy_n(shard.begin(), l.numel, full.begin());
   return {};
 }
@@ -155,6 +216,8 @@ StatusOr<Region> Session::gather(int group) {
   // PyTorch computes on this thread, not in the compute stream's order: wait for the
   // gathered data to be there.
   STRATA_RETURN_IF_ERROR(engine_->compute_stream().synchronize());
+  const PackedGroup* p = packed(group);
+  if (p) return Region{view.flat, p->logical.padded_numel, p->dtype};
   return Region{view.flat, engine_->layout(group).padded_numel, view.dtype};
 }
 

@@ -29,6 +29,7 @@
 #include "engine/engine.h"
 #include "engine/local_cluster.h"
 #include "optim/lr_schedule.h"
+#include "python/src/packing.h"
 
 namespace strata::python {
 
@@ -72,8 +73,11 @@ class Session {
   const StrataConfig& config() const { return config_; }
 
   // Before start().
-  // A frozen group (trainable false) gets parameter storage and gathers only.
-  StatusOr<int> register_group(const std::string& name, const std::vector<TensorEntry>& tensors, bool trainable);
+  // A frozen group (trainable false) gets parameter storage and gathers only, in `dtype`
+  // (the tensors' own) when that is narrower than param_dtype() (packing.h); a trainable
+  // group is stored in param_dtype().
+  StatusOr<int> register_group(const std::string& name, const std::vector<TensorEntry>& tensors, bool trainable,
+                               DType dtype);
   // Before start(): the most gradient buffers the model keeps between uses of their groups
   // (a group shared by two units keeps its buffer from the first unit's backward to the second's).
   Status declare_held_gradients(int count) { return engine_->declare_held_gradients(count); }
@@ -81,14 +85,17 @@ class Session {
   // writes its values (write_group, or load_hf) before the first step.
   Status start();
   const EnginePlan& plan() const { return engine_->plan(); }
-  const GroupLayout& layout(int group) const { return engine_->layout(group); }
+  // The group in its elements (a packed group's logical layout).
+  const GroupLayout& layout(int group) const;
+  // The dtype of the group's elements: param_dtype(), or a packed group's own.
+  DType group_dtype(int group) const;
   int group_count() const { return engine_->group_count(); }
 
-  // The group's full unpadded fp32 values (layout.numel): this rank keeps its shard.
+  // The group's full unpadded values as fp32 (layout().numel): this rank keeps its shard.
   Status write_group(int group, std::span<const float> full);
   // After every write_group: the parameter copies from the masters.
   Status refresh() { return engine_->refresh_parameters(); }
-  // The group's full unpadded fp32 master values into `full` (world size 1 only).
+  // The group's full unpadded master values as fp32 into `full` (world size 1 only).
   Status read_group(int group, std::span<float> full);
 
   // A step: begin_micro_batch() starts the step at its first micro-batch (with the
@@ -129,6 +136,11 @@ class Session {
  private:
   Session() = default;
   Status check_open(std::string_view call) const;
+  const PackedGroup* packed(int group) const;
+  // Rank `rank_`'s shard of the group in elements (layout().shard_numel) <-> its tier.
+  Status read_shard(int group, std::span<float> shard);
+  Status write_shard(int group, std::span<const float> shard);
+  std::vector<GroupLayout> layouts() const;
 
   StrataConfig config_;
   EngineOptions options_;
@@ -136,6 +148,10 @@ class Session {
   std::unique_ptr<Engine> engine_;
   std::optional<LrSchedule> schedule_;
   std::unique_ptr<CheckpointSaver> saver_;
+  // Per registered group: its element shapes when packed (logical layouts made at start()).
+  std::vector<std::vector<std::vector<int64_t>>> packed_shapes_;
+  std::vector<DType> packed_dtypes_;
+  std::vector<std::optional<PackedGroup>> packed_;
   int rank_ = 0;
   int world_size_ = 1;
   int micro_ = 0;              // micro-batches finished in the current step

@@ -15,19 +15,19 @@ namespace {
 
 // The name map of an export or load: engine (group, tensor) -> the checkpoint tensor, whole;
 // an empty name: a tensor the checkpoint does not hold (kept by a load, not exported).
-StatusOr<hf::HfNameMap> name_map(const Engine& engine, const std::vector<HfTensorName>& names) {
+StatusOr<hf::HfNameMap> name_map(std::span<const GroupLayout> layouts, const std::vector<HfTensorName>& names) {
   std::map<std::pair<int, std::string>, HfTensorName> by_tensor;
   for (const HfTensorName& n : names) {
-    if (n.group < 0 || n.group >= engine.group_count())
-      return InvalidArgumentError("tensor " + n.name + " names group " + std::to_string(n.group) + " of " + std::to_string(engine.group_count()));
-    const GroupLayout& layout = engine.layout(n.group);
+    if (n.group < 0 || static_cast<size_t>(n.group) >= layouts.size())
+      return InvalidArgumentError("tensor " + n.name + " names group " + std::to_string(n.group) + " of " + std::to_string(layouts.size()));
+    const GroupLayout& layout = layouts[static_cast<size_t>(n.group)];
     if (n.tensor < 0 || static_cast<size_t>(n.tensor) >= layout.tensors.size())
       return InvalidArgumentError("tensor " + n.name + " names tensor " + std::to_string(n.tensor) + " of group " + layout.name);
     by_tensor[{n.group, layout.tensors[static_cast<size_t>(n.tensor)].name}] = n;
   }
-  for (int g = 0; g < engine.group_count(); ++g)
-    for (const TensorLayout& t : engine.layout(g).tensors)
-      if (by_tensor.count({g, t.name}) == 0) return InvalidArgumentError("no checkpoint name for parameter " + t.name);
+  for (const GroupLayout& layout : layouts)
+    for (const TensorLayout& t : layout.tensors)
+      if (by_tensor.count({layout.id, t.name}) == 0) return InvalidArgumentError("no checkpoint name for parameter " + t.name);
   return hf::HfNameMap([by_tensor = std::move(by_tensor)](const GroupLayout& group, const TensorLayout& tensor) {
     const HfTensorName& n = by_tensor.at({group.id, tensor.name});
     hf::HfTensorSlice slice;
@@ -36,12 +36,6 @@ StatusOr<hf::HfNameMap> name_map(const Engine& engine, const std::vector<HfTenso
     slice.shape = n.full_shape.empty() && n.element_offset == 0 ? tensor.shape : n.full_shape;
     return slice;
   });
-}
-
-std::vector<GroupLayout> layouts_of(const Engine& engine) {
-  std::vector<GroupLayout> layouts;
-  for (int g = 0; g < engine.group_count(); ++g) layouts.push_back(engine.layout(g));
-  return layouts;
 }
 
 Status check_between_steps(bool micro_open, std::string_view call) {
@@ -99,21 +93,26 @@ Status Session::export_hf(const std::string& dir, const std::string& config_json
   const nlohmann::json config = nlohmann::json::parse(config_json, nullptr, /*allow_exceptions=*/false);
   if (config.is_discarded() || !config.is_object()) return InvalidArgumentError("export_hf(): the model config is not a JSON object");
   STRATA_ASSIGN_OR_RETURN(const gpt::SafetensorsDType file_dtype, gpt::parse_safetensors_dtype(dtype));
-  STRATA_ASSIGN_OR_RETURN(const hf::HfNameMap map, name_map(*engine_, names));
+  const std::vector<GroupLayout> all = layouts();
+  STRATA_ASSIGN_OR_RETURN(const hf::HfNameMap map, name_map(all, names));
   hf::HfExportOptions options;
   options.tokenizer_source_dir = tokenizer_dir;
   if (shard_bytes > 0) options.shard_bytes = shard_bytes;
-  const std::vector<GroupLayout> layouts = layouts_of(*engine_);
   auto source = [&](int group, std::span<float> out) { return read_group(group, out); };
-  return hf::export_hf_from_groups(dir, config, layouts, map, file_dtype, source, options);
+  return hf::export_hf_from_groups(dir, config, all, map, file_dtype, source, options);
 }
 
 Status Session::load_hf(const std::string& dir, const std::vector<HfTensorName>& names) {
   STRATA_RETURN_IF_ERROR(check_open("load_hf"));
   STRATA_RETURN_IF_ERROR(check_between_steps(micro_open_ || micro_ != 0, "load_hf()"));
-  STRATA_ASSIGN_OR_RETURN(const hf::HfNameMap map, name_map(*engine_, names));
+  const std::vector<GroupLayout> all = layouts();
+  STRATA_ASSIGN_OR_RETURN(const hf::HfNameMap map, name_map(all, names));
   STRATA_ASSIGN_OR_RETURN(hf::HfCheckpoint checkpoint, hf::HfCheckpoint::open(dir));
-  return hf::load_hf_weights(*engine_, rank_, checkpoint, map);
+  hf::HfShardAccess access;
+  access.read = [this](int g, std::span<float> shard) { return read_shard(g, shard); };
+  access.write = [this](int g, std::span<const float> shard) { return write_shard(g, shard); };
+  STRATA_RETURN_IF_ERROR(hf::load_hf_shards(all, rank_, checkpoint, map, access));
+  return engine_->refresh_parameters();
 }
 
 }  // namespace strata::python

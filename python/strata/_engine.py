@@ -33,6 +33,7 @@ from . import _autograd, _groups
 from ._strata import Session, StrataError
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPE_NAMES = {d: n for n, d in _DTYPES.items()}
 
 
 class _Group:
@@ -85,7 +86,8 @@ class Engine:
         for plan in plans:
             decay = weight_decay or (lambda name, p: True)
             self._session.register_group(plan.name, [(piece.label, piece.shape, bool(decay(piece.name, piece.param)))
-                                                     for piece in plan.pieces], plan.trainable)
+                                                     for piece in plan.pieces], plan.trainable,
+                                         _DTYPE_NAMES[plan.dtype or self._dtype])
         self._session.declare_held_gradients(self._shared_trainable_groups(plans))
         self._session.start()
         self._groups = [_Group(i, plan, self._session.layout(i)) for i, plan in enumerate(plans)]

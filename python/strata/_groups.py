@@ -9,7 +9,8 @@ parameter belongs to the first unit (in module order) that binds it; another uni
 uses the same parameter (a head tied to the embedding) gathers the owner's group.
 
 Each unit's parameters form one engine group, split in two when it holds both trainable
-and frozen parameters (the frozen part keeps no gradient or optimizer state). A parameter
+and frozen parameters (the frozen part keeps no gradient or optimizer state, and is stored
+in its parameters' dtype: one frozen group per dtype). A parameter
 larger than ``max_group_elements`` (a vocabulary-sized embedding or head) is cut by rows
 into groups of its own, so no group — and no buffer the engine sizes by the largest group —
 is vocabulary-sized; the unit that uses it joins the pieces at each gather.
@@ -80,6 +81,7 @@ class GroupPlan:
     name: str
     trainable: bool
     pieces: List[Piece]  # registration order
+    dtype: Optional[torch.dtype] = None  # a frozen group's: its parameters' (all alike)
 
 
 def _rows(param: nn.Parameter) -> int:
@@ -174,7 +176,7 @@ def plan_groups(model: nn.Module, units: List[Unit], max_group_elements: int) ->
 
     for unit in units:
         trainable = GroupPlan(unit.name, True, [])
-        frozen = GroupPlan(unit.name + ":frozen", False, [])
+        frozen: dict = {}  # dtype -> GroupPlan
         large: List[GroupPlan] = []
         taken = set()
         for b in unit.bindings:
@@ -183,12 +185,16 @@ def plan_groups(model: nn.Module, units: List[Unit], max_group_elements: int) ->
             taken.add(id(b.param))
             name = qualified.get(id(b.param), unit.name + "." + b.attr)
             pieces = _split(name, b.param, max_group_elements)
+            grad, dtype = b.param.requires_grad, None if b.param.requires_grad else b.param.dtype
             if len(pieces) > 1:
-                suffix = "" if b.param.requires_grad else ":frozen"
-                large += [GroupPlan(f"{name}[{p.row_begin}:{p.row_end}]{suffix}", b.param.requires_grad, [p]) for p in pieces]
+                suffix = "" if grad else ":frozen"
+                large += [GroupPlan(f"{name}[{p.row_begin}:{p.row_end}]{suffix}", grad, [p], dtype) for p in pieces]
+            elif grad:
+                trainable.pieces.append(pieces[0])
             else:
-                (trainable if b.param.requires_grad else frozen).pieces.append(pieces[0])
-        for plan in [trainable, frozen, *large]:
+                suffix = ":frozen" if not frozen else f":frozen:{str(dtype).replace('torch.', '')}"
+                frozen.setdefault(dtype, GroupPlan(unit.name + suffix, False, [], dtype)).pieces.append(pieces[0])
+        for plan in [trainable, *frozen.values(), *large]:
             if plan.pieces:
                 add(plan)
     return plans, where
