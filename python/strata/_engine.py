@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils import dlpack
 
-from . import _autograd, _groups
+from . import _autograd, _groups, _pieced
 from ._strata import Session, StrataError
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -65,6 +65,23 @@ class _Group:
             return False
         begin = flat.data_ptr()
         return begin <= t.data_ptr() < begin + flat.numel() * flat.element_size()
+
+
+_ADD_CHUNK_ELEMENTS = 1 << 22
+
+
+def _add_into(target: torch.Tensor, part: torch.Tensor) -> None:
+    """target += part. A gradient of another dtype (bf16 into the fp32 buffer) is added in
+    row ranges: PyTorch converts the whole operand first, so a vocabulary-sized gradient
+    would need a second fp32 copy of itself for the moment."""
+    rows = target.shape[0] if target.dim() > 0 else 1
+    per_row = max(1, target.numel() // max(1, rows))
+    if part.dtype == target.dtype or target.numel() <= _ADD_CHUNK_ELEMENTS or rows < 2:
+        target.add_(part)
+        return
+    step = max(1, _ADD_CHUNK_ELEMENTS // per_row)
+    for r in range(0, rows, step):
+        target[r:r + step].add_(part[r:r + step])
 
 
 class Engine:
@@ -153,6 +170,7 @@ class Engine:
             unit.piece_gids = sorted({gid for gid, _, piece in entries if not piece.whole})
             unit.bound = False
             unit.uses = []  # this micro-batch's forward uses with a GatherFn, newest last
+            unit.pieced = _pieced.install(self, unit)  # a head or embedding that computes by pieces
             unit.module.register_forward_pre_hook(self._make_pre_hook(unit))
             unit.module.register_forward_hook(self._make_post_hook(unit))
             # A checkpointed block may be recomputed by calling its forward directly, without
@@ -439,8 +457,9 @@ class Engine:
         joined by rows); trainable ones, with gradients enabled, through one GatherFn, whose
         handle is returned."""
         trainable_views, slots, bound = [], [], {}
+        pieced = unit.pieced.param if unit.pieced is not None else None
         for b in unit.bindings:
-            if id(b.param) in bound:
+            if id(b.param) in bound or b.param is pieced:  # a weight in pieces stays out (_pieced.py)
                 continue
             entries = self._where[id(b.param)]
             if len(entries) == 1:
@@ -462,6 +481,8 @@ class Engine:
             if not self._in_backward:
                 unit.uses.append(handle)
         for b in unit.bindings:
+            if b.param is pieced:
+                continue
             value = bound[id(b.param)]
             if isinstance(value, int):
                 value = outputs[value]
@@ -568,20 +589,38 @@ class Engine:
         for gid, group_parts in parts.items():
             g = self._groups[gid]
             for index, part in group_parts:
-                if part is None:
-                    continue
-                target = g.tensor(self._gradient_buffer(g), index)
-                if index in g.written:
-                    target.add_(part)
-                else:  # the buffer starts at zero: the first gradient is a copy
-                    target.copy_(part)
-                    g.written.add(index)
-            if g.expected > 0:
-                g.expected -= 1
-                if g.expected == 0:
-                    self._grads_ready(g)
+                if part is not None:
+                    self._add_gradient(g, index, part)
+            self._use_done(g)
         for holding in handle.holdings:
             self._end_holding(holding)
+
+    def _add_gradient(self, g: _Group, index: int, part: torch.Tensor) -> None:
+        target = g.tensor(self._gradient_buffer(g), index)
+        if index in g.written:
+            _add_into(target, part)
+        else:  # the buffer starts at zero: the first gradient is a copy
+            target.copy_(part)
+            g.written.add(index)
+
+    def _use_done(self, g: _Group) -> None:
+        """One forward use of the group has all its gradients in the buffer."""
+        if g.expected > 0:
+            g.expected -= 1
+            if g.expected == 0:
+                self._grads_ready(g)
+
+    def _deliver_gradient(self, g: _Group, index: int, part: torch.Tensor) -> None:
+        """A use's whole gradient of one tensor of a group that holds only it (_pieced.py)."""
+        self._add_gradient(g, index, part)
+        self._use_done(g)
+
+    def _deliver_rows(self, g: _Group, index: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """As _deliver_gradient for a gradient that is zero outside `rows` (an embedding's)."""
+        target = g.tensor(self._gradient_buffer(g), index)
+        target.index_add_(0, rows, values.to(target.dtype))  # the buffer starts at zero
+        g.written.add(index)
+        self._use_done(g)
 
     def _check_in_backward(self) -> None:
         if not self._in_backward:

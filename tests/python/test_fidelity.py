@@ -56,6 +56,8 @@ def test_parameters_cut_into_row_pieces_train_as_plain_pytorch(family, tmp_path)
     # 1000 elements: the embedding (tied to GPT-2's head), the head and the MLP matrices are cut into pieces.
     engine, plain, got, want = run_both(family, tmp_path, checkpointing=family == "llama", max_group_elements=1000)
     assert sum(1 for g in engine._groups if "[" in g.name) >= 4
+    # The embedding and the head compute piece by piece (_pieced.py), never joining the weight.
+    assert {u.pieced.kind for u in engine._units if u.pieced is not None} == {"embedding", "linear"}
     ref.assert_losses_close(got, want)
     ref.assert_weights_close(engine.state_dict(), plain)
     out = tmp_path / "export"

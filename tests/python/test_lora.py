@@ -42,12 +42,15 @@ def train_reference(model, data):
     return losses
 
 
-def test_lora_with_the_frozen_base_on_nvme_trains_as_plain_pytorch_and_peft(tmp_path):
+# 1000 elements: the frozen embedding and head are cut into pieces and computed by pieces.
+@pytest.mark.parametrize("max_group_elements", [1 << 26, 1000])
+def test_lora_with_the_frozen_base_on_nvme_trains_as_plain_pytorch_and_peft(tmp_path, max_group_elements):
     model = lora_model()
     plain = ref.copy_model(model)
     data = ref.batches()
     want = train_reference(plain, data)
-    engine = strata.initialize(model=model, config=ref.strata_config(nvme_path=str(tmp_path / "nvme")))
+    engine = strata.initialize(model=model, config=ref.strata_config(nvme_path=str(tmp_path / "nvme")),
+                               max_group_elements=max_group_elements)
     got = ref.train_strata(engine, data)
     ref.assert_losses_close(got, want)
     weights = engine.state_dict()
