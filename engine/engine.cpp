@@ -9,12 +9,14 @@
 #include "engine/core/log.h"
 #include "engine/engine_impl.h"
 #include "engine/engine_plan.h"
+#include "engine/gradient_board.h"
 #include "engine/gradient_path.h"
 #include "engine/metrics.h"
 #include "engine/optimizer_stage.h"
 #include "engine/param_fetcher.h"
 #include "engine/shard_store.h"
 #include "engine/use_planner.h"
+#include "engine/version_board.h"
 #include "kernels/cast.h"
 #include "kernels/transformer_ops.h"
 
@@ -143,6 +145,7 @@ class EngineImpl final : public Engine {
  private:
   // Start-up pieces.
   Status allocate_and_initialize();
+  Status create_hand_offs();
   Status create_optimizer_stage();
   Status create_gradient_path();
   // Exact mode without clipping or loss scaling: group g's update of `step` starts as
@@ -221,13 +224,19 @@ class EngineImpl final : public Engine {
   std::unique_ptr<PinnedArena> arena_;
   std::unique_ptr<NvmeStore> nvme_;
   std::vector<std::unique_ptr<GroupState>> groups_;
+  std::vector<GroupLayout> layouts_;  // every group's, by id (from start(): the stages read them)
   std::vector<int> declared_schedule_;
   int held_gradients_ = -1;  // declare_held_gradients(); -1: inferred by the plan
   std::vector<bool> loaded_groups_;  // declare_loaded(): no initial values written at start()
   int initialized_groups_ = 0;
   std::unique_ptr<ShardStore> shards_;  // the parameter copies
+  // What the stages share: the CPU Adam and its threads, the NVMe optimizer state.
+  std::optional<CpuAdam> adam_;
+  std::unique_ptr<NvmeAdamState> nvme_state_;
   // The stages (each with its own worker and queue but the use planner, which is the
-  // model thread's), and the versions the optimizer publishes to the fetcher.
+  // model thread's), and their hand-offs: the gradients the gradient path publishes to
+  // the optimizer, the versions the optimizer publishes to the fetcher.
+  std::unique_ptr<GradientBoard> gradient_board_;
   std::unique_ptr<VersionBoard> versions_;
   std::unique_ptr<OptimizerStage> optimizer_stage_;
   std::unique_ptr<GradientPath> gradient_path_;
@@ -235,8 +244,6 @@ class EngineImpl final : public Engine {
   std::unique_ptr<UsePlanner> uses_;
   std::optional<LossScaler> loss_scaler_;
   DeviceBuffer norm_buffer_;           // one float for the norm all-reduce
-  PinnedBuffer param_out_stage_;       // the optimizer's new parameters on their way to the device or NVMe
-  DeviceBuffer param_out_device_;      // device-resident optimizer: new parameters on their way to the host or NVMe
   EnginePlan plan_;
   bool started_ = false;
   bool finished_cleanly_ = false;      // finish() drained everything: no collective of ours is pending
@@ -274,8 +281,6 @@ class EngineImpl final : public Engine {
 // =====================================================================================
 
 Status EngineImpl::allocate_and_initialize() {
-  const bool nvme_params = options_.param_tier == Tier::kNvme;
-
   // Host memory: one arena (locked when pin_memory), sized by the plan.
   const size_t host_bytes = plan_.pinned_bytes + plan_.host_bytes;
   if (host_bytes > 0) {
@@ -287,9 +292,6 @@ Status EngineImpl::allocate_and_initialize() {
     arena_options.register_with_gpu = options_.pin_memory;
     STRATA_ASSIGN_OR_RETURN(arena_, PinnedArena::create(arena_options));
   }
-  auto host_alloc = [&](size_t bytes, const std::string& purpose) -> StatusOr<PinnedBuffer> {
-    return arena_->allocate(std::max<size_t>(bytes, 1), purpose);
-  };
   if (plan_.nvme_bytes > 0) {
     NvmeStoreOptions store;
     store.nvme_path = options_.nvme_path;
@@ -307,21 +309,10 @@ Status EngineImpl::allocate_and_initialize() {
     }
   }
 
-  // Device buffers. The new-parameter staging serves the optimizer: trainable groups only.
-  const size_t all_max_shard = plan_.max_shard_elements;
-  const size_t update_shard = std::max<size_t>(plan_.max_trainable_shard_elements, 1);
   STRATA_ASSIGN_OR_RETURN(norm_buffer_, device_.allocate(256, "norm all-reduce"));
-  if ((nvme_params || options_.param_tier == Tier::kDevice) && options_.optimizer_tier != Tier::kNvme) {
-    STRATA_ASSIGN_OR_RETURN(param_out_stage_, host_alloc(param_bytes(update_shard), "new-parameter staging"));
-  }
-  if (device_state() && options_.param_tier != Tier::kDevice) {
-    STRATA_ASSIGN_OR_RETURN(param_out_device_, device_.allocate(param_bytes(update_shard), "new-parameter staging"));
-  }
-  ShardStoreContext shard_context{&options_, &device_, update_stream_.get(), arena_.get(), nvme_.get(), &tracer_, &groups_};
+  STRATA_RETURN_IF_ERROR(create_hand_offs());
+  ShardStoreContext shard_context{&options_, &device_, update_stream_.get(), arena_.get(), nvme_.get(), &tracer_, &layouts_};
   shards_ = std::make_unique<ShardStore>(shard_context);
-  std::vector<bool> trainable;
-  for (const auto& g : groups_) trainable.push_back(g->layout.trainable);
-  versions_ = std::make_unique<VersionBoard>(trainable);
   STRATA_RETURN_IF_ERROR(create_optimizer_stage());
   STRATA_RETURN_IF_ERROR(create_gradient_path());
   STRATA_RETURN_IF_ERROR(create_param_fetcher());
@@ -333,8 +324,30 @@ Status EngineImpl::allocate_and_initialize() {
                   !options_.skip_non_finite_updates;
 
   // Per group: storage, then the initial values of the local shards.
-  std::vector<float> init(all_max_shard);
+  std::vector<float> init(plan_.max_shard_elements);
   for (auto& gp : groups_) STRATA_RETURN_IF_ERROR(initialize_group(*gp, init));
+  return {};
+}
+
+// What the stages share and hand each other: the CPU Adam (its threads also run the
+// gradient path's loops), the NVMe optimizer state (the gradient path spills beside it),
+// the gradient board (gradient path -> optimizer) and the version board (optimizer ->
+// fetcher and model).
+Status EngineImpl::create_hand_offs() {
+  CpuAdamOptions adam_options;
+  adam_options.threads = options_.optimizer_threads > 0 ? options_.optimizer_threads
+                                                        : std::max(1, available_cpu_count() / std::max(1, options_.world_size));
+  STRATA_ASSIGN_OR_RETURN(CpuAdam adam, CpuAdam::create(adam_options));
+  adam_.emplace(std::move(adam));
+  if (options_.optimizer_tier == Tier::kNvme) {
+    std::vector<size_t> shards;
+    for (const GroupLayout& layout : layouts_) shards.push_back(layout.trainable ? layout.shard_numel : 0);  // frozen: no state
+    STRATA_ASSIGN_OR_RETURN(nvme_state_, NvmeAdamState::create(*nvme_, *arena_, std::move(shards), state_ring_options(options_, plan_)));
+  }
+  gradient_board_ = std::make_unique<GradientBoard>(layouts_.size());
+  std::vector<bool> trainable;
+  for (const GroupLayout& layout : layouts_) trainable.push_back(layout.trainable);
+  versions_ = std::make_unique<VersionBoard>(trainable);
   return {};
 }
 
@@ -345,14 +358,14 @@ Status EngineImpl::create_optimizer_stage() {
   context.device = &device_;
   context.update_stream = update_stream_.get();
   context.tracer = &tracer_;
-  context.groups = &groups_;
-  context.nvme = nvme_.get();
+  context.layouts = &layouts_;
   context.arena = arena_.get();
-  context.param_out_stage = &param_out_stage_;
-  context.param_out_device = &param_out_device_;
+  context.adam = &*adam_;
+  context.nvme_state = nvme_state_.get();
   context.shards = shards_.get();
+  context.gradients = gradient_board_.get();
+  context.versions = versions_.get();
   OptimizerStageHooks hooks;
-  hooks.group_updated = [this](int g, int64_t version) { versions_->publish(g, version); };
   hooks.job_done = [this] {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -376,10 +389,11 @@ Status EngineImpl::create_gradient_path() {
   context.reduce_comm = &reduce_comm_;
   context.tracer = &tracer_;
   context.stream_trace = stream_trace_.get();
-  context.groups = &groups_;
+  context.layouts = &layouts_;
+  context.board = gradient_board_.get();
   context.arena = arena_.get();
-  context.spill = optimizer_stage_->nvme_state();
-  context.executor = &optimizer_stage_->adam().executor();
+  context.spill = nvme_state_.get();
+  context.executor = &adam_->executor();
   GradientPathHooks hooks;
   hooks.landed = [this](int g, int64_t step) {
     if (!early_update_) return;
@@ -406,7 +420,7 @@ Status EngineImpl::create_param_fetcher() {
   context.gather_comm = &gather_comm_;
   context.tracer = &tracer_;
   context.stream_trace = stream_trace_.get();
-  context.groups = &groups_;
+  context.layouts = &layouts_;
   context.nvme = nvme_.get();
   context.arena = arena_.get();
   context.versions = versions_.get();
@@ -451,7 +465,6 @@ Status EngineImpl::submit_early_update(int g, int64_t step) {
 }
 
 Status EngineImpl::initialize_group(GroupState& g, std::vector<float>& init) {
-  g.decay_runs = decay_runs(g.layout, options_.rank);
   const size_t id = static_cast<size_t>(g.layout.id);
   if (id < loaded_groups_.size() && loaded_groups_[id]) {
     // The caller's load writes the master weights and the parameters: storage, zero moments.
@@ -470,16 +483,15 @@ Status EngineImpl::initialize_group(GroupState& g, std::vector<float>& init) {
 
 Status EngineImpl::start() {
   if (started_) return FailedPreconditionError("start() called twice");
-  std::vector<GroupLayout> layouts;
-  for (const auto& g : groups_) layouts.push_back(g->layout);
+  layouts_.clear();
+  for (const auto& g : groups_) layouts_.push_back(g->layout);
   PlanInputs inputs;
   inputs.options = &options_;
-  inputs.layouts = layouts;
+  inputs.layouts = layouts_;
   inputs.schedule = declared_schedule_;
   inputs.held_gradients = held_gradients_;
   inputs.device_budget_bytes = device_.memory_stats().budget_bytes;
   STRATA_ASSIGN_OR_RETURN(plan_, make_engine_plan(inputs));
-  for (size_t g = 0; g < groups_.size(); ++g) groups_[g]->persistent = plan_.persistent[g] != 0;
   if (options_.rank == 0) STRATA_LOG(kInfo) << plan_.text;
   STRATA_RETURN_IF_ERROR(check_plan_against_machine(plan_, options_));
   STRATA_RETURN_IF_ERROR(allocate_and_initialize());
@@ -603,7 +615,7 @@ StatusOr<GroupView> EngineImpl::gather(int g) {
     return FailedPreconditionError("gather(" + std::to_string(g) + ") while the group is gathered: release() it first");
   GroupState& state = group(g);
   // Before the use is planned: a refused gather leaves no fetch behind.
-  if (!state.persistent && !direct_view(state)) STRATA_RETURN_IF_ERROR(check_gather_slot_free(g));
+  if (plan_.persistent[static_cast<size_t>(g)] == 0 && !direct_view(state)) STRATA_RETURN_IF_ERROR(check_gather_slot_free(g));
   const uint64_t request = forward_only_ ? uses_->next_forward_gather(g, step_index_) : uses_->next_gather(g, step_index_, micro_);
   ActiveUse use{request, {}};
   void* flat = nullptr;
@@ -615,8 +627,7 @@ StatusOr<GroupView> EngineImpl::gather(int g) {
     flat = const_cast<void*>(shards_->source(g, version).device);
   } else {
     // A persistent group whose fetch of this version was planned by an earlier use.
-    STRATA_RETURN_IF_ERROR(compute_stream_->wait(*state.persistent_ready));
-    flat = state.persistent_full.data();
+    STRATA_ASSIGN_OR_RETURN(flat, fetcher_->take_persistent(g));
   }
   active_uses_[g] = use;
   // A timing event, not a host callback: a CUDA host function would hold the compute

@@ -1,4 +1,6 @@
-// The records the engine's stages share (engine.h is the API). Internal to engine/.
+// The facade's own record per group (engine.h is the API). Internal to engine.cpp: the
+// stages share no record; each owns its state and they meet at hand-offs (the gradient
+// board, the version board, the shard store).
 //
 // Threads per rank, each stage with its own queue (engine/stage_wait.h):
 //   - the model's thread: calls the API (engine.cpp), enqueues compute, plans uses
@@ -27,44 +29,14 @@
 
 #include "engine/engine.h"
 #include "engine/stream_trace.h"
-#include "offload/nvme_store.h"
-#include "offload/pinned_arena.h"
-#include "optim/cpu_adam.h"
 
 namespace strata::engine_internal {
 
-// Per group state of this rank.
+// What the model thread keeps per group; each stage keeps its own per-group state
+// (parameter copies: the shard store; gradient buffers: the gradient path; optimizer state:
+// the optimizer stage; persistent gathered copies: the fetcher).
 struct GroupState {
   GroupLayout layout;
-  bool persistent = false;           // stays gathered on the device
-
-  // Parameter shard copies (parameter dtype): one, or two in delayed mode (indexed by
-  // version parity).
-  std::vector<DeviceBuffer> param_device;  // param_tier == kDevice
-  std::vector<PinnedBuffer> param_host;    // kPinned / kHost
-  std::vector<NvmeExtent> param_nvme;      // kNvme
-
-  // Optimizer state (fp32), allocated by the optimizer stage: host buffers, or device
-  // memory (NVMe-resident state lives in the stage's NvmeAdamState).
-  PinnedBuffer master, exp_avg, exp_avg_sq;  // kPinned / kHost
-  DeviceBuffer state_device;         // kDevice: master, exp_avg, exp_avg_sq, gradient accumulator (4 x shard fp32)
-
-  // Gradient shards on the host when they are not spilled to NVMe: the landing buffer
-  // (transfer dtype) and the fp32 accumulator (micro-batches > 1); two each in delayed
-  // mode (by step parity).
-  std::vector<PinnedBuffer> grad_landing;
-  std::vector<PinnedBuffer> grad_accum;
-
-  // Persistent groups: the gathered copy, and the event marking the end of its last use.
-  DeviceBuffer persistent_full;
-  DeviceBuffer persistent_shard;     // device staging shard (world > 1 with host or NVMe parameters)
-  PinnedBuffer persistent_stage;     // NVMe read staging
-  std::unique_ptr<Event> persistent_ready;
-  std::unique_ptr<Event> persistent_released;
-  std::unique_ptr<Event> persistent_h2d_done;
-
-  std::vector<DecayRun> decay_runs;
-
   StreamTrace::Opened compute_trace;         // the current use's compute interval, opened by gather() (model thread)
 };
 
