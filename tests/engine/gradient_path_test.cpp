@@ -23,14 +23,9 @@
 namespace strata::engine_internal {
 namespace {
 
-using testing_rig::fp32_options;
-using testing_rig::one_tensor_group;
-using testing_rig::ramp;
-using testing_rig::StageRig;
-
 constexpr int64_t kElements = 1000;
 
-class GradientPathTest : public ::testing::Test {
+class GradientPathTest : public StageTest {
  protected:
   // Builds the path for `options` over two groups (and the NVMe state when the optimizer
   // state is on NVMe), allocates and starts it.
@@ -101,8 +96,6 @@ class GradientPathTest : public ::testing::Test {
     return std::vector<float>(data, data + n);
   }
 
-  strata::testing::TempDir dir_;
-  std::unique_ptr<StageRig> rig_;
   std::unique_ptr<SelfCommunicator> comm_;
   std::unique_ptr<Executor> executor_;
   std::unique_ptr<GradientBoard> board_;

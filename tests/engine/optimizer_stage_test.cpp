@@ -21,14 +21,9 @@
 namespace strata::engine_internal {
 namespace {
 
-using testing_rig::fp32_options;
-using testing_rig::one_tensor_group;
-using testing_rig::ramp;
-using testing_rig::StageRig;
-
 constexpr int64_t kElements = 5000;
 
-class OptimizerStageTest : public ::testing::Test {
+class OptimizerStageTest : public StageTest {
  protected:
   void build(EngineOptions options) {
     if ((options.optimizer_tier == Tier::kNvme || options.param_tier == Tier::kNvme) && options.nvme_path.empty())
@@ -91,6 +86,12 @@ class OptimizerStageTest : public ::testing::Test {
     }
     board_->publish(0, step);
   }
+  // Step 0's update from `gradient`, landed; returns when the job is done or failed.
+  Status update_with(const std::vector<float>& gradient) {
+    land_gradient(0, gradient);
+    stage_->submit(job(0));
+    return wait_jobs(1);
+  }
   OptimizerJob job(int64_t step) const {
     OptimizerJob j;
     j.step_index = step;
@@ -135,8 +136,6 @@ class OptimizerStageTest : public ::testing::Test {
     return master;
   }
 
-  strata::testing::TempDir dir_;
-  std::unique_ptr<StageRig> rig_;
   std::optional<CpuAdam> adam_;
   std::unique_ptr<NvmeAdamState> nvme_state_;
   std::unique_ptr<ShardStore> shards_;
@@ -154,9 +153,7 @@ class OptimizerStageTest : public ::testing::Test {
 TEST_F(OptimizerStageTest, AnExactUpdateIsCpuAdamOnTheLandedGradientAndPublishesTheNextVersion) {
   build(fp32_options());
   const std::vector<float> gradient = ramp(shard(), -0.01f);
-  land_gradient(0, gradient);
-  stage_->submit(job(0));
-  STRATA_ASSERT_OK(wait_jobs(1));
+  STRATA_ASSERT_OK(update_with(gradient));
   EXPECT_EQ(versions_->version(0), 1);
   const std::vector<float> expected = reference_master(gradient, 0);
   EXPECT_EQ(state(StateKind::kMaster), expected);
@@ -169,9 +166,7 @@ TEST_F(OptimizerStageTest, ADelayedUpdateWritesTheOtherCopyAndKeepsTheStaleOne) 
   o.overlap = OverlapMode::kDelayed;
   build(o);
   const std::vector<float> gradient = ramp(shard(), 0.02f);
-  land_gradient(0, gradient);
-  stage_->submit(job(0));
-  STRATA_ASSERT_OK(wait_jobs(1));
+  STRATA_ASSERT_OK(update_with(gradient));
   EXPECT_EQ(versions_->version(0), 1);
   EXPECT_EQ(params(1), reference_master(gradient, 0)) << "version 1 lives in copy 1";
   EXPECT_EQ(params(0), initial_) << "version 0 is still there for the step computing with it";
@@ -185,9 +180,7 @@ TEST_F(OptimizerStageTest, NvmeStateStreamedInChunksGivesTheSameUpdateAsHostStat
   build(o);
   ASSERT_LT(rig_->plan.state_piece_elements, shard()) << "the group must span several chunks";
   const std::vector<float> gradient = ramp(shard(), 0.003f);
-  land_gradient(0, gradient);
-  stage_->submit(job(0));
-  STRATA_ASSERT_OK(wait_jobs(1));
+  STRATA_ASSERT_OK(update_with(gradient));
   EXPECT_EQ(versions_->version(0), 1);
   const std::vector<float> expected = reference_master(gradient, 0);
   EXPECT_EQ(state(StateKind::kMaster), expected);
@@ -230,9 +223,7 @@ TEST_F(OptimizerStageTest, AFailedNvmeWriteOfTheStateStopsTheStageWithTheError) 
   o.nvme_path = (dir_.path() / "fail").string();
   o.io_faults = faults;
   build(o);
-  land_gradient(0, ramp(shard(), 0.01f));
-  stage_->submit(job(0));
-  const Status status = wait_jobs(1);
+  const Status status = update_with(ramp(shard(), 0.01f));
   EXPECT_FALSE(status.ok());
   EXPECT_NE(status.to_string().find("optimizer step 0"), std::string::npos) << status.to_string();
   EXPECT_EQ(faults->injected().size(), 1u);

@@ -21,16 +21,11 @@
 namespace strata::engine_internal {
 namespace {
 
-using testing_rig::fp32_options;
-using testing_rig::one_tensor_group;
-using testing_rig::ramp;
-using testing_rig::StageRig;
-
 constexpr int kGroups = 6;
 constexpr int64_t kElements = 1024;
 constexpr auto kSettle = std::chrono::milliseconds(300);
 
-class ParamFetcherTest : public ::testing::Test {
+class ParamFetcherTest : public StageTest {
  protected:
   void build(EngineOptions options) {
     std::vector<GroupSpec> specs;
@@ -75,8 +70,6 @@ class ParamFetcherTest : public ::testing::Test {
     return position;
   }
 
-  strata::testing::TempDir dir_;
-  std::unique_ptr<StageRig> rig_;
   std::unique_ptr<SelfCommunicator> comm_;
   std::unique_ptr<ShardStore> shards_;
   std::unique_ptr<VersionBoard> versions_;

@@ -15,11 +15,6 @@
 namespace strata::engine_internal {
 namespace {
 
-using testing_rig::fp32_options;
-using testing_rig::one_tensor_group;
-using testing_rig::ramp;
-using testing_rig::StageRig;
-
 struct TierCase {
   Tier tier;
   OverlapMode overlap;
@@ -29,7 +24,7 @@ std::string case_name(const ::testing::TestParamInfo<TierCase>& info) {
   return std::string(tier_name(info.param.tier)) + "_" + std::string(overlap_mode_name(info.param.overlap));
 }
 
-class ShardStoreTest : public ::testing::TestWithParam<TierCase> {
+class ShardStoreTest : public StageTest, public ::testing::WithParamInterface<TierCase> {
  protected:
   void SetUp() override {
     EngineOptions o = fp32_options();
@@ -49,8 +44,6 @@ class ShardStoreTest : public ::testing::TestWithParam<TierCase> {
     return out;
   }
 
-  strata::testing::TempDir dir_;
-  std::unique_ptr<StageRig> rig_;
   std::unique_ptr<ShardStore> store_;
 };
 

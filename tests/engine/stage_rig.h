@@ -24,7 +24,7 @@
 #include "offload/pinned_arena.h"
 #include "tests/support/test_support.h"
 
-namespace strata::engine_internal::testing_rig {
+namespace strata::engine_internal {
 
 // A group of one tensor of `elements` fp32 values (decayed), or frozen.
 inline GroupSpec one_tensor_group(const std::string& name, int64_t elements, bool trainable = true) {
@@ -103,6 +103,14 @@ struct StageRig {
   }
 };
 
+// A stage test's base: a temporary directory (NVMe tiers) and the rig, destroyed after
+// everything the derived fixture built from them.
+class StageTest : public ::testing::Test {
+ protected:
+  strata::testing::TempDir dir_;
+  std::unique_ptr<StageRig> rig_;
+};
+
 // fp32 values v[i] = scale * (i + 1) for a shard of n elements.
 inline std::vector<float> ramp(size_t n, float scale) {
   std::vector<float> v(n);
@@ -110,4 +118,4 @@ inline std::vector<float> ramp(size_t n, float scale) {
   return v;
 }
 
-}  // namespace strata::engine_internal::testing_rig
+}  // namespace strata::engine_internal
