@@ -11,6 +11,7 @@ namespace strata::engine_internal {
 StatusOr<std::unique_ptr<GradientPath>> GradientPath::create(const GradientPathContext& context, GradientPathHooks hooks) {
   if (context.plan->gradients_spilled && context.spill == nullptr)
     return InternalError("gradient path: the plan spills gradients but there is no NVMe state to spill them to");
+  if (context.board == nullptr) return InternalError("gradient path: no gradient board to publish the gradients on");
   if (context.options->optimizer_tier == Tier::kDevice && !hooks.wait_for_update)
     return InternalError("gradient path: device-resident optimizer state needs the wait for the previous update");
   auto path = std::make_unique<GradientPath>(context, std::move(hooks));

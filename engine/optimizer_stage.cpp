@@ -10,6 +10,8 @@
 namespace strata::engine_internal {
 
 StatusOr<std::unique_ptr<OptimizerStage>> OptimizerStage::create(const OptimizerStageContext& context, OptimizerStageHooks hooks) {
+  if (context.adam == nullptr || context.shards == nullptr || context.gradients == nullptr || context.versions == nullptr)
+    return InternalError("optimizer stage: the CPU Adam, the shard store, the gradient board and the version board are all needed");
   if (context.options->optimizer_tier == Tier::kNvme && context.nvme_state == nullptr)
     return InternalError("optimizer stage: optimizer state on NVMe but no NVMe state to step");
   if (context.options->optimizer_tier != Tier::kNvme && context.nvme_state != nullptr)
