@@ -148,6 +148,9 @@ TEST_F(ParamFetcherTest, NvmeReadsRunAheadOfTheFillsByAtMostThePrefetchDepth) {
   std::vector<uint64_t> requests;
   for (int i = 0; i < 2 * kGroups; ++i) requests.push_back(fetcher_->plan_fetch(i % kGroups, 0, 0));
   // Nobody takes or releases: every slot fills once, and reads go at most `depth` beyond.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (counter->matched(0) - reads_before < static_cast<uint64_t>(slots_) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   std::this_thread::sleep_for(kSettle);
   const uint64_t ahead = counter->matched(0) - reads_before;
   EXPECT_GE(ahead, static_cast<uint64_t>(slots_)) << "every slot's first fill is read";
