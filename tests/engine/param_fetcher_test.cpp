@@ -31,6 +31,7 @@ class ParamFetcherTest : public StageTest {
     std::vector<GroupSpec> specs;
     for (int g = 0; g < kGroups; ++g) specs.push_back(one_tensor_group("g" + std::to_string(g), kElements));
     STRATA_ASSERT_OK_AND_ASSIGN(rig_, StageRig::create(options, specs));
+    shard_ = rig_->layouts[0].shard_numel;  // every group's: the values fill it, padding included
     comm_ = std::make_unique<SelfCommunicator>(*rig_->device);
     shards_ = std::make_unique<ShardStore>(ShardStoreContext{&rig_->options, rig_->device.get(), rig_->update.get(), rig_->arena.get(),
                                                              rig_->nvme.get(), &rig_->tracer, &rig_->layouts});
@@ -55,8 +56,8 @@ class ParamFetcherTest : public StageTest {
     if (rig_) (void)rig_->device->synchronize();
   }
 
-  // Group g's values at version v: distinct per group and version.
-  static std::vector<float> values(int g, int64_t v) { return ramp(kElements, static_cast<float>(g + 1) + 100.0f * static_cast<float>(v)); }
+  // Group g's shard at version v: distinct per group and version.
+  std::vector<float> values(int g, int64_t v) const { return ramp(shard_, static_cast<float>(g + 1) + 100.0f * static_cast<float>(v)); }
 
   // Takes `request`, checks the gathered group holds `expected`, and returns its position.
   PipelineState take_and_check(uint64_t request, const std::vector<float>& expected) {
@@ -66,7 +67,7 @@ class ParamFetcherTest : public StageTest {
     if (!taken.ok()) return position;
     EXPECT_TRUE(rig_->compute->synchronize().ok());
     const float* data = static_cast<const float*>(*taken);
-    EXPECT_EQ(std::vector<float>(data, data + kElements), expected);
+    EXPECT_EQ(std::vector<float>(data, data + shard_), expected);
     return position;
   }
 
@@ -76,6 +77,7 @@ class ParamFetcherTest : public StageTest {
   std::unique_ptr<ParamFetcher> fetcher_;
   Status failure_;
   int slots_ = 0;
+  size_t shard_ = 0;
 };
 
 TEST_F(ParamFetcherTest, TheRingIsFilledInOrderWithEachGroupsParameters) {
@@ -108,13 +110,13 @@ TEST_F(ParamFetcherTest, ASlotHeldByAReaderIsNotRefilledUntilReleased) {
   EXPECT_EQ(next.wait_for(kSettle), std::future_status::timeout) << "slot 0 was refilled under its reader";
   STRATA_ASSERT_OK(rig_->compute->synchronize());
   const float* slot0 = static_cast<const float*>(held_data);
-  EXPECT_EQ(std::vector<float>(slot0, slot0 + kElements), values(0, 0)) << "the reader's data is intact";
+  EXPECT_EQ(std::vector<float>(slot0, slot0 + shard_), values(0, 0)) << "the reader's data is intact";
   STRATA_ASSERT_OK(fetcher_->release(0, held));
   auto taken = next.get();
   STRATA_ASSERT_OK(taken.status());
   STRATA_ASSERT_OK(rig_->compute->synchronize());
   const float* data = static_cast<const float*>(*taken);
-  EXPECT_EQ(std::vector<float>(data, data + kElements), values(slots_, 0));
+  EXPECT_EQ(std::vector<float>(data, data + shard_), values(slots_, 0));
 }
 
 TEST_F(ParamFetcherTest, AFetchWaitsForTheVersionItsUseNeeds) {
@@ -132,7 +134,7 @@ TEST_F(ParamFetcherTest, AFetchWaitsForTheVersionItsUseNeeds) {
   STRATA_ASSERT_OK(taken.status());
   STRATA_ASSERT_OK(rig_->compute->synchronize());
   const float* data = static_cast<const float*>(*taken);
-  EXPECT_EQ(std::vector<float>(data, data + kElements), values(2, 1));
+  EXPECT_EQ(std::vector<float>(data, data + shard_), values(2, 1));
 }
 
 TEST_F(ParamFetcherTest, NvmeReadsRunAheadOfTheFillsByAtMostThePrefetchDepth) {
