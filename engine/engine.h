@@ -52,131 +52,15 @@
 #include <vector>
 
 #include "engine/core/communicator.h"
-#include "engine/core/config.h"
 #include "engine/core/device.h"
 #include "engine/core/dtype.h"
+#include "engine/engine_options.h"
+#include "engine/engine_plan_types.h"
 #include "engine/partition.h"
 #include "engine/trace.h"
-#include "kernels/adam.h"
-#include "offload/tier.h"
 #include "optim/loss_scaler.h"
 
 namespace strata {
-
-// OverlapMode (exact | delayed), its name and its parser live in engine/core/config.h.
-
-class IoFaultInjector;
-
-struct EngineOptions {
-  int rank = 0;
-  int world_size = 1;
-  uint64_t seed = 1234;                      // initialization: values depend on (seed, group, element) only
-
-  DType param_dtype = DType::kBFloat16;      // how parameters are stored, streamed and gathered
-  DType grad_wire_dtype = DType::kBFloat16;  // reduce-scatter payload (accumulation is always fp32)
-  // What crosses device->host for a gradient shard. kBFloat16 halves the bytes; use
-  // kFloat32 for full-precision training (the default follows param_dtype: fp32 params
-  // give fp32 gradients).
-  DType grad_transfer_dtype = DType::kBFloat16;
-
-  Tier param_tier = Tier::kPinned;           // kDevice, kPinned, kHost or kNvme
-  Tier optimizer_tier = Tier::kPinned;       // fp32 master, exp_avg, exp_avg_sq
-  std::string nvme_path;                     // required when either tier is kNvme
-
-  // Groups with at most this many elements stay gathered on the device (DeepSpeed's
-  // stage3_param_persistence_threshold).
-  size_t persistence_threshold = 0;
-  // Group uses fetched ahead of compute; kAutoDepth = the deepest that fits the device and
-  // pinned budgets (the plan says which it picked). An explicit depth that does not fit is
-  // an error at start naming the depth that would.
-  static constexpr int kAutoDepth = -1;
-  int prefetch_depth = kAutoDepth;
-  size_t prefetch_bucket_elements = 0;       // stage3_prefetch_bucket_size: cap on elements fetched ahead (0 = none)
-  size_t max_live_elements = 0;              // stage3_max_live_parameters: cap on gathered elements resident (0 = none)
-  size_t activation_bytes = 0;               // device memory the model will allocate for itself (planned into the budget)
-  size_t pinned_budget_bytes = 0;            // cap on this rank's pinned (or pageable) host memory; 0 = what the plan needs
-  // zero_optimization.sub_group_size: elements per chunk of NVMe optimizer state streamed
-  // through the optimizer ring; 0 = the largest chunk the pinned budget allows.
-  size_t sub_group_elements = 0;
-  // offload_optimizer.buffer_count: chunks in the optimizer-state ring (>= 3: read ahead,
-  // step, write back); 0 = auto.
-  int optimizer_buffer_count = 0;
-  // offload_param.buffer_count: NVMe parameter read-staging buffers (>= 1); 0 = one per
-  // gather slot.
-  int param_buffer_count = 0;
-  // reduce_bucket_size: elements per reduce-scatter call (a group's gradient is reduced in
-  // pieces of at most this many elements per rank shard); 0 = a group at a time.
-  size_t reduce_bucket_elements = 0;
-  int steps_per_print = 0;                   // rank 0 logs a progress line every N steps; 0 = never
-  bool wall_clock_breakdown = false;         // the progress line carries every stage's busy seconds
-  bool pin_memory = true;                    // false: host tiers use pageable memory
-
-  int gradient_accumulation_steps = 1;
-  OverlapMode overlap = OverlapMode::kExact;
-  float gradient_clipping = 0.0f;            // global-norm clipping; 0 = off
-  bool fp16_loss_scaling = false;            // dynamic loss scaling (fp16 training)
-  // true: no update starts before the step's global gradient statistics are known (exact
-  // mode gives up starting Adam(g) as g lands), so a step whose gradient norm is NaN/inf is
-  // skipped with every weight untouched, as an fp16 overflow is. The trainer sets it when
-  // strata.max_nonfinite_steps lets it skip such steps.
-  bool skip_non_finite_updates = false;
-  LossScalerOptions loss_scaler;
-  kernels::AdamHyperparams adam;             // lr here is the default; step() may override it
-  int optimizer_threads = 0;                 // CPU Adam threads; 0 = available cores
-
-  // NVMe tier.
-  size_t nvme_block_bytes = size_t{1} << 20; // aio.block_size
-  int nvme_queue_depth = 32;                 // aio.queue_depth
-  bool nvme_checksum = true;
-  IoEngineKind io_engine = IoEngineKind::kAuto;  // strata.io_engine: io_uring where the kernel allows it, else psync
-  std::shared_ptr<IoFaultInjector> io_faults;   // tests only: faults the NVMe store's I/O engine injects (offload/io_engine.h)
-
-  std::string metrics_path;                  // JSONL, one object per step (rank 0 writes it)
-  std::string trace_path;                    // Chrome trace written by finish() (rank 0 writes all ranks' tracks it has)
-};
-
-// Bytes per tier and state kind, as planned at start().
-struct PlanLine {
-  std::string what;   // "parameters (bf16)", "master weights (fp32)", "gather buffers", ...
-  Tier tier;
-  size_t bytes;
-};
-struct EnginePlan {
-  std::vector<PlanLine> lines;
-  size_t device_bytes = 0;        // everything the engine allocates on the device + declared activations
-  size_t device_budget_bytes = 0;
-  size_t pinned_bytes = 0;        // the pinned arena's size
-  size_t host_bytes = 0;          // pageable host memory
-  size_t nvme_bytes = 0;          // this rank's NVMe file
-  size_t state_bytes = 0;         // the model's full training state over all ranks: params + master + moments + grads (frozen groups: params)
-  int prefetch_depth = 0;         // after the caps
-  bool prefetch_depth_chosen = false;  // the engine picked it (no explicit setting)
-  int gather_slots = 0;
-
-  // The sizing every stage allocates from (engine/engine_plan.h computes all of it).
-  std::vector<char> persistent;   // per group: stays gathered on the device
-  size_t max_gather_elements = 0; // the largest group that takes a gather slot (padded)
-  size_t max_gather_shard = 0;    // its shard
-  size_t max_padded_elements = 0; // the largest group (padded), persistent or not
-  size_t max_shard_elements = 0;  // the largest shard
-  // The largest trainable shard: what gradient and optimizer buffers are sized by (frozen
-  // groups have neither; 0 when every group is frozen).
-  size_t max_trainable_shard_elements = 0;
-  int gradient_slots = 0;         // device gradient buffers
-  // Elements (padded) each gradient slot holds: the first fits the largest group, the
-  // others the largest of the rest (a vocabulary-sized group takes the big one).
-  std::vector<size_t> gradient_slot_elements;
-  size_t reduce_bucket_elements = 0;  // reduce-scatter pieces per rank (reduce_bucket_size); 0 = a group at a time
-  // Gradient shards go to NVMe beside the optimizer state, through a ring of host landing
-  // buffers, instead of a host buffer per group (optimizer state on NVMe).
-  bool gradients_spilled = false;
-  int landing_buffers = 0;        // the ring's size when spilled
-  size_t state_piece_elements = 0;  // NVMe optimizer state: elements per chunk of the ring
-  int state_ring_slots = 0;
-  size_t state_ring_bytes = 0;
-  size_t pinned_budget_bytes = 0; // the budget the plan was fitted to (0 = none)
-  std::string text;               // the plan as printed at start-up
-};
 
 // Device pointers to one group's tensors, in registration order.
 struct GroupView {
@@ -288,7 +172,7 @@ class Engine {
   // it makes the next step compute with those values and the step after with the masters
   // (the next step's update then reads the masters as usual), so a run resumed from a
   // checkpoint takes the steps the saving run took. Writing it in exact mode is an error.
-  enum class StateKind : uint8_t { kMaster, kExpAvg, kExpAvgSq, kStaleParams };
+  using StateKind = strata::StateKind;  // engine/engine_options.h
   virtual Status read_state_shard(int group, StateKind kind, std::span<float> out) = 0;
   virtual Status write_state_shard(int group, StateKind kind, std::span<const float> in) = 0;
   // After write_state_shard(kMaster, ...) calls: refreshes every trainable group's

@@ -14,7 +14,9 @@
 #include <span>
 #include <vector>
 
-#include "engine/engine.h"
+#include "engine/engine_options.h"
+#include "engine/engine_plan_types.h"
+#include "engine/partition.h"
 #include "optim/nvme_adam_state.h"
 
 namespace strata::engine_internal {

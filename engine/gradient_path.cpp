@@ -11,12 +11,14 @@ namespace strata::engine_internal {
 StatusOr<std::unique_ptr<GradientPath>> GradientPath::create(const GradientPathContext& context, GradientPathHooks hooks) {
   if (context.plan->gradients_spilled && context.spill == nullptr)
     return InternalError("gradient path: the plan spills gradients but there is no NVMe state to spill them to");
+  if (context.board == nullptr) return InternalError("gradient path: no gradient board to publish the gradients on");
   if (context.options->optimizer_tier == Tier::kDevice && !hooks.wait_for_update)
     return InternalError("gradient path: device-resident optimizer state needs the wait for the previous update");
   auto path = std::make_unique<GradientPath>(context, std::move(hooks));
   STRATA_ASSIGN_OR_RETURN(GradientOps ops, GradientOps::create(*context.executor));
   path->ops_.emplace(std::move(ops));
-  path->facts_.resize(context.groups->size());
+  path->facts_.resize(context.layouts->size());
+  path->buffers_.resize(context.layouts->size());
   return path;
 }
 
@@ -50,7 +52,9 @@ Status GradientPath::allocate() {
     STRATA_ASSIGN_OR_RETURN(cast_free_, ctx_.device->create_event());
     STRATA_RETURN_IF_ERROR(ctx_.d2h->record(*cast_free_));
   }
-  if (plan.gradients_spilled) {
+  if (!plan.gradients_spilled) {
+    for (const GroupLayout& layout : *ctx_.layouts) STRATA_RETURN_IF_ERROR(allocate_group_buffers(layout));
+  } else {
     for (int i = 0; i < plan.landing_buffers; ++i) {
       STRATA_ASSIGN_OR_RETURN(PinnedBuffer buffer, ctx_.arena->allocate(max_shard * tsize, "gradient landing ring " + std::to_string(i)));
       ring_.push_back(std::move(buffer));
@@ -59,25 +63,58 @@ Status GradientPath::allocate() {
     if (o.gradient_accumulation_steps > 1) {
       STRATA_ASSIGN_OR_RETURN(scratch_, ctx_.arena->allocate(max_shard * 4, "gradient accumulation scratch"));
     }
-    return {};
   }
-  // Not spilled: each group keeps its landing buffer (and fp32 accumulator), one per
-  // step parity in delayed mode, until the optimizer has read it.
+  for (const GroupLayout& layout : *ctx_.layouts) place_on_board(layout);
+  return {};
+}
+
+// Not spilled: each group keeps its landing buffer (and fp32 accumulator), one per step
+// parity in delayed mode, until the optimizer has read it; with device state, its device
+// accumulator too.
+Status GradientPath::allocate_group_buffers(const GroupLayout& layout) {
+  if (!layout.trainable) return {};
+  const EngineOptions& o = *ctx_.options;
+  const size_t shard = layout.shard_numel;
+  const size_t tsize = dtype_size(o.grad_transfer_dtype);
+  const std::string name = "group " + layout.name;
+  GroupBuffers& buffers = buffers_[static_cast<size_t>(layout.id)];
   const int copies = o.overlap == OverlapMode::kDelayed ? 2 : 1;
-  for (auto& gp : *ctx_.groups) {
-    if (!gp->layout.trainable) continue;
-    const size_t shard = gp->layout.shard_numel;
-    const std::string name = "group " + gp->layout.name;
-    for (int c = 0; c < copies; ++c) {
-      STRATA_ASSIGN_OR_RETURN(PinnedBuffer landing, ctx_.arena->allocate(shard * tsize, name + " gradient landing"));
-      gp->grad_landing.push_back(std::move(landing));
-      if (o.gradient_accumulation_steps > 1 && o.optimizer_tier != Tier::kDevice) {
-        STRATA_ASSIGN_OR_RETURN(PinnedBuffer accum, ctx_.arena->allocate(shard * 4, name + " gradient accumulator"));
-        gp->grad_accum.push_back(std::move(accum));
-      }
+  for (int c = 0; c < copies; ++c) {
+    STRATA_ASSIGN_OR_RETURN(PinnedBuffer landing, ctx_.arena->allocate(shard * tsize, name + " gradient landing"));
+    buffers.landing.push_back(std::move(landing));
+    if (o.gradient_accumulation_steps > 1 && o.optimizer_tier != Tier::kDevice) {
+      STRATA_ASSIGN_OR_RETURN(PinnedBuffer accum, ctx_.arena->allocate(shard * 4, name + " gradient accumulator"));
+      buffers.accum.push_back(std::move(accum));
     }
   }
-  return {};
+  if (o.optimizer_tier != Tier::kDevice) return {};
+  STRATA_ASSIGN_OR_RETURN(buffers.device_accum, ctx_.device->allocate(shard * 4, name + " device gradient accumulator"));
+  STRATA_RETURN_IF_ERROR(ctx_.device->memset_async(buffers.device_accum.data(), 0, shard * 4, *ctx_.reduce));
+  return ctx_.reduce->synchronize();
+}
+
+// The rule for where a step's final gradient lies: the device accumulator (device state,
+// one for both parities: the next step's first write waits for the update that reads it),
+// the copy stored on NVMe (spilled), the fp32 accumulator (micro-batches > 1), else the
+// landing buffer.
+void GradientPath::place_on_board(const GroupLayout& layout) {
+  if (!layout.trainable) return;
+  const EngineOptions& o = *ctx_.options;
+  const GroupBuffers& buffers = buffers_[static_cast<size_t>(layout.id)];
+  const DType host_type = o.gradient_accumulation_steps > 1 ? DType::kFloat32 : o.grad_transfer_dtype;
+  if (o.optimizer_tier == Tier::kDevice) {
+    ctx_.board->place(layout.id, 0, {buffers.device_accum.data(), DType::kFloat32, true, 0});
+    return;
+  }
+  const int copies = o.overlap == OverlapMode::kDelayed ? 2 : 1;
+  for (int c = 0; c < copies; ++c) {
+    GradientView view{nullptr, host_type, false, static_cast<unsigned>(c)};
+    if (!ctx_.plan->gradients_spilled) {
+      const std::vector<PinnedBuffer>& final_copies = o.gradient_accumulation_steps > 1 ? buffers.accum : buffers.landing;
+      view.data = final_copies[static_cast<size_t>(c)].data();
+    }
+    ctx_.board->place(layout.id, c, view);
+  }
 }
 
 Status GradientPath::start() {
@@ -117,7 +154,7 @@ StatusOr<float*> GradientPath::buffer(int g) {
                                    ") in the same micro-batch");
   if (facts.active_slot < 0) {
     int chosen = -1;
-    const size_t elements = group(g).layout.padded_numel;
+    const size_t elements = group_layout(g).padded_numel;
     STRATA_RETURN_IF_ERROR(check_slot_can_free(g, elements));
     {
       std::unique_lock<std::mutex> lock(sync_.mutex);
@@ -128,7 +165,7 @@ StatusOr<float*> GradientPath::buffer(int g) {
     }
     facts.active_slot = chosen;
     STRATA_RETURN_IF_ERROR(ctx_.device->memset_async(slots_[static_cast<size_t>(chosen)].full.data(), 0,
-                                                     group(g).layout.padded_numel * sizeof(float), *ctx_.compute));
+                                                     group_layout(g).padded_numel * sizeof(float), *ctx_.compute));
   }
   return slots_[static_cast<size_t>(facts.active_slot)].full.as<float>();
 }
@@ -137,14 +174,14 @@ StatusOr<float*> GradientPath::buffer(int g) {
 // reduce_bucket_size elements per rank (each piece's ranks' parts copied together first).
 Status GradientPath::reduce(int g, Slot& slot) {
   const EngineOptions& o = *ctx_.options;
-  const size_t shard = group(g).layout.shard_numel;
+  const size_t shard = group_layout(g).shard_numel;
   ReduceOptions options;
   options.op = ReduceOp::kSum;
   options.wire_dtype = o.grad_wire_dtype;
   Communicator& comm = *ctx_.reduce_comm;
   Stream& stream = *ctx_.reduce;
   const size_t bucket = ctx_.plan->reduce_bucket_elements;
-  return ctx_.stream_trace->traced(stream, Stage::kReduceScatter, g, group(g).layout.name, [&]() -> Status {
+  return ctx_.stream_trace->traced(stream, Stage::kReduceScatter, g, group_layout(g).name, [&]() -> Status {
     if (bucket == 0 || bucket >= shard) return comm.reduce_scatter(slot.full.data(), slot.shard.data(), shard, DType::kFloat32, options, stream);
     for (size_t begin = 0; begin < shard; begin += bucket) {
       const size_t count = std::min(bucket, shard - begin);
@@ -169,9 +206,9 @@ Status GradientPath::check_slot_can_free(int g, size_t elements) {
   for (size_t i = 0; i < slots_.size(); ++i) {
     if (slots_[i].elements < elements) continue;
     if (holders[i] < 0) return {};
-    held += (held.empty() ? "" : ", ") + group(holders[i]).layout.name;
+    held += (held.empty() ? "" : ", ") + group_layout(holders[i]).name;
   }
-  return FailedPreconditionError("gradient_buffer(" + std::to_string(g) + ", '" + group(g).layout.name + "'): every gradient buffer that fits it (" +
+  return FailedPreconditionError("gradient_buffer(" + std::to_string(g) + ", '" + group_layout(g).name + "'): every gradient buffer that fits it (" +
                                  std::to_string(slots_.size()) + " in all) is held by a group whose grads_ready() has not come (" + held +
                                  "): the model keeps more gradient buffers at once than planned; declare them with declare_held_gradients()");
 }
@@ -204,12 +241,12 @@ StatusOr<void*> GradientPath::landing_target(int g, int64_t step, int* ring) {
   GroupFacts& facts = facts_[static_cast<size_t>(g)];
   STRATA_RETURN_IF_ERROR(stage_wait(lock, sync_.cv, sync_.halt, [&] { return facts.processed == facts.sent; }, "the previous gradient landing", describer()));
   *ring = -1;
-  return group(g).grad_landing[static_cast<size_t>(copy_of(step))].data();
+  return buffers_[static_cast<size_t>(g)].landing[static_cast<size_t>(copy_of(step))].data();
 }
 
 Status GradientPath::enqueue_copy(int g, Slot& slot, const void* source, size_t bytes, void* landing) {
   STRATA_RETURN_IF_ERROR(ctx_.d2h->wait(*slot.reduced));
-  STRATA_RETURN_IF_ERROR(ctx_.stream_trace->traced(*ctx_.d2h, Stage::kD2H, g, group(g).layout.name, [&] {
+  STRATA_RETURN_IF_ERROR(ctx_.stream_trace->traced(*ctx_.d2h, Stage::kD2H, g, group_layout(g).name, [&] {
     return ctx_.device->copy_async(landing, source, bytes, CopyKind::kDeviceToHost, *ctx_.d2h);
   }));
   return ctx_.d2h->record(*slot.copied);
@@ -227,10 +264,9 @@ Status GradientPath::enqueue_copy(int g, Slot& slot, const void* source, size_t 
 // cost 4 bytes per parameter of device memory to spare a wait for a device update that
 // is short next to a step's forward pass.
 Status GradientPath::land_on_device(int g, Slot& slot, int64_t step, int micro, bool last, void** landing) {
-  GroupState& state = group(g);
-  const size_t shard = state.layout.shard_numel;
+  const size_t shard = group_layout(g).shard_numel;
   const float* reduced = ctx_.options->world_size > 1 ? slot.shard.as<float>() : slot.full.as<float>();
-  float* accum = state.state_device.as<float>() + 3 * shard;
+  float* accum = buffers_[static_cast<size_t>(g)].device_accum.as<float>();
   if (micro == 0) {
     STRATA_RETURN_IF_ERROR(hooks_.wait_for_update(g, step));
     STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(accum, reduced, shard * 4, CopyKind::kDeviceToDevice, *ctx_.reduce));
@@ -253,7 +289,7 @@ Status GradientPath::hand_over(int g, int64_t step, int micro) {
   facts.active_slot = -2;  // handed over: a second grads_ready this micro-batch is an error
   Slot& slot = slots_[static_cast<size_t>(slot_index)];
   const EngineOptions& o = *ctx_.options;
-  const size_t shard = group(g).layout.shard_numel;
+  const size_t shard = group_layout(g).shard_numel;
   const bool last = micro + 1 == o.gradient_accumulation_steps;
   STRATA_RETURN_IF_ERROR(ctx_.compute->record(*slot.grads_done));
   STRATA_RETURN_IF_ERROR(ctx_.reduce->wait(*slot.grads_done));
@@ -289,7 +325,7 @@ StatusOr<GradientStats> GradientPath::wait_step_landed(int64_t step) {
   std::unique_lock<std::mutex> lock(sync_.mutex);
   STRATA_RETURN_IF_ERROR(stage_wait(lock, sync_.cv, sync_.halt, [&] {
     for (size_t g = 0; g < facts_.size(); ++g)
-      if (facts_[g].landed_step < step && group(static_cast<int>(g)).layout.trainable) return false;
+      if (facts_[g].landed_step < step && group_layout(static_cast<int>(g)).trainable) return false;
     return true;
   }, "every trainable group's gradients of this step", describer()));
   GradientStats total;
@@ -339,22 +375,25 @@ Status GradientPath::land(const Landing& item) {
   const EngineOptions& o = *ctx_.options;
   GradientStats stats;
   {
-    Tracer::Scope scope(ctx_.tracer, Stage::kLanding, item.group, group(item.group).layout.name);
+    Tracer::Scope scope(ctx_.tracer, Stage::kLanding, item.group, group_layout(item.group).name);
     if (item.ring >= 0) {
       STRATA_ASSIGN_OR_RETURN(stats, accumulate_spilled(item, ring_[static_cast<size_t>(item.ring)].data()));
     } else if (o.optimizer_tier == Tier::kDevice) {
       if (item.last_micro) {
-        const GroupState& state = group(item.group);
-        STRATA_ASSIGN_OR_RETURN(stats, ops_->stats(state.grad_landing[static_cast<size_t>(copy_of(item.step))].data(), DType::kFloat32,
-                                                   state.layout.shard_numel));
+        const GroupBuffers& buffers = buffers_[static_cast<size_t>(item.group)];
+        STRATA_ASSIGN_OR_RETURN(stats, ops_->stats(buffers.landing[static_cast<size_t>(copy_of(item.step))].data(), DType::kFloat32,
+                                                   group_layout(item.group).shard_numel));
       }
     } else {
-      STRATA_ASSIGN_OR_RETURN(stats, accumulate_host(item, group(item.group).grad_landing[static_cast<size_t>(copy_of(item.step))].data()));
+      STRATA_ASSIGN_OR_RETURN(stats, accumulate_host(item, buffers_[static_cast<size_t>(item.group)].landing[static_cast<size_t>(copy_of(item.step))].data()));
     }
   }
-  // The engine hears of the landing before step() can see it: an update planned now
-  // still belongs to this step (its learning rate and step number).
-  if (item.last_micro) hooks_.landed(item.group, item.step);
+  // The board has it before the engine hears of it, and the engine before step() can see
+  // it: an update planned now still belongs to this step (its learning rate and step number).
+  if (item.last_micro) {
+    ctx_.board->publish(item.group, item.step);
+    hooks_.landed(item.group, item.step);
+  }
   std::lock_guard<std::mutex> lock(sync_.mutex);
   if (item.ring >= 0) ring_busy_[static_cast<size_t>(item.ring)] = 0;
   if (item.last_micro) {
@@ -367,10 +406,9 @@ Status GradientPath::land(const Landing& item) {
 
 StatusOr<GradientStats> GradientPath::accumulate_host(const Landing& item, const void* landed) {
   const EngineOptions& o = *ctx_.options;
-  GroupState& state = group(item.group);
-  const size_t shard = state.layout.shard_numel;
+  const size_t shard = group_layout(item.group).shard_numel;
   if (o.gradient_accumulation_steps == 1) return ops_->stats(landed, o.grad_transfer_dtype, shard);
-  float* accum = state.grad_accum[static_cast<size_t>(copy_of(item.step))].as<float>();
+  float* accum = buffers_[static_cast<size_t>(item.group)].accum[static_cast<size_t>(copy_of(item.step))].as<float>();
   const AccumulateMode mode = item.micro == 0 ? AccumulateMode::kAssign : AccumulateMode::kAdd;
   if (!item.last_micro) {
     STRATA_RETURN_IF_ERROR(ops_->accumulate(accum, landed, o.grad_transfer_dtype, shard, mode));
@@ -385,7 +423,7 @@ StatusOr<GradientStats> GradientPath::accumulate_host(const Landing& item, const
 StatusOr<GradientStats> GradientPath::accumulate_spilled(const Landing& item, const void* landed) {
   const EngineOptions& o = *ctx_.options;
   const size_t g = static_cast<size_t>(item.group);
-  const size_t shard = group(item.group).layout.shard_numel;
+  const size_t shard = group_layout(item.group).shard_numel;
   const unsigned copy = static_cast<unsigned>(copy_of(item.step));
   const void* stored = landed;
   size_t capacity = ring_[static_cast<size_t>(item.ring)].capacity();
@@ -406,7 +444,7 @@ StatusOr<GradientStats> GradientPath::accumulate_spilled(const Landing& item, co
   }
   const auto begin = TraceClock::now();
   STRATA_RETURN_IF_ERROR(ctx_.spill->store_gradient(g, copy, stored, capacity));
-  ctx_.tracer->record(Stage::kNvmeWrite, item.group, begin, TraceClock::now(), group(item.group).layout.name + " gradient");
+  ctx_.tracer->record(Stage::kNvmeWrite, item.group, begin, TraceClock::now(), group_layout(item.group).name + " gradient");
   return stats;
 }
 

@@ -7,8 +7,13 @@
 //   lander worker: waits for the copy, frees the device slot, accumulates micro-batches
 //                  in fp32, takes the sum of squares and inf/NaN flag of the final shard
 //                  (GradientOps: vectorized, parallel on the optimizer's executor,
-//                  deterministic), spills it to NVMe when the plan says so, and tells the
-//                  engine (`landed`).
+//                  deterministic), spills it to NVMe when the plan says so, publishes it
+//                  on the GradientBoard and tells the engine (`landed`).
+//
+// It owns the gradient buffers: the device slots, the landing buffers (each group's, or
+// the ring when spilled), the fp32 accumulators, and the device accumulators when the
+// optimizer state lives on the device; where a step's final gradient lies is placed on
+// the board once, at allocation (gradient_board.h).
 //
 // Its own mutex guards its slots, ring and queue; the lander's queue is bounded by the
 // device gradient slots (a slot is busy until its shard has landed).
@@ -24,8 +29,16 @@
 #include <thread>
 #include <vector>
 
-#include "engine/engine_impl.h"
+#include "engine/core/communicator.h"
+#include "engine/core/device.h"
+#include "engine/engine_options.h"
+#include "engine/engine_plan_types.h"
+#include "engine/gradient_board.h"
+#include "engine/partition.h"
 #include "engine/stage_wait.h"
+#include "engine/stream_trace.h"
+#include "engine/trace.h"
+#include "offload/pinned_arena.h"
 #include "optim/gradient_ops.h"
 #include "optim/nvme_adam_state.h"
 
@@ -41,7 +54,8 @@ struct GradientPathContext {
   Communicator* reduce_comm = nullptr;
   Tracer* tracer = nullptr;
   StreamTrace* stream_trace = nullptr;  // device work on the streams, traced from timing events
-  std::vector<std::unique_ptr<GroupState>>* groups = nullptr;
+  const std::vector<GroupLayout>* layouts = nullptr;  // every group, by id
+  GradientBoard* board = nullptr;    // where each final gradient is published
   PinnedArena* arena = nullptr;
   NvmeAdamState* spill = nullptr;    // where spilled gradients go (plan->gradients_spilled)
   Executor* executor = nullptr;      // GradientOps' parallel loops (shared with CPU Adam)
@@ -107,6 +121,15 @@ class GradientPath {
     bool last_micro = false;
     int ring = -1;                   // the ring buffer it landed in (spilled), -1 = the group's own
   };
+  // A group's host and device gradient buffers (trainable groups; none when spilled).
+  struct GroupBuffers {
+    // The landing buffer (transfer dtype; the fp32 copy for the statistics with device
+    // state) and the fp32 accumulator (micro-batches > 1, host state): two each in
+    // delayed mode, by step parity.
+    std::vector<PinnedBuffer> landing;
+    std::vector<PinnedBuffer> accum;
+    DeviceBuffer device_accum;       // device state: the reduced shard, accumulated (fp32)
+  };
   struct GroupFacts {
     int active_slot = -1;            // this micro-batch's slot (model thread); -2 handed over
     uint64_t sent = 0, processed = 0;  // landings of the group queued / done
@@ -126,7 +149,10 @@ class GradientPath {
   Status enqueue_copy(int g, Slot& slot, const void* source, size_t bytes, void* landing);
   // The smallest free slot that holds `elements`, or -1.
   int free_slot_for(size_t elements) const;
-  GroupState& group(int g) { return *(*ctx_.groups)[static_cast<size_t>(g)]; }
+  Status allocate_group_buffers(const GroupLayout& layout);
+  // The board's places of group g's final gradient (after its buffers are allocated).
+  void place_on_board(const GroupLayout& layout);
+  const GroupLayout& group_layout(int g) const { return (*ctx_.layouts)[static_cast<size_t>(g)]; }
   int copy_of(int64_t step) const { return ctx_.options->overlap == OverlapMode::kDelayed ? static_cast<int>(step % 2) : 0; }
   std::function<std::string()> describer() const;
 
@@ -145,6 +171,7 @@ class GradientPath {
   std::vector<char> ring_busy_;
   std::deque<Landing> queue_;
   std::vector<GroupFacts> facts_;
+  std::vector<GroupBuffers> buffers_;  // by group
   uint64_t queued_ = 0, done_ = 0;
 };
 

@@ -10,19 +10,31 @@
 namespace strata::engine_internal {
 
 StatusOr<std::unique_ptr<OptimizerStage>> OptimizerStage::create(const OptimizerStageContext& context, OptimizerStageHooks hooks) {
+  if (context.adam == nullptr || context.shards == nullptr || context.gradients == nullptr || context.versions == nullptr)
+    return InternalError("optimizer stage: the CPU Adam, the shard store, the gradient board and the version board are all needed");
+  if (context.options->optimizer_tier == Tier::kNvme && context.nvme_state == nullptr)
+    return InternalError("optimizer stage: optimizer state on NVMe but no NVMe state to step");
+  if (context.options->optimizer_tier != Tier::kNvme && context.nvme_state != nullptr)
+    return InternalError("optimizer stage: NVMe state given for optimizer state on " + std::string(tier_name(context.options->optimizer_tier)));
   auto stage = std::make_unique<OptimizerStage>(context, std::move(hooks));
-  const EngineOptions& o = *context.options;
-  CpuAdamOptions adam_options;
-  adam_options.threads = o.optimizer_threads > 0 ? o.optimizer_threads : std::max(1, available_cpu_count() / std::max(1, o.world_size));
-  STRATA_ASSIGN_OR_RETURN(CpuAdam adam, CpuAdam::create(adam_options));
-  stage->adam_.emplace(std::move(adam));
-  if (o.optimizer_tier == Tier::kNvme) {
-    std::vector<size_t> shards;
-    for (const auto& g : *context.groups) shards.push_back(g->layout.trainable ? g->layout.shard_numel : 0);  // frozen: no state
-    STRATA_ASSIGN_OR_RETURN(stage->nvme_state_, NvmeAdamState::create(*context.nvme, *context.arena, std::move(shards),
-                                                                      state_ring_options(o, *context.plan)));
-  }
+  stage->groups_.resize(context.layouts->size());
+  STRATA_RETURN_IF_ERROR(stage->allocate_staging());
   return stage;
+}
+
+// The new parameters' way out, where they are not written in place: through host memory
+// to the device or NVMe (host state), or from the device to the host or NVMe (device
+// state). Sized by the largest trainable shard.
+Status OptimizerStage::allocate_staging() {
+  const EngineOptions& o = *ctx_.options;
+  const size_t bytes = std::max<size_t>(ctx_.plan->max_trainable_shard_elements, 1) * dtype_size(o.param_dtype);
+  if ((o.param_tier == Tier::kNvme || o.param_tier == Tier::kDevice) && o.optimizer_tier != Tier::kNvme) {
+    STRATA_ASSIGN_OR_RETURN(param_out_stage_, ctx_.arena->allocate(bytes, "new-parameter staging"));
+  }
+  if (o.optimizer_tier == Tier::kDevice && o.param_tier != Tier::kDevice) {
+    STRATA_ASSIGN_OR_RETURN(param_out_device_, ctx_.device->allocate(bytes, "new-parameter staging"));
+  }
+  return {};
 }
 
 OptimizerStage::~OptimizerStage() { stop(); }
@@ -61,7 +73,7 @@ void OptimizerStage::loop() {
       std::set<int> groups;
       for (const OptimizerJob& job : jobs_) {
         const bool disjoint = std::none_of(job.order.begin(), job.order.end(), [&](int g) { return groups.count(g) != 0; });
-        if (!batch.empty() && (!nvme_state_ || !disjoint)) break;
+        if (!batch.empty() && (!ctx_.nvme_state || !disjoint)) break;
         groups.insert(job.order.begin(), job.order.end());
         batch.push_back(job);
       }
@@ -74,12 +86,12 @@ void OptimizerStage::loop() {
     unflushed += batch.size();
     // Idle now: the state write-backs are waited for before the jobs count as done (state
     // access and finish() wait for done jobs).
-    if (status.ok() && queued() == 0 && nvme_state_) status = nvme_state_->flush();
+    if (status.ok() && queued() == 0 && ctx_.nvme_state) status = ctx_.nvme_state->flush();
     if (!status.ok()) {
       hooks_.failed(std::move(status).with_context("optimizer step " + std::to_string(batch.front().step_index)));
       return;
     }
-    if (queued() == 0 || !nvme_state_) {
+    if (queued() == 0 || !ctx_.nvme_state) {
       for (; unflushed > 0; --unflushed) hooks_.job_done();
     }
   }
@@ -88,44 +100,30 @@ void OptimizerStage::loop() {
 Status OptimizerStage::run_jobs(const std::vector<OptimizerJob>& jobs) {
   std::vector<const OptimizerJob*> nvme_jobs;
   for (const OptimizerJob& job : jobs) {
-    if (!job.skip && nvme_state_) {
+    if (!job.skip && ctx_.nvme_state) {
       nvme_jobs.push_back(&job);
       continue;
     }
     for (int g : job.order) {
       if (!job.skip) {
-        Tracer::Scope scope(ctx_.tracer, Stage::kOptimizer, g, group(g).layout.name);
+        Tracer::Scope scope(ctx_.tracer, Stage::kOptimizer, g, group_layout(g).name);
         STRATA_RETURN_IF_ERROR(ctx_.options->optimizer_tier == Tier::kDevice ? update_device_group(job, g) : update_host_group(job, g));
       }
-      hooks_.group_updated(g, job.step_index + 1);
+      publish(g, job.step_index + 1);
     }
   }
   if (!nvme_jobs.empty()) STRATA_RETURN_IF_ERROR(run_nvme_jobs(nvme_jobs));
   // Versions count steps, skipped ones included: every group of every job moves on.
   for (const OptimizerJob& job : jobs)
-    for (int g : job.order) hooks_.group_updated(g, job.step_index + 1);
+    for (int g : job.order) publish(g, job.step_index + 1);
   return {};
 }
 
-int OptimizerStage::gradient_copy(int64_t version) const {
-  return ctx_.options->overlap == OverlapMode::kDelayed ? static_cast<int>(version % 2) : 0;
-}
-
-std::vector<AdamPlanRun> OptimizerStage::plan_runs(const OptimizerJob& job, const GroupState& state) const {
+std::vector<AdamPlanRun> OptimizerStage::plan_runs(const OptimizerJob& job, int g) const {
   std::vector<AdamPlanRun> runs;
-  for (const DecayRun& run : state.decay_runs) runs.push_back({run.begin, run.end, run.decay ? &job.decay_plan : &job.no_decay_plan});
+  for (const DecayRun& run : groups_[static_cast<size_t>(g)].decay_runs)
+    runs.push_back({run.begin, run.end, run.decay ? &job.decay_plan : &job.no_decay_plan});
   return runs;
-}
-
-const void* OptimizerStage::host_gradient(const GroupState& state, int64_t step_index, DType* type) const {
-  const EngineOptions& o = *ctx_.options;
-  const size_t copy = static_cast<size_t>(gradient_copy(step_index));
-  if (o.gradient_accumulation_steps > 1) {
-    *type = DType::kFloat32;
-    return state.grad_accum.empty() ? nullptr : state.grad_accum[copy].data();
-  }
-  *type = o.grad_transfer_dtype;
-  return state.grad_landing.empty() ? nullptr : state.grad_landing[copy].data();
 }
 
 // NVMe-resident state: every group of the jobs through the ring, pipelined across group
@@ -140,11 +138,12 @@ Status OptimizerStage::run_nvme_jobs(const std::vector<const OptimizerJob*>& job
   runs.reserve(groups);
   for (const OptimizerJob* job : jobs) {
     for (int g : job->order) {
-      GroupState& state = group(g);
-      runs.push_back(plan_runs(*job, state));
+      runs.push_back(plan_runs(*job, g));
+      STRATA_ASSIGN_OR_RETURN(const GradientView gradient, ctx_.gradients->landed(g, job->step_index));
       AdamGroupIo io;
-      io.grad = host_gradient(state, job->step_index, &io.grad_type);
-      io.stored_gradient_copy = static_cast<unsigned>(gradient_copy(job->step_index));
+      io.grad = gradient.data;
+      io.grad_type = gradient.dtype;
+      io.stored_gradient_copy = gradient.stored_copy;
       io.param = ctx_.shards->host_copy(g, ctx_.shards->copy_of(g, job->step_index + 1));  // nullptr: staged, written out piece by piece
       io.param_type = ctx_.options->param_dtype;
       steps.push_back({static_cast<size_t>(g), io, runs.back()});
@@ -158,40 +157,44 @@ Status OptimizerStage::run_nvme_jobs(const std::vector<const OptimizerJob*>& job
     return ctx_.shards->write(static_cast<int>(g), out_copy, begin, end - begin, param, 0);
   };
   sinks.group_stepped = [&](size_t g) {
-    hooks_.group_updated(static_cast<int>(g), job_of[current]->step_index + 1);
+    publish(static_cast<int>(g), job_of[current]->step_index + 1);
     ++current;
     return Status();
   };
   sinks.stepped = [this](size_t g, TraceClock::time_point begin, TraceClock::time_point end) {
-    ctx_.tracer->record(Stage::kOptimizer, static_cast<int>(g), begin, end, group(static_cast<int>(g)).layout.name);
+    ctx_.tracer->record(Stage::kOptimizer, static_cast<int>(g), begin, end, group_layout(static_cast<int>(g)).name);
   };
   // Reports may come after this call (write-backs left in flight): only `this` is captured.
   sinks.transfer_done = [this](size_t g, bool write, TraceClock::time_point begin, TraceClock::time_point end) {
     ctx_.tracer->record(write ? Stage::kNvmeWrite : Stage::kNvmeRead, static_cast<int>(g), begin, end,
-                        group(static_cast<int>(g)).layout.name + " optimizer state");
+                        group_layout(static_cast<int>(g)).name + " optimizer state");
   };
-  return nvme_state_->step_groups(*adam_, steps, sinks);
+  return ctx_.nvme_state->step_groups(*ctx_.adam, steps, sinks);
 }
 
 // Host-resident state: CPU Adam on the group's buffers, the new parameters straight into
 // the host copy (or staged out to the device or NVMe).
 Status OptimizerStage::update_host_group(const OptimizerJob& job, int g) {
   const EngineOptions& o = *ctx_.options;
-  GroupState& s = group(g);
+  GroupOptimizerState& s = groups_[static_cast<size_t>(g)];
   const int out_copy = ctx_.shards->copy_of(g, job.step_index + 1);
+  STRATA_ASSIGN_OR_RETURN(const GradientView gradient, ctx_.gradients->landed(g, job.step_index));
+  if (gradient.data == nullptr || gradient.on_device)
+    return InternalError("group " + group_layout(g).name + ": host optimizer state needs its gradient in host memory");
   kernels::AdamBuffers buffers;
-  buffers.grad = host_gradient(s, job.step_index, &buffers.grad_type);
+  buffers.grad = gradient.data;
+  buffers.grad_type = gradient.dtype;
   buffers.master = s.master.as<float>();
   buffers.exp_avg = s.exp_avg.data();
   buffers.exp_avg_sq = s.exp_avg_sq.data();
   buffers.moment_type = DType::kFloat32;
   void* in_place = ctx_.shards->host_copy(g, out_copy);
-  void* param_out = in_place != nullptr ? in_place : ctx_.param_out_stage->data();
+  void* param_out = in_place != nullptr ? in_place : param_out_stage_.data();
   buffers.param = param_out;
   buffers.param_type = o.param_dtype;
   const size_t grad_size = dtype_size(buffers.grad_type);
   const size_t param_size = dtype_size(o.param_dtype);
-  for (const AdamPlanRun& run : plan_runs(job, s)) {
+  for (const AdamPlanRun& run : plan_runs(job, g)) {
     kernels::AdamBuffers part = buffers;
     part.grad = static_cast<const char*>(buffers.grad) + run.begin * grad_size;
     part.master = buffers.master + run.begin;
@@ -199,26 +202,29 @@ Status OptimizerStage::update_host_group(const OptimizerJob& job, int g) {
     part.exp_avg_sq = static_cast<float*>(buffers.exp_avg_sq) + run.begin;
     part.param = static_cast<char*>(param_out) + run.begin * param_size;
     part.count = run.end - run.begin;
-    STRATA_RETURN_IF_ERROR(adam_->step(part, *run.plan));
+    STRATA_RETURN_IF_ERROR(ctx_.adam->step(part, *run.plan));
   }
   if (in_place != nullptr) return {};
-  return ctx_.shards->write(g, out_copy, 0, s.layout.shard_numel, param_out, ctx_.param_out_stage->capacity());
+  return ctx_.shards->write(g, out_copy, 0, group_layout(g).shard_numel, param_out, param_out_stage_.capacity());
 }
 
 // Device-resident state: the Adam kernel on the update stream, the new parameters written
 // straight into the device shard (or staged out to the host tier).
 Status OptimizerStage::update_device_group(const OptimizerJob& job, int g) {
   const EngineOptions& o = *ctx_.options;
-  GroupState& s = group(g);
-  const size_t shard = s.layout.shard_numel;
+  const size_t shard = group_layout(g).shard_numel;
   const int out_copy = ctx_.shards->copy_of(g, job.step_index + 1);
-  float* state = s.state_device.as<float>();
+  STRATA_ASSIGN_OR_RETURN(const GradientView gradient, ctx_.gradients->landed(g, job.step_index));
+  if (!gradient.on_device || gradient.dtype != DType::kFloat32)
+    return InternalError("group " + group_layout(g).name + ": device optimizer state needs its fp32 gradient on the device");
+  float* state = groups_[static_cast<size_t>(g)].device.as<float>();
+  const float* grad = static_cast<const float*>(gradient.data);
   void* on_device = ctx_.shards->device_copy(g, out_copy);
-  void* param_out = on_device != nullptr ? on_device : ctx_.param_out_device->data();
+  void* param_out = on_device != nullptr ? on_device : param_out_device_.data();
   const size_t param_size = dtype_size(o.param_dtype);
-  for (const AdamPlanRun& run : plan_runs(job, s)) {
+  for (const AdamPlanRun& run : plan_runs(job, g)) {
     kernels::AdamBuffers part;
-    part.grad = state + 3 * shard + run.begin;
+    part.grad = grad + run.begin;
     part.grad_type = DType::kFloat32;
     part.master = state + run.begin;
     part.exp_avg = state + shard + run.begin;
@@ -232,31 +238,33 @@ Status OptimizerStage::update_device_group(const OptimizerJob& job, int g) {
   if (on_device != nullptr) return ctx_.update_stream->synchronize();
   // The new parameters go to the host copy, or through the staging to NVMe.
   void* in_place = ctx_.shards->host_copy(g, out_copy);
-  void* host = in_place != nullptr ? in_place : ctx_.param_out_stage->data();
+  void* host = in_place != nullptr ? in_place : param_out_stage_.data();
   STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(host, param_out, shard * param_size, CopyKind::kDeviceToHost, *ctx_.update_stream));
   STRATA_RETURN_IF_ERROR(ctx_.update_stream->synchronize());
   if (in_place != nullptr) return {};
-  return ctx_.shards->write(g, out_copy, 0, shard, host, ctx_.param_out_stage->capacity());
+  return ctx_.shards->write(g, out_copy, 0, shard, host, param_out_stage_.capacity());
 }
 
 // ----------------------------------------------------------------------------- state
 
 Status OptimizerStage::initialize_group(int g, const float* master) {
   const EngineOptions& o = *ctx_.options;
-  GroupState& s = group(g);
-  const size_t shard = s.layout.shard_numel;
-  const std::string name = "group " + s.layout.name;
+  const GroupLayout& layout = group_layout(g);
+  GroupOptimizerState& s = groups_[static_cast<size_t>(g)];
+  const size_t shard = layout.shard_numel;
+  const std::string name = "group " + layout.name;
+  s.decay_runs = decay_runs(layout, o.rank);
   switch (o.optimizer_tier) {
     case Tier::kDevice: {
-      STRATA_ASSIGN_OR_RETURN(s.state_device, ctx_.device->allocate(shard * 16, name + " optimizer state"));
-      STRATA_RETURN_IF_ERROR(ctx_.device->memset_async(s.state_device.data(), 0, shard * 16, *ctx_.update_stream));
+      STRATA_ASSIGN_OR_RETURN(s.device, ctx_.device->allocate(shard * 12, name + " optimizer state"));
+      STRATA_RETURN_IF_ERROR(ctx_.device->memset_async(s.device.data(), 0, shard * 12, *ctx_.update_stream));
       if (master != nullptr)
-        STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(s.state_device.data(), master, shard * 4, CopyKind::kHostToDevice, *ctx_.update_stream));
+        STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(s.device.data(), master, shard * 4, CopyKind::kHostToDevice, *ctx_.update_stream));
       return ctx_.update_stream->synchronize();
     }
     case Tier::kNvme: {
       const std::vector<float> zeros(shard, 0.0f);
-      return nvme_state_->store_group(static_cast<size_t>(g), master, zeros.data(), zeros.data());
+      return ctx_.nvme_state->store_group(static_cast<size_t>(g), master, zeros.data(), zeros.data());
     }
     case Tier::kPinned:
     case Tier::kHost: {
@@ -272,17 +280,17 @@ Status OptimizerStage::initialize_group(int g, const float* master) {
   return InternalError("unknown optimizer tier");
 }
 
-Status OptimizerStage::read_state(int g, Engine::StateKind kind, std::span<float> out) {
-  if (kind == Engine::StateKind::kStaleParams) return InternalError("the optimizer stage keeps no parameter copies");
-  GroupState& s = group(g);
-  const size_t shard = s.layout.shard_numel;
+Status OptimizerStage::read_state(int g, StateKind kind, std::span<float> out) {
+  if (kind == StateKind::kStaleParams) return InternalError("the optimizer stage keeps no parameter copies");
+  GroupOptimizerState& s = groups_[static_cast<size_t>(g)];
+  const size_t shard = group_layout(g).shard_numel;
   const size_t k = static_cast<size_t>(kind);
   switch (ctx_.options->optimizer_tier) {
     case Tier::kNvme:
-      return nvme_state_->load_group(static_cast<size_t>(g), k == 0 ? out.data() : nullptr, k == 1 ? out.data() : nullptr,
+      return ctx_.nvme_state->load_group(static_cast<size_t>(g), k == 0 ? out.data() : nullptr, k == 1 ? out.data() : nullptr,
                                      k == 2 ? out.data() : nullptr);
     case Tier::kDevice:
-      STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(out.data(), s.state_device.as<float>() + k * shard, shard * 4, CopyKind::kDeviceToHost,
+      STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(out.data(), s.device.as<float>() + k * shard, shard * 4, CopyKind::kDeviceToHost,
                                                      *ctx_.update_stream));
       return ctx_.update_stream->synchronize();
     case Tier::kPinned:
@@ -295,17 +303,17 @@ Status OptimizerStage::read_state(int g, Engine::StateKind kind, std::span<float
   return InternalError("unknown optimizer tier");
 }
 
-Status OptimizerStage::write_state(int g, Engine::StateKind kind, std::span<const float> in) {
-  if (kind == Engine::StateKind::kStaleParams) return InternalError("the optimizer stage keeps no parameter copies");
-  GroupState& s = group(g);
-  const size_t shard = s.layout.shard_numel;
+Status OptimizerStage::write_state(int g, StateKind kind, std::span<const float> in) {
+  if (kind == StateKind::kStaleParams) return InternalError("the optimizer stage keeps no parameter copies");
+  GroupOptimizerState& s = groups_[static_cast<size_t>(g)];
+  const size_t shard = group_layout(g).shard_numel;
   const size_t k = static_cast<size_t>(kind);
   switch (ctx_.options->optimizer_tier) {
     case Tier::kNvme:
-      return nvme_state_->store_group(static_cast<size_t>(g), k == 0 ? in.data() : nullptr, k == 1 ? in.data() : nullptr,
+      return ctx_.nvme_state->store_group(static_cast<size_t>(g), k == 0 ? in.data() : nullptr, k == 1 ? in.data() : nullptr,
                                       k == 2 ? in.data() : nullptr);
     case Tier::kDevice:
-      STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(s.state_device.as<float>() + k * shard, in.data(), shard * 4, CopyKind::kHostToDevice,
+      STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(s.device.as<float>() + k * shard, in.data(), shard * 4, CopyKind::kHostToDevice,
                                                      *ctx_.update_stream));
       return ctx_.update_stream->synchronize();
     case Tier::kPinned:

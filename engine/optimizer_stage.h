@@ -3,8 +3,14 @@
 // host memory, with the device Adam on state in device memory, or with CPU Adam on state
 // streamed from NVMe in chunks through NvmeAdamState's ring (the gradients, spilled next
 // to the state, stream in with it). The new parameters go where the next fetch reads
-// them (the host copy, or staged out to the device or NVMe), then the engine hears of it
-// (`group_updated`), so compute never waits for more than the group it needs.
+// them (the host copy, or staged out to the device or NVMe), then their version goes on
+// the VersionBoard, so compute never waits for more than the group it needs.
+//
+// It owns the optimizer state: master weights and moments in host memory, or on the
+// device (master, exp_avg, exp_avg_sq: 3 x shard fp32 per group), and the staging of new
+// parameters on their way out. NVMe-resident state is the NvmeAdamState the engine hands
+// it (the gradient path spills gradients beside it). Gradients come from the
+// GradientBoard, which says where each group's final gradient of a step lies.
 //
 // Errors stop the worker and reach the engine through `failed`; the engine returns them
 // at its next wait.
@@ -20,9 +26,17 @@
 #include <thread>
 #include <vector>
 
-#include "engine/engine_impl.h"
+#include "engine/core/device.h"
+#include "engine/engine_options.h"
+#include "engine/engine_plan_types.h"
+#include "engine/gradient_board.h"
+#include "engine/partition.h"
 #include "engine/shard_store.h"
 #include "engine/stage_wait.h"
+#include "engine/trace.h"
+#include "engine/version_board.h"
+#include "offload/pinned_arena.h"
+#include "optim/cpu_adam.h"
 #include "optim/nvme_adam_state.h"
 
 namespace strata::engine_internal {
@@ -43,16 +57,16 @@ struct OptimizerStageContext {
   Device* device = nullptr;
   Stream* update_stream = nullptr;   // device Adam and new-parameter copies
   Tracer* tracer = nullptr;
-  std::vector<std::unique_ptr<GroupState>>* groups = nullptr;
-  NvmeStore* nvme = nullptr;         // the NVMe tier (state on NVMe, or parameters on NVMe)
+  const std::vector<GroupLayout>* layouts = nullptr;  // every group, by id
   PinnedArena* arena = nullptr;
-  PinnedBuffer* param_out_stage = nullptr;   // new parameters on their way out (host state, device or NVMe params)
-  DeviceBuffer* param_out_device = nullptr;  // device state: new parameters on their way to the host or NVMe
+  CpuAdam* adam = nullptr;                   // the CPU Adam (host and NVMe state)
+  NvmeAdamState* nvme_state = nullptr;       // the state on NVMe (optimizer_tier kNvme), else nullptr
   ShardStore* shards = nullptr;              // where the new parameters go
+  const GradientBoard* gradients = nullptr;  // where each final gradient lies
+  VersionBoard* versions = nullptr;          // where each group's new version is published
 };
 
 struct OptimizerStageHooks {
-  std::function<void(int group, int64_t version)> group_updated;  // the group's new parameters are in place
   std::function<void()> job_done;                                 // the job's state is written back too
   std::function<void(Status)> failed;
 };
@@ -70,16 +84,13 @@ class OptimizerStage {
   void submit(OptimizerJob job);
   size_t queued() const;
 
-  CpuAdam& adam() { return *adam_; }
-  // The NVMe-resident state (optimizer state on NVMe), else nullptr.
-  NvmeAdamState* nvme_state() { return nvme_state_.get(); }
-
   // Group g's state when no job runs (the engine waits for that): initial values, and
   // one kind at a time for checkpoints.
   // (master null: only the moments are zeroed; a load writes the master).
   Status initialize_group(int g, const float* master);
-  Status read_state(int g, Engine::StateKind kind, std::span<float> out);
-  Status write_state(int g, Engine::StateKind kind, std::span<const float> in);
+  // kind: kMaster, kExpAvg or kExpAvgSq.
+  Status read_state(int g, StateKind kind, std::span<float> out);
+  Status write_state(int g, StateKind kind, std::span<const float> in);
 
   // Only create() constructs stages.
   OptimizerStage(const OptimizerStageContext& context, OptimizerStageHooks hooks) : ctx_(context), hooks_(std::move(hooks)) {}
@@ -90,17 +101,25 @@ class OptimizerStage {
   Status run_nvme_jobs(const std::vector<const OptimizerJob*>& jobs);
   Status update_host_group(const OptimizerJob& job, int g);
   Status update_device_group(const OptimizerJob& job, int g);
-  GroupState& group(int g) { return *(*ctx_.groups)[static_cast<size_t>(g)]; }
-  std::vector<AdamPlanRun> plan_runs(const OptimizerJob& job, const GroupState& state) const;
-  // The gradient copy a step lands in (two in delayed mode, by step parity; as the gradient path).
-  int gradient_copy(int64_t step) const;
-  // The host gradient a job reads for group g (nullptr: the copy stored on NVMe).
-  const void* host_gradient(const GroupState& state, int64_t step_index, DType* type) const;
+  Status allocate_staging();
+  const GroupLayout& group_layout(int g) const { return (*ctx_.layouts)[static_cast<size_t>(g)]; }
+  std::vector<AdamPlanRun> plan_runs(const OptimizerJob& job, int g) const;
+  // The group's new version is in place.
+  void publish(int g, int64_t version) { ctx_.versions->publish(g, version); }
+
+  // One group's state in host memory or on the device (by optimizer tier), and its runs
+  // of elements with and without weight decay.
+  struct GroupOptimizerState {
+    PinnedBuffer master, exp_avg, exp_avg_sq;  // kPinned / kHost
+    DeviceBuffer device;                       // kDevice: master, exp_avg, exp_avg_sq (3 x shard fp32)
+    std::vector<DecayRun> decay_runs;
+  };
 
   OptimizerStageContext ctx_;
   OptimizerStageHooks hooks_;
-  std::optional<CpuAdam> adam_;
-  std::unique_ptr<NvmeAdamState> nvme_state_;
+  std::vector<GroupOptimizerState> groups_;
+  PinnedBuffer param_out_stage_;   // new parameters on their way out (host state, device or NVMe params)
+  DeviceBuffer param_out_device_;  // device state: new parameters on their way to the host or NVMe
 
   mutable StageSync sync_;
   std::deque<OptimizerJob> jobs_;

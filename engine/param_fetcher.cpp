@@ -5,54 +5,12 @@
 
 namespace strata::engine_internal {
 
-// ----------------------------------------------------------------------- versions
-
-void VersionBoard::publish(int g, int64_t version) {
-  {
-    std::lock_guard<std::mutex> lock(sync_.mutex);
-    int64_t& v = versions_[static_cast<size_t>(g)];
-    v = std::max(v, version);
-  }
-  sync_.cv.notify_all();
-}
-
-int64_t VersionBoard::version(int g) const {
-  std::lock_guard<std::mutex> lock(sync_.mutex);
-  return versions_[static_cast<size_t>(g)];
-}
-
-Status VersionBoard::wait_for(int g, int64_t version, const char* what, const std::function<std::string()>& describe) {
-  std::unique_lock<std::mutex> lock(sync_.mutex);
-  return stage_wait(lock, sync_.cv, sync_.halt, [&] { return versions_[static_cast<size_t>(g)] >= version; }, what, describe);
-}
-
-Status VersionBoard::wait_all(int64_t version, const char* what, const std::function<std::string()>& describe) {
-  std::unique_lock<std::mutex> lock(sync_.mutex);
-  return stage_wait(lock, sync_.cv, sync_.halt, [&] {
-    return std::all_of(versions_.begin(), versions_.end(), [&](int64_t v) { return v >= version; });
-  }, what, describe);
-}
-
-void VersionBoard::abort(const Status& status) { sync_.abort(status); }
-
-void VersionBoard::stop() { sync_.stop(); }
-
-std::string VersionBoard::describe() const {
-  std::lock_guard<std::mutex> lock(sync_.mutex);
-  std::ostringstream text;
-  text << "parameter versions:";
-  for (int64_t v : versions_) {
-    if (v == kAlwaysCurrent) text << " frozen";
-    else text << " " << v;
-  }
-  return text.str();
-}
-
 // ----------------------------------------------------------------------- set-up
 
 StatusOr<std::unique_ptr<ParamFetcher>> ParamFetcher::create(const ParamFetcherContext& context, ParamFetcherHooks hooks) {
   auto fetcher = std::make_unique<ParamFetcher>(context, std::move(hooks));
-  fetcher->persistent_.resize(context.groups->size());
+  fetcher->persistent_.resize(context.layouts->size());
+  for (size_t g = 0; g < context.layouts->size(); ++g) fetcher->persistent_[g].persistent = context.plan->persistent[g] != 0;
   return fetcher;
 }
 
@@ -78,21 +36,26 @@ Status ParamFetcher::allocate() {
     STRATA_ASSIGN_OR_RETURN(slot.released, ctx_.device->create_event());
     STRATA_ASSIGN_OR_RETURN(slot.h2d_done, ctx_.device->create_event());
   }
-  for (auto& gp : *ctx_.groups) {
-    GroupState& g = *gp;
-    if (!g.persistent || direct_view()) continue;
-    const std::string name = "group " + g.layout.name;
-    STRATA_ASSIGN_OR_RETURN(g.persistent_full, ctx_.device->allocate(param_bytes(g.layout.padded_numel), name + " persistent"));
-    if (staging_shard) {
-      STRATA_ASSIGN_OR_RETURN(g.persistent_shard, ctx_.device->allocate(param_bytes(g.layout.shard_numel), name + " persistent staging"));
-    }
-    if (o.param_tier == Tier::kNvme) {
-      STRATA_ASSIGN_OR_RETURN(g.persistent_stage, ctx_.arena->allocate(param_bytes(g.layout.shard_numel), name + " persistent NVMe staging"));
-    }
-    STRATA_ASSIGN_OR_RETURN(g.persistent_ready, ctx_.device->create_event());
-    STRATA_ASSIGN_OR_RETURN(g.persistent_released, ctx_.device->create_event());
-    STRATA_ASSIGN_OR_RETURN(g.persistent_h2d_done, ctx_.device->create_event());
+  for (size_t g = 0; g < persistent_.size(); ++g) STRATA_RETURN_IF_ERROR(allocate_persistent(static_cast<int>(g)));
+  return {};
+}
+
+Status ParamFetcher::allocate_persistent(int g) {
+  const EngineOptions& o = *ctx_.options;
+  Persistent& p = persistent_[static_cast<size_t>(g)];
+  if (!p.persistent || direct_view()) return {};
+  const GroupLayout& layout = group_layout(g);
+  const std::string name = "group " + layout.name;
+  STRATA_ASSIGN_OR_RETURN(p.full, ctx_.device->allocate(param_bytes(layout.padded_numel), name + " persistent"));
+  if (o.world_size > 1 && o.param_tier != Tier::kDevice) {
+    STRATA_ASSIGN_OR_RETURN(p.shard, ctx_.device->allocate(param_bytes(layout.shard_numel), name + " persistent staging"));
   }
+  if (o.param_tier == Tier::kNvme) {
+    STRATA_ASSIGN_OR_RETURN(p.stage, ctx_.arena->allocate(param_bytes(layout.shard_numel), name + " persistent NVMe staging"));
+  }
+  STRATA_ASSIGN_OR_RETURN(p.ready, ctx_.device->create_event());
+  STRATA_ASSIGN_OR_RETURN(p.released, ctx_.device->create_event());
+  STRATA_ASSIGN_OR_RETURN(p.h2d_done, ctx_.device->create_event());
   return {};
 }
 
@@ -124,7 +87,7 @@ std::string ParamFetcher::describe() const {
 
 // ----------------------------------------------------------------------- model thread
 
-bool ParamFetcher::takes_slot(int g) const { return !direct_view() && !(*ctx_.groups)[static_cast<size_t>(g)]->persistent; }
+bool ParamFetcher::takes_slot(int g) const { return !direct_view() && !persistent_[static_cast<size_t>(g)].persistent; }
 
 uint64_t ParamFetcher::plan_fetch(int g, int64_t step, int64_t version) {
   if (direct_view()) return 0;
@@ -132,7 +95,7 @@ uint64_t ParamFetcher::plan_fetch(int g, int64_t step, int64_t version) {
   request.group = g;
   request.step = step;
   request.version = version;
-  if (group(g).persistent) {
+  if (persistent_[static_cast<size_t>(g)].persistent) {
     if (persistent_[static_cast<size_t>(g)].planned_version == version) return 0;
     persistent_[static_cast<size_t>(g)].planned_version = version;
   } else {
@@ -176,17 +139,21 @@ StatusOr<void*> ParamFetcher::take(uint64_t id, PipelineState* position) {
     retire_locked();
   }
   // Compute waits for the gathered data (the event was recorded before `ready` was set).
-  if (position->index < 0) {
-    STRATA_RETURN_IF_ERROR(ctx_.compute->wait(*group(g).persistent_ready));
-    return group(g).persistent_full.data();
-  }
+  if (position->index < 0) return take_persistent(g);
   Slot& slot = slots_[static_cast<size_t>(position->index)];
   STRATA_RETURN_IF_ERROR(ctx_.compute->wait(*slot.ready));
   return slot.full.data();
 }
 
+StatusOr<void*> ParamFetcher::take_persistent(int g) {
+  Persistent& p = persistent_[static_cast<size_t>(g)];
+  if (!p.ready) return InternalError("group " + group_layout(g).name + " has no persistent gathered copy");
+  STRATA_RETURN_IF_ERROR(ctx_.compute->wait(*p.ready));
+  return p.full.data();
+}
+
 Status ParamFetcher::release(int g, const PipelineState& position) {
-  if (position.index < 0) return ctx_.compute->record(*group(g).persistent_released);
+  if (position.index < 0) return ctx_.compute->record(*persistent_[static_cast<size_t>(g)].released);
   Slot& slot = slots_[static_cast<size_t>(position.index)];
   STRATA_RETURN_IF_ERROR(ctx_.compute->record(*slot.released));
   {
@@ -256,9 +223,8 @@ Status ParamFetcher::wait_until_fillable(const Request& r) {
 ParamFetcher::Target ParamFetcher::target_of(const Request& r) {
   Target t;
   if (r.position.index < 0) {
-    GroupState& state = group(r.group);
-    t = {state.persistent_full.data(), state.persistent_shard.data(), &state.persistent_stage, state.persistent_ready.get(),
-         state.persistent_released.get(), state.persistent_h2d_done.get()};
+    Persistent& p = persistent_[static_cast<size_t>(r.group)];
+    t = {p.full.data(), p.shard.data(), &p.stage, p.ready.get(), p.released.get(), p.h2d_done.get()};
   } else {
     Slot& slot = slots_[static_cast<size_t>(r.position.index)];
     t = {slot.full.data(), slot.shard.data(), &slot.nvme_stage, slot.ready.get(), slot.released.get(), slot.h2d_done.get()};
@@ -284,10 +250,10 @@ Status ParamFetcher::submit_read_ahead(const Request& r) {
     if (slot_fills_[static_cast<size_t>(next->position.index)] < next->position.phase) break;
     STRATA_ASSIGN_OR_RETURN(bool staging_free, slot.h2d_done->query());
     if (!staging_free) break;
-    GroupState& state = group(next->group);
+    const GroupLayout& layout = group_layout(next->group);
     next->read_begin = TraceClock::now();
     STRATA_ASSIGN_OR_RETURN(next->read_ticket, ctx_.nvme->read_async(ctx_.shards->source(next->group, next->version).extent,
-                                                                     slot.nvme_stage.data(), param_bytes(state.layout.shard_numel), 0,
+                                                                     slot.nvme_stage.data(), param_bytes(layout.shard_numel), 0,
                                                                      slot.nvme_stage.capacity(), &next->read_completed));
     next->read_submitted = true;
   }
@@ -295,13 +261,13 @@ Status ParamFetcher::submit_read_ahead(const Request& r) {
 }
 
 StatusOr<const void*> ParamFetcher::read_from_nvme(Request& r, const Target& target) {
-  GroupState& state = group(r.group);
+  const GroupLayout& layout = group_layout(r.group);
   if (!r.read_submitted) {
     // The staging buffer's previous H2D must be over before the read overwrites it.
     STRATA_RETURN_IF_ERROR(target.h2d_done->synchronize());
     r.read_begin = TraceClock::now();
     STRATA_ASSIGN_OR_RETURN(r.read_ticket, ctx_.nvme->read_async(ctx_.shards->source(r.group, r.version).extent,
-                                                                 target.nvme_stage->data(), param_bytes(state.layout.shard_numel), 0,
+                                                                 target.nvme_stage->data(), param_bytes(layout.shard_numel), 0,
                                                                  target.nvme_stage->capacity(), &r.read_completed));
     r.read_submitted = true;
   }
@@ -315,7 +281,7 @@ StatusOr<const void*> ParamFetcher::read_from_nvme(Request& r, const Target& tar
     sync_.cv.wait_for(lock, std::chrono::microseconds(200));
   }
   STRATA_RETURN_IF_ERROR(ctx_.nvme->wait(r.read_ticket));
-  ctx_.tracer->record(Stage::kNvmeRead, r.group, r.read_begin, r.read_completed, state.layout.name);
+  ctx_.tracer->record(Stage::kNvmeRead, r.group, r.read_begin, r.read_completed, layout.name);
   return static_cast<const void*>(target.nvme_stage->data());
 }
 
@@ -323,9 +289,9 @@ StatusOr<const void*> ParamFetcher::read_from_nvme(Request& r, const Target& tar
 Status ParamFetcher::fill_device(const Request& r, const Target& t, const void* host_source) {
   const EngineOptions& o = *ctx_.options;
   const int world = o.world_size;
-  GroupState& state = group(r.group);
-  const size_t shard = state.layout.shard_numel;
-  const std::string& label = state.layout.name;
+  const GroupLayout& layout = group_layout(r.group);
+  const size_t shard = layout.shard_numel;
+  const std::string& label = layout.name;
   if (host_source != nullptr) {
     void* h2d_target = world == 1 ? t.dest : t.staging;
     // World 1 overwrites the gathered buffer itself: wait for its last reader. Otherwise

@@ -24,33 +24,21 @@
 #include <thread>
 #include <vector>
 
-#include "engine/engine_impl.h"
+#include "engine/core/communicator.h"
+#include "engine/core/device.h"
+#include "engine/engine_options.h"
+#include "engine/engine_plan_types.h"
+#include "engine/partition.h"
 #include "engine/shard_store.h"
 #include "engine/stage_wait.h"
+#include "engine/stream_trace.h"
+#include "engine/trace.h"
 #include "engine/use_planner.h"
+#include "engine/version_board.h"
+#include "offload/nvme_store.h"
+#include "offload/pinned_arena.h"
 
 namespace strata::engine_internal {
-
-// The parameter version (updates applied) of every group's copy the fetcher reads. A
-// frozen group's one copy is every version: it reads as always current.
-class VersionBoard {
- public:
-  static constexpr int64_t kAlwaysCurrent = std::numeric_limits<int64_t>::max();
-  explicit VersionBoard(const std::vector<bool>& trainable) {
-    for (bool t : trainable) versions_.push_back(t ? 0 : kAlwaysCurrent);
-  }
-  void publish(int g, int64_t version);  // versions only grow
-  int64_t version(int g) const;
-  Status wait_for(int g, int64_t version, const char* what, const std::function<std::string()>& describe);
-  Status wait_all(int64_t version, const char* what, const std::function<std::string()>& describe);
-  void abort(const Status& status);
-  void stop();
-  std::string describe() const;
-
- private:
-  mutable StageSync sync_;
-  std::vector<int64_t> versions_;
-};
 
 // A position in the gather-slot ring.
 struct PipelineState {
@@ -68,7 +56,7 @@ struct ParamFetcherContext {
   Communicator* gather_comm = nullptr;
   Tracer* tracer = nullptr;
   StreamTrace* stream_trace = nullptr;  // device work on the streams, traced from timing events
-  std::vector<std::unique_ptr<GroupState>>* groups = nullptr;
+  const std::vector<GroupLayout>* layouts = nullptr;  // every group, by id
   NvmeStore* nvme = nullptr;
   PinnedArena* arena = nullptr;
   VersionBoard* versions = nullptr;
@@ -100,6 +88,9 @@ class ParamFetcher final : public FetchIssuer {
   // Model thread: waits until `request` is ready and takes it; returns where the group is
   // gathered (the compute stream already waits for it).
   StatusOr<void*> take(uint64_t request, PipelineState* position);
+  // Model thread: a persistent group whose fetch of this use's version an earlier use
+  // planned (plan_fetch gave 0); returns its gathered copy (the compute stream waits for it).
+  StatusOr<void*> take_persistent(int group);
   // Compute is enqueued up to the release of a use at `position`.
   Status release(int group, const PipelineState& position);
   // The step's uses are over (persistent buffers may be refilled for the next).
@@ -137,8 +128,14 @@ class ParamFetcher final : public FetchIssuer {
     TraceClock::time_point read_begin;
     TraceClock::time_point read_completed;  // stamped by the store when the bytes are in
   };
+  // A persistent group (the plan keeps it gathered): its own buffers and events, as a slot's.
   struct Persistent {
-    int64_t planned_version = -1;      // the version the latest planned fetch brings
+    bool persistent = false;
+    int64_t planned_version = -1;      // the version the latest planned fetch brings (model thread)
+    DeviceBuffer full;                 // the gathered copy
+    DeviceBuffer shard;                // device staging shard (world > 1 with host or NVMe parameters)
+    PinnedBuffer stage;                // NVMe read staging
+    std::unique_ptr<Event> ready, released, h2d_done;
   };
   // The buffers one fill writes.
   struct Target {
@@ -160,7 +157,8 @@ class ParamFetcher final : public FetchIssuer {
   Status fill_device(const Request& r, const Target& target, const void* host_source);
   void retire_locked();
   Request& request_locked(uint64_t id) { return requests_[static_cast<size_t>(id - requests_.front().id)]; }
-  GroupState& group(int g) { return *(*ctx_.groups)[static_cast<size_t>(g)]; }
+  const GroupLayout& group_layout(int g) const { return (*ctx_.layouts)[static_cast<size_t>(g)]; }
+  Status allocate_persistent(int g);
   bool direct_view() const { return ctx_.options->param_tier == Tier::kDevice && ctx_.options->world_size == 1; }
   size_t param_bytes(size_t elements) const { return elements * dtype_size(ctx_.options->param_dtype); }
   std::function<std::string()> describer() const;
@@ -168,7 +166,7 @@ class ParamFetcher final : public FetchIssuer {
   ParamFetcherContext ctx_;
   ParamFetcherHooks hooks_;
   std::vector<Slot> slots_;
-  std::vector<Persistent> persistent_;  // per group (model thread)
+  std::vector<Persistent> persistent_;  // per group
   std::vector<uint64_t> slot_fills_;    // per slot: fills enqueued so far (worker only)
   uint64_t slot_uses_ = 0;              // slot-taking requests planned (model thread)
 

@@ -5,30 +5,31 @@
 namespace strata::engine_internal {
 
 Status ShardStore::allocate_group(int g, const float* values) {
-  GroupState& state = group(g);
-  const size_t bytes = param_bytes(state.layout.shard_numel);
+  const GroupLayout& layout = group_layout(g);
+  Copies& state = copies_[static_cast<size_t>(g)];
+  const size_t bytes = param_bytes(layout.shard_numel);
   for (int c = 0; c < copies(g); ++c) {
-    std::string name = "group " + state.layout.name + " parameters";
+    std::string name = "group " + layout.name + " parameters";
     if (copies(g) > 1) name += " copy " + std::to_string(c);
     switch (ctx_.options->param_tier) {
       case Tier::kDevice: {
         STRATA_ASSIGN_OR_RETURN(DeviceBuffer buffer, ctx_.device->allocate(bytes, name));
-        state.param_device.push_back(std::move(buffer));
+        state.device.push_back(std::move(buffer));
         break;
       }
       case Tier::kPinned:
       case Tier::kHost: {
         STRATA_ASSIGN_OR_RETURN(PinnedBuffer buffer, ctx_.arena->allocate(bytes, name));
-        state.param_host.push_back(std::move(buffer));
+        state.host.push_back(std::move(buffer));
         break;
       }
       case Tier::kNvme: {
         std::string key = "g";
-        key += std::to_string(state.layout.id);
+        key += std::to_string(layout.id);
         key += ".param";
         key += std::to_string(c);
         STRATA_ASSIGN_OR_RETURN(NvmeExtent extent, ctx_.nvme->allocate(key, bytes));
-        state.param_nvme.push_back(extent);
+        state.nvme.push_back(extent);
         break;
       }
     }
@@ -38,56 +39,55 @@ Status ShardStore::allocate_group(int g, const float* values) {
 }
 
 ParamSource ShardStore::source(int g, int64_t version) {
-  GroupState& state = group(g);
+  Copies& state = copies_[static_cast<size_t>(g)];
   const size_t c = static_cast<size_t>(copy_of(g, version));
   ParamSource where;
   where.tier = ctx_.options->param_tier;
   switch (where.tier) {
-    case Tier::kDevice: where.device = state.param_device[c].data(); break;
+    case Tier::kDevice: where.device = state.device[c].data(); break;
     case Tier::kPinned:
-    case Tier::kHost: where.host = state.param_host[c].data(); break;
-    case Tier::kNvme: where.extent = state.param_nvme[c]; break;
+    case Tier::kHost: where.host = state.host[c].data(); break;
+    case Tier::kNvme: where.extent = state.nvme[c]; break;
   }
   return where;
 }
 
 void* ShardStore::host_copy(int g, int copy) {
-  GroupState& state = group(g);
-  return state.param_host.empty() ? nullptr : state.param_host[static_cast<size_t>(copy)].data();
+  Copies& state = copies_[static_cast<size_t>(g)];
+  return state.host.empty() ? nullptr : state.host[static_cast<size_t>(copy)].data();
 }
 
 void* ShardStore::device_copy(int g, int copy) {
-  GroupState& state = group(g);
-  return state.param_device.empty() ? nullptr : state.param_device[static_cast<size_t>(copy)].data();
+  Copies& state = copies_[static_cast<size_t>(g)];
+  return state.device.empty() ? nullptr : state.device[static_cast<size_t>(copy)].data();
 }
 
 Status ShardStore::write(int g, int copy, size_t begin, size_t count, const void* values, size_t capacity) {
-  GroupState& state = group(g);
+  Copies& state = copies_[static_cast<size_t>(g)];
   const size_t psize = dtype_size(ctx_.options->param_dtype);
   const auto start = TraceClock::now();
   switch (ctx_.options->param_tier) {
     case Tier::kDevice: {
-      char* target = static_cast<char*>(state.param_device[static_cast<size_t>(copy)].data()) + begin * psize;
+      char* target = static_cast<char*>(state.device[static_cast<size_t>(copy)].data()) + begin * psize;
       STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(target, values, count * psize, CopyKind::kHostToDevice, *ctx_.stream));
       STRATA_RETURN_IF_ERROR(ctx_.stream->synchronize());
-      ctx_.tracer->record(Stage::kH2D, g, start, TraceClock::now(), state.layout.name + " update");
+      ctx_.tracer->record(Stage::kH2D, g, start, TraceClock::now(), group_layout(g).name + " update");
       return {};
     }
     case Tier::kNvme:
-      STRATA_RETURN_IF_ERROR(ctx_.nvme->write(state.param_nvme[static_cast<size_t>(copy)], values, count * psize, begin * psize, capacity));
-      ctx_.tracer->record(Stage::kNvmeWrite, g, start, TraceClock::now(), state.layout.name + " parameters");
+      STRATA_RETURN_IF_ERROR(ctx_.nvme->write(state.nvme[static_cast<size_t>(copy)], values, count * psize, begin * psize, capacity));
+      ctx_.tracer->record(Stage::kNvmeWrite, g, start, TraceClock::now(), group_layout(g).name + " parameters");
       return {};
     case Tier::kPinned:
     case Tier::kHost:
-      std::memcpy(static_cast<char*>(state.param_host[static_cast<size_t>(copy)].data()) + begin * psize, values, count * psize);
+      std::memcpy(static_cast<char*>(state.host[static_cast<size_t>(copy)].data()) + begin * psize, values, count * psize);
       return {};
   }
   return InternalError("unknown parameter tier");
 }
 
 Status ShardStore::store_values(int g, int copy, const float* values) {
-  GroupState& state = group(g);
-  const size_t shard = state.layout.shard_numel;
+  const size_t shard = group_layout(g).shard_numel;
   const DType dtype = ctx_.options->param_dtype;
   std::vector<char> converted;
   void* host = host_copy(g, copy);
@@ -102,8 +102,8 @@ Status ShardStore::store_values(int g, int copy, const float* values) {
 }
 
 Status ShardStore::load_values(int g, int copy, float* values) {
-  GroupState& state = group(g);
-  const size_t shard = state.layout.shard_numel;
+  Copies& state = copies_[static_cast<size_t>(g)];
+  const size_t shard = group_layout(g).shard_numel;
   const size_t bytes = param_bytes(shard);
   const DType dtype = ctx_.options->param_dtype;
   const void* host = host_copy(g, copy);
@@ -116,11 +116,11 @@ Status ShardStore::load_values(int g, int copy, float* values) {
         STRATA_RETURN_IF_ERROR(ctx_.stream->synchronize());
         break;
       case Tier::kNvme:
-        STRATA_RETURN_IF_ERROR(ctx_.nvme->read(state.param_nvme[static_cast<size_t>(copy)], staged.data(), bytes));
+        STRATA_RETURN_IF_ERROR(ctx_.nvme->read(state.nvme[static_cast<size_t>(copy)], staged.data(), bytes));
         break;
       case Tier::kPinned:
       case Tier::kHost:
-        return InternalError("group " + state.layout.name + ": host parameter tier without a host copy");
+        return InternalError("group " + group_layout(g).name + ": host parameter tier without a host copy");
     }
     host = staged.data();
   }

@@ -12,7 +12,12 @@
 #include <memory>
 #include <vector>
 
-#include "engine/engine_impl.h"
+#include "engine/core/device.h"
+#include "engine/engine_options.h"
+#include "engine/partition.h"
+#include "engine/trace.h"
+#include "offload/nvme_store.h"
+#include "offload/pinned_arena.h"
 
 namespace strata::engine_internal {
 
@@ -31,12 +36,12 @@ struct ShardStoreContext {
   PinnedArena* arena = nullptr;
   NvmeStore* nvme = nullptr;
   Tracer* tracer = nullptr;
-  std::vector<std::unique_ptr<GroupState>>* groups = nullptr;
+  const std::vector<GroupLayout>* layouts = nullptr;  // every group, by id
 };
 
 class ShardStore {
  public:
-  explicit ShardStore(const ShardStoreContext& context) : ctx_(context) {}
+  explicit ShardStore(const ShardStoreContext& context) : ctx_(context), copies_(context.layouts->size()) {}
 
   // Group g's copies: two in delayed mode (by version parity), else one. A frozen group
   // never changes, so one copy serves every version.
@@ -63,9 +68,15 @@ class ShardStore {
   Status load_values(int g, int copy, float* values);
 
  private:
-  GroupState& group(int g) { return *(*ctx_.groups)[static_cast<size_t>(g)]; }
-  const GroupLayout& group_layout(int g) const { return (*ctx_.groups)[static_cast<size_t>(g)]->layout; }
+  // One group's copies, in the parameter tier's form (one vector is used).
+  struct Copies {
+    std::vector<DeviceBuffer> device;  // kDevice
+    std::vector<PinnedBuffer> host;    // kPinned / kHost
+    std::vector<NvmeExtent> nvme;      // kNvme
+  };
+  const GroupLayout& group_layout(int g) const { return (*ctx_.layouts)[static_cast<size_t>(g)]; }
   ShardStoreContext ctx_;
+  std::vector<Copies> copies_;  // by group
 };
 
 }  // namespace strata::engine_internal

@@ -16,7 +16,8 @@
 #include <span>
 #include <vector>
 
-#include "engine/engine.h"
+#include "engine/core/config.h"
+#include "engine/core/status.h"
 
 namespace strata::engine_internal {
 
