@@ -52,9 +52,11 @@
 #include <vector>
 
 #include "engine/core/communicator.h"
-#include "engine/core/config.h"
 #include "engine/core/device.h"
 #include "engine/core/dtype.h"
+#include "engine/core/io_engine_kind.h"
+#include "engine/core/overlap_mode.h"
+#include "engine/core/tier_kind.h"
 #include "engine/partition.h"
 #include "engine/trace.h"
 #include "kernels/adam.h"
@@ -63,7 +65,7 @@
 
 namespace strata {
 
-// OverlapMode (exact | delayed), its name and its parser live in engine/core/config.h.
+// OverlapMode (exact | delayed), its name and its parser live in engine/core/overlap_mode.h.
 
 class IoFaultInjector;
 

@@ -1,7 +1,8 @@
 // The config's value codecs and the text helpers of its messages (engine/core/config.h is
 // the interface): one codec per value type, each decoding a JSON value with the error a
 // user sees ("<key>: expected ..., got ... in <file>") and encoding what it decodes.
-// Internal to the config code (config_schema.h builds the key table from them).
+// The config code builds its key table from them (config_schema.h), and so does a layer
+// that adds keys of its own (examples/run_config).
 #pragma once
 
 #include <array>

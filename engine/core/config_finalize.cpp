@@ -173,25 +173,9 @@ void finalize_scheduler(StrataConfig& config, const std::string& in, std::vector
   }
 }
 
-void check_model_and_data(const StrataConfig& config, const std::string& in, std::vector<std::string>& errors) {
-  const ModelConfig& model = config.strata.model;
-  if (model.n_head > 0 && model.n_embd > 0 && model.n_embd % model.n_head != 0) {
-    errors.push_back("strata.model.n_embd (" + std::to_string(model.n_embd) + ") is not a multiple of strata.model.n_head (" +
-                     std::to_string(model.n_head) + ")" + in);
-  }
-  const DataConfig& data = config.strata.data;
-  if (data.seq_len > 0 && model.n_ctx > 0 && data.seq_len > model.n_ctx) {
-    errors.push_back("strata.data.seq_len (" + std::to_string(data.seq_len) + ") is longer than strata.model.n_ctx (" +
-                     std::to_string(model.n_ctx) + ")" + in);
-  }
-  if (data.kind != DataKind::kSynthetic && data.path.empty()) {
-    errors.push_back("strata.data.kind is \"" + std::string(data_kind_name(data.kind)) + "\" but strata.data.path is not set" + in);
-  }
-}
-
 }  // namespace
 
-Status finalize(StrataConfig& config, int world_size) {
+Status finalize(StrataConfig& config, int world_size, const ConfigExtension* extension) {
   std::vector<std::string> errors;
   const std::string in = " in " + config.source + overrides_note(config);
   finalize_world_size(config, world_size, in, errors);
@@ -200,7 +184,7 @@ Status finalize(StrataConfig& config, int world_size) {
   finalize_placements(config, in, errors);
   warn_about_substitutions(config);
   finalize_scheduler(config, in, errors);
-  check_model_and_data(config, in, errors);
+  if (extension != nullptr && extension->check) extension->check(config, in, errors);
   if (!errors.empty()) return combine_errors(errors, config.source + overrides_note(config));
   return {};
 }

@@ -282,24 +282,9 @@ void add_strata_keys(std::vector<KeySpec>& s) {
   add(value_key("strata.metrics", FIELD(strata.metrics), StringCodec{}));
   add(value_key("strata.trace", FIELD(strata.trace), StringCodec{}));
   add(value_key("strata.seed", FIELD(strata.seed), non_negative()));
-  add(value_key("strata.steps", FIELD(strata.steps), non_negative()));
   add(value_key("strata.checkpoint.on_save_failure", FIELD(strata.on_save_failure),
                 named_codec({SaveFailurePolicy::kStop, SaveFailurePolicy::kContinue}, save_failure_policy_name)));
   add(value_key("strata.max_nonfinite_steps", FIELD(strata.max_nonfinite_steps), non_negative()));
-  // strata.model and strata.data: the GPT trainer's keys.
-  add(value_key("strata.model.preset", FIELD(strata.model.preset), StringCodec{}));
-  add(value_key("strata.model.n_layer", FIELD(strata.model.n_layer), non_negative()));
-  add(value_key("strata.model.n_head", FIELD(strata.model.n_head), non_negative()));
-  add(value_key("strata.model.n_embd", FIELD(strata.model.n_embd), non_negative()));
-  add(value_key("strata.model.n_ctx", FIELD(strata.model.n_ctx), non_negative()));
-  add(value_key("strata.model.vocab_size", FIELD(strata.model.vocab_size), non_negative()));
-  add(value_key("strata.model.activation_checkpointing", FIELD(strata.model.activation_checkpointing), BoolCodec{}));
-  add(value_key("strata.model.checkpoints_in_pinned_memory", FIELD(strata.model.checkpoints_in_pinned_memory), BoolCodec{}));
-  add(value_key("strata.data.kind", FIELD(strata.data.kind),
-                EnumCodec<DataKind>{.names = {{"synthetic", DataKind::kSynthetic}, {"text", DataKind::kText}, {"tokens", DataKind::kTokens}}}));
-  add(value_key("strata.data.path", FIELD(strata.data.path), StringCodec{}));
-  add(value_key("strata.data.eval_fraction", FIELD(strata.data.eval_fraction), DoubleCodec{.min = 0.0, .max = 1.0, .max_exclusive = true}));
-  add(value_key("strata.data.seq_len", FIELD(strata.data.seq_len), non_negative()));
 }
 
 }  // namespace

@@ -21,6 +21,7 @@ namespace {
 // ---------------------------------------------------------------------------
 
 struct ParseState {
+  KeyTables tables;  // the engine's keys and the caller's extension
   std::string_view source;
   std::vector<std::string> errors;
   std::vector<std::string> warnings;
@@ -36,7 +37,7 @@ struct ParseState {
 bool is_deepspeed_key(std::string_view path) { return path != "strata" && path.rfind("strata.", 0) != 0; }
 
 void walk_object(const Json& object, const std::string& prefix, ParseState& state) {
-  const Schema& sc = schema();
+  const KeyTables& sc = state.tables;
   for (const auto& [key, value] : object.items()) {
     const std::string path = prefix.empty() ? key : prefix + "." + key;
     if (key.empty() || key.find('.') != std::string::npos) {
@@ -54,7 +55,7 @@ void walk_object(const Json& object, const std::string& prefix, ParseState& stat
         walk_object(value, path, state);
         continue;
       }
-      state.errors.push_back(unknown_key_message(path, state.source));
+      state.errors.push_back(unknown_key_message(path, state.source, state.tables));
       continue;
     }
     switch (spec->role) {
@@ -161,7 +162,6 @@ Status malformed_json_error(const Json::parse_error& error, std::string_view tex
 // Applies the collected assignments in schema order: aliases resolve to their target,
 // two keys setting the same target must agree.
 void apply_assignments(ParseState& state, StrataConfig& config) {
-  const Schema& sc = schema();
   struct Resolved {
     std::string from_path;
     Json value;
@@ -191,17 +191,19 @@ void apply_assignments(ParseState& state, StrataConfig& config) {
                              "; give one of them");
     }
   }
-  for (const KeySpec& spec : sc.keys) {
-    if (spec.role != Role::kValue) continue;
-    auto it = by_target.find(spec.path);
-    if (it == by_target.end()) continue;
-    const KeyContext ctx{it->second.from_path, state.source};
-    Status status = spec.set(it->second.value, config, ctx);
-    if (!status.ok()) {
-      state.errors.push_back(status.message());
-      continue;
+  for (const Schema* table : state.tables.all()) {
+    for (const KeySpec& spec : table->keys) {
+      if (spec.role != Role::kValue) continue;
+      auto it = by_target.find(spec.path);
+      if (it == by_target.end()) continue;
+      const KeyContext ctx{it->second.from_path, state.source};
+      Status status = spec.set(it->second.value, config, ctx);
+      if (!status.ok()) {
+        state.errors.push_back(status.message());
+        continue;
+      }
+      config.given[spec.path] = std::string(state.source);
     }
-    config.given[spec.path] = std::string(state.source);
   }
 }
 
@@ -231,7 +233,7 @@ StatusOr<std::string> read_whole_file(const std::string& path) {
 // Public API
 // ---------------------------------------------------------------------------
 
-StatusOr<StrataConfig> parse_config_json(std::string_view text, std::string_view source_name) {
+StatusOr<StrataConfig> parse_config_json(std::string_view text, std::string_view source_name, const ConfigExtension* extension) {
   DuplicateKeyTracker duplicates;
   Json document;
   try {
@@ -249,8 +251,7 @@ StatusOr<StrataConfig> parse_config_json(std::string_view text, std::string_view
   } catch (const Json::exception& error) {
     return InvalidArgumentError("malformed JSON in " + std::string(source_name) + ": " + error.what());
   }
-  ParseState state;
-  state.source = source_name;
+  ParseState state{.tables = KeyTables(extension), .source = source_name};
   for (const std::string& path : duplicates.duplicates()) {
     state.errors.push_back("duplicate key " + json_quoted(path) + where(source_name));
   }
@@ -270,14 +271,14 @@ StatusOr<StrataConfig> parse_config_json(std::string_view text, std::string_view
   return config;
 }
 
-StatusOr<StrataConfig> load_config_file(const std::string& path) {
+StatusOr<StrataConfig> load_config_file(const std::string& path, const ConfigExtension* extension) {
   StatusOr<std::string> text = read_whole_file(path);
   if (!text.ok()) return std::move(text).status().with_context("while reading the config file " + path);
-  return parse_config_json(*text, path);
+  return parse_config_json(*text, path, extension);
 }
 
-Status apply_override(StrataConfig& config, std::string_view dotted_key, std::string_view value) {
-  const Schema& sc = schema();
+Status apply_override(StrataConfig& config, std::string_view dotted_key, std::string_view value, const ConfigExtension* extension) {
+  const KeyTables sc(extension);
   const KeyContext ctx{dotted_key, kCommandLine};
   const KeySpec* spec = sc.find(dotted_key);
   if (spec == nullptr) {
@@ -285,7 +286,7 @@ Status apply_override(StrataConfig& config, std::string_view dotted_key, std::st
       return InvalidArgumentError(json_quoted(dotted_key) + " is a section, not a key; override one of its keys (e.g. " +
                                   json_quoted(std::string(dotted_key) + ".<key>") + ")");
     }
-    return InvalidArgumentError(unknown_key_message(dotted_key, kCommandLine));
+    return InvalidArgumentError(unknown_key_message(dotted_key, kCommandLine, sc));
   }
   switch (spec->role) {
     case Role::kIgnored:
@@ -314,7 +315,7 @@ Status apply_override(StrataConfig& config, std::string_view dotted_key, std::st
   return {};
 }
 
-std::optional<std::string> config_key_for_flag(std::string_view flag) {
+std::optional<std::string> config_key_for_flag(std::string_view flag, const ConfigExtension* extension) {
   while (!flag.empty() && flag.front() == '-') flag.remove_prefix(1);
   static const std::unordered_map<std::string_view, std::string_view> kFlags = {
       {"offload-param", "zero_optimization.offload_param.device"},
@@ -333,32 +334,36 @@ std::optional<std::string> config_key_for_flag(std::string_view flag) {
   if (auto it = kFlags.find(flag); it != kFlags.end()) return std::string(it->second);
   std::string key = "strata." + std::string(flag);
   std::replace(key.begin(), key.end(), '-', '_');
-  const KeySpec* spec = schema().find(key);
+  const KeySpec* spec = KeyTables(extension).find(key);
   if (spec != nullptr && (spec->role == Role::kValue || spec->role == Role::kAlias)) return key;
   return std::nullopt;
 }
 
-std::vector<ConfigKeyInfo> describe_config_keys() {
+std::vector<ConfigKeyInfo> describe_config_keys(const ConfigExtension* extension) {
   std::vector<ConfigKeyInfo> keys;
-  for (const KeySpec& spec : schema().keys) {
-    switch (spec.role) {
-      case Role::kValue: keys.push_back({spec.path, ConfigKeyKind::kImplemented, ""}); break;
-      case Role::kAlias: keys.push_back({spec.path, ConfigKeyKind::kAlias, spec.target}); break;
-      case Role::kIgnored: keys.push_back({spec.path, ConfigKeyKind::kIgnored, spec.reason}); break;
-      case Role::kRestricted:
-        keys.push_back({spec.path, ConfigKeyKind::kRestricted, "only " + spec.allowed.dump() + ": " + spec.reason});
-        break;
+  for (const Schema* table : KeyTables(extension).all()) {
+    for (const KeySpec& spec : table->keys) {
+      switch (spec.role) {
+        case Role::kValue: keys.push_back({spec.path, ConfigKeyKind::kImplemented, ""}); break;
+        case Role::kAlias: keys.push_back({spec.path, ConfigKeyKind::kAlias, spec.target}); break;
+        case Role::kIgnored: keys.push_back({spec.path, ConfigKeyKind::kIgnored, spec.reason}); break;
+        case Role::kRestricted:
+          keys.push_back({spec.path, ConfigKeyKind::kRestricted, "only " + spec.allowed.dump() + ": " + spec.reason});
+          break;
+      }
     }
   }
   return keys;
 }
 
-std::string to_json(const StrataConfig& config) {
+std::string to_json(const StrataConfig& config, const ConfigExtension* extension) {
   nlohmann::ordered_json root = nlohmann::ordered_json::object();
-  for (const KeySpec& spec : schema().keys) {
-    if (spec.role != Role::kValue) continue;
-    const Json value = spec.get(config);
-    if (!value.is_null()) set_at_path(root, spec.path, value);
+  for (const Schema* table : KeyTables(extension).all()) {
+    for (const KeySpec& spec : table->keys) {
+      if (spec.role != Role::kValue) continue;
+      const Json value = spec.get(config);
+      if (!value.is_null()) set_at_path(root, spec.path, value);
+    }
   }
   return dump_json(root, 2);
 }

@@ -74,17 +74,22 @@ KeySpec restricted_key(std::string path, Json allowed, std::string reason) {
   return spec;
 }
 
+Schema index_schema(std::vector<KeySpec> keys) {
+  Schema schema;
+  schema.keys = std::move(keys);
+  for (size_t i = 0; i < schema.keys.size(); ++i) {
+    const std::string& path = schema.keys[i].path;
+    STRATA_CHECK(schema.index.emplace(path, i).second);  // a key declared twice is a bug in the table
+    for (size_t dot = path.find('.'); dot != std::string::npos; dot = path.find('.', dot + 1)) {
+      schema.sections.insert(path.substr(0, dot));
+    }
+  }
+  return schema;
+}
+
 const Schema& schema() {
   static const Schema built = [] {
-    Schema schema;
-    schema.keys = build_schema();
-    for (size_t i = 0; i < schema.keys.size(); ++i) {
-      const std::string& path = schema.keys[i].path;
-      STRATA_CHECK(schema.index.emplace(path, i).second);  // a key declared twice is a bug in the table
-      for (size_t dot = path.find('.'); dot != std::string::npos; dot = path.find('.', dot + 1)) {
-        schema.sections.insert(path.substr(0, dot));
-      }
-    }
+    Schema schema = index_schema(build_schema());
     for (const KeySpec& spec : schema.keys) {
       if (spec.role == Role::kAlias) STRATA_CHECK(schema.find(spec.target) != nullptr);
     }
@@ -93,19 +98,51 @@ const Schema& schema() {
   return built;
 }
 
+ConfigExtension make_config_extension(std::vector<KeySpec> keys,
+                                      std::function<void(const StrataConfig&, const std::string&, std::vector<std::string>&)> check) {
+  ConfigExtension extension;
+  extension.schema = index_schema(std::move(keys));
+  for (const KeySpec& spec : extension.schema.keys) {
+    STRATA_CHECK(schema().find(spec.path) == nullptr);  // an extension adds keys, it does not redefine the engine's
+    STRATA_CHECK(spec.role == Role::kValue);
+  }
+  extension.check = std::move(check);
+  return extension;
+}
+
+const KeySpec* KeyTables::find(std::string_view path) const {
+  if (const KeySpec* spec = schema().find(path)) return spec;
+  return extension_ != nullptr ? extension_->schema.find(path) : nullptr;
+}
+
+bool KeyTables::is_section(std::string_view path) const {
+  return schema().is_section(path) || (extension_ != nullptr && extension_->schema.is_section(path));
+}
+
+std::vector<const Schema*> KeyTables::all() const {
+  std::vector<const Schema*> tables = {&schema()};
+  if (extension_ != nullptr) tables.push_back(&extension_->schema);
+  return tables;
+}
+
 namespace {
 
 // "(did you mean ...?)" for an unknown key: a near miss among its siblings first, then
 // the same name elsewhere in the schema.
-std::string suggestion_for(std::string_view path) {
-  const Schema& sc = schema();
+std::string suggestion_for(std::string_view path, const KeyTables& tables) {
   const std::string_view parent = parent_of(path);
   const std::string_view leaf = leaf_of(path);
-  std::vector<std::string> siblings;
-  for (const KeySpec& spec : sc.keys) {
-    if (parent_of(spec.path) == parent) siblings.push_back(spec.path);
+  std::vector<const KeySpec*> keys;
+  std::set<std::string, std::less<>> sections;
+  for (const Schema* table : tables.all()) {
+    for (const KeySpec& spec : table->keys) keys.push_back(&spec);
+    sections.insert(table->sections.begin(), table->sections.end());
   }
-  for (const std::string& section : sc.sections) {
+  std::vector<std::string> siblings;
+  for (const KeySpec* spec : keys) {
+    if (parent_of(spec->path) == parent) siblings.push_back(spec->path);
+  }
+  for (const std::string& section : sections) {
     if (parent_of(section) == parent) siblings.push_back(section);
   }
   const size_t limit = std::max<size_t>(2, leaf.size() / 4);
@@ -120,10 +157,10 @@ std::string suggestion_for(std::string_view path) {
   }
   if (!best.empty()) return " (did you mean " + json_quoted(best) + "?)";
   std::vector<std::string> elsewhere;
-  for (const KeySpec& spec : sc.keys) {
-    if (leaf_of(spec.path) == leaf) elsewhere.push_back(json_quoted(spec.path));
+  for (const KeySpec* spec : keys) {
+    if (leaf_of(spec->path) == leaf) elsewhere.push_back(json_quoted(spec->path));
   }
-  for (const std::string& section : sc.sections) {
+  for (const std::string& section : sections) {
     if (leaf_of(section) == leaf) elsewhere.push_back(json_quoted(section));
   }
   if (!elsewhere.empty() && elsewhere.size() <= 3) return " (did you mean " + join(elsewhere, " or ") + "?)";
@@ -132,8 +169,8 @@ std::string suggestion_for(std::string_view path) {
 
 }  // namespace
 
-std::string unknown_key_message(std::string_view path, std::string_view source) {
-  return "unknown key " + json_quoted(path) + where(source) + suggestion_for(path);
+std::string unknown_key_message(std::string_view path, std::string_view source, const KeyTables& tables) {
+  return "unknown key " + json_quoted(path) + where(source) + suggestion_for(path, tables);
 }
 
 std::string ignored_key_message(const KeySpec& spec, std::string_view source) {

@@ -1,7 +1,8 @@
 // The config's key table (engine/core/config.h is the interface): what each dotted key
 // is (implemented, an alias, a DeepSpeed key without effect, or one accepted at one value
 // only) and how it is stored. config_keys.cpp lists the keys; the parser, overrides,
-// to_json and describe_config_keys read this table. Internal to the config code.
+// to_json and describe_config_keys read this table; a layer above the engine adds its own
+// keys through a ConfigExtension (examples/run_config).
 #pragma once
 
 #include <cstddef>
@@ -79,12 +80,55 @@ struct Schema {
   bool is_section(std::string_view path) const { return sections.find(path) != sections.end(); }
 };
 
-// The table, built once.
+// A table with its index and sections; a key listed twice is a bug in the table (checked).
+Schema index_schema(std::vector<KeySpec> keys);
+
+// The engine's table, built once.
 const Schema& schema();
+
+// A key of a layer above the engine, bound to a field of that layer's own settings (the
+// StrataConfig the parser passes is not used).
+template <class T, class Codec>
+KeySpec bound_key(std::string path, T* field, Codec codec) {
+  return value_key(std::move(path), [field](StrataConfig&) -> T& { return *field; }, std::move(codec));
+}
+
+}  // namespace strata::config_detail
+
+namespace strata {
+
+// Keys a layer above the engine adds to the config (config.h): its keys, bound to its
+// settings with bound_key, and its cross-field checks, which finalize() runs after the
+// engine's own (`in` names the file and the overrides, as the engine's messages do).
+struct ConfigExtension {
+  config_detail::Schema schema;
+  std::function<void(const StrataConfig& config, const std::string& in, std::vector<std::string>& errors)> check;
+};
+
+}  // namespace strata
+
+namespace strata::config_detail {
+
+// An extension from its keys (none of them the engine's) and its checks.
+ConfigExtension make_config_extension(std::vector<KeySpec> keys,
+                                      std::function<void(const StrataConfig&, const std::string&, std::vector<std::string>&)> check);
+
+// The engine's keys and an extension's (none when null), looked up together.
+class KeyTables {
+ public:
+  explicit KeyTables(const ConfigExtension* extension) : extension_(extension) {}
+  const KeySpec* find(std::string_view path) const;
+  bool is_section(std::string_view path) const;
+  // The engine's table, then the extension's.
+  std::vector<const Schema*> all() const;
+
+ private:
+  const ConfigExtension* extension_;
+};
 
 // "unknown key ... (did you mean ...?)": a near miss among the key's siblings first, then
 // the same name elsewhere in the schema.
-std::string unknown_key_message(std::string_view path, std::string_view source);
+std::string unknown_key_message(std::string_view path, std::string_view source, const KeyTables& tables);
 // The warning for a DeepSpeed key Strata does not act on.
 std::string ignored_key_message(const KeySpec& spec, std::string_view source);
 
