@@ -8,7 +8,9 @@
 #include <memory>
 #include <string>
 
-#include "engine/core/config.h"
+#include "engine/core/io_engine_kind.h"
+#include "engine/core/overlap_mode.h"
+#include "engine/core/tier_kind.h"
 #include "engine/core/dtype.h"
 #include "kernels/adam.h"
 #include "offload/tier.h"
@@ -16,7 +18,7 @@
 
 namespace strata {
 
-// OverlapMode (exact | delayed), its name and its parser live in engine/core/config.h.
+// OverlapMode (exact | delayed), its name and its parser live in engine/core/overlap_mode.h.
 
 class IoFaultInjector;
 

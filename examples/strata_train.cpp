@@ -38,6 +38,7 @@
 #include "examples/gpt/token_data.h"
 #include "examples/llama/llama_architecture.h"
 #include "examples/hf/hf_export.h"
+#include "examples/run_config/run_config.h"
 #include "kernels/transformer_ops_cpu.h"
 
 namespace {
@@ -85,9 +86,9 @@ std::string trainer_string(const TrainGptArgs& args, const std::string& flag) {
   return it == args.trainer.end() ? std::string() : it->second;
 }
 
-Status apply_data_spec(StrataConfig& config, const std::string& spec) {
+Status apply_data_spec(RunConfig& run, const std::string& spec) {
   if (spec.empty()) return {};
-  if (spec == "synthetic") return apply_override(config, "strata.data.kind", "synthetic");
+  if (spec == "synthetic") return apply_run_override(run, "strata.data.kind", "synthetic");
   std::string kind, path = spec;
   if (spec.rfind("text:", 0) == 0) {
     kind = "text";
@@ -98,8 +99,8 @@ Status apply_data_spec(StrataConfig& config, const std::string& spec) {
   } else {
     kind = spec.size() > 4 && spec.substr(spec.size() - 4) == ".bin" ? "tokens" : "text";
   }
-  STRATA_RETURN_IF_ERROR(apply_override(config, "strata.data.kind", kind));
-  return apply_override(config, "strata.data.path", path);
+  STRATA_RETURN_IF_ERROR(apply_run_override(run, "strata.data.kind", kind));
+  return apply_run_override(run, "strata.data.path", path);
 }
 
 // The files a run writes as it goes or at its end are checked (their directories made)
@@ -132,8 +133,8 @@ StatusOr<std::string> hf_model_type(const std::string& dir) {
 
 // GPT-2: the starting weights' shape (a file, with n_head from the config.json beside it),
 // else the preset's with explicit overrides.
-StatusOr<std::shared_ptr<const lm::Architecture>> gpt_model(const StrataConfig& config, const std::string& init_from) {
-  const ModelConfig& m = config.strata.model;
+StatusOr<std::shared_ptr<const lm::Architecture>> gpt_model(const RunConfig& run, const std::string& init_from) {
+  const ModelConfig& m = run.model;
   const std::string preset = m.preset.empty() ? "tiny" : m.preset;
   STRATA_ASSIGN_OR_RETURN(GptConfig model, gpt_preset(preset));
   if (m.n_layer > 0) model.n_layer = m.n_layer;
@@ -157,11 +158,11 @@ StatusOr<std::shared_ptr<const lm::Architecture>> gpt_model(const StrataConfig& 
     model = from_file;
   } else if (m.vocab_size == 0) {
     // The data decides the smallest vocabulary: bytes need 256, GPT-2 token files 50257.
-    if (config.strata.data.kind == DataKind::kText) model.vocab_size = std::max<int64_t>(model.vocab_size, 256);
-    if (config.strata.data.kind == DataKind::kTokens) model.vocab_size = std::max<int64_t>(model.vocab_size, kGpt2VocabSize);
+    if (run.data.kind == DataKind::kText) model.vocab_size = std::max<int64_t>(model.vocab_size, 256);
+    if (run.data.kind == DataKind::kTokens) model.vocab_size = std::max<int64_t>(model.vocab_size, kGpt2VocabSize);
   }
-  if (config.strata.data.seq_len > model.n_ctx)
-    return InvalidArgumentError("strata.data.seq_len (" + std::to_string(config.strata.data.seq_len) + ") is longer than n_ctx (" +
+  if (run.data.seq_len > model.n_ctx)
+    return InvalidArgumentError("strata.data.seq_len (" + std::to_string(run.data.seq_len) + ") is longer than n_ctx (" +
                                 std::to_string(model.n_ctx) + ")");
   STRATA_ASSIGN_OR_RETURN(auto architecture, GptArchitecture::create(model));
   return std::shared_ptr<const lm::Architecture>(std::move(architecture));
@@ -169,8 +170,8 @@ StatusOr<std::shared_ptr<const lm::Architecture>> gpt_model(const StrataConfig& 
 
 // The Llama family: a model directory's config.json, else a preset; the GPT-2 shape keys
 // (strata.model.n_layer, ...) do not apply to it.
-StatusOr<std::shared_ptr<const lm::Architecture>> llama_model(const StrataConfig& config, const std::string& init_from) {
-  const ModelConfig& m = config.strata.model;
+StatusOr<std::shared_ptr<const lm::Architecture>> llama_model(const RunConfig& run, const std::string& init_from) {
+  const ModelConfig& m = run.model;
   if (m.n_layer > 0 || m.n_head > 0 || m.n_embd > 0 || m.n_ctx > 0 || m.vocab_size > 0)
     return InvalidArgumentError("--n-layer, --n-head, --n-embd, --n-ctx and --vocab-size shape GPT-2 models; a Llama-family model's shape "
                                 "comes from its config.json or preset");
@@ -191,37 +192,38 @@ bool is_llama_preset(const std::string& name) {
 
 // The model to train: --model DIR (its config.json's model_type picks the family), else
 // --init-from, else the preset.
-StatusOr<std::shared_ptr<const lm::Architecture>> resolve_model(const TrainGptArgs& args, const StrataConfig& config, std::string& init_from) {
+StatusOr<std::shared_ptr<const lm::Architecture>> resolve_model(const TrainGptArgs& args, const RunConfig& run, std::string& init_from) {
   if (const std::string dir = trainer_string(args, "model"); !dir.empty()) {
     if (!init_from.empty()) return InvalidArgumentError("--model and --init-from both name weights to start from; give one");
     STRATA_ASSIGN_OR_RETURN(const std::string model_type, hf_model_type(dir));
     if (model_type == "gpt2") {
       init_from = (std::filesystem::path(dir) / "model.safetensors").string();
-      return gpt_model(config, init_from);
+      return gpt_model(run, init_from);
     }
     if (model_type == "llama" || model_type == "mistral" || model_type == "qwen2") {
       init_from = dir;
-      return llama_model(config, init_from);
+      return llama_model(run, init_from);
     }
     return InvalidArgumentError("--model " + dir + ": config.json says model_type \"" + model_type +
                                 "\"; supported: gpt2, llama, mistral, qwen2");
   }
   if (!init_from.empty() && std::filesystem::is_directory(init_from)) {
     const StatusOr<std::string> model_type = hf_model_type(init_from);
-    if (model_type.ok() && *model_type != "gpt2") return llama_model(config, init_from);
+    if (model_type.ok() && *model_type != "gpt2") return llama_model(run, init_from);
   }
-  if (is_llama_preset(config.strata.model.preset)) return llama_model(config, init_from);
-  return gpt_model(config, init_from);
+  if (is_llama_preset(run.model.preset)) return llama_model(run, init_from);
+  return gpt_model(run, init_from);
 }
 
 StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
-  StrataConfig config;
+  RunConfig run;
   if (!args.config_path.empty()) {
-    STRATA_ASSIGN_OR_RETURN(config, load_config_file(args.config_path));
+    STRATA_ASSIGN_OR_RETURN(run, load_run_config(args.config_path));
   }
-  STRATA_RETURN_IF_ERROR(apply_train_gpt_overrides(config, args));
-  STRATA_RETURN_IF_ERROR(apply_data_spec(config, args.data_spec));
-  if (config.strata.steps == 0 && !config.was_given("strata.steps")) config.strata.steps = 50;
+  STRATA_RETURN_IF_ERROR(apply_train_gpt_overrides(run, args));
+  STRATA_RETURN_IF_ERROR(apply_data_spec(run, args.data_spec));
+  StrataConfig& config = run.engine;
+  if (run.steps == 0 && !config.was_given("strata.steps")) run.steps = 50;
   // The engine keeps optimizer state on the host or NVMe (the CPU Adam); unless asked
   // otherwise it goes to pinned host memory.
   if (!config.was_given("zero_optimization.offload_optimizer.device"))
@@ -229,33 +231,33 @@ StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
   // Decaying schedules need their length; default it to the run's.
   if ((config.scheduler.type == SchedulerType::kWarmupDecayLR || config.scheduler.type == SchedulerType::kWarmupCosineLR) &&
       !config.scheduler.total_num_steps)
-    config.scheduler.total_num_steps = config.strata.steps;
+    config.scheduler.total_num_steps = run.steps;
   // Started by a launcher with WORLD_SIZE > 1: this process is one rank of that world, and
   // a configured world size must agree with it.
   STRATA_ASSIGN_OR_RETURN(std::optional<RendezvousOptions> process_group, LocalCluster::process_group_from_env());
   if (process_group) {
-    Status finalized = finalize(config, process_group->world_size);
+    Status finalized = finalize_run_config(run, process_group->world_size);
     if (!finalized.ok())
       return std::move(finalized).with_context("the launcher's environment gives WORLD_SIZE=" + std::to_string(process_group->world_size) +
                                     " (RANK=" + std::to_string(process_group->rank) + ")");
   } else {
-    STRATA_RETURN_IF_ERROR(finalize(config, kConfiguredWorldSize));
+    STRATA_RETURN_IF_ERROR(finalize_run_config(run, kConfiguredWorldSize));
   }
 
   TrainerOptions options;
   options.process_group = std::move(process_group);
   options.init_from = trainer_string(args, "init-from");
-  STRATA_ASSIGN_OR_RETURN(options.model, resolve_model(args, config, options.init_from));
+  STRATA_ASSIGN_OR_RETURN(options.model, resolve_model(args, run, options.init_from));
 
   if (args.checkpointing) {
     if (*args.checkpointing == "off") options.checkpointing = ActivationCheckpointing::kOff;
     else if (*args.checkpointing == "device") options.checkpointing = ActivationCheckpointing::kDevice;
     else if (*args.checkpointing == "pinned") options.checkpointing = ActivationCheckpointing::kPinnedHost;
     else return InvalidArgumentError("--activation-checkpointing takes off, device or pinned, got \"" + *args.checkpointing + "\"");
-  } else if (!config.strata.model.activation_checkpointing) {
+  } else if (!run.model.activation_checkpointing) {
     options.checkpointing = ActivationCheckpointing::kOff;
   } else {
-    options.checkpointing = config.strata.model.checkpoints_in_pinned_memory ? ActivationCheckpointing::kPinnedHost : ActivationCheckpointing::kDevice;
+    options.checkpointing = run.model.checkpoints_in_pinned_memory ? ActivationCheckpointing::kPinnedHost : ActivationCheckpointing::kDevice;
   }
 
   STRATA_ASSIGN_OR_RETURN(options.synthetic.order, trainer_integer<int>(args, "synthetic-order", 1));
@@ -265,7 +267,7 @@ StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
   const int64_t world = config.strata.world_size;
   const int64_t global_batch = config.train_micro_batch_size_per_gpu.value_or(1) * world;
   STRATA_ASSIGN_OR_RETURN(options.eval_sequences, trainer_integer<int64_t>(args, "eval-sequences", std::max<int64_t>(global_batch, 8)));
-  STRATA_ASSIGN_OR_RETURN(options.eval_every, trainer_integer<int64_t>(args, "eval-every", std::max<int64_t>(1, config.strata.steps / 10)));
+  STRATA_ASSIGN_OR_RETURN(options.eval_every, trainer_integer<int64_t>(args, "eval-every", std::max<int64_t>(1, run.steps / 10)));
   STRATA_ASSIGN_OR_RETURN(options.head_chunk_rows, trainer_integer<int64_t>(args, "head-chunk-rows", 0));
   options.save_dir = trainer_string(args, "save-dir");
   STRATA_ASSIGN_OR_RETURN(options.save_every, trainer_integer<int64_t>(args, "save-every", 0));
@@ -283,6 +285,8 @@ StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
   if (options.save_every > 0 && options.save_dir.empty()) return InvalidArgumentError("--save-every needs --save-dir");
   STRATA_RETURN_IF_ERROR(check_output_paths(config, options));
   options.config = std::move(config);
+  options.data = run.data;
+  options.steps = run.steps;
   return options;
 }
 

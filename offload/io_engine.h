@@ -50,14 +50,14 @@
 #include <string_view>
 #include <vector>
 
-#include "engine/core/config.h"
+#include "engine/core/io_engine_kind.h"
 #include "engine/core/status.h"
 #include "offload/pinned_arena.h"
 
 namespace strata {
 
 // IoEngineKind (auto | io_uring | psync), its name and its parser live in
-// engine/core/config.h, where the config's strata.io_engine needs them.
+// engine/core/io_engine_kind.h, where the config's strata.io_engine reads them too.
 
 enum class IoOp : uint8_t { kRead, kWrite };
 

@@ -1,12 +1,12 @@
 // What a tier's buffers need. The Tier enum itself, its names and the placement
 // vocabulary of configs and command lines (`device|cpu|nvme`, where `cpu` means pinned
 // host memory unless pin_memory is false, then pageable host memory) live in
-// engine/core/config.h, the lowest floor that needs them.
+// engine/core/tier_kind.h, the lowest floor that needs them.
 #pragma once
 
 #include <cstddef>
 
-#include "engine/core/config.h"
+#include "engine/core/tier_kind.h"
 
 namespace strata {
 

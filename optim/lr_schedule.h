@@ -37,7 +37,7 @@
 #include <cstdint>
 #include <string>
 
-#include "engine/core/config.h"
+#include "engine/core/scheduler_config.h"
 #include "engine/core/status.h"
 
 namespace strata {

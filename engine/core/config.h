@@ -16,8 +16,10 @@
 //   write to_json(config) next to the checkpoint.
 //   engine/engine_config.h maps the finalized config to the engine's EngineOptions.
 //
-// The schema is a table in config.cpp: adding a key is one line there plus a field here
-// and a row in docs/config.md.
+// The schema is a table in config_keys.cpp: adding a key is one line there plus a field
+// here and a row in docs/config.md. A layer above the engine adds its own keys to the same
+// file through a ConfigExtension (examples/run_config: strata-train's strata.model.*,
+// strata.data.* and strata.steps); without one, those keys are unknown keys.
 #pragma once
 
 #include <array>
@@ -31,40 +33,13 @@
 
 #include "engine/core/device.h"
 #include "engine/core/dtype.h"
+#include "engine/core/io_engine_kind.h"
+#include "engine/core/overlap_mode.h"
+#include "engine/core/scheduler_config.h"
 #include "engine/core/status.h"
+#include "engine/core/tier_kind.h"
 
 namespace strata {
-
-// Where bytes live (the README's table of tiers; docs/architecture.md says where a tier
-// is added). Configs and command lines name a placement with three words,
-// `device|cpu|nvme` (DeepSpeed's offload device "none" is `device`); `cpu` is kPinned, or
-// kHost when pin_memory is false (finalize() decides).
-// offload/tier.h adds what the tiers' buffers need (alignment, host access).
-enum class Tier : uint8_t {
-  kDevice,  // the compute device's memory (under its budget)
-  kPinned,  // page-locked host memory: DMA-able by the GPU and registered with io_uring
-  kHost,    // pageable host memory
-  kNvme,    // a file under nvme_path, O_DIRECT, 4 KiB aligned
-};
-std::string_view tier_name(Tier tier);       // "device" | "pinned" | "host" | "nvme"
-std::string_view placement_name(Tier tier);  // "device" | "cpu" (kPinned and kHost) | "nvme"
-// Parses a placement (`device`, `cpu`, `nvme`; `none` is an alias of `device`) into a
-// tier; `pin_memory` picks kPinned or kHost for `cpu`.
-StatusOr<Tier> parse_placement(std::string_view text, bool pin_memory = true);
-
-// When the optimizer runs relative to the next step (docs/architecture.md, "One step,
-// stage by stage").
-enum class OverlapMode : uint8_t {
-  // Global norm and overflow are reduced at the end of backward; then Adam runs group by
-  // group in forward order while the next forward starts, forward(g) waiting only for
-  // Adam(g). With clipping off and no loss scaling, Adam(g) starts as soon as g's last
-  // gradients land, during backward.
-  kExact,
-  // Step t's update overlaps step t+1's forward and backward: the parameters a step uses
-  // are one update stale.
-  kDelayed,
-};
-std::string_view overlap_mode_name(OverlapMode mode);  // "exact" | "delayed"
 
 // What the trainer does when a checkpoint save fails twice (the save and its one retry).
 enum class SaveFailurePolicy : uint8_t {
@@ -72,26 +47,10 @@ enum class SaveFailurePolicy : uint8_t {
   kContinue,  // warn and keep training; the next save tries again
 };
 std::string_view save_failure_policy_name(SaveFailurePolicy policy);  // "stop" | "continue"
-StatusOr<OverlapMode> parse_overlap_mode(std::string_view text);
-
-// Which implementation of offload/io_engine.h moves NVMe bytes.
-enum class IoEngineKind : uint8_t {
-  kAuto,     // io_uring where the kernel allows it, else psync (logged once)
-  kIoUring,  // io_uring or an error
-  kPsync,    // the pread/pwrite thread pool
-};
-std::string_view io_engine_kind_name(IoEngineKind kind);  // "auto" | "io_uring" | "psync"
-// Also accepts "uring" and "pread".
-StatusOr<IoEngineKind> parse_io_engine_kind(std::string_view text);
 
 enum class OptimizerType : uint8_t { kAdam, kAdamW };
-enum class SchedulerType : uint8_t { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
-enum class WarmupType : uint8_t { kLog, kLinear };  // DeepSpeed's warmup_type "log" | "linear"
-enum class DataKind : uint8_t { kSynthetic, kText, kTokens };
 
 std::string_view optimizer_type_name(OptimizerType type);        // "Adam" | "AdamW"
-std::string_view scheduler_type_name(SchedulerType type);        // "none" | "WarmupLR" | ...
-std::string_view data_kind_name(DataKind kind);                  // "synthetic" | "text" | "tokens"
 
 // zero_optimization.offload_param: where the compute-dtype parameter shards live.
 struct OffloadParamConfig {
@@ -162,45 +121,6 @@ struct OptimizerConfig {
 // True when weight decay is decoupled (AdamW), with DeepSpeed's rule above.
 bool decoupled_weight_decay(const OptimizerConfig& optimizer);
 
-// scheduler: DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR. Parameters that a
-// type does not take stay unset; finalize() fills the defaults of the chosen type and
-// rejects parameters that do not belong to it.
-struct SchedulerConfig {
-  SchedulerType type = SchedulerType::kNone;
-  std::optional<double> warmup_min_lr;        // WarmupLR, WarmupDecayLR (default 0)
-  std::optional<double> warmup_max_lr;        // WarmupLR (default optimizer lr), WarmupDecayLR (default 0.001)
-  std::optional<int64_t> warmup_num_steps;    // all three (default 1000)
-  std::optional<WarmupType> warmup_type;      // all three (default log)
-  std::optional<int64_t> total_num_steps;     // WarmupDecayLR, WarmupCosineLR (required)
-  std::optional<double> warmup_min_ratio;     // WarmupCosineLR (default 0)
-  std::optional<double> cos_min_ratio;        // WarmupCosineLR (default 0.0001)
-};
-
-// The scheduler.params keys a scheduler type takes (DeepSpeed's constructors), and those
-// of `config` that are set but do not apply to its type. One table for the config loader
-// and for optim/'s LrSchedule.
-std::vector<std::string_view> scheduler_parameters(SchedulerType type);
-std::vector<std::string_view> misplaced_scheduler_parameters(const SchedulerConfig& config);
-
-// strata.model: the GPT trainer's model. 0 means "take it from the preset".
-struct ModelConfig {
-  std::string preset;                          // a named model shape, defined by the trainer; empty = none
-  int64_t n_layer = 0;
-  int64_t n_head = 0;
-  int64_t n_embd = 0;
-  int64_t n_ctx = 0;                           // context length in tokens
-  int64_t vocab_size = 0;
-  bool activation_checkpointing = true;        // keep only each block's input; recompute the rest in backward
-  bool checkpoints_in_pinned_memory = false;   // keep the block inputs saved for recompute in pinned host memory
-};
-
-// strata.data: what the trainer reads.
-struct DataConfig {
-  DataKind kind = DataKind::kSynthetic;
-  std::string path;            // text file or token file; required unless kind is synthetic
-  double eval_fraction = 0.0;  // share of the data held out for evaluation, in [0, 1)
-  int64_t seq_len = 0;         // tokens per sample; 0 = model.n_ctx
-};
 
 // The "strata" section.
 struct StrataSection {
@@ -222,11 +142,8 @@ struct StrataSection {
   std::string metrics;                // metrics file (JSON lines); empty = none
   std::string trace;                  // trace file (Chrome trace JSON); empty = none
   int64_t seed = 1234;
-  int64_t steps = 0;                  // optimizer steps to run; 0 = the trainer's default
   SaveFailurePolicy on_save_failure = SaveFailurePolicy::kStop;  // strata.checkpoint.on_save_failure
   int64_t max_nonfinite_steps = 0;    // steps with a non-finite loss or gradient norm skipped before the run stops; 0 = stop at the first
-  ModelConfig model;
-  DataConfig data;
 };
 
 struct StrataConfig {
@@ -254,25 +171,34 @@ struct StrataConfig {
   bool was_given(std::string_view key) const { return given.find(key) != given.end(); }
 };
 
+// Keys a layer above the engine adds to the file, bound to that layer's settings, with its
+// cross-field checks (engine/core/config_schema.h builds one). Where a function below takes
+// one, its keys are parsed, overridden, suggested, checked, written and described with the
+// engine's own and in the same messages; `given` records them too.
+struct ConfigExtension;
+
 // Reads and parses a config file (JSON; // and /* */ comments allowed, as DeepSpeed's
 // hjson loader does). Errors name the file.
-StatusOr<StrataConfig> load_config_file(const std::string& path);
+StatusOr<StrataConfig> load_config_file(const std::string& path, const ConfigExtension* extension = nullptr);
 
 // Parses config text; `source_name` is used in every message (usually the file path).
-StatusOr<StrataConfig> parse_config_json(std::string_view text, std::string_view source_name);
+StatusOr<StrataConfig> parse_config_json(std::string_view text, std::string_view source_name,
+                                         const ConfigExtension* extension = nullptr);
 
 // Sets one key from text, as a command-line flag does, with the same validation as the
 // file: `dotted_key` is any implemented key or alias ("zero_optimization.offload_param.device",
 // "strata.nvme_path", ...); `value` is parsed for the key's type (numbers, true/false,
 // names; betas as "0.9,0.95"). Apply overrides before finalize().
-Status apply_override(StrataConfig& config, std::string_view dotted_key, std::string_view value);
+Status apply_override(StrataConfig& config, std::string_view dotted_key, std::string_view value,
+                      const ConfigExtension* extension = nullptr);
 
 // The config key a trainer flag sets, for the flags every program that reads a config shares:
 // --device, --world-size, --device-budget-mib, --pinned-budget-mib, --offload-param,
-// --offload-optimizer, --nvme-path, --steps, --metrics, --trace, --seed, --io-engine,
+// --offload-optimizer, --nvme-path, --metrics, --trace, --seed, --io-engine,
 // --micro-batch, --grad-accum, --batch-size, --lr ... and "--<key>" for any top-level
-// key of the strata section with '-' for '_'. nullopt for a flag that sets no key.
-std::optional<std::string> config_key_for_flag(std::string_view flag);
+// key of the strata section (the engine's or the extension's: --steps) with '-' for '_'.
+// nullopt for a flag that sets no key.
+std::optional<std::string> config_key_for_flag(std::string_view flag, const ConfigExtension* extension = nullptr);
 
 // Use the world size this value to resolve and check the config; 0 means "use
 // strata.world_size as configured".
@@ -290,13 +216,15 @@ inline constexpr int kConfiguredWorldSize = 0;
 //     engine keeps all host buffers in one arena, pinned or not; one warning when the two
 //     disagree);
 //   - scheduler parameters belong to the scheduler type; its defaults are filled;
-//   - ZeRO stage 0-2 runs as 3 (one warning).
+//   - ZeRO stage 0-2 runs as 3 (one warning);
+//   - then the extension's own checks, when there is one.
 // Idempotent: finalizing a finalized config changes nothing.
-Status finalize(StrataConfig& config, int world_size);
+Status finalize(StrataConfig& config, int world_size, const ConfigExtension* extension = nullptr);
 
 // The resolved config as JSON in the file's own vocabulary (DeepSpeed keys plus the
-// "strata" section), pretty-printed. parse_config_json(to_json(c)) gives back c.
-std::string to_json(const StrataConfig& config);
+// "strata" section, the extension's keys after the engine's), pretty-printed.
+// parse_config_json(to_json(c)) gives back c (with the same extension).
+std::string to_json(const StrataConfig& config, const ConfigExtension* extension = nullptr);
 
 // The schema, for help text and for the test that keeps docs/config.md complete.
 enum class ConfigKeyKind : uint8_t {
@@ -310,7 +238,7 @@ struct ConfigKeyInfo {
   ConfigKeyKind kind;
   std::string note;  // kAlias: the key it stands for; kIgnored/kRestricted: why
 };
-std::vector<ConfigKeyInfo> describe_config_keys();
+std::vector<ConfigKeyInfo> describe_config_keys(const ConfigExtension* extension = nullptr);
 
 // strata.device resolved: the configured device, or cuda when a GPU is usable and cpu
 // otherwise when it was left at "auto".

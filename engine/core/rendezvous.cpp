@@ -9,9 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <charconv>
 #include <climits>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -19,35 +17,13 @@
 
 #include "engine/core/check.h"
 #include "engine/core/log.h"
+#include "engine/core/rendezvous_wire.h"
 
 namespace strata {
 
-// ---------------------------------------------------------------------------
-// Options from the environment
-// ---------------------------------------------------------------------------
-
-std::optional<std::string> process_env_lookup(const char* name) {
-  const char* value = std::getenv(name);
-  if (value == nullptr) return std::nullopt;
-  return std::string(value);
-}
+using namespace rendezvous_wire;  // the wire format and the socket helpers of this file's protocol
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-// Parses a whole decimal integer in [min, max]; the error names the variable.
-StatusOr<long long> parse_env_integer(const char* name, const std::string& text, long long min, long long max,
-                                      std::string_view expected) {
-  long long value = 0;
-  const char* begin = text.data();
-  const char* end = text.data() + text.size();
-  const auto [ptr, error] = std::from_chars(begin, end, value);
-  if (text.empty() || error != std::errc() || ptr != end || value < min || value > max)
-    return InvalidArgumentError("environment variable " + std::string(name) + "='" + text + "': expected " +
-                                std::string(expected));
-  return value;
-}
 
 std::string seconds_text(std::chrono::milliseconds duration) {
   char text[32];
@@ -71,518 +47,36 @@ std::string rank_list_text(const std::vector<int>& ranks) {
   return text;
 }
 
-}  // namespace
+// Rank 0's join timed out with `missing` ranks absent.
+Status never_arrived_error(const RendezvousOptions& options, uint16_t port, const std::vector<int>& missing) {
+  return DeadlineExceededError("rendezvous: rank 0 waited " + seconds_text(options.timeout) + " on port " + std::to_string(port) +
+                               " but rank" + (missing.size() == 1 ? " " : "s ") + rank_list_text(missing) + " of WORLD_SIZE=" +
+                               std::to_string(options.world_size) + " never arrived (" +
+                               (missing.size() == 1 ? "is it" : "are they") + " running, with MASTER_ADDR=" +
+                               options.master_addr + " MASTER_PORT=" + std::to_string(port) + "?)");
+}
 
-std::string_view launch_environment_name(LaunchEnvironment environment) {
-  switch (environment) {
-    case LaunchEnvironment::kNone: return "none";
-    case LaunchEnvironment::kTorchrun: return "torchrun";
-    case LaunchEnvironment::kOpenMpi: return "openmpi";
-    case LaunchEnvironment::kSlurm: return "slurm";
+// Why a connection's first message cannot join a group of `world` ranks (Ok when it can):
+// not a hello, another WORLD_SIZE, a rank out of range, or a rank that `claimed_by`
+// (non-null) already holds.
+Status hello_problem(const Message& hello, const std::string& who, int world, const std::string* claimed_by) {
+  if (hello.header.kind != MessageKind::kHello) {
+    return DataLossError("rendezvous: a connection (" + who + ") sent " + std::string(message_kind_name(hello.header.kind)) +
+                         " before hello");
   }
-  return "unknown";
-}
-
-namespace {
-
-// A host list bigger than any cluster: garbage such as "n[0-99999999]" is refused, not expanded.
-constexpr size_t kMaxSlurmHosts = size_t{1} << 20;
-
-Status nodelist_error(std::string_view nodelist, std::string_view why) {
-  return InvalidArgumentError("Slurm node list '" + std::string(nodelist) + "': " + std::string(why));
-}
-
-// Parses a whole decimal number in [0, 10^9] from `text`.
-std::optional<long long> parse_list_number(std::string_view text) {
-  long long value = 0;
-  const auto [ptr, error] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (text.empty() || error != std::errc() || ptr != text.data() + text.size() || value < 0 || value > 1000000000)
-    return std::nullopt;
-  return value;
-}
-
-// Expands one name that may hold brackets ("rack[1-2]-n[01,03]") onto `hosts`.
-Status expand_slurm_host(std::string_view whole, std::string_view name, std::vector<std::string>& hosts) {
-  const size_t open = name.find('[');
-  if (open == std::string_view::npos) {
-    if (name.find(']') != std::string_view::npos) return nodelist_error(whole, "']' without '['");
-    if (hosts.size() >= kMaxSlurmHosts) return nodelist_error(whole, "more than 2^20 hosts");
-    hosts.emplace_back(name);
-    return Status::Ok();
+  if (hello.header.aux != world) {
+    return InvalidArgumentError("rendezvous: rank " + std::to_string(hello.header.rank) + " (" + who + ") has WORLD_SIZE=" +
+                                std::to_string(hello.header.aux) + " but rank 0 has WORLD_SIZE=" + std::to_string(world) +
+                                ": every process must be started with the same WORLD_SIZE");
   }
-  const size_t close = name.find(']', open);
-  if (close == std::string_view::npos) return nodelist_error(whole, "'[' without ']'");
-  const std::string_view prefix = name.substr(0, open);
-  const std::string_view ranges = name.substr(open + 1, close - open - 1);
-  const std::string_view rest = name.substr(close + 1);
-  size_t start = 0;
-  while (start <= ranges.size()) {
-    const size_t comma = std::min(ranges.find(',', start), ranges.size());
-    const std::string_view range = ranges.substr(start, comma - start);
-    const size_t dash = range.find('-');
-    const std::string_view low_text = range.substr(0, dash);
-    const std::string_view high_text = dash == std::string_view::npos ? low_text : range.substr(dash + 1);
-    const std::optional<long long> low = parse_list_number(low_text);
-    const std::optional<long long> high = parse_list_number(high_text);
-    if (!low || !high || *high < *low)
-      return nodelist_error(whole, "'" + std::string(range) + "' is not a number or a range low-high");
-    if (static_cast<size_t>(*high - *low) >= kMaxSlurmHosts) return nodelist_error(whole, "more than 2^20 hosts");
-    for (long long value = *low; value <= *high; ++value) {
-      std::string digits = std::to_string(value);
-      // Slurm keeps the low bound's width: node[08-10] -> node08 node09 node10.
-      if (digits.size() < low_text.size()) digits.insert(0, low_text.size() - digits.size(), '0');
-      STRATA_RETURN_IF_ERROR(expand_slurm_host(whole, std::string(prefix) + digits + std::string(rest), hosts));
-    }
-    start = comma + 1;
+  if (hello.header.rank <= 0 || hello.header.rank >= world) {
+    return InvalidArgumentError("rendezvous: a process (" + who + ") has RANK=" + std::to_string(hello.header.rank) +
+                                ", outside [1, " + std::to_string(world - 1) + "] for the non-root ranks of WORLD_SIZE=" +
+                                std::to_string(world));
   }
-  return Status::Ok();
-}
-
-}  // namespace
-
-StatusOr<std::vector<std::string>> expand_slurm_nodelist(std::string_view nodelist) {
-  std::vector<std::string> hosts;
-  size_t start = 0;
-  int depth = 0;
-  for (size_t i = 0; i <= nodelist.size(); ++i) {
-    const char c = i < nodelist.size() ? nodelist[i] : ',';
-    if (c == '[' && ++depth > 1) return nodelist_error(nodelist, "'[' inside brackets");
-    if (c == ']' && --depth < 0) return nodelist_error(nodelist, "']' without '['");
-    if (i == nodelist.size() && depth > 0) return nodelist_error(nodelist, "'[' without ']'");
-    if (c != ',' || depth > 0) continue;  // a comma inside brackets separates ranges, not hosts
-    const std::string_view name = nodelist.substr(start, i - start);
-    if (name.empty()) return nodelist_error(nodelist, "an empty host name");
-    STRATA_RETURN_IF_ERROR(expand_slurm_host(nodelist, name, hosts));
-    start = i + 1;
-  }
-  return hosts;
-}
-
-StatusOr<std::vector<int>> expand_slurm_tasks_per_node(std::string_view tasks_per_node) {
-  std::vector<int> counts;
-  const auto error = [&] {
-    return InvalidArgumentError("Slurm tasks-per-node list '" + std::string(tasks_per_node) +
-                                "': expected comma-separated counts, each maybe repeated as N(xK), e.g. 2(x3),1");
-  };
-  size_t start = 0;
-  while (start <= tasks_per_node.size()) {
-    const size_t comma = std::min(tasks_per_node.find(',', start), tasks_per_node.size());
-    std::string_view item = tasks_per_node.substr(start, comma - start);
-    long long repeat = 1;
-    const size_t paren = item.find("(x");
-    if (paren != std::string_view::npos) {
-      if (!item.ends_with(')')) return error();
-      const std::optional<long long> times = parse_list_number(item.substr(paren + 2, item.size() - paren - 3));
-      if (!times || *times < 1 || static_cast<size_t>(*times) > kMaxSlurmHosts) return error();
-      repeat = *times;
-      item = item.substr(0, paren);
-    }
-    const std::optional<long long> count = parse_list_number(item);
-    if (!count || *count < 1 || *count > (1 << 20) || counts.size() + repeat > kMaxSlurmHosts) return error();
-    counts.insert(counts.end(), static_cast<size_t>(repeat), static_cast<int>(*count));
-    start = comma + 1;
-  }
-  return counts;
-}
-
-namespace {
-
-// A positive number of seconds (fractions allowed); the error names the variable.
-StatusOr<std::chrono::milliseconds> parse_env_seconds(const char* name, const std::string& text) {
-  double seconds = 0.0;
-  const char* begin = text.data();
-  const char* end = begin + text.size();
-  const auto [ptr, error] = std::from_chars(begin, end, seconds);
-  if (text.empty() || error != std::errc() || ptr != end || !(seconds > 0.0) || seconds > 1e7)
-    return InvalidArgumentError("environment variable " + std::string(name) + "='" + text +
-                                "': expected a positive number of seconds");
-  return std::chrono::milliseconds(static_cast<long long>(seconds * 1000.0 + 0.5));
-}
-
-// The names one launcher gives its variables (nullptr: the launcher has none).
-struct LauncherVariables {
-  LaunchEnvironment environment;
-  const char* rank;
-  const char* world_size;
-  const char* local_rank;
-  const char* local_world_size;
-  const char* node_rank;
-};
-
-constexpr LauncherVariables kTorchrunVariables = {LaunchEnvironment::kTorchrun, "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                  "LOCAL_WORLD_SIZE", "GROUP_RANK"};
-constexpr LauncherVariables kOpenMpiVariables = {LaunchEnvironment::kOpenMpi, "OMPI_COMM_WORLD_RANK",
-                                                 "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                                                 "OMPI_COMM_WORLD_LOCAL_SIZE", nullptr};
-// SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE are read by slurm_local_world_size.
-constexpr LauncherVariables kSlurmVariables = {LaunchEnvironment::kSlurm, "SLURM_PROCID", "SLURM_NTASKS",
-                                               "SLURM_LOCALID", nullptr, "SLURM_NODEID"};
-
-// The first launcher, in order of preference, whose variables are set.
-const LauncherVariables* detect_launcher(const EnvLookup& lookup) {
-  if (lookup("RANK") || lookup("WORLD_SIZE")) return &kTorchrunVariables;
-  if (lookup("OMPI_COMM_WORLD_RANK")) return &kOpenMpiVariables;
-  if (lookup("SLURM_PROCID")) return &kSlurmVariables;
-  return nullptr;
-}
-
-// Reads an optional integer variable in [min, max] into `value` (left alone when unset).
-Status read_env_integer(const EnvLookup& lookup, const char* name, long long min, long long max,
-                        std::string_view expected, int& value) {
-  if (name == nullptr) return Status::Ok();
-  const std::optional<std::string> text = lookup(name);
-  if (!text) return Status::Ok();
-  STRATA_ASSIGN_OR_RETURN(const long long parsed, parse_env_integer(name, *text, min, max, expected));
-  value = static_cast<int>(parsed);
-  return Status::Ok();
-}
-
-std::string index_range_text(const char* bound_name, int bound) {
-  return "an integer in [0, " + std::string(bound_name) + "-1] = [0, " + std::to_string(bound - 1) + "]";
-}
-
-// This node's process count under Slurm: SLURM_NTASKS_PER_NODE (one number, set by
-// --ntasks-per-node), else this node's entry (SLURM_NODEID) of SLURM_TASKS_PER_NODE.
-Status read_slurm_local_world_size(const EnvLookup& lookup, RendezvousOptions& options) {
-  if (lookup("SLURM_NTASKS_PER_NODE")) {
-    return read_env_integer(lookup, "SLURM_NTASKS_PER_NODE", 1, options.world_size,
-                            "an integer in [1, SLURM_NTASKS] = [1, " + std::to_string(options.world_size) + "]",
-                            options.local_world_size);
-  }
-  const std::optional<std::string> list = lookup("SLURM_TASKS_PER_NODE");
-  if (!list) return Status::Ok();
-  StatusOr<std::vector<int>> counts = expand_slurm_tasks_per_node(*list);
-  if (!counts.ok()) return InvalidArgumentError("environment variable SLURM_TASKS_PER_NODE: " + counts.status().message());
-  if (static_cast<size_t>(options.node_rank) >= counts->size())
-    return InvalidArgumentError("environment variable SLURM_TASKS_PER_NODE='" + *list + "' lists " +
-                                std::to_string(counts->size()) + " node(s) but SLURM_NODEID=" +
-                                std::to_string(options.node_rank));
-  options.local_world_size = (*counts)[static_cast<size_t>(options.node_rank)];
-  if (options.local_world_size > options.world_size)
-    return InvalidArgumentError("environment variable SLURM_TASKS_PER_NODE='" + *list + "' gives node " +
-                                std::to_string(options.node_rank) + " " + std::to_string(options.local_world_size) +
-                                " tasks, more than SLURM_NTASKS=" + std::to_string(options.world_size));
-  return Status::Ok();
-}
-
-// Rank, world size, local rank and size, node rank from `names`, with their defaults.
-Status read_launcher_ranks(const EnvLookup& lookup, const LauncherVariables& names, RendezvousOptions& options) {
-  const std::optional<std::string> rank_text = lookup(names.rank);
-  const std::optional<std::string> world_text = lookup(names.world_size);
-  if (!world_text && rank_text)
-    return InvalidArgumentError("environment variable " + std::string(names.rank) + "='" + *rank_text + "' is set but " +
-                                names.world_size + " is not: set both (or neither, for a single process)");
-  STRATA_RETURN_IF_ERROR(read_env_integer(lookup, names.world_size, 1, 1 << 20,
-                                          "a positive integer (the number of processes)", options.world_size));
-  if (!rank_text && options.world_size > 1)
-    return InvalidArgumentError("environment variable " + std::string(names.world_size) + "=" +
-                                std::to_string(options.world_size) + " but " + names.rank +
-                                " is not set: each process needs its rank in [0, " + names.world_size + "-1]");
-  STRATA_RETURN_IF_ERROR(read_env_integer(lookup, names.rank, 0, options.world_size - 1,
-                                          index_range_text(names.world_size, options.world_size), options.rank));
-  STRATA_RETURN_IF_ERROR(read_env_integer(lookup, names.node_rank, 0, options.world_size - 1,
-                                          index_range_text(names.world_size, options.world_size), options.node_rank));
-  options.local_world_size = options.world_size;
-  if (names.environment == LaunchEnvironment::kSlurm) {
-    STRATA_RETURN_IF_ERROR(read_slurm_local_world_size(lookup, options));
-  } else {
-    STRATA_RETURN_IF_ERROR(read_env_integer(
-        lookup, names.local_world_size, 1, options.world_size,
-        "an integer in [1, " + std::string(names.world_size) + "] = [1, " + std::to_string(options.world_size) + "]",
-        options.local_world_size));
-  }
-  if (names.node_rank == nullptr || !lookup(names.node_rank)) options.node_rank = options.rank / options.local_world_size;
-  // Without a local rank the ranks are taken to fill the nodes in order (one node, by default).
-  options.local_rank = options.rank % options.local_world_size;
-  const char* bound = names.local_world_size != nullptr ? names.local_world_size : "the node's task count";
-  STRATA_RETURN_IF_ERROR(read_env_integer(lookup, names.local_rank, 0, options.local_world_size - 1,
-                                          index_range_text(bound, options.local_world_size), options.local_rank));
-  return Status::Ok();
-}
-
-// MASTER_ADDR, or where the launcher has no such variable, its fallback.
-Status read_master_address(const EnvLookup& lookup, const LauncherVariables& names, RendezvousOptions& options) {
-  if (const std::optional<std::string> addr = lookup("MASTER_ADDR")) {
-    if (addr->empty()) return InvalidArgumentError("environment variable MASTER_ADDR is empty: expected rank 0's host");
-    options.master_addr = *addr;
-    return Status::Ok();
-  }
-  if (options.world_size == 1) return Status::Ok();
-  const std::string world = std::string(names.world_size) + "=" + std::to_string(options.world_size);
-  switch (names.environment) {
-    case LaunchEnvironment::kOpenMpi:
-      if (options.local_world_size == options.world_size) return Status::Ok();  // one node: the loopback default
-      return InvalidArgumentError("environment variable MASTER_ADDR is not set and the ranks span several nodes (" +
-                                  world + ", OMPI_COMM_WORLD_LOCAL_SIZE=" + std::to_string(options.local_world_size) +
-                                  "): export MASTER_ADDR=<rank 0's host> and pass it with mpirun -x MASTER_ADDR");
-    case LaunchEnvironment::kSlurm:
-      for (const char* name : {"SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"}) {
-        const std::optional<std::string> nodelist = lookup(name);
-        if (!nodelist) continue;
-        StatusOr<std::vector<std::string>> hosts = expand_slurm_nodelist(*nodelist);
-        if (!hosts.ok())
-          return InvalidArgumentError("environment variable " + std::string(name) + ": " + hosts.status().message());
-        options.master_addr = hosts->front();
-        return Status::Ok();
-      }
-      return InvalidArgumentError("environment variable MASTER_ADDR is not set, nor SLURM_STEP_NODELIST or "
-                                  "SLURM_JOB_NODELIST, but " + world + ": set MASTER_ADDR to rank 0's host");
-    default:
-      return InvalidArgumentError("environment variable MASTER_ADDR is not set but " + world +
-                                  ": set it to rank 0's host name or address");
-  }
-}
-
-// True when torchrun says its agent already serves a store on MASTER_PORT (its static
-// rendezvous, and the c10d one in newer versions): rank 0 cannot listen there.
-bool torchrun_agent_holds_master_port(const EnvLookup& lookup) {
-  const std::optional<std::string> flag = lookup("TORCHELASTIC_USE_AGENT_STORE");
-  return flag && (*flag == "True" || *flag == "true" || *flag == "1");
-}
-
-// The launcher's port: MASTER_PORT (plus one when torchrun's agent holds it), or for Open
-// MPI and Slurm the documented default.
-Status read_launcher_port(const EnvLookup& lookup, const LauncherVariables& names, RendezvousOptions& options) {
-  if (const std::optional<std::string> port_text = lookup("MASTER_PORT")) {
-    STRATA_ASSIGN_OR_RETURN(const long long port,
-                            parse_env_integer("MASTER_PORT", *port_text, 0, 65535, "a port number in [0, 65535]"));
-    options.master_port = static_cast<uint16_t>(port);
-    if (names.environment == LaunchEnvironment::kTorchrun && torchrun_agent_holds_master_port(lookup)) {
-      if (port == 0 || port == 65535)
-        return InvalidArgumentError("environment variable MASTER_PORT=" + *port_text +
-                                    " is torchrun's own store (TORCHELASTIC_USE_AGENT_STORE) and the next port, "
-                                    "where Strata's rendezvous would listen, does not exist: set STRATA_MASTER_PORT");
-      options.master_port = static_cast<uint16_t>(port + 1);
-    }
-    return Status::Ok();
-  }
-  if (options.world_size == 1) return Status::Ok();
-  if (names.environment == LaunchEnvironment::kTorchrun)
-    return InvalidArgumentError("environment variable MASTER_PORT is not set but WORLD_SIZE=" +
-                                std::to_string(options.world_size) + ": set it to the port rank 0 listens on");
-  options.master_port = kDefaultMasterPort;
-  if (names.environment == LaunchEnvironment::kSlurm) {
-    if (const std::optional<std::string> job = lookup("SLURM_JOB_ID")) {
-      STRATA_ASSIGN_OR_RETURN(const long long job_id, parse_env_integer("SLURM_JOB_ID", *job, 0, LLONG_MAX,
-                                                                        "a non-negative integer (the job id)"));
-      options.master_port = static_cast<uint16_t>(kDefaultMasterPort + job_id % 1000);
-    }
-  }
-  return Status::Ok();
-}
-
-// STRATA_MASTER_PORT, which overrides every launcher's port, else the launcher's.
-Status read_master_port(const EnvLookup& lookup, const LauncherVariables& names, RendezvousOptions& options) {
-  if (const std::optional<std::string> port_text = lookup("STRATA_MASTER_PORT")) {
-    STRATA_ASSIGN_OR_RETURN(const long long port, parse_env_integer("STRATA_MASTER_PORT", *port_text, 0, 65535,
-                                                                    "a port number in [0, 65535]"));
-    options.master_port = static_cast<uint16_t>(port);
-    return Status::Ok();
-  }
-  return read_launcher_port(lookup, names, options);
-}
-
-}  // namespace
-
-StatusOr<RendezvousOptions> rendezvous_options_from_env(const EnvLookup& lookup) {
-  RendezvousOptions options;
-  if (const LauncherVariables* names = detect_launcher(lookup)) {
-    options.launched_by = names->environment;
-    STRATA_RETURN_IF_ERROR(read_launcher_ranks(lookup, *names, options));
-    STRATA_RETURN_IF_ERROR(read_master_address(lookup, *names, options));
-    STRATA_RETURN_IF_ERROR(read_master_port(lookup, *names, options));
-  } else if (const std::optional<std::string> local_rank = lookup("LOCAL_RANK")) {
-    // LOCAL_RANK alone (a GPU pick for a single process) must still be a valid index.
-    STRATA_RETURN_IF_ERROR(read_env_integer(lookup, "LOCAL_RANK", 0, 0, "0 (WORLD_SIZE is not set: one process)",
-                                            options.local_rank));
-  }
-  if (const std::optional<std::string> text = lookup("STRATA_RENDEZVOUS_TIMEOUT_S")) {
-    STRATA_ASSIGN_OR_RETURN(options.timeout, parse_env_seconds("STRATA_RENDEZVOUS_TIMEOUT_S", *text));
-  }
-  if (const std::optional<std::string> text = lookup("STRATA_COLLECTIVE_TIMEOUT_S")) {
-    STRATA_ASSIGN_OR_RETURN(options.collective_timeout, parse_env_seconds("STRATA_COLLECTIVE_TIMEOUT_S", *text));
-  }
-  return options;
-}
-
-// ---------------------------------------------------------------------------
-// Wire format: a fixed 32-byte header, then `length` payload bytes.
-// ---------------------------------------------------------------------------
-namespace {
-
-constexpr uint32_t kMagic = 0x56525453;  // "STRV"
-constexpr uint16_t kProtocolVersion = 1;
-constexpr size_t kHeaderBytes = 32;
-constexpr uint64_t kMaxPayloadBytes = uint64_t{1} << 30;  // a sanity bound against garbage lengths
-
-enum class MessageKind : uint16_t {
-  kHello = 1,      // peer -> root: aux = world size, payload = "host pid N"
-  kWelcome = 2,    // root -> peer: every rank is present
-  kReject = 3,     // root -> peer: payload = why the group cannot form (or failed)
-  kBroadcast = 4,  // aux = root
-  kAllGather = 5,  // peer -> root: its blob; root -> peer: every blob, length-prefixed
-  kBarrier = 6,
-  kWaiting = 7,    // root -> peer: rank 0 is in this gather and waits for the others (no payload)
-};
-
-std::string_view message_kind_name(MessageKind kind) {
-  switch (kind) {
-    case MessageKind::kHello: return "hello";
-    case MessageKind::kWelcome: return "welcome";
-    case MessageKind::kReject: return "reject";
-    case MessageKind::kBroadcast: return "broadcast";
-    case MessageKind::kAllGather: return "all_gather";
-    case MessageKind::kBarrier: return "barrier";
-    case MessageKind::kWaiting: return "waiting";
-  }
-  return "unknown";
-}
-
-struct MessageHeader {
-  uint32_t magic = kMagic;
-  uint16_t version = kProtocolVersion;
-  MessageKind kind = MessageKind::kHello;
-  int32_t rank = 0;      // the sender
-  int32_t aux = 0;       // world size (hello), root (broadcast)
-  uint64_t sequence = 0; // collective number
-  uint64_t length = 0;   // payload bytes
-};
-
-struct Message {
-  MessageHeader header;
-  std::vector<std::byte> payload;
-};
-
-template <class T>
-void put(std::byte* out, size_t& offset, T value) {
-  std::memcpy(out + offset, &value, sizeof(T));
-  offset += sizeof(T);
-}
-template <class T>
-T get(const std::byte* in, size_t& offset) {
-  T value;
-  std::memcpy(&value, in + offset, sizeof(T));
-  offset += sizeof(T);
-  return value;
-}
-
-std::vector<std::byte> encode(const MessageHeader& header, std::span<const std::byte> payload) {
-  std::vector<std::byte> bytes(kHeaderBytes + payload.size());
-  size_t offset = 0;
-  put(bytes.data(), offset, header.magic);
-  put(bytes.data(), offset, header.version);
-  put(bytes.data(), offset, static_cast<uint16_t>(header.kind));
-  put(bytes.data(), offset, header.rank);
-  put(bytes.data(), offset, header.aux);
-  put(bytes.data(), offset, header.sequence);
-  put(bytes.data(), offset, static_cast<uint64_t>(payload.size()));
-  if (!payload.empty()) std::memcpy(bytes.data() + kHeaderBytes, payload.data(), payload.size());
-  return bytes;
-}
-
-std::span<const std::byte> as_bytes(std::string_view text) {
-  return {reinterpret_cast<const std::byte*>(text.data()), text.size()};
-}
-std::string as_string(std::span<const std::byte> bytes) {
-  return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-}
-
-int remaining_ms(Clock::time_point deadline) {
-  const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return static_cast<int>(std::clamp<long long>(left, 0, INT_MAX));
-}
-
-Status poll_fds(std::vector<pollfd>& fds, int timeout_ms, int* ready) {
-  int result = 0;
-  STRATA_SYSCALL(result, ::poll(fds.data(), fds.size(), timeout_ms));
-  *ready = result;
-  return Status::Ok();
-}
-
-std::string host_and_pid() {
-  char host[256] = {};
-  if (::gethostname(host, sizeof(host) - 1) != 0) std::strcpy(host, "?");
-  return std::string(host) + " pid " + std::to_string(::getpid());
-}
-
-Status set_socket_options(int fd) {
-  int result = 0;
-  const int one = 1;
-  STRATA_SYSCALL(result, ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)));
-  return Status::Ok();
-}
-
-// getaddrinfo owner.
-struct AddrInfoDeleter {
-  void operator()(addrinfo* info) const { ::freeaddrinfo(info); }
-};
-using AddrInfoPtr = std::unique_ptr<addrinfo, AddrInfoDeleter>;
-
-StatusOr<AddrInfoPtr> resolve(const std::string& host, uint16_t port, bool passive) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
-  addrinfo* result = nullptr;
-  const std::string service = std::to_string(port);
-  const int error = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &result);
-  if (error != 0) {
-    const std::string detail = error == EAI_SYSTEM ? std::strerror(errno) : ::gai_strerror(error);
-    return InvalidArgumentError("rendezvous: cannot resolve '" + host + "' (MASTER_ADDR or listen address): " + detail);
-  }
-  return AddrInfoPtr(result);
-}
-
-uint16_t bound_port(int fd) {
-  sockaddr_storage address{};
-  socklen_t length = sizeof(address);
-  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) return 0;
-  if (address.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in*>(&address)->sin_port);
-  if (address.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6*>(&address)->sin6_port);
-  return 0;
-}
-
-// One non-blocking connect attempt, bounded by `deadline`.
-StatusOr<File> try_connect(const addrinfo& address, Clock::time_point deadline) {
-  int fd = -1;
-  STRATA_SYSCALL(fd, ::socket(address.ai_family, address.ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, address.ai_protocol));
-  File socket(fd, "socket");
-  if (::connect(fd, address.ai_addr, address.ai_addrlen) != 0) {
-    if (errno != EINPROGRESS && errno != EINTR) return Status::FromErrno(errno, "connect");
-    std::vector<pollfd> fds{{fd, POLLOUT, 0}};
-    int ready = 0;
-    STRATA_RETURN_IF_ERROR(poll_fds(fds, remaining_ms(deadline), &ready));
-    if (ready == 0) return Status::FromErrno(ETIMEDOUT, "connect");
-    int error = 0;
-    socklen_t length = sizeof(error);
-    int result = 0;
-    STRATA_SYSCALL(result, ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length));
-    if (error != 0) return Status::FromErrno(error, "connect");
-  }
-  STRATA_RETURN_IF_ERROR(set_socket_options(fd));
-  return socket;
-}
-
-// Sends all of `bytes` on a non-blocking socket by `deadline`.
-Status send_all(int fd, std::span<const std::byte> bytes, Clock::time_point deadline, const std::string& to_whom) {
-  size_t sent = 0;
-  while (sent < bytes.size()) {
-    const ssize_t written = ::send(fd, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
-    if (written > 0) {
-      sent += static_cast<size_t>(written);
-      continue;
-    }
-    if (written < 0 && errno == EINTR) continue;
-    if (written < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      std::vector<pollfd> fds{{fd, POLLOUT, 0}};
-      int ready = 0;
-      STRATA_RETURN_IF_ERROR(poll_fds(fds, remaining_ms(deadline), &ready));
-      if (ready == 0)
-        return DeadlineExceededError("rendezvous: sending " + std::to_string(bytes.size()) + " bytes to " + to_whom +
-                                     " did not finish in time (is it still reading?)");
-      continue;
-    }
-    return Status::FromErrno(errno, "send to " + to_whom);
+  if (claimed_by != nullptr) {
+    return InvalidArgumentError("rendezvous: two processes have RANK=" + std::to_string(hello.header.rank) + ": " +
+                                *claimed_by + " and " + who + "; every process needs its own RANK");
   }
   return Status::Ok();
 }
@@ -788,11 +282,7 @@ Status Rendezvous::join_as_root() {
       std::vector<int> missing;
       for (int rank = 1; rank < world; ++rank)
         if (!peers_[static_cast<size_t>(rank)].socket.is_open()) missing.push_back(rank);
-      Status timeout = DeadlineExceededError(
-          "rendezvous: rank 0 waited " + seconds_text(options_.timeout) + " on port " + std::to_string(port_) +
-          " but rank" + (missing.size() == 1 ? " " : "s ") + rank_list_text(missing) + " of WORLD_SIZE=" +
-          std::to_string(world) + " never arrived (" + (missing.size() == 1 ? "is it" : "are they") + " running, with MASTER_ADDR=" +
-          options_.master_addr + " MASTER_PORT=" + std::to_string(port_) + "?)");
+      Status timeout = never_arrived_error(options_, port_, missing);
       reject_all(timeout);
       return timeout;
     }
@@ -814,25 +304,8 @@ Status Rendezvous::join_as_root() {
         }
         const Message hello = std::move(**taken);
         const std::string who = as_string(hello.payload);
-        Status problem;
-        if (hello.header.kind != MessageKind::kHello) {
-          problem = DataLossError("rendezvous: a connection (" + who + ") sent " +
-                                  std::string(message_kind_name(hello.header.kind)) + " before hello");
-        } else if (hello.header.aux != world) {
-          problem = InvalidArgumentError("rendezvous: rank " + std::to_string(hello.header.rank) + " (" + who +
-                                         ") has WORLD_SIZE=" + std::to_string(hello.header.aux) +
-                                         " but rank 0 has WORLD_SIZE=" + std::to_string(world) +
-                                         ": every process must be started with the same WORLD_SIZE");
-        } else if (hello.header.rank <= 0 || hello.header.rank >= world) {
-          problem = InvalidArgumentError("rendezvous: a process (" + who + ") has RANK=" +
-                                         std::to_string(hello.header.rank) + ", outside [1, " +
-                                         std::to_string(world - 1) + "] for the non-root ranks of WORLD_SIZE=" +
-                                         std::to_string(world));
-        } else if (peers_[static_cast<size_t>(hello.header.rank)].socket.is_open()) {
-          problem = InvalidArgumentError("rendezvous: two processes have RANK=" + std::to_string(hello.header.rank) +
-                                         ": " + peers_[static_cast<size_t>(hello.header.rank)].description + " and " +
-                                         who + "; every process needs its own RANK");
-        }
+        const Peer& claimed = peers_[static_cast<size_t>(std::clamp(hello.header.rank, 0, world - 1))];
+        const Status problem = hello_problem(hello, who, world, claimed.socket.is_open() ? &claimed.description : nullptr);
         if (!problem.ok()) {
           const std::string text = problem.message();
           (void)peer.send(MessageHeader{.kind = MessageKind::kReject, .rank = 0}, as_bytes(text),
@@ -850,21 +323,7 @@ Status Rendezvous::join_as_root() {
     }
     pending = std::move(still_pending);
     // Then new connections.
-    if (fds[0].revents != 0) {
-      while (true) {
-        const int fd = ::accept4(listener_.fd(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) {
-          if (errno == EINTR || errno == ECONNABORTED) continue;
-          if (errno == EAGAIN || errno == EWOULDBLOCK) break;
-          return Status::FromErrno(errno, "rendezvous: accept on port " + std::to_string(port_));
-        }
-        Peer peer;
-        peer.socket = File(fd, "socket");
-        peer.description = "a connecting process";
-        STRATA_RETURN_IF_ERROR(set_socket_options(fd));
-        pending.push_back(std::move(peer));
-      }
-    }
+    if (fds[0].revents != 0) STRATA_RETURN_IF_ERROR(accept_connections(pending));
   }
 
   // Everyone is here: welcome them all. The listener is no longer needed.
@@ -875,6 +334,23 @@ Status Rendezvous::join_as_root() {
   }
   STRATA_LOG(kDebug) << "rendezvous: all " << world << " ranks present on port " << port_;
   return Status::Ok();
+}
+
+// Accepts every connection the listener has ready onto `pending` (their hellos follow).
+Status Rendezvous::accept_connections(std::vector<Peer>& pending) {
+  while (true) {
+    const int fd = ::accept4(listener_.fd(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return Status::Ok();
+      return Status::FromErrno(errno, "rendezvous: accept on port " + std::to_string(port_));
+    }
+    Peer peer;
+    peer.socket = File(fd, "socket");
+    peer.description = "a connecting process";
+    STRATA_RETURN_IF_ERROR(set_socket_options(fd));
+    pending.push_back(std::move(peer));
+  }
 }
 
 Status Rendezvous::join_as_peer() {

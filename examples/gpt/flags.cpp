@@ -188,7 +188,7 @@ StatusOr<TrainGptArgs> parse_train_gpt_args(std::span<const std::string> args) {
       parsed.checkpointing = value;
     } else if (auto key = model_or_data_key(flag)) {
       parsed.overrides.push_back({*key, value, "--" + flag});
-    } else if (auto key = config_key_for_flag(flag)) {
+    } else if (auto key = run_config_key_for_flag(flag)) {
       parsed.overrides.push_back({*key, value, "--" + flag});
     } else {
       STRATA_ASSIGN_OR_RETURN(const bool taken, take_trainer_flag(parsed, flag, value));
@@ -198,9 +198,9 @@ StatusOr<TrainGptArgs> parse_train_gpt_args(std::span<const std::string> args) {
   return parsed;
 }
 
-Status apply_train_gpt_overrides(StrataConfig& config, const TrainGptArgs& args) {
+Status apply_train_gpt_overrides(RunConfig& config, const TrainGptArgs& args) {
   for (const TrainGptArgs::Override& o : args.overrides) {
-    const Status status = apply_override(config, o.key, o.value);
+    const Status status = apply_run_override(config, o.key, o.value);
     if (!status.ok()) {
       const std::string written = o.flag == "--set" ? "--set " + o.key + "=" + o.value : o.flag + " " + o.value;
       return Status(status.code(), written + ": " + status.message());

@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-#include "engine/core/config.h"
+#include "examples/run_config/run_config.h"
 #include "engine/core/status.h"
 
 namespace strata::flags {
@@ -107,7 +107,7 @@ StatusOr<TrainGptArgs> parse_train_gpt_args(std::span<const std::string> args);
 
 // Applies the overrides to `config` in order; an error names the flag as written and its
 // value before the key's own message (which gives the expected type and range).
-Status apply_train_gpt_overrides(StrataConfig& config, const TrainGptArgs& args);
+Status apply_train_gpt_overrides(RunConfig& config, const TrainGptArgs& args);
 
 // A trainer integer flag's value (already range-checked by parse_train_gpt_args), or
 // `fallback` when the flag was not given.

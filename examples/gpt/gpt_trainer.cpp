@@ -597,8 +597,8 @@ StatusOr<RunShape> run_shape(const TrainerOptions& options) {
   shape.world = static_cast<int>(config.strata.world_size);
   shape.accumulation = static_cast<int>(config.gradient_accumulation_steps.value_or(1));
   shape.micro = config.train_micro_batch_size_per_gpu.value_or(1);
-  shape.seq_len = config.strata.data.seq_len > 0 ? config.strata.data.seq_len : model.context_length();
-  shape.total_steps = options.eval_only ? 0 : config.strata.steps;
+  shape.seq_len = options.data.seq_len > 0 ? options.data.seq_len : model.context_length();
+  shape.total_steps = options.eval_only ? 0 : options.steps;
   shape.device_kind = resolve_device(config);
   if (shape.seq_len > model.context_length())
     return InvalidArgumentError("strata.data.seq_len (" + std::to_string(shape.seq_len) + ") is longer than the model's context (" +
@@ -620,11 +620,10 @@ struct RunSources {
 // The evaluation batch over all ranks: --eval-sequences rounded up to a multiple of the
 // world size, none where the data has no evaluation split.
 int64_t evaluation_sequences(const TrainerOptions& options, const RunShape& shape) {
-  const StrataConfig& config = options.config;
   int64_t eval_sequences = options.eval_only ? 0 : options.eval_sequences;
   if (eval_sequences > 0 && eval_sequences % shape.world != 0) eval_sequences = (eval_sequences + shape.world - 1) / shape.world * shape.world;
-  if (eval_sequences > 0 && config.strata.data.kind != DataKind::kSynthetic && config.strata.data.eval_fraction <= 0.0) {
-    STRATA_LOG(kWarn) << "no evaluation: strata.data.eval_fraction is 0 for " << config.strata.data.path;
+  if (eval_sequences > 0 && options.data.kind != DataKind::kSynthetic && options.data.eval_fraction <= 0.0) {
+    STRATA_LOG(kWarn) << "no evaluation: strata.data.eval_fraction is 0 for " << options.data.path;
     eval_sequences = 0;
   }
   const lm::Architecture& model = *options.model;
@@ -656,7 +655,7 @@ StatusOr<RunSources> open_sources(const TrainerOptions& options, const RunShape&
   RunSources sources;
   SyntheticLanguageOptions synthetic = options.synthetic;
   synthetic.vocab_size = model.vocab_size();
-  STRATA_ASSIGN_OR_RETURN(sources.dataset, TokenDataset::open(options.config.strata.data, synthetic));
+  STRATA_ASSIGN_OR_RETURN(sources.dataset, TokenDataset::open(options.data, synthetic));
   if (sources.dataset->vocab_size() > model.vocab_size())
     return InvalidArgumentError("the data's vocabulary (" + std::to_string(sources.dataset->vocab_size()) + " tokens, " +
                                 sources.dataset->describe() + ") is larger than the model's vocab_size (" +

@@ -45,11 +45,14 @@
 #include "examples/gpt/gpt_model.h"
 #include "examples/lm/causal_lm.h"
 #include "examples/gpt/token_data.h"
+#include "examples/run_config/run_config.h"
 
 namespace strata::gpt {
 
 struct TrainerOptions {
-  StrataConfig config;  // finalized; steps, device, placement, optimizer, schedule, data, model preset
+  StrataConfig config;  // finalized; device, placement, optimizer, schedule
+  DataConfig data;      // strata.data
+  int64_t steps = 0;    // strata.steps: optimizer steps to run
   std::shared_ptr<const lm::Architecture> model;  // the resolved architecture (any family)
   ActivationCheckpointing checkpointing = ActivationCheckpointing::kDevice;
   int64_t head_chunk_rows = 0;

@@ -57,7 +57,7 @@
 #include <string_view>
 #include <vector>
 
-#include "engine/core/config.h"
+#include "examples/run_config/run_config.h"
 #include "engine/core/status.h"
 #include "optim/cpu_isa.h"
 

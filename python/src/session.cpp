@@ -8,6 +8,7 @@
 #include "engine/engine_config.h"
 #include "examples/hf/hf_checkpoint.h"
 #include "examples/hf/hf_weights.h"
+#include "examples/run_config/run_config.h"
 
 namespace strata::python {
 namespace {
@@ -53,7 +54,9 @@ StatusOr<LocalClusterOptions> cluster_options(const StrataConfig& config, Device
 
 StatusOr<std::unique_ptr<Session>> Session::create(const std::string& config_text, const std::string& source) {
   std::unique_ptr<Session> session(new Session());
-  STRATA_ASSIGN_OR_RETURN(session->config_, parse_config_json(config_text, source));
+  // Parsed with strata-train's keys so that a trainer key is named and refused below, not unknown.
+  STRATA_ASSIGN_OR_RETURN(RunConfig run, parse_run_config_json(config_text, source));
+  session->config_ = std::move(run.engine);
   StrataConfig& config = session->config_;
   STRATA_RETURN_IF_ERROR(reject_trainer_keys(config));
   const DeviceKind device = resolve_device(config);

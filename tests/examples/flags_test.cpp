@@ -30,7 +30,7 @@ std::string apply_error(std::vector<std::string> args) {
   StatusOr<TrainGptArgs> parsed = parse(std::move(args));
   EXPECT_TRUE(parsed.ok()) << parsed.status().to_string();
   if (!parsed.ok()) return {};
-  StrataConfig config;
+  RunConfig config;
   const Status status = gpt::apply_train_gpt_overrides(config, *parsed);
   EXPECT_FALSE(status.ok());
   return status.message();

@@ -1,4 +1,4 @@
-// engine/checkpoint.cpp's manifest checks under fuzzing. Every input is tried twice: as
+// engine/checkpoint_reader.cpp's manifest checks under fuzzing. Every input is tried twice: as
 // written (almost always stopped by the manifest's own checksum) and resealed with a
 // matching checksum, so the layout checks behind it see the mutations. A manifest the
 // parser accepts describes rank files whose segments tile them exactly, with one checksum

@@ -31,9 +31,9 @@ void run_command_line(const std::vector<std::string>& arguments) {
     STRATA_FUZZ_CHECK(!args.status().message().empty(), "flags: an error without a message");
     return;
   }
-  StrataConfig config;
+  RunConfig config;
   Status applied = gpt::apply_train_gpt_overrides(config, *args);
-  if (applied.ok()) applied = finalize(config, kConfiguredWorldSize);
+  if (applied.ok()) applied = finalize_run_config(config, kConfiguredWorldSize);
   if (!applied.ok()) STRATA_FUZZ_CHECK(!applied.message().empty(), "flags: an error without a message");
 }
 
