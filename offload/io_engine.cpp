@@ -84,11 +84,27 @@ struct IoFileEntry {
   std::string name;
 };
 
+// Where a request is on its way to finished (a finished request has no record).
+enum class IoRequestStage : uint8_t {
+  kTransfers,      // transfers in flight (or submit() still issuing them), or on_complete running
+  kVerifyQueued,   // waiting for a verifier thread, or for the thread that waits for it
+  kVerifying,      // its verify hook is running
+};
+
 struct IoRequestRecord {
   uint64_t pending = 0;  // transfers in flight, plus one while submit() is still issuing
-  Status status;         // the first transfer error
+  Status status;         // the first transfer error; from kVerifyQueued on, on_complete's result
   IoCompletionHook on_complete;
+  IoCompletionHook verify;
+  IoRequestStage stage = IoRequestStage::kTransfers;
   std::vector<std::unique_ptr<IoTransfer>> transfers;
+};
+
+// Who ran a request's verify hook (for the stats).
+enum class IoVerifiedBy : uint8_t {
+  kVerifierThread,
+  kWaiter,     // the thread waiting for the request, before any verifier thread took it
+  kCompleter,  // the thread that completed it: no verifier threads (verify_threads 0)
 };
 
 struct IoErrorRecord {
@@ -123,30 +139,57 @@ struct IoEngineState {
   std::condition_variable reaper_wanted;  // the background reaper's: work in flight, or stop
   std::chrono::steady_clock::time_point last_caller_reap;  // when a caller last left drive_until
 
+  // Verification beside the I/O (IoRequest::verify): requests whose transfers are done
+  // queue here for the verifier threads, started on the first such request.
+  std::deque<uint64_t> verify_queue;      // tickets in kVerifyQueued, oldest first
+  std::vector<std::thread> verifiers;
+  bool verifiers_failed = false;          // they could not be started: verify hooks run inline
+  bool verifiers_stopping = false;
+  std::condition_variable verify_wanted;  // the verifiers': a request queued, or stop
+
   // Hands a transfer (a new one or a resubmission) to the backend, with any fault the
   // injector picks for it. Called without the mutex.
   void issue(IoTransfer* transfer);
   // Called by a backend with a transfer's result: bytes moved, or -errno.
   void complete_transfer(IoTransfer* transfer, int64_t result);
-  // Runs the hook and records the request's final status.
+  // Runs on_complete, then hands the request to the verify stage or records its final status.
   void finish_request(uint64_t ticket, std::unique_lock<std::mutex>& lock);
+  // Records a request's final status and forgets the request (mutex held).
+  void record_finished(uint64_t ticket, Status status);
+  // Queues a request in kVerifyQueued for a verifier thread, starting them on first use
+  // (mutex held). False when no verifier thread can run it (none configured, or they
+  // failed to start).
+  bool queue_verify(uint64_t ticket);
+  // Runs a kVerifyQueued request's verify hook without the mutex and finishes it.
+  void run_verify(uint64_t ticket, std::unique_lock<std::mutex>& lock, IoVerifiedBy by);
+  // A verifier thread's loop; stop_verifiers() ends it once no request is queued.
+  void run_verifier();
+  void stop_verifiers();
+  // kTransfers, kVerifyQueued or kVerifying; nullopt once finished (mutex held).
+  std::optional<IoRequestStage> stage_of(uint64_t ticket) const;
   std::string describe(const IoTransfer& transfer) const;  // mutex held
   // mutex held (through `lock`). Returns once `done()` holds, reaping completions on this
-  // thread while the token is free and transfers are in flight, else sleeping on `cv`.
+  // thread while the token is free, transfers are in flight and `io_helps()` says a
+  // completion can bring `done()` closer; else sleeping on `cv`.
+  template <class Done, class IoHelps>
+  void drive_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done, IoHelps io_helps);
   template <class Done>
-  void drive_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done);
+  void drive_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done) {
+    drive_until(lock, cv, done, [] { return true; });
+  }
   // mutex held. Takes the token, reaps one batch without the mutex, gives the token back.
   void reap_with_token(std::unique_lock<std::mutex>& lock, ReapMode mode);
   // The background reaper thread's loop (io_uring).
   void run_background_reaper();
 };
 
-template <class Done>
-void IoEngineState::drive_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done) {
+template <class Done, class IoHelps>
+void IoEngineState::drive_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done,
+                                IoHelps io_helps) {
   ++waiting_callers;
   while (!done()) {
     // Only with transfers in flight: a completion is then sure to come and end the reap.
-    if (backend->reaps_in_callers() && !reaper_busy && in_flight > 0) {
+    if (backend->reaps_in_callers() && !reaper_busy && in_flight > 0 && io_helps()) {
       reap_with_token(lock, ReapMode::kWait);
     } else {
       cv.wait(lock);
@@ -276,20 +319,94 @@ void IoEngineState::complete_transfer(IoTransfer* transfer, int64_t result) {
 }
 
 void IoEngineState::finish_request(uint64_t ticket, std::unique_lock<std::mutex>& lock) {
-  IoRequestRecord& record = requests.at(ticket);
-  Status status = std::move(record.status);
-  IoCompletionHook hook = std::move(record.on_complete);
+  Status status = std::move(requests.at(ticket).status);
+  IoCompletionHook hook = std::move(requests.at(ticket).on_complete);
   if (hook) {
     lock.unlock();
     status = hook(status);
     lock.lock();
   }
+  // The record may have moved while the lock was released: look it up again.
+  IoRequestRecord& record = requests.at(ticket);
+  if (record.verify) {
+    record.status = std::move(status);
+    record.stage = IoRequestStage::kVerifyQueued;
+    if (!queue_verify(ticket)) run_verify(ticket, lock, IoVerifiedBy::kCompleter);
+    return;
+  }
+  record_finished(ticket, std::move(status));
+}
+
+void IoEngineState::record_finished(uint64_t ticket, Status status) {
   requests.erase(ticket);
   if (!status.ok()) {
     ++stats.failed_requests;
     errors.emplace(ticket, IoErrorRecord{std::move(status), false});
   }
   request_finished.notify_all();
+}
+
+std::optional<IoRequestStage> IoEngineState::stage_of(uint64_t ticket) const {
+  auto it = requests.find(ticket);
+  if (it == requests.end()) return std::nullopt;
+  return it->second.stage;
+}
+
+bool IoEngineState::queue_verify(uint64_t ticket) {
+  if (options.verify_threads == 0 || verifiers_failed || verifiers_stopping) return false;
+  if (verifiers.empty()) {
+    for (unsigned i = 0; i < options.verify_threads; ++i) {
+      StatusOr<std::thread> verifier = spawn_thread("strata:verify", [this] { run_verifier(); });
+      if (!verifier.ok()) {
+        // The threads already started keep serving; with none, hooks run where they finish.
+        STRATA_LOG_ONCE(kWarn) << "I/O engine: " << verifier.status().message() << "; " << verifiers.size()
+                               << " verifier thread(s) run the checksums beside the I/O";
+        verifiers_failed = verifiers.empty();
+        break;
+      }
+      verifiers.push_back(std::move(verifier).value());
+    }
+    if (verifiers.empty()) return false;
+  }
+  verify_queue.push_back(ticket);
+  verify_wanted.notify_one();
+  // A thread waiting for this request may run it at once rather than wait for a verifier.
+  request_finished.notify_all();
+  return true;
+}
+
+void IoEngineState::run_verify(uint64_t ticket, std::unique_lock<std::mutex>& lock, IoVerifiedBy by) {
+  IoRequestRecord& record = requests.at(ticket);
+  record.stage = IoRequestStage::kVerifying;
+  IoCompletionHook hook = std::move(record.verify);
+  Status status = std::move(record.status);
+  lock.unlock();
+  status = hook(status);
+  lock.lock();
+  ++stats.verified_requests;
+  if (by == IoVerifiedBy::kWaiter) ++stats.verified_by_waiters;
+  record_finished(ticket, std::move(status));
+}
+
+void IoEngineState::run_verifier() {
+  std::unique_lock<std::mutex> lock(mutex);
+  for (;;) {
+    verify_wanted.wait(lock, [&] { return verifiers_stopping || !verify_queue.empty(); });
+    if (verify_queue.empty()) return;
+    const uint64_t ticket = verify_queue.front();
+    verify_queue.pop_front();
+    // The thread waiting for it may have run it already.
+    if (stage_of(ticket) == IoRequestStage::kVerifyQueued) run_verify(ticket, lock, IoVerifiedBy::kVerifierThread);
+  }
+}
+
+void IoEngineState::stop_verifiers() {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    verifiers_stopping = true;
+  }
+  verify_wanted.notify_all();
+  for (std::thread& verifier : verifiers) verifier.join();
 }
 
 namespace {
@@ -673,6 +790,7 @@ IoEngine::~IoEngine() {
   if (!unclaimed.ok()) {
     STRATA_LOG(kError) << "I/O engine destroyed with a request error nobody waited for: " << unclaimed.to_string();
   }
+  state_->stop_verifiers();
   state_->backend->stop();
 }
 
@@ -785,6 +903,7 @@ StatusOr<IoTicket> IoEngine::submit(IoRequest request) {
   internal::IoRequestRecord& record = s.requests[ticket];
   record.pending = 1;  // held by this call until every transfer is issued
   record.on_complete = std::move(request.on_complete);
+  record.verify = std::move(request.verify);
   ++s.stats.requests;
 
   auto* cursor = static_cast<char*>(request.buffer);
@@ -841,7 +960,18 @@ Status IoEngine::wait(IoTicket ticket) {
   if (!ticket.valid() || ticket.id >= s.next_ticket) {
     return InvalidArgumentError("I/O engine: ticket " + std::to_string(ticket.id) + " was never issued");
   }
-  s.drive_until(lock, s.request_finished, [&] { return s.requests.count(ticket.id) == 0; });
+  for (;;) {
+    // Reaping helps only while the request's own transfers are in flight; once it is
+    // being verified, its end comes from that thread, not from the ring.
+    s.drive_until(
+        lock, s.request_finished,
+        [&] { return s.stage_of(ticket.id) != internal::IoRequestStage::kTransfers &&
+                     s.stage_of(ticket.id) != internal::IoRequestStage::kVerifying; },
+        [&] { return s.stage_of(ticket.id) == internal::IoRequestStage::kTransfers; });
+    if (s.stage_of(ticket.id) != internal::IoRequestStage::kVerifyQueued) break;
+    // No verifier thread has started it: verify here rather than wait for one.
+    s.run_verify(ticket.id, lock, internal::IoVerifiedBy::kWaiter);
+  }
   auto it = s.errors.find(ticket.id);
   if (it == s.errors.end()) return Status::Ok();
   it->second.claimed = true;
