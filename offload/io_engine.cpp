@@ -187,12 +187,20 @@ template <class Done, class IoHelps>
 void IoEngineState::drive_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done,
                                 IoHelps io_helps) {
   ++waiting_callers;
+  bool polled = false;  // took what the ring held since this thread last woke
   while (!done()) {
     // Only with transfers in flight: a completion is then sure to come and end the reap.
-    if (backend->reaps_in_callers() && !reaper_busy && in_flight > 0 && io_helps()) {
+    const bool can_reap = backend->reaps_in_callers() && !reaper_busy && in_flight > 0;
+    if (can_reap && io_helps()) {
       reap_with_token(lock, ReapMode::kWait);
+    } else if (can_reap && !polled) {
+      // What this thread waits for comes from elsewhere (a verifier thread), but other
+      // requests' completions go on to theirs now rather than when this thread is back.
+      reap_with_token(lock, ReapMode::kPoll);
+      polled = true;
     } else {
       cv.wait(lock);
+      polled = false;
     }
   }
   --waiting_callers;
