@@ -97,6 +97,7 @@ struct IoRequestRecord {
   IoCompletionHook on_complete;
   IoCompletionHook verify;
   IoRequestStage stage = IoRequestStage::kTransfers;
+  unsigned waiters = 0;  // threads inside wait() for it: one of them verifies it, not a verifier thread
   std::vector<std::unique_ptr<IoTransfer>> transfers;
 };
 
@@ -403,8 +404,11 @@ void IoEngineState::run_verifier() {
     if (verify_queue.empty()) return;
     const uint64_t ticket = verify_queue.front();
     verify_queue.pop_front();
-    // The thread waiting for it may have run it already.
-    if (stage_of(ticket) == IoRequestStage::kVerifyQueued) run_verify(ticket, lock, IoVerifiedBy::kVerifierThread);
+    // A thread waiting for the request runs it itself (it is awake, and would otherwise
+    // sleep until this thread, which the scheduler may have set aside, is done).
+    auto it = requests.find(ticket);
+    if (it == requests.end() || it->second.stage != IoRequestStage::kVerifyQueued || it->second.waiters > 0) continue;
+    run_verify(ticket, lock, IoVerifiedBy::kVerifierThread);
   }
 }
 
@@ -968,6 +972,8 @@ Status IoEngine::wait(IoTicket ticket) {
   if (!ticket.valid() || ticket.id >= s.next_ticket) {
     return InvalidArgumentError("I/O engine: ticket " + std::to_string(ticket.id) + " was never issued");
   }
+  auto waiting = s.requests.find(ticket.id);
+  if (waiting != s.requests.end()) ++waiting->second.waiters;
   for (;;) {
     // Reaping helps only while the request's own transfers are in flight; once it is
     // being verified, its end comes from that thread, not from the ring.

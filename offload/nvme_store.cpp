@@ -73,6 +73,41 @@ std::vector<uint64_t> block_checksums(const char* data, size_t bytes, size_t blo
   return sums;
 }
 
+// A write's block checksums, computed once by whichever thread comes first: the writer
+// right after submitting (the disk writes meanwhile), or the request's verify hook when
+// the write finished before the writer got to them.
+class WriteChecksums {
+ public:
+  void compute_unless_started(const char* data, size_t bytes, size_t block_bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (state_ != State::kNotStarted) return;
+      state_ = State::kComputing;
+    }
+    std::vector<uint64_t> sums = block_checksums(data, bytes, block_bytes);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      sums_ = std::move(sums);
+      state_ = State::kDone;
+    }
+    computed_.notify_all();
+  }
+  // The checksums, computing them here if nobody has started.
+  std::vector<uint64_t> get(const char* data, size_t bytes, size_t block_bytes) {
+    compute_unless_started(data, bytes, block_bytes);
+    std::unique_lock<std::mutex> lock(mutex_);
+    computed_.wait(lock, [&] { return state_ == State::kDone; });
+    return sums_;
+  }
+
+ private:
+  enum class State : uint8_t { kNotStarted, kComputing, kDone };
+  std::mutex mutex_;
+  std::condition_variable computed_;
+  State state_ = State::kNotStarted;
+  std::vector<uint64_t> sums_;
+};
+
 // Gives a transfer its store-side completion: `finish` checks or records checksums, copies
 // out of a bounce buffer and does the bookkeeping. Work on the bytes (`heavy`) runs as the
 // engine's verify hook, beside the I/O; bookkeeping alone runs where the completion is
@@ -403,14 +438,16 @@ StatusOr<IoTicket> NvmeStore::write_async(NvmeExtent handle, const void* src, si
   const uint64_t id = handle.id;
   std::shared_ptr<Shared> shared = shared_;
   const std::string file_path = file_path_;
-  // The checksums are computed from the bytes just written, on a verifier thread beside
-  // the I/O of the requests behind this one (IoRequest::verify); the blocks become
-  // readable with them.
+  // The checksums are computed while the write is in flight: by this thread once the
+  // request is submitted, or by whichever thread finishes the request first (the verify
+  // hook), so a fast completion never waits for a thread that has not started. The
+  // blocks become readable with them.
   const bool checksums = options_.checksums;
+  auto pending_sums = checksums ? std::make_shared<WriteChecksums>() : nullptr;
   auto finish = [shared, id, key, first_block, blocks, bytes, extent_offset, file_offset, file_path, bounce, data,
-                 block_bytes, checksums](const Status& transfer) -> Status {
+                 block_bytes, pending_sums](const Status& transfer) -> Status {
     std::vector<uint64_t> sums;
-    if (transfer.ok() && checksums) sums = block_checksums(data, bytes, block_bytes);
+    if (transfer.ok() && pending_sums != nullptr) sums = pending_sums->get(data, bytes, block_bytes);
     std::lock_guard<std::mutex> lock(shared->mutex);
     Extent& extent = shared->extents.at(id);
     if (transfer.ok()) {
@@ -435,7 +472,9 @@ StatusOr<IoTicket> NvmeStore::write_async(NvmeExtent handle, const void* src, si
     std::lock_guard<std::mutex> lock(s.mutex);
     --s.extents.at(id).inflight;
     if (--s.inflight == 0) s.idle.notify_all();
+    return ticket;
   }
+  if (pending_sums != nullptr) pending_sums->compute_unless_started(data, bytes, block_bytes);
   return ticket;
 }
 

@@ -94,11 +94,7 @@ def main():
                     run_round(args, shape, round_index, results)
                 print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
     finally:
-        try:
-            os.remove(os.path.join(args.nvme_path, "fio-compare.dat"))
-        except FileNotFoundError:
-            pass
-        vs_fio.remove_store_files(args.nvme_path)
+        vs_fio.remove_bench_files(args.nvme_path)
     report(args, shapes, results)
 
 

@@ -37,6 +37,15 @@ def remove_store_files(path):
         os.remove(name)
 
 
+def remove_bench_files(path):
+    """What a run leaves in the directory: fio's file and the store's."""
+    try:
+        os.remove(os.path.join(path, "fio-compare.dat"))
+    except FileNotFoundError:
+        pass
+    remove_store_files(path)
+
+
 def run_strata(bench, path, size_mib, block_kib, depth, checksums, ring=False):
     remove_store_files(path)
     command = [bench, "nvme", "--nvme-path", path, "--size-mib", str(size_mib), "--block-kib", str(block_kib),
@@ -140,11 +149,7 @@ def main():
                         step()
                 print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
     finally:
-        try:
-            os.remove(os.path.join(args.nvme_path, "fio-compare.dat"))
-        except FileNotFoundError:
-            pass
-        remove_store_files(args.nvme_path)
+        remove_bench_files(args.nvme_path)
 
     median = lambda key: statistics.median(results[key])
     print(f"date {time.strftime('%Y-%m-%d')}, CPU {cpu_name()} ({os.cpu_count()} cores), {args.rounds} rounds, medians, "

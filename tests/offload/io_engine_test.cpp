@@ -11,7 +11,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <thread>
@@ -363,26 +362,22 @@ TEST_P(IoEngineKindTest, RequestsNobodyWaitsForStillCompleteAndDonePollsThem) {
   EXPECT_EQ(first_pattern_mismatch(data.data(), data.size(), 5), -1);
 }
 
-// A gate a verify hook can be held at until the test opens it.
-class Gate {
- public:
-  void open() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      open_ = true;
-    }
-    opened_.notify_all();
-  }
-  void pass() {
-    std::unique_lock<std::mutex> lock(mutex_);
-    opened_.wait(lock, [&] { return open_; });
-  }
+using testing::Gate;
 
- private:
-  std::mutex mutex_;
-  std::condition_variable opened_;
-  bool open_ = false;
+// A scratch file in a temporary directory, open for reading and writing.
+struct ScratchFile {
+  testing::TempDir dir;
+  std::string path = dir.str() + "/verify";
+  File file{::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644), path};
 };
+
+IoEngineOptions verify_options(IoEngineKind kind, unsigned verify_threads) {
+  IoEngineOptions options;
+  options.kind = kind;
+  options.queue_depth = 4;
+  options.verify_threads = verify_threads;
+  return options;
+}
 
 // Waits (a generous deadline, not a timing assertion) until `flag` is set.
 bool eventually(const std::atomic<bool>& flag) {
@@ -395,12 +390,10 @@ bool eventually(const std::atomic<bool>& flag) {
 // other requests go through the engine and finish, the held one is not done, and its
 // ticket returns what the hook decides once it lets go.
 TEST_P(IoEngineKindTest, VerifyHookRunsBesideTheIoAndItsTicketWaitsForIt) {
-  testing::TempDir dir;
-  const std::string path = dir.str() + "/verify";
-  File file(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644), path);
-  ASSERT_GE(file.fd(), 0);
-  MAKE_ENGINE_OR_SKIP(engine, GetParam(), 4);
-  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd(), path));
+  ScratchFile scratch;
+  ASSERT_GE(scratch.file.fd(), 0);
+  MAKE_ENGINE_OR_SKIP(engine, verify_options(GetParam(), 2));
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(scratch.file.fd(), scratch.path));
   std::vector<char> out(8192, 'v');
   Gate gate;
   std::atomic<bool> verifying{false};
@@ -414,7 +407,7 @@ TEST_P(IoEngineKindTest, VerifyHookRunsBesideTheIoAndItsTicketWaitsForIt) {
     verify_thread = std::this_thread::get_id();
     if (!on_complete_first.load()) return InternalError("verify ran before on_complete");
     verifying = true;
-    gate.pass();
+    gate.wait();
     return transfer.ok() ? DataLossError("verify says no") : transfer;
   };
   STRATA_ASSERT_OK_AND_ASSIGN(IoTicket held_ticket, engine->submit(std::move(held)));
@@ -437,23 +430,17 @@ TEST_P(IoEngineKindTest, VerifyHookRunsBesideTheIoAndItsTicketWaitsForIt) {
 // With its only verifier thread held by another request, a thread waiting for a request
 // runs that request's verification itself instead of waiting behind the held one.
 TEST_P(IoEngineKindTest, WaiterVerifiesItsOwnRequestWhenNoVerifierIsFree) {
-  testing::TempDir dir;
-  const std::string path = dir.str() + "/verify";
-  File file(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644), path);
-  ASSERT_GE(file.fd(), 0);
-  IoEngineOptions options;
-  options.kind = GetParam();
-  options.queue_depth = 4;
-  options.verify_threads = 1;
-  MAKE_ENGINE_OR_SKIP(engine, options);
-  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd(), path));
+  ScratchFile scratch;
+  ASSERT_GE(scratch.file.fd(), 0);
+  MAKE_ENGINE_OR_SKIP(engine, verify_options(GetParam(), 1));
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(scratch.file.fd(), scratch.path));
   std::vector<char> out(4096, 'w');
   Gate gate;
   std::atomic<bool> verifying{false};
   IoRequest held{IoOp::kWrite, io_file, out.data(), out.size(), 0, nullptr};
   held.verify = [&](const Status& transfer) {
     verifying = true;
-    gate.pass();
+    gate.wait();
     return transfer;
   };
   STRATA_ASSERT_OK_AND_ASSIGN(IoTicket held_ticket, engine->submit(std::move(held)));
@@ -477,16 +464,10 @@ TEST_P(IoEngineKindTest, WaiterVerifiesItsOwnRequestWhenNoVerifierIsFree) {
 // Without verifier threads the verify hook runs where the request completes, after
 // on_complete and with its Status; errors reach wait_all() as any other.
 TEST_P(IoEngineKindTest, VerifyHookWithoutVerifierThreadsRunsWhereTheRequestCompletes) {
-  testing::TempDir dir;
-  const std::string path = dir.str() + "/verify";
-  File file(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644), path);
-  ASSERT_GE(file.fd(), 0);
-  IoEngineOptions options;
-  options.kind = GetParam();
-  options.queue_depth = 4;
-  options.verify_threads = 0;
-  MAKE_ENGINE_OR_SKIP(engine, options);
-  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(file.fd(), path));
+  ScratchFile scratch;
+  ASSERT_GE(scratch.file.fd(), 0);
+  MAKE_ENGINE_OR_SKIP(engine, verify_options(GetParam(), 0));
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(scratch.file.fd(), scratch.path));
   std::vector<char> out(4096, 'z');
   std::atomic<int> verified{0};
   for (int i = 0; i < 4; ++i) {

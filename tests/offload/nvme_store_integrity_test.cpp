@@ -52,13 +52,6 @@ NvmeStoreOptions store_options(const std::string& path, const IntegrityParam& pa
   return options;
 }
 
-#define OPEN_STORE_OR_SKIP(var, options)                                      \
-  auto var##_or = NvmeStore::open(options);                                   \
-  if (!var##_or.ok() && var##_or.status().code() == StatusCode::kUnavailable) \
-    GTEST_SKIP() << var##_or.status().message();                              \
-  STRATA_ASSERT_OK(var##_or);                                                 \
-  std::unique_ptr<NvmeStore> var = std::move(var##_or).value()
-
 // Flips one byte of the data file behind the store's back; returns the block's checksum
 // after the flip.
 uint64_t corrupt_byte(const NvmeStore& store, uint64_t file_offset, uint64_t block_start, size_t block_bytes) {
