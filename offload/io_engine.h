@@ -23,9 +23,10 @@
 // on first use), so the thread that reaps completions goes straight back to the ring and
 // the queue stays full while finished requests are checked elsewhere. The request is not
 // finished (wait() does not return, done() is false) until its verify hook has returned;
-// what it returns is the request's Status. A thread that waits for a request whose
-// verification no verifier thread has started yet runs it itself instead of waiting for
-// one. With IoEngineOptions::verify_threads 0 the hook runs where on_complete does.
+// what it returns is the request's Status. A request a thread is waiting for is verified
+// by that thread unless a verifier thread has started it already (the waiter is awake;
+// on a busy machine a verifier thread may be waiting for a core). With
+// IoEngineOptions::verify_threads 0 the hook runs where on_complete does.
 //
 // Tickets: submit() returns a ticket per request; wait(ticket) blocks until that request
 // has finished and returns its Status (the first error of its transfers, or the error of
