@@ -144,7 +144,6 @@ struct IoEngineState {
   // queue here for the verifier threads, started on the first such request.
   std::deque<uint64_t> verify_queue;      // tickets in kVerifyQueued, oldest first
   std::vector<std::thread> verifiers;
-  bool verifiers_failed = false;          // they could not be started: verify hooks run inline
   bool verifiers_stopping = false;
   std::condition_variable verify_wanted;  // the verifiers': a request queued, or stop
 
@@ -157,12 +156,12 @@ struct IoEngineState {
   void finish_request(uint64_t ticket, std::unique_lock<std::mutex>& lock);
   // Records a request's final status and forgets the request (mutex held).
   void record_finished(uint64_t ticket, Status status);
-  // Queues a request in kVerifyQueued for a verifier thread, starting them on first use
-  // (mutex held). False when no verifier thread can run it (none configured, or they
-  // failed to start).
-  bool queue_verify(uint64_t ticket);
-  // Runs a kVerifyQueued request's verify hook without the mutex and finishes it.
-  void run_verify(uint64_t ticket, std::unique_lock<std::mutex>& lock, IoVerifiedBy by);
+  // Starts the verifier threads not running yet (mutex held); the first refusal is the
+  // error (the threads that did start keep serving).
+  Status start_verifiers();
+  // Runs a kVerifyQueued request's verify hook without the mutex and finishes it; a
+  // `refusal` (a verifier thread that could not start) becomes its status if the hook's is OK.
+  void run_verify(uint64_t ticket, std::unique_lock<std::mutex>& lock, IoVerifiedBy by, Status refusal = Status::Ok());
   // A verifier thread's loop; stop_verifiers() ends it once no request is queued.
   void run_verifier();
   void stop_verifiers();
@@ -340,7 +339,17 @@ void IoEngineState::finish_request(uint64_t ticket, std::unique_lock<std::mutex>
   if (record.verify) {
     record.status = std::move(status);
     record.stage = IoRequestStage::kVerifyQueued;
-    if (!queue_verify(ticket)) run_verify(ticket, lock, IoVerifiedBy::kCompleter);
+    Status started = verifiers_stopping ? Status::Ok() : start_verifiers();
+    if (!started.ok() || verifiers.empty() || verifiers_stopping) {
+      // No verifier thread (none configured, or refused): the hook runs here, and a refusal
+      // is the request's error, as every thread the library cannot start is.
+      run_verify(ticket, lock, IoVerifiedBy::kCompleter, std::move(started));
+      return;
+    }
+    verify_queue.push_back(ticket);
+    verify_wanted.notify_one();
+    // A thread waiting for this request runs it at once rather than wait for a verifier.
+    request_finished.notify_all();
     return;
   }
   record_finished(ticket, std::move(status));
@@ -361,36 +370,25 @@ std::optional<IoRequestStage> IoEngineState::stage_of(uint64_t ticket) const {
   return it->second.stage;
 }
 
-bool IoEngineState::queue_verify(uint64_t ticket) {
-  if (options.verify_threads == 0 || verifiers_failed || verifiers_stopping) return false;
-  if (verifiers.empty()) {
-    for (unsigned i = 0; i < options.verify_threads; ++i) {
-      StatusOr<std::thread> verifier = spawn_thread("strata:verify", [this] { run_verifier(); });
-      if (!verifier.ok()) {
-        // The threads already started keep serving; with none, hooks run where they finish.
-        STRATA_LOG_ONCE(kWarn) << "I/O engine: " << verifier.status().message() << "; " << verifiers.size()
-                               << " verifier thread(s) run the checksums beside the I/O";
-        verifiers_failed = verifiers.empty();
-        break;
-      }
-      verifiers.push_back(std::move(verifier).value());
+Status IoEngineState::start_verifiers() {
+  while (verifiers.size() < options.verify_threads) {
+    StatusOr<std::thread> verifier = spawn_thread("strata:verify", [this] { run_verifier(); });
+    if (!verifier.ok()) {
+      return std::move(verifier).status().with_context("I/O engine: starting the threads that verify checksums beside the I/O");
     }
-    if (verifiers.empty()) return false;
+    verifiers.push_back(std::move(verifier).value());
   }
-  verify_queue.push_back(ticket);
-  verify_wanted.notify_one();
-  // A thread waiting for this request may run it at once rather than wait for a verifier.
-  request_finished.notify_all();
-  return true;
+  return Status::Ok();
 }
 
-void IoEngineState::run_verify(uint64_t ticket, std::unique_lock<std::mutex>& lock, IoVerifiedBy by) {
+void IoEngineState::run_verify(uint64_t ticket, std::unique_lock<std::mutex>& lock, IoVerifiedBy by, Status refusal) {
   IoRequestRecord& record = requests.at(ticket);
   record.stage = IoRequestStage::kVerifying;
   IoCompletionHook hook = std::move(record.verify);
   Status status = std::move(record.status);
   lock.unlock();
   status = hook(status);
+  if (status.ok() && !refusal.ok()) status = std::move(refusal);
   lock.lock();
   ++stats.verified_requests;
   if (by == IoVerifiedBy::kWaiter) ++stats.verified_by_waiters;

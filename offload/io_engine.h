@@ -26,7 +26,8 @@
 // what it returns is the request's Status. A request a thread is waiting for is verified
 // by that thread unless a verifier thread has started it already (the waiter is awake;
 // on a busy machine a verifier thread may be waiting for a core). With
-// IoEngineOptions::verify_threads 0 the hook runs where on_complete does.
+// IoEngineOptions::verify_threads 0 the hook runs where on_complete does; so it does when
+// the system refuses a verifier thread, and the refusal becomes the request's error.
 //
 // Tickets: submit() returns a ticket per request; wait(ticket) blocks until that request
 // has finished and returns its Status (the first error of its transfers, or the error of

@@ -19,6 +19,7 @@
 
 #include "engine/core/log.h"
 #include "engine/core/file.h"
+#include "engine/core/thread.h"
 #include "tests/offload/offload_test_util.h"
 #include "tests/support/test_support.h"
 
@@ -485,6 +486,39 @@ TEST_P(IoEngineKindTest, VerifyHookWithoutVerifierThreadsRunsWhereTheRequestComp
   EXPECT_TRUE(contains_text(all.to_string(), "3 more failed")) << all.to_string();
   EXPECT_EQ(engine->stats().verified_requests, 4u);
   EXPECT_EQ(engine->stats().verified_by_waiters, 0u);
+}
+
+// A verifier thread the system refuses is an error, as every thread the library cannot
+// start is: the request's hook still runs (the store's bookkeeping with it), and its
+// status names the refusal; the next request starts the thread and goes through.
+TEST_P(IoEngineKindTest, VerifierThreadThatCannotStartFailsTheRequestAfterItsHookRan) {
+  ScratchFile scratch;
+  ASSERT_GE(scratch.file.fd(), 0);
+  MAKE_ENGINE_OR_SKIP(engine, verify_options(GetParam(), 1));
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(scratch.file.fd(), scratch.path));
+  std::vector<char> out(4096, 'r');
+  std::atomic<int> hooks{0};
+  auto request = [&] {
+    IoRequest write{IoOp::kWrite, io_file, out.data(), out.size(), 0, nullptr};
+    write.verify = [&](const Status& transfer) {
+      ++hooks;
+      return transfer;
+    };
+    return write;
+  };
+  Status refused;
+  {
+    ThreadSpawnFailureForTest refuse(1);
+    STRATA_ASSERT_OK_AND_ASSIGN(IoTicket ticket, engine->submit(request()));
+    refused = engine->wait(ticket);
+  }
+  EXPECT_EQ(hooks.load(), 1);
+  EXPECT_FALSE(refused.ok());
+  EXPECT_TRUE(contains_text(refused.to_string(), "starting the threads that verify checksums beside the I/O"))
+      << refused.to_string();
+  STRATA_ASSERT_OK_AND_ASSIGN(IoTicket again, engine->submit(request()));
+  STRATA_EXPECT_OK(engine->wait(again));
+  EXPECT_EQ(hooks.load(), 2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, IoEngineKindTest, ::testing::Values(IoEngineKind::kIoUring, IoEngineKind::kPsync),
