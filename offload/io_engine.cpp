@@ -84,11 +84,28 @@ struct IoFileEntry {
   std::string name;
 };
 
+// Where a request is on its way to finished (a finished request has no record).
+enum class IoRequestStage : uint8_t {
+  kTransfers,      // transfers in flight (or submit() still issuing them), or on_complete running
+  kVerifyQueued,   // waiting for a verifier thread, or for the thread that waits for it
+  kVerifying,      // its verify hook is running
+};
+
 struct IoRequestRecord {
   uint64_t pending = 0;  // transfers in flight, plus one while submit() is still issuing
-  Status status;         // the first transfer error
+  Status status;         // the first transfer error; from kVerifyQueued on, on_complete's result
   IoCompletionHook on_complete;
+  IoCompletionHook verify;
+  IoRequestStage stage = IoRequestStage::kTransfers;
+  unsigned waiters = 0;  // threads inside wait() for it: one of them verifies it, not a verifier thread
   std::vector<std::unique_ptr<IoTransfer>> transfers;
+};
+
+// Who ran a request's verify hook (for the stats).
+enum class IoVerifiedBy : uint8_t {
+  kVerifierThread,
+  kWaiter,     // the thread waiting for the request, before any verifier thread took it
+  kCompleter,  // the thread that completed it: no verifier threads (verify_threads 0)
 };
 
 struct IoErrorRecord {
@@ -123,33 +140,67 @@ struct IoEngineState {
   std::condition_variable reaper_wanted;  // the background reaper's: work in flight, or stop
   std::chrono::steady_clock::time_point last_caller_reap;  // when a caller last left drive_until
 
+  // Verification beside the I/O (IoRequest::verify): requests whose transfers are done
+  // queue here for the verifier threads, started on the first such request.
+  std::deque<uint64_t> verify_queue;      // tickets in kVerifyQueued, oldest first
+  std::vector<std::thread> verifiers;
+  bool verifiers_stopping = false;
+  std::condition_variable verify_wanted;  // the verifiers': a request queued, or stop
+
   // Hands a transfer (a new one or a resubmission) to the backend, with any fault the
   // injector picks for it. Called without the mutex.
   void issue(IoTransfer* transfer);
   // Called by a backend with a transfer's result: bytes moved, or -errno.
   void complete_transfer(IoTransfer* transfer, int64_t result);
-  // Runs the hook and records the request's final status.
+  // Runs on_complete, then hands the request to the verify stage or records its final status.
   void finish_request(uint64_t ticket, std::unique_lock<std::mutex>& lock);
+  // Records a request's final status and forgets the request (mutex held).
+  void record_finished(uint64_t ticket, Status status);
+  // Starts the verifier threads not running yet (mutex held); the first refusal is the
+  // error (the threads that did start keep serving).
+  Status start_verifiers();
+  // Runs a kVerifyQueued request's verify hook without the mutex and finishes it; a
+  // `refusal` (a verifier thread that could not start) becomes its status if the hook's is OK.
+  void run_verify(uint64_t ticket, std::unique_lock<std::mutex>& lock, IoVerifiedBy by, Status refusal = Status::Ok());
+  // A verifier thread's loop; stop_verifiers() ends it once no request is queued.
+  void run_verifier();
+  void stop_verifiers();
+  // kTransfers, kVerifyQueued or kVerifying; nullopt once finished (mutex held).
+  std::optional<IoRequestStage> stage_of(uint64_t ticket) const;
   std::string describe(const IoTransfer& transfer) const;  // mutex held
   // mutex held (through `lock`). Returns once `done()` holds, reaping completions on this
-  // thread while the token is free and transfers are in flight, else sleeping on `cv`.
+  // thread while the token is free, transfers are in flight and `io_helps()` says a
+  // completion can bring `done()` closer; else sleeping on `cv`.
+  template <class Done, class IoHelps>
+  void drive_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done, IoHelps io_helps);
   template <class Done>
-  void drive_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done);
+  void drive_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done) {
+    drive_until(lock, cv, done, [] { return true; });
+  }
   // mutex held. Takes the token, reaps one batch without the mutex, gives the token back.
   void reap_with_token(std::unique_lock<std::mutex>& lock, ReapMode mode);
   // The background reaper thread's loop (io_uring).
   void run_background_reaper();
 };
 
-template <class Done>
-void IoEngineState::drive_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done) {
+template <class Done, class IoHelps>
+void IoEngineState::drive_until(std::unique_lock<std::mutex>& lock, std::condition_variable& cv, Done done,
+                                IoHelps io_helps) {
   ++waiting_callers;
+  bool polled = false;  // took what the ring held since this thread last woke
   while (!done()) {
     // Only with transfers in flight: a completion is then sure to come and end the reap.
-    if (backend->reaps_in_callers() && !reaper_busy && in_flight > 0) {
+    const bool can_reap = backend->reaps_in_callers() && !reaper_busy && in_flight > 0;
+    if (can_reap && io_helps()) {
       reap_with_token(lock, ReapMode::kWait);
+    } else if (can_reap && !polled) {
+      // What this thread waits for comes from elsewhere (a verifier thread), but other
+      // requests' completions go on to theirs now rather than when this thread is back.
+      reap_with_token(lock, ReapMode::kPoll);
+      polled = true;
     } else {
       cv.wait(lock);
+      polled = false;
     }
   }
   --waiting_callers;
@@ -276,20 +327,96 @@ void IoEngineState::complete_transfer(IoTransfer* transfer, int64_t result) {
 }
 
 void IoEngineState::finish_request(uint64_t ticket, std::unique_lock<std::mutex>& lock) {
-  IoRequestRecord& record = requests.at(ticket);
-  Status status = std::move(record.status);
-  IoCompletionHook hook = std::move(record.on_complete);
+  Status status = std::move(requests.at(ticket).status);
+  IoCompletionHook hook = std::move(requests.at(ticket).on_complete);
   if (hook) {
     lock.unlock();
     status = hook(status);
     lock.lock();
   }
+  // The record may have moved while the lock was released: look it up again.
+  IoRequestRecord& record = requests.at(ticket);
+  if (record.verify) {
+    record.status = std::move(status);
+    record.stage = IoRequestStage::kVerifyQueued;
+    Status started = verifiers_stopping ? Status::Ok() : start_verifiers();
+    if (!started.ok() || verifiers.empty() || verifiers_stopping) {
+      // No verifier thread (none configured, or refused): the hook runs here, and a refusal
+      // is the request's error, as every thread the library cannot start is.
+      run_verify(ticket, lock, IoVerifiedBy::kCompleter, std::move(started));
+      return;
+    }
+    verify_queue.push_back(ticket);
+    verify_wanted.notify_one();
+    // A thread waiting for this request runs it at once rather than wait for a verifier.
+    request_finished.notify_all();
+    return;
+  }
+  record_finished(ticket, std::move(status));
+}
+
+void IoEngineState::record_finished(uint64_t ticket, Status status) {
   requests.erase(ticket);
   if (!status.ok()) {
     ++stats.failed_requests;
     errors.emplace(ticket, IoErrorRecord{std::move(status), false});
   }
   request_finished.notify_all();
+}
+
+std::optional<IoRequestStage> IoEngineState::stage_of(uint64_t ticket) const {
+  auto it = requests.find(ticket);
+  if (it == requests.end()) return std::nullopt;
+  return it->second.stage;
+}
+
+Status IoEngineState::start_verifiers() {
+  while (verifiers.size() < options.verify_threads) {
+    StatusOr<std::thread> verifier = spawn_thread("strata:verify", [this] { run_verifier(); });
+    if (!verifier.ok()) {
+      return std::move(verifier).status().with_context("I/O engine: starting the threads that verify checksums beside the I/O");
+    }
+    verifiers.push_back(std::move(verifier).value());
+  }
+  return Status::Ok();
+}
+
+void IoEngineState::run_verify(uint64_t ticket, std::unique_lock<std::mutex>& lock, IoVerifiedBy by, Status refusal) {
+  IoRequestRecord& record = requests.at(ticket);
+  record.stage = IoRequestStage::kVerifying;
+  IoCompletionHook hook = std::move(record.verify);
+  Status status = std::move(record.status);
+  lock.unlock();
+  status = hook(status);
+  if (status.ok() && !refusal.ok()) status = std::move(refusal);
+  lock.lock();
+  ++stats.verified_requests;
+  if (by == IoVerifiedBy::kWaiter) ++stats.verified_by_waiters;
+  record_finished(ticket, std::move(status));
+}
+
+void IoEngineState::run_verifier() {
+  std::unique_lock<std::mutex> lock(mutex);
+  for (;;) {
+    verify_wanted.wait(lock, [&] { return verifiers_stopping || !verify_queue.empty(); });
+    if (verify_queue.empty()) return;
+    const uint64_t ticket = verify_queue.front();
+    verify_queue.pop_front();
+    // A thread waiting for the request runs it itself (it is awake, and would otherwise
+    // sleep until this thread, which the scheduler may have set aside, is done).
+    auto it = requests.find(ticket);
+    if (it == requests.end() || it->second.stage != IoRequestStage::kVerifyQueued || it->second.waiters > 0) continue;
+    run_verify(ticket, lock, IoVerifiedBy::kVerifierThread);
+  }
+}
+
+void IoEngineState::stop_verifiers() {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    verifiers_stopping = true;
+  }
+  verify_wanted.notify_all();
+  for (std::thread& verifier : verifiers) verifier.join();
 }
 
 namespace {
@@ -673,6 +800,7 @@ IoEngine::~IoEngine() {
   if (!unclaimed.ok()) {
     STRATA_LOG(kError) << "I/O engine destroyed with a request error nobody waited for: " << unclaimed.to_string();
   }
+  state_->stop_verifiers();
   state_->backend->stop();
 }
 
@@ -785,6 +913,7 @@ StatusOr<IoTicket> IoEngine::submit(IoRequest request) {
   internal::IoRequestRecord& record = s.requests[ticket];
   record.pending = 1;  // held by this call until every transfer is issued
   record.on_complete = std::move(request.on_complete);
+  record.verify = std::move(request.verify);
   ++s.stats.requests;
 
   auto* cursor = static_cast<char*>(request.buffer);
@@ -841,7 +970,20 @@ Status IoEngine::wait(IoTicket ticket) {
   if (!ticket.valid() || ticket.id >= s.next_ticket) {
     return InvalidArgumentError("I/O engine: ticket " + std::to_string(ticket.id) + " was never issued");
   }
-  s.drive_until(lock, s.request_finished, [&] { return s.requests.count(ticket.id) == 0; });
+  auto waiting = s.requests.find(ticket.id);
+  if (waiting != s.requests.end()) ++waiting->second.waiters;
+  for (;;) {
+    // Reaping helps only while the request's own transfers are in flight; once it is
+    // being verified, its end comes from that thread, not from the ring.
+    s.drive_until(
+        lock, s.request_finished,
+        [&] { return s.stage_of(ticket.id) != internal::IoRequestStage::kTransfers &&
+                     s.stage_of(ticket.id) != internal::IoRequestStage::kVerifying; },
+        [&] { return s.stage_of(ticket.id) == internal::IoRequestStage::kTransfers; });
+    if (s.stage_of(ticket.id) != internal::IoRequestStage::kVerifyQueued) break;
+    // No verifier thread has started it: verify here rather than wait for one.
+    s.run_verify(ticket.id, lock, internal::IoVerifiedBy::kWaiter);
+  }
   auto it = s.errors.find(ticket.id);
   if (it == s.errors.end()) return Status::Ok();
   it->second.claimed = true;

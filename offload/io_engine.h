@@ -17,6 +17,18 @@
 // max_request_bytes, or one that crosses from one registered region into the next, is
 // split into several transfers, all under the same ticket.
 //
+// Verification beside the I/O: a request may carry a `verify` hook (the NVMe store's
+// checksum check of a read, its checksum computation for a write). It runs after the
+// request's transfers and on_complete, on one of the engine's verifier threads (started
+// on first use), so the thread that reaps completions goes straight back to the ring and
+// the queue stays full while finished requests are checked elsewhere. The request is not
+// finished (wait() does not return, done() is false) until its verify hook has returned;
+// what it returns is the request's Status. A request a thread is waiting for is verified
+// by that thread unless a verifier thread has started it already (the waiter is awake;
+// on a busy machine a verifier thread may be waiting for a core). With
+// IoEngineOptions::verify_threads 0 the hook runs where on_complete does; so it does when
+// the system refuses a verifier thread, and the refusal becomes the request's error.
+//
 // Tickets: submit() returns a ticket per request; wait(ticket) blocks until that request
 // has finished and returns its Status (the first error of its transfers, or the error of
 // its completion hook). An error nobody has waited for yet is kept: wait_all() returns it
@@ -71,6 +83,7 @@ struct IoEngineOptions {
   unsigned psync_threads = 0;                  // psync: worker threads; 0 = queue_depth (at most 64)
   size_t max_request_bytes = size_t{1} << 30;  // larger requests are split into transfers of at most this
   unsigned max_files = 64;                     // files that can be registered at once
+  unsigned verify_threads = 2;                 // threads running requests' verify hooks beside the I/O (started on first use); 0 = where on_complete runs
   std::shared_ptr<IoFaultInjector> faults;     // tests only: faults to inject (null = none)
 };
 
@@ -171,7 +184,12 @@ struct IoRequest {
   void* buffer = nullptr;   // for O_DIRECT files: aligned to the file's DIO alignment
   size_t bytes = 0;         // > 0
   uint64_t offset = 0;      // byte offset in the file, or kIoStreamOffset
-  IoCompletionHook on_complete;  // optional
+  IoCompletionHook on_complete;  // optional; keep it short (it runs where completions are reaped)
+  // Optional: CPU work on the request's bytes (checksums), run after on_complete on a
+  // verifier thread, beside the I/O of other requests (see "Verification beside the
+  // I/O"). Gets on_complete's Status; what it returns becomes the request's. Same rules
+  // as on_complete: it must not call wait() on its engine.
+  IoCompletionHook verify;
 };
 
 struct IoEngineStats {
@@ -182,6 +200,8 @@ struct IoEngineStats {
   uint64_t again_retries = 0;      // transfers resubmitted after -EAGAIN
   uint64_t failed_requests = 0;    // requests that finished with an error
   uint64_t injected_faults = 0;    // transfers IoEngineOptions::faults changed
+  uint64_t verified_requests = 0;  // requests whose verify hook ran
+  uint64_t verified_by_waiters = 0;  // of which ran on the thread waiting for them (no verifier thread had started it)
   uint64_t bytes_read = 0;
   uint64_t bytes_written = 0;
 };

@@ -64,6 +64,72 @@ std::string free_space_text(const std::string& path) {
 
 bool is_not_writable_errno(int error) { return error == EROFS || error == EACCES || error == EPERM; }
 
+// XXH64 of each `block_bytes` block of data[0, bytes) (the last one may be short).
+std::vector<uint64_t> block_checksums(const char* data, size_t bytes, size_t block_bytes) {
+  std::vector<uint64_t> sums((bytes + block_bytes - 1) / block_bytes);
+  for (size_t i = 0; i < sums.size(); ++i) {
+    sums[i] = xxhash64(data + i * block_bytes, std::min(block_bytes, bytes - i * block_bytes));
+  }
+  return sums;
+}
+
+// A write's block checksums, computed once by whichever thread comes first: the writer
+// right after submitting (the disk writes meanwhile), or the request's verify hook when
+// the write finished before the writer got to them.
+class WriteChecksums {
+ public:
+  void compute_unless_started(const char* data, size_t bytes, size_t block_bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (state_ != State::kNotStarted) return;
+      state_ = State::kComputing;
+    }
+    std::vector<uint64_t> sums = block_checksums(data, bytes, block_bytes);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      sums_ = std::move(sums);
+      state_ = State::kDone;
+    }
+    computed_.notify_all();
+  }
+  // The checksums, computing them here if nobody has started.
+  std::vector<uint64_t> get(const char* data, size_t bytes, size_t block_bytes) {
+    compute_unless_started(data, bytes, block_bytes);
+    std::unique_lock<std::mutex> lock(mutex_);
+    computed_.wait(lock, [&] { return state_ == State::kDone; });
+    return sums_;
+  }
+
+ private:
+  enum class State : uint8_t { kNotStarted, kComputing, kDone };
+  std::mutex mutex_;
+  std::condition_variable computed_;
+  State state_ = State::kNotStarted;
+  std::vector<uint64_t> sums_;
+};
+
+// Gives a transfer its store-side completion: `finish` checks or records checksums, copies
+// out of a bounce buffer and does the bookkeeping. Work on the bytes (`heavy`) runs as the
+// engine's verify hook, beside the I/O; bookkeeping alone runs where the completion is
+// reaped. `completed_at` is stamped when the transfer itself finishes, before any checks.
+void set_completion_hooks(IoRequest& request, IoCompletionHook finish, bool heavy,
+                          std::chrono::steady_clock::time_point* completed_at) {
+  if (!heavy) {
+    request.on_complete = [finish = std::move(finish), completed_at](const Status& transfer) {
+      if (completed_at != nullptr) *completed_at = std::chrono::steady_clock::now();
+      return finish(transfer);
+    };
+    return;
+  }
+  if (completed_at != nullptr) {
+    request.on_complete = [completed_at](const Status& transfer) {
+      *completed_at = std::chrono::steady_clock::now();
+      return transfer;
+    };
+  }
+  request.verify = std::move(finish);
+}
+
 }  // namespace
 
 // "pid N" from the pid file the lock holder wrote, "pid unknown" when it is gone.
@@ -351,16 +417,8 @@ StatusOr<IoTicket> NvmeStore::write_async(NvmeExtent handle, const void* src, si
     std::memset(bounce->data() + bytes, 0, io_bytes - bytes);
     data = bounce->as<const char>();
   }
-  // The blocks this write touches (with checksums on, it starts on a block boundary), and
-  // their checksums from the caller's bytes.
+  // The blocks this write touches (with checksums on, it starts on a block boundary).
   const size_t blocks = (extent_offset + bytes - 1) / block_bytes - first_block + 1;
-  std::vector<uint64_t> sums;
-  if (options_.checksums) {
-    sums.resize(blocks);
-    for (size_t i = 0; i < blocks; ++i) {
-      sums[i] = xxhash64(data + i * block_bytes, std::min(block_bytes, bytes - i * block_bytes));
-    }
-  }
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     auto it = s.extents.find(handle.id);
@@ -380,9 +438,16 @@ StatusOr<IoTicket> NvmeStore::write_async(NvmeExtent handle, const void* src, si
   const uint64_t id = handle.id;
   std::shared_ptr<Shared> shared = shared_;
   const std::string file_path = file_path_;
-  request.on_complete = [shared, id, key, first_block, blocks, bytes, extent_offset, file_offset, file_path, bounce,
-                         sums = std::move(sums), completed_at](const Status& transfer) -> Status {
-    if (completed_at != nullptr) *completed_at = std::chrono::steady_clock::now();
+  // The checksums are computed while the write is in flight: by this thread once the
+  // request is submitted, or by whichever thread finishes the request first (the verify
+  // hook), so a fast completion never waits for a thread that has not started. The
+  // blocks become readable with them.
+  const bool checksums = options_.checksums;
+  auto pending_sums = checksums ? std::make_shared<WriteChecksums>() : nullptr;
+  auto finish = [shared, id, key, first_block, blocks, bytes, extent_offset, file_offset, file_path, bounce, data,
+                 block_bytes, pending_sums](const Status& transfer) -> Status {
+    std::vector<uint64_t> sums;
+    if (transfer.ok() && pending_sums != nullptr) sums = pending_sums->get(data, bytes, block_bytes);
     std::lock_guard<std::mutex> lock(shared->mutex);
     Extent& extent = shared->extents.at(id);
     if (transfer.ok()) {
@@ -401,12 +466,15 @@ StatusOr<IoTicket> NvmeStore::write_async(NvmeExtent handle, const void* src, si
                                           ") at file offset " + std::to_string(file_offset) + " of " + file_path +
                                           " failed; those bytes of the extent are not readable");
   };
+  set_completion_hooks(request, std::move(finish), checksums, completed_at);
   StatusOr<IoTicket> ticket = engine_->submit(std::move(request));
   if (!ticket.ok()) {
     std::lock_guard<std::mutex> lock(s.mutex);
     --s.extents.at(id).inflight;
     if (--s.inflight == 0) s.idle.notify_all();
+    return ticket;
   }
+  if (pending_sums != nullptr) pending_sums->compute_unless_started(data, bytes, block_bytes);
   return ticket;
 }
 
@@ -462,9 +530,11 @@ StatusOr<IoTicket> NvmeStore::read_async(NvmeExtent handle, void* dst, size_t by
   const uint64_t id = handle.id;
   std::shared_ptr<Shared> shared = shared_;
   const std::string file_path = file_path_;
-  request.on_complete = [shared, id, key, bytes, extent_offset, file_offset, file_path, bounce, block_bytes,
-                         expected = std::move(expected), dst, completed_at](const Status& transfer) -> Status {
-    if (completed_at != nullptr) *completed_at = std::chrono::steady_clock::now();
+  // Verified on a verifier thread beside the I/O of the requests behind this one
+  // (IoRequest::verify); the ticket completes, and dst is handed over, only after.
+  const bool heavy = !expected.empty() || bounce != nullptr;
+  auto finish = [shared, id, key, bytes, extent_offset, file_offset, file_path, bounce, block_bytes,
+                 expected = std::move(expected), dst](const Status& transfer) -> Status {
     Status status = transfer;
     const char* data = bounce ? bounce->as<const char>() : static_cast<const char*>(dst);
     size_t mismatches = 0;
@@ -497,6 +567,7 @@ StatusOr<IoTicket> NvmeStore::read_async(NvmeExtent handle, void* dst, size_t by
     if (--shared->inflight == 0) shared->idle.notify_all();
     return status;
   };
+  set_completion_hooks(request, std::move(finish), heavy, completed_at);
   StatusOr<IoTicket> ticket = engine_->submit(std::move(request));
   if (!ticket.ok()) {
     std::lock_guard<std::mutex> lock(s.mutex);

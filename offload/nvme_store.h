@@ -18,7 +18,10 @@
 // Extents are named by a key, 4 KiB (the file's O_DIRECT alignment) aligned and freed for
 // reuse. Every checksum block (1 MiB by default) of an extent carries an XXH64 checksum
 // computed on write and verified on read; a mismatch is kDataLoss naming the extent, the
-// file and the offset. A block whose write failed (disk full, I/O error) is marked
+// file, the offset and both checksums. Both run beside the I/O, on the engine's verifier
+// threads (IoRequest::verify): the thread reaping completions goes back to the ring at
+// once, so the disk's queue stays full while finished transfers are checked. A read's
+// ticket completes, and its bytes are the caller's, only once every block has verified. A block whose write failed (disk full, I/O error) is marked
 // invalid, and reading it is an error; other blocks and extents keep their data and
 // checksums.
 //
@@ -120,13 +123,15 @@ class NvmeStore {
 
   // Writes `bytes` from `src` to the extent at `extent_offset`; `src_capacity` (0 = bytes)
   // says how many bytes at src may be read (see "Buffers"). The checksums are computed
-  // before this returns; the blocks become readable when the write completes. When
+  // from the bytes written, beside the I/O, before the ticket completes: `src` must keep
+  // its bytes until then. The blocks become readable when the ticket completes. When
   // `completed_at` is given, the time the transfer finished is stored there before the
   // ticket's wait returns (for traces that show the disk's work, not the waiting).
   StatusOr<IoTicket> write_async(NvmeExtent extent, const void* src, size_t bytes, size_t extent_offset = 0,
                                  size_t src_capacity = 0, std::chrono::steady_clock::time_point* completed_at = nullptr);
   // Reads `bytes` of the extent at `extent_offset` into `dst` (`dst_capacity` bytes may be
-  // written; 0 = bytes). The checksums are verified before the ticket completes.
+  // written; 0 = bytes). The checksums are verified before the ticket completes; a ticket
+  // that fails its checksums leaves dst's contents unspecified.
   StatusOr<IoTicket> read_async(NvmeExtent extent, void* dst, size_t bytes, size_t extent_offset = 0,
                                 size_t dst_capacity = 0, std::chrono::steady_clock::time_point* completed_at = nullptr);
   // The engine's wait: the request's Status, with the store's context.

@@ -15,6 +15,7 @@ Reserves huge pages in /proc/sys/vm/nr_hugepages for the run and restores the ol
 value afterwards (root needed).
 """
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -34,6 +35,15 @@ def remove_store_files(path):
     # rewrite skips that. Both sides write a new file every time.
     for name in glob.glob(os.path.join(path, "strata-rank*.swap")) + glob.glob(os.path.join(path, "strata-rank*.lock")):
         os.remove(name)
+
+
+def remove_bench_files(path):
+    """What a run leaves in the directory: fio's file and the store's."""
+    try:
+        os.remove(os.path.join(path, "fio-compare.dat"))
+    except FileNotFoundError:
+        pass
+    remove_store_files(path)
 
 
 def run_strata(bench, path, size_mib, block_kib, depth, checksums, ring=False):
@@ -68,6 +78,29 @@ def run_fio(path, size_mib, block_kib, depth, rw):
     return side["bw_bytes"] / 1e9, command
 
 
+@contextlib.contextmanager
+def reserved_huge_pages(pages):
+    """Reserves `pages` more 2 MiB huge pages for the block, then restores the old count."""
+    with open(HUGE_PAGES_PATH) as f:
+        old_pages = int(f.read())
+    try:
+        with open(HUGE_PAGES_PATH, "w") as f:
+            f.write(str(old_pages + pages))
+        with open(HUGE_PAGES_PATH) as f:
+            granted = int(f.read()) - old_pages
+        print(f"huge pages: {granted} of {pages} reserved (was {old_pages})", file=sys.stderr)
+        yield
+    finally:
+        with open(HUGE_PAGES_PATH, "w") as f:
+            f.write(str(old_pages))
+
+
+def huge_pages_needed(size_mib, shapes):
+    """Strata's data buffer (size) + fio's (block x depth) + slack, in 2 MiB pages."""
+    largest_fio = max(block * depth for block, depth in shapes) // 1024
+    return (size_mib + largest_fio) // 2 + 64
+
+
 def cpu_name():
     with open("/proc/cpuinfo") as info:
         for line in info:
@@ -89,48 +122,34 @@ def main():
     shapes = [tuple(int(x) for x in shape.split(":")) for shape in args.shapes.split(",")]
     os.makedirs(args.nvme_path, exist_ok=True)
 
-    with open(HUGE_PAGES_PATH) as f:
-        old_pages = int(f.read())
-    # Strata's data buffer (size) + fio's (block x depth) + slack, in 2 MiB pages.
-    largest_fio = max(block * depth for block, depth in shapes) // 1024
-    pages = args.huge_pages or (args.size_mib + largest_fio) // 2 + 64
+    pages = args.huge_pages or huge_pages_needed(args.size_mib, shapes)
     results = {}  # (shape, column) -> [GB/s]
     commands = {}
     try:
-        with open(HUGE_PAGES_PATH, "w") as f:
-            f.write(str(old_pages + pages))
-        with open(HUGE_PAGES_PATH) as f:
-            granted = int(f.read()) - old_pages
-        print(f"huge pages: {granted} of {pages} reserved (was {old_pages})", file=sys.stderr)
-        for round_index in range(args.rounds):
-            for block, depth in shapes:
-                def strata(checksums, ring=False):
-                    w, r, cmd = run_strata(args.bench, args.nvme_path, args.size_mib, block, depth, checksums, ring)
-                    tag = "strata_ring" if ring else ("strata_sums" if checksums else "strata")
-                    results.setdefault(((block, depth), tag + "_write"), []).append(w)
-                    results.setdefault(((block, depth), tag + "_read"), []).append(r)
-                    commands[tag] = " ".join(cmd)
+        with reserved_huge_pages(pages):
+            for round_index in range(args.rounds):
+                for block, depth in shapes:
+                    def strata(checksums, ring=False):
+                        w, r, cmd = run_strata(args.bench, args.nvme_path, args.size_mib, block, depth, checksums, ring)
+                        tag = "strata_ring" if ring else ("strata_sums" if checksums else "strata")
+                        results.setdefault(((block, depth), tag + "_write"), []).append(w)
+                        results.setdefault(((block, depth), tag + "_read"), []).append(r)
+                        commands[tag] = " ".join(cmd)
 
-                def fio():
-                    for rw in ("write", "read"):
-                        bw, cmd = run_fio(args.nvme_path, args.size_mib, block, depth, rw)
-                        results.setdefault(((block, depth), "fio_" + rw), []).append(bw)
-                        commands["fio_" + rw] = " ".join(cmd)
+                    def fio():
+                        for rw in ("write", "read"):
+                            bw, cmd = run_fio(args.nvme_path, args.size_mib, block, depth, rw)
+                            results.setdefault(((block, depth), "fio_" + rw), []).append(bw)
+                            commands["fio_" + rw] = " ".join(cmd)
 
-                order = [lambda: strata(False), lambda: strata(False, ring=True), fio, lambda: strata(True)]
-                if round_index % 2 == 1:
-                    order.reverse()
-                for step in order:
-                    step()
-            print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
+                    order = [lambda: strata(False), lambda: strata(False, ring=True), fio, lambda: strata(True)]
+                    if round_index % 2 == 1:
+                        order.reverse()
+                    for step in order:
+                        step()
+                print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
     finally:
-        with open(HUGE_PAGES_PATH, "w") as f:
-            f.write(str(old_pages))
-        try:
-            os.remove(os.path.join(args.nvme_path, "fio-compare.dat"))
-        except FileNotFoundError:
-            pass
-        remove_store_files(args.nvme_path)
+        remove_bench_files(args.nvme_path)
 
     median = lambda key: statistics.median(results[key])
     print(f"date {time.strftime('%Y-%m-%d')}, CPU {cpu_name()} ({os.cpu_count()} cores), {args.rounds} rounds, medians, "

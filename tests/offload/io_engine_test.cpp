@@ -19,6 +19,7 @@
 
 #include "engine/core/log.h"
 #include "engine/core/file.h"
+#include "engine/core/thread.h"
 #include "tests/offload/offload_test_util.h"
 #include "tests/support/test_support.h"
 
@@ -39,6 +40,8 @@ StatusOr<std::unique_ptr<IoEngine>> make_engine(IoEngineKind kind, unsigned queu
   options.max_request_bytes = max_request_bytes;
   return IoEngine::create(options);
 }
+
+StatusOr<std::unique_ptr<IoEngine>> make_engine(const IoEngineOptions& options) { return IoEngine::create(options); }
 
 // io_uring tests skip (with the reason) where the kernel refuses io_uring.
 #define MAKE_ENGINE_OR_SKIP(var, ...)                                                   \
@@ -358,6 +361,164 @@ TEST_P(IoEngineKindTest, RequestsNobodyWaitsForStillCompleteAndDonePollsThem) {
   for (IoTicket ticket : tickets) STRATA_EXPECT_OK(engine->wait(ticket));
   STRATA_EXPECT_OK(engine->wait(read));
   EXPECT_EQ(first_pattern_mismatch(data.data(), data.size(), 5), -1);
+}
+
+using testing::Gate;
+
+// A scratch file in a temporary directory, open for reading and writing.
+struct ScratchFile {
+  testing::TempDir dir;
+  std::string path = dir.str() + "/verify";
+  File file{::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644), path};
+};
+
+IoEngineOptions verify_options(IoEngineKind kind, unsigned verify_threads) {
+  IoEngineOptions options;
+  options.kind = kind;
+  options.queue_depth = 4;
+  options.verify_threads = verify_threads;
+  return options;
+}
+
+// Waits (a generous deadline, not a timing assertion) until `flag` is set.
+bool eventually(const std::atomic<bool>& flag) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!flag.load() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  return flag.load();
+}
+
+// A request's verify hook runs on a verifier thread, beside the I/O: while it is held,
+// other requests go through the engine and finish, the held one is not done, and its
+// ticket returns what the hook decides once it lets go.
+TEST_P(IoEngineKindTest, VerifyHookRunsBesideTheIoAndItsTicketWaitsForIt) {
+  ScratchFile scratch;
+  ASSERT_GE(scratch.file.fd(), 0);
+  MAKE_ENGINE_OR_SKIP(engine, verify_options(GetParam(), 2));
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(scratch.file.fd(), scratch.path));
+  std::vector<char> out(8192, 'v');
+  Gate gate;
+  std::atomic<bool> verifying{false};
+  std::atomic<bool> on_complete_first{false};
+  std::thread::id verify_thread;
+  IoRequest held{IoOp::kWrite, io_file, out.data(), out.size(), 0, [&](const Status& transfer) {
+                   on_complete_first = true;
+                   return transfer;
+                 }};
+  held.verify = [&](const Status& transfer) {
+    verify_thread = std::this_thread::get_id();
+    if (!on_complete_first.load()) return InternalError("verify ran before on_complete");
+    verifying = true;
+    gate.wait();
+    return transfer.ok() ? DataLossError("verify says no") : transfer;
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(IoTicket held_ticket, engine->submit(std::move(held)));
+  ASSERT_TRUE(eventually(verifying));
+  for (int i = 1; i <= 8; ++i) {
+    STRATA_ASSERT_OK_AND_ASSIGN(IoTicket other, engine->submit({IoOp::kWrite, io_file, out.data(), out.size(),
+                                                                static_cast<uint64_t>(i) * out.size(), nullptr}));
+    STRATA_EXPECT_OK(engine->wait(other));
+  }
+  EXPECT_FALSE(engine->done(held_ticket));
+  EXPECT_NE(verify_thread, std::this_thread::get_id());
+  gate.open();
+  EXPECT_EQ(engine->wait(held_ticket).message(), "verify says no");
+  const IoEngineStats stats = engine->stats();
+  EXPECT_EQ(stats.verified_requests, 1u);
+  EXPECT_EQ(stats.verified_by_waiters, 0u);
+  EXPECT_EQ(stats.failed_requests, 1u);
+}
+
+// With its only verifier thread held by another request, a thread waiting for a request
+// runs that request's verification itself instead of waiting behind the held one.
+TEST_P(IoEngineKindTest, WaiterVerifiesItsOwnRequestWhenNoVerifierIsFree) {
+  ScratchFile scratch;
+  ASSERT_GE(scratch.file.fd(), 0);
+  MAKE_ENGINE_OR_SKIP(engine, verify_options(GetParam(), 1));
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(scratch.file.fd(), scratch.path));
+  std::vector<char> out(4096, 'w');
+  Gate gate;
+  std::atomic<bool> verifying{false};
+  IoRequest held{IoOp::kWrite, io_file, out.data(), out.size(), 0, nullptr};
+  held.verify = [&](const Status& transfer) {
+    verifying = true;
+    gate.wait();
+    return transfer;
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(IoTicket held_ticket, engine->submit(std::move(held)));
+  ASSERT_TRUE(eventually(verifying));
+  std::thread::id verify_thread;
+  IoRequest mine{IoOp::kWrite, io_file, out.data(), out.size(), 4096, nullptr};
+  mine.verify = [&](const Status& transfer) {
+    verify_thread = std::this_thread::get_id();
+    return transfer;
+  };
+  STRATA_ASSERT_OK_AND_ASSIGN(IoTicket my_ticket, engine->submit(std::move(mine)));
+  STRATA_EXPECT_OK(engine->wait(my_ticket));
+  EXPECT_EQ(verify_thread, std::this_thread::get_id());
+  EXPECT_FALSE(engine->done(held_ticket));
+  gate.open();
+  STRATA_EXPECT_OK(engine->wait(held_ticket));
+  EXPECT_EQ(engine->stats().verified_requests, 2u);
+  EXPECT_EQ(engine->stats().verified_by_waiters, 1u);
+}
+
+// Without verifier threads the verify hook runs where the request completes, after
+// on_complete and with its Status; errors reach wait_all() as any other.
+TEST_P(IoEngineKindTest, VerifyHookWithoutVerifierThreadsRunsWhereTheRequestCompletes) {
+  ScratchFile scratch;
+  ASSERT_GE(scratch.file.fd(), 0);
+  MAKE_ENGINE_OR_SKIP(engine, verify_options(GetParam(), 0));
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(scratch.file.fd(), scratch.path));
+  std::vector<char> out(4096, 'z');
+  std::atomic<int> verified{0};
+  for (int i = 0; i < 4; ++i) {
+    IoRequest request{IoOp::kWrite, io_file, out.data(), out.size(), static_cast<uint64_t>(i) * 4096,
+                      [](const Status&) { return DataLossError("from on_complete"); }};
+    request.verify = [&](const Status& from_on_complete) {
+      ++verified;
+      return from_on_complete;
+    };
+    STRATA_ASSERT_OK(engine->submit(std::move(request)).status());
+  }
+  const Status all = engine->wait_all();
+  EXPECT_EQ(verified.load(), 4);
+  EXPECT_TRUE(contains_text(all.to_string(), "from on_complete")) << all.to_string();
+  EXPECT_TRUE(contains_text(all.to_string(), "3 more failed")) << all.to_string();
+  EXPECT_EQ(engine->stats().verified_requests, 4u);
+  EXPECT_EQ(engine->stats().verified_by_waiters, 0u);
+}
+
+// A verifier thread the system refuses is an error, as every thread the library cannot
+// start is: the request's hook still runs (the store's bookkeeping with it), and its
+// status names the refusal; the next request starts the thread and goes through.
+TEST_P(IoEngineKindTest, VerifierThreadThatCannotStartFailsTheRequestAfterItsHookRan) {
+  ScratchFile scratch;
+  ASSERT_GE(scratch.file.fd(), 0);
+  MAKE_ENGINE_OR_SKIP(engine, verify_options(GetParam(), 1));
+  STRATA_ASSERT_OK_AND_ASSIGN(IoFile io_file, engine->register_file(scratch.file.fd(), scratch.path));
+  std::vector<char> out(4096, 'r');
+  std::atomic<int> hooks{0};
+  auto request = [&] {
+    IoRequest write{IoOp::kWrite, io_file, out.data(), out.size(), 0, nullptr};
+    write.verify = [&](const Status& transfer) {
+      ++hooks;
+      return transfer;
+    };
+    return write;
+  };
+  Status refused;
+  {
+    ThreadSpawnFailureForTest refuse(1);
+    STRATA_ASSERT_OK_AND_ASSIGN(IoTicket ticket, engine->submit(request()));
+    refused = engine->wait(ticket);
+  }
+  EXPECT_EQ(hooks.load(), 1);
+  EXPECT_FALSE(refused.ok());
+  EXPECT_TRUE(contains_text(refused.to_string(), "starting the threads that verify checksums beside the I/O"))
+      << refused.to_string();
+  STRATA_ASSERT_OK_AND_ASSIGN(IoTicket again, engine->submit(request()));
+  STRATA_EXPECT_OK(engine->wait(again));
+  EXPECT_EQ(hooks.load(), 2);
 }
 
 INSTANTIATE_TEST_SUITE_P(Engines, IoEngineKindTest, ::testing::Values(IoEngineKind::kIoUring, IoEngineKind::kPsync),

@@ -39,13 +39,6 @@ NvmeStoreOptions store_options(const std::string& path, IoEngineKind kind = IoEn
   return options;
 }
 
-#define OPEN_STORE_OR_SKIP(var, options)                                                      \
-  auto var##_or = NvmeStore::open(options);                                                   \
-  if (!var##_or.ok() && var##_or.status().code() == StatusCode::kUnavailable)                 \
-    GTEST_SKIP() << var##_or.status().message();                                              \
-  STRATA_ASSERT_OK(var##_or);                                                                 \
-  std::unique_ptr<NvmeStore> var = std::move(var##_or).value()
-
 // ---------------------------------------------------------------------------------------
 // The checksum matches the reference xxHash64 (the system's libxxhash, where installed).
 // ---------------------------------------------------------------------------------------

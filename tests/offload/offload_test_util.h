@@ -16,6 +16,17 @@
 #include <memory>
 #include <string>
 
+#include "offload/nvme_store.h"
+
+// Opens a store into `var`; skips the test (with the reason) where the kernel refuses
+// the io_uring engine the options ask for.
+#define OPEN_STORE_OR_SKIP(var, options)                                      \
+  auto var##_or = ::strata::NvmeStore::open(options);                         \
+  if (!var##_or.ok() && var##_or.status().code() == ::strata::StatusCode::kUnavailable) \
+    GTEST_SKIP() << var##_or.status().message();                              \
+  STRATA_ASSERT_OK(var##_or);                                                 \
+  std::unique_ptr<::strata::NvmeStore> var = std::move(var##_or).value()
+
 namespace strata::testing {
 
 // A deterministic pattern that differs per seed and per byte position.
