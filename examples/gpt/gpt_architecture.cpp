@@ -6,7 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "examples/gpt/gpt_weights.h"
-#include "examples/gpt/safetensors.h"
+#include "examples/hf/safetensors.h"
 #include "examples/hf/hf_checkpoint.h"
 
 namespace strata::gpt {

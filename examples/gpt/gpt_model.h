@@ -68,6 +68,7 @@
 #include "engine/core/dtype.h"
 #include "engine/engine.h"
 #include "examples/lm/causal_lm.h"
+#include "examples/lm/transformer_layout.h"
 #include "examples/lm/vocab_chunks.h"
 #include "kernels/blas_context.h"
 #include "offload/pinned_arena.h"
@@ -148,17 +149,8 @@ struct GptModelOptions {
   bool capture_gradients = false;
 };
 
-// Device (and pinned) memory the model needs: one device buffer of device_bytes (already
-// rounded the way the device's allocator rounds it), plus the BLAS workspace on CUDA.
-struct GptActivationPlan {
-  size_t device_bytes = 0;   // everything the model allocates on the device (declare as activation_bytes)
-  size_t pinned_bytes = 0;   // block inputs in pinned host memory (kPinnedHost)
-  DType compute_dtype = DType::kFloat32;
-  int64_t head_chunk_rows = 0;
-  lm::VocabChunks chunks;
-  std::vector<std::pair<std::string, size_t>> lines;  // what the device bytes hold, for the log
-  std::string text() const;
-};
+// Device (and pinned) memory the model needs (the skeleton's plan, examples/lm/transformer_layout.h).
+using GptActivationPlan = lm::TransformerActivationPlan;
 // `device`: where compute runs. Errors name bad shapes.
 StatusOr<GptActivationPlan> plan_gpt_activations(const GptModelOptions& options, DeviceKind device);
 

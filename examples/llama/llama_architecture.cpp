@@ -42,11 +42,11 @@ std::string_view torch_dtype_name(DType dtype) {
   }
 }
 
-StatusOr<gpt::SafetensorsDType> safetensors_dtype(DType dtype) {
+StatusOr<hf::SafetensorsDType> safetensors_dtype(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return gpt::SafetensorsDType::kF32;
-    case DType::kBFloat16: return gpt::SafetensorsDType::kBF16;
-    case DType::kFloat16: return gpt::SafetensorsDType::kF16;
+    case DType::kFloat32: return hf::SafetensorsDType::kF32;
+    case DType::kBFloat16: return hf::SafetensorsDType::kBF16;
+    case DType::kFloat16: return hf::SafetensorsDType::kF16;
     default: return InvalidArgumentError("Llama export: weights are written as fp32, bf16 or fp16, not " + std::string(dtype_name(dtype)));
   }
 }
@@ -188,7 +188,7 @@ Status LlamaArchitecture::load_weights(Engine& engine, int rank, const lm::Weigh
 }
 
 Status LlamaArchitecture::export_weights(const std::string& dir, const lm::FullGroupSource& source, const lm::ExportSettings& settings) const {
-  STRATA_ASSIGN_OR_RETURN(const gpt::SafetensorsDType dtype, safetensors_dtype(settings.dtype));
+  STRATA_ASSIGN_OR_RETURN(const hf::SafetensorsDType dtype, safetensors_dtype(settings.dtype));
   json config = llama_config_json(config_);
   // The source's own config.json keeps what Strata does not model (token ids, ...).
   std::error_code ec;
@@ -207,7 +207,7 @@ Status LlamaArchitecture::export_weights(const std::string& dir, const lm::FullG
 
 StatusOr<std::vector<int>> LlamaArchitecture::export_group_order() const {
   STRATA_ASSIGN_OR_RETURN(const std::vector<GroupLayout> all, layouts());
-  STRATA_ASSIGN_OR_RETURN(hf::HfGroupExport plan, hf::HfGroupExport::plan(all, name_map(), gpt::SafetensorsDType::kF32));
+  STRATA_ASSIGN_OR_RETURN(hf::HfGroupExport plan, hf::HfGroupExport::plan(all, name_map(), hf::SafetensorsDType::kF32));
   return plan.group_order();
 }
 

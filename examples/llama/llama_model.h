@@ -62,16 +62,17 @@
 #include "engine/core/device.h"
 #include "engine/core/dtype.h"
 #include "engine/engine.h"
-#include "examples/gpt/gpt_model.h"
+#include "examples/lm/causal_lm.h"
+#include "examples/lm/transformer_layout.h"
 #include "examples/llama/llama_config.h"
 #include "examples/lm/vocab_chunks.h"
 #include "kernels/blas_context.h"
 
 namespace strata::llama {
 
-using gpt::ActivationCheckpointing;
-using gpt::MicroBatchLosses;
-using gpt::TokenBatch;
+using lm::ActivationCheckpointing;
+using lm::MicroBatchLosses;
+using lm::TokenBatch;
 using lm::QueuedMicroBatch;
 
 using lm::kDefaultVocabChunkBytes;
@@ -128,15 +129,7 @@ struct LlamaModelOptions {
   bool capture_gradients = false;
 };
 
-struct LlamaActivationPlan {
-  size_t device_bytes = 0;  // everything the model allocates on the device (declare as activation_bytes)
-  size_t pinned_bytes = 0;  // training block inputs in pinned host memory (kPinnedHost)
-  DType compute_dtype = DType::kFloat32;
-  VocabChunks chunks;
-  int64_t head_rows = 0;    // token rows per LM-head block
-  std::vector<std::pair<std::string, size_t>> lines;  // what the device bytes hold, for the log
-  std::string text() const;
-};
+using LlamaActivationPlan = lm::TransformerActivationPlan;  // examples/lm/transformer_layout.h
 StatusOr<LlamaActivationPlan> plan_llama_activations(const LlamaModelOptions& options, DeviceKind device);
 
 class LlamaModel final : public lm::CausalLm {
@@ -184,8 +177,7 @@ class LlamaModel final : public lm::CausalLm {
   Status embed_forward(const Rows& rows);
   Status block_forward(Params& p, const void* x, void* y, const BlockActs& a, const Rows& rows);
   Status block_backward(Params& p, const std::vector<float*>& g, const void* x, const BlockActs& a, const Rows& rows);
-  Status save_block_input(int64_t layer, const Rows& rows);
-  Status restore_block_input(int64_t layer, const Rows& rows);
+  size_t block_input_bytes(const Rows& rows) const;
   Status forward(const Rows& rows);
   Status backward(const Rows& rows);
   Status capture(int group, const GroupView& grads);

@@ -17,7 +17,7 @@
 #include "engine/core/status.h"
 #include "optim/cpu_isa.h"
 
-namespace strata::gpt {
+namespace strata::data {
 
 // The element function: the token is outside a vocabulary of `bound` ids.
 inline bool token_at_or_above(uint32_t token, uint64_t bound) { return token >= bound; }
@@ -49,10 +49,10 @@ std::optional<uint64_t> find_token_at_or_above(const TokenSpan& tokens, uint64_t
                                                Executor& executor, uint64_t chunk_tokens = uint64_t{1} << 20);
 
 namespace internal {
-// The per-ISA entry points (examples/gpt/token_scan_<isa>.cpp).
+// The per-ISA entry points (examples/data/token_scan_<isa>.cpp).
 size_t token_scan_u16_scalar(const uint16_t* tokens, size_t count, uint64_t bound);
 size_t token_scan_u32_scalar(const uint32_t* tokens, size_t count, uint64_t bound);
-#if defined(STRATA_GPT_X86_KERNELS)
+#if defined(STRATA_DATA_X86_KERNELS)
 size_t token_scan_u16_avx2(const uint16_t* tokens, size_t count, uint64_t bound);
 size_t token_scan_u32_avx2(const uint32_t* tokens, size_t count, uint64_t bound);
 size_t token_scan_u16_avx512(const uint16_t* tokens, size_t count, uint64_t bound);
@@ -60,4 +60,4 @@ size_t token_scan_u32_avx512(const uint32_t* tokens, size_t count, uint64_t boun
 #endif
 }  // namespace internal
 
-}  // namespace strata::gpt
+}  // namespace strata::data

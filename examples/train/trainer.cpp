@@ -1,4 +1,4 @@
-#include "examples/gpt/gpt_trainer.h"
+#include "examples/train/trainer.h"
 
 #include <algorithm>
 #include <atomic>
@@ -26,11 +26,17 @@
 #include "engine/engine_config.h"
 #include "engine/engine_plan.h"
 #include "engine/local_cluster.h"
-#include "examples/gpt/gpt_weights.h"
-#include "examples/gpt/safetensors.h"
+#include "examples/hf/hf_checkpoint.h"
+#include "examples/train/param_checksum.h"
 #include "optim/lr_schedule.h"
 
-namespace strata::gpt {
+namespace strata::train {
+
+using data::DataLoader;
+using data::DataLoaderOptions;
+using data::DataSplit;
+using data::TokenDataset;
+
 namespace {
 
 constexpr size_t kMiB = size_t{1} << 20;
@@ -1264,7 +1270,7 @@ void RankRun::report() {
 
 }  // namespace
 
-StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options) {
+StatusOr<TrainerResult> run_training(const TrainerOptions& options) {
   STRATA_ASSIGN_OR_RETURN(const RunShape shape, run_shape(options));
   STRATA_ASSIGN_OR_RETURN(const RunSources sources, open_sources(options, shape));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<LocalCluster> cluster, make_cluster(options, shape));
@@ -1324,4 +1330,4 @@ std::string summary_json(const TrainerResult& r) {
   return j.dump();
 }
 
-}  // namespace strata::gpt
+}  // namespace strata::train

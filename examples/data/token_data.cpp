@@ -1,4 +1,4 @@
-#include "examples/gpt/token_data.h"
+#include "examples/data/token_data.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -17,9 +17,9 @@
 #include "engine/core/file.h"
 #include "engine/core/executor.h"
 #include "engine/counter_rng.h"
-#include "examples/gpt/token_scan.h"
+#include "examples/data/token_scan.h"
 
-namespace strata::gpt {
+namespace strata::data {
 
 namespace {
 
@@ -830,4 +830,4 @@ Status DataLoader::restore_json(std::string_view text) {
   return Status::Ok();
 }
 
-}  // namespace strata::gpt
+}  // namespace strata::data

@@ -1,7 +1,7 @@
 // AVX-512 token scan span: 32 uint16 (AVX-512BW) or 16 uint32 lanes, four vectors folded
 // with an unsigned max per iteration and one mask compare against the bound; a block
 // that holds an offender is searched token by token. Compiled with -mavx512f -mavx512bw
-// for this file alone (examples/gpt/CMakeLists.txt), run only after the CPUID probe; as
+// for this file alone (examples/data/CMakeLists.txt), run only after the CPUID probe; as
 // in the AVX2 file, nothing here is an inline function another file could share.
 // GCC 12's own AVX-512 headers start some intrinsics from _mm512_undefined_*(), which its
 // -Wmaybe-uninitialized reports at -O3 (as in optim/gradient_span_avx512.cpp).
@@ -15,9 +15,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "examples/gpt/token_scan.h"
+#include "examples/data/token_scan.h"
 
-namespace strata::gpt::internal {
+namespace strata::data::internal {
 size_t token_scan_u16_avx512(const uint16_t* tokens, size_t count, uint64_t bound) {
   if (bound > 0xFFFF) return count;
   const __m512i limit = _mm512_set1_epi16(static_cast<int16_t>(static_cast<uint16_t>(bound)));
@@ -46,4 +46,4 @@ size_t token_scan_u32_avx512(const uint32_t* tokens, size_t count, uint64_t boun
   return i + token_scan_u32_scalar(tokens + i, count - i, bound);
 }
 
-}  // namespace strata::gpt::internal
+}  // namespace strata::data::internal

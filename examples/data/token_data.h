@@ -61,7 +61,7 @@
 #include "engine/core/status.h"
 #include "optim/cpu_isa.h"
 
-namespace strata::gpt {
+namespace strata::data {
 
 // ---------------------------------------------------------------------------------------
 // llm.c token files
@@ -155,7 +155,7 @@ struct TokenScanOptions {
 
 // Every token of the llm.c token file `path` (header as read_token_file_header checks it)
 // is below `vocab_size`, scanned over the memory-mapped file with the vectorized scan of
-// examples/gpt/token_scan.h. The error names the file, the first offending token's index
+// examples/data/token_scan.h. The error names the file, the first offending token's index
 // and byte offset, its value and the vocabulary size. Cost: docs/benchmarks.md.
 Status check_token_file_vocabulary(const std::string& path, int64_t vocab_size, const TokenScanOptions& options = {});
 
@@ -282,4 +282,4 @@ class DataLoader {
   uint64_t position_ = 0;
 };
 
-}  // namespace strata::gpt
+}  // namespace strata::data

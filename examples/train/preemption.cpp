@@ -1,4 +1,4 @@
-#include "examples/gpt/preemption.h"
+#include "examples/train/preemption.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -9,7 +9,7 @@
 #include <cstring>
 #include <string>
 
-namespace strata::gpt {
+namespace strata::train {
 namespace {
 
 static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a lock-free atomic");
@@ -75,4 +75,4 @@ Status install_preemption_handlers(std::string_view program) {
 
 int preemption_requested() { return g_requested.load(); }
 
-}  // namespace strata::gpt
+}  // namespace strata::train

@@ -1,4 +1,4 @@
-// The GPT training loop behind train_gpt: ranks, engine, model, data, learning-rate
+// The training loop behind strata-train (and train_gpt), for any model family: ranks, engine, model, data, learning-rate
 // schedule, evaluation, checkpoints, fine-tuning and export, with one progress line per
 // step and a summary at the end.
 //
@@ -42,11 +42,16 @@
 #include "engine/core/rendezvous.h"
 #include "engine/core/status.h"
 #include "engine/engine.h"
-#include "examples/gpt/gpt_model.h"
+#include "examples/data/token_data.h"
 #include "examples/lm/causal_lm.h"
-#include "examples/gpt/token_data.h"
 
-namespace strata::gpt {
+namespace strata::train {
+
+using data::SyntheticLanguageOptions;
+using lm::ActivationCheckpointing;
+using lm::MicroBatchLosses;
+using lm::QueuedMicroBatch;
+using lm::TokenBatch;
 
 struct TrainerOptions {
   StrataConfig config;  // finalized; steps, device, placement, optimizer, schedule, data, model preset
@@ -130,9 +135,9 @@ struct TrainerResult {
   int64_t nonfinite_steps = 0;      // steps skipped for a non-finite loss or gradient norm
 };
 
-StatusOr<TrainerResult> run_gpt_training(const TrainerOptions& options);
+StatusOr<TrainerResult> run_training(const TrainerOptions& options);
 
 // The one-line JSON summary (the last line train_gpt prints).
 std::string summary_json(const TrainerResult& result);
 
-}  // namespace strata::gpt
+}  // namespace strata::train

@@ -1,7 +1,7 @@
 // AVX2 token scan span: 16 uint16 or 8 uint32 lanes, four vectors folded with an unsigned
 // max per iteration and one compare against the bound, so the loop runs at load speed;
 // only a block that holds an offender is searched token by token. This file alone is
-// compiled with -mavx2 (examples/gpt/CMakeLists.txt) and runs only after the CPUID probe
+// compiled with -mavx2 (examples/data/CMakeLists.txt) and runs only after the CPUID probe
 // said so. Everything here has internal linkage and calls no inline function of another
 // header, so no AVX2 copy of one can be picked by the linker for other code.
 #include <immintrin.h>
@@ -9,9 +9,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "examples/gpt/token_scan.h"
+#include "examples/data/token_scan.h"
 
-namespace strata::gpt::internal {
+namespace strata::data::internal {
 size_t token_scan_u16_avx2(const uint16_t* tokens, size_t count, uint64_t bound) {
   if (bound > 0xFFFF) return count;
   const __m256i limit = _mm256_set1_epi16(static_cast<int16_t>(static_cast<uint16_t>(bound)));
@@ -43,4 +43,4 @@ size_t token_scan_u32_avx2(const uint32_t* tokens, size_t count, uint64_t bound)
   return i + token_scan_u32_scalar(tokens + i, count - i, bound);
 }
 
-}  // namespace strata::gpt::internal
+}  // namespace strata::data::internal

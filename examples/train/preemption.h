@@ -14,7 +14,7 @@
 
 #include "engine/core/status.h"
 
-namespace strata::gpt {
+namespace strata::train {
 
 // Installs the SIGTERM and SIGINT handlers; `program` starts the line the handler writes.
 Status install_preemption_handlers(std::string_view program);
@@ -22,4 +22,4 @@ Status install_preemption_handlers(std::string_view program);
 // The first SIGTERM or SIGINT received since install_preemption_handlers(), 0 while none.
 int preemption_requested();
 
-}  // namespace strata::gpt
+}  // namespace strata::train

@@ -1,11 +1,11 @@
-#include "examples/gpt/token_scan.h"
+#include "examples/data/token_scan.h"
 
 #include <algorithm>
 #include <atomic>
 #include <string>
 #include <vector>
 
-namespace strata::gpt {
+namespace strata::data {
 namespace internal {
 
 size_t token_scan_u16_scalar(const uint16_t* tokens, size_t count, uint64_t bound) {
@@ -32,7 +32,7 @@ StatusOr<TokenScanKernels> token_scan_kernels(CpuIsa isa) {
       kernels.scan_u16 = internal::token_scan_u16_scalar;
       kernels.scan_u32 = internal::token_scan_u32_scalar;
       return kernels;
-#if defined(STRATA_GPT_X86_KERNELS)
+#if defined(STRATA_DATA_X86_KERNELS)
     case CpuIsa::kAvx2:
       kernels.scan_u16 = internal::token_scan_u16_avx2;
       kernels.scan_u32 = internal::token_scan_u32_avx2;
@@ -76,4 +76,4 @@ std::optional<uint64_t> find_token_at_or_above(const TokenSpan& tokens, uint64_t
   return index;
 }
 
-}  // namespace strata::gpt
+}  // namespace strata::data
