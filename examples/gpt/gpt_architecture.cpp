@@ -89,12 +89,7 @@ GptModelOptions GptArchitecture::model_options(const lm::ModelRunOptions& option
 
 StatusOr<lm::ActivationPlan> GptArchitecture::plan_activations(const lm::ModelRunOptions& options, DeviceKind device) const {
   STRATA_ASSIGN_OR_RETURN(GptActivationPlan plan, plan_gpt_activations(model_options(options), device));
-  lm::ActivationPlan out;
-  out.device_bytes = plan.device_bytes;
-  out.pinned_bytes = plan.pinned_bytes;
-  out.compute_dtype = plan.compute_dtype;
-  out.text = plan.text();
-  return out;
+  return plan.summary();
 }
 
 StatusOr<std::unique_ptr<lm::CausalLm>> GptArchitecture::create(Engine& engine, const lm::ModelRunOptions& options) const {

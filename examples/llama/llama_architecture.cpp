@@ -150,12 +150,7 @@ StatusOr<LlamaModelOptions> LlamaArchitecture::model_options(const lm::ModelRunO
 StatusOr<lm::ActivationPlan> LlamaArchitecture::plan_activations(const lm::ModelRunOptions& options, DeviceKind device) const {
   STRATA_ASSIGN_OR_RETURN(LlamaModelOptions model, model_options(options));
   STRATA_ASSIGN_OR_RETURN(LlamaActivationPlan plan, plan_llama_activations(model, device));
-  lm::ActivationPlan out;
-  out.device_bytes = plan.device_bytes;
-  out.pinned_bytes = plan.pinned_bytes;
-  out.compute_dtype = plan.compute_dtype;
-  out.text = plan.text();
-  return out;
+  return plan.summary();
 }
 
 StatusOr<std::unique_ptr<lm::CausalLm>> LlamaArchitecture::create(Engine& engine, const lm::ModelRunOptions& options) const {
