@@ -310,7 +310,7 @@ struct GptModel::Buffers {
 };
 
 GptModel::GptModel(Engine& engine, const GptModelOptions& options)
-    : engine_(engine), options_(options), groups_(gpt_groups(options.config, options.vocab_chunk_bytes)) {}
+    : TransformerModel(engine, options, gpt_groups(options.config, options.vocab_chunk_bytes)) {}
 
 GptModel::~GptModel() {
   // Buffers must not be freed while the streams still use them; an error here was
@@ -325,13 +325,7 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::create(Engine& engine, const GptMo
   // Validates the shapes now (allocate() plans for the engine's device).
   STRATA_RETURN_IF_ERROR(make_layout(resolved, DeviceKind::kCpu).status());
   std::unique_ptr<GptModel> model(new GptModel(engine, resolved));
-  const auto specs = gpt_group_specs(resolved.config, resolved.vocab_chunk_bytes);
-  for (size_t g = 0; g < specs.size(); ++g) {
-    STRATA_ASSIGN_OR_RETURN(int id, engine.register_group(specs[g]));
-    if (id != static_cast<int>(g))
-      return FailedPreconditionError("GPT model: the engine gave group " + specs[g].name + " id " + std::to_string(id) + ", expected " +
-                                     std::to_string(g) + " (register the model's groups first)");
-  }
+  STRATA_RETURN_IF_ERROR(lm::register_model_groups(engine, gpt_group_specs(resolved.config, resolved.vocab_chunk_bytes), "GPT model"));
   // The schedule is recorded on the first step (see the header); no gradient waits between
   // uses of its group, so the engine needs only its two overlapping gradient slots.
   STRATA_RETURN_IF_ERROR(engine.declare_held_gradients(0));
@@ -383,11 +377,6 @@ StatusOr<std::vector<const void*>> GptModel::params_of(int group, const GroupVie
   STRATA_RETURN_IF_ERROR(kernels::cast(engine_.compute_stream(), view.flat, view.dtype, scratch, compute, layout.numel));
   for (const auto& t : layout.tensors) params.push_back(static_cast<const char*>(scratch) + t.offset * dtype_size(compute));
   return params;
-}
-
-Status GptModel::capture(int group, const GroupView& grads) {
-  if (!options_.capture_gradients) return {};
-  return lm::copy_gradient_to_host(engine_, group, grads, captured_[group]);
 }
 
 Status GptModel::block_forward(const std::vector<const void*>& p, const void* x, void* y, const BlockActs& a,

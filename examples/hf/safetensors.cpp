@@ -140,6 +140,81 @@ StatusOr<SafetensorsReader> SafetensorsReader::open(const std::string& path, con
   return reader;
 }
 
+namespace {
+
+// One tensor's entry of the header: its dtype, shape and data_offsets, checked against the
+// data section's `data_bytes`.
+StatusOr<SafetensorsTensor> parse_tensor_entry(const std::string& name, const json& entry, uint64_t data_bytes,
+                                               const std::string& where) {
+  const std::string what = where + ": tensor '" + name + "'";
+  if (!entry.is_object()) return InvalidArgumentError(what + " is not an object");
+  const auto dtype_it = entry.find("dtype");
+  const auto shape_it = entry.find("shape");
+  const auto offsets_it = entry.find("data_offsets");
+  if (dtype_it == entry.end() || !dtype_it->is_string()) return InvalidArgumentError(what + " has no string 'dtype'");
+  if (shape_it == entry.end() || !shape_it->is_array()) return InvalidArgumentError(what + " has no array 'shape'");
+  if (offsets_it == entry.end() || !offsets_it->is_array() || offsets_it->size() != 2) {
+    return InvalidArgumentError(what + " has no 'data_offsets' pair");
+  }
+  SafetensorsTensor tensor;
+  tensor.name = name;
+  auto dtype = parse_safetensors_dtype(dtype_it->get<std::string>());
+  if (!dtype.ok()) return InvalidArgumentError(what + ": " + dtype.status().message());
+  tensor.dtype = *dtype;
+  uint64_t numel = 1;
+  for (const json& dim : *shape_it) {
+    if (!dim.is_number_integer() || dim.get<int64_t>() < 0) {
+      return InvalidArgumentError(what + " has a shape entry that is not a non-negative integer: " + shape_it->dump());
+    }
+    const auto value = static_cast<uint64_t>(dim.get<int64_t>());
+    if (value != 0 && numel > std::numeric_limits<uint64_t>::max() / 8 / value) {
+      return InvalidArgumentError(what + ": shape " + shape_it->dump() + " is too large");
+    }
+    numel *= value;
+    tensor.shape.push_back(static_cast<int64_t>(value));
+  }
+  tensor.numel = numel;
+  for (const json& offset : *offsets_it) {
+    if (!offset.is_number_unsigned() && !(offset.is_number_integer() && offset.get<int64_t>() >= 0)) {
+      return InvalidArgumentError(what + ": data_offsets " + offsets_it->dump() + " are not non-negative integers");
+    }
+  }
+  tensor.begin = (*offsets_it)[0].get<uint64_t>();
+  tensor.end = (*offsets_it)[1].get<uint64_t>();
+  if (tensor.end < tensor.begin) {
+    return InvalidArgumentError(what + ": data_offsets " + offsets_text(tensor.begin, tensor.end) + " end before they begin");
+  }
+  if (tensor.end > data_bytes) {
+    return InvalidArgumentError(what + ": data_offsets " + offsets_text(tensor.begin, tensor.end) +
+                                " run past the data section (" + std::to_string(data_bytes) + " bytes; truncated?)");
+  }
+  const uint64_t needed = numel * safetensors_dtype_size(tensor.dtype);
+  if (needed != tensor.bytes()) {
+    return InvalidArgumentError(what + ": dtype " + std::string(safetensors_dtype_name(tensor.dtype)) + " shape " +
+                                shape_text(tensor.shape) + " needs " + std::to_string(needed) + " bytes, but data_offsets " +
+                                offsets_text(tensor.begin, tensor.end) + " hold " + std::to_string(tensor.bytes()));
+  }
+  return tensor;
+}
+
+// Sorted by offset, no two tensors may share a byte.
+Status check_no_overlap(std::vector<SafetensorsTensor>& tensors, const std::string& where) {
+  std::sort(tensors.begin(), tensors.end(), [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  for (size_t i = 1; i < tensors.size(); ++i) {
+    const SafetensorsTensor& a = tensors[i - 1];
+    const SafetensorsTensor& b = tensors[i];
+    if (b.begin < a.end) {
+      return InvalidArgumentError(where + ": tensors '" + a.name + "' " + offsets_text(a.begin, a.end) + " and '" + b.name +
+                                  "' " + offsets_text(b.begin, b.end) + " overlap");
+    }
+  }
+  return {};
+}
+
+}  // namespace
+
 StatusOr<SafetensorsHeader> parse_safetensors_header(std::string_view header_json, uint64_t data_bytes, std::string_view where_view) {
   const std::string where(where_view);
   if (const size_t depth = json_nesting_depth(header_json); depth > kMaxHeaderDepth) {
@@ -166,67 +241,10 @@ StatusOr<SafetensorsHeader> parse_safetensors_header(std::string_view header_jso
       }
       continue;
     }
-    const std::string what = where + ": tensor '" + name + "'";
-    if (!entry.is_object()) return InvalidArgumentError(what + " is not an object");
-    const auto dtype_it = entry.find("dtype");
-    const auto shape_it = entry.find("shape");
-    const auto offsets_it = entry.find("data_offsets");
-    if (dtype_it == entry.end() || !dtype_it->is_string()) return InvalidArgumentError(what + " has no string 'dtype'");
-    if (shape_it == entry.end() || !shape_it->is_array()) return InvalidArgumentError(what + " has no array 'shape'");
-    if (offsets_it == entry.end() || !offsets_it->is_array() || offsets_it->size() != 2) {
-      return InvalidArgumentError(what + " has no 'data_offsets' pair");
-    }
-    SafetensorsTensor tensor;
-    tensor.name = name;
-    auto dtype = parse_safetensors_dtype(dtype_it->get<std::string>());
-    if (!dtype.ok()) return InvalidArgumentError(what + ": " + dtype.status().message());
-    tensor.dtype = *dtype;
-    uint64_t numel = 1;
-    for (const json& dim : *shape_it) {
-      if (!dim.is_number_integer() || dim.get<int64_t>() < 0) {
-        return InvalidArgumentError(what + " has a shape entry that is not a non-negative integer: " + shape_it->dump());
-      }
-      const auto value = static_cast<uint64_t>(dim.get<int64_t>());
-      if (value != 0 && numel > std::numeric_limits<uint64_t>::max() / 8 / value) {
-        return InvalidArgumentError(what + ": shape " + shape_it->dump() + " is too large");
-      }
-      numel *= value;
-      tensor.shape.push_back(static_cast<int64_t>(value));
-    }
-    tensor.numel = numel;
-    for (const json& offset : *offsets_it) {
-      if (!offset.is_number_unsigned() && !(offset.is_number_integer() && offset.get<int64_t>() >= 0)) {
-        return InvalidArgumentError(what + ": data_offsets " + offsets_it->dump() + " are not non-negative integers");
-      }
-    }
-    tensor.begin = (*offsets_it)[0].get<uint64_t>();
-    tensor.end = (*offsets_it)[1].get<uint64_t>();
-    if (tensor.end < tensor.begin) {
-      return InvalidArgumentError(what + ": data_offsets " + offsets_text(tensor.begin, tensor.end) + " end before they begin");
-    }
-    if (tensor.end > data_bytes) {
-      return InvalidArgumentError(what + ": data_offsets " + offsets_text(tensor.begin, tensor.end) +
-                                  " run past the data section (" + std::to_string(data_bytes) + " bytes; truncated?)");
-    }
-    const uint64_t needed = numel * safetensors_dtype_size(tensor.dtype);
-    if (needed != tensor.bytes()) {
-      return InvalidArgumentError(what + ": dtype " + std::string(safetensors_dtype_name(tensor.dtype)) + " shape " +
-                                  shape_text(tensor.shape) + " needs " + std::to_string(needed) + " bytes, but data_offsets " +
-                                  offsets_text(tensor.begin, tensor.end) + " hold " + std::to_string(tensor.bytes()));
-    }
+    STRATA_ASSIGN_OR_RETURN(SafetensorsTensor tensor, parse_tensor_entry(name, entry, data_bytes, where));
     header.tensors.push_back(std::move(tensor));
   }
-  std::sort(header.tensors.begin(), header.tensors.end(), [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
-  for (size_t i = 1; i < header.tensors.size(); ++i) {
-    const SafetensorsTensor& a = header.tensors[i - 1];
-    const SafetensorsTensor& b = header.tensors[i];
-    if (b.begin < a.end) {
-      return InvalidArgumentError(where + ": tensors '" + a.name + "' " + offsets_text(a.begin, a.end) + " and '" + b.name +
-                                  "' " + offsets_text(b.begin, b.end) + " overlap");
-    }
-  }
+  STRATA_RETURN_IF_ERROR(check_no_overlap(header.tensors, where));
   return header;
 }
 

@@ -136,27 +136,10 @@ hf::HfNameMap LlamaArchitecture::name_map() const {
 StatusOr<LlamaModelOptions> LlamaArchitecture::model_options(const lm::ModelRunOptions& options) const {
   STRATA_RETURN_IF_ERROR(check_sequence_length(config_, options.seq_len));
   LlamaModelOptions model;
+  static_cast<lm::ModelRunOptions&>(model) = options;
   model.config = config_;
-  model.param_dtype = options.param_dtype;
-  model.batch = options.batch;
-  model.seq_len = options.seq_len;
-  model.eval_batch = options.eval_batch;
-  model.checkpointing = options.checkpointing;
   model.vocab_chunk_bytes = vocab_chunk_bytes_;
-  model.head_chunk_rows = options.head_chunk_rows;
   return model;
-}
-
-StatusOr<lm::ActivationPlan> LlamaArchitecture::plan_activations(const lm::ModelRunOptions& options, DeviceKind device) const {
-  STRATA_ASSIGN_OR_RETURN(LlamaModelOptions model, model_options(options));
-  STRATA_ASSIGN_OR_RETURN(LlamaActivationPlan plan, plan_llama_activations(model, device));
-  return plan.summary();
-}
-
-StatusOr<std::unique_ptr<lm::CausalLm>> LlamaArchitecture::create(Engine& engine, const lm::ModelRunOptions& options) const {
-  STRATA_ASSIGN_OR_RETURN(LlamaModelOptions model_opts, model_options(options));
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaModel> model, LlamaModel::create(engine, model_opts));
-  return std::unique_ptr<lm::CausalLm>(std::move(model));
 }
 
 StatusOr<std::vector<GroupLayout>> LlamaArchitecture::layouts() const {

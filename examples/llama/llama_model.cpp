@@ -13,7 +13,10 @@
 #include "examples/lm/pinned_block_inputs.h"
 #include "examples/lm/vocab_chunks.h"
 #include "kernels/cast.h"
-#include "kernels/llama_ops.h"
+#include "kernels/gqa_attention.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/rope.h"
+#include "kernels/swiglu.h"
 #include "kernels/transformer_ops.h"
 
 namespace strata::llama {
@@ -318,7 +321,9 @@ struct LlamaModel::Buffers {
 };
 
 LlamaModel::LlamaModel(Engine& engine, const LlamaModelOptions& options, const LlamaActivationPlan& plan)
-    : engine_(engine), options_(options), plan_(plan), groups_(llama_groups(options.config, plan.chunks)) {}
+    : TransformerModel(engine, options, llama_groups(options.config, plan.chunks)) {
+  plan_ = plan;
+}
 
 LlamaModel::~LlamaModel() {
   // Buffers must not be freed while the stream still uses them; an error here was already
@@ -332,13 +337,7 @@ StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::create(Engine& engine, const L
   if (resolved.eval_batch == 0) resolved.eval_batch = resolved.batch;
   STRATA_ASSIGN_OR_RETURN(LlamaActivationPlan plan, plan_llama_activations(resolved, DeviceKind::kCpu));
   std::unique_ptr<LlamaModel> model(new LlamaModel(engine, resolved, plan));
-  const auto specs = llama_group_specs(resolved.config, plan.chunks);
-  for (size_t g = 0; g < specs.size(); ++g) {
-    STRATA_ASSIGN_OR_RETURN(int id, engine.register_group(specs[g]));
-    if (id != static_cast<int>(g))
-      return FailedPreconditionError("Llama model: the engine gave group " + specs[g].name + " id " + std::to_string(id) + ", expected " +
-                                     std::to_string(g) + " (register the model's groups first)");
-  }
+  STRATA_RETURN_IF_ERROR(lm::register_model_groups(engine, llama_group_specs(resolved.config, plan.chunks), "Llama model"));
   // Tied: see the header (the engine would plan a gradient buffer per embedding chunk).
   if (!resolved.config.tie_word_embeddings) STRATA_RETURN_IF_ERROR(engine.declare_schedule(llama_schedule(resolved.config, plan.chunks)));
   // No gradient waits between uses of its group (each chunk's is filled and handed over in
@@ -442,11 +441,6 @@ StatusOr<LlamaModel::Params> LlamaModel::params_of(int group, const GroupView& v
     used += round_up(t.numel, kTensorAlignElements);
   }
   return params;
-}
-
-Status LlamaModel::capture(int group, const GroupView& grads) {
-  if (!options_.capture_gradients) return {};
-  return lm::copy_gradient_to_host(engine_, group, grads, captured_[group]);
 }
 
 // Checks the batch and fills the device's per-pass inputs: positions here, tokens and

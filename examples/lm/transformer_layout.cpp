@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "examples/lm/model_memory.h"
+#include "examples/lm/transformer_model.h"
 
 namespace strata::lm {
 
@@ -100,6 +101,16 @@ TransformerActivationPlan plan_of_layout(std::string family, const TransformerLa
   plan.device_bytes += model_blas_device_bytes(device, plan.lines);
   plan.pinned_bytes = static_cast<size_t>(layout.pinned_slots) * layout.pinned_slot_bytes;
   return plan;
+}
+
+Status register_model_groups(Engine& engine, std::span<const GroupSpec> specs, std::string_view family) {
+  for (size_t g = 0; g < specs.size(); ++g) {
+    STRATA_ASSIGN_OR_RETURN(int id, engine.register_group(specs[g]));
+    if (id != static_cast<int>(g))
+      return FailedPreconditionError(std::string(family) + ": the engine gave group " + specs[g].name + " id " + std::to_string(id) +
+                                     ", expected " + std::to_string(g) + " (register the model's groups first)");
+  }
+  return {};
 }
 
 }  // namespace strata::lm

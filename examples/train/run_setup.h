@@ -4,46 +4,23 @@
 // lines of a multi-process run. Internal to examples/train.
 #pragma once
 
-#include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <cmath>
-#include <condition_variable>
-#include <csignal>
-#include <cstdlib>
-#include <filesystem>
 #include <functional>
-#include <iomanip>
-#include <map>
+#include <memory>
 #include <mutex>
-#include <optional>
-#include <sstream>
-#include <thread>
-
-#include <sys/statvfs.h>
-#include <unistd.h>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "engine/checkpoint.h"
-#include "engine/core/log.h"
-#include "engine/engine_config.h"
 #include "engine/engine_plan.h"
 #include "engine/local_cluster.h"
-#include "examples/hf/hf_checkpoint.h"
-#include "examples/train/param_checksum.h"
-#include "optim/lr_schedule.h"
-
 #include "examples/train/step_agreement.h"
 #include "examples/train/trainer.h"
 
 namespace strata::train {
-
-using data::DataLoader;
-using data::DataLoaderOptions;
-using data::DataSplit;
-using data::TokenDataset;
-
 namespace internal {
 
 // --eval-only needs a file with the windows it names: count windows of T + 1 tokens, T apart.

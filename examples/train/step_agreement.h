@@ -33,9 +33,8 @@
 #include "engine/local_cluster.h"
 #include "examples/hf/hf_checkpoint.h"
 #include "examples/train/param_checksum.h"
-#include "optim/lr_schedule.h"
-
 #include "examples/train/trainer.h"
+#include "optim/lr_schedule.h"
 
 namespace strata::train {
 

@@ -1,18 +1,19 @@
-// CPU twins of the Llama-family ops (kernels/llama_ops.h), fp32 only.
+// CPU twins of RMSNorm, RoPE and SwiGLU (kernels/rmsnorm.h, rope.h, swiglu.h), fp32 only.
 //
 // As kernels/transformer_ops_cpu.h: each runs on the calling thread and fans out
 // through `executor`; the host entry points call them on a CpuDevice stream's worker.
-// Shapes, layouts and GradWrite semantics are those of kernels/llama_ops.h. Splits never
+// Shapes, layouts and GradWrite semantics are those of the ops' headers. Splits never
 // change the order of a sum: rows are independent (rmsnorm, rope), dgamma is a column
-// sum over rows in order, swiglu is element-wise, attention is split by (batch, head)
-// forward and (batch, KV head) backward. So results do not depend on the thread count.
+// sum over rows in order, swiglu is element-wise. So results do not depend on the thread count.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
 #include "engine/core/executor.h"
-#include "kernels/llama_ops.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/rope.h"
+#include "kernels/swiglu.h"
 
 namespace strata::kernels::cpu {
 
@@ -29,12 +30,5 @@ void rope_backward(Executor& executor, const RopeShape& shape, const int32_t* po
 void swiglu_forward(Executor& executor, const float* gate, const float* up, float* out, size_t count);
 void swiglu_backward(Executor& executor, const float* dout, const float* gate, const float* up, float* dgate, float* dup,
                      size_t count, GradWrite input_grad);
-
-// In kernels/transformer_ops_cpu.cpp, next to GPT-2's attention that wraps them.
-void gqa_attention_forward(Executor& executor, const GqaAttentionShape& shape, const float* q, const float* k,
-                           const float* v, float* out, float* lse);
-void gqa_attention_backward(Executor& executor, const GqaAttentionShape& shape, const float* dout, const float* q,
-                            const float* k, const float* v, const float* lse, float* dq, float* dk, float* dv,
-                            GradWrite input_grad);
 
 }  // namespace strata::kernels::cpu

@@ -2,7 +2,7 @@
 // options (see kernels/cpu_elements.h).
 #pragma GCC optimize("no-trapping-math")
 
-#include "kernels/llama_ops_cpu.h"
+#include "kernels/rmsnorm_rope_swiglu_cpu.h"
 
 #include <algorithm>
 #include <cmath>

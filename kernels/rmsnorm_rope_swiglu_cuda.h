@@ -1,7 +1,7 @@
-// CUDA launchers of the Llama-family ops (kernels/llama_ops.cu). Internal to kernels/:
-// the host entry points in kernels/llama_ops.cpp call these on a CudaDevice stream after
+// CUDA launchers of RMSNorm, RoPE and SwiGLU (kernels/rmsnorm_rope_swiglu.cu). Internal to
+// kernels/: the host entry points (kernels/rmsnorm.cpp, rope.cpp, swiglu.cpp) call these on a CudaDevice stream after
 // checking arguments. `cuda_stream` is a cudaStream_t; dtype is fp32 or bf16 (checked by
-// the caller); attention shapes arrive with every stride spelled out (non-zero).
+// the caller).
 #pragma once
 
 #if defined(STRATA_HAVE_CUDA)
@@ -9,7 +9,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/llama_ops.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/rope.h"
+#include "kernels/swiglu.h"
 
 namespace strata::kernels::cuda {
 
@@ -26,13 +28,6 @@ Status rope_backward(void* cuda_stream, const RopeShape& shape, DType dtype, con
 Status swiglu_forward(void* cuda_stream, DType dtype, const void* gate, const void* up, void* out, size_t count);
 Status swiglu_backward(void* cuda_stream, DType dtype, const void* dout, const void* gate, const void* up, void* dgate,
                        void* dup, size_t count, GradWrite input_grad);
-
-// The one CUDA attention: GPT-2's attention_forward/backward call these on the fused qkv.
-Status gqa_attention_forward(void* cuda_stream, BlasContext& blas, const GqaAttentionShape& shape, DType dtype,
-                             const void* q, const void* k, const void* v, void* out, float* lse, void* workspace);
-Status gqa_attention_backward(void* cuda_stream, BlasContext& blas, const GqaAttentionShape& shape, DType dtype,
-                              const void* dout, const void* q, const void* k, const void* v, const float* lse, void* dq,
-                              void* dk, void* dv, void* workspace, GradWrite input_grad);
 
 }  // namespace strata::kernels::cuda
 

@@ -1,4 +1,5 @@
-// The Llama-family ops (kernels/llama_ops.h): their scalar references checked against
+// RMSNorm, RoPE, SwiGLU and grouped-query attention (kernels/rmsnorm.h, rope.h, swiglu.h,
+// gqa_attention.h): their scalar references checked against
 // finite differences, then every op, forward and backward, on every device present
 // against those references, in the manner of tests/kernels/transformer_ops_test.cpp.
 //
@@ -9,7 +10,10 @@
 // rounding is measured. Tolerances (relative error ||got - want|| / ||want|| over a
 // tensor) as in transformer_ops_test.cpp: 2e-5 for fp32 runs; 2e-2 for bf16 outputs and
 // 1e-2 for the fp32 outputs of bf16 runs.
-#include "kernels/llama_ops.h"
+#include "kernels/gqa_attention.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/rope.h"
+#include "kernels/swiglu.h"
 
 #include <gtest/gtest.h>
 
@@ -23,7 +27,8 @@
 
 #include "engine/core/executor.h"
 #include "engine/core/gpu.h"
-#include "kernels/llama_ops_cpu.h"
+#include "kernels/rmsnorm_rope_swiglu_cpu.h"
+#include "kernels/transformer_ops_cpu.h"
 #include "kernels/reference.h"
 #include "tests/kernels/op_test_harness.h"
 #include "tests/support/test_support.h"
@@ -74,7 +79,7 @@ std::vector<double> numeric_gradient(std::vector<double>& input, const std::func
   return grad;
 }
 
-TEST(LlamaReferenceGradientTest, RmsNorm) {
+TEST(OpReferenceGradientTest, RmsNorm) {
   std::mt19937 rng(21);
   const RmsNormShape shape{.rows = 3, .channels = 7, .epsilon = 1e-5f};
   auto x = random_vector(21, rng, 1.5, 0.5);
@@ -91,7 +96,7 @@ TEST(LlamaReferenceGradientTest, RmsNorm) {
   EXPECT_LE(relative_error(dgamma, numeric_gradient(gamma, objective)), kGradientTolerance);
 }
 
-TEST(LlamaReferenceGradientTest, RopeOnStridedRowsLeavesTheRestAlone) {
+TEST(OpReferenceGradientTest, RopeOnStridedRowsLeavesTheRestAlone) {
   std::mt19937 rng(22);
   const RopeShape shape{.rows = 3, .heads = 2, .head_dim = 6, .row_stride = 15};
   const std::vector<int32_t> positions{5, 0, 41};
@@ -115,7 +120,7 @@ TEST(LlamaReferenceGradientTest, RopeOnStridedRowsLeavesTheRestAlone) {
   }
 }
 
-TEST(LlamaReferenceGradientTest, SwiGlu) {
+TEST(OpReferenceGradientTest, SwiGlu) {
   std::mt19937 rng(23);
   auto gate = random_vector(11, rng, 2.0);
   auto up = random_vector(11, rng);
@@ -131,7 +136,7 @@ TEST(LlamaReferenceGradientTest, SwiGlu) {
   EXPECT_LE(relative_error(dup, numeric_gradient(up, objective)), kGradientTolerance);
 }
 
-TEST(LlamaReferenceGradientTest, GroupedQueryAttentionOnStridedRows) {
+TEST(OpReferenceGradientTest, GroupedQueryAttentionOnStridedRows) {
   for (const auto& [heads, kv_heads] : {std::pair<size_t, size_t>{4, 2}, {3, 1}, {2, 2}}) {
     std::mt19937 rng(24);
     const size_t hd = 3;
@@ -157,7 +162,7 @@ TEST(LlamaReferenceGradientTest, GroupedQueryAttentionOnStridedRows) {
 }
 
 // With kv_heads == heads on GPT-2's fused qkv, the GQA reference is the GPT-2 one.
-TEST(LlamaReferenceGradientTest, GroupedQueryAttentionOfFusedQkvIsGpt2Attention) {
+TEST(OpReferenceGradientTest, GroupedQueryAttentionOfFusedQkvIsGpt2Attention) {
   std::mt19937 rng(25);
   const kernels::AttentionShape gpt2{.batch = 2, .seq_len = 5, .heads = 3, .head_dim = 4};
   const GqaAttentionShape shape = kernels::gqa_shape_of_fused_qkv(gpt2);
@@ -264,7 +269,7 @@ TEST(RopeInverseFrequenciesTest, BadArgumentsAreRefused) {
 #define EXPECT_CLOSE(got, want, tolerance, what) \
   EXPECT_LE(relative_error(got, want), tolerance) << (what) << " on " << context_
 
-class LlamaOpsTest : public ::testing::TestWithParam<Target> {
+class NormRopeSwigluAttentionTest : public ::testing::TestWithParam<Target> {
  protected:
   void SetUp() override {
     if (GetParam().kind == DeviceKind::kCuda && !gpu_available()) {
@@ -279,7 +284,7 @@ class LlamaOpsTest : public ::testing::TestWithParam<Target> {
   std::string context_;
 };
 
-TEST_P(LlamaOpsTest, RmsNorm) {
+TEST_P(NormRopeSwigluAttentionTest, RmsNorm) {
   std::mt19937 rng(31);
   for (const size_t rows : {1, 7, 22, 55}) {
     for (const size_t channels : {6, 55, 64}) {
@@ -320,7 +325,7 @@ TEST_P(LlamaOpsTest, RmsNorm) {
   }
 }
 
-TEST_P(LlamaOpsTest, RopeOnStridedRowsInPlaceAndAccumulated) {
+TEST_P(NormRopeSwigluAttentionTest, RopeOnStridedRowsInPlaceAndAccumulated) {
   std::mt19937 rng(32);
   struct Case {
     size_t rows, heads, head_dim, extra;  // extra: elements past the heads in each row
@@ -369,7 +374,7 @@ TEST_P(LlamaOpsTest, RopeOnStridedRowsInPlaceAndAccumulated) {
   }
 }
 
-TEST_P(LlamaOpsTest, SwiGlu) {
+TEST_P(NormRopeSwigluAttentionTest, SwiGlu) {
   std::mt19937 rng(33);
   for (const size_t count : {1, 7, 22, 55, 4097}) {
     context_ = "count " + std::to_string(count);
@@ -412,7 +417,7 @@ std::string describe(const AttentionCase& c) {
          " KV=" + std::to_string(c.kv_heads) + " hd=" + std::to_string(c.head_dim) + (c.fused ? " fused" : " separate");
 }
 
-TEST_P(LlamaOpsTest, GroupedQueryAttention) {
+TEST_P(NormRopeSwigluAttentionTest, GroupedQueryAttention) {
   std::mt19937 rng(34);
   for (const AttentionCase& c : {AttentionCase{2, 7, 4, 2, 6, false}, AttentionCase{1, 22, 6, 3, 10, true},
                                 AttentionCase{2, 97, 4, 1, 10, false}, AttentionCase{1, 55, 3, 3, 64, true},
@@ -501,7 +506,7 @@ TEST_P(LlamaOpsTest, GroupedQueryAttention) {
 // Fused-qkv rows hold the fused layout above: the fused case of GroupedQueryAttention
 // checks that q | k | v slices written by the backward leave nothing unwritten. Here the
 // elements around strided rows must survive: q rows with padding past the heads.
-TEST_P(LlamaOpsTest, AttentionLeavesPaddingOfStridedRowsAlone) {
+TEST_P(NormRopeSwigluAttentionTest, AttentionLeavesPaddingOfStridedRowsAlone) {
   std::mt19937 rng(35);
   const GqaAttentionShape shape{.batch = 1, .seq_len = 9, .heads = 4, .kv_heads = 2, .head_dim = 6, .q_stride = 29,
                                 .k_stride = 0, .v_stride = 0};
@@ -538,7 +543,7 @@ TEST_P(LlamaOpsTest, AttentionLeavesPaddingOfStridedRowsAlone) {
   }
 }
 
-TEST_P(LlamaOpsTest, EmbeddingWithoutPositionTable) {
+TEST_P(NormRopeSwigluAttentionTest, EmbeddingWithoutPositionTable) {
   std::mt19937 rng(36);
   const kernels::EmbeddingShape shape{.batch = 2, .seq_len = 7, .channels = 22, .vocab_size = 13, .max_positions = 0};
   std::vector<int32_t> tokens(14);
@@ -561,7 +566,7 @@ TEST_P(LlamaOpsTest, EmbeddingWithoutPositionTable) {
   EXPECT_LE(relative_error(h().get(d_dwte, want_dwte.size(), DType::kFloat32), want_dwte), h().fp32_tolerance());
 }
 
-TEST_P(LlamaOpsTest, BadShapesAreRefusedBeforeAnythingIsEnqueued) {
+TEST_P(NormRopeSwigluAttentionTest, BadShapesAreRefusedBeforeAnythingIsEnqueued) {
   Harness& harness = h();
   STRATA_ASSERT_OK_AND_ASSIGN(auto buffer, harness.device().allocate(4096, "scratch"));
   const GqaAttentionShape uneven{.batch = 1, .seq_len = 4, .heads = 3, .kv_heads = 2, .head_dim = 4};
@@ -593,14 +598,14 @@ TEST_P(LlamaOpsTest, BadShapesAreRefusedBeforeAnythingIsEnqueued) {
   STRATA_EXPECT_OK(harness.stream().synchronize());
 }
 
-INSTANTIATE_TEST_SUITE_P(Targets, LlamaOpsTest,
+INSTANTIATE_TEST_SUITE_P(Targets, NormRopeSwigluAttentionTest,
                          ::testing::Values(Target{DeviceKind::kCpu, DType::kFloat32},
                                            Target{DeviceKind::kCuda, DType::kFloat32},
                                            Target{DeviceKind::kCuda, DType::kBFloat16}),
                          target_name);
 
 // The CPU twins give the same bits whatever the executor's thread count.
-TEST(LlamaOpsCpuTest, ResultsDoNotDependOnTheThreadCount) {
+TEST(NormRopeSwigluAttentionCpuTest, ResultsDoNotDependOnTheThreadCount) {
   std::mt19937 rng(37);
   auto floats = [&](size_t n) {
     std::vector<float> v(n);

@@ -1,4 +1,4 @@
-// CUDA kernels of the Llama-family ops and their launchers (kernels/llama_ops_cuda.h);
+// CUDA kernels of RMSNorm, RoPE and SwiGLU and their launchers (kernels/rmsnorm_rope_swiglu_cuda.h);
 // the attention is in kernels/flash_attention.cu.
 //
 // As kernels/transformer_ops.cu: T is float or __nv_bfloat16, all math in fp32 (GEMMs
@@ -12,7 +12,7 @@
 
 #include "engine/core/cuda_check.h"
 #include "kernels/cuda_common.cuh"
-#include "kernels/llama_ops_cuda.h"
+#include "kernels/rmsnorm_rope_swiglu_cuda.h"
 
 namespace strata::kernels::cuda {
 namespace {
