@@ -89,16 +89,14 @@ Status ShardStore::write(int g, int copy, size_t begin, size_t count, const void
 Status ShardStore::store_values(int g, int copy, const float* values) {
   const size_t shard = group_layout(g).shard_numel;
   const DType dtype = ctx_.options->param_dtype;
-  std::vector<char> converted;
   void* host = host_copy(g, copy);
-  if (host == nullptr) {
-    converted.resize(param_bytes(shard));
-    host = converted.data();
+  if (host != nullptr) {
+    convert_from_float(values, dtype, shard, host);
+    return {};
   }
-  if (dtype == DType::kFloat32) std::memcpy(host, values, param_bytes(shard));
-  else for (size_t i = 0; i < shard; ++i) store_from_float(host, dtype, i, values[i]);
-  if (converted.empty()) return {};
-  return write(g, copy, 0, shard, host, 0);
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer converted, staging_buffer(g, param_bytes(shard)));
+  convert_from_float(values, dtype, shard, converted.data());
+  return write(g, copy, 0, shard, converted.data(), 0);
 }
 
 Status ShardStore::load_values(int g, int copy, float* values) {
@@ -107,9 +105,9 @@ Status ShardStore::load_values(int g, int copy, float* values) {
   const size_t bytes = param_bytes(shard);
   const DType dtype = ctx_.options->param_dtype;
   const void* host = host_copy(g, copy);
-  std::vector<char> staged;
+  AlignedBuffer staged;
   if (host == nullptr) {
-    staged.resize(bytes);
+    STRATA_ASSIGN_OR_RETURN(staged, staging_buffer(g, bytes));
     switch (ctx_.options->param_tier) {
       case Tier::kDevice:
         STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(staged.data(), device_copy(g, copy), bytes, CopyKind::kDeviceToHost, *ctx_.stream));
@@ -127,6 +125,20 @@ Status ShardStore::load_values(int g, int copy, float* values) {
   if (dtype == DType::kFloat32) std::memcpy(values, host, bytes);
   else for (size_t i = 0; i < shard; ++i) values[i] = load_as_float(host, dtype, i);
   return {};
+}
+
+// Host memory for a shard passing between the caller's fp32 values and a tier without a
+// host copy: an error naming the group when the heap refuses it (an address-space limit).
+StatusOr<AlignedBuffer> ShardStore::staging_buffer(int g, size_t bytes) const {
+  StatusOr<AlignedBuffer> buffer = AlignedBuffer::allocate(bytes, 64);
+  if (!buffer.ok())
+    return Status(buffer.status().code(), "staging group " + group_layout(g).name + " parameters -> " + buffer.status().message());
+  return buffer;
+}
+
+void ShardStore::convert_from_float(const float* values, DType dtype, size_t count, void* out) {
+  if (dtype == DType::kFloat32) std::memcpy(out, values, count * sizeof(float));
+  else for (size_t i = 0; i < count; ++i) store_from_float(out, dtype, i, values[i]);
 }
 
 }  // namespace strata::engine_internal

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/core/device.h"
+#include "engine/core/file.h"
 #include "engine/engine_options.h"
 #include "engine/partition.h"
 #include "engine/trace.h"
@@ -68,6 +69,9 @@ class ShardStore {
   Status load_values(int g, int copy, float* values);
 
  private:
+  StatusOr<AlignedBuffer> staging_buffer(int g, size_t bytes) const;
+  static void convert_from_float(const float* values, DType dtype, size_t count, void* out);
+
   // One group's copies, in the parameter tier's form (one vector is used).
   struct Copies {
     std::vector<DeviceBuffer> device;  // kDevice

@@ -28,23 +28,26 @@
 #include "engine/core/config.h"
 #include "engine/core/log.h"
 #include "engine/local_cluster.h"
-#include "examples/gpt/flags.h"
-#include "examples/gpt/gpt_model.h"
+#include "examples/data/token_data.h"
+#include "examples/flags/flags.h"
 #include "examples/gpt/gpt_architecture.h"
-#include "examples/gpt/gpt_trainer.h"
+#include "examples/gpt/gpt_model.h"
 #include "examples/gpt/gpt_weights.h"
-#include "examples/gpt/preemption.h"
-#include "examples/gpt/safetensors.h"
-#include "examples/gpt/token_data.h"
-#include "examples/llama/llama_architecture.h"
 #include "examples/hf/hf_export.h"
+#include "examples/hf/safetensors.h"
+#include "examples/llama/llama_architecture.h"
 #include "examples/run_config/run_config.h"
+#include "examples/train/preemption.h"
+#include "examples/train/train_args.h"
+#include "examples/train/trainer.h"
 #include "kernels/transformer_ops_cpu.h"
 
 namespace {
 
 using namespace strata;
 using namespace strata::gpt;
+using namespace strata::train;
+using strata::data::kGpt2VocabSize;
 
 constexpr const char* kUsage = R"(usage: %s [--config FILE] [options]
 
@@ -81,7 +84,7 @@ Any config key
   --set KEY=VALUE            e.g. --set zero_optimization.offload_param.pin_memory=false
 )";
 
-std::string trainer_string(const TrainGptArgs& args, const std::string& flag) {
+std::string trainer_string(const TrainArgs& args, const std::string& flag) {
   auto it = args.trainer.find(flag);
   return it == args.trainer.end() ? std::string() : it->second;
 }
@@ -192,7 +195,7 @@ bool is_llama_preset(const std::string& name) {
 
 // The model to train: --model DIR (its config.json's model_type picks the family), else
 // --init-from, else the preset.
-StatusOr<std::shared_ptr<const lm::Architecture>> resolve_model(const TrainGptArgs& args, const RunConfig& run, std::string& init_from) {
+StatusOr<std::shared_ptr<const lm::Architecture>> resolve_model(const TrainArgs& args, const RunConfig& run, std::string& init_from) {
   if (const std::string dir = trainer_string(args, "model"); !dir.empty()) {
     if (!init_from.empty()) return InvalidArgumentError("--model and --init-from both name weights to start from; give one");
     STRATA_ASSIGN_OR_RETURN(const std::string model_type, hf_model_type(dir));
@@ -215,12 +218,12 @@ StatusOr<std::shared_ptr<const lm::Architecture>> resolve_model(const TrainGptAr
   return gpt_model(run, init_from);
 }
 
-StatusOr<TrainerOptions> build_options(const TrainGptArgs& args) {
+StatusOr<TrainerOptions> build_options(const TrainArgs& args) {
   RunConfig run;
   if (!args.config_path.empty()) {
     STRATA_ASSIGN_OR_RETURN(run, load_run_config(args.config_path));
   }
-  STRATA_RETURN_IF_ERROR(apply_train_gpt_overrides(run, args));
+  STRATA_RETURN_IF_ERROR(apply_train_overrides(run, args));
   STRATA_RETURN_IF_ERROR(apply_data_spec(run, args.data_spec));
   StrataConfig& config = run.engine;
   if (run.steps == 0 && !config.was_given("strata.steps")) run.steps = 50;
@@ -302,7 +305,7 @@ int main(int argc, char** argv) {
     std::cerr << program << ": warning: " << blas.to_string() << "\n";
   }
   const std::vector<std::string> arguments(argv + 1, argv + argc);
-  auto args = strata::gpt::parse_train_gpt_args(arguments);
+  auto args = strata::train::parse_train_args(arguments);
   if (!args.ok()) {
     std::cerr << program << ": " << args.status().message() << "\n";
     return 2;
@@ -326,7 +329,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   options->stop_requested = preemption_requested;
-  auto result = run_gpt_training(*options);
+  auto result = run_training(*options);
   if (!result.ok()) {
     std::cout << std::flush;
     std::cerr << program << ": " << result.status().to_string() << "\n";

@@ -1,5 +1,5 @@
 // Internal to kernels/: the element functions and parallel-split helpers the CPU
-// twins share (kernels/transformer_ops_cpu.cpp, kernels/llama_ops_cpu.cpp). A .cpp
+// twins share (kernels/transformer_ops_cpu.cpp, kernels/rmsnorm_rope_swiglu_cpu.cpp). A .cpp
 // that includes this must start with `#pragma GCC optimize("no-trapping-math")` before
 // any include (see transformer_ops_cpu.cpp), so that exp_approx's clamps vectorize and
 // GCC inlines these functions into the span functions it compiles per ISA.

@@ -1,5 +1,5 @@
 // Internal to kernels/: what the CUDA files of the ops share (kernels/transformer_ops.cu,
-// kernels/llama_ops.cu): fp32 loads and stores of float / bf16, dtype dispatch, launch
+// kernels/rmsnorm_rope_swiglu.cu): fp32 loads and stores of float / bf16, dtype dispatch, launch
 // sizes, warp reductions, the deterministic column-sum kernel and the row-major cuBLAS
 // GEMM. Everything is in an unnamed namespace: each .cu gets its own copy, as when it
 // was one file.

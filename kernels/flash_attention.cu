@@ -1,4 +1,4 @@
-// The one CUDA attention (kernels/llama_ops_cuda.h declares its launchers): causal
+// The one CUDA attention (kernels/gqa_attention_cuda.h declares its launchers): causal
 // grouped-query attention in the manner of FlashAttention-2, so nothing T x T is ever
 // stored. GPT-2's fused-qkv attention calls it too.
 //
@@ -37,7 +37,7 @@
 #include "engine/core/cuda_check.h"
 #include "kernels/cuda_common.cuh"
 #include "kernels/flash_attention_kernels.cuh"
-#include "kernels/llama_ops_cuda.h"
+#include "kernels/gqa_attention_cuda.h"
 
 namespace strata::kernels::cuda {
 namespace {

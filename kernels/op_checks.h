@@ -1,5 +1,5 @@
 // Internal to kernels/: the argument checks the host entry points share
-// (kernels/transformer_ops.cpp, kernels/llama_ops.cpp), run at once, before anything
+// (kernels/transformer_ops.cpp, kernels/rmsnorm.cpp, rope.cpp, swiglu.cpp, gqa_attention.cpp), run at once, before anything
 // is enqueued.
 #pragma once
 

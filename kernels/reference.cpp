@@ -277,7 +277,7 @@ void cross_entropy_backward(const CrossEntropyShape& shape, const double* logits
   }
 }
 
-// Llama-family ops -------------------------------------------------------------------
+// RMSNorm, RoPE, SwiGLU, grouped-query attention ----------------------------------------
 
 namespace {
 double root_mean_square_inverse(const double* x_row, size_t channels, double epsilon) {

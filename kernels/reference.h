@@ -7,7 +7,10 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "kernels/llama_ops.h"
+#include "kernels/gqa_attention.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/rope.h"
+#include "kernels/swiglu.h"
 #include "kernels/transformer_ops.h"
 
 namespace strata::kernels::reference {
@@ -45,7 +48,7 @@ double cross_entropy_forward(const CrossEntropyShape& shape, const double* logit
 void cross_entropy_backward(const CrossEntropyShape& shape, const double* logits, const int32_t* targets, double grad_scale,
                             double* dlogits);
 
-// Llama-family ops (kernels/llama_ops.h) ---------------------------------------------
+// RMSNorm, RoPE, SwiGLU, grouped-query attention (kernels/rmsnorm.h ... gqa_attention.h) -----
 
 // rstd may be null.
 void rmsnorm_forward(const RmsNormShape& shape, const double* x, const double* gamma, double* y, double* rstd);

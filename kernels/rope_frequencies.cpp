@@ -1,4 +1,4 @@
-// rope_inverse_frequencies (kernels/llama_ops.h): host code, in float32 step by step in
+// rope_inverse_frequencies (kernels/rope.h): host code, in float32 step by step in
 // the order transformers evaluates its tensors, so the result matches Hugging Face's
 // inv_freq to within an ulp or two. Compiled without floating-point contraction: each
 // operation is rounded on its own, as torch's element-wise kernels round it.
@@ -12,7 +12,7 @@
 #include <numbers>
 #include <string>
 
-#include "kernels/llama_ops.h"
+#include "kernels/rope.h"
 
 namespace strata::kernels {
 namespace {

@@ -5,7 +5,7 @@
 #include <string>
 #include <type_traits>
 
-#include "kernels/llama_ops.h"
+#include "kernels/gqa_attention.h"
 #include "kernels/op_checks.h"
 #include "kernels/transformer_ops_cpu.h"
 #include "kernels/transformer_ops_cuda.h"
@@ -256,7 +256,7 @@ Status residual_backward(Stream& stream, DType dtype, const void* dout, void* da
 
 // Attention --------------------------------------------------------------------------
 // GPT-2's fused qkv is grouped-query attention with kv_heads == heads reading q, k, v
-// from one row of 3C (kernels/llama_ops.h): one attention implementation per device.
+// from one row of 3C (kernels/gqa_attention.h): one attention implementation per device.
 
 namespace {
 

@@ -173,7 +173,7 @@ Status residual_backward(Stream& stream, DType dtype, const void* dout, void* da
 // with key j visible from query t iff j <= t.
 // lse: fp32 [batch, heads, seq_len], the logsumexp of each query's scaled scores, saved
 // for the backward, which recomputes the probabilities from it (nothing T x T is kept).
-// This is gqa_attention_forward/backward (kernels/llama_ops.h) with kv_heads == heads
+// This is gqa_attention_forward/backward (kernels/gqa_attention.h) with kv_heads == heads
 // on the fused row (gqa_shape_of_fused_qkv): one attention implementation per device.
 struct AttentionShape {
   size_t batch = 0;

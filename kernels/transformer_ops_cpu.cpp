@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "kernels/cpu_elements.h"
-#include "kernels/llama_ops_cpu.h"
 
 #if __has_include(<cblas.h>)
 #include <cblas.h>

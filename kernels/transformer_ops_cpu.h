@@ -7,7 +7,7 @@
 //
 // Parallel splits never change the order of a sum: rows are independent, column sums
 // (dgamma, dbeta, dbias, dwpe, dwte) are split by column and run over rows in order,
-// attention is split by (batch, head) (kernels/llama_ops_cpu.h: GPT-2's attention is
+// attention is split by (batch, head) (below: GPT-2's attention is
 // the grouped-query attention on its fused qkv), matrix products by fixed 64-row/column tiles of
 // the result (one single-threaded BLAS call each). So results do not depend on the
 // thread count.
@@ -18,6 +18,7 @@
 
 #include "engine/core/executor.h"
 #include "engine/core/status.h"
+#include "kernels/gqa_attention.h"
 #include "kernels/transformer_ops.h"
 
 namespace strata::kernels::cpu {
@@ -94,5 +95,13 @@ void keep_blas_single_threaded();
 // setenv there is lost; and a serial OpenBLAS is not what libopenblas-dev links by default,
 // its path differs between distributions, so the program would not choose it reliably.
 Status reexec_with_single_threaded_blas(char** argv);
+
+// Causal grouped-query attention (kernels/gqa_attention.h), split by (batch, head) forward
+// and (batch, KV head) backward; GPT-2's attention above wraps it.
+void gqa_attention_forward(Executor& executor, const GqaAttentionShape& shape, const float* q, const float* k,
+                           const float* v, float* out, float* lse);
+void gqa_attention_backward(Executor& executor, const GqaAttentionShape& shape, const float* dout, const float* q,
+                            const float* k, const float* v, const float* lse, float* dq, float* dk, float* dv,
+                            GradWrite input_grad);
 
 }  // namespace strata::kernels::cpu

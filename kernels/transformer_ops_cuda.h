@@ -44,7 +44,7 @@ Status residual_forward(void* cuda_stream, DType dtype, const void* a, const voi
 Status residual_backward(void* cuda_stream, DType dtype, const void* dout, void* da, void* db, size_t count,
                          GradWrite input_grad);
 
-// GPT-2's attention: gqa_attention_forward/backward in kernels/llama_ops_cuda.h.
+// GPT-2's attention: gqa_attention_forward/backward in kernels/gqa_attention_cuda.h.
 
 Status cross_entropy_forward(void* cuda_stream, const CrossEntropyShape& shape, DType dtype, const void* logits,
                              const int32_t* targets, float* losses, float* lse, float* mean_loss);

@@ -6,7 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "examples/gpt/gpt_weights.h"
-#include "examples/gpt/safetensors.h"
+#include "examples/hf/safetensors.h"
 #include "examples/hf/hf_checkpoint.h"
 
 namespace strata::gpt {
@@ -75,31 +75,11 @@ std::vector<GroupSpec> GptArchitecture::group_specs() const { return gpt_group_s
 std::vector<int> GptArchitecture::schedule() const { return gpt_schedule(config_); }
 std::vector<int> GptArchitecture::forward_order() const { return gpt_forward_order(config_); }
 
-GptModelOptions GptArchitecture::model_options(const lm::ModelRunOptions& options) const {
+StatusOr<GptModelOptions> GptArchitecture::model_options(const lm::ModelRunOptions& options) const {
   GptModelOptions model;
+  static_cast<lm::ModelRunOptions&>(model) = options;
   model.config = config_;
-  model.param_dtype = options.param_dtype;
-  model.batch = options.batch;
-  model.seq_len = options.seq_len;
-  model.eval_batch = options.eval_batch;
-  model.checkpointing = options.checkpointing;
-  model.head_chunk_rows = options.head_chunk_rows;
   return model;
-}
-
-StatusOr<lm::ActivationPlan> GptArchitecture::plan_activations(const lm::ModelRunOptions& options, DeviceKind device) const {
-  STRATA_ASSIGN_OR_RETURN(GptActivationPlan plan, plan_gpt_activations(model_options(options), device));
-  lm::ActivationPlan out;
-  out.device_bytes = plan.device_bytes;
-  out.pinned_bytes = plan.pinned_bytes;
-  out.compute_dtype = plan.compute_dtype;
-  out.text = plan.text();
-  return out;
-}
-
-StatusOr<std::unique_ptr<lm::CausalLm>> GptArchitecture::create(Engine& engine, const lm::ModelRunOptions& options) const {
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<GptModel> model, GptModel::create(engine, model_options(options)));
-  return std::unique_ptr<lm::CausalLm>(std::move(model));
 }
 
 StatusOr<std::unique_ptr<lm::WeightSource>> GptArchitecture::open_weights(const std::string& path) const {

@@ -8,11 +8,13 @@
 
 #include "examples/gpt/gpt_model.h"
 #include "examples/lm/causal_lm.h"
+#include "examples/lm/transformer_model.h"
 
 namespace strata::gpt {
 
-class GptArchitecture final : public lm::Architecture {
+class GptArchitecture final : public lm::TransformerArchitecture<GptModel, GptModelOptions, plan_gpt_activations> {
  public:
+  using TransformerArchitecture::create;
   // Checks the config (validate_gpt_config).
   static StatusOr<std::shared_ptr<const GptArchitecture>> create(const GptConfig& config);
 
@@ -34,9 +36,6 @@ class GptArchitecture final : public lm::Architecture {
   std::vector<int> schedule() const override;
   std::vector<int> forward_order() const override;
 
-  StatusOr<lm::ActivationPlan> plan_activations(const lm::ModelRunOptions& options, DeviceKind device) const override;
-  StatusOr<std::unique_ptr<lm::CausalLm>> create(Engine& engine, const lm::ModelRunOptions& options) const override;
-
   // A single GPT-2 safetensors file (a directory: its model.safetensors).
   StatusOr<std::unique_ptr<lm::WeightSource>> open_weights(const std::string& path) const override;
   Status load_weights(Engine& engine, int rank, const lm::WeightSource& source) const override;
@@ -47,7 +46,7 @@ class GptArchitecture final : public lm::Architecture {
 
  private:
   explicit GptArchitecture(const GptConfig& config) : config_(config) {}
-  GptModelOptions model_options(const lm::ModelRunOptions& options) const;
+  StatusOr<GptModelOptions> model_options(const lm::ModelRunOptions& options) const override;
 
   GptConfig config_;
 };

@@ -10,6 +10,8 @@
 #include <sstream>
 
 #include "examples/lm/model_memory.h"
+#include "examples/lm/pinned_block_inputs.h"
+#include "examples/lm/transformer_layout.h"
 #include "examples/lm/vocab_chunks.h"
 #include "kernels/cast.h"
 #include "kernels/transformer_ops.h"
@@ -169,53 +171,73 @@ DType gpt_compute_dtype(DType param_dtype, DeviceKind device) { return lm::compu
 // The activation layout: one device buffer, carved into aligned sub-buffers
 // =====================================================================================
 
+namespace {
+
 // Offsets (bytes) of one block's working activations.
 struct ActsLayout {
   size_t ln1, mean1, rstd1, qkv, att, lse, x2, ln2, mean2, rstd2, fc, gelu;
 };
 
-struct DeviceLayout {
-  size_t total = 0;
-  std::deque<std::pair<std::string, size_t>> lines;  // a deque: add() keeps pointers to its entries
+// GPT-2's sub-buffers beyond the skeleton's (lm::TransformerLayout).
+struct DeviceLayout : lm::TransformerLayout {
   int64_t rows = 0, eval_rows = 0, act_rows = 0;
-  lm::VocabChunks chunks;
-  lm::VocabHeadShape head_shape;
-  lm::VocabHeadPlan head;
-  size_t vocab_head = 0;  // the vocabulary head's sub-buffers
-  size_t positions = 0;   // 0 .. T-1 per sequence: wpe's rows
-  std::vector<size_t> resid;        // block inputs (+ the final residual)
   std::vector<ActsLayout> acts;     // per block (kOff; + one for evaluation) or one shared set
   size_t eval_resid = 0, eval_lnf = 0;
   size_t dresid = 0, grad_wide = 0, grad_narrow = 0;
   size_t lnf_out = 0, lnf_mean = 0, lnf_rstd = 0, lnf_gamma = 0;
-  size_t attention_workspace = 0, attention_workspace_bytes = 0;
   size_t param_scratch = 0, param_scratch_bytes = 0;
-  size_t pinned_slot_bytes = 0;
-  int pinned_slots = 0;
-
-  // Carves `bytes` off the end, counting them in the line `line_total` points at.
-  size_t add(size_t bytes, size_t* line_total) {
-    const size_t offset = total;
-    const size_t reserved = round_up(std::max<size_t>(bytes, 1), kSubBufferAlignment);
-    total += reserved;
-    *line_total += reserved;
-    return offset;
-  }
 };
 
-StatusOr<DeviceLayout> make_layout(const GptModelOptions& options, DeviceKind kind) {
-  const DType param_dtype = options.param_dtype;
+Status check_options(const GptModelOptions& options) {
   const GptConfig& c = options.config;
   STRATA_RETURN_IF_ERROR(validate_gpt_config(c));
   const int64_t T = options.seq_len > 0 ? options.seq_len : c.n_ctx;
   if (T > c.n_ctx) return InvalidArgumentError("seq_len (" + std::to_string(T) + ") is longer than n_ctx (" + std::to_string(c.n_ctx) + ")");
-  if (options.batch < 1) return InvalidArgumentError("GPT model: batch must be at least 1 sequence per rank, got " + std::to_string(options.batch));
-  if (options.eval_batch < 0) return InvalidArgumentError("GPT model: eval_batch must be >= 0");
-  if (options.head_chunk_rows < 0) return InvalidArgumentError("GPT model: head_chunk_rows must be >= 0");
-  if (options.vocab_chunk_bytes < static_cast<size_t>(c.n_embd) * 4)
-    return InvalidArgumentError("GPT model: vocab_chunk_bytes (" + std::to_string(options.vocab_chunk_bytes) + ") is less than one fp32 wte row (" +
-                                std::to_string(c.n_embd * 4) + " bytes)");
-  const DType compute = gpt_compute_dtype(param_dtype, kind);
+  return lm::check_transformer_run({"GPT model", "wte row", c.n_embd, options.batch, options.eval_batch, options.head_chunk_rows,
+                                    options.vocab_chunk_bytes});
+}
+
+// One block's working activations for `rows` token rows of `seqs` sequences.
+ActsLayout add_block_acts(DeviceLayout& d, size_t* line, size_t r, size_t seqs, size_t T, size_t C, size_t H, size_t cs) {
+  ActsLayout a{};
+  a.ln1 = d.add(r * C * cs, line);
+  a.mean1 = d.add(r * 4, line);
+  a.rstd1 = d.add(r * 4, line);
+  a.qkv = d.add(r * 3 * C * cs, line);
+  a.att = d.add(r * C * cs, line);
+  a.lse = d.add(seqs * H * T * 4, line);
+  a.x2 = d.add(r * C * cs, line);
+  a.ln2 = d.add(r * C * cs, line);
+  a.mean2 = d.add(r * 4, line);
+  a.rstd2 = d.add(r * 4, line);
+  a.fc = d.add(r * 4 * C * cs, line);
+  a.gelu = d.add(r * 4 * C * cs, line);
+  return a;
+}
+
+// One slot: a wte chunk with a zero row (the embedding's table, or the head's weight cast
+// to the compute dtype) and, for parameters in another dtype, a gathered group cast to it.
+Status add_param_scratch(DeviceLayout& d, const GptModelOptions& options, DType compute) {
+  const size_t cs = dtype_size(compute);
+  d.param_scratch_bytes = d.head.slot_bytes;
+  if (options.param_dtype != compute) {
+    for (const auto& spec : gpt_group_specs(options.config, options.vocab_chunk_bytes)) {
+      STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, 1));
+      d.param_scratch_bytes = std::max(d.param_scratch_bytes, layout.numel * cs);
+    }
+  }
+  d.param_scratch = d.add(d.param_scratch_bytes, d.line(options.param_dtype != compute
+                                                            ? "one slot: a wte chunk + a zero row, or a gathered group cast to " +
+                                                                  std::string(dtype_name(compute))
+                                                            : "one slot: a wte chunk + a zero row"));
+  return {};
+}
+
+StatusOr<DeviceLayout> make_layout(const GptModelOptions& options, DeviceKind kind) {
+  STRATA_RETURN_IF_ERROR(check_options(options));
+  const GptConfig& c = options.config;
+  const int64_t T = options.seq_len > 0 ? options.seq_len : c.n_ctx;
+  const DType compute = gpt_compute_dtype(options.param_dtype, kind);
   const size_t cs = dtype_size(compute);
   const size_t C = static_cast<size_t>(c.n_embd);
   const size_t L = static_cast<size_t>(c.n_layer), H = static_cast<size_t>(c.n_head);
@@ -228,105 +250,40 @@ StatusOr<DeviceLayout> make_layout(const GptModelOptions& options, DeviceKind ki
   d.act_rows = d.rows;
   const size_t rows = static_cast<size_t>(d.rows), erows = static_cast<size_t>(d.eval_rows), arows = static_cast<size_t>(d.act_rows);
   d.chunks = gpt_vocab_chunks(c, options.vocab_chunk_bytes);
-  d.head_shape = lm::VocabHeadShape{c.n_embd, d.chunks, {d.rows, d.eval_rows}, options.head_chunk_rows, param_dtype, compute};
-  STRATA_ASSIGN_OR_RETURN(d.head, lm::plan_vocab_head(d.head_shape));
+  STRATA_RETURN_IF_ERROR(d.plan_head({c.n_embd, d.chunks, {d.rows, d.eval_rows}, options.head_chunk_rows, options.param_dtype, compute}));
 
-  auto line = [&](const std::string& what) -> size_t* {
-    d.lines.emplace_back(what, 0);
-    return &d.lines.back().second;
-  };
-  d.positions = d.add(std::max(rows, erows) * 4, line("position ids"));
-  const bool pinned = options.checkpointing == ActivationCheckpointing::kPinnedHost;
-  const size_t resid_slots = pinned ? 2 : L + 1;
-  size_t* l_resid = line(pinned ? "residual stream (2 buffers; block inputs in pinned memory)"
-                                : "block inputs (" + std::to_string(L) + " + the final residual)");
-  for (size_t i = 0; i < resid_slots; ++i) d.resid.push_back(d.add(rows * C * cs, l_resid));
-  if (pinned && L > 1) {
-    d.pinned_slots = static_cast<int>(L - 1);
-    d.pinned_slot_bytes = round_up(rows * C * cs, 4096);
-  }
-  const bool keep_all = options.checkpointing == ActivationCheckpointing::kOff;
-  const size_t act_sets = keep_all ? L + (erows > 0 ? 1 : 0) : 1;
-  size_t* l_acts = line(keep_all ? "block activations (" + std::to_string(act_sets) + " sets)" : "block activations (1 set, recomputed in backward)");
+  d.positions = d.add(std::max(rows, erows) * 4, d.line("position ids"));
+  d.add_residual_stream(options.checkpointing, L, rows * C * cs, rows * C * cs);
+  size_t* l_acts = nullptr;
+  const size_t act_sets = d.block_activation_sets(options.checkpointing, L + (erows > 0 ? 1 : 0), &l_acts);
   const size_t T_size = static_cast<size_t>(T);
-  for (size_t s = 0; s < act_sets; ++s) {
-    const size_t r = arows;
-    const size_t seqs = r / T_size;
-    ActsLayout a{};
-    a.ln1 = d.add(r * C * cs, l_acts);
-    a.mean1 = d.add(r * 4, l_acts);
-    a.rstd1 = d.add(r * 4, l_acts);
-    a.qkv = d.add(r * 3 * C * cs, l_acts);
-    a.att = d.add(r * C * cs, l_acts);
-    a.lse = d.add(seqs * H * T_size * 4, l_acts);
-    a.x2 = d.add(r * C * cs, l_acts);
-    a.ln2 = d.add(r * C * cs, l_acts);
-    a.mean2 = d.add(r * 4, l_acts);
-    a.rstd2 = d.add(r * 4, l_acts);
-    a.fc = d.add(r * 4 * C * cs, l_acts);
-    a.gelu = d.add(r * 4 * C * cs, l_acts);
-    d.acts.push_back(a);
-  }
+  for (size_t s = 0; s < act_sets; ++s) d.acts.push_back(add_block_acts(d, l_acts, arows, arows / T_size, T_size, C, H, cs));
   if (erows > 0) {
-    size_t* l_eval = line("evaluation residual stream and its ln_f");
+    size_t* l_eval = d.line("evaluation residual stream and its ln_f");
     d.eval_resid = d.add(erows * C * cs, l_eval);
     d.eval_lnf = d.add(erows * C * cs, l_eval);
   }
-  size_t* l_grads = line("activation gradients");
+  size_t* l_grads = d.line("activation gradients");
   d.dresid = d.add(rows * C * cs, l_grads);
   d.grad_wide = d.add(rows * 4 * C * cs, l_grads);
   d.grad_narrow = d.add(rows * C * cs, l_grads);
-  size_t* l_lnf = line("ln_f");
+  size_t* l_lnf = d.line("ln_f");
   d.lnf_out = d.add(rows * C * cs, l_lnf);
   d.lnf_mean = d.add(rows * 4, l_lnf);
   d.lnf_rstd = d.add(rows * 4, l_lnf);
   d.lnf_gamma = d.add(2 * C * cs, l_lnf);
-  {
-    size_t counted_by_lines = 0;  // the head's own lines say what its bytes hold
-    d.vocab_head = d.add(d.head.bytes, &counted_by_lines);
-    for (const auto& [what, bytes] : d.head.lines) d.lines.emplace_back(what, bytes);
-  }
-  {
-    kernels::AttentionShape train{static_cast<size_t>(options.batch), T_size, H, C / H};
-    d.attention_workspace_bytes = kernels::attention_workspace_bytes(train, compute, kind);
-    if (d.attention_workspace_bytes > 0)
-      d.attention_workspace = d.add(d.attention_workspace_bytes, line("attention workspace"));
-  }
-  // One slot: a wte chunk with a zero row (the embedding's table, or the head's weight cast
-  // to the compute dtype) and, for parameters in another dtype, a gathered group cast to it.
-  d.param_scratch_bytes = d.head.slot_bytes;
-  if (param_dtype != compute) {
-    for (const auto& spec : gpt_group_specs(c, options.vocab_chunk_bytes)) {
-      STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(spec, 0, 1));
-      d.param_scratch_bytes = std::max(d.param_scratch_bytes, layout.numel * cs);
-    }
-  }
-  d.param_scratch = d.add(d.param_scratch_bytes, line(param_dtype != compute ? "one slot: a wte chunk + a zero row, or a gathered group cast to " +
-                                                                                   std::string(dtype_name(compute))
-                                                                             : "one slot: a wte chunk + a zero row"));
+  d.add_vocab_head();
+  const kernels::AttentionShape train{static_cast<size_t>(options.batch), T_size, H, C / H};
+  d.add_attention_workspace(kernels::attention_workspace_bytes(train, compute, kind));
+  STRATA_RETURN_IF_ERROR(add_param_scratch(d, options, compute));
   return d;
 }
 
-std::string GptActivationPlan::text() const {
-  std::ostringstream out;
-  out << "GPT activations (" << dtype_name(compute_dtype) << "): " << bytes_text(device_bytes) << " on the device";
-  if (pinned_bytes > 0) out << ", " << bytes_text(pinned_bytes) << " pinned";
-  out << "\n";
-  for (const auto& [what, bytes] : lines) out << "  " << what << " = " << bytes_text(bytes) << "\n";
-  return out.str();
-}
+}  // namespace
 
 StatusOr<GptActivationPlan> plan_gpt_activations(const GptModelOptions& options, DeviceKind device) {
   STRATA_ASSIGN_OR_RETURN(DeviceLayout layout, make_layout(options, device));
-  GptActivationPlan plan;
-  plan.compute_dtype = gpt_compute_dtype(options.param_dtype, device);
-  plan.head_chunk_rows = layout.head.head_rows;
-  plan.chunks = layout.chunks;
-  plan.lines.assign(layout.lines.begin(), layout.lines.end());
-  plan.device_bytes = device_reservation(layout.total, device);
-  plan.device_bytes += lm::model_blas_device_bytes(device, plan.lines);
-  plan.pinned_bytes = static_cast<size_t>(layout.pinned_slots) * layout.pinned_slot_bytes;
-  return plan;
+  return lm::plan_of_layout("GPT", layout, device, gpt_compute_dtype(options.param_dtype, device));
 }
 
 // =====================================================================================
@@ -341,11 +298,7 @@ struct GptModel::BlockActs {
 struct GptModel::Buffers {
   DeviceLayout layout;
   DeviceBuffer arena;
-  std::unique_ptr<PinnedArena> pinned_arena;
-  std::vector<PinnedBuffer> pinned;  // block inputs 0 .. L-2 (kPinnedHost)
-  std::unique_ptr<Stream> copy_stream;
-  std::unique_ptr<Event> input_ready, slot_free;
-  std::unique_ptr<Event> saved[2], restored[2];
+  lm::PinnedBlockInputs pinned;  // kPinnedHost
 
   void* at(size_t offset) const { return static_cast<char*>(arena.data()) + offset; }
   BlockActs acts(size_t set) const {
@@ -357,12 +310,12 @@ struct GptModel::Buffers {
 };
 
 GptModel::GptModel(Engine& engine, const GptModelOptions& options)
-    : engine_(engine), options_(options), groups_(gpt_groups(options.config, options.vocab_chunk_bytes)) {}
+    : TransformerModel(engine, options, gpt_groups(options.config, options.vocab_chunk_bytes)) {}
 
 GptModel::~GptModel() {
   // Buffers must not be freed while the streams still use them; an error here was
   // already reported by the call that enqueued the work (or is the engine's to report).
-  if (buffers_ && buffers_->copy_stream) (void)buffers_->copy_stream->synchronize();
+  if (buffers_) (void)buffers_->pinned.synchronize();
   if (buffers_ && !buffers_->arena.empty()) (void)engine_.compute_stream().synchronize();
 }
 
@@ -372,13 +325,7 @@ StatusOr<std::unique_ptr<GptModel>> GptModel::create(Engine& engine, const GptMo
   // Validates the shapes now (allocate() plans for the engine's device).
   STRATA_RETURN_IF_ERROR(make_layout(resolved, DeviceKind::kCpu).status());
   std::unique_ptr<GptModel> model(new GptModel(engine, resolved));
-  const auto specs = gpt_group_specs(resolved.config, resolved.vocab_chunk_bytes);
-  for (size_t g = 0; g < specs.size(); ++g) {
-    STRATA_ASSIGN_OR_RETURN(int id, engine.register_group(specs[g]));
-    if (id != static_cast<int>(g))
-      return FailedPreconditionError("GPT model: the engine gave group " + specs[g].name + " id " + std::to_string(id) + ", expected " +
-                                     std::to_string(g) + " (register the model's groups first)");
-  }
+  STRATA_RETURN_IF_ERROR(lm::register_model_groups(engine, gpt_group_specs(resolved.config, resolved.vocab_chunk_bytes), "GPT model"));
   // The schedule is recorded on the first step (see the header); no gradient waits between
   // uses of its group, so the engine needs only its two overlapping gradient slots.
   STRATA_RETURN_IF_ERROR(engine.declare_held_gradients(0));
@@ -396,23 +343,8 @@ Status GptModel::allocate() {
   head_blas_ = std::move(blas.head);
   STRATA_ASSIGN_OR_RETURN(buffers->arena, device.allocate(buffers->layout.total, "GPT activations"));
   const DeviceLayout& d = buffers->layout;
-  if (d.pinned_slots > 0) {
-    PinnedArenaOptions arena_options;
-    arena_options.bytes = static_cast<size_t>(d.pinned_slots) * d.pinned_slot_bytes;
-    STRATA_ASSIGN_OR_RETURN(buffers->pinned_arena, PinnedArena::create(arena_options));
-    for (int i = 0; i < d.pinned_slots; ++i) {
-      STRATA_ASSIGN_OR_RETURN(PinnedBuffer slot, buffers->pinned_arena->allocate(d.pinned_slot_bytes, "GPT block input " + std::to_string(i)));
-      buffers->pinned.push_back(std::move(slot));
-    }
-  }
   if (options_.checkpointing == ActivationCheckpointing::kPinnedHost) {
-    STRATA_ASSIGN_OR_RETURN(buffers->copy_stream, device.create_stream("gpt activation copies"));
-    STRATA_ASSIGN_OR_RETURN(buffers->input_ready, device.create_event());
-    STRATA_ASSIGN_OR_RETURN(buffers->slot_free, device.create_event());
-    for (int i = 0; i < 2; ++i) {
-      STRATA_ASSIGN_OR_RETURN(buffers->saved[i], device.create_event());
-      STRATA_ASSIGN_OR_RETURN(buffers->restored[i], device.create_event());
-    }
+    STRATA_ASSIGN_OR_RETURN(buffers->pinned, lm::PinnedBlockInputs::create(device, d.pinned_slots, d.pinned_slot_bytes, "GPT"));
   }
   STRATA_ASSIGN_OR_RETURN(vocab_, lm::VocabHead::create(engine_, *head_blas_, d.head_shape, buffers->at(d.vocab_head), buffers->at(d.param_scratch)));
   // wpe's rows: each token's place in its sequence.
@@ -445,11 +377,6 @@ StatusOr<std::vector<const void*>> GptModel::params_of(int group, const GroupVie
   STRATA_RETURN_IF_ERROR(kernels::cast(engine_.compute_stream(), view.flat, view.dtype, scratch, compute, layout.numel));
   for (const auto& t : layout.tensors) params.push_back(static_cast<const char*>(scratch) + t.offset * dtype_size(compute));
   return params;
-}
-
-Status GptModel::capture(int group, const GroupView& grads) {
-  if (!options_.capture_gradients) return {};
-  return lm::copy_gradient_to_host(engine_, group, grads, captured_[group]);
 }
 
 Status GptModel::block_forward(const std::vector<const void*>& p, const void* x, void* y, const BlockActs& a,
@@ -715,9 +642,7 @@ StatusOr<QueuedMicroBatch> GptModel::queue_micro_batch(const TokenBatch* train, 
 
 Status GptModel::forward_blocks(const Pass& pass) {
   Buffers& b = *buffers_;
-  Device& device = engine_.device();
   Stream& stream = engine_.compute_stream();
-  Stream* copies = b.copy_stream.get();
   const int L = pass.layers;
   const BlockActs eval_acts = pass.eval_acts();
   for (int l = 0; l < L; ++l) {
@@ -729,19 +654,7 @@ Status GptModel::forward_blocks(const Pass& pass) {
       STRATA_RETURN_IF_ERROR(block_forward(p, pass.eval_rows_at(first), pass.eval_rows_at(first), eval_acts, count));
     }
     if (pass.train) {
-      if (pass.pinned) {
-        // Save this block's input (all but the last block's, which stays on the device)
-        // while the block computes; the block after next overwrites it.
-        if (l < L - 1) {
-          STRATA_RETURN_IF_ERROR(stream.record(*b.input_ready));
-          STRATA_RETURN_IF_ERROR(copies->wait(*b.input_ready));
-          STRATA_RETURN_IF_ERROR(device.copy_async(b.pinned[static_cast<size_t>(l)].data(), pass.resid(l), pass.rows * pass.row_bytes(),
-                                                   CopyKind::kDeviceToHost, *copies));
-          STRATA_RETURN_IF_ERROR(copies->record(*b.saved[l % 2]));
-        }
-        // This block writes over block l-1's input: wait until it has been saved.
-        if (l >= 1) STRATA_RETURN_IF_ERROR(stream.wait(*b.saved[(l - 1) % 2]));
-      }
+      if (pass.pinned) STRATA_RETURN_IF_ERROR(b.pinned.save(stream, l, L, pass.resid(l), pass.rows * pass.row_bytes()));
       STRATA_RETURN_IF_ERROR(block_forward(p, pass.resid(l), pass.resid(l + 1), pass.train_acts(l), options_.batch));
     }
     STRATA_RETURN_IF_ERROR(engine_.release(groups_.block(l)));
@@ -793,14 +706,7 @@ Status GptModel::final_norm_backward(const Pass& pass) {
 // no longer read, brings back block m-2's input into it, ahead of its recompute.
 Status GptModel::restore_block_input(const Pass& pass, int m) {
   if (!pass.pinned || m - 2 < 0) return {};
-  Buffers& b = *buffers_;
-  Stream& stream = engine_.compute_stream();
-  Stream* copies = b.copy_stream.get();
-  STRATA_RETURN_IF_ERROR(stream.record(*b.slot_free));
-  STRATA_RETURN_IF_ERROR(copies->wait(*b.slot_free));
-  STRATA_RETURN_IF_ERROR(engine_.device().copy_async(pass.resid(m - 2), b.pinned[static_cast<size_t>(m - 2)].data(), pass.rows * pass.row_bytes(),
-                                                     CopyKind::kHostToDevice, *copies));
-  return copies->record(*b.restored[(m - 2) % 2]);
+  return buffers_->pinned.restore(engine_.compute_stream(), m, pass.resid(m - 2), pass.rows * pass.row_bytes());
 }
 
 Status GptModel::backward_blocks(const Pass& pass) {
@@ -815,7 +721,7 @@ Status GptModel::backward_blocks(const Pass& pass) {
     STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
     std::vector<float*> gp;
     for (void* t : grads.tensors) gp.push_back(static_cast<float*>(t));
-    if (pass.pinned && l < L - 1) STRATA_RETURN_IF_ERROR(stream.wait(*b.restored[l % 2]));
+    if (pass.pinned) STRATA_RETURN_IF_ERROR(b.pinned.wait_restored(stream, l, L));
     const BlockActs acts = pass.train_acts(l);
     if (!pass.keep_all) STRATA_RETURN_IF_ERROR(block_forward(p, pass.resid(l), nullptr, acts, options_.batch));
     STRATA_RETURN_IF_ERROR(block_backward(p, gp, pass.resid(l), acts));

@@ -68,6 +68,8 @@
 #include "engine/core/dtype.h"
 #include "engine/engine.h"
 #include "examples/lm/causal_lm.h"
+#include "examples/lm/transformer_layout.h"
+#include "examples/lm/transformer_model.h"
 #include "examples/lm/vocab_chunks.h"
 #include "kernels/blas_context.h"
 #include "offload/pinned_arena.h"
@@ -134,52 +136,33 @@ using lm::MicroBatchLosses;
 using lm::QueuedMicroBatch;
 using lm::TokenBatch;
 
-struct GptModelOptions {
+// The run's fields (lm::ModelRunOptions): param_dtype is the engine's (checked at every
+// gather); seq_len <= n_ctx, 0 = n_ctx; eval_batch 0 = no evaluation; head_chunk_rows 0 =
+// as many token rows per LM-head block as keep the logits under 32 MiB.
+struct GptModelOptions : lm::ModelRunOptions {
   GptConfig config;
-  DType param_dtype = DType::kFloat32;  // the engine's EngineOptions::param_dtype (checked at every gather)
-  int64_t batch = 1;        // sequences per training micro-batch on this rank
-  int64_t seq_len = 0;      // tokens per sequence (<= n_ctx); 0 = n_ctx
-  int64_t eval_batch = 0;   // sequences per evaluation pass on this rank (0 = no evaluation)
-  ActivationCheckpointing checkpointing = ActivationCheckpointing::kDevice;
-  int64_t head_chunk_rows = 0;  // token rows per LM-head block; 0 = as many as keep the logits under 32 MiB
   size_t vocab_chunk_bytes = kGptVocabChunkBytes;  // fp32 bytes per wte chunk group
   // Tests: copy every group's full fp32 gradient buffer to the host before grads_ready()
   // (see captured_gradients()). Synchronizes the compute stream per group.
   bool capture_gradients = false;
 };
 
-// Device (and pinned) memory the model needs: one device buffer of device_bytes (already
-// rounded the way the device's allocator rounds it), plus the BLAS workspace on CUDA.
-struct GptActivationPlan {
-  size_t device_bytes = 0;   // everything the model allocates on the device (declare as activation_bytes)
-  size_t pinned_bytes = 0;   // block inputs in pinned host memory (kPinnedHost)
-  DType compute_dtype = DType::kFloat32;
-  int64_t head_chunk_rows = 0;
-  lm::VocabChunks chunks;
-  std::vector<std::pair<std::string, size_t>> lines;  // what the device bytes hold, for the log
-  std::string text() const;
-};
+// Device (and pinned) memory the model needs (the skeleton's plan, examples/lm/transformer_layout.h).
+using GptActivationPlan = lm::TransformerActivationPlan;
 // `device`: where compute runs. Errors name bad shapes.
 StatusOr<GptActivationPlan> plan_gpt_activations(const GptModelOptions& options, DeviceKind device);
 
 // The dtype activations are computed in for these parameters on this device.
 DType gpt_compute_dtype(DType param_dtype, DeviceKind device);
 
-class GptModel : public lm::CausalLm {
+class GptModel : public lm::TransformerModel<GptModelOptions, GptGroups> {
  public:
   // Registers the groups with `engine` and declares the schedule (before engine.start()).
   static StatusOr<std::unique_ptr<GptModel>> create(Engine& engine, const GptModelOptions& options);
   ~GptModel() override;
-  GptModel(const GptModel&) = delete;
-  GptModel& operator=(const GptModel&) = delete;
 
   // After engine.start(): allocates the activations (and pinned checkpoints).
   Status allocate() override;
-
-  const GptModelOptions& options() const { return options_; }
-  const GptActivationPlan& activation_plan() const { return plan_; }
-  const GptGroups& groups() const { return groups_; }
-  DType compute_dtype() const { return plan_.compute_dtype; }
 
   // One micro-batch inside engine.begin_step()/begin_micro_batch() ... engine.step().
   // With `train`: forward and backward over its sequences (options.batch of them),
@@ -194,9 +177,6 @@ class GptModel : public lm::CausalLm {
   // TokenBatch::positions must be null or 0 .. seq_len-1 (GPT-2's position table is indexed by place).
   StatusOr<QueuedMicroBatch> queue_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) override;
   StatusOr<MicroBatchLosses> collect(const QueuedMicroBatch& queued) override;
-
-  // capture_gradients: the last captured full gradient (numel floats) per group id.
-  const std::map<int, std::vector<float>>& captured_gradients() const { return captured_; }
 
  private:
   struct Buffers;
@@ -213,7 +193,6 @@ class GptModel : public lm::CausalLm {
                         const BlockActs& acts);
   Status head_forward(int64_t train_sequences, int64_t eval_sequences);
   Status embed_backward();
-  Status capture(int group, const GroupView& grads);
 
   // queue_micro_batch's passes, in order (Pass: the micro-batch's shapes and buffers).
   struct Pass;
@@ -224,15 +203,8 @@ class GptModel : public lm::CausalLm {
   Status backward_blocks(const Pass& pass);
   Status restore_block_input(const Pass& pass, int m);
 
-  Engine& engine_;
-  GptModelOptions options_;
-  GptActivationPlan plan_;
-  GptGroups groups_;
-  std::unique_ptr<kernels::BlasContext> blas_;       // the blocks: strata.matmul_precision
-  std::unique_ptr<kernels::BlasContext> head_blas_;  // the vocabulary head: IEEE fp32 (lm::ModelBlas)
   std::unique_ptr<Buffers> buffers_;
   std::unique_ptr<lm::VocabHead> vocab_;
-  std::map<int, std::vector<float>> captured_;
 };
 
 }  // namespace strata::gpt

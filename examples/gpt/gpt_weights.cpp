@@ -1,8 +1,6 @@
 #include "examples/gpt/gpt_weights.h"
 
 #include <algorithm>
-#include <bit>
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -10,21 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
-
 namespace strata::gpt {
-namespace {
-
-// splitmix64's finalizer: a bijective 64-bit mixer.
-uint64_t mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  x ^= x >> 31;
-  return x;
-}
-
-}  // namespace
 
 Gpt2Dims gpt2_dims(const GptConfig& config) {
   Gpt2Dims dims;
@@ -202,23 +186,6 @@ nlohmann::json gpt2_config_json(const GptConfig& config) {
 
 Status write_gpt2_config_json(const std::string& path, const GptConfig& config) {
   return hf::write_json_file(path, gpt2_config_json(config));
-}
-
-uint64_t master_checksum_part(const GroupLayout& layout, int rank, std::span<const float> shard) {
-  uint64_t sum = 0;
-  const size_t begin = layout.shard_begin(rank);
-  const uint64_t group_key = mix64(0x5354524154410000ull + static_cast<uint64_t>(layout.id));
-  for (size_t i = 0; i < shard.size() && begin + i < layout.numel; ++i) {
-    const uint64_t bits = std::bit_cast<uint32_t>(shard[i]);
-    sum += mix64(group_key ^ mix64(static_cast<uint64_t>(begin + i)) ^ (bits * 0x9e3779b97f4a7c15ull));
-  }
-  return sum;
-}
-
-std::string checksum_hex(uint64_t checksum) {
-  char text[17];
-  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(checksum));
-  return text;
 }
 
 }  // namespace strata::gpt

@@ -1,4 +1,4 @@
-// GPT-2 weights in and out of the engine: Hugging Face safetensors files (examples/gpt/
+// GPT-2 weights in and out of the engine: Hugging Face safetensors files (examples/hf/
 // safetensors.h) and the config.json beside them.
 //
 // Both go through the family-independent Hugging Face code (examples/hf/hf_weights.h)
@@ -16,7 +16,8 @@
 #include "engine/core/status.h"
 #include "engine/engine.h"
 #include "examples/gpt/gpt_model.h"
-#include "examples/gpt/safetensors.h"
+#include "examples/gpt/gpt2_safetensors.h"
+#include "examples/hf/safetensors.h"
 #include "examples/lm/causal_lm.h"
 #include "examples/hf/hf_checkpoint.h"
 #include "examples/hf/hf_export.h"
@@ -84,11 +85,5 @@ nlohmann::json gpt2_config_json(const GptConfig& config);
 // n_positions, n_ctx, vocab_size, gelu_new, layer_norm_epsilon 1e-5, tied embeddings).
 Status write_gpt2_config_json(const std::string& path, const GptConfig& config);
 
-// A 64-bit checksum of every fp32 master weight: the sum over groups g and unpadded
-// elements i of mix(g, i, bits of the value), so each rank can add up its own shards in
-// any order and the total is the same for every world size and bit-identical weights
-// give the same value. `shard` is rank `rank`'s master shard of `layout`.
-uint64_t master_checksum_part(const GroupLayout& layout, int rank, std::span<const float> shard);
-std::string checksum_hex(uint64_t checksum);  // 16 lowercase hex digits
 
 }  // namespace strata::gpt

@@ -279,11 +279,11 @@ StatusOr<HfTensorRef> HfCheckpoint::require(std::string_view name, std::span<con
   const std::optional<HfTensorRef> ref = find(name);
   if (!ref) {
     return NotFoundError(where_ + ": tensor '" + std::string(name) + "' is missing (expected shape " +
-                         gpt::shape_text(expected_shape) + ")");
+                         hf::shape_text(expected_shape) + ")");
   }
   if (!std::equal(ref->shape().begin(), ref->shape().end(), expected_shape.begin(), expected_shape.end())) {
     return InvalidArgumentError(where_ + ": tensor '" + std::string(name) + "' in " + ref->file->path() + " has shape " +
-                                gpt::shape_text(ref->shape()) + ", expected " + gpt::shape_text(expected_shape));
+                                hf::shape_text(ref->shape()) + ", expected " + hf::shape_text(expected_shape));
   }
   return *ref;
 }

@@ -30,13 +30,13 @@
 
 #include "engine/core/dtype.h"
 #include "engine/core/status.h"
-#include "examples/gpt/safetensors.h"
+#include "examples/hf/safetensors.h"
 
 namespace strata::hf {
 
-using gpt::SafetensorsDType;
-using gpt::SafetensorsReader;
-using gpt::SafetensorsTensor;
+using hf::SafetensorsDType;
+using hf::SafetensorsReader;
+using hf::SafetensorsTensor;
 
 // The file names transformers uses.
 inline constexpr std::string_view kConfigFile = "config.json";
@@ -90,7 +90,7 @@ class SafetensorsFileSource final : public HfTensorSource {
 };
 
 struct HfOpenOptions {
-  gpt::SafetensorsReadOptions read;  // per shard file
+  hf::SafetensorsReadOptions read;  // per shard file
 };
 
 class HfCheckpoint final : public HfTensorSource {

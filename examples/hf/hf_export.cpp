@@ -19,7 +19,7 @@ namespace strata::hf {
 namespace {
 
 namespace fs = std::filesystem;
-using gpt::SafetensorsDType;
+using hf::SafetensorsDType;
 
 std::string shard_file_name(size_t index, size_t count) {
   char name[64];
@@ -114,9 +114,9 @@ Status check_export_tensors(std::span<const HfExportTensor> tensors, const std::
     if (!names.insert(tensor.name).second) return InvalidArgumentError(where + ": tensor '" + tensor.name + "' is listed twice");
     if (tensor.dtype != SafetensorsDType::kF32 && tensor.dtype != SafetensorsDType::kBF16 && tensor.dtype != SafetensorsDType::kF16)
       return InvalidArgumentError(where + ": tensor '" + tensor.name + "' has dtype " +
-                                  std::string(gpt::safetensors_dtype_name(tensor.dtype)) + "; an export writes F32, BF16 or F16");
+                                  std::string(hf::safetensors_dtype_name(tensor.dtype)) + "; an export writes F32, BF16 or F16");
     for (int64_t dim : tensor.shape)
-      if (dim < 0) return InvalidArgumentError(where + ": tensor '" + tensor.name + "' has shape " + gpt::shape_text(tensor.shape));
+      if (dim < 0) return InvalidArgumentError(where + ": tensor '" + tensor.name + "' has shape " + hf::shape_text(tensor.shape));
   }
   return Status::Ok();
 }
@@ -145,7 +145,7 @@ uint64_t HfExportTensor::numel() const {
   return n;
 }
 
-uint64_t HfExportTensor::bytes() const { return numel() * gpt::safetensors_dtype_size(dtype); }
+uint64_t HfExportTensor::bytes() const { return numel() * hf::safetensors_dtype_size(dtype); }
 
 HfShardPlan plan_hf_shards(std::span<const HfExportTensor> tensors, uint64_t shard_bytes) {
   HfShardPlan plan;
@@ -180,10 +180,10 @@ HfShardPlan plan_hf_shards(std::span<const HfExportTensor> tensors, uint64_t sha
 
 Status write_safetensors_file(const std::string& path, std::span<const HfExportTensor> tensors, const HfTensorFill& fill,
                               std::map<std::string, std::string> metadata, size_t chunk_elements) {
-  std::vector<gpt::SafetensorsTensorSpec> specs;
+  std::vector<hf::SafetensorsTensorSpec> specs;
   specs.reserve(tensors.size());
   for (const HfExportTensor& tensor : tensors) specs.push_back({tensor.name, tensor.dtype, tensor.shape});
-  STRATA_ASSIGN_OR_RETURN(gpt::SafetensorsWriter writer, gpt::SafetensorsWriter::create(path, std::move(specs), std::move(metadata)));
+  STRATA_ASSIGN_OR_RETURN(hf::SafetensorsWriter writer, hf::SafetensorsWriter::create(path, std::move(specs), std::move(metadata)));
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].numel() == 0) continue;  // complete from the start
     STRATA_RETURN_IF_ERROR(writer.write_tensor(

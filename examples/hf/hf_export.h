@@ -28,7 +28,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/core/status.h"
-#include "examples/gpt/safetensors.h"
+#include "examples/hf/safetensors.h"
 
 namespace strata::hf {
 
@@ -44,7 +44,7 @@ inline constexpr std::string_view kTokenizerFiles[] = {
 struct HfExportTensor {
   std::string name;
   std::vector<int64_t> shape;
-  gpt::SafetensorsDType dtype = gpt::SafetensorsDType::kF32;  // F32, BF16 or F16
+  hf::SafetensorsDType dtype = hf::SafetensorsDType::kF32;  // F32, BF16 or F16
   uint64_t numel() const;
   uint64_t bytes() const;
 };

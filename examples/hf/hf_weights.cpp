@@ -10,7 +10,7 @@
 namespace strata::hf {
 namespace {
 
-using gpt::shape_text;
+using hf::shape_text;
 
 std::string range_text(uint64_t begin, uint64_t end) {
   std::string text = "[";  // appended piece by piece: GCC 12's -Wrestrict misfires on "[" + std::to_string(...)
@@ -55,8 +55,8 @@ Status check_hf_mapping(const HfTensorSource& source, std::span<const GroupLayou
         problem = "'" + slice.name + "' is missing (expected shape " + shape_text(slice.shape) + ", for " + engine_name + ")";
       } else if (!std::equal(ref->shape().begin(), ref->shape().end(), slice.shape.begin(), slice.shape.end())) {
         problem = "'" + slice.name + "' has shape " + shape_text(ref->shape()) + ", expected " + shape_text(slice.shape);
-      } else if (!gpt::safetensors_dtype_is_float(ref->dtype())) {
-        problem = "'" + slice.name + "' has dtype " + std::string(gpt::safetensors_dtype_name(ref->dtype())) +
+      } else if (!hf::safetensors_dtype_is_float(ref->dtype())) {
+        problem = "'" + slice.name + "' has dtype " + std::string(hf::safetensors_dtype_name(ref->dtype())) +
                   ", which does not convert to fp32";
       } else if (slice.mapped(t) > t.numel || slice.element_offset + slice.mapped(t) > ref->numel()) {
         problem = engine_name + " " + shape_text(t.shape) + " reads elements " +
@@ -132,7 +132,7 @@ Status load_hf_weights(Engine& engine, int rank, const HfTensorSource& source, c
 // ---------------------------------------------------------------------------------------
 // Export
 
-StatusOr<HfGroupExport> HfGroupExport::plan(std::span<const GroupLayout> layouts, const HfNameMap& map, gpt::SafetensorsDType dtype) {
+StatusOr<HfGroupExport> HfGroupExport::plan(std::span<const GroupLayout> layouts, const HfNameMap& map, hf::SafetensorsDType dtype) {
   HfGroupExport result;
   std::map<std::string, size_t, std::less<>> index_of;
   for (size_t g = 0; g < layouts.size(); ++g) {
@@ -200,7 +200,7 @@ Status HfGroupExport::fill(const FullGroupSource& source, size_t index, uint64_t
 }
 
 Status export_hf_from_groups(const std::string& dir, const nlohmann::json& config, std::span<const GroupLayout> layouts,
-                             const HfNameMap& map, gpt::SafetensorsDType dtype, const FullGroupSource& source,
+                             const HfNameMap& map, hf::SafetensorsDType dtype, const FullGroupSource& source,
                              const HfExportOptions& options) {
   STRATA_ASSIGN_OR_RETURN(HfGroupExport plan, HfGroupExport::plan(layouts, map, dtype));
   return write_hf_checkpoint(

@@ -90,7 +90,7 @@ class HfGroupExport {
   // The checkpoint's tensors in order of first appearance in `layouts` (group by group,
   // tensor by tensor), each written as `dtype`; every one must be tiled exactly by the
   // engine tensors mapped to it (no gap, no overlap), else kInvalidArgument naming it.
-  static StatusOr<HfGroupExport> plan(std::span<const GroupLayout> layouts, const HfNameMap& map, gpt::SafetensorsDType dtype);
+  static StatusOr<HfGroupExport> plan(std::span<const GroupLayout> layouts, const HfNameMap& map, hf::SafetensorsDType dtype);
 
   const std::vector<HfExportTensor>& tensors() const { return tensors_; }
   // The groups fill() asks `source` for, in order, when the tensors are written in order.
@@ -117,7 +117,7 @@ class HfGroupExport {
 
 // Writes `dir` from full groups (write_hf_checkpoint with HfGroupExport).
 Status export_hf_from_groups(const std::string& dir, const nlohmann::json& config, std::span<const GroupLayout> layouts,
-                             const HfNameMap& map, gpt::SafetensorsDType dtype, const FullGroupSource& source,
+                             const HfNameMap& map, hf::SafetensorsDType dtype, const FullGroupSource& source,
                              const HfExportOptions& options = {});
 
 }  // namespace strata::hf

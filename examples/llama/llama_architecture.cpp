@@ -42,11 +42,11 @@ std::string_view torch_dtype_name(DType dtype) {
   }
 }
 
-StatusOr<gpt::SafetensorsDType> safetensors_dtype(DType dtype) {
+StatusOr<hf::SafetensorsDType> safetensors_dtype(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return gpt::SafetensorsDType::kF32;
-    case DType::kBFloat16: return gpt::SafetensorsDType::kBF16;
-    case DType::kFloat16: return gpt::SafetensorsDType::kF16;
+    case DType::kFloat32: return hf::SafetensorsDType::kF32;
+    case DType::kBFloat16: return hf::SafetensorsDType::kBF16;
+    case DType::kFloat16: return hf::SafetensorsDType::kF16;
     default: return InvalidArgumentError("Llama export: weights are written as fp32, bf16 or fp16, not " + std::string(dtype_name(dtype)));
   }
 }
@@ -136,32 +136,10 @@ hf::HfNameMap LlamaArchitecture::name_map() const {
 StatusOr<LlamaModelOptions> LlamaArchitecture::model_options(const lm::ModelRunOptions& options) const {
   STRATA_RETURN_IF_ERROR(check_sequence_length(config_, options.seq_len));
   LlamaModelOptions model;
+  static_cast<lm::ModelRunOptions&>(model) = options;
   model.config = config_;
-  model.param_dtype = options.param_dtype;
-  model.batch = options.batch;
-  model.seq_len = options.seq_len;
-  model.eval_batch = options.eval_batch;
-  model.checkpointing = options.checkpointing;
   model.vocab_chunk_bytes = vocab_chunk_bytes_;
-  model.head_chunk_rows = options.head_chunk_rows;
   return model;
-}
-
-StatusOr<lm::ActivationPlan> LlamaArchitecture::plan_activations(const lm::ModelRunOptions& options, DeviceKind device) const {
-  STRATA_ASSIGN_OR_RETURN(LlamaModelOptions model, model_options(options));
-  STRATA_ASSIGN_OR_RETURN(LlamaActivationPlan plan, plan_llama_activations(model, device));
-  lm::ActivationPlan out;
-  out.device_bytes = plan.device_bytes;
-  out.pinned_bytes = plan.pinned_bytes;
-  out.compute_dtype = plan.compute_dtype;
-  out.text = plan.text();
-  return out;
-}
-
-StatusOr<std::unique_ptr<lm::CausalLm>> LlamaArchitecture::create(Engine& engine, const lm::ModelRunOptions& options) const {
-  STRATA_ASSIGN_OR_RETURN(LlamaModelOptions model_opts, model_options(options));
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<LlamaModel> model, LlamaModel::create(engine, model_opts));
-  return std::unique_ptr<lm::CausalLm>(std::move(model));
 }
 
 StatusOr<std::vector<GroupLayout>> LlamaArchitecture::layouts() const {
@@ -188,7 +166,7 @@ Status LlamaArchitecture::load_weights(Engine& engine, int rank, const lm::Weigh
 }
 
 Status LlamaArchitecture::export_weights(const std::string& dir, const lm::FullGroupSource& source, const lm::ExportSettings& settings) const {
-  STRATA_ASSIGN_OR_RETURN(const gpt::SafetensorsDType dtype, safetensors_dtype(settings.dtype));
+  STRATA_ASSIGN_OR_RETURN(const hf::SafetensorsDType dtype, safetensors_dtype(settings.dtype));
   json config = llama_config_json(config_);
   // The source's own config.json keeps what Strata does not model (token ids, ...).
   std::error_code ec;
@@ -207,7 +185,7 @@ Status LlamaArchitecture::export_weights(const std::string& dir, const lm::FullG
 
 StatusOr<std::vector<int>> LlamaArchitecture::export_group_order() const {
   STRATA_ASSIGN_OR_RETURN(const std::vector<GroupLayout> all, layouts());
-  STRATA_ASSIGN_OR_RETURN(hf::HfGroupExport plan, hf::HfGroupExport::plan(all, name_map(), gpt::SafetensorsDType::kF32));
+  STRATA_ASSIGN_OR_RETURN(hf::HfGroupExport plan, hf::HfGroupExport::plan(all, name_map(), hf::SafetensorsDType::kF32));
   return plan.group_order();
 }
 

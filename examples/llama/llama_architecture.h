@@ -15,6 +15,7 @@
 #include "examples/llama/llama_config.h"
 #include "examples/llama/llama_model.h"
 #include "examples/lm/causal_lm.h"
+#include "examples/lm/transformer_model.h"
 
 namespace strata::llama {
 
@@ -22,8 +23,9 @@ namespace strata::llama {
 // keys as transformers 4.44 writes them), without torch_dtype.
 nlohmann::json llama_config_json(const LlamaConfig& config);
 
-class LlamaArchitecture final : public lm::Architecture {
+class LlamaArchitecture final : public lm::TransformerArchitecture<LlamaModel, LlamaModelOptions, plan_llama_activations> {
  public:
+  using TransformerArchitecture::create;
   // Checks the config (validate_llama_config). `vocab_chunk_bytes`: fp32 bytes per
   // embedding / lm_head group.
   static StatusOr<std::shared_ptr<const LlamaArchitecture>> create(const LlamaConfig& config,
@@ -51,9 +53,6 @@ class LlamaArchitecture final : public lm::Architecture {
   std::vector<int> schedule() const override { return llama_schedule(config_, chunks_); }
   std::vector<int> forward_order() const override { return llama_forward_order(config_, chunks_); }
 
-  StatusOr<lm::ActivationPlan> plan_activations(const lm::ModelRunOptions& options, DeviceKind device) const override;
-  StatusOr<std::unique_ptr<lm::CausalLm>> create(Engine& engine, const lm::ModelRunOptions& options) const override;
-
   // A Hugging Face model directory (config.json + model.safetensors or shards and index).
   StatusOr<std::unique_ptr<lm::WeightSource>> open_weights(const std::string& path) const override;
   Status load_weights(Engine& engine, int rank, const lm::WeightSource& source) const override;
@@ -64,7 +63,7 @@ class LlamaArchitecture final : public lm::Architecture {
 
  private:
   LlamaArchitecture(const LlamaConfig& config, size_t vocab_chunk_bytes);
-  StatusOr<LlamaModelOptions> model_options(const lm::ModelRunOptions& options) const;
+  StatusOr<LlamaModelOptions> model_options(const lm::ModelRunOptions& options) const override;
   StatusOr<std::vector<GroupLayout>> layouts() const;
 
   LlamaConfig config_;

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "engine/core/status.h"
-#include "kernels/llama_ops.h"
+#include "kernels/rope.h"
 
 namespace strata::llama {
 

@@ -10,11 +10,14 @@
 
 #include "engine/core/log.h"
 #include "examples/lm/model_memory.h"
+#include "examples/lm/pinned_block_inputs.h"
 #include "examples/lm/vocab_chunks.h"
 #include "kernels/cast.h"
-#include "kernels/llama_ops.h"
+#include "kernels/gqa_attention.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/rope.h"
+#include "kernels/swiglu.h"
 #include "kernels/transformer_ops.h"
-#include "offload/pinned_arena.h"
 
 namespace strata::llama {
 namespace {
@@ -157,130 +160,71 @@ struct ActsLayout {
   size_t norm1, rstd1, q, k, v, att, lse, x2, norm2, rstd2, gate, up, act;
 };
 
-struct DeviceLayout {
-  size_t total = 0;
-  std::deque<std::pair<std::string, size_t>> lines;  // a deque: add() keeps pointers to its entries
-  int64_t rows = 0;       // token rows of the largest pass (training or evaluation)
-  VocabChunks chunks;
-  lm::VocabHeadShape head_shape;
-  lm::VocabHeadPlan head;
-  size_t vocab_head = 0;  // the vocabulary head's sub-buffers
-  // Inputs, per micro-batch.
-  size_t positions = 0;
-  std::vector<size_t> resid;     // block inputs + the final residual (kPinnedHost: two, used in turn)
-  size_t pinned_slot_bytes = 0;  // kPinnedHost: one training block input in pinned memory
-  int pinned_slots = 0;          // blocks 0 .. L-2 (the last block's input stays on the device)
+// The Llama family's sub-buffers beyond the skeleton's (lm::TransformerLayout); rows are
+// those of the largest pass (training or evaluation).
+struct DeviceLayout : lm::TransformerLayout {
+  int64_t rows = 0;
   std::vector<ActsLayout> acts;  // per block (kOff) or one shared set
   size_t dresid = 0, narrow = 0, datt = 0, dq = 0, dk = 0, dv = 0, wide = 0, wide2 = 0;
   size_t norm_out = 0, norm_rstd = 0, norm_gamma = 0;
   size_t inv_freq = 0;
-  size_t attention_workspace = 0, attention_workspace_bytes = 0;
   size_t vector_scratch = 0, vector_scratch_bytes = 0, matrix_scratch = 0, matrix_scratch_bytes = 0;
-
-  size_t add(size_t bytes, size_t* line_total) {
-    const size_t offset = total;
-    const size_t reserved = round_up(std::max<size_t>(bytes, 1), kSubBufferAlignment);
-    total += reserved;
-    *line_total += reserved;
-    return offset;
-  }
 };
 
 Status check_options(const LlamaModelOptions& o) {
   STRATA_RETURN_IF_ERROR(validate_llama_config(o.config));
   if (o.seq_len < 1) return InvalidArgumentError("Llama model: seq_len must be set (>= 1), got " + std::to_string(o.seq_len));
   STRATA_RETURN_IF_ERROR(check_sequence_length(o.config, o.seq_len));
-  if (o.batch < 1) return InvalidArgumentError("Llama model: batch must be at least 1 sequence per rank, got " + std::to_string(o.batch));
-  if (o.eval_batch < 0) return InvalidArgumentError("Llama model: eval_batch must be >= 0");
-  if (o.head_chunk_rows < 0) return InvalidArgumentError("Llama model: head_chunk_rows must be >= 0");
-  if (o.vocab_chunk_bytes < static_cast<size_t>(o.config.hidden_size) * 4)
-    return InvalidArgumentError("Llama model: vocab_chunk_bytes (" + std::to_string(o.vocab_chunk_bytes) + ") is less than one fp32 embedding row (" +
-                                std::to_string(o.config.hidden_size * 4) + " bytes)");
-  return {};
+  return lm::check_transformer_run({"Llama model", "embedding row", o.config.hidden_size, o.batch, o.eval_batch, o.head_chunk_rows,
+                                    o.vocab_chunk_bytes});
 }
 
-StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) {
-  STRATA_RETURN_IF_ERROR(check_options(o));
-  const LlamaConfig& c = o.config;
-  const DType compute = compute_dtype_for(o.param_dtype, kind);
-  const size_t cs = dtype_size(compute);
-  const size_t H = static_cast<size_t>(c.hidden_size), I = static_cast<size_t>(c.intermediate_size);
-  const size_t D = static_cast<size_t>(c.head_dim), NH = static_cast<size_t>(c.num_attention_heads);
-  const size_t QD = NH * D, KVD = static_cast<size_t>(c.num_key_value_heads) * D;
-  const size_t L = static_cast<size_t>(c.num_hidden_layers), T = static_cast<size_t>(o.seq_len);
+struct BlockDims {
+  size_t H, I, QD, KVD, NH, cs;
+};
 
-  DeviceLayout d;
-  d.chunks = vocab_chunks(c, o.vocab_chunk_bytes);
-  const int64_t sequences = std::max(o.batch, o.eval_batch);
-  d.rows = sequences * o.seq_len;
-  const size_t rows = static_cast<size_t>(d.rows);
-  d.head_shape = lm::VocabHeadShape{c.hidden_size, d.chunks, {d.rows}, o.head_chunk_rows, o.param_dtype, compute};
-  STRATA_ASSIGN_OR_RETURN(d.head, lm::plan_vocab_head(d.head_shape));
+ActsLayout add_block_acts(DeviceLayout& d, size_t* line, size_t rows, const BlockDims& k) {
+  ActsLayout a{};
+  a.norm1 = d.add(rows * k.H * k.cs, line);
+  a.rstd1 = d.add(rows * 4, line);
+  a.q = d.add(rows * k.QD * k.cs, line);
+  a.k = d.add(rows * k.KVD * k.cs, line);
+  a.v = d.add(rows * k.KVD * k.cs, line);
+  a.att = d.add(rows * k.QD * k.cs, line);
+  a.lse = d.add(rows * k.NH * 4, line);
+  a.x2 = d.add(rows * k.H * k.cs, line);
+  a.norm2 = d.add(rows * k.H * k.cs, line);
+  a.rstd2 = d.add(rows * 4, line);
+  a.gate = d.add(rows * k.I * k.cs, line);
+  a.up = d.add(rows * k.I * k.cs, line);
+  a.act = d.add(rows * k.I * k.cs, line);
+  return a;
+}
 
-  auto line = [&](const std::string& what) -> size_t* {
-    d.lines.emplace_back(what, 0);
-    return &d.lines.back().second;
-  };
-  size_t* l_inputs = line("positions and rotary frequencies");
-  d.positions = d.add(rows * 4, l_inputs);
-  d.inv_freq = d.add(D / 2 * 4, l_inputs);
-
-  const bool pinned = o.checkpointing == ActivationCheckpointing::kPinnedHost;
-  size_t* l_resid = line(pinned ? "residual stream (2 buffers; block inputs in pinned memory)" : "block inputs (" + std::to_string(L) + " + the final residual)");
-  for (size_t i = 0; i < (pinned ? 2 : L + 1); ++i) d.resid.push_back(d.add(rows * H * cs, l_resid));
-  if (pinned && L > 1) {
-    d.pinned_slots = static_cast<int>(L - 1);
-    d.pinned_slot_bytes = round_up(static_cast<size_t>(o.batch * o.seq_len) * H * cs, 4096);
-  }
-  const bool keep_all = o.checkpointing == ActivationCheckpointing::kOff;
-  const size_t act_sets = keep_all ? L : 1;
-  size_t* l_acts = line(keep_all ? "block activations (" + std::to_string(act_sets) + " sets)" : "block activations (1 set, recomputed in backward)");
-  for (size_t s = 0; s < act_sets; ++s) {
-    ActsLayout a{};
-    a.norm1 = d.add(rows * H * cs, l_acts);
-    a.rstd1 = d.add(rows * 4, l_acts);
-    a.q = d.add(rows * QD * cs, l_acts);
-    a.k = d.add(rows * KVD * cs, l_acts);
-    a.v = d.add(rows * KVD * cs, l_acts);
-    a.att = d.add(rows * QD * cs, l_acts);
-    a.lse = d.add(rows * NH * 4, l_acts);
-    a.x2 = d.add(rows * H * cs, l_acts);
-    a.norm2 = d.add(rows * H * cs, l_acts);
-    a.rstd2 = d.add(rows * 4, l_acts);
-    a.gate = d.add(rows * I * cs, l_acts);
-    a.up = d.add(rows * I * cs, l_acts);
-    a.act = d.add(rows * I * cs, l_acts);
-    d.acts.push_back(a);
-  }
-  size_t* l_grads = line("activation gradients");
-  d.dresid = d.add(rows * H * cs, l_grads);
-  d.narrow = d.add(rows * H * cs, l_grads);
-  d.datt = d.add(rows * QD * cs, l_grads);
-  d.dq = d.add(rows * QD * cs, l_grads);
-  d.dk = d.add(rows * KVD * cs, l_grads);
-  d.dv = d.add(rows * KVD * cs, l_grads);
-  d.wide = d.add(rows * I * cs, l_grads);
-  d.wide2 = d.add(rows * I * cs, l_grads);
-  size_t* l_norm = line("final norm");
-  d.norm_out = d.add(rows * H * cs, l_norm);
+void add_gradients_and_norm(DeviceLayout& d, size_t rows, const BlockDims& k) {
+  size_t* l_grads = d.line("activation gradients");
+  d.dresid = d.add(rows * k.H * k.cs, l_grads);
+  d.narrow = d.add(rows * k.H * k.cs, l_grads);
+  d.datt = d.add(rows * k.QD * k.cs, l_grads);
+  d.dq = d.add(rows * k.QD * k.cs, l_grads);
+  d.dk = d.add(rows * k.KVD * k.cs, l_grads);
+  d.dv = d.add(rows * k.KVD * k.cs, l_grads);
+  d.wide = d.add(rows * k.I * k.cs, l_grads);
+  d.wide2 = d.add(rows * k.I * k.cs, l_grads);
+  size_t* l_norm = d.line("final norm");
+  d.norm_out = d.add(rows * k.H * k.cs, l_norm);
   d.norm_rstd = d.add(rows * 4, l_norm);
-  d.norm_gamma = d.add(H * cs, l_norm);
-  {
-    size_t counted_by_lines = 0;  // the head's own lines say what its bytes hold
-    d.vocab_head = d.add(d.head.bytes, &counted_by_lines);
-    for (const auto& [what, bytes] : d.head.lines) d.lines.emplace_back(what, bytes);
-  }
-  {
-    kernels::GqaAttentionShape shape{static_cast<size_t>(sequences), T, NH, static_cast<size_t>(c.num_key_value_heads), D, 0, 0, 0};
-    d.attention_workspace_bytes = kernels::gqa_attention_workspace_bytes(shape, compute, kind);
-    if (d.attention_workspace_bytes > 0) d.attention_workspace = d.add(d.attention_workspace_bytes, line("attention workspace"));
-  }
-  // One matrix-sized slot: the embedding chunk with its zero row, and (bf16 parameters
-  // on an fp32 device) each matrix as it is cast; the stream runs them one after another.
+  d.norm_gamma = d.add(k.H * k.cs, l_norm);
+}
+
+// One matrix-sized slot: the embedding chunk with its zero row, and (bf16 parameters
+// on an fp32 device) each matrix as it is cast; the stream runs them one after another.
+void add_param_scratch(DeviceLayout& d, const LlamaModelOptions& o, DType compute) {
+  const size_t cs = dtype_size(compute);
   size_t max_matrix = d.head.slot_bytes / cs;
   if (o.param_dtype != compute) {
     size_t max_vectors = 0;
-    for (const auto& spec : llama_group_specs(c, d.chunks)) {
+    for (const auto& spec : llama_group_specs(o.config, d.chunks)) {
       size_t vectors = 0;
       for (const TensorSpec& t : spec.tensors) {
         size_t numel = 1;
@@ -291,38 +235,52 @@ StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) 
       max_vectors = std::max(max_vectors, vectors);
     }
     d.vector_scratch_bytes = std::max<size_t>(max_vectors, 1) * cs;
-    d.vector_scratch = d.add(d.vector_scratch_bytes, line(std::string(dtype_name(compute)) + " copy of a gathered group's vectors (parameters are " +
-                                                          std::string(dtype_name(o.param_dtype)) + ")"));
+    d.vector_scratch = d.add(d.vector_scratch_bytes, d.line(std::string(dtype_name(compute)) + " copy of a gathered group's vectors (parameters are " +
+                                                            std::string(dtype_name(o.param_dtype)) + ")"));
   }
   d.matrix_scratch_bytes = max_matrix * cs;
-  d.matrix_scratch = d.add(d.matrix_scratch_bytes, line(o.param_dtype != compute ? "one matrix slot: an embedding chunk + a zero row, or a matrix cast to " +
-                                                                                     std::string(dtype_name(compute))
-                                                                               : "one matrix slot: an embedding chunk + a zero row"));
+  d.matrix_scratch = d.add(d.matrix_scratch_bytes, d.line(o.param_dtype != compute ? "one matrix slot: an embedding chunk + a zero row, or a matrix cast to " +
+                                                                                       std::string(dtype_name(compute))
+                                                                                 : "one matrix slot: an embedding chunk + a zero row"));
+}
+
+StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) {
+  STRATA_RETURN_IF_ERROR(check_options(o));
+  const LlamaConfig& c = o.config;
+  const DType compute = compute_dtype_for(o.param_dtype, kind);
+  const size_t cs = dtype_size(compute);
+  const size_t D = static_cast<size_t>(c.head_dim), NH = static_cast<size_t>(c.num_attention_heads);
+  const BlockDims dims{static_cast<size_t>(c.hidden_size), static_cast<size_t>(c.intermediate_size), NH * D,
+                       static_cast<size_t>(c.num_key_value_heads) * D, NH, cs};
+  const size_t L = static_cast<size_t>(c.num_hidden_layers), T = static_cast<size_t>(o.seq_len);
+
+  DeviceLayout d;
+  d.chunks = vocab_chunks(c, o.vocab_chunk_bytes);
+  const int64_t sequences = std::max(o.batch, o.eval_batch);
+  d.rows = sequences * o.seq_len;
+  const size_t rows = static_cast<size_t>(d.rows);
+  STRATA_RETURN_IF_ERROR(d.plan_head({c.hidden_size, d.chunks, {d.rows}, o.head_chunk_rows, o.param_dtype, compute}));
+
+  size_t* l_inputs = d.line("positions and rotary frequencies");
+  d.positions = d.add(rows * 4, l_inputs);
+  d.inv_freq = d.add(D / 2 * 4, l_inputs);
+  d.add_residual_stream(o.checkpointing, L, rows * dims.H * cs, static_cast<size_t>(o.batch * o.seq_len) * dims.H * cs);
+  size_t* l_acts = nullptr;
+  const size_t act_sets = d.block_activation_sets(o.checkpointing, L, &l_acts);
+  for (size_t s = 0; s < act_sets; ++s) d.acts.push_back(add_block_acts(d, l_acts, rows, dims));
+  add_gradients_and_norm(d, rows, dims);
+  d.add_vocab_head();
+  const kernels::GqaAttentionShape shape{static_cast<size_t>(sequences), T, NH, static_cast<size_t>(c.num_key_value_heads), D, 0, 0, 0};
+  d.add_attention_workspace(kernels::gqa_attention_workspace_bytes(shape, compute, kind));
+  add_param_scratch(d, o, compute);
   return d;
 }
 
 }  // namespace
 
-std::string LlamaActivationPlan::text() const {
-  std::ostringstream out;
-  out << "Llama activations (" << dtype_name(compute_dtype) << "): " << bytes_text(device_bytes) << " on the device";
-  if (pinned_bytes > 0) out << ", " << bytes_text(pinned_bytes) << " pinned";
-  out << "\n";
-  for (const auto& [what, bytes] : lines) out << "  " << what << " = " << bytes_text(bytes) << "\n";
-  return out.str();
-}
-
 StatusOr<LlamaActivationPlan> plan_llama_activations(const LlamaModelOptions& options, DeviceKind device) {
   STRATA_ASSIGN_OR_RETURN(DeviceLayout layout, make_layout(options, device));
-  LlamaActivationPlan plan;
-  plan.compute_dtype = compute_dtype_for(options.param_dtype, device);
-  plan.chunks = layout.chunks;
-  plan.head_rows = layout.head.head_rows;
-  plan.lines.assign(layout.lines.begin(), layout.lines.end());
-  plan.device_bytes = device_reservation(layout.total, device);
-  plan.pinned_bytes = static_cast<size_t>(layout.pinned_slots) * layout.pinned_slot_bytes;
-  plan.device_bytes += lm::model_blas_device_bytes(device, plan.lines);
-  return plan;
+  return lm::plan_of_layout("Llama", layout, device, compute_dtype_for(options.param_dtype, device));
 }
 
 // =====================================================================================
@@ -345,11 +303,7 @@ struct LlamaModel::Buffers {
   DeviceLayout layout;
   BlockIndex index;
   DeviceBuffer arena;
-  std::unique_ptr<PinnedArena> pinned_arena;
-  std::vector<PinnedBuffer> pinned;  // training block inputs 0 .. L-2 (kPinnedHost)
-  std::unique_ptr<Stream> copy_stream;
-  std::unique_ptr<Event> input_ready, slot_free;
-  std::unique_ptr<Event> saved[2], restored[2];
+  lm::PinnedBlockInputs pinned;  // training block inputs (kPinnedHost)
   // Pinned staging of each pass's positions (copied from after stage_inputs returns).
   lm::UploadStaging positions;
 
@@ -367,12 +321,14 @@ struct LlamaModel::Buffers {
 };
 
 LlamaModel::LlamaModel(Engine& engine, const LlamaModelOptions& options, const LlamaActivationPlan& plan)
-    : engine_(engine), options_(options), plan_(plan), groups_(llama_groups(options.config, plan.chunks)) {}
+    : TransformerModel(engine, options, llama_groups(options.config, plan.chunks)) {
+  plan_ = plan;
+}
 
 LlamaModel::~LlamaModel() {
   // Buffers must not be freed while the stream still uses them; an error here was already
   // reported by the call that enqueued the work (or is the engine's to report).
-  if (buffers_ && buffers_->copy_stream) (void)buffers_->copy_stream->synchronize();
+  if (buffers_) (void)buffers_->pinned.synchronize();
   if (buffers_ && !buffers_->arena.empty()) (void)engine_.compute_stream().synchronize();
 }
 
@@ -381,13 +337,7 @@ StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::create(Engine& engine, const L
   if (resolved.eval_batch == 0) resolved.eval_batch = resolved.batch;
   STRATA_ASSIGN_OR_RETURN(LlamaActivationPlan plan, plan_llama_activations(resolved, DeviceKind::kCpu));
   std::unique_ptr<LlamaModel> model(new LlamaModel(engine, resolved, plan));
-  const auto specs = llama_group_specs(resolved.config, plan.chunks);
-  for (size_t g = 0; g < specs.size(); ++g) {
-    STRATA_ASSIGN_OR_RETURN(int id, engine.register_group(specs[g]));
-    if (id != static_cast<int>(g))
-      return FailedPreconditionError("Llama model: the engine gave group " + specs[g].name + " id " + std::to_string(id) + ", expected " +
-                                     std::to_string(g) + " (register the model's groups first)");
-  }
+  STRATA_RETURN_IF_ERROR(lm::register_model_groups(engine, llama_group_specs(resolved.config, plan.chunks), "Llama model"));
   // Tied: see the header (the engine would plan a gradient buffer per embedding chunk).
   if (!resolved.config.tie_word_embeddings) STRATA_RETURN_IF_ERROR(engine.declare_schedule(llama_schedule(resolved.config, plan.chunks)));
   // No gradient waits between uses of its group (each chunk's is filled and handed over in
@@ -408,23 +358,8 @@ Status LlamaModel::allocate() {
   head_blas_ = std::move(blas.head);
   STRATA_ASSIGN_OR_RETURN(b->arena, device.allocate(b->layout.total, "Llama activations"));
   const DeviceLayout& d = b->layout;
-  if (d.pinned_slots > 0) {
-    PinnedArenaOptions arena_options;
-    arena_options.bytes = static_cast<size_t>(d.pinned_slots) * d.pinned_slot_bytes;
-    STRATA_ASSIGN_OR_RETURN(b->pinned_arena, PinnedArena::create(arena_options));
-    for (int i = 0; i < d.pinned_slots; ++i) {
-      STRATA_ASSIGN_OR_RETURN(PinnedBuffer slot, b->pinned_arena->allocate(d.pinned_slot_bytes, "Llama block input " + std::to_string(i)));
-      b->pinned.push_back(std::move(slot));
-    }
-  }
   if (options_.checkpointing == ActivationCheckpointing::kPinnedHost) {
-    STRATA_ASSIGN_OR_RETURN(b->copy_stream, device.create_stream("llama activation copies"));
-    STRATA_ASSIGN_OR_RETURN(b->input_ready, device.create_event());
-    STRATA_ASSIGN_OR_RETURN(b->slot_free, device.create_event());
-    for (int i = 0; i < 2; ++i) {
-      STRATA_ASSIGN_OR_RETURN(b->saved[i], device.create_event());
-      STRATA_ASSIGN_OR_RETURN(b->restored[i], device.create_event());
-    }
+    STRATA_ASSIGN_OR_RETURN(b->pinned, lm::PinnedBlockInputs::create(device, d.pinned_slots, d.pinned_slot_bytes, "Llama"));
   }
   STRATA_ASSIGN_OR_RETURN(b->positions, lm::UploadStaging::create(device, static_cast<size_t>(d.rows) * 4, "Llama position ids"));
   STRATA_ASSIGN_OR_RETURN(vocab_, lm::VocabHead::create(engine_, *head_blas_, d.head_shape, b->at(d.vocab_head), b->at(d.matrix_scratch)));
@@ -506,11 +441,6 @@ StatusOr<LlamaModel::Params> LlamaModel::params_of(int group, const GroupView& v
     used += round_up(t.numel, kTensorAlignElements);
   }
   return params;
-}
-
-Status LlamaModel::capture(int group, const GroupView& grads) {
-  if (!options_.capture_gradients) return {};
-  return lm::copy_gradient_to_host(engine_, group, grads, captured_[group]);
 }
 
 // Checks the batch and fills the device's per-pass inputs: positions here, tokens and
@@ -658,35 +588,9 @@ Status LlamaModel::block_backward(Params& p, const std::vector<float*>& g, const
   return kernels::rmsnorm_backward(stream, norm, dt, narrow, x, p.vector(ix.input_norm), a.rstd1, dresid, g[ix.input_norm], add);
 }
 
-// kPinnedHost: block l's input (all but the last block's, which stays on the device) is
-// copied to pinned memory on the copy stream while block l computes; block l writes its
-// output over block l-1's input, so it waits until that one is saved.
-Status LlamaModel::save_block_input(int64_t l, const Rows& rows) {
-  Buffers& b = *buffers_;
-  Stream& stream = engine_.compute_stream();
-  const int64_t L = options_.config.num_hidden_layers;
-  const size_t bytes = rows.count * static_cast<size_t>(options_.config.hidden_size) * dtype_size(plan_.compute_dtype);
-  if (l < L - 1) {
-    STRATA_RETURN_IF_ERROR(stream.record(*b.input_ready));
-    STRATA_RETURN_IF_ERROR(b.copy_stream->wait(*b.input_ready));
-    STRATA_RETURN_IF_ERROR(engine_.device().copy_async(b.pinned[static_cast<size_t>(l)].data(), b.resid(l), bytes, CopyKind::kDeviceToHost, *b.copy_stream));
-    STRATA_RETURN_IF_ERROR(b.copy_stream->record(*b.saved[l % 2]));
-  }
-  if (l >= 1) STRATA_RETURN_IF_ERROR(stream.wait(*b.saved[(l - 1) % 2]));
-  return {};
-}
-
-// kPinnedHost: once the buffer that held block m's input (or the final residual, m = L)
-// is no longer read, block m-2's input is copied back into it, ahead of its recompute.
-Status LlamaModel::restore_block_input(int64_t m, const Rows& rows) {
-  Buffers& b = *buffers_;
-  if (!b.copy_stream || m - 2 < 0) return {};
-  const size_t bytes = rows.count * static_cast<size_t>(options_.config.hidden_size) * dtype_size(plan_.compute_dtype);
-  STRATA_RETURN_IF_ERROR(engine_.compute_stream().record(*b.slot_free));
-  STRATA_RETURN_IF_ERROR(b.copy_stream->wait(*b.slot_free));
-  STRATA_RETURN_IF_ERROR(engine_.device().copy_async(b.resid(m - 2), b.pinned[static_cast<size_t>(m - 2)].data(), bytes, CopyKind::kHostToDevice,
-                                                     *b.copy_stream));
-  return b.copy_stream->record(*b.restored[(m - 2) % 2]);
+// kPinnedHost: the bytes of one pass's block input (lm::PinnedBlockInputs saves and restores them).
+size_t LlamaModel::block_input_bytes(const Rows& rows) const {
+  return rows.count * static_cast<size_t>(options_.config.hidden_size) * dtype_size(plan_.compute_dtype);
 }
 
 // Embedding, blocks (their inputs kept for the backward), the final norm and the head's
@@ -703,7 +607,8 @@ Status LlamaModel::forward(const Rows& rows) {
     const int g = groups_.layer(l);
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
     STRATA_ASSIGN_OR_RETURN(Params p, params_of(g, view));
-    if (rows.training && b.copy_stream) STRATA_RETURN_IF_ERROR(save_block_input(l, rows));
+    if (rows.training && b.pinned.active())
+      STRATA_RETURN_IF_ERROR(b.pinned.save(stream, l, c.num_hidden_layers, b.resid(l), block_input_bytes(rows)));
     STRATA_RETURN_IF_ERROR(block_forward(p, b.resid(l), b.resid(l + 1), b.block_acts(l), rows));
     STRATA_RETURN_IF_ERROR(engine_.release(g));
   }
@@ -761,7 +666,7 @@ Status LlamaModel::backward(const Rows& rows) {
     STRATA_RETURN_IF_ERROR(capture(g, grads));
     STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
   }
-  STRATA_RETURN_IF_ERROR(restore_block_input(c.num_hidden_layers, rows));
+  STRATA_RETURN_IF_ERROR(b.pinned.restore(stream, c.num_hidden_layers, b.resid(c.num_hidden_layers - 2), block_input_bytes(rows)));
   for (int64_t l = c.num_hidden_layers - 1; l >= 0; --l) {
     const int g = groups_.layer(l);
     STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
@@ -770,13 +675,13 @@ Status LlamaModel::backward(const Rows& rows) {
     std::vector<float*> gp;
     for (void* t : grads.tensors) gp.push_back(static_cast<float*>(t));
     const BlockActs a = b.block_acts(l);
-    if (b.copy_stream && l < c.num_hidden_layers - 1) STRATA_RETURN_IF_ERROR(stream.wait(*b.restored[l % 2]));
+    STRATA_RETURN_IF_ERROR(b.pinned.wait_restored(stream, l, c.num_hidden_layers));
     if (!keep_all) STRATA_RETURN_IF_ERROR(block_forward(p, b.resid(l), nullptr, a, rows));
     STRATA_RETURN_IF_ERROR(block_backward(p, gp, b.resid(l), a, rows));
     STRATA_RETURN_IF_ERROR(engine_.release(g));
     STRATA_RETURN_IF_ERROR(capture(g, grads));
     STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
-    STRATA_RETURN_IF_ERROR(restore_block_input(l, rows));
+    STRATA_RETURN_IF_ERROR(b.pinned.restore(stream, l, b.resid(l - 2), block_input_bytes(rows)));
   }
   // dresid is d loss / d x_0: the embedding chunks' gradients (tied: plus the head's).
   for (int64_t k = 0; k < d.chunks.count; ++k) {

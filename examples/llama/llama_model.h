@@ -62,16 +62,18 @@
 #include "engine/core/device.h"
 #include "engine/core/dtype.h"
 #include "engine/engine.h"
-#include "examples/gpt/gpt_model.h"
+#include "examples/lm/causal_lm.h"
+#include "examples/lm/transformer_layout.h"
+#include "examples/lm/transformer_model.h"
 #include "examples/llama/llama_config.h"
 #include "examples/lm/vocab_chunks.h"
 #include "kernels/blas_context.h"
 
 namespace strata::llama {
 
-using gpt::ActivationCheckpointing;
-using gpt::MicroBatchLosses;
-using gpt::TokenBatch;
+using lm::ActivationCheckpointing;
+using lm::MicroBatchLosses;
+using lm::TokenBatch;
 using lm::QueuedMicroBatch;
 
 using lm::kDefaultVocabChunkBytes;
@@ -114,47 +116,30 @@ HfTensorSlice llama_tensor_source(const LlamaConfig& config, const VocabChunks& 
 // (lm_head.weight only when untied).
 std::vector<std::pair<std::string, std::vector<int64_t>>> llama_hf_tensors(const LlamaConfig& config);
 
-struct LlamaModelOptions {
+// The run's fields (lm::ModelRunOptions): param_dtype is the engine's (checked at every
+// gather); seq_len <= max_position_embeddings, required; eval_batch: sequences of an
+// evaluation-only pass, 0 = batch; head_chunk_rows 0 = as many token rows per LM-head
+// block as keep the logits under 32 MiB.
+struct LlamaModelOptions : lm::ModelRunOptions {
   LlamaConfig config;
-  DType param_dtype = DType::kFloat32;  // the engine's EngineOptions::param_dtype (checked at every gather)
-  int64_t batch = 1;                    // sequences per training micro-batch on this rank
-  int64_t seq_len = 0;                  // tokens per sequence (<= max_position_embeddings); required
-  int64_t eval_batch = 0;               // sequences of an evaluation-only pass (0 = batch)
-  ActivationCheckpointing checkpointing = ActivationCheckpointing::kDevice;
   size_t vocab_chunk_bytes = kDefaultVocabChunkBytes;  // fp32 bytes per embedding / lm_head chunk
-  int64_t head_chunk_rows = 0;          // token rows per LM-head block; 0 = as many as keep the logits under 32 MiB
   // Tests: copy every group's full fp32 gradient to the host before grads_ready()
   // (see captured_gradients()). Synchronizes the compute stream per group.
   bool capture_gradients = false;
 };
 
-struct LlamaActivationPlan {
-  size_t device_bytes = 0;  // everything the model allocates on the device (declare as activation_bytes)
-  size_t pinned_bytes = 0;  // training block inputs in pinned host memory (kPinnedHost)
-  DType compute_dtype = DType::kFloat32;
-  VocabChunks chunks;
-  int64_t head_rows = 0;    // token rows per LM-head block
-  std::vector<std::pair<std::string, size_t>> lines;  // what the device bytes hold, for the log
-  std::string text() const;
-};
+using LlamaActivationPlan = lm::TransformerActivationPlan;  // examples/lm/transformer_layout.h
 StatusOr<LlamaActivationPlan> plan_llama_activations(const LlamaModelOptions& options, DeviceKind device);
 
-class LlamaModel final : public lm::CausalLm {
+class LlamaModel final : public lm::TransformerModel<LlamaModelOptions, LlamaGroups> {
  public:
   // Registers the groups with `engine` (first: ids from 0) and declares the schedule
   // (untied), before engine.start().
   static StatusOr<std::unique_ptr<LlamaModel>> create(Engine& engine, const LlamaModelOptions& options);
   ~LlamaModel() override;
-  LlamaModel(const LlamaModel&) = delete;
-  LlamaModel& operator=(const LlamaModel&) = delete;
 
   // After engine.start(): allocates the activations and the rotary frequencies.
   Status allocate() override;
-
-  const LlamaModelOptions& options() const { return options_; }
-  const LlamaActivationPlan& activation_plan() const { return plan_; }
-  const LlamaGroups& groups() const { return groups_; }
-  DType compute_dtype() const { return plan_.compute_dtype; }
 
   // One micro-batch inside engine.begin_step()/begin_micro_batch() ... engine.step(), as
   // GptModel::run_micro_batch: `train` (options.batch sequences) runs forward and
@@ -170,8 +155,6 @@ class LlamaModel final : public lm::CausalLm {
   StatusOr<QueuedMicroBatch> queue_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) override;
   StatusOr<MicroBatchLosses> collect(const QueuedMicroBatch& queued) override;
 
-  const std::map<int, std::vector<float>>& captured_gradients() const { return captured_; }
-
  private:
   struct Buffers;
   struct BlockActs;
@@ -184,21 +167,12 @@ class LlamaModel final : public lm::CausalLm {
   Status embed_forward(const Rows& rows);
   Status block_forward(Params& p, const void* x, void* y, const BlockActs& a, const Rows& rows);
   Status block_backward(Params& p, const std::vector<float*>& g, const void* x, const BlockActs& a, const Rows& rows);
-  Status save_block_input(int64_t layer, const Rows& rows);
-  Status restore_block_input(int64_t layer, const Rows& rows);
+  size_t block_input_bytes(const Rows& rows) const;
   Status forward(const Rows& rows);
   Status backward(const Rows& rows);
-  Status capture(int group, const GroupView& grads);
 
-  Engine& engine_;
-  LlamaModelOptions options_;
-  LlamaActivationPlan plan_;
-  LlamaGroups groups_;
-  std::unique_ptr<kernels::BlasContext> blas_;       // the blocks: strata.matmul_precision
-  std::unique_ptr<kernels::BlasContext> head_blas_;  // the vocabulary head: IEEE fp32 (lm::ModelBlas)
   std::unique_ptr<Buffers> buffers_;
   std::unique_ptr<lm::VocabHead> vocab_;
-  std::map<int, std::vector<float>> captured_;
 };
 
 }  // namespace strata::llama

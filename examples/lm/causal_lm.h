@@ -3,7 +3,7 @@
 // (groups, schedule, activation plan, weights in and out), and one rank's model on its
 // engine, which runs micro-batches.
 //
-// The trainer (examples/gpt/gpt_trainer.h) holds an Architecture and asks it for
+// The trainer (examples/train/trainer.h) holds an Architecture and asks it for
 // everything shape-dependent, so a family plugs in by implementing these two classes.
 #pragma once
 

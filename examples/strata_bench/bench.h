@@ -11,13 +11,13 @@
 
 #include "engine/core/device.h"
 #include "engine/core/status.h"
-#include "examples/gpt/flags.h"
+#include "examples/flags/flags.h"
 #include "offload/io_engine.h"
 
 namespace strata::bench {
 
 // A tiny flag parser: `--name value`, `--name=value` and boolean `--name`, over the
-// tokenizer and number parsing train_gpt uses (examples/gpt/flags.h).
+// tokenizer and number parsing train_gpt uses (examples/flags/flags.h).
 class Args {
  public:
   // `boolean_flags` take no value. Unknown flags are an error naming the flag and the

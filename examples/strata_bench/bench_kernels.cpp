@@ -35,7 +35,10 @@
 #include "kernels/adam.h"
 #include "kernels/blas_context.h"
 #include "kernels/cast.h"
-#include "kernels/llama_ops.h"
+#include "kernels/gqa_attention.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/rope.h"
+#include "kernels/swiglu.h"
 #include "kernels/transformer_ops.h"
 
 namespace strata::bench {

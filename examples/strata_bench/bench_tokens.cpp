@@ -1,5 +1,5 @@
 // strata-bench token-scan: the cost of checking a token file against the vocabulary when
-// it is opened (examples/gpt/token_data.h check_token_file_vocabulary): writes a GPT-2
+// it is opened (examples/data/token_data.h check_token_file_vocabulary): writes a GPT-2
 // token file of --tokens uint16 tokens (all below the vocabulary, so the whole file is
 // scanned), reads it once into the page cache, then times the check per ISA and thread
 // count, the configurations alternated round by round; prints each one's median.
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "examples/gpt/token_data.h"
+#include "examples/data/token_data.h"
 #include "examples/strata_bench/bench.h"
 
 namespace strata::bench {
@@ -26,16 +26,16 @@ namespace {
 
 Status write_uniform_token_file(const std::string& path, uint64_t tokens) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  std::vector<int32_t> header(gpt::kLlmcHeaderInts, 0);
-  header[0] = gpt::kLlmcGpt2Magic;
-  header[1] = gpt::kLlmcGpt2Version;
+  std::vector<int32_t> header(data::kLlmcHeaderInts, 0);
+  header[0] = data::kLlmcGpt2Magic;
+  header[1] = data::kLlmcGpt2Version;
   header[2] = static_cast<int32_t>(std::min<uint64_t>(tokens, INT32_MAX));
   if (tokens > INT32_MAX) return InvalidArgumentError("--tokens must be at most 2^31 - 1 (the header's int32 count)");
-  out.write(reinterpret_cast<const char*>(header.data()), gpt::kLlmcHeaderBytes);
+  out.write(reinterpret_cast<const char*>(header.data()), data::kLlmcHeaderBytes);
   std::vector<uint16_t> chunk(size_t{1} << 20);
   for (uint64_t written = 0; written < tokens; written += chunk.size()) {
     const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk.size(), tokens - written));
-    for (size_t i = 0; i < n; ++i) chunk[i] = static_cast<uint16_t>((written + i) * 2654435761u % gpt::kGpt2VocabSize);
+    for (size_t i = 0; i < n; ++i) chunk[i] = static_cast<uint16_t>((written + i) * 2654435761u % data::kGpt2VocabSize);
     out.write(reinterpret_cast<const char*>(chunk.data()), static_cast<std::streamsize>(n * 2));
   }
   out.close();
@@ -60,11 +60,11 @@ Status measure_token_scan(int argc, char** argv) {
     if (cpu_isa_supported(isa))
       for (int threads : {1, 2}) configs.push_back({isa, threads, {}});
   // One untimed pass brings the file into the page cache.
-  STRATA_RETURN_IF_ERROR(gpt::check_token_file_vocabulary(path, gpt::kGpt2VocabSize));
+  STRATA_RETURN_IF_ERROR(data::check_token_file_vocabulary(path, data::kGpt2VocabSize));
   for (int round = 0; round < repetitions; ++round) {
     for (ScanConfig& config : configs) {
       const auto start = std::chrono::steady_clock::now();
-      STRATA_RETURN_IF_ERROR(gpt::check_token_file_vocabulary(path, gpt::kGpt2VocabSize, {.isa = config.isa, .threads = config.threads}));
+      STRATA_RETURN_IF_ERROR(data::check_token_file_vocabulary(path, data::kGpt2VocabSize, {.isa = config.isa, .threads = config.threads}));
       config.seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
   }

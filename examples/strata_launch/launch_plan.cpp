@@ -11,7 +11,7 @@
 #include "engine/core/check.h"
 #include "engine/core/file.h"
 #include "engine/core/rendezvous.h"
-#include "examples/gpt/flags.h"
+#include "examples/flags/flags.h"
 
 namespace strata::launch {
 namespace {

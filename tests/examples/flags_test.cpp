@@ -1,5 +1,6 @@
-// The command-line flags of train_gpt and strata-bench (examples/gpt/flags.h).
-#include "examples/gpt/flags.h"
+// The command-line flags of train_gpt and strata-bench (examples/flags/flags.h).
+#include "examples/flags/flags.h"
+#include "examples/train/train_args.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -16,28 +17,28 @@ namespace strata {
 namespace {
 
 using flags::OutputKind;
-using gpt::TrainGptArgs;
+using train::TrainArgs;
 
-StatusOr<TrainGptArgs> parse(std::vector<std::string> args) { return gpt::parse_train_gpt_args(args); }
+StatusOr<TrainArgs> parse(std::vector<std::string> args) { return train::parse_train_args(args); }
 
 std::string error_of(std::vector<std::string> args) {
-  StatusOr<TrainGptArgs> parsed = parse(std::move(args));
+  StatusOr<TrainArgs> parsed = parse(std::move(args));
   EXPECT_FALSE(parsed.ok());
   return parsed.ok() ? std::string() : parsed.status().message();
 }
 
 std::string apply_error(std::vector<std::string> args) {
-  StatusOr<TrainGptArgs> parsed = parse(std::move(args));
+  StatusOr<TrainArgs> parsed = parse(std::move(args));
   EXPECT_TRUE(parsed.ok()) << parsed.status().to_string();
   if (!parsed.ok()) return {};
   RunConfig config;
-  const Status status = gpt::apply_train_gpt_overrides(config, *parsed);
+  const Status status = train::apply_train_overrides(config, *parsed);
   EXPECT_FALSE(status.ok());
   return status.message();
 }
 
 TEST(FlagsTest, BothSpellingsOfAValueAreRead) {
-  StatusOr<TrainGptArgs> args = parse({"--steps", "8", "--save-dir=out", "--set", "gradient_clipping=0.5", "--data", "synthetic"});
+  StatusOr<TrainArgs> args = parse({"--steps", "8", "--save-dir=out", "--set", "gradient_clipping=0.5", "--data", "synthetic"});
   ASSERT_TRUE(args.ok()) << args.status().to_string();
   EXPECT_EQ(args->trainer.at("save-dir"), "out");
   EXPECT_EQ(args->data_spec, "synthetic");
@@ -56,7 +57,7 @@ TEST(FlagsTest, AValueThatIsTheNextFlagIsRefusedAsAMissingValue) {
   EXPECT_EQ(error_of({"--steps", "--lr", "1e-3"}).substr(0, 23), "--steps needs a value, ");
   EXPECT_EQ(error_of({"--steps"}), "--steps needs a value");
   // Written with '=', a value may start with "--"; a negative number is a value.
-  StatusOr<TrainGptArgs> args = parse({"--save-dir=--odd", "--set", "gradient_clipping=-1"});
+  StatusOr<TrainArgs> args = parse({"--save-dir=--odd", "--set", "gradient_clipping=-1"});
   ASSERT_TRUE(args.ok());
   EXPECT_EQ(args->trainer.at("save-dir"), "--odd");
 }
@@ -80,11 +81,11 @@ TEST(FlagsTest, IntegersOutsideTheirTypeAreRefusedNamingFlagValueAndRange) {
             "--head-chunk-rows is not an integer: got \"12abc\", expected an integer in [0, 9223372036854775807]");
   EXPECT_EQ(error_of({"--eval-sequences", ""}),
             "--eval-sequences is not an integer: got \"\", expected an integer in [0, 9223372036854775807]");
-  StatusOr<TrainGptArgs> args = parse({"--data-seed", "18446744073709551615", "--keep-checkpoints", "+3"});
+  StatusOr<TrainArgs> args = parse({"--data-seed", "18446744073709551615", "--keep-checkpoints", "+3"});
   ASSERT_TRUE(args.ok()) << args.status().to_string();
-  EXPECT_EQ(*gpt::trainer_integer<uint64_t>(*args, "data-seed", 0), UINT64_MAX);
-  EXPECT_EQ(*gpt::trainer_integer<int>(*args, "keep-checkpoints", 0), 3);
-  EXPECT_EQ(*gpt::trainer_integer<int>(*args, "save-every", 7), 7);
+  EXPECT_EQ(*train::trainer_integer<uint64_t>(*args, "data-seed", 0), UINT64_MAX);
+  EXPECT_EQ(*train::trainer_integer<int>(*args, "keep-checkpoints", 0), 3);
+  EXPECT_EQ(*train::trainer_integer<int>(*args, "save-every", 7), 7);
 }
 
 TEST(FlagsTest, IntegerParsingChecksTheRangeOfItsOwnType) {
@@ -101,7 +102,7 @@ TEST(FlagsTest, IntegerParsingChecksTheRangeOfItsOwnType) {
 }
 
 TEST(FlagsTest, ASwitchTakesNoValueButMaySayFalse) {
-  StatusOr<TrainGptArgs> args = parse({"--eval-only", "--steps", "3"});
+  StatusOr<TrainArgs> args = parse({"--eval-only", "--steps", "3"});
   ASSERT_TRUE(args.ok()) << args.status().to_string();
   EXPECT_EQ(args->trainer.at("eval-only"), "true");
   ASSERT_EQ(args->overrides.size(), 1u);  // "--steps 3" was not eaten as the switch's value

@@ -37,12 +37,15 @@
 #include <vector>
 
 #include "engine/core/gpu.h"
-#include "examples/gpt/safetensors.h"
+#include "examples/hf/safetensors.h"
 #include "tests/examples/train_gpt_runner.h"
 #include "tests/support/test_support.h"
 
 namespace strata::gpt {
 namespace {
+
+using hf::SafetensorsReader;
+using hf::SafetensorsTensor;
 
 namespace fs = std::filesystem;
 

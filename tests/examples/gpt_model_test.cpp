@@ -21,11 +21,17 @@
 #include "engine/counter_rng.h"
 #include "engine/local_cluster.h"
 #include "examples/gpt/gpt_weights.h"
-#include "examples/gpt/safetensors.h"
+#include "examples/train/param_checksum.h"
+#include "examples/hf/safetensors.h"
 #include "tests/support/test_support.h"
 
 namespace strata::gpt {
 namespace {
+
+using hf::SafetensorsDType;
+using hf::SafetensorsReader;
+using hf::SafetensorsTensorSpec;
+using hf::SafetensorsWriter;
 
 namespace fs = std::filesystem;
 
@@ -548,7 +554,7 @@ TEST(GptModelTest, ChecksumPartsAddUpTheSameForEveryWorldSize) {
       for (int r = 0; r < worlds[w]; ++r) {
         std::vector<float> shard(layout.shard_numel);
         init_shard(layout, r, 7, shard.data());
-        totals[w] += master_checksum_part(layout, r, shard);
+        totals[w] += train::master_checksum_part(layout, r, shard);
       }
     }
   }
@@ -558,13 +564,13 @@ TEST(GptModelTest, ChecksumPartsAddUpTheSameForEveryWorldSize) {
   STRATA_ASSERT_OK_AND_ASSIGN(GroupLayout layout, layout_group(specs[1], 1, 1));
   std::vector<float> shard(layout.shard_numel);
   init_shard(layout, 0, 7, shard.data());
-  const uint64_t before = master_checksum_part(layout, 0, shard);
+  const uint64_t before = train::master_checksum_part(layout, 0, shard);
   uint32_t bits;
   std::memcpy(&bits, &shard[100], 4);
   bits ^= 1u;
   std::memcpy(&shard[100], &bits, 4);
-  EXPECT_NE(master_checksum_part(layout, 0, shard), before);
-  EXPECT_EQ(checksum_hex(0x1234), "0000000000001234");
+  EXPECT_NE(train::master_checksum_part(layout, 0, shard), before);
+  EXPECT_EQ(train::checksum_hex(0x1234), "0000000000001234");
 }
 
 

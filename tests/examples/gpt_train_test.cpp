@@ -16,13 +16,20 @@
 
 #include <nlohmann/json.hpp>
 
-#include "examples/gpt/safetensors.h"
-#include "examples/gpt/token_data.h"
+#include "examples/hf/safetensors.h"
+#include "examples/data/token_data.h"
 #include "tests/examples/train_gpt_runner.h"
 #include "tests/support/test_support.h"
 
 namespace strata::gpt {
 namespace {
+
+using hf::SafetensorsDType;
+using hf::SafetensorsReader;
+using hf::SafetensorsTensor;
+using hf::SafetensorsTensorSpec;
+using hf::SafetensorsWriter;
+using data::write_token_file;
 
 namespace fs = std::filesystem;
 

@@ -23,12 +23,16 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/checkpoint.h"
-#include "examples/gpt/safetensors.h"
+#include "examples/hf/safetensors.h"
 #include "tests/examples/train_gpt_runner.h"
 #include "tests/support/test_support.h"
 
 namespace strata::gpt {
 namespace {
+
+using hf::SafetensorsReader;
+using hf::SafetensorsTensorSpec;
+using hf::SafetensorsWriter;
 
 namespace fs = std::filesystem;
 

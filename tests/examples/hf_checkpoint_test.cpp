@@ -33,7 +33,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
-using gpt::SafetensorsDType;
+using hf::SafetensorsDType;
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 

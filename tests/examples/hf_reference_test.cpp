@@ -16,7 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "examples/gpt/safetensors.h"
+#include "examples/hf/safetensors.h"
 #include "tests/examples/hf_reference_runner.h"
 #include "tests/support/test_support.h"
 
@@ -26,8 +26,8 @@ namespace {
 namespace fs = std::filesystem;
 using testing::TempDir;
 using testing::TrainRun;
-using gpt::SafetensorsDType;
-using gpt::SafetensorsWriter;
+using hf::SafetensorsDType;
+using hf::SafetensorsWriter;
 
 struct TinyVariant {
   std::string name;

@@ -3,7 +3,7 @@
 // inside a save, ends (with a last run to completion) at the straight run's
 // param_checksum, every time.
 //
-// Kill moments. STRATA_TEST_CHECKPOINT_PAUSE_MS (examples/gpt/gpt_trainer.cpp) makes the
+// Kill moments. STRATA_TEST_CHECKPOINT_PAUSE_MS (examples/train/trainer.cpp) makes the
 // saver announce each point of a save on stderr and pause there: the test waits for a
 // chosen point (rank_file_open, rank_file_written, before_manifest, before_rename) of the
 // first or second save of a run and kills a random 0-1.5 pauses later, so some kills land

@@ -26,8 +26,8 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/core/dtype.h"
-#include "examples/gpt/safetensors.h"
-#include "examples/gpt/token_data.h"
+#include "examples/hf/safetensors.h"
+#include "examples/data/token_data.h"
 #include "tests/examples/hf_reference_runner.h"
 #include "tests/support/test_support.h"
 
@@ -122,11 +122,11 @@ int64_t write_batch_as_token_file(const nlohmann::json& batch, const fs::path& p
       problems += (target && starts_document) || !(starts_document || position == expected_position) ? 1 : 0;
       expected_position = position + 1;
       tokens.push_back(batch["input_ids"][row][t].get<int32_t>());
-      flags.push_back(static_cast<uint8_t>((target ? gpt::kTokenIsTarget : 0) | (starts_document ? gpt::kTokenStartsDocument : 0)));
+      flags.push_back(static_cast<uint8_t>((target ? data::kTokenIsTarget : 0) | (starts_document ? data::kTokenStartsDocument : 0)));
     }
   }
-  const Status written = gpt::write_fine_tuning_file(path.string(), tokens, flags,
-                                                     {.format = gpt::TokenFileFormat::kGpt2, .row_length = static_cast<uint64_t>(row_length)});
+  const Status written = data::write_fine_tuning_file(path.string(), tokens, flags,
+                                                     {.format = data::TokenFileFormat::kGpt2, .row_length = static_cast<uint64_t>(row_length)});
   EXPECT_TRUE(written.ok()) << written.to_string();
   return written.ok() && problems == 0 ? row_length - 1 : -1;
 }
@@ -316,15 +316,15 @@ TEST_F(LlamaFidelityTest, ExportAfterAdamWLoadsStrictlyAndGivesTheReferenceLogit
 
 // Every tensor of a safetensors file, by name, as fp32 (with its dtype).
 struct ReadTensor {
-  gpt::SafetensorsDType dtype;
+  hf::SafetensorsDType dtype;
   std::vector<float> values;
 };
 std::map<std::string, ReadTensor> read_all_tensors(const fs::path& path) {
   std::map<std::string, ReadTensor> tensors;
-  auto reader = gpt::SafetensorsReader::open(path.string());
+  auto reader = hf::SafetensorsReader::open(path.string());
   EXPECT_TRUE(reader.ok()) << reader.status().to_string();
   if (!reader.ok()) return tensors;
-  for (const gpt::SafetensorsTensor& tensor : reader->tensors()) {
+  for (const hf::SafetensorsTensor& tensor : reader->tensors()) {
     ReadTensor& read = tensors[tensor.name];
     read.dtype = tensor.dtype;
     read.values.resize(tensor.numel);
@@ -355,7 +355,7 @@ TEST_F(LlamaFidelityTest, Bf16CheckpointExportsAsItsFp32WeightsRoundedToBf16) {
   for (const auto& [tensor, read] : bf16) {
     SCOPED_TRACE(tensor);
     ASSERT_TRUE(fp32.contains(tensor));
-    EXPECT_EQ(read.dtype, gpt::SafetensorsDType::kBF16);
+    EXPECT_EQ(read.dtype, hf::SafetensorsDType::kBF16);
     const std::vector<float>& full = fp32.at(tensor).values;
     ASSERT_EQ(read.values.size(), full.size());
     size_t mismatches = 0;
@@ -378,7 +378,7 @@ TEST_F(LlamaFidelityTest, EvalOnlyIsTransformersLossOverStridedWindows) {
   std::vector<int32_t> tokens(kWindows * kSeqLen + 1);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 7919 + 13) % 300);  // vocabulary 300
   const fs::path file = dir_->path() / "windows.bin";
-  STRATA_ASSERT_OK(gpt::write_token_file(file.string(), tokens));
+  STRATA_ASSERT_OK(data::write_token_file(file.string(), tokens));
   nlohmann::json batch = {{"attention", "causal"}};
   for (int64_t w = 0; w < kWindows; ++w) {
     std::vector<int32_t> row(tokens.begin() + w * kSeqLen, tokens.begin() + w * kSeqLen + kSeqLen + 1), positions(row.size()), targets(row);

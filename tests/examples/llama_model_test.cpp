@@ -20,16 +20,20 @@
 
 #include "engine/counter_rng.h"
 #include "engine/local_cluster.h"
-#include "examples/gpt/safetensors.h"
+#include "examples/hf/safetensors.h"
 #include "tests/support/test_support.h"
 
 namespace strata::llama {
 namespace {
 
+using hf::SafetensorsDType;
+using hf::SafetensorsTensorSpec;
+using hf::SafetensorsWriter;
+
 namespace fs = std::filesystem;
-using gpt::SafetensorsDType;
-using gpt::SafetensorsTensorSpec;
-using gpt::SafetensorsWriter;
+using hf::SafetensorsDType;
+using hf::SafetensorsTensorSpec;
+using hf::SafetensorsWriter;
 
 bool contains(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
 
@@ -287,7 +291,7 @@ TEST(LlamaModelTest, CheckpointingModesGiveBitIdenticalGradients) {
     const auto [loss_off, off] = run_once(tiny_options(config, ActivationCheckpointing::kOff), batch, 3);
     ASSERT_FALSE(off.empty());
     for (ActivationCheckpointing mode : {ActivationCheckpointing::kDevice, ActivationCheckpointing::kPinnedHost}) {
-      SCOPED_TRACE(std::string(gpt::activation_checkpointing_name(mode)));
+      SCOPED_TRACE(std::string(lm::activation_checkpointing_name(mode)));
       const auto [loss_on, on] = run_once(tiny_options(config, mode), batch, 3);
       ASSERT_FALSE(on.empty());
       EXPECT_EQ(loss_off, loss_on);

@@ -1,7 +1,7 @@
 // The preemption handlers, in a child process each: the first SIGTERM or SIGINT is
 // recorded (and announced on stderr) without ending the process; a second one ends it at
 // once, by the signal's default action.
-#include "examples/gpt/preemption.h"
+#include "examples/train/preemption.h"
 
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-namespace strata::gpt {
+namespace strata::train {
 namespace {
 
 class PreemptionTest : public ::testing::TestWithParam<int> {};
@@ -45,4 +45,4 @@ INSTANTIATE_TEST_SUITE_P(Signals, PreemptionTest, ::testing::Values(SIGTERM, SIG
                          [](const auto& info) { return std::string(info.param == SIGTERM ? "SIGTERM" : "SIGINT"); });
 
 }  // namespace
-}  // namespace strata::gpt
+}  // namespace strata::train

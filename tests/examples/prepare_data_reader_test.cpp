@@ -11,10 +11,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "examples/gpt/token_data.h"
+#include "examples/data/token_data.h"
 #include "tests/support/test_support.h"
 
-namespace strata::gpt {
+namespace strata::data {
 namespace {
 
 constexpr int kSkipped = 77;  // the script's exit status when it has no interpreter to run with
@@ -57,4 +57,4 @@ TEST(PrepareDataReaderTest, TheLoaderGivesTheRowsTargetsAndPositionsPrepareDataM
 }
 
 }  // namespace
-}  // namespace strata::gpt
+}  // namespace strata::data

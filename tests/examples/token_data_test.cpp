@@ -1,7 +1,7 @@
 // Token data: llm.c token files (round trip, header errors), text as bytes, the synthetic
 // language's statistics against its stated floor, and the data loader's determinism,
 // rank slicing and resumable position.
-#include "examples/gpt/token_data.h"
+#include "examples/data/token_data.h"
 
 #include <gtest/gtest.h>
 
@@ -19,7 +19,7 @@
 #include "engine/core/check.h"
 #include "tests/support/test_support.h"
 
-namespace strata::gpt {
+namespace strata::data {
 namespace {
 
 namespace fs = std::filesystem;
@@ -857,4 +857,4 @@ TEST(FineTuningLoaderTest, AStreamFileGivesWindowsWithItsMaskAndPositions) {
 }
 
 }  // namespace
-}  // namespace strata::gpt
+}  // namespace strata::data

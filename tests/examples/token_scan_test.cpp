@@ -1,7 +1,7 @@
-// The token file's vocabulary scan (examples/gpt/token_scan.h): every ISA's span function
+// The token file's vocabulary scan (examples/data/token_scan.h): every ISA's span function
 // against the scalar reference at odd sizes and offender positions, and the parallel
 // driver's answer (the lowest offending index) for any chunking and thread count.
-#include "examples/gpt/token_scan.h"
+#include "examples/data/token_scan.h"
 
 #include <gtest/gtest.h>
 
@@ -10,7 +10,7 @@
 
 #include "tests/support/test_support.h"
 
-namespace strata::gpt {
+namespace strata::data {
 namespace {
 
 constexpr size_t kSizes[] = {1, 7, 22, 55, 64, 65, 129, 4097};
@@ -84,4 +84,4 @@ TEST(TokenScanTest, TheDriverFindsTheLowestOffenderForAnyChunkingAndThreadCount)
 }
 
 }  // namespace
-}  // namespace strata::gpt
+}  // namespace strata::data

@@ -1,12 +1,13 @@
 // train_gpt's command line under fuzzing: the input is one argument per line. It runs the
-// trainer's flag parser (examples/gpt/flags.h), then applies the config overrides it
+// trainer's flag parser (examples/flags/flags.h), then applies the config overrides it
 // collected onto a default config and finalizes it, as train_gpt does before any file is
 // read or written (a --config path is not opened: the harness touches no files).
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include "examples/gpt/flags.h"
+#include "examples/flags/flags.h"
+#include "examples/train/train_args.h"
 #include "tests/fuzz/fuzz_targets.h"
 
 namespace strata::fuzz {
@@ -26,13 +27,13 @@ std::vector<std::string> split_lines(std::string_view text) {
 }
 
 void run_command_line(const std::vector<std::string>& arguments) {
-  StatusOr<gpt::TrainGptArgs> args = gpt::parse_train_gpt_args(arguments);
+  StatusOr<train::TrainArgs> args = train::parse_train_args(arguments);
   if (!args.ok()) {
     STRATA_FUZZ_CHECK(!args.status().message().empty(), "flags: an error without a message");
     return;
   }
   RunConfig config;
-  Status applied = gpt::apply_train_gpt_overrides(config, *args);
+  Status applied = train::apply_train_overrides(config, *args);
   if (applied.ok()) applied = finalize_run_config(config, kConfiguredWorldSize);
   if (!applied.ok()) STRATA_FUZZ_CHECK(!applied.message().empty(), "flags: an error without a message");
 }

@@ -16,13 +16,13 @@ namespace strata::fuzz {
 // engine/core/config_parse.cpp with strata-train's keys (examples/run_config): parse, then
 // finalize and the to_json round trip.
 int fuzz_config(const uint8_t* data, size_t size);
-// examples/gpt/safetensors.cpp: a whole file (8-byte length, JSON header, data section).
+// examples/hf/safetensors.cpp: a whole file (8-byte length, JSON header, data section).
 int fuzz_safetensors_header(const uint8_t* data, size_t size);
-// examples/gpt/token_data.cpp: a whole llm.c token file (header, then tokens).
+// examples/data/token_data.cpp: a whole llm.c token file (header, then tokens).
 int fuzz_token_header(const uint8_t* data, size_t size);
 // engine/checkpoint_reader.cpp: manifest.json's text, as written and with its checksum resealed.
 int fuzz_checkpoint_manifest(const uint8_t* data, size_t size);
-// train_gpt's command line (examples/gpt/flags.h), one argument per line.
+// train_gpt's command line (examples/flags/flags.h), one argument per line.
 int fuzz_flags(const uint8_t* data, size_t size);
 
 struct FuzzTarget {

@@ -1,4 +1,4 @@
-// examples/gpt/token_data.cpp's llm.c and fine-tuning token files under fuzzing: the input
+// examples/data/token_data.cpp's llm.c and fine-tuning token files under fuzzing: the input
 // is a whole file. Its header is checked in memory; a file whose header passes is also
 // opened as a dataset (through a memfd) and sampled with its flags, so the reader behind
 // the header (vocabulary scan, flags check, rows) runs too.
@@ -11,7 +11,7 @@
 #include <vector>
 #include <string>
 
-#include "examples/gpt/token_data.h"
+#include "examples/data/token_data.h"
 #include "tests/fuzz/fuzz_targets.h"
 
 namespace strata::fuzz {
@@ -19,28 +19,28 @@ namespace strata::fuzz {
 namespace {
 
 // Opens the bytes as a token dataset and draws one short sample from it.
-void sample_token_file(const uint8_t* data, size_t size, const gpt::TokenFileHeader& header) {
+void sample_token_file(const uint8_t* data, size_t size, const data::TokenFileHeader& header) {
   const int fd = ::memfd_create("strata-fuzz-tokens", 0);
   STRATA_FUZZ_CHECK(fd >= 0, "token_header: memfd_create failed");
   STRATA_FUZZ_CHECK(::write(fd, data, size) == static_cast<ssize_t>(size), "token_header: writing the memfd failed");
   const std::string path = "/proc/self/fd/" + std::to_string(fd);
-  gpt::FileDataOptions options;
+  data::FileDataOptions options;
   options.vocab_size = data[size - 1] % 2 == 0 ? 0 : 1 + data[size - 1];  // the format's vocabulary, or a small one
-  StatusOr<std::shared_ptr<const gpt::TokenDataset>> dataset = gpt::TokenDataset::open_token_file(path, options);
+  StatusOr<std::shared_ptr<const data::TokenDataset>> dataset = data::TokenDataset::open_token_file(path, options);
   if (dataset.ok()) {
-    STRATA_FUZZ_CHECK((*dataset)->split_tokens(gpt::DataSplit::kTrain) == header.token_count,
+    STRATA_FUZZ_CHECK((*dataset)->split_tokens(data::DataSplit::kTrain) == header.token_count,
                       "token_header: the dataset's token count disagrees with the header");
     // A row's worth for a file of rows (any other length is refused), else 4 tokens.
     std::vector<int32_t> tokens(std::min<uint64_t>(header.row_length > 0 ? header.row_length : 4, 64));
     std::vector<uint8_t> flags(tokens.size());
-    const Status sampled = (*dataset)->sample_with_flags(gpt::DataSplit::kTrain, /*seed=*/data[0], /*index=*/data[size - 1], tokens, flags);
+    const Status sampled = (*dataset)->sample_with_flags(data::DataSplit::kTrain, /*seed=*/data[0], /*index=*/data[size - 1], tokens, flags);
     if (sampled.ok()) {
       for (const int32_t token : tokens) {
         STRATA_FUZZ_CHECK(token >= 0 && token < (*dataset)->vocab_size(), "token_header: a sampled token outside the vocabulary");
       }
-      STRATA_FUZZ_CHECK((flags[0] & gpt::kTokenStartsDocument) != 0 && (flags[0] & gpt::kTokenIsTarget) == 0,
+      STRATA_FUZZ_CHECK((flags[0] & data::kTokenStartsDocument) != 0 && (flags[0] & data::kTokenIsTarget) == 0,
                         "token_header: a sample whose first token does not start a document");
-      for (const uint8_t f : flags) STRATA_FUZZ_CHECK((f & gpt::kTokenFlagsReserved) == 0, "token_header: reserved flag bits passed");
+      for (const uint8_t f : flags) STRATA_FUZZ_CHECK((f & data::kTokenFlagsReserved) == 0, "token_header: reserved flag bits passed");
     }
   }
   ::close(fd);
@@ -50,8 +50,8 @@ void sample_token_file(const uint8_t* data, size_t size, const gpt::TokenFileHea
 
 int fuzz_token_header(const uint8_t* data, size_t size) {
   constexpr std::string_view kWhere = "token file fuzz.bin";
-  const std::span<const std::byte> prefix(reinterpret_cast<const std::byte*>(data), std::min(size, gpt::kLlmcHeaderBytes));
-  StatusOr<gpt::TokenFileHeader> header = gpt::parse_token_file_header(prefix, size, kWhere);
+  const std::span<const std::byte> prefix(reinterpret_cast<const std::byte*>(data), std::min(size, data::kLlmcHeaderBytes));
+  StatusOr<data::TokenFileHeader> header = data::parse_token_file_header(prefix, size, kWhere);
   if (!header.ok()) {
     STRATA_FUZZ_CHECK(header.status().message().starts_with(kWhere), "token_header: an error that does not name the file");
     return 0;

@@ -5,7 +5,7 @@
 // array between two warp barriers. Shared memory is filled with NaN before each block,
 // so a read of a tile element nobody wrote shows up in the result. fp32 only (the bf16
 // path differs only in load/store); compared with the double-precision reference
-// (kernels/reference.h) at the fp32 tolerance of llama_ops_test.cpp, 2e-5.
+// (kernels/reference.h) at the fp32 tolerance of rmsnorm_rope_swiglu_gqa_test.cpp, 2e-5.
 //
 // What this cannot see: races between warps that the host threads happen to order, the
 // GPU's memory model, launch limits and shared-memory sizes (the gpu-labelled tests and
@@ -23,7 +23,7 @@
 
 #include <gtest/gtest.h>
 
-#include "kernels/llama_ops.h"
+#include "kernels/gqa_attention.h"
 #include "kernels/reference.h"
 #include "tests/kernels/op_test_harness.h"
 

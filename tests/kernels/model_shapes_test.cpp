@@ -2,7 +2,7 @@
 // backward: GPT-2 XL (T = 1024, C = 1600, 25 heads of 64, MLP 6400, V = 50257) and
 // Llama-3.2-1B (T = 1024, C = 2048, 32 query / 8 KV heads of 64, MLP 8192,
 // V = 128256), plus attention with head_dim 128 (32 / 8 heads, Llama-3-8B's). The tiny,
-// odd shapes of transformer_ops_test.cpp and llama_ops_test.cpp check edges; these check
+// odd shapes of transformer_ops_test.cpp and rmsnorm_rope_swiglu_gqa_test.cpp check edges; these check
 // the tiling, grid and workspace sizes a model really uses (the attention kernels' 32
 // query tiles, cuBLASLt's algorithms for the LM head).
 //
@@ -32,7 +32,10 @@
 #include <vector>
 
 #include "engine/core/gpu.h"
-#include "kernels/llama_ops.h"
+#include "kernels/gqa_attention.h"
+#include "kernels/rmsnorm.h"
+#include "kernels/rope.h"
+#include "kernels/swiglu.h"
 #include "kernels/transformer_ops.h"
 #include "tests/kernels/op_test_harness.h"
 #include "tests/support/test_support.h"

@@ -1,5 +1,5 @@
 // What the device-op tests of tests/kernels share (transformer_ops_test.cpp,
-// llama_ops_test.cpp): the targets (device kind x dtype), random inputs rounded to the
+// rmsnorm_rope_swiglu_gqa_test.cpp): the targets (device kind x dtype), random inputs rounded to the
 // device dtype, the relative error they are judged by, and a Harness that owns a device,
 // a stream and a BlasContext and moves test tensors in and out.
 #pragma once
