@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -197,6 +198,9 @@ StatusOr<profile::MachineProfile> measure(const Config& c) {
   p.command = c.command;
   p.quick = c.quick;
   STRATA_ASSIGN_OR_RETURN(p.host, profile::probe_host());
+  std::error_code error;  // the NVMe path is created when missing, as everywhere
+  std::filesystem::create_directories(c.nvme_path, error);
+  if (error) return InvalidArgumentError("--nvme-path '" + c.nvme_path + "' cannot be created: " + error.message());
   STRATA_ASSIGN_OR_RETURN(p.disk, profile::probe_disk(c.nvme_path));
   std::string notes = "Medians of repeated runs on a host that may be shared.";
   progress("NVMe write and read (1 MiB QD32, 128 KiB QD8, 4 MiB QD8; checksums on)");
