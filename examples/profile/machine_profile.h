@@ -98,8 +98,9 @@ struct ComputeRate {
 // The collectives at the profiled world size; without figures, why not.
 struct CommunicatorRate {
   int world = 1;
-  std::optional<double> all_gather_bytes_per_s;      // bytes each rank receives per second
-  std::optional<double> reduce_scatter_bytes_per_s;  // bytes each rank sends per second
+  // The full buffer's bytes (world x shard) per second: a collective over B bytes takes B / rate.
+  std::optional<double> all_gather_bytes_per_s;
+  std::optional<double> reduce_scatter_bytes_per_s;
   std::string why_none;                              // set exactly when there are no figures
 };
 

@@ -6,15 +6,21 @@
 //   - pinned host memory to and from the device (`copy`); on the CPU device a host memcpy;
 //   - the fused CPU Adam step by thread count, fp32 and bf16 parameters (`adam`);
 //   - the device's GEMMs, attention and memory-bound ops at the models' shapes (`kernels`);
+//   - with --world N, the host communicator's all_gather and reduce_scatter among N thread
+//     ranks of the CPU device (else the file says why the communicator was not measured);
 //   - the host's free and lockable memory, CPU, ISA, GPU and the disk behind the path.
 // The profile goes to --out and to the kept profile of this machine (unless --no-keep).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <functional>
+#include <thread>
 #include <string>
 #include <vector>
 
+#include "engine/core/host_communicator.h"
 #include "examples/profile/host_probe.h"
 #include "examples/profile/machine_profile.h"
 #include "examples/strata_bench/bench.h"
@@ -23,14 +29,16 @@ namespace strata::bench {
 
 const char* const kProfileUsage =
     "usage: strata-bench profile --nvme-path DIR [--device cpu|cuda] [--out FILE.json] [--quick] [--no-keep]\n"
-    "                            [--scale S] [--notes TEXT]\n"
+    "                            [--scale S] [--notes TEXT] [--world N]\n"
     "  --nvme-path DIR  where the NVMe tier would live (a file is written and read there)\n"
     "  --device D       cpu (default) or cuda: where copies and kernels are measured\n"
     "  --out FILE.json  write the profile there (also kept for this machine unless --no-keep)\n"
     "  --quick          smaller sizes and fewer repetitions (well under a minute on a small host)\n"
     "  --no-keep        do not write the kept profile ($XDG_CACHE_HOME/strata/profile-<host>.json)\n"
     "  --scale S        the kernels' shapes divided by S (default 1 on cuda; 4 on cpu, 16 with --quick)\n"
-    "  --notes TEXT     appended to the profile's notes (e.g. what else ran on the machine)";
+    "  --notes TEXT     appended to the profile's notes (e.g. what else ran on the machine)\n"
+    "  --world N        also measure the host communicator's all_gather and reduce_scatter among N thread\n"
+    "                   ranks of the CPU device (default 1: not measured)";
 
 namespace {
 
@@ -43,6 +51,7 @@ struct Config {
   size_t scale = 4;
   std::string notes;
   std::string command;
+  int world = 1;  // thread ranks whose host communicator is measured (CPU device)
 };
 
 std::string command_line(int argc, char** argv) {
@@ -56,7 +65,7 @@ std::string command_line(int argc, char** argv) {
 }
 
 StatusOr<Config> parse_config(int argc, char** argv) {
-  STRATA_ASSIGN_OR_RETURN(Args args, Args::parse(argc, argv, {"nvme-path", "device", "out", "scale", "notes"}, {"quick", "no-keep"}));
+  STRATA_ASSIGN_OR_RETURN(Args args, Args::parse(argc, argv, {"nvme-path", "device", "out", "scale", "notes", "world"}, {"quick", "no-keep"}));
   Config c;
   c.nvme_path = args.get("nvme-path", "");
   if (c.nvme_path.empty()) return InvalidArgumentError("--nvme-path is required");
@@ -68,6 +77,7 @@ StatusOr<Config> parse_config(int argc, char** argv) {
   const size_t default_scale = c.device == DeviceKind::kCuda ? 1 : (c.quick ? 16 : 4);
   STRATA_ASSIGN_OR_RETURN(c.scale, args.get_integer<size_t>("scale", default_scale, 1, 1024));
   c.notes = args.get("notes", "");
+  STRATA_ASSIGN_OR_RETURN(c.world, args.get_integer<int>("world", 1, 1, 64));
   c.command = command_line(argc, argv);
   return c;
 }
@@ -169,6 +179,79 @@ StatusOr<profile::ComputeRate> measure_compute(const Config& c, std::string& des
   return out;
 }
 
+// One collective, `repetitions` times after a warm-up, on every rank's thread at once; the
+// median of rank 0's times (each collective waits for every rank, so rank 0's time is the
+// collective's). A rank that fails aborts the group, so the others do not wait for it.
+StatusOr<double> time_collective(HostCommunicatorGroup& group, int repetitions, const std::function<Status(int rank)>& run_once) {
+  const int world = group.world_size();
+  std::vector<Status> statuses(world);
+  std::vector<double> seconds;
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < world; ++rank) {
+    threads.emplace_back([&, rank] {
+      for (int i = 0; i <= repetitions; ++i) {
+        const auto start = std::chrono::steady_clock::now();
+        statuses[rank] = run_once(rank);
+        if (!statuses[rank].ok()) {
+          group.abort(statuses[rank].to_string());
+          return;
+        }
+        if (rank == 0 && i > 0) seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (const Status& status : statuses) STRATA_RETURN_IF_ERROR(status);
+  return median(seconds);
+}
+
+// The host communicator among `world` thread ranks of the CPU device, each with its own
+// device and stream: all_gather of a `shard`-byte fp32 shard per rank and reduce_scatter
+// of `world` shards, each rate the full (gathered, or scattered) bytes per second.
+StatusOr<profile::CommunicatorRate> measure_communicator(const Config& c) {
+  if (c.world == 1) {
+    return profile::CommunicatorRate{.world = 1, .why_none = "world size 1: a collective needs two or more ranks (--world N measures "
+                                                             "the host communicator among N thread ranks)"};
+  }
+  if (c.device != DeviceKind::kCpu) {
+    return profile::CommunicatorRate{.world = c.world, .why_none = "--device cuda: NCCL's bandwidth is not measured by strata-bench "
+                                                                   "profile yet (--world measures the CPU device's host communicator)"};
+  }
+  const size_t shard = c.quick ? size_t{16} << 20 : size_t{64} << 20;
+  const size_t full = shard * static_cast<size_t>(c.world);
+  STRATA_ASSIGN_OR_RETURN(HostCommunicatorGroup group, HostCommunicatorGroup::create({.world_size = c.world}));
+  struct Rank {
+    std::unique_ptr<Device> device;
+    std::unique_ptr<Stream> stream;
+    std::unique_ptr<HostCommunicator> communicator;
+    DeviceBuffer shard, full;
+  };
+  std::vector<Rank> ranks(c.world);
+  for (int r = 0; r < c.world; ++r) {
+    Rank& rank = ranks[r];
+    STRATA_ASSIGN_OR_RETURN(rank.device, create_cpu_device({.ordinal = r, .budget_bytes = shard + full + (size_t{4} << 20), .compute = {.threads = 1}}));
+    STRATA_ASSIGN_OR_RETURN(rank.stream, rank.device->create_stream("profile collectives"));
+    STRATA_ASSIGN_OR_RETURN(rank.communicator, group.communicator(r, *rank.device));
+    STRATA_ASSIGN_OR_RETURN(rank.shard, rank.device->allocate(shard, "profile shard"));
+    STRATA_ASSIGN_OR_RETURN(rank.full, rank.device->allocate(full, "profile gathered"));
+    std::memset(rank.shard.data(), 0, shard);  // zeros: the sums stay finite
+    std::memset(rank.full.data(), 0, full);
+  }
+  const int repetitions = c.quick ? 3 : 7;
+  const size_t count = shard / sizeof(float);
+  STRATA_ASSIGN_OR_RETURN(const double gather_seconds, time_collective(group, repetitions, [&](int r) -> Status {
+    STRATA_RETURN_IF_ERROR(ranks[r].communicator->all_gather(ranks[r].shard.data(), ranks[r].full.data(), count, DType::kFloat32, *ranks[r].stream));
+    return ranks[r].stream->synchronize();
+  }));
+  STRATA_ASSIGN_OR_RETURN(const double scatter_seconds, time_collective(group, repetitions, [&](int r) -> Status {
+    STRATA_RETURN_IF_ERROR(ranks[r].communicator->reduce_scatter(ranks[r].full.data(), ranks[r].shard.data(), count, DType::kFloat32,
+                                                                 ReduceOptions{}, *ranks[r].stream));
+    return ranks[r].stream->synchronize();
+  }));
+  return profile::CommunicatorRate{.world = c.world, .all_gather_bytes_per_s = static_cast<double>(full) / gather_seconds,
+                                   .reduce_scatter_bytes_per_s = static_cast<double>(full) / scatter_seconds};
+}
+
 void print_summary(const profile::MachineProfile& p) {
   std::printf("strata-bench profile: %s, %s (%d cores), GPU %s\n", p.host.hostname.c_str(), p.host.cpu_model.c_str(), p.host.cores,
               p.host.gpu.c_str());
@@ -189,7 +272,12 @@ void print_summary(const profile::MachineProfile& p) {
   std::printf("  compute (%s %s, scale %d): gemm %.3f TFLOP/s, attention %.3f TFLOP/s, memory-bound %.2f GB/s (medians)\n",
               p.compute.device.c_str(), p.compute.dtype.c_str(), p.compute.scale, p.compute.gemm_flops_per_s / 1e12,
               p.compute.attention_flops_per_s / 1e12, p.compute.memory_bytes_per_s / 1e9);
-  std::printf("  communicator: %s\n", p.communicator.why_none.c_str());
+  if (p.communicator.all_gather_bytes_per_s) {
+    std::printf("  communicator (%d thread ranks): all_gather %.3f GB/s, reduce_scatter %.3f GB/s (gathered bytes per second)\n",
+                p.communicator.world, *p.communicator.all_gather_bytes_per_s / 1e9, *p.communicator.reduce_scatter_bytes_per_s / 1e9);
+  } else {
+    std::printf("  communicator: %s\n", p.communicator.why_none.c_str());
+  }
 }
 
 StatusOr<profile::MachineProfile> measure(const Config& c) {
@@ -216,8 +304,9 @@ StatusOr<profile::MachineProfile> measure(const Config& c) {
   if (c.device == DeviceKind::kCpu) {
     notes += " compute: the CPU device's kernels (fp32 twins) at the models' shapes divided by " + std::to_string(c.scale) + ".";
   }
-  p.communicator = {.world = 1,
-                    .why_none = "world size 1: strata-bench profile runs one rank, and a collective's bandwidth needs two or more"};
+  progress("the communicator");
+  STRATA_ASSIGN_OR_RETURN(p.communicator, measure_communicator(c));
+  if (p.communicator.all_gather_bytes_per_s) notes += " communicator: the host communicator among thread ranks of the CPU device.";
   p.date = profile::utc_now_iso8601();  // when the measurements ended
   p.notes = notes + (c.notes.empty() ? "" : " " + c.notes);
   return p;
