@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "engine/core/device.h"
+#include "engine/core/dtype.h"
 #include "engine/core/status.h"
 #include "examples/flags/flags.h"
 #include "offload/io_engine.h"
@@ -72,6 +73,72 @@ struct StoreBandwidth {
 // read, outside the timed part). Fails where the file system refuses O_DIRECT.
 StatusOr<StoreBandwidth> measure_store_bandwidth(const StoreMeasurement& measurement);
 
+// What measure_copy_bandwidth() moves: `bytes` per copy between a device buffer and pinned
+// (then pageable) host memory through Device::copy_async, `repetitions` timed copies per
+// direction after `warmup` untimed ones. On the CPU device a copy is one host memcpy.
+struct CopyMeasurement {
+  size_t bytes = size_t{256} << 20;
+  DeviceKind device = DeviceKind::kCpu;
+  int repetitions = 7;
+  int warmup = 1;
+};
+// One direction's timed copies: the median and the spread, in 1e9 bytes/s.
+struct CopySpread {
+  double median_gbps = 0;
+  double min_gbps = 0;
+  double max_gbps = 0;
+};
+struct CopyBandwidth {
+  CopySpread h2d_pinned, d2h_pinned, h2d_pageable, d2h_pageable;
+  bool locked = false;         // the pinned arena is page-locked
+  std::string pinned_locking;  // how it was locked (pinned_locking_name)
+  std::string page_kind;       // its pages, in words
+  std::string description;     // the device's
+};
+// The copy bandwidth as `strata-bench copy` measures it.
+StatusOr<CopyBandwidth> measure_copy_bandwidth(const CopyMeasurement& measurement);
+
+// What measure_cpu_adam_rate() runs: the fused CPU Adam step over `params` elements in host
+// memory (groups of 8 Mi, as `strata-bench adam` does), fp32 master and moments, on
+// `threads` workers (0 = every core), first step checked bit for bit against the reference.
+struct AdamMeasurement {
+  int64_t params = int64_t{64} << 20;
+  int threads = 0;
+  DType grad_type = DType::kBFloat16;
+  DType param_type = DType::kBFloat16;  // the parameter copy written
+  int steps = 9;
+  int warmup = 2;
+};
+struct AdamThroughput {
+  double params_per_s = 0;  // over the median step
+  int threads = 0;          // the workers that ran
+  std::string isa;
+};
+StatusOr<AdamThroughput> measure_cpu_adam_rate(const AdamMeasurement& measurement);
+
+// What measure_kernel_timings() runs: every op of `strata-bench kernels` at GPT-2 XL,
+// Llama-3.2-1B and head_dim-128 attention shapes, every dimension but head_dim divided by
+// `scale`, the median of `repetitions` timed runs each.
+struct KernelMeasurement {
+  DeviceKind device = DeviceKind::kCuda;
+  DType dtype = DType::kBFloat16;
+  size_t scale = 1;
+  int repetitions = 20;
+};
+struct KernelTiming {
+  std::string model;
+  std::string op;
+  std::string shape;
+  double seconds = 0;   // median
+  bool flops = true;    // `amount` counts FLOPs (GEMMs, attention), else bytes
+  double amount = 0;    // per run
+};
+struct KernelTimings {
+  std::string description;  // the device's
+  std::vector<KernelTiming> results;
+};
+StatusOr<KernelTimings> measure_kernel_timings(const KernelMeasurement& measurement);
+
 // The NVIDIA H200 (SXM)'s peaks, from its datasheet (NVIDIA H200 Tensor Core GPU), dense:
 // the datasheet quotes the tensor-core figures with 2:4 structured sparsity (TF32 989,
 // BF16 1979 TFLOPS), which dense GEMMs get half of. Exact fp32 products run on the CUDA
@@ -94,6 +161,7 @@ int run_adam(int argc, char** argv);
 int run_step(int argc, char** argv);
 int run_token_scan(int argc, char** argv);
 int run_kernels(int argc, char** argv);
+int run_profile(int argc, char** argv);
 
 // Each subcommand's usage, "usage: strata-bench <subcommand> ...", defined beside it.
 extern const char* const kNvmeUsage;
@@ -102,6 +170,7 @@ extern const char* const kAdamUsage;
 extern const char* const kStepUsage;
 extern const char* const kTokenScanUsage;
 extern const char* const kKernelsUsage;
+extern const char* const kProfileUsage;
 
 // Prints "strata-bench <subcommand>: <status>" to stderr and returns 1 (or 2 for usage errors).
 int report_failure(const char* subcommand, const Status& status);

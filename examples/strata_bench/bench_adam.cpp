@@ -470,6 +470,23 @@ StatusOr<Result> run_nvme(const Config& c, CpuAdam& adam) {
 
 }  // namespace
 
+StatusOr<AdamThroughput> measure_cpu_adam_rate(const AdamMeasurement& m) {
+  Config c;  // the subcommand's defaults for everything the measurement does not name
+  c.params = m.params;
+  c.threads = m.threads;
+  c.grad_type = m.grad_type;
+  c.param_type = m.param_type;
+  c.steps = m.steps;
+  c.warmup = m.warmup;
+  c.group_params = std::min(c.group_params, c.params);
+  if (c.params < 1 || c.threads < 0 || c.steps < 1 || c.warmup < 0) {
+    return InvalidArgumentError("an Adam measurement needs params >= 1, threads >= 0, steps >= 1 and warmup >= 0");
+  }
+  STRATA_ASSIGN_OR_RETURN(CpuAdam adam, CpuAdam::create({.threads = c.threads, .chunk_elements = static_cast<size_t>(c.chunk_elements)}));
+  STRATA_ASSIGN_OR_RETURN(const Result result, run_memory(c, adam));
+  return AdamThroughput{.params_per_s = result.params_per_s, .threads = adam.threads(), .isa = std::string(cpu_isa_name(adam.isa()))};
+}
+
 int run_adam(int argc, char** argv) {
   auto parsed = parse_config(argc, argv);
   if (!parsed.ok()) {

@@ -58,17 +58,10 @@ StatusOr<Config> parse_config(int argc, char** argv) {
   return config;
 }
 
-// One measured direction: the median and the spread of the timed copies.
-struct Measurement {
-  double median_gbps = 0;
-  double min_gbps = 0;
-  double max_gbps = 0;
-};
-
 // Times `repetitions` copies of `bytes` (each enqueued and waited for on its own) after
 // `warmup` untimed ones.
-StatusOr<Measurement> measure(Device& device, Stream& stream, void* dst, const void* src, size_t bytes, CopyKind kind,
-                              const Config& config) {
+StatusOr<CopySpread> measure(Device& device, Stream& stream, void* dst, const void* src, size_t bytes, CopyKind kind,
+                             const CopyMeasurement& config) {
   for (int i = 0; i < config.warmup; ++i) {
     STRATA_RETURN_IF_ERROR(device.copy_async(dst, src, bytes, kind, stream));
     STRATA_RETURN_IF_ERROR(stream.synchronize());
@@ -84,7 +77,7 @@ StatusOr<Measurement> measure(Device& device, Stream& stream, void* dst, const v
   }
   std::sort(gbps.begin(), gbps.end());
   const size_t n = gbps.size();
-  Measurement m;
+  CopySpread m;
   m.median_gbps = n % 2 == 1 ? gbps[n / 2] : 0.5 * (gbps[n / 2 - 1] + gbps[n / 2]);
   m.min_gbps = gbps.front();
   m.max_gbps = gbps.back();
@@ -102,7 +95,9 @@ std::string page_kind_text(PinnedPageKind kind) {
 
 double round3(double value) { return static_cast<double>(static_cast<int64_t>(value * 1000.0 + 0.5)) / 1000.0; }
 
-Status run(const Config& config) {
+}  // namespace
+
+StatusOr<CopyBandwidth> measure_copy_bandwidth(const CopyMeasurement& config) {
   std::unique_ptr<Device> device;
   if (config.device == DeviceKind::kCpu) {
     // Room for the one device buffer; the copies use no compute threads.
@@ -115,9 +110,6 @@ Status run(const Config& config) {
 
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<PinnedArena> arena, PinnedArena::create({.bytes = config.bytes}));
   STRATA_ASSIGN_OR_RETURN(PinnedBuffer pinned, arena->allocate(config.bytes, "copy bench pinned host buffer"));
-  if (!arena->locked()) {
-    std::fprintf(stderr, "strata-bench copy: warning: the pinned arena could not be page-locked; its figures are for pageable memory\n");
-  }
   std::vector<uint8_t> pageable(config.bytes);
 
   // Touch every page once so that no timed copy pays for first-touch faults.
@@ -126,17 +118,37 @@ Status run(const Config& config) {
   STRATA_RETURN_IF_ERROR(device->memset_async(device_buffer.data(), 0x33, config.bytes, *stream));
   STRATA_RETURN_IF_ERROR(stream->synchronize());
 
-  STRATA_ASSIGN_OR_RETURN(Measurement h2d_pinned,
+  CopyBandwidth out;
+  STRATA_ASSIGN_OR_RETURN(out.h2d_pinned,
                           measure(*device, *stream, device_buffer.data(), pinned.data(), config.bytes, CopyKind::kHostToDevice, config));
-  STRATA_ASSIGN_OR_RETURN(Measurement d2h_pinned,
+  STRATA_ASSIGN_OR_RETURN(out.d2h_pinned,
                           measure(*device, *stream, pinned.data(), device_buffer.data(), config.bytes, CopyKind::kDeviceToHost, config));
-  STRATA_ASSIGN_OR_RETURN(Measurement h2d_pageable, measure(*device, *stream, device_buffer.data(), pageable.data(), config.bytes,
-                                                            CopyKind::kHostToDevice, config));
-  STRATA_ASSIGN_OR_RETURN(Measurement d2h_pageable, measure(*device, *stream, pageable.data(), device_buffer.data(), config.bytes,
-                                                            CopyKind::kDeviceToHost, config));
+  STRATA_ASSIGN_OR_RETURN(out.h2d_pageable, measure(*device, *stream, device_buffer.data(), pageable.data(), config.bytes,
+                                                    CopyKind::kHostToDevice, config));
+  STRATA_ASSIGN_OR_RETURN(out.d2h_pageable, measure(*device, *stream, pageable.data(), device_buffer.data(), config.bytes,
+                                                    CopyKind::kDeviceToHost, config));
   STRATA_RETURN_IF_ERROR(device->synchronize());
+  out.locked = arena->locked();
+  out.pinned_locking = std::string(pinned_locking_name(arena->locking()));
+  out.page_kind = page_kind_text(arena->page_kind());
+  out.description = device->description();
+  return out;
+}
 
-  const std::string locking(pinned_locking_name(arena->locking()));
+namespace {
+
+Status run(const Config& config) {
+  STRATA_ASSIGN_OR_RETURN(const CopyBandwidth measured,
+                          measure_copy_bandwidth({.bytes = config.bytes, .device = config.device, .repetitions = config.repetitions,
+                                                  .warmup = config.warmup}));
+  if (!measured.locked) {
+    std::fprintf(stderr, "strata-bench copy: warning: the pinned arena could not be page-locked; its figures are for pageable memory\n");
+  }
+  const CopySpread& h2d_pinned = measured.h2d_pinned;
+  const CopySpread& d2h_pinned = measured.d2h_pinned;
+  const CopySpread& h2d_pageable = measured.h2d_pageable;
+  const CopySpread& d2h_pageable = measured.d2h_pageable;
+  const std::string& locking = measured.pinned_locking;
   if (config.json) {
     const nlohmann::ordered_json result = {
         {"bench", "copy"},
@@ -149,16 +161,16 @@ Status run(const Config& config) {
         {"repetitions", config.repetitions},
         {"warmup", config.warmup},
         {"pinned_locking", locking},
-        {"description", device->description()},
+        {"description", measured.description},
     };
     std::printf("%s\n", result.dump().c_str());
   } else {
-    std::printf("strata-bench copy: %s\n", device->description().c_str());
+    std::printf("strata-bench copy: %s\n", measured.description.c_str());
     std::printf("  %zu bytes per copy, median of %d after %d warm-up; GB/s = 1e9 B/s\n", config.bytes, config.repetitions,
                 config.warmup);
-    std::printf("  pinned host memory: PinnedArena, locking %s, %s\n", locking.c_str(), page_kind_text(arena->page_kind()).c_str());
+    std::printf("  pinned host memory: PinnedArena, locking %s, %s\n", locking.c_str(), measured.page_kind.c_str());
     std::printf("  %-16s %-9s %10s %10s %10s\n", "direction", "host", "median", "min", "max");
-    auto row = [](const char* direction, const char* host, const Measurement& m) {
+    auto row = [](const char* direction, const char* host, const CopySpread& m) {
       std::printf("  %-16s %-9s %10.2f %10.2f %10.2f\n", direction, host, m.median_gbps, m.min_gbps, m.max_gbps);
     };
     row("host->device", "pinned", h2d_pinned);

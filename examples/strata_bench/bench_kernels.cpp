@@ -80,15 +80,6 @@ ModelShape scaled(ModelShape shape, size_t scale) {
 
 enum class Work : uint8_t { kFlops, kBytes };
 
-struct Result {
-  std::string model;
-  std::string op;
-  std::string shape;
-  double seconds = 0;  // median
-  Work work = Work::kFlops;
-  double amount = 0;   // FLOPs or bytes per run
-};
-
 // Times enqueued work: CUDA events on a GPU stream, the wall clock around a
 // synchronize on the CPU device.
 class Timer {
@@ -184,10 +175,10 @@ class Bench {
   Status measure(const ModelShape& model, const std::string& op, const std::string& shape, Work work, double amount,
                  const std::function<Status()>& run) {
     STRATA_ASSIGN_OR_RETURN(const double seconds, timer_.median_seconds(run, repetitions_));
-    results_.push_back({model.name, op, shape, seconds, work, amount});
+    results_.push_back({model.name, op, shape, seconds, work == Work::kFlops, amount});
     return {};
   }
-  const std::vector<Result>& results() const { return results_; }
+  const std::vector<KernelTiming>& results() const { return results_; }
 
  private:
   std::unique_ptr<Device> device_;
@@ -196,7 +187,7 @@ class Bench {
   DType dtype_;
   int repetitions_;
   Timer timer_;
-  std::vector<Result> results_;
+  std::vector<KernelTiming> results_;
 };
 
 std::string dims(std::initializer_list<size_t> values) {
@@ -428,15 +419,15 @@ Status bench_model(Bench& b, const ModelShape& m) {
   return bench_adam(b, m);
 }
 
-void print_results(const Bench& b, bool on_gpu, size_t scale, bool json) {
-  const double peak_flops = h200_dense_peak_flops(b.dtype() == DType::kBFloat16 ? MatmulPrecision::kBf16 : MatmulPrecision::kFp32);
+void print_results(const std::vector<KernelTiming>& results, DType dtype, bool on_gpu, size_t scale, bool json) {
+  const double peak_flops = h200_dense_peak_flops(dtype == DType::kBFloat16 ? MatmulPrecision::kBf16 : MatmulPrecision::kFp32);
   std::printf("%-13s %-20s %-26s %10s %16s %8s\n", "model", "op", "shape", "ms", "achieved", "of peak");
   std::string out = "{\"subcommand\": \"kernels\", \"device\": \"" + std::string(on_gpu ? "cuda" : "cpu") +
-                    "\", \"dtype\": \"" + std::string(dtype_name(b.dtype())) + "\", \"scale\": " + std::to_string(scale) +
+                    "\", \"dtype\": \"" + std::string(dtype_name(dtype)) + "\", \"scale\": " + std::to_string(scale) +
                     ", \"results\": [";
-  for (size_t i = 0; i < b.results().size(); ++i) {
-    const Result& r = b.results()[i];
-    const bool flops = r.work == Work::kFlops;
+  for (size_t i = 0; i < results.size(); ++i) {
+    const KernelTiming& r = results[i];
+    const bool flops = r.flops;
     const double rate = r.amount / r.seconds;
     const double fraction = rate / (flops ? peak_flops : kH200PeakBytesPerSecond);
     const std::string achieved = flops ? std::to_string(rate / 1e12).substr(0, 7) + " TFLOPS"
@@ -452,24 +443,15 @@ void print_results(const Bench& b, bool on_gpu, size_t scale, bool json) {
   if (json) std::printf("%s]}\n", out.c_str());
 }
 
-Status measure_kernels(int argc, char** argv) {
-  STRATA_ASSIGN_OR_RETURN(Args args, Args::parse(argc, argv, {"device", "dtype", "scale", "repetitions"}, {"json"}));
-  const std::string device_name = args.get("device", "cuda");
-  if (device_name != "cuda" && device_name != "cpu") {
-    return InvalidArgumentError("--device must be cuda or cpu, got '" + device_name + "'");
-  }
-  const bool on_gpu = device_name == "cuda";
-  const std::string dtype_text = args.get("dtype", on_gpu ? "bf16" : "fp32");
-  DType dtype = DType::kFloat32;
-  if (dtype_text == "bf16") {
-    dtype = DType::kBFloat16;
-  } else if (dtype_text != "fp32") {
-    return InvalidArgumentError("--dtype must be fp32 or bf16, got '" + dtype_text + "'");
-  }
-  if (!on_gpu && dtype != DType::kFloat32) return InvalidArgumentError("--device cpu runs fp32 only (the CPU twins)");
-  STRATA_ASSIGN_OR_RETURN(const size_t scale, args.get_integer<size_t>("scale", on_gpu ? 1 : 16, 1, 1024));
-  STRATA_ASSIGN_OR_RETURN(const int repetitions, args.get_integer<int>("repetitions", on_gpu ? 20 : 3, 1, 10000));
+}  // namespace
 
+StatusOr<KernelTimings> measure_kernel_timings(const KernelMeasurement& measurement) {
+  const DType dtype = measurement.dtype;
+  const size_t scale = measurement.scale;
+  const int repetitions = measurement.repetitions;
+  const bool on_gpu = measurement.device == DeviceKind::kCuda;
+  if (!on_gpu && dtype != DType::kFloat32) return InvalidArgumentError("the CPU device runs the kernels in fp32 only (the CPU twins)");
+  if (scale < 1 || repetitions < 1) return InvalidArgumentError("a kernel measurement needs scale >= 1 and repetitions >= 1");
   std::unique_ptr<Device> device;
   if (on_gpu) {
     STRATA_ASSIGN_OR_RETURN(device, create_cuda_device({}));
@@ -494,7 +476,33 @@ Status measure_kernels(int argc, char** argv) {
   for (const ModelShape& model : models) {
     STRATA_RETURN_IF_ERROR(bench_model(bench, scaled(model, scale)).with_context(std::string("model ") + model.name));
   }
-  print_results(bench, on_gpu, scale, args.flag("json"));
+  return KernelTimings{.description = description, .results = bench.results()};
+}
+
+namespace {
+
+Status measure_kernels(int argc, char** argv) {
+  STRATA_ASSIGN_OR_RETURN(Args args, Args::parse(argc, argv, {"device", "dtype", "scale", "repetitions"}, {"json"}));
+  const std::string device_name = args.get("device", "cuda");
+  if (device_name != "cuda" && device_name != "cpu") {
+    return InvalidArgumentError("--device must be cuda or cpu, got '" + device_name + "'");
+  }
+  const bool on_gpu = device_name == "cuda";
+  const std::string dtype_text = args.get("dtype", on_gpu ? "bf16" : "fp32");
+  DType dtype = DType::kFloat32;
+  if (dtype_text == "bf16") {
+    dtype = DType::kBFloat16;
+  } else if (dtype_text != "fp32") {
+    return InvalidArgumentError("--dtype must be fp32 or bf16, got '" + dtype_text + "'");
+  }
+  if (!on_gpu && dtype != DType::kFloat32) return InvalidArgumentError("--device cpu runs fp32 only (the CPU twins)");
+  STRATA_ASSIGN_OR_RETURN(const size_t scale, args.get_integer<size_t>("scale", on_gpu ? 1 : 16, 1, 1024));
+  STRATA_ASSIGN_OR_RETURN(const int repetitions, args.get_integer<int>("repetitions", on_gpu ? 20 : 3, 1, 10000));
+
+  STRATA_ASSIGN_OR_RETURN(const KernelTimings timings,
+                          measure_kernel_timings({.device = on_gpu ? DeviceKind::kCuda : DeviceKind::kCpu, .dtype = dtype,
+                                                  .scale = scale, .repetitions = repetitions}));
+  print_results(timings.results, dtype, on_gpu, scale, args.flag("json"));
   return {};
 }
 

@@ -26,6 +26,8 @@ constexpr Subcommand kSubcommands[] = {
      &strata::bench::kStepUsage},
     {"kernels", strata::bench::run_kernels, "each transformer op at GPT-2 XL and Llama-1B shapes against the H200's peak",
      &strata::bench::kKernelsUsage},
+    {"profile", strata::bench::run_profile, "this machine's rates (NVMe, copies, CPU Adam, kernels, memory) as one JSON profile",
+     &strata::bench::kProfileUsage},
     {"token-scan", strata::bench::run_token_scan, "the vocabulary check of a token file at open, per ISA and thread count",
      &strata::bench::kTokenScanUsage},
 };

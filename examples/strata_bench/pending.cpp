@@ -30,4 +30,8 @@ const char* const kStepUsage = "usage: strata-bench step (not part of this build
 int run_kernels(int, char**) { return not_built("kernels"); }
 const char* const kKernelsUsage = "usage: strata-bench kernels (not part of this build yet)";
 #endif
+#if defined(STRATA_BENCH_PENDING_profile)
+int run_profile(int, char**) { return not_built("profile"); }
+const char* const kProfileUsage = "usage: strata-bench profile (not part of this build yet)";
+#endif
 }  // namespace strata::bench

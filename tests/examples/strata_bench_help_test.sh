@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `strata-bench <subcommand> --help` for every subcommand `strata-bench --help` lists: exit 0
 # and the subcommand's usage on stdout ("usage: strata-bench <subcommand>"), also with --help
-# after other flags and as -h. Fails when the list itself is empty.
+# after other flags (--json, profile's --quick) and as -h. Fails when the list itself is empty.
 #
 #   strata_bench_help_test.sh PATH_TO_STRATA_BENCH
 set -uo pipefail
@@ -18,7 +18,7 @@ fi
 
 failures=0
 for sub in "${subcommands[@]}"; do
-  for form in "--help" "-h" "--json --help"; do
+  for form in "--help" "-h" "--json --help" "--quick --help"; do
     # shellcheck disable=SC2086  # $form is one or two flags
     out=$("$bench" "$sub" $form 2>/dev/null)
     rc=$?
