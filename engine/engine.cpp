@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "engine/core/file.h"
 #include "engine/core/log.h"
 #include "engine/engine_impl.h"
 #include "engine/engine_plan.h"
@@ -59,8 +60,9 @@ Status EngineImpl::allocate_and_initialize() {
                   !options_.skip_non_finite_updates;
 
   // Per group: storage, then the initial values of the local shards.
-  std::vector<float> init(plan_.max_shard_elements);
-  for (auto& gp : groups_) STRATA_RETURN_IF_ERROR(initialize_group(*gp, init));
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer init,
+                          AlignedBuffer::allocate(std::max<size_t>(plan_.max_shard_elements, 1) * sizeof(float), 64, "initial shard values"));
+  for (auto& gp : groups_) STRATA_RETURN_IF_ERROR(initialize_group(*gp, init.as<float>()));
   return {};
 }
 
@@ -199,7 +201,7 @@ Status EngineImpl::submit_early_update(int g, int64_t step) {
   return {};
 }
 
-Status EngineImpl::initialize_group(GroupState& g, std::vector<float>& init) {
+Status EngineImpl::initialize_group(GroupState& g, float* init) {
   const size_t id = static_cast<size_t>(g.layout.id);
   if (id < loaded_groups_.size() && loaded_groups_[id]) {
     // The caller's load writes the master weights and the parameters: storage, zero moments.
@@ -208,12 +210,12 @@ Status EngineImpl::initialize_group(GroupState& g, std::vector<float>& init) {
     return optimizer_stage_->initialize_group(g.layout.id, nullptr);
   }
   ++initialized_groups_;
-  init_shard(g.layout, options_.rank, options_.seed, init.data());
-  STRATA_RETURN_IF_ERROR(shards_->allocate_group(g.layout.id, init.data()));
+  init_shard(g.layout, options_.rank, options_.seed, init);
+  STRATA_RETURN_IF_ERROR(shards_->allocate_group(g.layout.id, init));
   // A frozen group is its parameters alone: no optimizer state.
   if (!g.layout.trainable) return {};
   // Optimizer state: master = the fp32 initial values, moments zero.
-  return optimizer_stage_->initialize_group(g.layout.id, init.data());
+  return optimizer_stage_->initialize_group(g.layout.id, init);
 }
 
 Status EngineImpl::start() {

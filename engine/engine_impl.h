@@ -183,7 +183,8 @@ class EngineImpl final : public Engine {
   // Exact mode without clipping or loss scaling: group g's update of `step` starts as
   // soon as its gradients have landed.
   Status submit_early_update(int g, int64_t step);
-  Status initialize_group(GroupState& g, std::vector<float>& init);
+  // `init`: room for the largest shard's fp32 values.
+  Status initialize_group(GroupState& g, float* init);
 
   Status create_param_fetcher();
   void record_error(Status status);

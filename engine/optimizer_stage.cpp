@@ -4,6 +4,7 @@
 #include <cstring>
 #include <set>
 
+#include "engine/core/file.h"
 #include "engine/core/log.h"
 #include "engine/engine_plan.h"
 
@@ -263,8 +264,9 @@ Status OptimizerStage::initialize_group(int g, const float* master) {
       return ctx_.update_stream->synchronize();
     }
     case Tier::kNvme: {
-      const std::vector<float> zeros(shard, 0.0f);
-      return ctx_.nvme_state->store_group(static_cast<size_t>(g), master, zeros.data(), zeros.data());
+      STRATA_ASSIGN_OR_RETURN(AlignedBuffer zeros, AlignedBuffer::allocate(std::max<size_t>(shard, 1) * sizeof(float), 64, name + " zero moments"));
+      std::memset(zeros.data(), 0, zeros.capacity());
+      return ctx_.nvme_state->store_group(static_cast<size_t>(g), master, zeros.as<float>(), zeros.as<float>());
     }
     case Tier::kPinned:
     case Tier::kHost: {

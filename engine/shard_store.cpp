@@ -130,10 +130,7 @@ Status ShardStore::load_values(int g, int copy, float* values) {
 // Host memory for a shard passing between the caller's fp32 values and a tier without a
 // host copy: an error naming the group when the heap refuses it (an address-space limit).
 StatusOr<AlignedBuffer> ShardStore::staging_buffer(int g, size_t bytes) const {
-  StatusOr<AlignedBuffer> buffer = AlignedBuffer::allocate(bytes, 64);
-  if (!buffer.ok())
-    return Status(buffer.status().code(), "staging group " + group_layout(g).name + " parameters -> " + buffer.status().message());
-  return buffer;
+  return AlignedBuffer::allocate(bytes, 64, "staging of group " + group_layout(g).name + " parameters");
 }
 
 void ShardStore::convert_from_float(const float* values, DType dtype, size_t count, void* out) {

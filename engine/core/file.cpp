@@ -228,7 +228,7 @@ Status File::try_lock_exclusive() const {
 // ---------------------------------------------------------------------------------------
 // AlignedBuffer
 
-StatusOr<AlignedBuffer> AlignedBuffer::allocate(size_t bytes, size_t alignment) {
+StatusOr<AlignedBuffer> AlignedBuffer::allocate(size_t bytes, size_t alignment, std::string_view purpose) {
   if (alignment < sizeof(void*) || (alignment & (alignment - 1)) != 0) {
     return InvalidArgumentError("aligned buffer: alignment " + std::to_string(alignment) + " is not a power of two >= " +
                                 std::to_string(sizeof(void*)));
@@ -236,7 +236,8 @@ StatusOr<AlignedBuffer> AlignedBuffer::allocate(size_t bytes, size_t alignment) 
   const size_t capacity = bytes == 0 ? alignment : (bytes + alignment - 1) / alignment * alignment;
   void* data = std::aligned_alloc(alignment, capacity);
   if (data == nullptr) {
-    return OutOfMemoryError("aligned buffer: the heap refused " + std::to_string(capacity) + " bytes aligned to " +
+    const std::string what = purpose.empty() ? std::string() : " for '" + std::string(purpose) + "'";
+    return OutOfMemoryError("aligned buffer: the heap refused " + std::to_string(capacity) + " bytes" + what + " aligned to " +
                             std::to_string(alignment));
   }
   AlignedBuffer buffer;

@@ -116,8 +116,9 @@ class File {
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
-  // kOutOfMemory when the heap refuses; `alignment` is a power of two >= sizeof(void*).
-  static StatusOr<AlignedBuffer> allocate(size_t bytes, size_t alignment = kDirectIoMinAlignment);
+  // kOutOfMemory when the heap refuses, naming `purpose` when given; `alignment` is a power
+  // of two >= sizeof(void*).
+  static StatusOr<AlignedBuffer> allocate(size_t bytes, size_t alignment = kDirectIoMinAlignment, std::string_view purpose = {});
   ~AlignedBuffer();
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;

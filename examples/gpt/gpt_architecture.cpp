@@ -41,11 +41,11 @@ class Gpt2Weights final : public lm::WeightSource {
   std::unique_ptr<hf::SafetensorsFileSource> file_source_;
 };
 
-StatusOr<SafetensorsDType> export_dtype(DType dtype) {
+StatusOr<hf::SafetensorsDType> export_dtype(DType dtype) {
   switch (dtype) {
-    case DType::kFloat32: return SafetensorsDType::kF32;
-    case DType::kBFloat16: return SafetensorsDType::kBF16;
-    case DType::kFloat16: return SafetensorsDType::kF16;
+    case DType::kFloat32: return hf::SafetensorsDType::kF32;
+    case DType::kBFloat16: return hf::SafetensorsDType::kBF16;
+    case DType::kFloat16: return hf::SafetensorsDType::kF16;
     default: return InvalidArgumentError("GPT-2 export: weights are written as fp32, bf16 or fp16, not " + std::string(dtype_name(dtype)));
   }
 }

@@ -58,7 +58,7 @@ Status check_gpt2_weights(const hf::HfTensorSource& source, const GptConfig& con
 using FullGroupSource = lm::FullGroupSource;
 
 struct ExportOptions {
-  SafetensorsDType dtype = SafetensorsDType::kF32;  // F32, BF16 or F16
+  hf::SafetensorsDType dtype = hf::SafetensorsDType::kF32;  // F32, BF16 or F16
   std::map<std::string, std::string> metadata;      // "__metadata__" strings
   // export_gpt2_checkpoint only:
   uint64_t shard_bytes = hf::kDefaultShardBytes;    // the most bytes in one weights file

@@ -171,10 +171,3 @@ class SafetensorsWriter {
 };
 
 }  // namespace strata::hf
-
-// The names the Python front end (python/src/session_io.cpp) still spells from the
-// reader's first home; it can say hf:: and this block can go.
-namespace strata::gpt {
-using hf::parse_safetensors_dtype;
-using hf::SafetensorsDType;
-}  // namespace strata::gpt

@@ -92,7 +92,7 @@ Status Session::export_hf(const std::string& dir, const std::string& config_json
   if (world_size_ != 1) return UnimplementedError("export_hf() with more than one process is not supported yet");
   const nlohmann::json config = nlohmann::json::parse(config_json, nullptr, /*allow_exceptions=*/false);
   if (config.is_discarded() || !config.is_object()) return InvalidArgumentError("export_hf(): the model config is not a JSON object");
-  STRATA_ASSIGN_OR_RETURN(const gpt::SafetensorsDType file_dtype, gpt::parse_safetensors_dtype(dtype));
+  STRATA_ASSIGN_OR_RETURN(const hf::SafetensorsDType file_dtype, hf::parse_safetensors_dtype(dtype));
   const std::vector<GroupLayout> all = layouts();
   STRATA_ASSIGN_OR_RETURN(const hf::HfNameMap map, name_map(all, names));
   hf::HfExportOptions options;
