@@ -13,7 +13,7 @@
 #include "engine/core/executor.h"
 #include "kernels/transformer_ops.h"
 
-// Kernels in three layers (STYLE.md #9): inline element functions, span functions over
+// Kernels in three layers: inline element functions, span functions over
 // contiguous runs, parallel drivers. The span functions are compiled for AVX-512, AVX2
 // and baseline x86-64 and the CPU picks one at load time (GCC target_clones, an ifunc).
 // Their loops are branch-free so they vectorize; no-trapping-math (the pragma at the top)
