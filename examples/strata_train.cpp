@@ -37,6 +37,7 @@
 #include "examples/hf/safetensors.h"
 #include "examples/llama/llama_architecture.h"
 #include "examples/run_config/run_config.h"
+#include "examples/train/plan_preview.h"
 #include "examples/train/preemption.h"
 #include "examples/train/train_args.h"
 #include "examples/train/trainer.h"
@@ -74,6 +75,15 @@ Training
 Placement
   --device cpu|cuda --world-size N --device-budget-mib N --pinned-budget-mib N
   --offload-param device|cpu|nvme --offload-optimizer device|cpu|nvme --nvme-path DIR
+Plan and prediction (docs/profile.md)
+  --plan-only                print the plan (and its predicted step) and exit: no data, engine or device is
+                             opened and --nvme-path is neither created nor touched; exit 1 when the plan
+                             fails its budget checks
+  --profile FILE             the machine profile the plan predicts the step with (strata-bench profile);
+                             default: the one kept for this host, else no prediction
+  --placement auto           choose parameter and optimizer tiers, prefetch depth, micro-batch size (the
+                             global batch kept), activation checkpointing and optimizer overlap for the
+                             most predicted tokens/s within the budgets (needs a profile)
 Files
   --metrics FILE --trace FILE
   --save-dir DIR --save-every N --keep-checkpoints N --resume DIR
@@ -286,7 +296,9 @@ StatusOr<TrainerOptions> build_options(const TrainArgs& args) {
     options.export_dtype = *parsed;
   }
   if (options.save_every > 0 && options.save_dir.empty()) return InvalidArgumentError("--save-every needs --save-dir");
-  STRATA_RETURN_IF_ERROR(check_output_paths(config, options));
+  STRATA_ASSIGN_OR_RETURN(options.profile, resolve_run_profile(trainer_string(args, "profile")));
+  // --plan-only writes nothing: the output paths are checked (and made) only for a run.
+  if (trainer_string(args, "plan-only") != "true") STRATA_RETURN_IF_ERROR(check_output_paths(config, options));
   options.config = std::move(config);
   options.data = run.data;
   options.steps = run.steps;
@@ -318,6 +330,14 @@ int main(int argc, char** argv) {
   if (!options.ok()) {
     std::cerr << program << ": " << options.status().to_string() << "\n";
     return 2;
+  }
+  if (trainer_string(*args, "plan-only") == "true") {
+    auto checked = print_plan_only(*options, std::cout);
+    if (!checked.ok()) {
+      std::cerr << program << ": " << checked.status().to_string() << "\n";
+      return 1;
+    }
+    return *checked ? 0 : 1;
   }
   // Process ranks: rank 0 alone prints the plan, the progress lines and the summary.
   const bool prints = !options->process_group || options->process_group->rank == 0;

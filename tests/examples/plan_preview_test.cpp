@@ -1,0 +1,125 @@
+// The trainer's plan before it runs (examples/train/plan_preview), through the train_gpt
+// binary: --plan-only prints the plan and its prediction and exits without creating the
+// NVMe path, and fails (exit 1) on a plan that does not fit; --profile names a missing or
+// damaged file; without one the kept profile is used, else the plan says it has none; a
+// run's summary carries predicted_step_s beside step_s and predicted_busy_s beside busy_s.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "tests/examples/train_gpt_runner.h"
+#include "tests/support/test_support.h"
+
+namespace strata::train {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::contains;
+using testing::train_gpt;
+using testing::TrainRun;
+
+std::string datasheet_profile() {
+  const char* source = std::getenv("STRATA_SOURCE_DIR");
+  return (fs::path(source ? source : ".") / "examples" / "profiles" / "h200-datasheet.json").string();
+}
+
+// Every test runs with its own (empty) profile cache, so a profile kept on the machine
+// running the tests does not leak in.
+class PlanPreviewTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    fs::create_directories(dir_.path() / "cache");
+    ::setenv("XDG_CACHE_HOME", (dir_.path() / "cache").c_str(), 1);
+  }
+  std::vector<std::string> tiny(std::vector<std::string> more) { return testing::tiny_train_gpt_args(std::move(more)); }
+  testing::TempDir dir_;
+};
+
+TEST_F(PlanPreviewTest, PlanOnlyPrintsThePlanAndItsPredictionAndNeverCreatesTheNvmePath) {
+  const fs::path nvme = dir_.path() / "nvme" / "deeper";
+  const TrainRun run = train_gpt(dir_, tiny({"--offload-param", "nvme", "--offload-optimizer", "nvme", "--nvme-path", nvme.string(),
+                                             "--profile", datasheet_profile(), "--plan-only"}));
+  ASSERT_RAN(run);
+  EXPECT_TRUE(contains(run.out, "Strata plan")) << run.out;
+  EXPECT_TRUE(contains(run.out, "predicted step (profile")) << run.out;
+  EXPECT_TRUE(contains(run.out, "bound by")) << run.out;
+  EXPECT_FALSE(contains(run.out, "step 1/")) << run.out;
+  EXPECT_EQ(run.summary.value("plan_only", false), true) << run.out;
+  EXPECT_EQ(run.summary.value("checks", std::string()), "ok");
+  EXPECT_GT(run.summary.at("nvme_file_bytes").get<double>(), 0.0);
+  EXPECT_GT(run.summary.at("predicted_step_s").get<double>(), 0.0);
+  EXPECT_TRUE(run.summary.at("predicted_busy_s").contains("nvme_read"));
+  EXPECT_FALSE(fs::exists(dir_.path() / "nvme")) << "--plan-only created the NVMe path";
+}
+
+TEST_F(PlanPreviewTest, PlanOnlyWithoutAProfileSaysItHasNoneAndPredictsNothing) {
+  const TrainRun run = train_gpt(dir_, tiny({"--plan-only"}));
+  ASSERT_RAN(run);
+  EXPECT_TRUE(contains(run.out, "predicted step: none (no machine profile")) << run.out;
+  EXPECT_TRUE(run.summary.at("predicted_step_s").is_null());
+  EXPECT_TRUE(run.summary.at("predicted_busy_s").is_null());
+}
+
+TEST_F(PlanPreviewTest, PlanOnlyUsesTheProfileKeptForThisHost) {
+  char host[256] = {};
+  ASSERT_EQ(::gethostname(host, sizeof(host) - 1), 0);
+  const fs::path kept = dir_.path() / "cache" / "strata" / (std::string("profile-") + host + ".json");
+  fs::create_directories(kept.parent_path());
+  fs::copy_file(datasheet_profile(), kept);
+  const TrainRun run = train_gpt(dir_, tiny({"--plan-only"}));
+  ASSERT_RAN(run);
+  EXPECT_TRUE(contains(run.out, kept.string())) << run.out;
+  EXPECT_TRUE(run.summary.at("predicted_step_s").is_number());
+}
+
+TEST_F(PlanPreviewTest, PlanOnlyExitsOneWhenThePlanDoesNotFitItsBudget) {
+  const TrainRun run = train_gpt(dir_, tiny({"--plan-only", "--device-budget-mib", "1", "--micro-batch", "256"}));
+  EXPECT_EQ(run.exit_code, 1) << run.out << run.err;
+  EXPECT_TRUE(contains(run.summary.value("checks", std::string()), "device budget")) << run.out;
+}
+
+TEST_F(PlanPreviewTest, AMissingProfileFileIsAnErrorNamingIt) {
+  const std::string missing = (dir_.path() / "no-such-profile.json").string();
+  const TrainRun run = train_gpt(dir_, tiny({"--plan-only", "--profile", missing}));
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_TRUE(contains(run.err, missing)) << run.err;
+  EXPECT_TRUE(contains(run.err, "--profile")) << run.err;
+}
+
+TEST_F(PlanPreviewTest, ADamagedProfileFileIsAnErrorNamingIt) {
+  const fs::path damaged = dir_.path() / "damaged.json";
+  std::ofstream(damaged) << "{\"format\": \"strata-machine-profile\", \"version\": 1, ";
+  const TrainRun run = train_gpt(dir_, tiny({"--steps", "2", "--profile", damaged.string()}));
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_TRUE(contains(run.err, damaged.string())) << run.err;
+}
+
+TEST_F(PlanPreviewTest, TheSummaryCarriesThePredictionBesideTheMeasuredStep) {
+  const TrainRun run = train_gpt(dir_, tiny({"--steps", "3", "--profile", datasheet_profile()}));
+  ASSERT_RAN(run);
+  EXPECT_TRUE(contains(run.out, "predicted step (profile")) << run.out;
+  ASSERT_TRUE(run.summary.at("step_s").is_number()) << run.out;
+  ASSERT_TRUE(run.summary.at("predicted_step_s").is_number()) << run.out;
+  EXPECT_GT(run.summary.at("step_s").get<double>(), 0.0);
+  EXPECT_GT(run.summary.at("predicted_step_s").get<double>(), 0.0);
+  for (const char* stage : {"compute", "nvme_read", "nvme_write", "h2d", "allgather", "reduce_scatter", "d2h", "optimizer", "landing"}) {
+    EXPECT_TRUE(run.summary.at("busy_s").contains(stage)) << stage;
+    EXPECT_TRUE(run.summary.at("predicted_busy_s").contains(stage)) << stage;
+  }
+  EXPECT_GT(run.summary.at("busy_s").at("compute").get<double>(), 0.0);
+}
+
+TEST_F(PlanPreviewTest, ARunWithoutAProfileHasNullPredictions) {
+  const TrainRun run = train_gpt(dir_, tiny({"--steps", "2"}));
+  ASSERT_RAN(run);
+  EXPECT_TRUE(run.summary.at("step_s").is_number());
+  EXPECT_TRUE(run.summary.at("predicted_step_s").is_null());
+  EXPECT_TRUE(run.summary.at("predicted_busy_s").is_null());
+}
+
+}  // namespace
+}  // namespace strata::train
