@@ -37,6 +37,7 @@
 #include "examples/hf/safetensors.h"
 #include "examples/llama/llama_architecture.h"
 #include "examples/run_config/run_config.h"
+#include "examples/train/auto_placement.h"
 #include "examples/train/plan_preview.h"
 #include "examples/train/preemption.h"
 #include "examples/train/train_args.h"
@@ -81,9 +82,10 @@ Plan and prediction (docs/profile.md)
                              fails its budget checks
   --profile FILE             the machine profile the plan predicts the step with (strata-bench profile);
                              default: the one kept for this host, else no prediction
-  --placement auto           choose parameter and optimizer tiers, prefetch depth, micro-batch size (the
-                             global batch kept), activation checkpointing and optimizer overlap for the
-                             most predicted tokens/s within the budgets (needs a profile)
+  --placement auto|config    auto: choose parameter and optimizer tiers, prefetch depth, micro-batch size
+                             (the batch per rank kept), activation checkpointing and optimizer overlap for
+                             the most predicted tokens/s within the budgets (needs a profile); prints the
+                             choice and the runner-up. config (default): the config's placement
 Files
   --metrics FILE --trace FILE
   --save-dir DIR --save-every N --keep-checkpoints N --resume DIR
@@ -297,6 +299,16 @@ StatusOr<TrainerOptions> build_options(const TrainArgs& args) {
   }
   if (options.save_every > 0 && options.save_dir.empty()) return InvalidArgumentError("--save-every needs --save-dir");
   STRATA_ASSIGN_OR_RETURN(options.profile, resolve_run_profile(trainer_string(args, "profile")));
+  if (const std::string placement = trainer_string(args, "placement"); placement == "auto") {
+    options.config = config;  // the search plans with the config as it stands
+    options.data = run.data;
+    STRATA_ASSIGN_OR_RETURN(const profile::PlacementChoice choice, choose_placement(options));
+    std::cout << profile::placement_choice_text(choice) << std::flush;
+    apply_placement(choice.best.placement, options);
+    config = options.config;
+  } else if (!placement.empty() && placement != "config") {
+    return InvalidArgumentError("--placement takes auto or config (the config's own placement, the default), got \"" + placement + "\"");
+  }
   // --plan-only writes nothing: the output paths are checked (and made) only for a run.
   if (trainer_string(args, "plan-only") != "true") STRATA_RETURN_IF_ERROR(check_output_paths(config, options));
   options.config = std::move(config);

@@ -54,7 +54,7 @@ StatusOr<size_t> planned_device_budget(const TrainerOptions& options, DeviceKind
 
 }  // namespace
 
-StatusOr<PlanPreview> preview_plan(const TrainerOptions& options) {
+StatusOr<PlanPreview> preview_plan(const TrainerOptions& options, std::optional<int64_t> eval_sequences) {
   STRATA_ASSIGN_OR_RETURN(const internal::RunShape shape, internal::run_shape(options));
   const lm::Architecture& model = *options.model;
   PlanPreview out;
@@ -62,12 +62,16 @@ StatusOr<PlanPreview> preview_plan(const TrainerOptions& options) {
   // As SharedRun::prepare and RankRun::start_engine set them.
   out.model_options.batch = shape.micro;
   out.model_options.seq_len = shape.seq_len;
-  out.model_options.eval_batch = options.eval_only ? shape.micro : internal::evaluation_sequences(options, shape) / shape.world;
+  if (!eval_sequences) eval_sequences = internal::evaluation_sequences(options, shape);
+  out.model_options.eval_batch = options.eval_only ? shape.micro : *eval_sequences / shape.world;
   out.model_options.checkpointing = options.checkpointing;
   out.model_options.head_chunk_rows = options.head_chunk_rows;
   out.model_options.param_dtype = out.engine_options.param_dtype;
   STRATA_ASSIGN_OR_RETURN(out.activations, model.plan_activations(out.model_options, shape.device_kind));
   out.engine_options.activation_bytes = out.activations.device_bytes;
+  // As the engine's init() does: with optimizer state on the device, the host gets the
+  // gradient's fp32 copy.
+  if (out.engine_options.optimizer_tier == Tier::kDevice) out.engine_options.grad_transfer_dtype = DType::kFloat32;
   const std::vector<GroupSpec> specs = model.group_specs();
   for (size_t g = 0; g < specs.size(); ++g) {
     STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(specs[g], static_cast<int>(g), shape.world));

@@ -35,7 +35,9 @@ struct PlanPreview {
   std::vector<GroupLayout> layouts;
   EnginePlan plan;
 };
-StatusOr<PlanPreview> preview_plan(const TrainerOptions& options);
+// `eval_sequences`: the evaluation batch over all ranks when the caller has it
+// (internal::evaluation_sequences); unset: computed here.
+StatusOr<PlanPreview> preview_plan(const TrainerOptions& options, std::optional<int64_t> eval_sequences = std::nullopt);
 
 // The prediction of rank 0's step for a plan; nullopt without a profile.
 StatusOr<std::optional<profile::StepPrediction>> predict_plan_step(const lm::Architecture& model, const EngineOptions& engine_options,

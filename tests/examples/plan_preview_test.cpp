@@ -3,6 +3,8 @@
 // NVMe path, and fails (exit 1) on a plan that does not fit; --profile names a missing or
 // damaged file; without one the kept profile is used, else the plan says it has none; a
 // run's summary carries predicted_step_s beside step_s and predicted_busy_s beside busy_s.
+// --placement auto (examples/train/auto_placement) picks a placement whose plan passes its
+// checks (and that then trains), and says clearly when nothing fits or there is no profile.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
@@ -38,6 +40,8 @@ class PlanPreviewTest : public ::testing::Test {
   std::vector<std::string> tiny(std::vector<std::string> more) { return testing::tiny_train_gpt_args(std::move(more)); }
   testing::TempDir dir_;
 };
+
+using PlacementAutoTest = PlanPreviewTest;
 
 TEST_F(PlanPreviewTest, PlanOnlyPrintsThePlanAndItsPredictionAndNeverCreatesTheNvmePath) {
   const fs::path nvme = dir_.path() / "nvme" / "deeper";
@@ -119,6 +123,46 @@ TEST_F(PlanPreviewTest, ARunWithoutAProfileHasNullPredictions) {
   EXPECT_TRUE(run.summary.at("step_s").is_number());
   EXPECT_TRUE(run.summary.at("predicted_step_s").is_null());
   EXPECT_TRUE(run.summary.at("predicted_busy_s").is_null());
+}
+
+TEST_F(PlacementAutoTest, PicksAPlacementWhosePlanPassesItsChecksAndTrains) {
+  const fs::path nvme = dir_.path() / "nvme";
+  const std::vector<std::string> auto_args = {"--micro-batch", "8", "--device-budget-mib", "1", "--nvme-path", nvme.string(),
+                                              "--profile", datasheet_profile(), "--placement", "auto"};
+  std::vector<std::string> plan_only = auto_args;
+  plan_only.push_back("--plan-only");
+  const TrainRun planned = train_gpt(dir_, tiny(plan_only));
+  ASSERT_RAN(planned);
+  EXPECT_TRUE(contains(planned.out, "placement auto: ")) << planned.out;
+  EXPECT_TRUE(contains(planned.out, "  chosen: params ")) << planned.out;
+  EXPECT_TRUE(contains(planned.out, "  runner-up: ")) << planned.out;
+  EXPECT_EQ(planned.summary.value("checks", std::string()), "ok") << planned.out;
+  EXPECT_FALSE(fs::exists(nvme)) << "--placement auto --plan-only created the NVMe path";
+  std::vector<std::string> trained = auto_args;
+  for (const char* more : {"--steps", "2"}) trained.push_back(more);
+  const TrainRun run = train_gpt(dir_, tiny(trained));
+  ASSERT_RAN(run);
+  EXPECT_TRUE(run.summary.at("predicted_step_s").is_number());
+}
+
+TEST_F(PlacementAutoTest, SaysClearlyWhenNothingFits) {
+  const TrainRun run = train_gpt(dir_, tiny({"--micro-batch", "256", "--device-budget-mib", "1", "--profile", datasheet_profile(),
+                                             "--placement", "auto", "--plan-only"}));
+  EXPECT_EQ(run.exit_code, 2) << run.out;
+  EXPECT_TRUE(contains(run.err, "--placement auto: none of the")) << run.err;
+  EXPECT_TRUE(contains(run.err, "placements fits")) << run.err;
+}
+
+TEST_F(PlacementAutoTest, NeedsAMachineProfile) {
+  const TrainRun run = train_gpt(dir_, tiny({"--placement", "auto", "--plan-only"}));
+  EXPECT_EQ(run.exit_code, 2) << run.out;
+  EXPECT_TRUE(contains(run.err, "needs a machine profile")) << run.err;
+}
+
+TEST_F(PlacementAutoTest, AnUnknownPlacementIsRefused) {
+  const TrainRun run = train_gpt(dir_, tiny({"--placement", "fastest", "--plan-only"}));
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_TRUE(contains(run.err, "--placement takes auto or config")) << run.err;
 }
 
 }  // namespace
