@@ -298,7 +298,7 @@ StatusOr<TrainerOptions> build_options(const TrainArgs& args) {
     options.export_dtype = *parsed;
   }
   if (options.save_every > 0 && options.save_dir.empty()) return InvalidArgumentError("--save-every needs --save-dir");
-  STRATA_ASSIGN_OR_RETURN(options.profile, resolve_run_profile(trainer_string(args, "profile")));
+  STRATA_ASSIGN_OR_RETURN(options.profile, profile::resolve_run_profile(trainer_string(args, "profile")));
   if (const std::string placement = trainer_string(args, "placement"); placement == "auto") {
     options.config = config;  // the search plans with the config as it stands
     options.data = run.data;

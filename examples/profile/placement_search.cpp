@@ -1,6 +1,9 @@
 #include "examples/profile/placement_search.h"
 
+#include <sys/statvfs.h>
+
 #include <cstdio>
+#include <filesystem>
 #include <sstream>
 
 namespace strata::profile {
@@ -130,6 +133,18 @@ StatusOr<PlacementChoice> search_placements(const PlacementSpace& space, const P
   }
   if (!choice.runner_up) choice.runner_up = std::move(other_tuning);
   return choice;
+}
+
+std::optional<double> nvme_free_bytes(const std::string& nvme_path) {
+  std::error_code ignored;
+  std::filesystem::path at = std::filesystem::absolute(nvme_path, ignored);
+  while (!at.empty() && !std::filesystem::exists(at, ignored)) {
+    if (at == at.parent_path()) return std::nullopt;
+    at = at.parent_path();
+  }
+  struct statvfs fs {};
+  if (at.empty() || statvfs(at.c_str(), &fs) != 0) return std::nullopt;
+  return static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize);
 }
 
 std::string placement_choice_text(const PlacementChoice& c) {

@@ -76,6 +76,11 @@ struct PlacementChoice {
 // closest (the least device memory).
 StatusOr<PlacementChoice> search_placements(const PlacementSpace& space, const PlacementEvaluator& evaluate);
 
+// Free bytes under `nvme_path`, or under the nearest folder above it that exists (the
+// path is not created); nullopt when nothing can be asked. A candidate whose NVMe file
+// does not fit there is dropped.
+std::optional<double> nvme_free_bytes(const std::string& nvme_path);
+
 // The lines printed before the plan: the choice, its prediction, the runner-up and why it lost.
 std::string placement_choice_text(const PlacementChoice& choice);
 

@@ -1,9 +1,5 @@
 #include "examples/train/auto_placement.h"
 
-#include <sys/statvfs.h>
-
-#include <filesystem>
-
 #include "engine/engine_plan.h"
 #include "examples/train/plan_preview.h"
 #include "examples/train/run_setup.h"
@@ -11,20 +7,6 @@
 namespace strata::train {
 
 namespace {
-
-// Free bytes under the NVMe path, or under the nearest folder above it that exists (the
-// path is not created); nullopt when nothing can be asked.
-std::optional<double> nvme_free_bytes(const std::string& path) {
-  std::error_code ignored;
-  std::filesystem::path at = std::filesystem::absolute(path, ignored);
-  while (!at.empty() && !std::filesystem::exists(at, ignored)) {
-    if (at == at.parent_path()) return std::nullopt;
-    at = at.parent_path();
-  }
-  struct statvfs fs {};
-  if (at.empty() || statvfs(at.c_str(), &fs) != 0) return std::nullopt;
-  return static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize);
-}
 
 profile::PlacementSpace trainer_space(const TrainerOptions& options) {
   const StrataConfig& config = options.config;
@@ -80,7 +62,7 @@ StatusOr<profile::PlacementChoice> choose_placement(const TrainerOptions& option
     return FailedPreconditionError("--placement auto chooses by the predicted step and needs a machine profile: " + options.profile.why_none);
   STRATA_ASSIGN_OR_RETURN(const internal::RunShape shape, internal::run_shape(options));
   const int64_t eval_sequences = internal::evaluation_sequences(options, shape);
-  const std::optional<double> nvme_free = options.config.strata.nvme_path.empty() ? std::nullopt : nvme_free_bytes(options.config.strata.nvme_path);
+  const std::optional<double> nvme_free = options.config.strata.nvme_path.empty() ? std::nullopt : profile::nvme_free_bytes(options.config.strata.nvme_path);
   TrainerOptions candidate = options;
   auto evaluate = [&](const profile::Placement& p) -> StatusOr<profile::PlacementOutcome> {
     apply_placement(p, candidate);

@@ -5,40 +5,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/core/log.h"
 #include "engine/engine_config.h"
 #include "engine/engine_plan.h"
 #include "examples/profile/step_work.h"
 #include "examples/train/run_setup.h"
 
 namespace strata::train {
-
-StatusOr<RunProfile> resolve_run_profile(const std::string& path) {
-  RunProfile out;
-  if (!path.empty()) {
-    StatusOr<profile::MachineProfile> loaded = profile::load_machine_profile(path);
-    if (!loaded.ok()) return Status(loaded.status()).with_context("--profile " + path);
-    out.profile = std::move(loaded).value();
-    out.origin = path;
-    return out;
-  }
-  const std::optional<std::string> kept = profile::find_kept_profile();
-  if (!kept) {
-    const StatusOr<std::string> where = profile::kept_profile_path();
-    out.why_none = "no machine profile: none kept at " + (where.ok() ? *where : std::string("$XDG_CACHE_HOME or ~/.cache")) +
-                   " (strata-bench profile writes one) and no --profile";
-    return out;
-  }
-  StatusOr<profile::MachineProfile> loaded = profile::load_machine_profile(*kept);
-  if (!loaded.ok()) {
-    STRATA_LOG(kWarn) << "the kept machine profile is not used: " << loaded.status().to_string();
-    out.why_none = "no machine profile: the kept one at " + *kept + " does not load (" + loaded.status().message() + ")";
-    return out;
-  }
-  out.profile = std::move(loaded).value();
-  out.origin = *kept;
-  return out;
-}
 
 namespace {
 

@@ -21,11 +21,6 @@
 
 namespace strata::train {
 
-// `path` (--profile FILE): that file, or an error naming it when it is missing or damaged;
-// empty: the profile kept on this host (examples/profile/machine_profile.h,
-// kept_profile_path), or none. A kept profile that does not load is reported and not used.
-StatusOr<RunProfile> resolve_run_profile(const std::string& path);
-
 // Rank 0's plan as Engine::start() makes it (the plan alone: nothing is checked against the
 // machine), from the model's groups, its schedule and the config.
 struct PlanPreview {

@@ -55,12 +55,7 @@ using lm::MicroBatchLosses;
 using lm::QueuedMicroBatch;
 using lm::TokenBatch;
 
-// The machine profile a run predicts its step with (examples/train/plan_preview.h).
-struct RunProfile {
-  std::optional<profile::MachineProfile> profile;
-  std::string origin;    // the file it was read from
-  std::string why_none;  // set exactly when there is no profile
-};
+using profile::RunProfile;
 
 struct TrainerOptions {
   StrataConfig config;  // finalized; device, placement, optimizer, schedule
