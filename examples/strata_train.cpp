@@ -300,6 +300,10 @@ StatusOr<TrainerOptions> build_options(const TrainArgs& args) {
   if (options.save_every > 0 && options.save_dir.empty()) return InvalidArgumentError("--save-every needs --save-dir");
   STRATA_ASSIGN_OR_RETURN(options.profile, profile::resolve_run_profile(trainer_string(args, "profile")));
   if (const std::string placement = trainer_string(args, "placement"); placement == "auto") {
+    // Each process would search alone, against its own node's memory and disk.
+    if (options.process_group)
+      return UnimplementedError("--placement auto with process ranks (a launcher's WORLD_SIZE > 1) is not supported yet: run it with "
+                                "--plan-only on one node and pass the choice as flags");
     options.config = config;  // the search plans with the config as it stands
     options.data = run.data;
     STRATA_ASSIGN_OR_RETURN(const profile::PlacementChoice choice, choose_placement(options));
@@ -344,6 +348,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (trainer_string(*args, "plan-only") == "true") {
+    if (options->process_group && options->process_group->rank != 0) return 0;  // rank 0 prints the plan
     auto checked = print_plan_only(*options, std::cout);
     if (!checked.ok()) {
       std::cerr << program << ": " << checked.status().to_string() << "\n";
