@@ -46,6 +46,7 @@ void add_transfer_rows(RowBuilder& rows, const StepWork& w, const PipelineShape&
   rows.add(Stage::kNvmeWrite, "optimizer state", w.state_write_bytes, "B", write, nvme_source(nvme, "write"));
   const std::string copy = p.copy.host_copy ? "host copy" : (p.copy.pinned ? "pinned copy" : "pageable copy");
   rows.add(Stage::kH2D, "parameter shards", w.h2d_bytes, "B", p.copy.h2d_bytes_per_s, copy + " h2d");
+  rows.add(Stage::kH2D, "new parameters", w.h2d_update_bytes, "B", p.copy.h2d_bytes_per_s, copy + " h2d");
   const CommunicatorRate& comm = p.communicator;
   const bool same_world = comm.world == shape.world;
   rows.add(Stage::kAllGather, "full groups", w.allgather_bytes, "B", same_world ? comm.all_gather_bytes_per_s.value_or(0) : 0,
@@ -95,7 +96,7 @@ void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& sh
   const double k = static_cast<double>(shape.micro_batches);
   const double forward_mb = row_seconds(p, "forward", Stage::kCompute) / k;
   const double backward_mb = (row_seconds(p, "backward", Stage::kCompute) + row_seconds(p, "recompute", Stage::kCompute)) / k;
-  const double fetch = row_seconds(p, "parameter", Stage::kNvmeRead) + p.busy[static_cast<size_t>(Stage::kH2D)] +
+  const double fetch = row_seconds(p, "parameter", Stage::kNvmeRead) + row_seconds(p, "parameter", Stage::kH2D) +
                        p.busy[static_cast<size_t>(Stage::kAllGather)];
   const double fill = shape.prefetch_depth == 0 ? fetch : (w.fetching_gathers > 0 ? fetch / w.fetching_gathers : 0.0);
   // The optimizer's time includes streaming its state when it lives on NVMe.
@@ -119,7 +120,7 @@ void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& sh
 }
 
 Status check_inputs(const StepWork& w, const PipelineShape& shape) {
-  for (const double v : {w.param_read_bytes, w.state_read_bytes, w.param_write_bytes, w.state_write_bytes, w.h2d_bytes, w.allgather_bytes,
+  for (const double v : {w.param_read_bytes, w.state_read_bytes, w.param_write_bytes, w.state_write_bytes, w.h2d_bytes, w.h2d_update_bytes, w.allgather_bytes,
                          w.reduce_scatter_bytes, w.d2h_bytes, w.landing_bytes, w.forward_matmul_flops, w.forward_attention_flops,
                          w.backward_matmul_flops, w.backward_attention_flops, w.recompute_matmul_flops, w.recompute_attention_flops,
                          w.adam_elements}) {

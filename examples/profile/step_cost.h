@@ -36,7 +36,8 @@ struct StepWork {
   double state_read_bytes = 0;       // optimizer state and spilled gradients read from NVMe
   double param_write_bytes = 0;      // new parameters written back to NVMe
   double state_write_bytes = 0;      // optimizer state and spilled gradients written to NVMe
-  double h2d_bytes = 0;              // parameter shards (and new parameters) to the device
+  double h2d_bytes = 0;              // parameter shards to the device for gathers
+  double h2d_update_bytes = 0;       // new parameters to the device (parameters there, optimizer on the host)
   double allgather_bytes = 0;        // full buffers gathered (world > 1)
   double reduce_scatter_bytes = 0;   // full gradient buffers reduced (world > 1)
   double d2h_bytes = 0;              // gradient shards to the host

@@ -66,7 +66,7 @@ void add_gradients_and_update(const PlannedStepInputs& in, StepWork& w) {
       w.state_write_bytes += 3 * rounded_4k(shard * 4);
     }
     if (o.param_tier == Tier::kNvme) w.param_write_bytes += rounded_4k(shard * psize);
-    if (o.param_tier == Tier::kDevice && !device_optimizer) w.h2d_bytes += shard * psize;
+    if (o.param_tier == Tier::kDevice && !device_optimizer) w.h2d_update_bytes += shard * psize;
   }
 }
 

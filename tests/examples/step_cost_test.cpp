@@ -113,6 +113,17 @@ TEST(StepCost, PrefetchDepthZeroSerializesEveryFetchWithCompute) {
   EXPECT_DOUBLE_EQ(overlapped->step_seconds, 3.5);
 }
 
+TEST(StepCost, UploadingNewParametersIsNotAFetchTheChainWaitsFor) {
+  StepWork w = three_seconds_of_compute();
+  w.h2d_update_bytes = 1e10;  // 1 s
+  PipelineShape shape;
+  shape.prefetch_depth = 0;
+  auto p = predict_step(w, shape, round_profile());
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(busy(*p, Stage::kH2D), 1.0);
+  EXPECT_DOUBLE_EQ(p->chain_seconds, 3.0);
+}
+
 TEST(StepCost, TheDiskBoundsADiskHeavyStep) {
   StepWork w = three_seconds_of_compute();
   w.state_read_bytes = 8e9;   // 4 s
@@ -233,7 +244,8 @@ TEST(StepWorkFromPlan, DeviceParametersAtWorldOneFetchNothingAndTheFlopsFollowTh
   ASSERT_TRUE(s.ok());
   const StepWork& w = s->work;
   EXPECT_EQ(w.fetching_gathers, 0);
-  EXPECT_DOUBLE_EQ(w.h2d_bytes, 2 * 2000.0);  // only the new parameters go up
+  EXPECT_DOUBLE_EQ(w.h2d_bytes, 0.0);  // nothing is fetched ...
+  EXPECT_DOUBLE_EQ(w.h2d_update_bytes, 2 * 2000.0);  // ... only the new parameters go up
   EXPECT_DOUBLE_EQ(w.landing_bytes, 2 * (2 * 2000.0 + 2 * 1000 * 8.0));  // read + fp32 accumulation, 2 micro-batches
   const double tokens = 6;  // 3 per micro-batch x 2
   EXPECT_DOUBLE_EQ(w.forward_matmul_flops, 200 * tokens);
