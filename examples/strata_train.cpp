@@ -230,6 +230,25 @@ StatusOr<std::shared_ptr<const lm::Architecture>> resolve_model(const TrainArgs&
   return gpt_model(run, init_from);
 }
 
+// --placement: auto searches (examples/train/auto_placement.h), prints the choice and writes
+// it into `config` and `options`; config (the default) keeps the config's placement.
+Status place(const std::string& placement, const RunConfig& run, StrataConfig& config, TrainerOptions& options) {
+  if (placement.empty() || placement == "config") return {};
+  if (placement != "auto")
+    return InvalidArgumentError("--placement takes auto or config (the config's own placement, the default), got \"" + placement + "\"");
+  // Each process would search alone, against its own node's memory and disk.
+  if (options.process_group)
+    return UnimplementedError("--placement auto with process ranks (a launcher's WORLD_SIZE > 1) is not supported yet: run it with "
+                              "--plan-only on one node and pass the choice as flags");
+  options.config = config;  // the search plans with the config as it stands
+  options.data = run.data;
+  STRATA_ASSIGN_OR_RETURN(const profile::PlacementChoice choice, choose_placement(options));
+  std::cout << profile::placement_choice_text(choice) << std::flush;
+  apply_placement(choice.best.placement, options);
+  config = options.config;
+  return {};
+}
+
 StatusOr<TrainerOptions> build_options(const TrainArgs& args) {
   RunConfig run;
   if (!args.config_path.empty()) {
@@ -299,20 +318,7 @@ StatusOr<TrainerOptions> build_options(const TrainArgs& args) {
   }
   if (options.save_every > 0 && options.save_dir.empty()) return InvalidArgumentError("--save-every needs --save-dir");
   STRATA_ASSIGN_OR_RETURN(options.profile, profile::resolve_run_profile(trainer_string(args, "profile")));
-  if (const std::string placement = trainer_string(args, "placement"); placement == "auto") {
-    // Each process would search alone, against its own node's memory and disk.
-    if (options.process_group)
-      return UnimplementedError("--placement auto with process ranks (a launcher's WORLD_SIZE > 1) is not supported yet: run it with "
-                                "--plan-only on one node and pass the choice as flags");
-    options.config = config;  // the search plans with the config as it stands
-    options.data = run.data;
-    STRATA_ASSIGN_OR_RETURN(const profile::PlacementChoice choice, choose_placement(options));
-    std::cout << profile::placement_choice_text(choice) << std::flush;
-    apply_placement(choice.best.placement, options);
-    config = options.config;
-  } else if (!placement.empty() && placement != "config") {
-    return InvalidArgumentError("--placement takes auto or config (the config's own placement, the default), got \"" + placement + "\"");
-  }
+  STRATA_RETURN_IF_ERROR(place(trainer_string(args, "placement"), run, config, options));
   // --plan-only writes nothing: the output paths are checked (and made) only for a run.
   if (trainer_string(args, "plan-only") != "true") STRATA_RETURN_IF_ERROR(check_output_paths(config, options));
   options.config = std::move(config);

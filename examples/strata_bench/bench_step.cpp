@@ -411,6 +411,12 @@ StatusOr<std::optional<profile::StepPrediction>> predict_bench_step(const StepBe
   return std::optional<profile::StepPrediction>(std::move(prediction));
 }
 
+// predicted_step_s and predicted_busy_s (null without a prediction).
+void add_prediction(const std::optional<profile::StepPrediction>& prediction, nlohmann::ordered_json& out) {
+  out["predicted_step_s"] = prediction ? nlohmann::ordered_json(prediction->step_seconds) : nlohmann::ordered_json(nullptr);
+  out["predicted_busy_s"] = prediction ? profile::predicted_busy_json(*prediction) : nlohmann::ordered_json(nullptr);
+}
+
 std::string bench_prediction_text(const std::optional<profile::StepPrediction>& prediction, const profile::RunProfile& run_profile) {
   if (!prediction) return "  predicted step: none (" + run_profile.why_none + ")";
   return profile::format_prediction(*prediction, run_profile.origin);
@@ -461,6 +467,16 @@ StatusOr<profile::PlacementChoice> choose_bench_placement(const StepBenchOptions
   return profile::search_placements(space, evaluate);
 }
 
+// --placement auto: the choice printed (on stderr with --json, so the last line of stdout
+// stays the one JSON object) and written into `o`.
+Status place_bench(StepBenchOptions& o, const profile::RunProfile& run_profile) {
+  if (!o.auto_placement) return {};
+  STRATA_ASSIGN_OR_RETURN(const profile::PlacementChoice choice, choose_bench_placement(o, run_profile));
+  std::fprintf(o.json ? stderr : stdout, "%s", profile::placement_choice_text(choice).c_str());
+  apply_bench_placement(choice.best.placement, o);
+  return {};
+}
+
 // --plan-only: the plan, its prediction and the budget checks, then one JSON line; exit 1
 // when the checks fail.
 int run_plan_only(const StepBenchOptions& o, const profile::RunProfile& run_profile) {
@@ -479,8 +495,7 @@ int run_plan_only(const StepBenchOptions& o, const profile::RunProfile& run_prof
                                 {"pinned_bytes", preview->plan.pinned_bytes},
                                 {"host_bytes", preview->plan.host_bytes},
                                 {"nvme_file_bytes", preview->plan.nvme_bytes}};
-  out["predicted_step_s"] = *prediction ? nlohmann::ordered_json((*prediction)->step_seconds) : nlohmann::ordered_json(nullptr);
-  out["predicted_busy_s"] = *prediction ? profile::predicted_busy_json(**prediction) : nlohmann::ordered_json(nullptr);
+  add_prediction(*prediction, out);
   std::printf("%s\n", out.dump().c_str());
   return checks.ok() ? 0 : 1;
 }
@@ -496,13 +511,7 @@ int run_step(int argc, char** argv) {
   StepBenchOptions o = *parsed;
   auto run_profile = profile::resolve_run_profile(o.profile_path);
   if (!run_profile.ok()) return report_failure("step", run_profile.status());
-  if (o.auto_placement) {
-    auto choice = choose_bench_placement(o, *run_profile);
-    if (!choice.ok()) return report_failure("step", choice.status());
-    // With --json the last line of stdout stays the one JSON object.
-    std::fprintf(o.json ? stderr : stdout, "%s", profile::placement_choice_text(*choice).c_str());
-    apply_bench_placement(choice->best.placement, o);
-  }
+  if (Status placed = place_bench(o, *run_profile); !placed.ok()) return report_failure("step", placed);
   if (o.plan_only) return run_plan_only(o, *run_profile);
   auto store = store_bandwidth(o);
   if (!store.ok()) return report_failure("step", Status(store.status()).with_context("measuring the store's bandwidth on --nvme-path"));
@@ -572,8 +581,7 @@ int run_step(int argc, char** argv) {
   out["steps"] = steps;
   auto prediction = predict_bench_step(o, run->engine_options, run->plan, run->layouts, *run_profile);
   if (!prediction.ok()) return report_failure("step", prediction.status());
-  out["predicted_step_s"] = *prediction ? nlohmann::ordered_json((*prediction)->step_seconds) : nlohmann::ordered_json(nullptr);
-  out["predicted_busy_s"] = *prediction ? profile::predicted_busy_json(**prediction) : nlohmann::ordered_json(nullptr);
+  add_prediction(*prediction, out);
   if (o.json) {
     std::printf("%s\n", out.dump().c_str());
   } else {
