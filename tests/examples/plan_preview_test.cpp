@@ -60,6 +60,27 @@ TEST_F(PlanPreviewTest, PlanOnlyPrintsThePlanAndItsPredictionAndNeverCreatesTheN
   EXPECT_FALSE(fs::exists(dir_.path() / "nvme")) << "--plan-only created the NVMe path";
 }
 
+// The plan --plan-only makes without an engine is the one the engine makes at start: the
+// same bytes in every tier, for both families.
+TEST_F(PlanPreviewTest, PlanOnlysPlanIsTheEnginesPlan) {
+  const fs::path nvme = dir_.path() / "nvme";
+  const std::vector<std::string> placement = {"--offload-param", "nvme", "--offload-optimizer", "nvme", "--nvme-path", nvme.string()};
+  std::vector<std::string> llama = {"--preset", "llama-tiny", "--seq-len", "16", "--eval-sequences", "0", "--set", "strata.compute_threads=1"};
+  llama.insert(llama.end(), placement.begin(), placement.end());
+  for (const std::vector<std::string>& args : {tiny(placement), llama}) {
+    std::vector<std::string> plan_only = args;
+    plan_only.push_back("--plan-only");
+    const TrainRun planned = train_gpt(dir_, plan_only);
+    ASSERT_RAN(planned);
+    std::vector<std::string> trained = args;
+    for (const char* more : {"--steps", "1"}) trained.push_back(more);
+    const TrainRun run = train_gpt(dir_, trained);
+    ASSERT_RAN(run);
+    for (const char* key : {"pinned_bytes", "host_bytes", "nvme_file_bytes", "state_bytes"})
+      EXPECT_EQ(planned.summary.at(key).get<uint64_t>(), run.summary.at(key).get<uint64_t>()) << key << "\n" << planned.out;
+  }
+}
+
 TEST_F(PlanPreviewTest, PlanOnlyWithoutAProfileSaysItHasNoneAndPredictsNothing) {
   const TrainRun run = train_gpt(dir_, tiny({"--plan-only"}));
   ASSERT_RAN(run);
