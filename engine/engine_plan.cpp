@@ -410,7 +410,7 @@ StatusOr<EnginePlan> make_engine_plan(const PlanInputs& inputs) {
   return planner.plan();
 }
 
-Status check_plan_against_machine(const EnginePlan& plan, const EngineOptions& options) {
+Status check_plan_budgets(const EnginePlan& plan, const EngineOptions& options) {
   STRATA_RETURN_IF_ERROR(check_device_budget(plan, options));
   STRATA_RETURN_IF_ERROR(check_pinned_budget(plan, options));
   const size_t host_needed = plan.pinned_bytes + plan.host_bytes;
@@ -419,6 +419,11 @@ Status check_plan_against_machine(const EnginePlan& plan, const EngineOptions& o
                             (options.pin_memory ? "pinned" : "pageable") + ") but only " + format_bytes(available) +
                             " is available (MemAvailable); move optimizer state to nvme (offload_optimizer.device) or use fewer ranks per machine");
   }
+  return {};
+}
+
+Status check_plan_against_machine(const EnginePlan& plan, const EngineOptions& options) {
+  STRATA_RETURN_IF_ERROR(check_plan_budgets(plan, options));
   if (options.pin_memory && plan.pinned_bytes > 0) {
     rlimit limit{};
     if (getrlimit(RLIMIT_MEMLOCK, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY && plan.pinned_bytes > limit.rlim_cur && geteuid() != 0) {

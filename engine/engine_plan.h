@@ -45,6 +45,9 @@ NvmeAdamStateOptions state_ring_options(const EngineOptions& options, const Engi
 // The plan against this machine: host memory available, the locked-memory limit, free
 // space under nvme_path. Errors say what does not fit and what would.
 Status check_plan_against_machine(const EnginePlan& plan, const EngineOptions& options);
+// The checks of check_plan_against_machine that touch nothing: the device and pinned
+// budgets and the host memory available (not the locked-memory limit or nvme_path).
+Status check_plan_budgets(const EnginePlan& plan, const EngineOptions& options);
 
 std::string format_bytes(size_t bytes);
 size_t round_up_4k(size_t bytes);

@@ -37,6 +37,8 @@
 #include "examples/hf/safetensors.h"
 #include "examples/llama/llama_architecture.h"
 #include "examples/run_config/run_config.h"
+#include "examples/train/auto_placement.h"
+#include "examples/train/plan_preview.h"
 #include "examples/train/preemption.h"
 #include "examples/train/train_args.h"
 #include "examples/train/trainer.h"
@@ -74,6 +76,16 @@ Training
 Placement
   --device cpu|cuda --world-size N --device-budget-mib N --pinned-budget-mib N
   --offload-param device|cpu|nvme --offload-optimizer device|cpu|nvme --nvme-path DIR
+Plan and prediction (docs/profile.md)
+  --plan-only                print the plan (and its predicted step) and exit: no data, engine or device is
+                             opened and --nvme-path is neither created nor touched; exit 1 when the plan
+                             fails its budget checks
+  --profile FILE             the machine profile the plan predicts the step with (strata-bench profile);
+                             default: the one kept for this host, else no prediction
+  --placement auto|config    auto: choose parameter and optimizer tiers, prefetch depth, micro-batch size
+                             (the batch per rank kept), activation checkpointing and optimizer overlap for
+                             the most predicted tokens/s within the budgets (needs a profile); prints the
+                             choice and the runner-up. config (default): the config's placement
 Files
   --metrics FILE --trace FILE
   --save-dir DIR --save-every N --keep-checkpoints N --resume DIR
@@ -218,6 +230,25 @@ StatusOr<std::shared_ptr<const lm::Architecture>> resolve_model(const TrainArgs&
   return gpt_model(run, init_from);
 }
 
+// --placement: auto searches (examples/train/auto_placement.h), prints the choice and writes
+// it into `config` and `options`; config (the default) keeps the config's placement.
+Status place(const std::string& placement, const RunConfig& run, StrataConfig& config, TrainerOptions& options) {
+  if (placement.empty() || placement == "config") return {};
+  if (placement != "auto")
+    return InvalidArgumentError("--placement takes auto or config (the config's own placement, the default), got \"" + placement + "\"");
+  // Each process would search alone, against its own node's memory and disk.
+  if (options.process_group)
+    return UnimplementedError("--placement auto with process ranks (a launcher's WORLD_SIZE > 1) is not supported yet: run it with "
+                              "--plan-only on one node and pass the choice as flags");
+  options.config = config;  // the search plans with the config as it stands
+  options.data = run.data;
+  STRATA_ASSIGN_OR_RETURN(const profile::PlacementChoice choice, choose_placement(options));
+  std::cout << profile::placement_choice_text(choice) << std::flush;
+  apply_placement(choice.best.placement, options);
+  config = options.config;
+  return {};
+}
+
 StatusOr<TrainerOptions> build_options(const TrainArgs& args) {
   RunConfig run;
   if (!args.config_path.empty()) {
@@ -286,7 +317,10 @@ StatusOr<TrainerOptions> build_options(const TrainArgs& args) {
     options.export_dtype = *parsed;
   }
   if (options.save_every > 0 && options.save_dir.empty()) return InvalidArgumentError("--save-every needs --save-dir");
-  STRATA_RETURN_IF_ERROR(check_output_paths(config, options));
+  STRATA_ASSIGN_OR_RETURN(options.profile, profile::resolve_run_profile(trainer_string(args, "profile")));
+  STRATA_RETURN_IF_ERROR(place(trainer_string(args, "placement"), run, config, options));
+  // --plan-only writes nothing: the output paths are checked (and made) only for a run.
+  if (trainer_string(args, "plan-only") != "true") STRATA_RETURN_IF_ERROR(check_output_paths(config, options));
   options.config = std::move(config);
   options.data = run.data;
   options.steps = run.steps;
@@ -318,6 +352,15 @@ int main(int argc, char** argv) {
   if (!options.ok()) {
     std::cerr << program << ": " << options.status().to_string() << "\n";
     return 2;
+  }
+  if (trainer_string(*args, "plan-only") == "true") {
+    if (options->process_group && options->process_group->rank != 0) return 0;  // rank 0 prints the plan
+    auto checked = print_plan_only(*options, std::cout);
+    if (!checked.ok()) {
+      std::cerr << program << ": " << checked.status().to_string() << "\n";
+      return 1;
+    }
+    return *checked ? 0 : 1;
   }
   // Process ranks: rank 0 alone prints the plan, the progress lines and the summary.
   const bool prints = !options->process_group || options->process_group->rank == 0;

@@ -11,6 +11,8 @@
 #include <set>
 #include <sstream>
 
+#include "engine/core/log.h"
+
 namespace strata::profile {
 
 using Json = nlohmann::ordered_json;
@@ -452,6 +454,33 @@ std::optional<std::string> find_kept_profile() {
   std::error_code error;
   if (!std::filesystem::is_regular_file(*path, error)) return std::nullopt;
   return *path;
+}
+
+StatusOr<RunProfile> resolve_run_profile(const std::string& path) {
+  RunProfile out;
+  if (!path.empty()) {
+    StatusOr<MachineProfile> loaded = load_machine_profile(path);
+    if (!loaded.ok()) return Status(loaded.status()).with_context("--profile " + path);
+    out.profile = std::move(loaded).value();
+    out.origin = path;
+    return out;
+  }
+  const std::optional<std::string> kept = find_kept_profile();
+  if (!kept) {
+    const StatusOr<std::string> where = kept_profile_path();
+    out.why_none = "no machine profile: none kept at " + (where.ok() ? *where : std::string("$XDG_CACHE_HOME or ~/.cache")) +
+                   " (strata-bench profile writes one) and no --profile";
+    return out;
+  }
+  StatusOr<MachineProfile> loaded = load_machine_profile(*kept);
+  if (!loaded.ok()) {
+    STRATA_LOG(kWarn) << "the kept machine profile is not used: " << loaded.status().to_string();
+    out.why_none = "no machine profile: the kept one at " + *kept + " does not load (" + loaded.status().message() + ")";
+    return out;
+  }
+  out.profile = std::move(loaded).value();
+  out.origin = *kept;
+  return out;
 }
 
 }  // namespace strata::profile

@@ -142,4 +142,15 @@ StatusOr<std::string> kept_profile_path();
 // The kept profile's path when one exists there; nullopt when none was kept.
 std::optional<std::string> find_kept_profile();
 
+// The machine profile a run predicts its step with (the trainer, strata-bench step).
+struct RunProfile {
+  std::optional<MachineProfile> profile;
+  std::string origin;    // the file it was read from
+  std::string why_none;  // set exactly when there is no profile
+};
+// `path` (--profile FILE): that file, or an error naming it when it is missing or damaged;
+// empty: the profile kept on this host (find_kept_profile), or none. A kept profile that
+// does not load is reported (a warning) and not used.
+StatusOr<RunProfile> resolve_run_profile(const std::string& path);
+
 }  // namespace strata::profile

@@ -6,7 +6,8 @@
 //                     --offload-param device|cpu|nvme --offload-optimizer device|cpu|nvme
 //                     --param-dtype bf16|fp32 --nvme-path D [--prefetch-depth P]
 //                     [--pinned-budget-mib M] [--store-gbps READ,WRITE]
-//                     [--matmul-precision fp32|tf32|bf16] [--json]
+//                     [--matmul-precision fp32|tf32|bf16] [--overlap exact|delayed]
+//                     [--profile FILE] [--placement auto|config] [--plan-only] [--json]
 //
 // --batch is rows per micro-batch on each rank. The figures are rank 0's, for the median
 // step after a warm-up step: the step time, each stage's busy time (the union of the
@@ -26,6 +27,14 @@
 // the fraction of the H200's dense peak (times the ranks, one GPU each) for the GEMMs'
 // precision (the model multiplies in fp32, which --matmul-precision runs as exact fp32,
 // TF32 or bf16 on the tensor cores).
+//
+// The prediction (docs/profile.md): with a machine profile (--profile FILE, else the one
+// kept for this host) the plan is printed with its predicted step, and the figures carry
+// predicted_step_s beside step_s and predicted_busy_s beside busy_s (null without one).
+// --plan-only prints the plan and its prediction and exits (nothing is created under
+// --nvme-path); --placement auto chooses the tiers, prefetch depth, rows per micro-batch
+// (the rows per step kept) and overlap by the predicted rows per second
+// (examples/profile/placement_search.h).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -40,7 +49,10 @@
 #include "engine/engine.h"
 #include "engine/local_cluster.h"
 #include "examples/lm/model_flops.h"
+#include "engine/engine_plan.h"
 #include "examples/models/linear_stack.h"
+#include "examples/profile/placement_search.h"
+#include "examples/profile/step_work.h"
 #include "examples/strata_bench/bench.h"
 #include "kernels/blas_context.h"
 
@@ -56,6 +68,11 @@ const char* const kStepUsage =
     "                         [--device-thread-nice N (cpu: the device's threads' nice value, 0-19; default 19: the host stages run first)]\n"
     "                         [--clip-grad-norm X (0 = off: Adam(g) starts as g's gradients land; on: after backward, as training with clipping does)]\n"
     "                         [--trace PATH (Chrome trace of every stage's intervals, written at the end)]\n"
+    "                         [--overlap exact|delayed (the optimizer's overlap; default exact)]\n"
+    "                         [--profile FILE (the machine profile the step is predicted with; default: the one kept for this host)]\n"
+    "                         [--placement auto|config (auto: tiers, prefetch depth, rows per micro-batch and overlap chosen\n"
+    "                          for the most predicted rows/s within the budgets; needs a profile)]\n"
+    "                         [--plan-only (print the plan and its prediction, then exit; nothing under --nvme-path is made)]\n"
     "                         [--json]";
 
 namespace {
@@ -82,6 +99,11 @@ struct StepBenchOptions {
   uint64_t seed = 1234;
   double clip_grad_norm = 0.0;  // EngineOptions::gradient_clipping
   std::string trace_path;       // EngineOptions::trace_path
+  OverlapMode overlap = OverlapMode::kExact;  // EngineOptions::overlap
+  bool overlap_given = false;   // --overlap was given: --placement auto keeps it
+  std::string profile_path;     // --profile
+  bool auto_placement = false;  // --placement auto
+  bool plan_only = false;
   bool json = false;
 };
 
@@ -110,13 +132,26 @@ StatusOr<MatmulPrecision> parse_matmul_precision(const std::string& text) {
   return InvalidArgumentError("--matmul-precision takes fp32, tf32 or bf16, got '" + text + "'");
 }
 
+// --overlap, --profile, --placement, --plan-only.
+Status parse_plan_flags(const Args& args, StepBenchOptions& o) {
+  o.overlap_given = args.has("overlap");
+  STRATA_ASSIGN_OR_RETURN(o.overlap, parse_overlap_mode(args.get("overlap", "exact")));
+  o.profile_path = args.get("profile", "");
+  const std::string placement = args.get("placement", "config");
+  if (placement != "auto" && placement != "config") return InvalidArgumentError("--placement takes auto or config, got '" + placement + "'");
+  o.auto_placement = placement == "auto";
+  o.plan_only = args.flag("plan-only");
+  return {};
+}
+
 StatusOr<StepBenchOptions> parse(int argc, char** argv) {
   STRATA_ASSIGN_OR_RETURN(Args args, Args::parse(argc, argv,
                                                  {"layers", "width", "batch", "micro-batches", "steps", "world-size", "device",
                                                   "device-budget-mib", "offload-param", "offload-optimizer", "param-dtype",
                                                   "nvme-path", "prefetch-depth", "seed", "pinned-budget-mib", "store-gbps",
-                                                  "store-measure-mib", "matmul-precision", "compute", "device-thread-nice", "clip-grad-norm", "trace"},
-                                                 {"json"}));
+                                                  "store-measure-mib", "matmul-precision", "compute", "device-thread-nice", "clip-grad-norm", "trace",
+                                                  "overlap", "profile", "placement"},
+                                                 {"json", "plan-only"}));
   StepBenchOptions o;
   STRATA_ASSIGN_OR_RETURN(const int layers, args.get_integer<int>("layers", 8));
   STRATA_ASSIGN_OR_RETURN(const int width, args.get_integer<int>("width", 1024));
@@ -182,6 +217,7 @@ StatusOr<StepBenchOptions> parse(int argc, char** argv) {
     if (!std::filesystem::is_directory(folder, error))
       return InvalidArgumentError("--trace " + o.trace_path + ": the folder " + folder.string() + " does not exist");
   }
+  STRATA_RETURN_IF_ERROR(parse_plan_flags(args, o));
   o.nvme_path = args.get("nvme-path", "");
   if ((o.params == Tier::kNvme || o.optimizer == Tier::kNvme) && o.nvme_path.empty())
     return InvalidArgumentError("--offload-param/--offload-optimizer nvme needs --nvme-path");
@@ -195,32 +231,40 @@ struct TrainingRun {
   size_t state_bytes = 0;           // Engine::plan()
   size_t pinned_bytes = 0;
   size_t host_bytes = 0;
-  std::string plan_text;
+  EnginePlan plan;                  // rank 0's
+  EngineOptions engine_options;     // rank 0's
+  std::vector<GroupLayout> layouts;
   size_t shard_elements = 0;        // rank 0's shard of every group: what its optimizer steps
 };
+
+EngineOptions bench_engine_options(const StepBenchOptions& o, int rank) {
+  EngineOptions options;
+  options.rank = rank;
+  options.world_size = o.world;
+  options.seed = o.seed;
+  options.param_dtype = o.param_dtype;
+  options.grad_wire_dtype = o.param_dtype;
+  options.grad_transfer_dtype = o.param_dtype;
+  options.param_tier = o.params;
+  options.optimizer_tier = o.optimizer;
+  options.nvme_path = o.nvme_path;
+  options.prefetch_depth = o.prefetch_depth;
+  options.pinned_budget_bytes = o.pinned_budget_bytes;
+  options.gradient_accumulation_steps = o.micro_batches;
+  options.activation_bytes = models::linear_stack_activation_bytes(o.model, o.model.global_rows / o.world, o.param_dtype) +
+                             (o.device == DeviceKind::kCuda ? kernels::BlasOptions{}.cuda_workspace_bytes : 0);  // the model's cuBLAS workspace
+  options.adam.lr = 1e-3;
+  options.gradient_clipping = o.clip_grad_norm;
+  options.trace_path = o.trace_path;
+  options.overlap = o.overlap;
+  return options;
+}
 
 StatusOr<TrainingRun> train(const StepBenchOptions& o, LocalCluster& cluster) {
   TrainingRun run;
   std::mutex mutex;
   STRATA_RETURN_IF_ERROR(cluster.run([&](int rank) -> Status {
-    EngineOptions options;
-    options.rank = rank;
-    options.world_size = o.world;
-    options.seed = o.seed;
-    options.param_dtype = o.param_dtype;
-    options.grad_wire_dtype = o.param_dtype;
-    options.grad_transfer_dtype = o.param_dtype;
-    options.param_tier = o.params;
-    options.optimizer_tier = o.optimizer;
-    options.nvme_path = o.nvme_path;
-    options.prefetch_depth = o.prefetch_depth;
-    options.pinned_budget_bytes = o.pinned_budget_bytes;
-    options.gradient_accumulation_steps = o.micro_batches;
-    options.activation_bytes = models::linear_stack_activation_bytes(o.model, o.model.global_rows / o.world, o.param_dtype) +
-                               (o.device == DeviceKind::kCuda ? kernels::BlasOptions{}.cuda_workspace_bytes : 0);  // the model's cuBLAS workspace
-    options.adam.lr = 1e-3;
-    options.gradient_clipping = o.clip_grad_norm;
-    options.trace_path = o.trace_path;
+    const EngineOptions options = bench_engine_options(o, rank);
     STRATA_ASSIGN_OR_RETURN(auto engine, Engine::create(options, cluster.device(rank), cluster.gather_communicator(rank),
                                                         cluster.reduce_communicator(rank)));
     STRATA_ASSIGN_OR_RETURN(auto model, models::LinearStackModel::create(*engine, o.model, rank, o.world, /*declare_schedule=*/true));
@@ -239,8 +283,12 @@ StatusOr<TrainingRun> train(const StepBenchOptions& o, LocalCluster& cluster) {
       run.state_bytes = plan.state_bytes;
       run.pinned_bytes = plan.pinned_bytes;
       run.host_bytes = plan.host_bytes;
-      run.plan_text = plan.text;
-      for (int g = 0; g < engine->group_count(); ++g) run.shard_elements += engine->layout(g).shard_numel;
+      run.plan = plan;
+      run.engine_options = options;
+      for (int g = 0; g < engine->group_count(); ++g) {
+        run.shard_elements += engine->layout(g).shard_numel;
+        run.layouts.push_back(engine->layout(g));
+      }
     }
     return {};
   }));
@@ -287,8 +335,8 @@ StatusOr<std::optional<StoreBandwidth>> store_bandwidth(const StepBenchOptions& 
 }
 
 void print_table(const TrainingRun& run, const StepReport& r, const nlohmann::ordered_json& median,
-                 size_t steps_counted, size_t peak) {
-  std::printf("%s\n\n", run.plan_text.c_str());
+                 size_t steps_counted, size_t peak, const std::string& prediction) {
+  std::printf("%s\n%s\n\n", run.plan.text.c_str(), prediction.c_str());
   std::printf("step (median of %zu after a warm-up): %.4f s\n", steps_counted, r.step_seconds);
   std::printf("%-16s %10s %8s\n", "stage", "busy (s)", "of step");
   for (size_t s = 0; s < kStageCount; ++s)
@@ -317,6 +365,141 @@ void print_table(const TrainingRun& run, const StepReport& r, const nlohmann::or
   std::printf("\n");
 }
 
+// ---- the plan before the run, its prediction, --placement auto
+
+// Rank 0's plan as Engine::start() makes it, from the stack's groups and schedule alone
+// (no engine, device or NVMe file).
+struct BenchPlan {
+  EngineOptions options;
+  std::vector<GroupLayout> layouts;
+  EnginePlan plan;
+};
+StatusOr<BenchPlan> preview_bench_plan(const StepBenchOptions& o) {
+  BenchPlan out;
+  out.options = bench_engine_options(o, 0);
+  const std::vector<GroupSpec> specs = models::linear_stack_groups(o.model);
+  for (size_t g = 0; g < specs.size(); ++g) {
+    STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(specs[g], static_cast<int>(g), o.world));
+    out.layouts.push_back(std::move(layout));
+  }
+  const std::vector<int> schedule = models::linear_stack_schedule(o.model);
+  engine_internal::PlanInputs inputs;
+  inputs.options = &out.options;
+  inputs.layouts = out.layouts;
+  inputs.schedule = schedule;
+  inputs.device_budget_bytes = o.budget_bytes;
+  STRATA_ASSIGN_OR_RETURN(out.plan, engine_internal::make_engine_plan(inputs));
+  return out;
+}
+
+// Rank 0's predicted step; nullopt without a profile.
+StatusOr<std::optional<profile::StepPrediction>> predict_bench_step(const StepBenchOptions& o, const EngineOptions& options,
+                                                                    const EnginePlan& plan, std::span<const GroupLayout> layouts,
+                                                                    const profile::RunProfile& run_profile) {
+  if (!run_profile.profile) return std::optional<profile::StepPrediction>();
+  const std::vector<int> schedule = models::linear_stack_schedule(o.model);
+  profile::PlannedStepInputs inputs;
+  inputs.options = &options;
+  inputs.plan = &plan;
+  inputs.layouts = layouts;
+  inputs.schedule = schedule;
+  inputs.model.flops = models::linear_stack_flop_shape(o.model);
+  inputs.model.seq_len = 1;  // rows, no attention
+  inputs.model.tokens = o.model.compute == models::StackCompute::kKernels ? o.model.global_rows / o.world : 0;
+  STRATA_ASSIGN_OR_RETURN(const profile::PlannedStep step, profile::planned_step(inputs));
+  STRATA_ASSIGN_OR_RETURN(profile::StepPrediction prediction, profile::predict_step(step.work, step.shape, *run_profile.profile));
+  return std::optional<profile::StepPrediction>(std::move(prediction));
+}
+
+// predicted_step_s and predicted_busy_s (null without a prediction).
+void add_prediction(const std::optional<profile::StepPrediction>& prediction, nlohmann::ordered_json& out) {
+  out["predicted_step_s"] = prediction ? nlohmann::ordered_json(prediction->step_seconds) : nlohmann::ordered_json(nullptr);
+  out["predicted_busy_s"] = prediction ? profile::predicted_busy_json(*prediction) : nlohmann::ordered_json(nullptr);
+}
+
+std::string bench_prediction_text(const std::optional<profile::StepPrediction>& prediction, const profile::RunProfile& run_profile) {
+  if (!prediction) return "  predicted step: none (" + run_profile.why_none + ")";
+  return profile::format_prediction(*prediction, run_profile.origin);
+}
+
+void apply_bench_placement(const profile::Placement& p, StepBenchOptions& o) {
+  o.params = p.params;
+  o.optimizer = p.optimizer;
+  o.prefetch_depth = p.prefetch_depth;
+  o.model.global_rows = static_cast<int>(p.micro_batch) * o.world;
+  o.micro_batches = p.accumulation;
+  o.overlap = p.overlap;
+}
+
+// --placement auto: the stack has no activation checkpointing; the rows per step are kept.
+StatusOr<profile::PlacementChoice> choose_bench_placement(const StepBenchOptions& o, const profile::RunProfile& run_profile) {
+  if (!run_profile.profile)
+    return FailedPreconditionError("--placement auto chooses by the predicted step and needs a machine profile: " + run_profile.why_none);
+  profile::PlacementSpace space;
+  space.params = {Tier::kDevice, Tier::kPinned};
+  space.optimizer = {Tier::kDevice, Tier::kPinned};
+  if (!o.nvme_path.empty()) {
+    space.params.push_back(Tier::kNvme);
+    space.optimizer.push_back(Tier::kNvme);
+  }
+  space.prefetch_depths = {0, 1, 2, 4};
+  const int64_t rows_per_step = int64_t{o.model.global_rows / o.world} * o.micro_batches;
+  space.batches = profile::batch_splits(rows_per_step);
+  space.checkpointing = {lm::ActivationCheckpointing::kOff};
+  space.overlaps = o.overlap_given ? std::vector<OverlapMode>{o.overlap} : std::vector<OverlapMode>{OverlapMode::kExact, OverlapMode::kDelayed};
+  const std::optional<double> nvme_free = o.nvme_path.empty() ? std::nullopt : profile::nvme_free_bytes(o.nvme_path);
+  StepBenchOptions candidate = o;
+  auto evaluate = [&](const profile::Placement& p) -> StatusOr<profile::PlacementOutcome> {
+    apply_bench_placement(p, candidate);
+    profile::PlacementOutcome outcome;
+    outcome.placement = p;
+    outcome.tokens_per_step = static_cast<double>(rows_per_step);
+    STRATA_ASSIGN_OR_RETURN(const BenchPlan preview, preview_bench_plan(candidate));
+    outcome.device_bytes = static_cast<double>(preview.plan.device_bytes);
+    outcome.host_bytes = static_cast<double>(preview.plan.pinned_bytes + preview.plan.host_bytes);
+    outcome.checks = engine_internal::check_plan_budgets(preview.plan, preview.options);
+    if (outcome.checks.ok() && preview.plan.nvme_bytes > 0 && nvme_free && static_cast<double>(preview.plan.nvme_bytes) > *nvme_free)
+      outcome.checks = ResourceExhaustedError("--nvme-path " + o.nvme_path + " has too little free space for the plan's NVMe file");
+    if (!outcome.checks.ok()) return outcome;
+    STRATA_ASSIGN_OR_RETURN(outcome.prediction, predict_bench_step(candidate, preview.options, preview.plan, preview.layouts, run_profile));
+    return outcome;
+  };
+  return profile::search_placements(space, evaluate);
+}
+
+// --placement auto: the choice printed (on stderr with --json, so the last line of stdout
+// stays the one JSON object) and written into `o`.
+Status place_bench(StepBenchOptions& o, const profile::RunProfile& run_profile) {
+  if (!o.auto_placement) return {};
+  STRATA_ASSIGN_OR_RETURN(const profile::PlacementChoice choice, choose_bench_placement(o, run_profile));
+  std::fprintf(o.json ? stderr : stdout, "%s", profile::placement_choice_text(choice).c_str());
+  apply_bench_placement(choice.best.placement, o);
+  return {};
+}
+
+// --plan-only: the plan, its prediction and the budget checks, then one JSON line; exit 1
+// when the checks fail.
+int run_plan_only(const StepBenchOptions& o, const profile::RunProfile& run_profile) {
+  auto preview = preview_bench_plan(o);
+  if (!preview.ok()) return report_failure("step", preview.status());
+  auto prediction = predict_bench_step(o, preview->options, preview->plan, preview->layouts, run_profile);
+  if (!prediction.ok()) return report_failure("step", prediction.status());
+  const Status checks = engine_internal::check_plan_budgets(preview->plan, preview->options);
+  if (!o.json)
+    std::printf("%s\n%s\nplan checks (device, pinned and host memory; --nvme-path not touched): %s\n", preview->plan.text.c_str(),
+                bench_prediction_text(*prediction, run_profile).c_str(), checks.ok() ? "ok" : checks.message().c_str());
+  nlohmann::ordered_json out = {{"bench", "step"},
+                                {"plan_only", true},
+                                {"checks", checks.ok() ? std::string("ok") : checks.message()},
+                                {"device_bytes", preview->plan.device_bytes},
+                                {"pinned_bytes", preview->plan.pinned_bytes},
+                                {"host_bytes", preview->plan.host_bytes},
+                                {"nvme_file_bytes", preview->plan.nvme_bytes}};
+  add_prediction(*prediction, out);
+  std::printf("%s\n", out.dump().c_str());
+  return checks.ok() ? 0 : 1;
+}
+
 }  // namespace
 
 int run_step(int argc, char** argv) {
@@ -325,7 +508,11 @@ int run_step(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", kStepUsage);
     return report_failure("step", parsed.status());
   }
-  const StepBenchOptions& o = *parsed;
+  StepBenchOptions o = *parsed;
+  auto run_profile = profile::resolve_run_profile(o.profile_path);
+  if (!run_profile.ok()) return report_failure("step", run_profile.status());
+  if (Status placed = place_bench(o, *run_profile); !placed.ok()) return report_failure("step", placed);
+  if (o.plan_only) return run_plan_only(o, *run_profile);
   auto store = store_bandwidth(o);
   if (!store.ok()) return report_failure("step", Status(store.status()).with_context("measuring the store's bandwidth on --nvme-path"));
   LocalClusterOptions cluster_options;
@@ -392,10 +579,13 @@ int run_step(int argc, char** argv) {
   nlohmann::ordered_json steps = nlohmann::ordered_json::array();
   for (size_t i = 1; i < reports.size(); ++i) steps.push_back(step_figures(reports, i, work, *store));
   out["steps"] = steps;
+  auto prediction = predict_bench_step(o, run->engine_options, run->plan, run->layouts, *run_profile);
+  if (!prediction.ok()) return report_failure("step", prediction.status());
+  add_prediction(*prediction, out);
   if (o.json) {
     std::printf("%s\n", out.dump().c_str());
   } else {
-    print_table(*run, r, out, order.size(), peak);
+    print_table(*run, r, out, order.size(), peak, bench_prediction_text(*prediction, *run_profile));
   }
   return 0;
 }

@@ -42,7 +42,8 @@ std::string step_numbers_text(const RankStep& n) {
                         {"device_high_water_bytes", n.report.device_high_water_bytes},
                         {"device_budget_bytes", n.report.device_budget_bytes},
                         {"nvme_read_delta", n.nvme_read_delta},
-                        {"nvme_written_delta", n.nvme_written_delta}}
+                        {"nvme_written_delta", n.nvme_written_delta},
+                        {"busy", n.report.busy}}
       .dump();
 }
 
@@ -63,6 +64,7 @@ StatusOr<RankStep> step_numbers_from_text(const std::string& text, int rank) {
   n.report.device_budget_bytes = j["device_budget_bytes"].get<size_t>();
   n.nvme_read_delta = j["nvme_read_delta"].get<uint64_t>();
   n.nvme_written_delta = j["nvme_written_delta"].get<uint64_t>();
+  if (j.contains("busy") && j["busy"].is_array() && j["busy"].size() == kStageCount) n.report.busy = j["busy"].get<StageSeconds>();
   return n;
 }
 

@@ -144,6 +144,7 @@ class StepBoard {
     record.tokens_per_s = lead.step_seconds > 0 ? double(tokens) / lead.step_seconds : 0.0;
     record.model_tflops = lm::tflops(step_flops_, lead.step_seconds);
     record.grad_norm = lead.grad_norm;
+    record.busy = lead.busy;
     budget_ = lead.device_budget_bytes;
     pending_.erase(step_index);
     print(record);

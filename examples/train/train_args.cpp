@@ -24,9 +24,9 @@ constexpr IntegerFlag kIntegerFlags[] = {
     {"export-shard-mib", 1, kInt64Max / (int64_t{1} << 20)},
 };
 // Flags that set no config key (strings, and the integers above).
-constexpr std::string_view kStringFlags[] = {"init-from", "export", "save-dir", "resume", "model", "export-dtype"};
+constexpr std::string_view kStringFlags[] = {"init-from", "export", "save-dir", "resume", "model", "export-dtype", "profile", "placement"};
 // Switches: `--name` alone means true; `--name=true|false` also reads.
-constexpr std::string_view kSwitchFlags[] = {"eval-only"};
+constexpr std::string_view kSwitchFlags[] = {"eval-only", "plan-only"};
 
 // A switch's value: absent (bare `--name`) is true.
 StatusOr<std::string> switch_value(const flags::FlagToken& token) {

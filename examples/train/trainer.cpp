@@ -28,6 +28,7 @@
 #include "engine/local_cluster.h"
 #include "examples/hf/hf_checkpoint.h"
 #include "examples/train/param_checksum.h"
+#include "examples/train/plan_preview.h"
 #include "examples/train/run_setup.h"
 #include "examples/train/step_agreement.h"
 #include "optim/lr_schedule.h"
@@ -174,12 +175,21 @@ Status RankRun::announce() {
   run_.result.state_bytes = plan.state_bytes;
   run_.result.device_budget_bytes = plan.device_budget_bytes;
   run_.result.activation_bytes = activations_.device_bytes;
+  std::vector<GroupLayout> layouts;
+  for (int g = 0; g < engine_->group_count(); ++g) layouts.push_back(engine_->layout(g));
+  STRATA_ASSIGN_OR_RETURN(const std::optional<profile::StepPrediction> prediction,
+                          predict_plan_step(run_.model, engine_options_, plan, layouts, model_options_, options.profile));
+  if (prediction) {
+    run_.result.predicted_step_seconds = prediction->step_seconds;
+    run_.result.predicted_busy = prediction->busy;
+  }
   if (options.out) {
     *options.out << "model: " << run_.model.family() << ", " << run_.model.describe() << "\n"
                  << "data: " << run_.sources.dataset->describe() << "; " << shape.world << " rank(s) x " << shape.micro << " sequence(s) x "
                  << shape.seq_len << " tokens x " << shape.accumulation << " micro-batch(es) = " << shape.global_tokens_per_step
                  << " tokens per step\n"
                  << plan.text << "\n"
+                 << prediction_text(prediction, options.profile) << "\n"
                  << nodes_text << activations_.text << "activation checkpointing: " << activation_checkpointing_name(options.checkpointing)
                  << "\n"
                  << std::flush;
@@ -500,6 +510,29 @@ StatusOr<TrainerResult> run_training(const TrainerOptions& options) {
   return run.summarize();
 }
 
+namespace {
+
+nlohmann::json stage_seconds_json(const StageSeconds& seconds) {
+  nlohmann::json out = nlohmann::json::object();
+  for (size_t s = 0; s < kStageCount; ++s) out[std::string(stage_name(static_cast<Stage>(s)))] = seconds[s];
+  return out;
+}
+
+// The median step after the first (the first warms up; with one step, that one) and its
+// busy seconds per stage, beside the plan's prediction (null without a profile).
+void add_step_figures(const TrainerResult& r, nlohmann::json& j) {
+  std::vector<const StepRecord*> counted;
+  for (size_t i = r.steps.size() > 1 ? 1 : 0; i < r.steps.size(); ++i) counted.push_back(&r.steps[i]);
+  std::sort(counted.begin(), counted.end(), [](const StepRecord* a, const StepRecord* b) { return a->seconds < b->seconds; });
+  const StepRecord* median = counted.empty() ? nullptr : counted[counted.size() / 2];
+  j["step_s"] = median ? nlohmann::json(median->seconds) : nlohmann::json(nullptr);
+  j["busy_s"] = median ? stage_seconds_json(median->busy) : nlohmann::json(nullptr);
+  j["predicted_step_s"] = r.predicted_step_seconds ? nlohmann::json(*r.predicted_step_seconds) : nlohmann::json(nullptr);
+  j["predicted_busy_s"] = r.predicted_busy ? stage_seconds_json(*r.predicted_busy) : nlohmann::json(nullptr);
+}
+
+}  // namespace
+
 std::string summary_json(const TrainerResult& r) {
   nlohmann::json j;
   auto optional = [](const std::optional<double>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
@@ -535,6 +568,7 @@ std::string summary_json(const TrainerResult& r) {
   if (!r.last_checkpoint.empty()) j["checkpoint"] = r.last_checkpoint;
   if (r.stopped_by_signal != 0) j["stopped_by_signal"] = r.stopped_by_signal;
   if (r.nonfinite_steps != 0) j["nonfinite_steps"] = r.nonfinite_steps;
+  add_step_figures(r, j);
   return j.dump();
 }
 

@@ -45,6 +45,7 @@
 #include "examples/data/token_data.h"
 #include "examples/run_config/run_config.h"
 #include "examples/lm/causal_lm.h"
+#include "examples/profile/machine_profile.h"
 
 namespace strata::train {
 
@@ -53,6 +54,8 @@ using lm::ActivationCheckpointing;
 using lm::MicroBatchLosses;
 using lm::QueuedMicroBatch;
 using lm::TokenBatch;
+
+using profile::RunProfile;
 
 struct TrainerOptions {
   StrataConfig config;  // finalized; device, placement, optimizer, schedule
@@ -88,6 +91,9 @@ struct TrainerOptions {
   // thread ranks in this process.
   std::optional<RendezvousOptions> process_group;
 
+  // The profile the plan's prediction uses (--profile, else the kept one); none: no prediction.
+  RunProfile profile;
+
   std::ostream* out = nullptr;  // plan and progress lines (nullptr: none)
   bool live_bar = false;        // redraw a progress bar under the lines (a terminal)
 };
@@ -105,6 +111,7 @@ struct StepRecord {
   size_t device_high_water_bytes = 0;  // max over ranks
   uint64_t nvme_bytes_read = 0;        // all ranks, this step
   uint64_t nvme_bytes_written = 0;
+  StageSeconds busy{};                 // rank 0's busy seconds per engine stage
 };
 
 struct TrainerResult {
@@ -136,6 +143,10 @@ struct TrainerResult {
   std::string last_checkpoint;      // the newest checkpoint this run wrote
   int stopped_by_signal = 0;        // the signal that stopped the run early (0: ran every step)
   int64_t nonfinite_steps = 0;      // steps skipped for a non-finite loss or gradient norm
+  // Rank 0's predicted step and busy seconds per stage (examples/profile/step_cost.h);
+  // unset without a profile.
+  std::optional<double> predicted_step_seconds;
+  std::optional<StageSeconds> predicted_busy;
 };
 
 StatusOr<TrainerResult> run_training(const TrainerOptions& options);

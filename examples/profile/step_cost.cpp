@@ -1,0 +1,231 @@
+#include "examples/profile/step_cost.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+namespace strata::profile {
+
+namespace {
+
+std::string name_of(Stage stage) { return std::string(stage_name(stage)); }
+
+// Builds the rows, one per kind of work that the step has.
+class RowBuilder {
+ public:
+  explicit RowBuilder(StepPrediction& out) : out_(out) {}
+  void add(Stage stage, std::string what, double amount, std::string unit, double rate, std::string source) {
+    if (amount <= 0) return;
+    CostRow row{name_of(stage), std::move(what), amount, std::move(unit), rate, std::move(source), std::nullopt};
+    if (rate > 0) {
+      row.seconds = amount / rate;
+      out_.busy[static_cast<size_t>(stage)] += *row.seconds;
+    } else {
+      out_.unknown.push_back(row.stage + " (" + row.what + ")");
+    }
+    out_.rows.push_back(std::move(row));
+  }
+
+ private:
+  StepPrediction& out_;
+};
+
+std::string nvme_source(const NvmeRate* rate, const char* direction) {
+  if (rate == nullptr) return "none";
+  return std::string("nvme ") + direction + " " + std::to_string(rate->block_bytes >> 10) + " KiB QD" + std::to_string(rate->queue_depth) +
+         (rate->checksums ? " checksums on" : " checksums off");
+}
+
+void add_transfer_rows(RowBuilder& rows, const StepWork& w, const PipelineShape& shape, const MachineProfile& p) {
+  const NvmeRate* nvme = nearest_nvme_rate(p, shape.nvme_block_bytes, shape.nvme_queue_depth, shape.nvme_checksums);
+  const double read = nvme ? nvme->read_bytes_per_s : 0, write = nvme ? nvme->write_bytes_per_s : 0;
+  rows.add(Stage::kNvmeRead, "parameter shards", w.param_read_bytes, "B", read, nvme_source(nvme, "read"));
+  rows.add(Stage::kNvmeRead, "optimizer state", w.state_read_bytes, "B", read, nvme_source(nvme, "read"));
+  rows.add(Stage::kNvmeWrite, "new parameters", w.param_write_bytes, "B", write, nvme_source(nvme, "write"));
+  rows.add(Stage::kNvmeWrite, "optimizer state", w.state_write_bytes, "B", write, nvme_source(nvme, "write"));
+  const std::string copy = p.copy.host_copy ? "host copy" : (p.copy.pinned ? "pinned copy" : "pageable copy");
+  rows.add(Stage::kH2D, "parameter shards", w.h2d_bytes, "B", p.copy.h2d_bytes_per_s, copy + " h2d");
+  rows.add(Stage::kH2D, "new parameters", w.h2d_update_bytes, "B", p.copy.h2d_bytes_per_s, copy + " h2d");
+  const CommunicatorRate& comm = p.communicator;
+  const bool same_world = comm.world == shape.world;
+  rows.add(Stage::kAllGather, "full groups", w.allgather_bytes, "B", same_world ? comm.all_gather_bytes_per_s.value_or(0) : 0,
+           same_world ? "all_gather at world " + std::to_string(comm.world) : "none at world " + std::to_string(shape.world));
+  rows.add(Stage::kReduceScatter, "full gradients", w.reduce_scatter_bytes, "B", same_world ? comm.reduce_scatter_bytes_per_s.value_or(0) : 0,
+           same_world ? "reduce_scatter at world " + std::to_string(comm.world) : "none at world " + std::to_string(shape.world));
+  rows.add(Stage::kD2H, "gradient shards", w.d2h_bytes, "B", p.copy.d2h_bytes_per_s, copy + " d2h");
+  // The landing pass streams host memory; the host-memory figure the profile has is its copy rate.
+  rows.add(Stage::kLanding, "gradient shards (host memory)", w.landing_bytes, "B", p.copy.d2h_bytes_per_s, copy + " d2h (host memory)");
+}
+
+void add_compute_rows(RowBuilder& rows, const StepWork& w, const MachineProfile& p) {
+  const double gemm = p.compute.gemm_flops_per_s, attention = p.compute.attention_flops_per_s;
+  const std::string on = " (" + p.compute.device + " " + p.compute.dtype + ")";
+  rows.add(Stage::kCompute, "forward (GEMM)", w.forward_matmul_flops, "FLOP", gemm, "gemm" + on);
+  rows.add(Stage::kCompute, "forward (attention)", w.forward_attention_flops, "FLOP", attention, "attention" + on);
+  rows.add(Stage::kCompute, "recompute (GEMM)", w.recompute_matmul_flops, "FLOP", gemm, "gemm" + on);
+  rows.add(Stage::kCompute, "recompute (attention)", w.recompute_attention_flops, "FLOP", attention, "attention" + on);
+  rows.add(Stage::kCompute, "backward (GEMM)", w.backward_matmul_flops, "FLOP", gemm, "gemm" + on);
+  rows.add(Stage::kCompute, "backward (attention)", w.backward_attention_flops, "FLOP", attention, "attention" + on);
+}
+
+void add_optimizer_row(RowBuilder& rows, const StepWork& w, const PipelineShape& shape, const MachineProfile& p) {
+  if (shape.adam_on_device) {
+    // fp32 master, moments and gradient read, master and moments written: 28 bytes per element.
+    const double rate = p.compute.memory_bytes_per_s / 28.0;
+    rows.add(Stage::kOptimizer, "Adam on the device", w.adam_elements, "elements", rate, "device memory / 28 B");
+    return;
+  }
+  const AdamRate* adam = matching_adam_rate(p, shape.grad_dtype, shape.param_dtype);
+  std::string source = "none";
+  if (adam != nullptr)
+    source = "cpu_adam " + adam->grad_dtype + "->" + adam->param_dtype + " x" + std::to_string(adam->threads) + " threads";
+  rows.add(Stage::kOptimizer, "CPU Adam", w.adam_elements, "elements", adam ? adam->elements_per_s : 0, source);
+}
+
+double row_seconds(const StepPrediction& p, std::string_view what_prefix, Stage stage) {
+  double total = 0;
+  for (const CostRow& r : p.rows)
+    if (r.stage == stage_name(stage) && r.what.rfind(what_prefix, 0) == 0 && r.seconds) total += *r.seconds;
+  return total;
+}
+
+// The chain the pipeline cannot overlap, and what it is made of.
+void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& shape) {
+  const double compute = p.busy[static_cast<size_t>(Stage::kCompute)];
+  const double k = static_cast<double>(shape.micro_batches);
+  const double forward_mb = row_seconds(p, "forward", Stage::kCompute) / k;
+  const double backward_mb = (row_seconds(p, "backward", Stage::kCompute) + row_seconds(p, "recompute", Stage::kCompute)) / k;
+  const double fetch = row_seconds(p, "parameter", Stage::kNvmeRead) + row_seconds(p, "parameter", Stage::kH2D) +
+                       p.busy[static_cast<size_t>(Stage::kAllGather)];
+  const double fill = shape.prefetch_depth == 0 ? fetch : (w.fetching_gathers > 0 ? fetch / w.fetching_gathers : 0.0);
+  // The optimizer's time includes streaming its state when it lives on NVMe.
+  const double optimizer = std::max(p.busy[static_cast<size_t>(Stage::kOptimizer)],
+                                    row_seconds(p, "optimizer", Stage::kNvmeRead) + row_seconds(p, "optimizer", Stage::kNvmeWrite));
+  double waited = 0;
+  if (shape.overlap == OverlapMode::kExact) {
+    const double window = forward_mb + (shape.adam_during_backward ? backward_mb : 0.0);
+    waited = std::max(0.0, optimizer - window);
+  }
+  p.chain_seconds = compute + fill + waited;
+  std::string chain = "compute";
+  if (fill > 0) chain += shape.prefetch_depth == 0 ? " + every parameter fetch (prefetch depth 0)" : " + the first fetch";
+  if (waited > 0) chain += " + optimizer (exact overlap: forward(g) waits for Adam(g))";
+  size_t busiest = 0;
+  for (size_t s = 1; s < kStageCount; ++s)
+    if (p.busy[s] > p.busy[busiest]) busiest = s;
+  p.pipeline_seconds = p.busy[busiest];
+  p.step_seconds = std::max(p.pipeline_seconds, p.chain_seconds);
+  p.bound = p.pipeline_seconds >= p.chain_seconds ? name_of(static_cast<Stage>(busiest)) : "chain: " + chain;
+}
+
+Status check_inputs(const StepWork& w, const PipelineShape& shape) {
+  for (const double v : {w.param_read_bytes, w.state_read_bytes, w.param_write_bytes, w.state_write_bytes, w.h2d_bytes, w.h2d_update_bytes, w.allgather_bytes,
+                         w.reduce_scatter_bytes, w.d2h_bytes, w.landing_bytes, w.forward_matmul_flops, w.forward_attention_flops,
+                         w.backward_matmul_flops, w.backward_attention_flops, w.recompute_matmul_flops, w.recompute_attention_flops,
+                         w.adam_elements}) {
+    if (!(v >= 0) || !std::isfinite(v)) return InvalidArgumentError("step work must be finite and >= 0");
+  }
+  if (w.fetching_gathers < 0) return InvalidArgumentError("fetching gathers must be >= 0");
+  if (shape.micro_batches < 1 || shape.world < 1 || shape.prefetch_depth < 0 || shape.nvme_queue_depth < 1 || shape.nvme_block_bytes == 0)
+    return InvalidArgumentError("pipeline shape: micro-batches, world and NVMe queue depth >= 1, prefetch depth >= 0, block > 0");
+  return {};
+}
+
+std::string amount_text(double amount, const std::string& unit) {
+  char text[48];
+  if (unit == "B") {
+    if (amount >= 1e9) std::snprintf(text, sizeof(text), "%.2f GB", amount / 1e9);
+    else std::snprintf(text, sizeof(text), "%.1f MB", amount / 1e6);
+  } else if (unit == "FLOP") {
+    std::snprintf(text, sizeof(text), "%.3g GFLOP", amount / 1e9);
+  } else {
+    std::snprintf(text, sizeof(text), "%.3g M elem", amount / 1e6);
+  }
+  return text;
+}
+
+std::string rate_text(double rate, const std::string& unit) {
+  if (rate <= 0) return "-";
+  char text[48];
+  if (unit == "B") std::snprintf(text, sizeof(text), "%.2f GB/s", rate / 1e9);
+  else if (unit == "FLOP") std::snprintf(text, sizeof(text), "%.3g GFLOP/s", rate / 1e9);
+  else std::snprintf(text, sizeof(text), "%.3g M elem/s", rate / 1e6);
+  return text;
+}
+
+}  // namespace
+
+const NvmeRate* nearest_nvme_rate(const MachineProfile& profile, uint64_t block_bytes, int queue_depth, bool checksums) {
+  const NvmeRate* best = nullptr;
+  double best_distance = 0;
+  for (const NvmeRate& r : profile.nvme) {
+    if (r.block_bytes == 0 || r.queue_depth < 1) continue;
+    const double distance = (r.checksums == checksums ? 0.0 : 100.0) +
+                            std::fabs(std::log2(double(r.block_bytes) / double(std::max<uint64_t>(block_bytes, 1)))) +
+                            std::fabs(std::log2(double(r.queue_depth) / double(std::max(queue_depth, 1))));
+    if (best == nullptr || distance < best_distance) {
+      best = &r;
+      best_distance = distance;
+    }
+  }
+  return best;
+}
+
+const AdamRate* matching_adam_rate(const MachineProfile& profile, std::string_view grad_dtype, std::string_view param_dtype) {
+  const AdamRate* best = nullptr;
+  int best_score = -1;
+  for (const AdamRate& r : profile.cpu_adam) {
+    const int score = (r.grad_dtype == grad_dtype ? 2 : 0) + (r.param_dtype == param_dtype ? 1 : 0);
+    if (score > best_score || (score == best_score && r.threads > best->threads)) {
+      best = &r;
+      best_score = score;
+    }
+  }
+  return best;
+}
+
+StatusOr<StepPrediction> predict_step(const StepWork& work, const PipelineShape& shape, const MachineProfile& profile) {
+  STRATA_RETURN_IF_ERROR(check_inputs(work, shape).with_context("predict_step"));
+  StepPrediction prediction;
+  RowBuilder rows(prediction);
+  add_transfer_rows(rows, work, shape, profile);
+  add_compute_rows(rows, work, profile);
+  add_optimizer_row(rows, work, shape, profile);
+  critical_path(prediction, work, shape);
+  return prediction;
+}
+
+std::string format_prediction(const StepPrediction& prediction, std::string_view origin) {
+  std::ostringstream text;
+  text << "  predicted step (profile " << origin << "):\n";
+  char line[256];
+  std::snprintf(line, sizeof(line), "    %-15s %-31s %14s %16s %11s\n", "stage", "work", "amount", "rate", "seconds");
+  text << line;
+  for (const CostRow& r : prediction.rows) {
+    const std::string seconds = r.seconds ? [&] {
+      char s[32];
+      std::snprintf(s, sizeof(s), "%.4f", *r.seconds);
+      return std::string(s);
+    }() : std::string("no rate");
+    std::snprintf(line, sizeof(line), "    %-15s %-31s %14s %16s %11s\n", r.stage.c_str(), r.what.c_str(), amount_text(r.amount, r.unit).c_str(),
+                  rate_text(r.rate, r.unit).c_str(), seconds.c_str());
+    text << line;
+  }
+  std::snprintf(line, sizeof(line), "    busiest stage %.4f s, chain %.4f s: step %.4f s, bound by %s", prediction.pipeline_seconds,
+                prediction.chain_seconds, prediction.step_seconds, prediction.bound.c_str());
+  text << line;
+  if (!prediction.unknown.empty()) {
+    text << "\n    left out (the profile has no rate): ";
+    for (size_t i = 0; i < prediction.unknown.size(); ++i) text << (i ? ", " : "") << prediction.unknown[i];
+  }
+  return text.str();
+}
+
+nlohmann::ordered_json predicted_busy_json(const StepPrediction& prediction) {
+  nlohmann::ordered_json busy;
+  for (size_t s = 0; s < kStageCount; ++s) busy[name_of(static_cast<Stage>(s))] = prediction.busy[s];
+  return busy;
+}
+
+}  // namespace strata::profile

@@ -1,0 +1,108 @@
+// The step's cost model: from the work of one step on one rank, stage by stage (bytes
+// moved, FLOPs computed, elements updated: examples/profile/step_work.h derives them from
+// the plan) and a machine profile (examples/profile/machine_profile.h), each stage's
+// predicted busy seconds and the predicted step as the pipeline's critical path.
+//
+// Each stage is a worker of its own, so the step takes at least its busiest stage's
+// time. It also takes at least the chain that cannot overlap: the compute stream's
+// forward, recompute and backward, plus
+// - the parameter fetch (NVMe read, H2D, all-gather) of every gather with prefetch depth
+//   0, or of the first gather alone (the pipeline's fill) with a deeper prefetch;
+// - in exact overlap, the optimizer's time beyond the next step's first forward (forward(g)
+//   waits for Adam(g), and Adam starts after backward; with clipping and loss scaling off
+//   it may start during the last micro-batch's backward, which it overlaps too).
+// In delayed overlap the optimizer overlaps the whole next step and joins the chain only
+// through its own busy time. The step is the longer of the two bounds; the prediction
+// names the stage or chain that bounds it. docs/profile.md describes the model.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/core/overlap_mode.h"
+#include "engine/core/status.h"
+#include "engine/trace.h"
+#include "examples/profile/machine_profile.h"
+
+namespace strata::profile {
+
+// One rank's work in one optimizer step (all its micro-batches).
+struct StepWork {
+  double param_read_bytes = 0;       // parameter shards read from NVMe for gathers
+  double state_read_bytes = 0;       // optimizer state and spilled gradients read from NVMe
+  double param_write_bytes = 0;      // new parameters written back to NVMe
+  double state_write_bytes = 0;      // optimizer state and spilled gradients written to NVMe
+  double h2d_bytes = 0;              // parameter shards to the device for gathers
+  double h2d_update_bytes = 0;       // new parameters to the device (parameters there, optimizer on the host)
+  double allgather_bytes = 0;        // full buffers gathered (world > 1)
+  double reduce_scatter_bytes = 0;   // full gradient buffers reduced (world > 1)
+  double d2h_bytes = 0;              // gradient shards to the host
+  double landing_bytes = 0;          // host bytes the landing pass reads and writes
+  double forward_matmul_flops = 0;
+  double forward_attention_flops = 0;
+  double backward_matmul_flops = 0;
+  double backward_attention_flops = 0;
+  double recompute_matmul_flops = 0;    // activation checkpointing: each block's forward again
+  double recompute_attention_flops = 0;
+  double adam_elements = 0;          // optimizer elements stepped (this rank's trainable shards)
+  int fetching_gathers = 0;          // gathers per step that fetch (the fill is one of them)
+};
+
+// The pipeline the work runs through.
+struct PipelineShape {
+  int prefetch_depth = 1;
+  OverlapMode overlap = OverlapMode::kExact;
+  int micro_batches = 1;
+  int world = 1;
+  bool adam_during_backward = false;  // exact overlap without clipping or loss scaling
+  bool adam_on_device = false;        // optimizer state on the device: Adam at the device's memory rate
+  std::string grad_dtype = "bf16";    // what the CPU Adam reads ("fp32" | "bf16" | "fp16")
+  std::string param_dtype = "bf16";   // the parameter copy it writes
+  uint64_t nvme_block_bytes = uint64_t{1} << 20;
+  int nvme_queue_depth = 32;
+  bool nvme_checksums = true;
+};
+
+// One line of the printed table.
+struct CostRow {
+  std::string stage;    // the engine stage's name (engine/trace.h), e.g. "nvme_read"
+  std::string what;     // e.g. "parameter shards", "forward (GEMM)"
+  double amount = 0;    // bytes, FLOPs or elements
+  std::string unit;     // "B" | "FLOP" | "elements"
+  double rate = 0;      // amount per second; 0 when the profile has none
+  std::string rate_source;  // which figure of the profile
+  std::optional<double> seconds;  // unset when the profile has no rate for it
+};
+
+struct StepPrediction {
+  std::vector<CostRow> rows;
+  StageSeconds busy{};          // per engine stage: the sum of its rows' seconds
+  double pipeline_seconds = 0;  // the busiest stage's
+  double chain_seconds = 0;     // the chain that cannot overlap
+  double step_seconds = 0;      // the larger
+  std::string bound;            // what bounds the step: a stage's name or the chain's description
+  std::vector<std::string> unknown;  // rows with work but no rate (left out of the step)
+};
+
+// Fails when the work is negative or the pipeline shape is out of range.
+StatusOr<StepPrediction> predict_step(const StepWork& work, const PipelineShape& shape, const MachineProfile& profile);
+
+// The table the printed plan shows: stage, work, rate, predicted seconds, and the bound.
+// `origin` names the profile (its path, or "datasheet ...").
+std::string format_prediction(const StepPrediction& prediction, std::string_view origin);
+
+// {"compute": s, "nvme_read": s, ...}: the engine stages' names, as busy_s has them.
+nlohmann::ordered_json predicted_busy_json(const StepPrediction& prediction);
+
+// The profile's figure nearest the engine's NVMe shape (block size and queue depth, on a
+// log scale; the checksum setting first).
+const NvmeRate* nearest_nvme_rate(const MachineProfile& profile, uint64_t block_bytes, int queue_depth, bool checksums);
+// The CPU Adam figure for the dtypes (most threads among those that match; any dtype when
+// none does).
+const AdamRate* matching_adam_rate(const MachineProfile& profile, std::string_view grad_dtype, std::string_view param_dtype);
+
+}  // namespace strata::profile

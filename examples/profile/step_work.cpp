@@ -1,0 +1,117 @@
+#include "examples/profile/step_work.h"
+
+#include <map>
+#include <string>
+
+namespace strata::profile {
+
+namespace {
+
+double rounded_4k(double bytes) { return static_cast<double>((static_cast<uint64_t>(bytes) + 4095) / 4096 * 4096); }
+
+// Gathers: uses per micro-batch of each group (the schedule, else forward and backward).
+std::map<int, int> uses_per_micro_batch(const PlannedStepInputs& in) {
+  std::map<int, int> uses;
+  if (in.schedule.empty()) {
+    for (const GroupLayout& g : in.layouts) uses[g.id] = 2;
+  } else {
+    for (int g : in.schedule) ++uses[g];
+  }
+  return uses;
+}
+
+void add_parameter_fetch(const PlannedStepInputs& in, StepWork& w) {
+  const EngineOptions& o = *in.options;
+  const double psize = static_cast<double>(dtype_size(o.param_dtype));
+  const double k = static_cast<double>(o.gradient_accumulation_steps);
+  const bool direct_view = o.param_tier == Tier::kDevice && o.world_size == 1;
+  if (direct_view) return;  // the shards are the full groups, on the device
+  for (const auto& [id, count] : uses_per_micro_batch(in)) {
+    if (id < 0 || static_cast<size_t>(id) >= in.layouts.size()) continue;
+    const GroupLayout& g = in.layouts[static_cast<size_t>(id)];
+    const bool persistent = static_cast<size_t>(id) < in.plan->persistent.size() && in.plan->persistent[static_cast<size_t>(id)] != 0;
+    const double fetches = persistent ? 1.0 : k * count;
+    const double shard = static_cast<double>(g.shard_numel) * psize;
+    if (o.param_tier == Tier::kNvme) w.param_read_bytes += fetches * rounded_4k(shard);
+    if (o.param_tier != Tier::kDevice) w.h2d_bytes += fetches * shard;
+    if (o.world_size > 1) w.allgather_bytes += fetches * static_cast<double>(g.padded_numel) * psize;
+    if (!persistent) w.fetching_gathers += static_cast<int>(fetches);
+  }
+}
+
+void add_gradients_and_update(const PlannedStepInputs& in, StepWork& w) {
+  const EngineOptions& o = *in.options;
+  const EnginePlan& plan = *in.plan;
+  const double k = static_cast<double>(o.gradient_accumulation_steps);
+  const double psize = static_cast<double>(dtype_size(o.param_dtype));
+  const double wire = static_cast<double>(dtype_size(o.grad_wire_dtype));
+  const bool device_optimizer = o.optimizer_tier == Tier::kDevice;
+  // The optimizer on the device sends the fp32 gradient's copy for the statistics.
+  const double transfer = device_optimizer ? 4.0 : static_cast<double>(dtype_size(o.grad_transfer_dtype));
+  const double stored = k > 1 ? 4.0 : transfer;  // a spilled gradient: fp32 when accumulated
+  for (const GroupLayout& g : in.layouts) {
+    if (!g.trainable) continue;
+    const double shard = static_cast<double>(g.shard_numel);
+    if (o.world_size > 1) w.reduce_scatter_bytes += k * static_cast<double>(g.padded_numel) * wire;
+    w.d2h_bytes += k * shard * transfer;
+    // Read what landed; with micro-batches, add it into the fp32 accumulator (read + write).
+    w.landing_bytes += k * shard * transfer + (k > 1 ? k * shard * 8.0 : 0.0);
+    w.adam_elements += shard;
+    if (plan.gradients_spilled) {
+      w.state_write_bytes += rounded_4k(shard * stored) * (k > 1 ? k : 1.0);
+      w.state_read_bytes += rounded_4k(shard * stored) * k;  // accumulation reads back, Adam reads the last
+    }
+    if (o.optimizer_tier == Tier::kNvme) {
+      w.state_read_bytes += 3 * rounded_4k(shard * 4);
+      w.state_write_bytes += 3 * rounded_4k(shard * 4);
+    }
+    if (o.param_tier == Tier::kNvme) w.param_write_bytes += rounded_4k(shard * psize);
+    if (o.param_tier == Tier::kDevice && !device_optimizer) w.h2d_update_bytes += shard * psize;
+  }
+}
+
+void add_flops(const ModelWork& m, int micro_batches, StepWork& w) {
+  if (m.tokens <= 0) return;
+  const double tokens = static_cast<double>(m.tokens) * micro_batches;
+  const double weights = static_cast<double>(m.flops.matmul_weights);
+  const double data_weights = static_cast<double>(m.flops.data_input_weights);
+  const double attention = static_cast<double>(m.flops.attention_layers) * static_cast<double>(m.seq_len) *
+                           static_cast<double>(m.flops.attention_width);
+  w.forward_matmul_flops = 2 * weights * tokens;
+  w.backward_matmul_flops = (4 * weights - 2 * data_weights) * tokens;
+  w.forward_attention_flops = 4 * attention * tokens;
+  w.backward_attention_flops = 8 * attention * tokens;
+  if (m.recompute) {
+    w.recompute_matmul_flops = 2 * (weights - static_cast<double>(m.head_weights)) * tokens;
+    w.recompute_attention_flops = w.forward_attention_flops;
+  }
+}
+
+}  // namespace
+
+StatusOr<PlannedStep> planned_step(const PlannedStepInputs& in) {
+  if (in.options == nullptr || in.plan == nullptr) return InvalidArgumentError("planned_step: no options or plan");
+  const EngineOptions& o = *in.options;
+  if (o.gradient_accumulation_steps < 1) return InvalidArgumentError("planned_step: gradient_accumulation_steps must be >= 1");
+  if (in.model.head_weights > in.model.flops.matmul_weights || in.model.seq_len < 0)
+    return InvalidArgumentError("planned_step: the head's weights exceed the model's, or a negative seq_len");
+  PlannedStep out;
+  add_parameter_fetch(in, out.work);
+  add_gradients_and_update(in, out.work);
+  add_flops(in.model, o.gradient_accumulation_steps, out.work);
+  PipelineShape& s = out.shape;
+  s.prefetch_depth = in.plan->prefetch_depth;
+  s.overlap = o.overlap;
+  s.micro_batches = o.gradient_accumulation_steps;
+  s.world = o.world_size;
+  s.adam_during_backward = o.overlap == OverlapMode::kExact && o.gradient_clipping == 0.0f && !o.fp16_loss_scaling;
+  s.adam_on_device = o.optimizer_tier == Tier::kDevice;
+  s.grad_dtype = std::string(dtype_name(o.grad_transfer_dtype));
+  s.param_dtype = std::string(dtype_name(o.param_dtype));
+  s.nvme_block_bytes = o.nvme_block_bytes;
+  s.nvme_queue_depth = o.nvme_queue_depth;
+  s.nvme_checksums = o.nvme_checksum;
+  return out;
+}
+
+}  // namespace strata::profile

@@ -1,0 +1,84 @@
+#include "examples/train/auto_placement.h"
+
+#include "engine/engine_plan.h"
+#include "examples/train/plan_preview.h"
+#include "examples/train/run_setup.h"
+
+namespace strata::train {
+
+namespace {
+
+profile::PlacementSpace trainer_space(const TrainerOptions& options) {
+  const StrataConfig& config = options.config;
+  const bool pinned = config.zero.offload_param.pin_memory && config.zero.offload_optimizer.pin_memory;
+  const Tier host = pinned ? Tier::kPinned : Tier::kHost;
+  profile::PlacementSpace space;
+  space.params = {Tier::kDevice, host};
+  space.optimizer = {Tier::kDevice, host};
+  if (!config.strata.nvme_path.empty()) {
+    space.params.push_back(Tier::kNvme);
+    space.optimizer.push_back(Tier::kNvme);
+  }
+  space.prefetch_depths = {0, 1, 2, 4};
+  const int64_t per_rank = config.train_micro_batch_size_per_gpu.value_or(1) * config.gradient_accumulation_steps.value_or(1);
+  space.batches = profile::batch_splits(per_rank);
+  space.checkpointing = {lm::ActivationCheckpointing::kOff, lm::ActivationCheckpointing::kDevice, lm::ActivationCheckpointing::kPinnedHost};
+  if (config.was_given("strata.optimizer_overlap") || config.fp16.enabled)
+    space.overlaps = {config.strata.optimizer_overlap};
+  else
+    space.overlaps = {OverlapMode::kExact, OverlapMode::kDelayed};
+  return space;
+}
+
+// The checks a candidate's run would meet before step 1, short of touching anything.
+Status check_candidate(const PlanPreview& preview, std::optional<double> nvme_free) {
+  const EngineOptions& o = preview.engine_options;
+  STRATA_RETURN_IF_ERROR(engine_internal::check_plan_budgets(preview.plan, o));
+  const size_t host = preview.plan.pinned_bytes + preview.plan.host_bytes + preview.activations.pinned_bytes;
+  if (o.pinned_budget_bytes > 0 && host > o.pinned_budget_bytes)
+    return OutOfMemoryError("the pinned budget of " + engine_internal::format_bytes(o.pinned_budget_bytes) + " cannot hold the plan's " +
+                            engine_internal::format_bytes(host) + " with the model's pinned block inputs");
+  if (preview.plan.nvme_bytes > 0 && nvme_free && static_cast<double>(preview.plan.nvme_bytes) > *nvme_free)
+    return ResourceExhaustedError("nvme_path " + o.nvme_path + " has " + engine_internal::format_bytes(static_cast<size_t>(*nvme_free)) +
+                                  " free but the plan needs " + engine_internal::format_bytes(preview.plan.nvme_bytes));
+  return {};
+}
+
+}  // namespace
+
+void apply_placement(const profile::Placement& p, TrainerOptions& options) {
+  StrataConfig& config = options.config;
+  config.zero.offload_param.device = p.params;
+  config.zero.offload_optimizer.device = p.optimizer;
+  config.strata.prefetch_depth = p.prefetch_depth;
+  config.train_micro_batch_size_per_gpu = p.micro_batch;
+  config.gradient_accumulation_steps = p.accumulation;
+  config.strata.optimizer_overlap = p.overlap;
+  options.checkpointing = p.checkpointing;
+}
+
+StatusOr<profile::PlacementChoice> choose_placement(const TrainerOptions& options) {
+  if (!options.profile.profile)
+    return FailedPreconditionError("--placement auto chooses by the predicted step and needs a machine profile: " + options.profile.why_none);
+  STRATA_ASSIGN_OR_RETURN(const internal::RunShape shape, internal::run_shape(options));
+  const int64_t eval_sequences = internal::evaluation_sequences(options, shape);
+  const std::optional<double> nvme_free = options.config.strata.nvme_path.empty() ? std::nullopt : profile::nvme_free_bytes(options.config.strata.nvme_path);
+  TrainerOptions candidate = options;
+  auto evaluate = [&](const profile::Placement& p) -> StatusOr<profile::PlacementOutcome> {
+    apply_placement(p, candidate);
+    profile::PlacementOutcome outcome;
+    outcome.placement = p;
+    STRATA_ASSIGN_OR_RETURN(const PlanPreview preview, preview_plan(candidate, eval_sequences));
+    outcome.device_bytes = static_cast<double>(preview.plan.device_bytes);
+    outcome.host_bytes = static_cast<double>(preview.plan.pinned_bytes + preview.plan.host_bytes + preview.activations.pinned_bytes);
+    outcome.tokens_per_step = static_cast<double>(p.micro_batch * p.accumulation * shape.seq_len);
+    outcome.checks = check_candidate(preview, nvme_free);
+    if (!outcome.checks.ok()) return outcome;
+    STRATA_ASSIGN_OR_RETURN(outcome.prediction, predict_plan_step(*options.model, preview.engine_options, preview.plan, preview.layouts,
+                                                                  preview.model_options, options.profile));
+    return outcome;
+  };
+  return profile::search_placements(trainer_space(options), evaluate);
+}
+
+}  // namespace strata::train

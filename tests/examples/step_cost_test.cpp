@@ -1,0 +1,263 @@
+// The step's cost model (examples/profile/step_cost, step_work) at hand-computed cases:
+// each stage's seconds are its work over the profile's rate, the step is the longer of the
+// busiest stage and the chain that cannot overlap (compute, the fill or every fetch with
+// prefetch depth 0, the optimizer beyond the next forward in exact overlap), and the plan's
+// bytes per stage follow the tiers.
+#include "examples/profile/step_cost.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "examples/profile/step_work.h"
+
+namespace strata::profile {
+namespace {
+
+MachineProfile round_profile() {
+  MachineProfile p;
+  p.nvme = {{.block_bytes = 1 << 20, .queue_depth = 32, .checksums = true, .read_bytes_per_s = 2e9, .write_bytes_per_s = 1e9},
+            {.block_bytes = 128 << 10, .queue_depth = 8, .checksums = true, .read_bytes_per_s = 1e9, .write_bytes_per_s = 0.5e9},
+            {.block_bytes = 1 << 20, .queue_depth = 32, .checksums = false, .read_bytes_per_s = 4e9, .write_bytes_per_s = 2e9}};
+  p.copy = {.host_copy = true, .pinned = true, .h2d_bytes_per_s = 1e10, .d2h_bytes_per_s = 5e9};
+  p.cpu_adam = {{.threads = 1, .grad_dtype = "bf16", .param_dtype = "bf16", .elements_per_s = 0.5e8},
+                {.threads = 2, .grad_dtype = "bf16", .param_dtype = "bf16", .elements_per_s = 1e8},
+                {.threads = 2, .grad_dtype = "fp32", .param_dtype = "fp32", .elements_per_s = 2e8}};
+  p.compute = {.device = "cpu", .dtype = "fp32", .scale = 1, .gemm_flops_per_s = 1e11, .attention_flops_per_s = 5e10,
+               .memory_bytes_per_s = 2.8e10, .kernels = {}};
+  p.communicator = {.world = 1, .all_gather_bytes_per_s = std::nullopt, .reduce_scatter_bytes_per_s = std::nullopt, .why_none = "world 1"};
+  return p;
+}
+
+// 1 s of forward and 2 s of backward GEMMs.
+StepWork three_seconds_of_compute() {
+  StepWork w;
+  w.forward_matmul_flops = 1e11;
+  w.backward_matmul_flops = 2e11;
+  return w;
+}
+
+double busy(const StepPrediction& p, Stage stage) { return p.busy[static_cast<size_t>(stage)]; }
+
+TEST(StepCost, ComputeAloneIsTheStepAndBoundsIt) {
+  auto p = predict_step(three_seconds_of_compute(), PipelineShape{}, round_profile());
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  EXPECT_DOUBLE_EQ(busy(*p, Stage::kCompute), 3.0);
+  EXPECT_DOUBLE_EQ(p->step_seconds, 3.0);
+  EXPECT_EQ(p->bound, "compute");
+  EXPECT_TRUE(p->unknown.empty());
+}
+
+TEST(StepCost, ExactOverlapAddsTheOptimizerBeyondTheNextForward) {
+  StepWork w = three_seconds_of_compute();
+  w.adam_elements = 5e8;  // 5 s at 1e8 elements/s (bf16, the most threads)
+  auto p = predict_step(w, PipelineShape{}, round_profile());
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(busy(*p, Stage::kOptimizer), 5.0);
+  EXPECT_DOUBLE_EQ(p->pipeline_seconds, 5.0);
+  EXPECT_DOUBLE_EQ(p->chain_seconds, 3.0 + (5.0 - 1.0));
+  EXPECT_DOUBLE_EQ(p->step_seconds, 7.0);
+  EXPECT_NE(p->bound.find("optimizer"), std::string::npos);
+  EXPECT_EQ(p->bound.rfind("chain", 0), 0u);
+}
+
+TEST(StepCost, DelayedOverlapIsBoundByTheBusiestStage) {
+  StepWork w = three_seconds_of_compute();
+  w.adam_elements = 5e8;
+  PipelineShape shape;
+  shape.overlap = OverlapMode::kDelayed;
+  auto p = predict_step(w, shape, round_profile());
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(p->step_seconds, 5.0);
+  EXPECT_EQ(p->bound, "optimizer");
+}
+
+TEST(StepCost, AdamDuringBackwardOverlapsTheLastBackwardToo) {
+  StepWork w = three_seconds_of_compute();
+  w.adam_elements = 5e8;
+  PipelineShape shape;
+  shape.adam_during_backward = true;
+  auto p = predict_step(w, shape, round_profile());
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(p->chain_seconds, 3.0 + (5.0 - 3.0));
+  EXPECT_DOUBLE_EQ(p->step_seconds, 5.0);
+  EXPECT_EQ(p->bound, "optimizer");
+}
+
+TEST(StepCost, MicroBatchesShrinkTheForwardTheOptimizerOverlaps) {
+  StepWork w = three_seconds_of_compute();
+  w.adam_elements = 2e8;  // 2 s
+  PipelineShape shape;
+  shape.micro_batches = 2;  // the next step's first forward is 0.5 s
+  auto p = predict_step(w, shape, round_profile());
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(p->chain_seconds, 3.0 + 1.5);
+}
+
+TEST(StepCost, PrefetchDepthZeroSerializesEveryFetchWithCompute) {
+  StepWork w = three_seconds_of_compute();
+  w.param_read_bytes = 2e9;  // 1 s at 2 GB/s (1 MiB QD32, checksums on)
+  w.h2d_bytes = 1e10;        // 1 s at 10 GB/s
+  w.fetching_gathers = 4;
+  PipelineShape shape;
+  shape.prefetch_depth = 0;
+  auto serial = predict_step(w, shape, round_profile());
+  ASSERT_TRUE(serial.ok());
+  EXPECT_DOUBLE_EQ(serial->chain_seconds, 5.0);
+  EXPECT_DOUBLE_EQ(serial->step_seconds, 5.0);
+  EXPECT_NE(serial->bound.find("prefetch depth 0"), std::string::npos);
+  shape.prefetch_depth = 2;
+  auto overlapped = predict_step(w, shape, round_profile());
+  ASSERT_TRUE(overlapped.ok());
+  EXPECT_DOUBLE_EQ(overlapped->chain_seconds, 3.0 + 2.0 / 4);  // the fill: one gather's fetch
+  EXPECT_DOUBLE_EQ(overlapped->step_seconds, 3.5);
+}
+
+TEST(StepCost, UploadingNewParametersIsNotAFetchTheChainWaitsFor) {
+  StepWork w = three_seconds_of_compute();
+  w.h2d_update_bytes = 1e10;  // 1 s
+  PipelineShape shape;
+  shape.prefetch_depth = 0;
+  auto p = predict_step(w, shape, round_profile());
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(busy(*p, Stage::kH2D), 1.0);
+  EXPECT_DOUBLE_EQ(p->chain_seconds, 3.0);
+}
+
+TEST(StepCost, TheDiskBoundsADiskHeavyStep) {
+  StepWork w = three_seconds_of_compute();
+  w.state_read_bytes = 8e9;   // 4 s
+  w.state_write_bytes = 4e9;  // 4 s
+  PipelineShape shape;
+  shape.overlap = OverlapMode::kDelayed;
+  auto p = predict_step(w, shape, round_profile());
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(busy(*p, Stage::kNvmeRead), 4.0);
+  EXPECT_DOUBLE_EQ(busy(*p, Stage::kNvmeWrite), 4.0);
+  EXPECT_DOUBLE_EQ(p->step_seconds, 4.0);
+}
+
+TEST(StepCost, AStageWithoutARateIsNamedAndLeftOut) {
+  StepWork w = three_seconds_of_compute();
+  w.allgather_bytes = 1e9;
+  PipelineShape shape;
+  shape.world = 2;  // the profile measured world 1 only
+  auto p = predict_step(w, shape, round_profile());
+  ASSERT_TRUE(p.ok());
+  ASSERT_EQ(p->unknown.size(), 1u);
+  EXPECT_NE(p->unknown[0].find("allgather"), std::string::npos);
+  EXPECT_DOUBLE_EQ(p->step_seconds, 3.0);
+  EXPECT_NE(format_prediction(*p, "test").find("no rate"), std::string::npos);
+}
+
+TEST(StepCost, DeviceAdamRunsAtTheDevicesMemoryRate) {
+  StepWork w;
+  w.adam_elements = 1e9;  // 28 GB at 28 GB/s
+  PipelineShape shape;
+  shape.adam_on_device = true;
+  auto p = predict_step(w, shape, round_profile());
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(busy(*p, Stage::kOptimizer), 1.0);
+}
+
+TEST(StepCost, NegativeWorkIsRefused) {
+  StepWork w;
+  w.h2d_bytes = -1;
+  EXPECT_FALSE(predict_step(w, PipelineShape{}, round_profile()).ok());
+  PipelineShape shape;
+  shape.micro_batches = 0;
+  EXPECT_FALSE(predict_step(StepWork{}, shape, round_profile()).ok());
+}
+
+TEST(StepCost, TheNearestNvmeShapeAndTheMatchingAdamAreChosen) {
+  const MachineProfile p = round_profile();
+  EXPECT_EQ(nearest_nvme_rate(p, 1 << 20, 32, true)->read_bytes_per_s, 2e9);
+  EXPECT_EQ(nearest_nvme_rate(p, 256 << 10, 4, true)->read_bytes_per_s, 1e9);
+  EXPECT_EQ(nearest_nvme_rate(p, 1 << 20, 32, false)->read_bytes_per_s, 4e9);
+  EXPECT_EQ(matching_adam_rate(p, "fp32", "fp32")->elements_per_s, 2e8);
+  EXPECT_EQ(matching_adam_rate(p, "bf16", "bf16")->threads, 2);
+  EXPECT_EQ(matching_adam_rate(p, "fp16", "fp16")->elements_per_s, 1e8);  // no match: the most threads of the first kind
+}
+
+TEST(StepCost, PredictedBusyHasEveryStageByName) {
+  auto p = predict_step(three_seconds_of_compute(), PipelineShape{}, round_profile());
+  ASSERT_TRUE(p.ok());
+  const auto json = predicted_busy_json(*p);
+  EXPECT_EQ(json.size(), kStageCount);
+  EXPECT_DOUBLE_EQ(json.at("compute").get<double>(), 3.0);
+  EXPECT_DOUBLE_EQ(json.at("landing").get<double>(), 0.0);
+}
+
+// Two groups of 1000 elements (one shard each at world 1), bf16, used twice per micro-batch.
+std::vector<GroupLayout> two_groups() {
+  std::vector<GroupLayout> layouts(2);
+  for (int i = 0; i < 2; ++i) {
+    layouts[static_cast<size_t>(i)].id = i;
+    layouts[static_cast<size_t>(i)].numel = layouts[static_cast<size_t>(i)].padded_numel = layouts[static_cast<size_t>(i)].shard_numel = 1000;
+  }
+  return layouts;
+}
+
+TEST(StepWorkFromPlan, EverythingOnNvmeReadsAndWritesWhatTheTiersSay) {
+  EngineOptions o;
+  o.param_tier = Tier::kNvme;
+  o.optimizer_tier = Tier::kNvme;
+  EnginePlan plan;
+  plan.persistent = {0, 0};
+  plan.gradients_spilled = true;
+  plan.prefetch_depth = 2;
+  const auto layouts = two_groups();
+  auto s = planned_step({.options = &o, .plan = &plan, .layouts = layouts, .schedule = {}, .model = {}});
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  const StepWork& w = s->work;
+  EXPECT_EQ(w.fetching_gathers, 4);
+  EXPECT_DOUBLE_EQ(w.param_read_bytes, 4 * 4096.0);  // 2000 B shards, 4 KiB-rounded
+  EXPECT_DOUBLE_EQ(w.h2d_bytes, 4 * 2000.0);
+  EXPECT_DOUBLE_EQ(w.allgather_bytes, 0.0);
+  EXPECT_DOUBLE_EQ(w.d2h_bytes, 2 * 2000.0);
+  EXPECT_DOUBLE_EQ(w.landing_bytes, 2 * 2000.0);
+  EXPECT_DOUBLE_EQ(w.adam_elements, 2000.0);
+  // Spilled bf16 gradients (written, read by Adam) and master + moments (12 B/element), both ways.
+  EXPECT_DOUBLE_EQ(w.state_read_bytes, 2 * 4096.0 + 2 * 3 * 4096.0);
+  EXPECT_DOUBLE_EQ(w.state_write_bytes, 2 * 4096.0 + 2 * 3 * 4096.0);
+  EXPECT_DOUBLE_EQ(w.param_write_bytes, 2 * 4096.0);
+  EXPECT_EQ(s->shape.prefetch_depth, 2);
+  EXPECT_TRUE(s->shape.adam_during_backward);
+}
+
+TEST(StepWorkFromPlan, DeviceParametersAtWorldOneFetchNothingAndTheFlopsFollowTheShape) {
+  EngineOptions o;
+  o.param_tier = Tier::kDevice;
+  o.optimizer_tier = Tier::kPinned;
+  o.gradient_accumulation_steps = 2;
+  o.overlap = OverlapMode::kDelayed;
+  EnginePlan plan;
+  plan.persistent = {0, 0};
+  const auto layouts = two_groups();
+  ModelWork model;
+  model.flops = {.matmul_weights = 100, .data_input_weights = 10, .attention_layers = 2, .attention_width = 8};
+  model.seq_len = 4;
+  model.tokens = 3;
+  model.head_weights = 40;
+  model.recompute = true;
+  auto s = planned_step({.options = &o, .plan = &plan, .layouts = layouts, .schedule = {}, .model = model});
+  ASSERT_TRUE(s.ok());
+  const StepWork& w = s->work;
+  EXPECT_EQ(w.fetching_gathers, 0);
+  EXPECT_DOUBLE_EQ(w.h2d_bytes, 0.0);  // nothing is fetched ...
+  EXPECT_DOUBLE_EQ(w.h2d_update_bytes, 2 * 2000.0);  // ... only the new parameters go up
+  EXPECT_DOUBLE_EQ(w.landing_bytes, 2 * (2 * 2000.0 + 2 * 1000 * 8.0));  // read + fp32 accumulation, 2 micro-batches
+  const double tokens = 6;  // 3 per micro-batch x 2
+  EXPECT_DOUBLE_EQ(w.forward_matmul_flops, 200 * tokens);
+  EXPECT_DOUBLE_EQ(w.backward_matmul_flops, (400 - 20) * tokens);
+  EXPECT_DOUBLE_EQ(w.forward_attention_flops, 4 * 2 * 4 * 8 * tokens);
+  EXPECT_DOUBLE_EQ(w.backward_attention_flops, 8 * 2 * 4 * 8 * tokens);
+  EXPECT_DOUBLE_EQ(w.recompute_matmul_flops, 2 * 60 * tokens);
+  // Forward + backward equal the model FLOPs of examples/lm/model_flops.h.
+  EXPECT_DOUBLE_EQ(w.forward_matmul_flops + w.backward_matmul_flops + w.forward_attention_flops + w.backward_attention_flops,
+                   lm::training_step_flops(model.flops, model.seq_len, 6));
+  EXPECT_FALSE(s->shape.adam_during_backward);
+}
+
+}  // namespace
+}  // namespace strata::profile
