@@ -24,6 +24,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/core/collective_text.h"
 #include "engine/core/log.h"
 #include "engine/core/rank_order_reduction.h"
 #include "engine/core/thread.h"
@@ -131,12 +132,6 @@ struct State {
 using gloo_communicator_internal::State;
 
 namespace {
-
-std::string seconds_text(std::chrono::milliseconds duration) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.1f s", static_cast<double>(duration.count()) / 1000.0);
-  return text;
-}
 
 // The local address the kernel would send from to reach `host`: connecting a UDP socket
 // sends nothing but picks the route, so this is the interface the peers can reach.
@@ -396,12 +391,6 @@ PeerOutcome wait_for_peer(RoundBuffers& buffers, int peer, Clock::time_point dea
   }
 }
 
-std::string rank_list_text(const std::vector<int>& ranks) {
-  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) text += (i > 0 ? ", " : "") + std::to_string(ranks[i]);
-  return text;
-}
-
 // Sends and receives `transfers[p]` with every peer p on message slot `slot`, all at
 // once, and waits for all of them until `deadline`. A peer that fails does not stop the
 // exchanges with the others: they finish (or fail) too, so every rank sees who was lost.
@@ -454,14 +443,14 @@ Status exchange(State& state, const std::vector<Transfer>& transfers, uint64_t s
   }
   std::string lost_text;
   if (!lost.empty()) {
-    lost_text = rank_list_text(lost) + (lost.size() == 1 ? " closed its" : " closed their") + " connection during " + what +
+    lost_text = ranks_text(lost) + (lost.size() == 1 ? " closed its" : " closed their") + " connection during " + what +
                 " (did it exit, fail or abort?)";
     for (int peer : lost) lost_text += "; rank " + std::to_string(peer) + ": " + details[static_cast<size_t>(peer)];
   }
   // A silent rank is the likelier cause when both happen: a peer that timed out on it
   // closes its connections too.
   if (!silent.empty())
-    return DeadlineExceededError(state.who + ": " + what + ": " + rank_list_text(silent) + " sent nothing within " +
+    return DeadlineExceededError(state.who + ": " + what + ": " + ranks_text(silent) + " sent nothing within " +
                                  seconds_text(state.options.timeout) +
                                  " (a rank failed, is stuck, or issued different collectives)" +
                                  (lost_text.empty() ? "" : "; also " + lost_text));

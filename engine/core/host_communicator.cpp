@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "engine/core/collective_text.h"
 #include "engine/core/log.h"
 #include "engine/core/rank_order_reduction.h"
 
@@ -94,21 +95,6 @@ std::string op_text(const Arrival& call, uint64_t sequence) {
   return std::string(collective_kind_name(call.kind)) + " #" + std::to_string(sequence);
 }
 
-std::string rank_list_text(const std::vector<int>& ranks) {
-  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    if (i > 0) text += ", ";
-    text += std::to_string(ranks[i]);
-  }
-  return text;
-}
-
-std::string seconds_text(std::chrono::milliseconds duration) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.1f s", static_cast<double>(duration.count()) / 1000.0);
-  return text;
-}
-
 Status aborted_error(const Status& reason, const std::string& what, int rank) {
   return Status(reason.code(), "host communicator: " + what + " on rank " + std::to_string(rank) +
                                    " failed because the group was aborted: " + reason.message());
@@ -184,7 +170,7 @@ Status wait_for_arrivals(GroupState& group, Slot& slot, int rank, uint64_t seque
         if (!slot.arrivals[static_cast<size_t>(other)]) missing.push_back(other);
       Status timeout = DeadlineExceededError(
           "host communicator: " + what + " " + call_text(mine) + " on rank " + std::to_string(rank) + " waited " +
-          seconds_text(group.timeout) + " but " + rank_list_text(missing) + " of " + std::to_string(world) +
+          seconds_text(group.timeout) + " but " + ranks_text(missing) + " of " + std::to_string(world) +
           " did not arrive (a rank failed, is stuck, or issued fewer collectives); the group is aborted");
       group.abort_locked(timeout);
       return timeout;
@@ -313,7 +299,6 @@ void HostCommunicatorGroup::abort(std::string_view reason) {
 // ---------------------------------------------------------------------------
 // HostCommunicator
 // ---------------------------------------------------------------------------
-
 
 HostCommunicator::HostCommunicator(std::shared_ptr<GroupState> state, int rank, Device& device)
     : StreamTaskCommunicator(device), state_(std::move(state)), rank_(rank) {}

@@ -13,6 +13,7 @@
 #include <thread>
 #include <utility>
 
+#include "engine/core/collective_text.h"
 #include "engine/core/cuda_check.h"
 #include "engine/core/log.h"
 #include "engine/core/thread.h"
@@ -30,12 +31,6 @@ using Clock = std::chrono::steady_clock;
 // group's end, so work enqueued after an NCCL call (a reduction kernel, an event) would
 // run before the transfer. Operations that need that refuse to run inside a group.
 thread_local int t_group_depth = 0;
-
-std::string seconds_text(std::chrono::milliseconds duration) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.1f s", static_cast<double>(duration.count()) / 1000.0);
-  return text;
-}
 
 ncclDataType_t nccl_type(DType dtype) {
   switch (dtype) {

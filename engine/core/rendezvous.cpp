@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "engine/core/check.h"
+#include "engine/core/collective_text.h"
 #include "engine/core/log.h"
 #include "engine/core/rendezvous_wire.h"
 
@@ -25,25 +26,10 @@ using namespace rendezvous_wire;  // the wire format and the socket helpers of t
 
 namespace {
 
-std::string seconds_text(std::chrono::milliseconds duration) {
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.1f s", static_cast<double>(duration.count()) / 1000.0);
-  return text;
-}
-
 // Rank 0's text without its own "rendezvous: " prefix, to follow ours.
 std::string without_prefix(std::string text) {
   constexpr std::string_view kPrefix = "rendezvous: ";
   if (text.starts_with(kPrefix)) text.erase(0, kPrefix.size());
-  return text;
-}
-
-std::string rank_list_text(const std::vector<int>& ranks) {
-  std::string text;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    if (i > 0) text += ", ";
-    text += std::to_string(ranks[i]);
-  }
   return text;
 }
 

@@ -36,9 +36,15 @@ struct TorchCase {
 };
 
 std::string torch_unavailable_reason() {
-  if (std::system((std::string(kPython) + " -c 'import torch, numpy' >/dev/null 2>&1").c_str()) != 0)
-    return std::string(kPython) + " cannot import torch and numpy (install Debian's python3-torch)";
-  return "";
+  // Appended in place: GCC 12 warns (-Warray-bounds, a false positive) on a temporary's
+  // operator+ here.
+  const std::string python(kPython);
+  std::string command = python;
+  command += " -c 'import torch, numpy' >/dev/null 2>&1";
+  if (std::system(command.c_str()) == 0) return "";
+  std::string reason = python;
+  reason += " cannot import torch and numpy (install Debian's python3-torch)";
+  return reason;
 }
 
 template <class T>
