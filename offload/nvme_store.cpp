@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <utility>
 #include <vector>
 
 #include "engine/core/check.h"
@@ -393,6 +394,9 @@ Status NvmeStore::check_range(const Extent& extent, size_t bytes, size_t extent_
 
 // One ranged write or read of an extent, as its steps and its completion see it.
 struct NvmeStore::Transfer {
+  Transfer(uint64_t id, size_t bytes, size_t extent_offset, size_t block_bytes, std::string file_path)
+      : id(id), bytes(bytes), extent_offset(extent_offset), block_bytes(block_bytes), file_path(std::move(file_path)) {}
+
   uint64_t id = 0;           // the extent's handle
   std::string key;           // the extent's name
   size_t bytes = 0;          // the caller's bytes
@@ -464,12 +468,7 @@ StatusOr<IoTicket> NvmeStore::write_async(NvmeExtent handle, const void* src, si
 // The first step of a write (mutex taken): the extent looked up, the range checked, the
 // blocks it covers.
 StatusOr<NvmeStore::Transfer> NvmeStore::plan_write(NvmeExtent handle, size_t bytes, size_t extent_offset) const {
-  Transfer transfer;
-  transfer.id = handle.id;
-  transfer.bytes = bytes;
-  transfer.extent_offset = extent_offset;
-  transfer.block_bytes = transfer_granularity();
-  transfer.file_path = file_path_;
+  Transfer transfer(handle.id, bytes, extent_offset, transfer_granularity(), file_path_);
   {
     std::lock_guard<std::mutex> lock(shared_->mutex);
     auto it = shared_->extents.find(handle.id);
@@ -540,12 +539,7 @@ StatusOr<NvmeStore::Transfer> NvmeStore::start_read(NvmeExtent handle, const voi
                                                     size_t extent_offset, size_t dst_capacity,
                                                     std::vector<uint64_t>* expected) {
   Shared& s = *shared_;
-  Transfer transfer;
-  transfer.id = handle.id;
-  transfer.bytes = bytes;
-  transfer.extent_offset = extent_offset;
-  transfer.block_bytes = transfer_granularity();
-  transfer.file_path = file_path_;
+  Transfer transfer(handle.id, bytes, extent_offset, transfer_granularity(), file_path_);
   const size_t block_bytes = transfer.block_bytes;
   const size_t first_block = extent_offset / block_bytes;
   const size_t blocks = (bytes + block_bytes - 1) / block_bytes;

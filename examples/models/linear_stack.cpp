@@ -163,6 +163,16 @@ StackShapes stack_shapes(size_t rows, size_t f, size_t w) {
 
 }  // namespace
 
+// What forward() and backward() of one micro-batch share: this rank's sizes and the shapes.
+struct LinearStackModel::Step {
+  Stream& stream;
+  size_t rows;  // this rank's rows of the micro-batch
+  size_t f, w;  // features, width
+  int layers;
+  StackShapes shapes;
+  size_t embed_numel;  // group 0's elements
+};
+
 // The device work of a step; with StackCompute::kNone only the engine's protocol runs.
 Status LinearStackModel::launch(const std::function<Status()>& work) const {
   return config_.compute == StackCompute::kKernels ? work() : Status();
@@ -189,22 +199,24 @@ Status LinearStackModel::forward_backward(int64_t step, int micro, int micro_bat
   make_batch(config_, step, micro, rank_ * local_rows_, local_rows_, hx, hl);
   STRATA_RETURN_IF_ERROR(launch([&] { return device.copy_async(x_.data(), hx, rows * f * 4, CopyKind::kHostToDevice, stream); }));
   STRATA_RETURN_IF_ERROR(launch([&] { return device.copy_async(labels_.data(), hl, rows * 4, CopyKind::kHostToDevice, stream); }));
-  if (Status status = forward(micro, micro_batches); !status.ok()) return status;
-  if (Status status = backward(); !status.ok()) return status;
+  const size_t w = static_cast<size_t>(config_.width);
+  const Step s{.stream = stream, .rows = rows, .f = f, .w = w, .layers = config_.layers,
+               .shapes = stack_shapes(rows, f, w), .embed_numel = engine_.layout(0).numel};
+  if (Status status = forward(s, micro, micro_batches); !status.ok()) return status;
+  if (Status status = backward(s); !status.ok()) return status;
   (void)loss;
   return {};
 }
 
 // Embedding, the layers, the tied head and the fused loss of one micro-batch; the mean
 // loss is copied into micro_losses_[micro].
-Status LinearStackModel::forward(int micro, int micro_batches) {
-  Stream& stream = engine_.compute_stream();
+Status LinearStackModel::forward(const Step& s, int micro, int micro_batches) {
+  Stream& stream = s.stream;
   Device& device = engine_.device();
-  const size_t rows = static_cast<size_t>(local_rows_);
-  const size_t f = static_cast<size_t>(config_.features), w = static_cast<size_t>(config_.width);
-  const int layers = config_.layers;
-  const StackShapes shapes = stack_shapes(rows, f, w);
-  const size_t embed_numel = engine_.layout(0).numel;
+  const size_t rows = s.rows, f = s.f, w = s.w;
+  const int layers = s.layers;
+  const StackShapes& shapes = s.shapes;
+  const size_t embed_numel = s.embed_numel;
   STRATA_ASSIGN_OR_RETURN(GroupView embed, engine_.gather(0));
   STRATA_ASSIGN_OR_RETURN(const float* e, as_fp32(embed, embed_numel, scratch_embed_));
   STRATA_RETURN_IF_ERROR(launch([&] { return kernels::matmul_forward(stream, *blas_, shapes.embed, DType::kFloat32, x_.data(), e, nullptr, activations(0)); }));
@@ -235,13 +247,12 @@ Status LinearStackModel::forward(int micro, int micro_batches) {
 
 // The head, the layers (each layer's gradients handed to the engine as they are done)
 // and the embedding, back from the loss gradient forward() left in logits_.
-Status LinearStackModel::backward() {
-  Stream& stream = engine_.compute_stream();
-  const size_t rows = static_cast<size_t>(local_rows_);
-  const size_t f = static_cast<size_t>(config_.features), w = static_cast<size_t>(config_.width);
-  const int layers = config_.layers;
-  const StackShapes shapes = stack_shapes(rows, f, w);
-  const size_t embed_numel = engine_.layout(0).numel;
+Status LinearStackModel::backward(const Step& s) {
+  Stream& stream = s.stream;
+  const size_t rows = s.rows, w = s.w;
+  const int layers = s.layers;
+  const StackShapes& shapes = s.shapes;
+  const size_t embed_numel = s.embed_numel;
   const kernels::GradOptions accumulate_params{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
   STRATA_ASSIGN_OR_RETURN(GroupView embed, engine_.gather(0));
   STRATA_ASSIGN_OR_RETURN(const float* e, as_fp32(embed, embed_numel, scratch_embed_));

@@ -78,8 +78,9 @@ class LinearStackModel {
   LinearStackModel(Engine& engine, const LinearStackConfig& config, int rank, int world_size)
       : engine_(engine), config_(config), rank_(rank), world_size_(world_size) {}
   Status forward_backward(int64_t step, int micro, int micro_batches, double* loss);
-  Status forward(int micro, int micro_batches);  // after forward_backward's input copies
-  Status backward();
+  struct Step;  // one micro-batch's sizes and shapes
+  Status forward(const Step& s, int micro, int micro_batches);  // after forward_backward's input copies
+  Status backward(const Step& s);
   Status launch(const std::function<Status()>& work) const;  // runs `work` when the stack computes
   float* activations(int layer);      // h_ of `layer` (0: the embedding's output)
   float* pre_activations(int layer);  // pre_ of `layer` (1..layers)
