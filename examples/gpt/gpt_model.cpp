@@ -489,17 +489,10 @@ Status GptModel::head_forward(int64_t train_sequences, int64_t eval_sequences) {
 Status GptModel::embed_backward() {
   Buffers& b = *buffers_;
   const DeviceLayout& d = b.layout;
-  for (int64_t k = 0; k < groups_.chunks; ++k) {
-    const int g = groups_.wte(k);
-    STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
-    float* dweight = static_cast<float*>(grads.tensors[0]);
-    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-    STRATA_RETURN_IF_ERROR(vocab_->head_backward_chunk(k, view, b.at(d.lnf_out), dweight, nullptr));
-    STRATA_RETURN_IF_ERROR(engine_.release(g));
-    STRATA_RETURN_IF_ERROR(vocab_->embed_backward(k, b.at(d.dresid), dweight));
-    STRATA_RETURN_IF_ERROR(capture(g, grads));
-    STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
-  }
+  // wte is tied to the head: each chunk's gradient also takes the head's.
+  const auto wte = [this](int64_t k) { return groups_.wte(k); };
+  if (Status status = vocab_chunks_backward(groups_.chunks, wte, b.at(d.lnf_out), b.at(d.dresid)); !status.ok())
+    return status;
   const int wpe = groups_.wpe();
   STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(wpe));
   const GptConfig& c = options_.config;

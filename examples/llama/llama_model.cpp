@@ -677,20 +677,8 @@ Status LlamaModel::backward(const Rows& rows) {
     STRATA_RETURN_IF_ERROR(b.pinned.restore(stream, l, b.resid(l - 2), block_input_bytes(rows)));
   }
   // dresid is d loss / d x_0: the embedding chunks' gradients (tied: plus the head's).
-  for (int64_t k = 0; k < d.chunks.count; ++k) {
-    const int g = groups_.embed(k);
-    STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
-    float* dweight = static_cast<float*>(grads.tensors[0]);
-    if (groups_.tied) {
-      STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-      STRATA_RETURN_IF_ERROR(vocab_->head_backward_chunk(k, view, b.at(d.norm_out), dweight, nullptr));
-      STRATA_RETURN_IF_ERROR(engine_.release(g));
-    }
-    STRATA_RETURN_IF_ERROR(vocab_->embed_backward(k, b.at(d.dresid), dweight));
-    STRATA_RETURN_IF_ERROR(capture(g, grads));
-    STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
-  }
-  return {};
+  const auto embed = [this](int64_t k) { return groups_.embed(k); };
+  return vocab_chunks_backward(d.chunks.count, embed, groups_.tied ? b.at(d.norm_out) : nullptr, b.at(d.dresid));
 }
 
 StatusOr<QueuedMicroBatch> LlamaModel::queue_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {

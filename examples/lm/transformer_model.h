@@ -77,6 +77,28 @@ class TransformerModel : public CausalLm {
     return {};
   }
 
+  // The vocabulary chunks' gradients, last in a backward: chunk k (group chunk_group(k))
+  // gets its embedding rows' gradient from `dresid` (d loss / d x_0) and, when the head is
+  // tied to the embedding, the head's from `head_input` (the final norm's output; null when
+  // untied); then its gradient is captured and handed to the engine.
+  template <class ChunkGroup>
+  Status vocab_chunks_backward(int64_t chunks, const ChunkGroup& chunk_group, const void* head_input, const void* dresid) {
+    for (int64_t k = 0; k < chunks; ++k) {
+      const int g = chunk_group(k);
+      STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
+      float* dweight = static_cast<float*>(grads.tensors[0]);
+      if (head_input != nullptr) {
+        STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
+        STRATA_RETURN_IF_ERROR(vocab_->head_backward_chunk(k, view, head_input, dweight, nullptr));
+        STRATA_RETURN_IF_ERROR(engine_.release(g));
+      }
+      STRATA_RETURN_IF_ERROR(vocab_->embed_backward(k, dresid, dweight));
+      STRATA_RETURN_IF_ERROR(capture(g, grads));
+      STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
+    }
+    return {};
+  }
+
   // Copies the group's full gradient to the host when options.capture_gradients asks.
   Status capture(int group, const GroupView& grads) {
     if (!options_.capture_gradients) return {};
