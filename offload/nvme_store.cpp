@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <utility>
 #include <vector>
 
 #include "engine/core/check.h"
@@ -45,6 +46,12 @@ struct NvmeStore::Shared {
   uint64_t file_bytes = 0;
   unsigned inflight = 0;
   NvmeStoreStats stats;
+
+  // Ends one transfer on extent `id` (mutex held); the last one in flight wakes the waiters.
+  void end_transfer(uint64_t id) {
+    --extents.at(id).inflight;
+    if (--inflight == 0) idle.notify_all();
+  }
 };
 
 namespace {
@@ -73,10 +80,34 @@ std::vector<uint64_t> block_checksums(const char* data, size_t bytes, size_t blo
   return sums;
 }
 
+// Gives a transfer its store-side completion: `finish` checks or records checksums, copies
+// out of a bounce buffer and does the bookkeeping. Work on the bytes (`heavy`) runs as the
+// engine's verify hook, beside the I/O; bookkeeping alone runs where the completion is
+// reaped. `completed_at` is stamped when the transfer itself finishes, before any checks.
+void set_completion_hooks(IoRequest& request, IoCompletionHook finish, bool heavy,
+                          std::chrono::steady_clock::time_point* completed_at) {
+  if (!heavy) {
+    request.on_complete = [finish = std::move(finish), completed_at](const Status& transfer) {
+      if (completed_at != nullptr) *completed_at = std::chrono::steady_clock::now();
+      return finish(transfer);
+    };
+    return;
+  }
+  if (completed_at != nullptr) {
+    request.on_complete = [completed_at](const Status& transfer) {
+      *completed_at = std::chrono::steady_clock::now();
+      return transfer;
+    };
+  }
+  request.verify = std::move(finish);
+}
+
+}  // namespace
+
 // A write's block checksums, computed once by whichever thread comes first: the writer
 // right after submitting (the disk writes meanwhile), or the request's verify hook when
 // the write finished before the writer got to them.
-class WriteChecksums {
+class NvmeStore::WriteChecksums {
  public:
   void compute_unless_started(const char* data, size_t bytes, size_t block_bytes) {
     {
@@ -107,30 +138,6 @@ class WriteChecksums {
   State state_ = State::kNotStarted;
   std::vector<uint64_t> sums_;
 };
-
-// Gives a transfer its store-side completion: `finish` checks or records checksums, copies
-// out of a bounce buffer and does the bookkeeping. Work on the bytes (`heavy`) runs as the
-// engine's verify hook, beside the I/O; bookkeeping alone runs where the completion is
-// reaped. `completed_at` is stamped when the transfer itself finishes, before any checks.
-void set_completion_hooks(IoRequest& request, IoCompletionHook finish, bool heavy,
-                          std::chrono::steady_clock::time_point* completed_at) {
-  if (!heavy) {
-    request.on_complete = [finish = std::move(finish), completed_at](const Status& transfer) {
-      if (completed_at != nullptr) *completed_at = std::chrono::steady_clock::now();
-      return finish(transfer);
-    };
-    return;
-  }
-  if (completed_at != nullptr) {
-    request.on_complete = [completed_at](const Status& transfer) {
-      *completed_at = std::chrono::steady_clock::now();
-      return transfer;
-    };
-  }
-  request.verify = std::move(finish);
-}
-
-}  // namespace
 
 // "pid N" from the pid file the lock holder wrote, "pid unknown" when it is gone.
 std::string NvmeStore::lock_holder() const {
@@ -385,194 +392,234 @@ Status NvmeStore::check_range(const Extent& extent, size_t bytes, size_t extent_
   return Status::Ok();
 }
 
+// One ranged write or read of an extent, as its steps and its completion see it.
+struct NvmeStore::Transfer {
+  Transfer(uint64_t id, size_t bytes, size_t extent_offset, size_t block_bytes, std::string file_path)
+      : id(id), bytes(bytes), extent_offset(extent_offset), block_bytes(block_bytes), file_path(std::move(file_path)) {}
+
+  uint64_t id = 0;           // the extent's handle
+  std::string key;           // the extent's name
+  size_t bytes = 0;          // the caller's bytes
+  size_t extent_offset = 0;  // where they start in the extent
+  uint64_t file_offset = 0;  // where they start in the file
+  size_t io_bytes = 0;       // `bytes` rounded up to the alignment
+  size_t block_bytes = 0;    // the transfer granularity (the checksum block with checksums on)
+  size_t first_block = 0;    // the first block the transfer touches
+  size_t blocks = 0;         // blocks the transfer covers
+  std::string file_path;
+  std::shared_ptr<AlignedBuffer> bounce;  // the staging buffer; null when the caller's buffer is used
+
+  // "extent 'k' bytes [a, b) at file offset f of path", for messages.
+  std::string describe() const {
+    return "extent '" + key + "' bytes [" + std::to_string(extent_offset) + ", " +
+           std::to_string(extent_offset + bytes) + ") at file offset " + std::to_string(file_offset) + " of " +
+           file_path;
+  }
+};
+
 StatusOr<IoTicket> NvmeStore::write_async(NvmeExtent handle, const void* src, size_t bytes, size_t extent_offset,
                                           size_t src_capacity, std::chrono::steady_clock::time_point* completed_at) {
   if (src == nullptr) return InvalidArgumentError("nvme store: write from a null buffer");
   Shared& s = *shared_;
-  const size_t block_bytes = transfer_granularity();
-  uint64_t file_offset = 0;
-  size_t io_bytes = 0;
-  size_t first_block = 0;
-  std::string key;
-  {
-    std::lock_guard<std::mutex> lock(s.mutex);
-    auto it = s.extents.find(handle.id);
-    if (it == s.extents.end()) return NotFoundError("nvme store: extent id " + std::to_string(handle.id) + " does not exist");
-    Extent& extent = it->second;
-    STRATA_RETURN_IF_ERROR(check_range(extent, bytes, extent_offset, "write"));
-    key = extent.key;
-    file_offset = extent.file_offset + extent_offset;
-    io_bytes = round_up(bytes, alignment_);  // the padding up to the alignment belongs to the extent
-    first_block = extent_offset / block_bytes;
-  }
+  StatusOr<Transfer> planned = plan_write(handle, bytes, extent_offset);
+  if (!planned.ok()) return planned.status();
+  Transfer transfer = std::move(planned).value();
   const size_t capacity = src_capacity == 0 ? bytes : src_capacity;
-  const bool direct = is_aligned(reinterpret_cast<uintptr_t>(src), alignment_) && capacity >= io_bytes;
-  std::shared_ptr<AlignedBuffer> bounce;
+  const bool direct = is_aligned(reinterpret_cast<uintptr_t>(src), alignment_) && capacity >= transfer.io_bytes;
   const char* data = static_cast<const char*>(src);
   if (!direct) {
     STRATA_LOG_ONCE(kDebug) << "nvme store: a write from an unaligned or short buffer goes through a bounce buffer";
-    STRATA_ASSIGN_OR_RETURN(AlignedBuffer buffer, AlignedBuffer::allocate(io_bytes, alignment_));
-    bounce = std::make_shared<AlignedBuffer>(std::move(buffer));
-    std::memcpy(bounce->data(), src, bytes);
-    std::memset(bounce->data() + bytes, 0, io_bytes - bytes);
-    data = bounce->as<const char>();
+    STRATA_ASSIGN_OR_RETURN(AlignedBuffer buffer, AlignedBuffer::allocate(transfer.io_bytes, alignment_));
+    transfer.bounce = std::make_shared<AlignedBuffer>(std::move(buffer));
+    std::memcpy(transfer.bounce->data(), src, bytes);
+    std::memset(transfer.bounce->data() + bytes, 0, transfer.io_bytes - bytes);
+    data = transfer.bounce->as<const char>();
   }
-  // The blocks this write touches (with checksums on, it starts on a block boundary).
-  const size_t blocks = (extent_offset + bytes - 1) / block_bytes - first_block + 1;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     auto it = s.extents.find(handle.id);
-    if (it == s.extents.end()) return NotFoundError("nvme store: extent '" + key + "' was freed");
+    if (it == s.extents.end()) return NotFoundError("nvme store: extent '" + transfer.key + "' was freed");
     // Until this write lands, the blocks it covers hold nothing trustworthy.
-    for (size_t i = 0; i < blocks; ++i) it->second.block_valid[first_block + i] = 0;
+    for (size_t i = 0; i < transfer.blocks; ++i) it->second.block_valid[transfer.first_block + i] = 0;
     ++it->second.inflight;
     ++s.inflight;
-    if (bounce) ++s.stats.bounce_transfers;
+    if (transfer.bounce) ++s.stats.bounce_transfers;
   }
   IoRequest request;
   request.op = IoOp::kWrite;
   request.file = io_file_;
   request.buffer = const_cast<char*>(data);  // the engine only reads it for a write
-  request.bytes = io_bytes;
-  request.offset = file_offset;
-  const uint64_t id = handle.id;
-  std::shared_ptr<Shared> shared = shared_;
-  const std::string file_path = file_path_;
+  request.bytes = transfer.io_bytes;
+  request.offset = transfer.file_offset;
   // The checksums are computed while the write is in flight: by this thread once the
   // request is submitted, or by whichever thread finishes the request first (the verify
   // hook), so a fast completion never waits for a thread that has not started. The
   // blocks become readable with them.
   const bool checksums = options_.checksums;
   auto pending_sums = checksums ? std::make_shared<WriteChecksums>() : nullptr;
-  auto finish = [shared, id, key, first_block, blocks, bytes, extent_offset, file_offset, file_path, bounce, data,
-                 block_bytes, pending_sums](const Status& transfer) -> Status {
+  const size_t block_bytes = transfer.block_bytes;
+  set_completion_hooks(request, write_completion(shared_, std::move(transfer), data, pending_sums), checksums,
+                       completed_at);
+  StatusOr<IoTicket> ticket = submit_transfer(std::move(request), handle.id);
+  if (ticket.ok() && pending_sums != nullptr) pending_sums->compute_unless_started(data, bytes, block_bytes);
+  return ticket;
+}
+
+// The first step of a write (mutex taken): the extent looked up, the range checked, the
+// blocks it covers.
+StatusOr<NvmeStore::Transfer> NvmeStore::plan_write(NvmeExtent handle, size_t bytes, size_t extent_offset) const {
+  Transfer transfer(handle.id, bytes, extent_offset, transfer_granularity(), file_path_);
+  {
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    auto it = shared_->extents.find(handle.id);
+    if (it == shared_->extents.end())
+      return NotFoundError("nvme store: extent id " + std::to_string(handle.id) + " does not exist");
+    const Extent& extent = it->second;
+    STRATA_RETURN_IF_ERROR(check_range(extent, bytes, extent_offset, "write"));
+    transfer.key = extent.key;
+    transfer.file_offset = extent.file_offset + extent_offset;
+    transfer.io_bytes = round_up(bytes, alignment_);  // the padding up to the alignment belongs to the extent
+    transfer.first_block = extent_offset / transfer.block_bytes;
+  }
+  // The blocks this write touches (with checksums on, it starts on a block boundary).
+  transfer.blocks = (extent_offset + bytes - 1) / transfer.block_bytes - transfer.first_block + 1;
+  return transfer;
+}
+
+// A write's completion: with checksums, the blocks' sums recorded; the blocks readable
+// again once the write landed.
+IoCompletionHook NvmeStore::write_completion(std::shared_ptr<Shared> shared, Transfer transfer, const char* data,
+                                             std::shared_ptr<WriteChecksums> pending_sums) {
+  return [shared = std::move(shared), transfer = std::move(transfer), data,
+          pending_sums = std::move(pending_sums)](const Status& result) -> Status {
     std::vector<uint64_t> sums;
-    if (transfer.ok() && pending_sums != nullptr) sums = pending_sums->get(data, bytes, block_bytes);
+    if (result.ok() && pending_sums != nullptr) sums = pending_sums->get(data, transfer.bytes, transfer.block_bytes);
     std::lock_guard<std::mutex> lock(shared->mutex);
-    Extent& extent = shared->extents.at(id);
-    if (transfer.ok()) {
-      for (size_t i = 0; i < blocks; ++i) {
-        extent.block_valid[first_block + i] = 1;
-        if (!sums.empty()) extent.checksums[first_block + i] = sums[i];
+    Extent& extent = shared->extents.at(transfer.id);
+    if (result.ok()) {
+      for (size_t i = 0; i < transfer.blocks; ++i) {
+        extent.block_valid[transfer.first_block + i] = 1;
+        if (!sums.empty()) extent.checksums[transfer.first_block + i] = sums[i];
       }
-      shared->stats.bytes_written += bytes;
+      shared->stats.bytes_written += transfer.bytes;
     }
-    --extent.inflight;
-    if (--shared->inflight == 0) shared->idle.notify_all();
-    if (transfer.ok()) return Status::Ok();
-    Status failed = transfer;
-    return std::move(failed).with_context("nvme store: write of extent '" + key + "' bytes [" +
-                                          std::to_string(extent_offset) + ", " + std::to_string(extent_offset + bytes) +
-                                          ") at file offset " + std::to_string(file_offset) + " of " + file_path +
+    shared->end_transfer(transfer.id);
+    if (result.ok()) return Status::Ok();
+    Status failed = result;
+    return std::move(failed).with_context("nvme store: write of " + transfer.describe() +
                                           " failed; those bytes of the extent are not readable");
   };
-  set_completion_hooks(request, std::move(finish), checksums, completed_at);
-  StatusOr<IoTicket> ticket = engine_->submit(std::move(request));
-  if (!ticket.ok()) {
-    std::lock_guard<std::mutex> lock(s.mutex);
-    --s.extents.at(id).inflight;
-    if (--s.inflight == 0) s.idle.notify_all();
-    return ticket;
-  }
-  if (pending_sums != nullptr) pending_sums->compute_unless_started(data, bytes, block_bytes);
-  return ticket;
 }
 
 StatusOr<IoTicket> NvmeStore::read_async(NvmeExtent handle, void* dst, size_t bytes, size_t extent_offset,
                                          size_t dst_capacity, std::chrono::steady_clock::time_point* completed_at) {
   if (dst == nullptr) return InvalidArgumentError("nvme store: read into a null buffer");
-  Shared& s = *shared_;
-  const size_t block_bytes = transfer_granularity();
-  uint64_t file_offset = 0;
-  size_t io_bytes = 0;
-  std::string key;
   std::vector<uint64_t> expected;
-  const size_t first_block = extent_offset / block_bytes;
-  const size_t blocks = (bytes + block_bytes - 1) / block_bytes;
-  const size_t capacity = dst_capacity == 0 ? bytes : dst_capacity;
-  std::shared_ptr<AlignedBuffer> bounce;
-  {
-    std::lock_guard<std::mutex> lock(s.mutex);
-    auto it = s.extents.find(handle.id);
-    if (it == s.extents.end()) return NotFoundError("nvme store: extent id " + std::to_string(handle.id) + " does not exist");
-    Extent& extent = it->second;
-    STRATA_RETURN_IF_ERROR(check_range(extent, bytes, extent_offset, "read"));
-    key = extent.key;
-    // Blocks touched by the range (with checksums off a range may end inside a block).
-    const size_t last_block = (extent_offset + bytes - 1) / block_bytes;
-    for (size_t b = first_block; b <= last_block; ++b) {
-      if (extent.block_valid[b] == 0) {
-        return FailedPreconditionError("nvme store: extent '" + key + "' bytes [" + std::to_string(b * block_bytes) +
-                                       ", " + std::to_string(std::min(extent.bytes, (b + 1) * block_bytes)) +
-                                       ") hold no valid data: never written, or their last write failed (" +
-                                       file_path_ + ")");
-      }
-    }
-    if (options_.checksums) expected.assign(extent.checksums.begin() + first_block, extent.checksums.begin() + first_block + blocks);
-    file_offset = extent.file_offset + extent_offset;
-    io_bytes = round_up(bytes, alignment_);
-    const bool direct = is_aligned(reinterpret_cast<uintptr_t>(dst), alignment_) && capacity >= io_bytes;
-    if (!direct) {
-      STRATA_LOG_ONCE(kDebug) << "nvme store: a read into an unaligned or short buffer goes through a bounce buffer";
-      STRATA_ASSIGN_OR_RETURN(AlignedBuffer buffer, AlignedBuffer::allocate(io_bytes, alignment_));
-      bounce = std::make_shared<AlignedBuffer>(std::move(buffer));
-      ++s.stats.bounce_transfers;
-    }
-    ++extent.inflight;
-    ++s.inflight;
-  }
+  StatusOr<Transfer> started = start_read(handle, dst, bytes, extent_offset, dst_capacity, &expected);
+  if (!started.ok()) return started.status();
+  Transfer transfer = std::move(started).value();
   IoRequest request;
   request.op = IoOp::kRead;
   request.file = io_file_;
-  request.buffer = bounce ? bounce->data() : dst;
-  request.bytes = io_bytes;
-  request.offset = file_offset;
-  const uint64_t id = handle.id;
-  std::shared_ptr<Shared> shared = shared_;
-  const std::string file_path = file_path_;
+  request.buffer = transfer.bounce ? transfer.bounce->data() : dst;
+  request.bytes = transfer.io_bytes;
+  request.offset = transfer.file_offset;
   // Verified on a verifier thread beside the I/O of the requests behind this one
   // (IoRequest::verify); the ticket completes, and dst is handed over, only after.
-  const bool heavy = !expected.empty() || bounce != nullptr;
-  auto finish = [shared, id, key, bytes, extent_offset, file_offset, file_path, bounce, block_bytes,
-                 expected = std::move(expected), dst](const Status& transfer) -> Status {
-    Status status = transfer;
-    const char* data = bounce ? bounce->as<const char>() : static_cast<const char*>(dst);
+  const bool heavy = !expected.empty() || transfer.bounce != nullptr;
+  set_completion_hooks(request, read_completion(shared_, std::move(transfer), std::move(expected), dst), heavy,
+                       completed_at);
+  return submit_transfer(std::move(request), handle.id);
+}
+
+// The first step of a read (mutex taken): the extent looked up, the range checked and
+// found valid, the checksums to expect copied out, a bounce buffer when `dst` cannot take
+// the transfer, and the read counted in flight.
+StatusOr<NvmeStore::Transfer> NvmeStore::start_read(NvmeExtent handle, const void* dst, size_t bytes,
+                                                    size_t extent_offset, size_t dst_capacity,
+                                                    std::vector<uint64_t>* expected) {
+  Shared& s = *shared_;
+  Transfer transfer(handle.id, bytes, extent_offset, transfer_granularity(), file_path_);
+  const size_t block_bytes = transfer.block_bytes;
+  const size_t first_block = extent_offset / block_bytes;
+  const size_t blocks = (bytes + block_bytes - 1) / block_bytes;
+  const size_t capacity = dst_capacity == 0 ? bytes : dst_capacity;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  auto it = s.extents.find(handle.id);
+  if (it == s.extents.end()) return NotFoundError("nvme store: extent id " + std::to_string(handle.id) + " does not exist");
+  Extent& extent = it->second;
+  STRATA_RETURN_IF_ERROR(check_range(extent, bytes, extent_offset, "read"));
+  transfer.key = extent.key;
+  // Blocks touched by the range (with checksums off a range may end inside a block).
+  const size_t last_block = (extent_offset + bytes - 1) / block_bytes;
+  for (size_t b = first_block; b <= last_block; ++b) {
+    if (extent.block_valid[b] == 0) {
+      return FailedPreconditionError("nvme store: extent '" + transfer.key + "' bytes [" +
+                                     std::to_string(b * block_bytes) + ", " +
+                                     std::to_string(std::min(extent.bytes, (b + 1) * block_bytes)) +
+                                     ") hold no valid data: never written, or their last write failed (" +
+                                     file_path_ + ")");
+    }
+  }
+  if (options_.checksums) expected->assign(extent.checksums.begin() + first_block, extent.checksums.begin() + first_block + blocks);
+  transfer.file_offset = extent.file_offset + extent_offset;
+  transfer.io_bytes = round_up(bytes, alignment_);
+  const bool direct = is_aligned(reinterpret_cast<uintptr_t>(dst), alignment_) && capacity >= transfer.io_bytes;
+  if (!direct) {
+    STRATA_LOG_ONCE(kDebug) << "nvme store: a read into an unaligned or short buffer goes through a bounce buffer";
+    STRATA_ASSIGN_OR_RETURN(AlignedBuffer buffer, AlignedBuffer::allocate(transfer.io_bytes, alignment_));
+    transfer.bounce = std::make_shared<AlignedBuffer>(std::move(buffer));
+    ++s.stats.bounce_transfers;
+  }
+  ++extent.inflight;
+  ++s.inflight;
+  return transfer;
+}
+
+// A read's completion: every block checked against its stored checksum (the first
+// mismatch reported, the others counted), then the bytes copied out of the bounce buffer.
+IoCompletionHook NvmeStore::read_completion(std::shared_ptr<Shared> shared, Transfer transfer,
+                                            std::vector<uint64_t> expected, void* dst) {
+  return [shared = std::move(shared), transfer = std::move(transfer), expected = std::move(expected),
+          dst](const Status& result) -> Status {
+    Status status = result;
+    const size_t bytes = transfer.bytes;
+    const char* data = transfer.bounce ? transfer.bounce->as<const char>() : static_cast<const char*>(dst);
     size_t mismatches = 0;
     if (status.ok()) {
       // Verify every block; report the first mismatch.
       for (size_t i = 0; i < expected.size(); ++i) {
-        const size_t begin = i * block_bytes;
-        const size_t length = std::min(block_bytes, bytes - begin);
+        const size_t begin = i * transfer.block_bytes;
+        const size_t length = std::min(transfer.block_bytes, bytes - begin);
         const uint64_t got = xxhash64(data + begin, length);
         if (got == expected[i]) continue;
         if (mismatches++ == 0) {
-          status = DataLossError("nvme store: checksum mismatch in extent '" + key + "' of " + file_path +
-                                 " at file offset " + std::to_string(file_offset + begin) + " (extent bytes [" +
-                                 std::to_string(extent_offset + begin) + ", " +
-                                 std::to_string(extent_offset + begin + length) + ")): stored " + hex64(expected[i]) +
-                                 ", read " + hex64(got));
+          status = DataLossError("nvme store: checksum mismatch in extent '" + transfer.key + "' of " +
+                                 transfer.file_path + " at file offset " + std::to_string(transfer.file_offset + begin) +
+                                 " (extent bytes [" + std::to_string(transfer.extent_offset + begin) + ", " +
+                                 std::to_string(transfer.extent_offset + begin + length) + ")): stored " +
+                                 hex64(expected[i]) + ", read " + hex64(got));
         }
       }
       if (mismatches > 1) status.with_context(std::to_string(mismatches) + " blocks of the read failed their checksum");
-      if (status.ok() && bounce) std::memcpy(dst, bounce->data(), bytes);
+      if (status.ok() && transfer.bounce) std::memcpy(dst, transfer.bounce->data(), bytes);
     } else {
-      status.with_context("nvme store: read of extent '" + key + "' bytes [" + std::to_string(extent_offset) + ", " +
-                          std::to_string(extent_offset + bytes) + ") at file offset " + std::to_string(file_offset) +
-                          " of " + file_path + " failed");
+      status.with_context("nvme store: read of " + transfer.describe() + " failed");
     }
     std::lock_guard<std::mutex> lock(shared->mutex);
     if (status.ok()) shared->stats.bytes_read += bytes;
     shared->stats.checksum_failures += mismatches;
-    --shared->extents.at(id).inflight;
-    if (--shared->inflight == 0) shared->idle.notify_all();
+    shared->end_transfer(transfer.id);
     return status;
   };
-  set_completion_hooks(request, std::move(finish), heavy, completed_at);
+}
+
+// Submits a transfer already counted in flight; uncounts it when the engine refuses it.
+StatusOr<IoTicket> NvmeStore::submit_transfer(IoRequest request, uint64_t id) {
   StatusOr<IoTicket> ticket = engine_->submit(std::move(request));
   if (!ticket.ok()) {
-    std::lock_guard<std::mutex> lock(s.mutex);
-    --s.extents.at(id).inflight;
-    if (--s.inflight == 0) s.idle.notify_all();
+    std::lock_guard<std::mutex> lock(shared_->mutex);
+    shared_->end_transfer(id);
   }
   return ticket;
 }

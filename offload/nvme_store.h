@@ -47,6 +47,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <vector>
 
 #include "engine/core/file.h"
 #include "engine/core/status.h"
@@ -154,12 +155,23 @@ class NvmeStore {
  private:
   struct Extent;
   struct Shared;
+  struct Transfer;       // one ranged write or read, as its steps and completion see it
+  class WriteChecksums;  // a write's block checksums, computed once
 
   Status open_files();
   std::string lock_holder() const;  // "pid N" of the store holding file_path_'s lock
   Status grow_file(size_t needed_bytes, std::string_view key, size_t extent_bytes, size_t growth_step);
   // Checks a ranged transfer against the extent and the alignment rules (mutex held).
   Status check_range(const Extent& extent, size_t bytes, size_t extent_offset, const char* what) const;
+  // The steps of write_async and read_async (see there).
+  StatusOr<Transfer> plan_write(NvmeExtent handle, size_t bytes, size_t extent_offset) const;
+  StatusOr<Transfer> start_read(NvmeExtent handle, const void* dst, size_t bytes, size_t extent_offset,
+                                size_t dst_capacity, std::vector<uint64_t>* expected);
+  static IoCompletionHook write_completion(std::shared_ptr<Shared> shared, Transfer transfer, const char* data,
+                                           std::shared_ptr<WriteChecksums> pending_sums);
+  static IoCompletionHook read_completion(std::shared_ptr<Shared> shared, Transfer transfer,
+                                          std::vector<uint64_t> expected, void* dst);
+  StatusOr<IoTicket> submit_transfer(IoRequest request, uint64_t id);
 
   NvmeStoreOptions options_;
   std::string directory_;

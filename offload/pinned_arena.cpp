@@ -85,73 +85,15 @@ StatusOr<std::unique_ptr<PinnedArena>> PinnedArena::create(const PinnedArenaOpti
   // The budget counts capacities; the colouring room is the arena's own overhead.
   arena->budget_bytes_ = options.budget_bytes == 0 ? asked : options.budget_bytes;
 
-  // Map. Huge pages first where asked and the size warrants them.
-  void* base = MAP_FAILED;
-  if (options.try_huge_pages && bytes >= kHugePageBytes) {
-    const size_t huge_bytes = round_up(bytes, kHugePageBytes);
-    base = ::mmap(nullptr, huge_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
-    if (base != MAP_FAILED) {
-      arena->mapped_bytes_ = huge_bytes;
-      arena->page_kind_ = PinnedPageKind::kHugeTlb;
-    } else {
-      STRATA_LOG(kDebug) << "pinned arena: MAP_HUGETLB refused (" << std::strerror(errno)
-                         << "); using transparent huge pages where the kernel grants them";
-      // A 2 MiB multiple lets the kernel back the whole mapping with transparent huge pages.
-      base = ::mmap(nullptr, huge_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (base != MAP_FAILED) {
-        arena->mapped_bytes_ = huge_bytes;
-        if (::madvise(base, huge_bytes, MADV_HUGEPAGE) == 0) {
-          arena->page_kind_ = PinnedPageKind::kTransparent;
-        } else {
-          STRATA_LOG(kDebug) << "pinned arena: madvise(MADV_HUGEPAGE) refused: " << std::strerror(errno);
-        }
-      }
-    }
-  }
-  if (base == MAP_FAILED) {
-    base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (base == MAP_FAILED) {
-      return Status::FromErrno(errno, "pinned arena: mmap of " + format_bytes(bytes));
-    }
-    arena->mapped_bytes_ = bytes;
-  }
-  arena->base_ = base;
-
+  if (Status mapped = arena->map(options.try_huge_pages); !mapped.ok()) return mapped;
   // A forked child (a data loader) must not inherit, and the kernel must not copy at
   // fork, memory that is pinned for DMA.
-  if (::madvise(base, arena->mapped_bytes_, MADV_DONTFORK) != 0) {
+  if (::madvise(arena->base_, arena->mapped_bytes_, MADV_DONTFORK) != 0) {
     STRATA_LOG(kDebug) << "pinned arena: madvise(MADV_DONTFORK) refused: " << std::strerror(errno);
   }
+  if (options.lock) arena->lock_pages(options.register_with_gpu);
 
-  if (options.lock) {
-    std::string refusals;
-    if (options.register_with_gpu && gpu_available()) {
-      StatusOr<HostRegistration> registration = register_host_memory_with_gpu(base, arena->mapped_bytes_);
-      if (registration.ok()) {
-        arena->gpu_registration_ = std::move(registration).value();
-        arena->locking_ = PinnedLocking::kGpuPinned;
-      } else {
-        refusals = "cudaHostRegister: " + registration.status().message() + "; ";
-      }
-    }
-    if (arena->locking_ == PinnedLocking::kNone) {
-      // The raw syscall: AddressSanitizer replaces mlock() with a no-op that reports
-      // success, which would hide a refusal in sanitizer builds.
-      if (::syscall(SYS_mlock, base, arena->mapped_bytes_) == 0) {
-        arena->locking_ = PinnedLocking::kMlock;
-      } else {
-        const int error = errno;
-        refusals += std::string("mlock: ") + std::strerror(error) + " (errno " + std::to_string(error) + ")";
-      }
-    }
-    if (arena->locking_ == PinnedLocking::kNone) {
-      // One warning per arena: the arena stays usable, only slower for DMA.
-      STRATA_LOG(kWarn) << "pinned arena: could not page-lock " << format_bytes(arena->mapped_bytes_) << " ("
-                        << refusals << "; RLIMIT_MEMLOCK " << memlock_limit_text()
-                        << "): continuing with pageable memory, so NVMe and GPU transfers from it may be slower";
-    }
-  }
-
+  void* const base = arena->base_;
   for (size_t offset = 0; offset < bytes; offset += kMaxRegionBytes) {
     arena->regions_.push_back(
         PinnedRegion{static_cast<char*>(base) + offset, std::min(kMaxRegionBytes, bytes - offset)});
@@ -163,6 +105,74 @@ StatusOr<std::unique_ptr<PinnedArena>> PinnedArena::create(const PinnedArenaOpti
   STRATA_LOG(kDebug) << "pinned arena: " << format_bytes(bytes) << ", locking " << pinned_locking_name(arena->locking_)
                      << ", " << arena->regions_.size() << " io_uring region(s)";
   return arena;
+}
+
+// Maps bytes_ of anonymous memory: huge pages first where asked and the size warrants
+// them, then transparent huge pages, then small pages.
+Status PinnedArena::map(bool try_huge_pages) {
+  const size_t bytes = bytes_;
+  void* base = MAP_FAILED;
+  if (try_huge_pages && bytes >= kHugePageBytes) {
+    const size_t huge_bytes = round_up(bytes, kHugePageBytes);
+    base = ::mmap(nullptr, huge_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
+    if (base != MAP_FAILED) {
+      mapped_bytes_ = huge_bytes;
+      page_kind_ = PinnedPageKind::kHugeTlb;
+    } else {
+      STRATA_LOG(kDebug) << "pinned arena: MAP_HUGETLB refused (" << std::strerror(errno)
+                         << "); using transparent huge pages where the kernel grants them";
+      // A 2 MiB multiple lets the kernel back the whole mapping with transparent huge pages.
+      base = ::mmap(nullptr, huge_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (base != MAP_FAILED) {
+        mapped_bytes_ = huge_bytes;
+        if (::madvise(base, huge_bytes, MADV_HUGEPAGE) == 0) {
+          page_kind_ = PinnedPageKind::kTransparent;
+        } else {
+          STRATA_LOG(kDebug) << "pinned arena: madvise(MADV_HUGEPAGE) refused: " << std::strerror(errno);
+        }
+      }
+    }
+  }
+  if (base == MAP_FAILED) {
+    base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) {
+      return Status::FromErrno(errno, "pinned arena: mmap of " + format_bytes(bytes));
+    }
+    mapped_bytes_ = bytes;
+  }
+  base_ = base;
+  return Status::Ok();
+}
+
+// Page-locks the mapping: registered with the GPU where asked and one is present, else
+// mlock. A refusal leaves the arena usable (pageable, slower for DMA) with one warning.
+void PinnedArena::lock_pages(bool register_with_gpu) {
+  std::string refusals;
+  if (register_with_gpu && gpu_available()) {
+    StatusOr<HostRegistration> registration = register_host_memory_with_gpu(base_, mapped_bytes_);
+    if (registration.ok()) {
+      gpu_registration_ = std::move(registration).value();
+      locking_ = PinnedLocking::kGpuPinned;
+    } else {
+      refusals = "cudaHostRegister: " + registration.status().message() + "; ";
+    }
+  }
+  if (locking_ == PinnedLocking::kNone) {
+    // The raw syscall: AddressSanitizer replaces mlock() with a no-op that reports
+    // success, which would hide a refusal in sanitizer builds.
+    if (::syscall(SYS_mlock, base_, mapped_bytes_) == 0) {
+      locking_ = PinnedLocking::kMlock;
+    } else {
+      const int error = errno;
+      refusals += std::string("mlock: ") + std::strerror(error) + " (errno " + std::to_string(error) + ")";
+    }
+  }
+  if (locking_ == PinnedLocking::kNone) {
+    // One warning per arena: the arena stays usable, only slower for DMA.
+    STRATA_LOG(kWarn) << "pinned arena: could not page-lock " << format_bytes(mapped_bytes_) << " ("
+                      << refusals << "; RLIMIT_MEMLOCK " << memlock_limit_text()
+                      << "): continuing with pageable memory, so NVMe and GPU transfers from it may be slower";
+  }
 }
 
 PinnedArena::PinnedArena(ConstructionKey) {}

@@ -179,6 +179,9 @@ class PinnedArena {
  private:
   friend class PinnedBuffer;
   void release(size_t offset, size_t capacity) noexcept;
+  // The steps of create(): map bytes_ (base_, mapped_bytes_, page_kind_), then page-lock it.
+  Status map(bool try_huge_pages);
+  void lock_pages(bool register_with_gpu);
 
   void* base_ = nullptr;
   size_t bytes_ = 0;

@@ -245,16 +245,10 @@ StatusOr<NcclUniqueIdBytes> make_nccl_unique_id() {
 // Creation
 // ---------------------------------------------------------------------------
 
-StatusOr<std::vector<std::unique_ptr<NcclCommunicator>>> NcclCommunicator::create_ranks(
-    std::span<Device* const> devices, int first_rank, int world_size, const NcclUniqueIdBytes& id,
-    const NcclCommunicatorOptions& options) {
-  const int count = static_cast<int>(devices.size());
-  if (count == 0) return InvalidArgumentError("nccl: no devices given");
-  if (first_rank < 0 || world_size < 1 || first_rank + count > world_size)
-    return InvalidArgumentError("nccl: ranks " + std::to_string(first_rank) + ".." + std::to_string(first_rank + count - 1) +
-                                " do not fit in a world of " + std::to_string(world_size));
-  if (options.timeout.count() <= 0) return InvalidArgumentError("nccl: the timeout must be positive");
-  if (t_group_depth > 0) return FailedPreconditionError("nccl: communicators cannot be created inside an NcclGroup");
+namespace {
+
+// Every device must be a CUDA device, each given once: NCCL needs one GPU per rank.
+Status check_nccl_devices(std::span<Device* const> devices) {
   std::set<int> ordinals;
   for (Device* device : devices) {
     if (device == nullptr || device->kind() != DeviceKind::kCuda)
@@ -264,7 +258,15 @@ StatusOr<std::vector<std::unique_ptr<NcclCommunicator>>> NcclCommunicator::creat
       return InvalidArgumentError("nccl: cuda:" + std::to_string(device->ordinal()) +
                                   " is given twice; NCCL needs one GPU per rank");
   }
+  return Status::Ok();
+}
 
+// Initializes one NCCL communicator per device (ranks first_rank, first_rank + 1, ...) in
+// one group and waits, up to options.timeout, until all of them are ready. On failure
+// none is left.
+StatusOr<std::vector<ncclComm_t>> init_nccl_comms(std::span<Device* const> devices, int first_rank, int world_size,
+                                                  const NcclUniqueIdBytes& id, const NcclCommunicatorOptions& options) {
+  const int count = static_cast<int>(devices.size());
   ncclUniqueId unique_id;
   std::memcpy(&unique_id, id.data(), sizeof(unique_id));
   const std::string name = options.name.empty() ? std::string("strata") : options.name;
@@ -314,6 +316,25 @@ StatusOr<std::vector<std::unique_ptr<NcclCommunicator>>> NcclCommunicator::creat
       return std::move(status).with_context("nccl: creating " + ranks_text);
     }
   }
+  return comms;
+}
+
+}  // namespace
+
+StatusOr<std::vector<std::unique_ptr<NcclCommunicator>>> NcclCommunicator::create_ranks(
+    std::span<Device* const> devices, int first_rank, int world_size, const NcclUniqueIdBytes& id,
+    const NcclCommunicatorOptions& options) {
+  const int count = static_cast<int>(devices.size());
+  if (count == 0) return InvalidArgumentError("nccl: no devices given");
+  if (first_rank < 0 || world_size < 1 || first_rank + count > world_size)
+    return InvalidArgumentError("nccl: ranks " + std::to_string(first_rank) + ".." + std::to_string(first_rank + count - 1) +
+                                " do not fit in a world of " + std::to_string(world_size));
+  if (options.timeout.count() <= 0) return InvalidArgumentError("nccl: the timeout must be positive");
+  if (t_group_depth > 0) return FailedPreconditionError("nccl: communicators cannot be created inside an NcclGroup");
+  if (Status status = check_nccl_devices(devices); !status.ok()) return status;
+  StatusOr<std::vector<ncclComm_t>> initialized = init_nccl_comms(devices, first_rank, world_size, id, options);
+  if (!initialized.ok()) return initialized.status();
+  std::vector<ncclComm_t> comms = std::move(initialized).value();
 
   std::vector<std::unique_ptr<NcclCommunicator>> communicators;
   for (int i = 0; i < count; ++i) {
@@ -707,25 +728,9 @@ Status NcclCommunicator::exact_reduce(const void* send, void* recv, const Slices
                                                                            wire, total, native));
 
   // Every rank sends each peer that peer's slice and receives every peer's copy of its own.
-  const ncclDataType_t wire_type = nccl_type(wire);
   {
-    Status status;
     STRATA_RETURN_IF_NCCL_ERROR(ncclGroupStart());
-    for (int peer = 0; peer < world_size_ && status.ok(); ++peer) {
-      if (peer == rank_) continue;
-      const size_t p = static_cast<size_t>(peer);
-      if (slices.count[p] > 0) {
-        const ncclResult_t result =
-            ncclSend(wire_send + slices.begin[p] * wire_bytes, slices.count[p], wire_type, peer, state.comm, native);
-        if (result != ncclSuccess && result != ncclInProgress)
-          status = internal::nccl_error(result, "ncclSend", __FILE__, __LINE__);
-      }
-      if (mine > 0 && status.ok()) {
-        const ncclResult_t result = ncclRecv(contributions + p * mine * wire_bytes, mine, wire_type, peer, state.comm, native);
-        if (result != ncclSuccess && result != ncclInProgress)
-          status = internal::nccl_error(result, "ncclRecv", __FILE__, __LINE__);
-      }
-    }
+    Status status = post_slice_exchange(wire_send, contributions, slices, wire, native);
     const ncclResult_t ended = ncclGroupEnd();  // always closes the group, even after a failed call
     STRATA_RETURN_IF_ERROR(std::move(status).with_context(state.who + ": " + what));
     STRATA_RETURN_IF_ERROR(state.settle(ended, "ncclGroupEnd (exchange of slices)", __FILE__, __LINE__));
@@ -742,9 +747,52 @@ Status NcclCommunicator::exact_reduce(const void* send, void* recv, const Slices
   if (!gather_result) return Status::Ok();
 
   // all_reduce: every rank's reduced slice to every rank.
+  STRATA_RETURN_IF_NCCL_ERROR(ncclGroupStart());
+  Status status = post_reduced_gather(reduced, recv, slices, dtype, native);
+  const ncclResult_t ended = ncclGroupEnd();
+  STRATA_RETURN_IF_ERROR(std::move(status).with_context(state.who + ": " + what));
+  STRATA_RETURN_IF_ERROR(state.settle(ended, "ncclGroupEnd (all-gather of reduced slices)", __FILE__, __LINE__));
+  return Status::Ok();
+}
+
+// Inside the exact path's first group: each peer's slice of `wire_send` to that peer, and
+// every peer's copy of this rank's slice into `contributions` (in rank order). Returns the
+// first failed call's error; the caller closes the group either way.
+Status NcclCommunicator::post_slice_exchange(const std::byte* wire_send, std::byte* contributions,
+                                             const Slices& slices, DType wire, cudaStream_t native) {
+  State& state = *state_;
+  const size_t wire_bytes = dtype_size(wire);
+  const size_t mine = slices.count[static_cast<size_t>(rank_)];
+  const ncclDataType_t wire_type = nccl_type(wire);
+  Status status;
+  for (int peer = 0; peer < world_size_ && status.ok(); ++peer) {
+    if (peer == rank_) continue;
+    const size_t p = static_cast<size_t>(peer);
+    if (slices.count[p] > 0) {
+      const ncclResult_t result =
+          ncclSend(wire_send + slices.begin[p] * wire_bytes, slices.count[p], wire_type, peer, state.comm, native);
+      if (result != ncclSuccess && result != ncclInProgress)
+        status = internal::nccl_error(result, "ncclSend", __FILE__, __LINE__);
+    }
+    if (mine > 0 && status.ok()) {
+      const ncclResult_t result = ncclRecv(contributions + p * mine * wire_bytes, mine, wire_type, peer, state.comm, native);
+      if (result != ncclSuccess && result != ncclInProgress)
+        status = internal::nccl_error(result, "ncclRecv", __FILE__, __LINE__);
+    }
+  }
+  return status;
+}
+
+// Inside all_reduce's second group of the exact path: this rank's `reduced` slice to every
+// peer, and every peer's reduced slice into its place in `recv`. Returns the first failed
+// call's error; the caller closes the group either way.
+Status NcclCommunicator::post_reduced_gather(const std::byte* reduced, void* recv, const Slices& slices, DType dtype,
+                                             cudaStream_t native) {
+  State& state = *state_;
+  const size_t data_bytes = dtype_size(dtype);
+  const size_t mine = slices.count[static_cast<size_t>(rank_)];
   const ncclDataType_t data_type = nccl_type(dtype);
   Status status;
-  STRATA_RETURN_IF_NCCL_ERROR(ncclGroupStart());
   for (int peer = 0; peer < world_size_ && status.ok(); ++peer) {
     if (peer == rank_) continue;
     const size_t p = static_cast<size_t>(peer);
@@ -760,10 +808,7 @@ Status NcclCommunicator::exact_reduce(const void* send, void* recv, const Slices
         status = internal::nccl_error(result, "ncclRecv", __FILE__, __LINE__);
     }
   }
-  const ncclResult_t ended = ncclGroupEnd();
-  STRATA_RETURN_IF_ERROR(std::move(status).with_context(state.who + ": " + what));
-  STRATA_RETURN_IF_ERROR(state.settle(ended, "ncclGroupEnd (all-gather of reduced slices)", __FILE__, __LINE__));
-  return Status::Ok();
+  return status;
 }
 
 void NcclCommunicator::abort(std::string_view reason) {

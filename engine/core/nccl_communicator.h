@@ -145,6 +145,12 @@ class NcclCommunicator final : public Communicator {
   struct Slices;  // which elements each rank reduces
   Status exact_reduce(const void* send, void* recv, const Slices& slices, DType dtype, DType wire, ReduceOp op,
                       bool gather_result, Stream& stream, const std::string& what);
+  // The exact path's point-to-point calls, posted inside an NCCL group with the state's
+  // mutex held: the exchange of slices, and all_reduce's gather of the reduced slices.
+  Status post_slice_exchange(const std::byte* wire_send, std::byte* contributions, const Slices& slices, DType wire,
+                             cudaStream_t native);
+  Status post_reduced_gather(const std::byte* reduced, void* recv, const Slices& slices, DType dtype,
+                             cudaStream_t native);
   // Checks the stream and the communicator's health; returns the cudaStream_t.
   StatusOr<cudaStream_t> begin(Stream& stream, const std::string& what);
   // Tracks the operation just enqueued (watchdog) and surfaces errors in stream order.

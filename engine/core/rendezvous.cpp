@@ -247,17 +247,6 @@ Status Rendezvous::join_as_root() {
   std::vector<Peer> pending;  // accepted, hello not yet read
   int present = 1;
 
-  // Tells every connected rank why the group cannot form, so no one waits out its own deadline.
-  const auto reject_all = [&](const Status& why) {
-    const std::string text = why.message();
-    MessageHeader header{.kind = MessageKind::kReject, .rank = 0};
-    const Clock::time_point soon = Clock::now() + std::chrono::seconds(1);
-    for (Peer& peer : peers_)
-      if (peer.socket.is_open()) (void)peer.send(header, as_bytes(text), soon);
-    for (Peer& peer : pending)
-      if (peer.socket.is_open()) (void)peer.send(header, as_bytes(text), soon);
-  };
-
   while (present < world) {
     std::vector<pollfd> fds;
     fds.push_back({listener_.fd(), POLLIN, 0});
@@ -269,43 +258,19 @@ Status Rendezvous::join_as_root() {
       for (int rank = 1; rank < world; ++rank)
         if (!peers_[static_cast<size_t>(rank)].socket.is_open()) missing.push_back(rank);
       Status timeout = never_arrived_error(options_, port_, missing);
-      reject_all(timeout);
+      reject_all(pending, timeout);
       return timeout;
     }
     // Hellos first (fds[1..] refer to `pending` as it was when polled).
     std::vector<Peer> still_pending;
     for (size_t i = 0; i < pending.size(); ++i) {
-      Peer& peer = pending[i];
+      bool keep = true;
       if (fds[i + 1].revents != 0) {
-        STRATA_ASSIGN_OR_RETURN(const bool open, peer.read_available());
-        StatusOr<std::optional<Message>> taken = peer.take_message();
-        if (!taken.ok()) {
-          // Not one of ours (a port scanner, another program): drop it, keep waiting.
-          STRATA_LOG(kWarn) << taken.status().message() << "; dropping that connection";
-          continue;
-        }
-        if (!taken->has_value()) {
-          if (open) still_pending.push_back(std::move(peer));
-          continue;
-        }
-        const Message hello = std::move(**taken);
-        const std::string who = as_string(hello.payload);
-        const Peer& claimed = peers_[static_cast<size_t>(std::clamp(hello.header.rank, 0, world - 1))];
-        const Status problem = hello_problem(hello, who, world, claimed.socket.is_open() ? &claimed.description : nullptr);
-        if (!problem.ok()) {
-          const std::string text = problem.message();
-          (void)peer.send(MessageHeader{.kind = MessageKind::kReject, .rank = 0}, as_bytes(text),
-                          Clock::now() + std::chrono::seconds(1));
-          reject_all(problem);
-          return problem;
-        }
-        peer.rank = hello.header.rank;
-        peer.description = "rank " + std::to_string(peer.rank) + " (" + who + ")";
-        peers_[static_cast<size_t>(peer.rank)] = std::move(peer);
-        ++present;
-      } else {
-        still_pending.push_back(std::move(peer));
+        StatusOr<bool> kept = read_hello(pending[i], pending, present);
+        if (!kept.ok()) return kept.status();
+        keep = *kept;
       }
+      if (keep) still_pending.push_back(std::move(pending[i]));
     }
     pending = std::move(still_pending);
     // Then new connections.
@@ -320,6 +285,48 @@ Status Rendezvous::join_as_root() {
   }
   STRATA_LOG(kDebug) << "rendezvous: all " << world << " ranks present on port " << port_;
   return Status::Ok();
+}
+
+// Tells every connected rank why the group cannot form, so no one waits out its own deadline.
+void Rendezvous::reject_all(std::vector<Peer>& pending, const Status& why) {
+  const std::string text = why.message();
+  MessageHeader header{.kind = MessageKind::kReject, .rank = 0};
+  const Clock::time_point soon = Clock::now() + std::chrono::seconds(1);
+  for (Peer& peer : peers_)
+    if (peer.socket.is_open()) (void)peer.send(header, as_bytes(text), soon);
+  for (Peer& peer : pending)
+    if (peer.socket.is_open()) (void)peer.send(header, as_bytes(text), soon);
+}
+
+// Reads what a pending connection has sent. A whole, valid hello moves it into peers_ as its
+// rank (counted in `present`); a hello that cannot join fails the group, told to every rank.
+// Returns whether `peer` stays pending: true while its hello is incomplete and it is open.
+StatusOr<bool> Rendezvous::read_hello(Peer& peer, std::vector<Peer>& pending, int& present) {
+  const int world = options_.world_size;
+  STRATA_ASSIGN_OR_RETURN(const bool open, peer.read_available());
+  StatusOr<std::optional<Message>> taken = peer.take_message();
+  if (!taken.ok()) {
+    // Not one of ours (a port scanner, another program): drop it, keep waiting.
+    STRATA_LOG(kWarn) << taken.status().message() << "; dropping that connection";
+    return false;
+  }
+  if (!taken->has_value()) return open;
+  const Message hello = std::move(**taken);
+  const std::string who = as_string(hello.payload);
+  const Peer& claimed = peers_[static_cast<size_t>(std::clamp(hello.header.rank, 0, world - 1))];
+  const Status problem = hello_problem(hello, who, world, claimed.socket.is_open() ? &claimed.description : nullptr);
+  if (!problem.ok()) {
+    const std::string text = problem.message();
+    (void)peer.send(MessageHeader{.kind = MessageKind::kReject, .rank = 0}, as_bytes(text),
+                    Clock::now() + std::chrono::seconds(1));
+    reject_all(pending, problem);
+    return problem;
+  }
+  peer.rank = hello.header.rank;
+  peer.description = "rank " + std::to_string(peer.rank) + " (" + who + ")";
+  peers_[static_cast<size_t>(peer.rank)] = std::move(peer);
+  ++present;
+  return false;
 }
 
 // Accepts every connection the listener has ready onto `pending` (their hellos follow).
@@ -421,6 +428,33 @@ Status expect_collective(const Message& message, MessageKind kind, uint64_t sequ
   return Status::Ok();
 }
 
+// The reply of a gather: for each rank, a uint64 length then the bytes.
+std::vector<std::byte> pack_gather_reply(const std::vector<std::vector<std::byte>>& blobs) {
+  std::vector<std::byte> reply;
+  for (const std::vector<std::byte>& item : blobs) {
+    const uint64_t length = item.size();
+    const auto* length_bytes = reinterpret_cast<const std::byte*>(&length);
+    reply.insert(reply.end(), length_bytes, length_bytes + sizeof(length));
+    reply.insert(reply.end(), item.begin(), item.end());
+  }
+  return reply;
+}
+
+// Reads pack_gather_reply's layout back into `blobs` (one per rank).
+Status unpack_gather_reply(const std::vector<std::byte>& payload, const std::string& what,
+                           std::vector<std::vector<std::byte>>& blobs) {
+  size_t offset = 0;
+  for (std::vector<std::byte>& blob : blobs) {
+    if (payload.size() - offset < sizeof(uint64_t)) return DataLossError("rendezvous: truncated " + what + " reply");
+    const uint64_t length = get<uint64_t>(payload.data(), offset);
+    if (length > payload.size() - offset) return DataLossError("rendezvous: truncated " + what + " reply");
+    blob.assign(payload.begin() + static_cast<std::ptrdiff_t>(offset),
+                payload.begin() + static_cast<std::ptrdiff_t>(offset + length));
+    offset += length;
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 StatusOr<std::vector<std::vector<std::byte>>> Rendezvous::all_gather(std::span<const std::byte> blob) {
@@ -432,6 +466,15 @@ Status Rendezvous::barrier() {
   return gather_all({}, static_cast<uint16_t>(MessageKind::kBarrier)).status();
 }
 
+// One all_gather or barrier in progress: what each of its steps needs.
+struct Rendezvous::Gather {
+  MessageKind kind = MessageKind::kAllGather;
+  uint64_t sequence = 0;
+  Clock::time_point deadline;
+  std::string what;                           // "all_gather #3", for messages
+  std::vector<std::vector<std::byte>> blobs;  // indexed by rank
+};
+
 StatusOr<std::vector<std::vector<std::byte>>> Rendezvous::gather_all(std::span<const std::byte> blob,
                                                                       uint16_t kind_code) {
   const auto kind = static_cast<MessageKind>(kind_code);
@@ -442,105 +485,117 @@ StatusOr<std::vector<std::vector<std::byte>>> Rendezvous::gather_all(std::span<c
   std::vector<std::vector<std::byte>> blobs(static_cast<size_t>(world));
   blobs[static_cast<size_t>(options_.rank)].assign(blob.begin(), blob.end());
   if (world == 1) return blobs;
-  const Clock::time_point deadline = Clock::now() + options_.collective_timeout;
-  const std::string what = collective_text(kind, sequence);
+  Gather gather{.kind = kind,
+                .sequence = sequence,
+                .deadline = Clock::now() + options_.collective_timeout,
+                .what = collective_text(kind, sequence),
+                .blobs = std::move(blobs)};
+  // Every failure of a collective leaves the rendezvous unusable (see fail()).
+  StatusOr<std::vector<std::vector<std::byte>>> gathered =
+      options_.rank != 0 ? gather_through_root(blob, gather) : gather_at_root(gather);
+  if (!gathered.ok()) return fail(gathered.status());
+  return gathered;
+}
 
-  if (options_.rank != 0) {
-    Peer& root = peers_[0];
-    Status sent = root.send(MessageHeader{.kind = kind, .rank = options_.rank, .sequence = sequence}, blob, deadline);
-    if (!sent.ok()) return fail(std::move(sent).with_context("rendezvous " + what));
-    Clock::time_point reply_deadline = deadline;
-    StatusOr<Message> reply = root.receive(reply_deadline, "in " + what + " on rank " + std::to_string(options_.rank) +
-                                                               " waiting " + seconds_text(options_.collective_timeout) +
-                                                               " for rank 0 (stuck, or not in this collective?)");
-    if (reply.ok() && reply->header.kind == MessageKind::kWaiting && reply->header.sequence == sequence) {
-      // Rank 0 is alive and in this gather, waiting at most collective_timeout for the
-      // missing ranks; it then sends their names. Waiting for that, rather than timing out
-      // first on a clock started earlier, is what lets this rank name the stuck one.
-      reply_deadline = Clock::now() + options_.collective_timeout + kRelayMargin;
-      reply = root.receive(reply_deadline, "in " + what + " on rank " + std::to_string(options_.rank) +
-                                               " waiting for rank 0's reply after it entered the collective");
-    }
-    if (!reply.ok()) return fail(reply.status());
-    if (Status status = expect_collective(*reply, kind, sequence, 0, options_.rank, "rank 0"); !status.ok())
-      return fail(std::move(status));
-    // The reply: for each rank, a uint64 length then the bytes.
-    size_t offset = 0;
-    const std::vector<std::byte>& payload = reply->payload;
-    for (int rank = 0; rank < world; ++rank) {
-      if (payload.size() - offset < sizeof(uint64_t)) return fail(DataLossError("rendezvous: truncated " + what + " reply"));
-      const uint64_t length = get<uint64_t>(payload.data(), offset);
-      if (length > payload.size() - offset) return fail(DataLossError("rendezvous: truncated " + what + " reply"));
-      blobs[static_cast<size_t>(rank)].assign(payload.begin() + static_cast<std::ptrdiff_t>(offset),
-                                              payload.begin() + static_cast<std::ptrdiff_t>(offset + length));
-      offset += length;
-    }
-    return blobs;
+// A rank other than 0: its blob to rank 0, every rank's blob back.
+StatusOr<std::vector<std::vector<std::byte>>> Rendezvous::gather_through_root(std::span<const std::byte> blob,
+                                                                               Gather& gather) {
+  const std::string& what = gather.what;
+  Peer& root = peers_[0];
+  Status sent = root.send(MessageHeader{.kind = gather.kind, .rank = options_.rank, .sequence = gather.sequence}, blob,
+                          gather.deadline);
+  if (!sent.ok()) return std::move(sent).with_context("rendezvous " + what);
+  Clock::time_point reply_deadline = gather.deadline;
+  StatusOr<Message> reply = root.receive(reply_deadline, "in " + what + " on rank " + std::to_string(options_.rank) +
+                                                             " waiting " + seconds_text(options_.collective_timeout) +
+                                                             " for rank 0 (stuck, or not in this collective?)");
+  if (reply.ok() && reply->header.kind == MessageKind::kWaiting && reply->header.sequence == gather.sequence) {
+    // Rank 0 is alive and in this gather, waiting at most collective_timeout for the
+    // missing ranks; it then sends their names. Waiting for that, rather than timing out
+    // first on a clock started earlier, is what lets this rank name the stuck one.
+    reply_deadline = Clock::now() + options_.collective_timeout + kRelayMargin;
+    reply = root.receive(reply_deadline, "in " + what + " on rank " + std::to_string(options_.rank) +
+                                             " waiting for rank 0's reply after it entered the collective");
   }
+  if (!reply.ok()) return reply.status();
+  if (Status status = expect_collective(*reply, gather.kind, gather.sequence, 0, options_.rank, "rank 0"); !status.ok())
+    return status;
+  if (Status status = unpack_gather_reply(reply->payload, what, gather.blobs); !status.ok()) return status;
+  return std::move(gather.blobs);
+}
 
-  // Rank 0: tell the others it is here (see kWaiting), then collect every rank's blob,
-  // waiting on all sockets at once. A peer that is gone shows at the reads below.
+// Rank 0: tell the others it is here (see kWaiting), collect every rank's blob, then send
+// them all to every rank.
+StatusOr<std::vector<std::vector<std::byte>>> Rendezvous::gather_at_root(Gather& gather) {
+  const int world = options_.world_size;
   for (int rank = 1; rank < world; ++rank) {
     Peer& peer = peers_[static_cast<size_t>(rank)];
     if (!peer.closed)
-      (void)peer.send(MessageHeader{.kind = MessageKind::kWaiting, .rank = 0, .sequence = sequence}, {},
-                      std::min(deadline, Clock::now() + kRelayMargin));
+      (void)peer.send(MessageHeader{.kind = MessageKind::kWaiting, .rank = 0, .sequence = gather.sequence}, {},
+                      std::min(gather.deadline, Clock::now() + kRelayMargin));
   }
-  std::vector<bool> received(static_cast<size_t>(world), false);
+  if (Status status = collect_at_root(gather); !status.ok()) return status;
+  const std::vector<std::byte> reply = pack_gather_reply(gather.blobs);
+  for (int rank = 1; rank < world; ++rank) {
+    Status sent = peers_[static_cast<size_t>(rank)].send(
+        MessageHeader{.kind = gather.kind, .rank = 0, .sequence = gather.sequence}, reply, gather.deadline);
+    if (!sent.ok()) return std::move(sent).with_context("rendezvous " + gather.what);
+  }
+  return std::move(gather.blobs);
+}
+
+// Rank 0: every other rank's blob into gather.blobs, waiting on all sockets at once. A peer
+// that is gone shows at the reads.
+Status Rendezvous::collect_at_root(Gather& gather) {
+  std::vector<bool> received(static_cast<size_t>(options_.world_size), false);
   received[0] = true;
-  int outstanding = world - 1;
   while (true) {
+    StatusOr<std::vector<int>> waiting = take_arrived_blobs(gather, received);
+    if (!waiting.ok()) return waiting.status();
+    if (waiting->empty()) return Status::Ok();
     std::vector<pollfd> fds;
-    std::vector<int> fd_ranks;
-    for (int rank = 1; rank < world; ++rank) {  // whole messages may already be buffered
-      if (received[static_cast<size_t>(rank)]) continue;
-      Peer& peer = peers_[static_cast<size_t>(rank)];
-      StatusOr<std::optional<Message>> taken = peer.take_message();
-      if (!taken.ok()) return fail(taken.status());
-      if (taken->has_value()) {
-        const Message& message = **taken;
-        if (Status status = expect_collective(message, kind, sequence, 0, 0, peer.description); !status.ok())
-          return fail(std::move(status));
-        blobs[static_cast<size_t>(rank)] = std::move((*taken)->payload);
-        received[static_cast<size_t>(rank)] = true;
-        --outstanding;
-        continue;
-      }
-      if (peer.closed)
-        return fail(UnavailableError("rendezvous: " + peer.description + " closed its connection during " + what +
-                                     " (did that process exit or fail?)"));
-      fds.push_back({peer.socket.fd(), POLLIN, 0});
-      fd_ranks.push_back(rank);
-    }
-    if (outstanding == 0) break;
+    for (const int rank : *waiting) fds.push_back({peers_[static_cast<size_t>(rank)].socket.fd(), POLLIN, 0});
     int ready = 0;
-    if (Status status = poll_fds(fds, remaining_ms(deadline), &ready); !status.ok()) return fail(std::move(status));
+    if (Status status = poll_fds(fds, remaining_ms(gather.deadline), &ready); !status.ok()) return status;
     if (ready == 0)
-      return fail(DeadlineExceededError("rendezvous: " + what + " on rank 0 timed out after " +
-                                        seconds_text(options_.collective_timeout) + " waiting for rank" +
-                                        (fd_ranks.size() == 1 ? " " : "s ") + rank_list_text(fd_ranks) +
-                                        " (still computing, stuck, or calling a different collective?)"));
+      return DeadlineExceededError("rendezvous: " + gather.what + " on rank 0 timed out after " +
+                                   seconds_text(options_.collective_timeout) + " waiting for rank" +
+                                   (waiting->size() == 1 ? " " : "s ") + rank_list_text(*waiting) +
+                                   " (still computing, stuck, or calling a different collective?)");
     for (size_t i = 0; i < fds.size(); ++i) {
       if (fds[i].revents == 0) continue;
-      Peer& peer = peers_[static_cast<size_t>(fd_ranks[i])];
+      Peer& peer = peers_[static_cast<size_t>((*waiting)[i])];
       StatusOr<bool> open = peer.read_available();
-      if (!open.ok()) return fail(open.status());
+      if (!open.ok()) return open.status();
       if (!*open) peer.closed = true;
     }
   }
-  std::vector<std::byte> reply;
-  for (const std::vector<std::byte>& item : blobs) {
-    const uint64_t length = item.size();
-    const auto* length_bytes = reinterpret_cast<const std::byte*>(&length);
-    reply.insert(reply.end(), length_bytes, length_bytes + sizeof(length));
-    reply.insert(reply.end(), item.begin(), item.end());
+}
+
+// Rank 0: takes the blob of every rank whose whole message is already buffered. Returns the
+// ranks still awaited, to poll; a rank that closed its connection before sending is an error.
+StatusOr<std::vector<int>> Rendezvous::take_arrived_blobs(Gather& gather, std::vector<bool>& received) {
+  std::vector<int> waiting;
+  for (int rank = 1; rank < options_.world_size; ++rank) {
+    if (received[static_cast<size_t>(rank)]) continue;
+    Peer& peer = peers_[static_cast<size_t>(rank)];
+    StatusOr<std::optional<Message>> taken = peer.take_message();
+    if (!taken.ok()) return taken.status();
+    if (taken->has_value()) {
+      const Message& message = **taken;
+      if (Status status = expect_collective(message, gather.kind, gather.sequence, 0, 0, peer.description);
+          !status.ok())
+        return status;
+      gather.blobs[static_cast<size_t>(rank)] = std::move((*taken)->payload);
+      received[static_cast<size_t>(rank)] = true;
+      continue;
+    }
+    if (peer.closed)
+      return UnavailableError("rendezvous: " + peer.description + " closed its connection during " + gather.what +
+                              " (did that process exit or fail?)");
+    waiting.push_back(rank);
   }
-  for (int rank = 1; rank < world; ++rank) {
-    Status sent = peers_[static_cast<size_t>(rank)].send(
-        MessageHeader{.kind = kind, .rank = 0, .sequence = sequence}, reply, deadline);
-    if (!sent.ok()) return fail(std::move(sent).with_context("rendezvous " + what));
-  }
-  return blobs;
+  return waiting;
 }
 
 StatusOr<std::vector<std::byte>> Rendezvous::broadcast(std::span<const std::byte> blob, int root) {

@@ -82,13 +82,20 @@ class Rendezvous {
 
  private:
   struct Peer;  // a connection and its partly received bytes
+  struct Gather;  // one all_gather or barrier in progress
   explicit Rendezvous(const RendezvousOptions& options);
   Status join_as_root();
+  void reject_all(std::vector<Peer>& pending, const Status& why);  // rank 0: the group cannot form
+  StatusOr<bool> read_hello(Peer& peer, std::vector<Peer>& pending, int& present);  // rank 0: true = still pending
   Status accept_connections(std::vector<Peer>& pending);  // rank 0: new connections onto `pending`
   Status join_as_peer();
   // all_gather and barrier: every blob to rank 0, the concatenation back. `kind_code`
   // is the wire message kind, so that a barrier never matches an all_gather.
   StatusOr<std::vector<std::vector<std::byte>>> gather_all(std::span<const std::byte> blob, uint16_t kind_code);
+  StatusOr<std::vector<std::vector<std::byte>>> gather_through_root(std::span<const std::byte> blob, Gather& gather);
+  StatusOr<std::vector<std::vector<std::byte>>> gather_at_root(Gather& gather);
+  Status collect_at_root(Gather& gather);
+  StatusOr<std::vector<int>> take_arrived_blobs(Gather& gather, std::vector<bool>& received);
   Status fail(Status status);  // keeps the first failure; later calls return it
 
   RendezvousOptions options_;

@@ -8,6 +8,7 @@
 #include "examples/gpt/gpt_weights.h"
 #include "examples/hf/safetensors.h"
 #include "examples/hf/hf_checkpoint.h"
+#include "examples/hf/hf_export.h"
 
 namespace strata::gpt {
 namespace {
@@ -41,16 +42,14 @@ class Gpt2Weights final : public lm::WeightSource {
   std::unique_ptr<hf::SafetensorsFileSource> file_source_;
 };
 
-StatusOr<hf::SafetensorsDType> export_dtype(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return hf::SafetensorsDType::kF32;
-    case DType::kBFloat16: return hf::SafetensorsDType::kBF16;
-    case DType::kFloat16: return hf::SafetensorsDType::kF16;
-    default: return InvalidArgumentError("GPT-2 export: weights are written as fp32, bf16 or fp16, not " + std::string(dtype_name(dtype)));
-  }
-}
-
 }  // namespace
+
+// GPT-2's position table is indexed by place (no position ids); GptModel measures an
+// evaluation batch in the training forward.
+GptArchitecture::GptArchitecture(const GptConfig& config)
+    : TransformerArchitecture({.vocab_size = config.vocab_size, .context_length = config.n_ctx, .hidden_size = config.n_embd,
+                               .layers = config.n_layer, .takes_position_ids = false, .evaluates_while_training = true}),
+      config_(config) {}
 
 StatusOr<std::shared_ptr<const GptArchitecture>> GptArchitecture::create(const GptConfig& config) {
   STRATA_RETURN_IF_ERROR(validate_gpt_config(config));
@@ -96,7 +95,7 @@ Status GptArchitecture::load_weights(Engine& engine, int rank, const lm::WeightS
 
 Status GptArchitecture::export_weights(const std::string& dir, const lm::FullGroupSource& source, const lm::ExportSettings& settings) const {
   ExportOptions options;
-  STRATA_ASSIGN_OR_RETURN(options.dtype, export_dtype(settings.dtype));
+  STRATA_ASSIGN_OR_RETURN(options.dtype, hf::export_safetensors_dtype(settings.dtype, "GPT-2 export"));
   options.metadata = settings.metadata;
   if (settings.shard_bytes > 0) options.shard_bytes = settings.shard_bytes;
   options.tokenizer_source_dir = settings.source_dir;

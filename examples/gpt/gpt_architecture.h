@@ -24,13 +24,7 @@ class GptArchitecture final : public lm::TransformerArchitecture<GptModel, GptMo
   std::string describe() const override;
   std::string model_json() const override;
   int64_t parameter_count() const override;
-  int64_t vocab_size() const override { return config_.vocab_size; }
-  int64_t context_length() const override { return config_.n_ctx; }
-  int64_t hidden_size() const override { return config_.n_embd; }
-  int64_t layers() const override { return config_.n_layer; }
   lm::FlopShape flop_shape() const override;
-  bool takes_position_ids() const override { return false; }
-  bool evaluates_while_training() const override { return true; }
 
   std::vector<GroupSpec> group_specs() const override;
   std::vector<int> schedule() const override;
@@ -45,7 +39,7 @@ class GptArchitecture final : public lm::TransformerArchitecture<GptModel, GptMo
   StatusOr<std::vector<int>> export_group_order() const override;
 
  private:
-  explicit GptArchitecture(const GptConfig& config) : config_(config) {}
+  explicit GptArchitecture(const GptConfig& config);
   StatusOr<GptModelOptions> model_options(const lm::ModelRunOptions& options) const override;
 
   GptConfig config_;

@@ -9,7 +9,9 @@
 #include <iomanip>
 #include <sstream>
 
+#include "examples/lm/config_problems.h"
 #include "examples/lm/model_memory.h"
+#include "examples/lm/presets.h"
 #include "examples/lm/pinned_block_inputs.h"
 #include "examples/lm/transformer_layout.h"
 #include "examples/lm/vocab_chunks.h"
@@ -30,12 +32,7 @@ enum BlockTensor : int {
   kLn2Weight, kLn2Bias, kFcWeight, kFcBias, kMlpProjWeight, kMlpProjBias, kBlockTensorCount
 };
 
-struct PresetEntry {
-  const char* name;
-  GptConfig config;
-};
-
-constexpr PresetEntry kPresets[] = {
+constexpr lm::Preset<GptConfig> kPresets[] = {
     {"tiny", {2, 2, 64, 64, 256}},
     {"small-demo", {4, 4, 128, 128, 256}},
     {"gpt2", {12, 12, 768, 1024, 50257}},
@@ -54,36 +51,19 @@ constexpr PresetEntry kPresets[] = {
 // =====================================================================================
 
 StatusOr<GptConfig> gpt_preset(std::string_view name) {
-  for (const auto& preset : kPresets)
-    if (name == preset.name) return preset.config;
-  std::string names;
-  for (const auto& preset : kPresets) names += std::string(names.empty() ? "" : ", ") + preset.name;
-  return NotFoundError("unknown model preset \"" + std::string(name) + "\"; known presets: " + names);
+  return lm::find_preset<GptConfig>(kPresets, name, "model");
 }
 
-std::vector<std::string> gpt_preset_names() {
-  std::vector<std::string> names;
-  for (const auto& preset : kPresets) names.emplace_back(preset.name);
-  return names;
-}
+std::vector<std::string> gpt_preset_names() { return lm::preset_names<GptConfig>(kPresets); }
 
 Status validate_gpt_config(const GptConfig& c) {
-  std::vector<std::string> problems;
-  auto positive = [&](const char* name, int64_t value) {
-    if (value <= 0) problems.push_back(std::string(name) + " must be positive, got " + std::to_string(value));
-  };
-  positive("n_layer", c.n_layer);
-  positive("n_head", c.n_head);
-  positive("n_embd", c.n_embd);
-  positive("n_ctx", c.n_ctx);
-  positive("vocab_size", c.vocab_size);
+  lm::ConfigProblems problems;
+  problems.all_positive({{"n_layer", c.n_layer}, {"n_head", c.n_head}, {"n_embd", c.n_embd}, {"n_ctx", c.n_ctx},
+                         {"vocab_size", c.vocab_size}});
   if (c.n_head > 0 && c.n_embd > 0 && c.n_embd % c.n_head != 0)
-    problems.push_back("n_embd (" + std::to_string(c.n_embd) + ") must be a multiple of n_head (" + std::to_string(c.n_head) + ")");
-  if (c.vocab_size > (int64_t{1} << 31) - 1) problems.push_back("vocab_size must fit int32 token ids");
-  if (problems.empty()) return {};
-  std::string message = "GPT config: ";
-  for (size_t i = 0; i < problems.size(); ++i) message += (i ? "; " : "") + problems[i];
-  return InvalidArgumentError(message);
+    problems.add("n_embd (" + std::to_string(c.n_embd) + ") must be a multiple of n_head (" + std::to_string(c.n_head) + ")");
+  problems.vocab_fits_token_ids(c.vocab_size);
+  return problems.status("GPT config");
 }
 
 int64_t gpt_parameter_count(const GptConfig& c) {
@@ -295,12 +275,9 @@ struct GptModel::BlockActs {
   float *mean1, *rstd1, *lse, *mean2, *rstd2;
 };
 
-struct GptModel::Buffers {
+struct GptModel::Buffers : lm::ActivationArena {
   DeviceLayout layout;
-  DeviceBuffer arena;
-  lm::PinnedBlockInputs pinned;  // kPinnedHost
 
-  void* at(size_t offset) const { return static_cast<char*>(arena.data()) + offset; }
   BlockActs acts(size_t set) const {
     const ActsLayout& a = layout.acts[set];
     return {at(a.ln1), at(a.qkv), at(a.att), at(a.x2), at(a.ln2), at(a.fc), at(a.gelu),
@@ -310,7 +287,7 @@ struct GptModel::Buffers {
 };
 
 GptModel::GptModel(Engine& engine, const GptModelOptions& options)
-    : TransformerModel(engine, options, gpt_groups(options.config, options.vocab_chunk_bytes)) {}
+    : TransformerModel(engine, options, gpt_groups(options.config, options.vocab_chunk_bytes), "GptModel") {}
 
 GptModel::~GptModel() {
   // Buffers must not be freed while the streams still use them; an error here was
@@ -338,21 +315,17 @@ Status GptModel::allocate() {
   STRATA_ASSIGN_OR_RETURN(plan_, plan_gpt_activations(options_, device.kind()));
   auto buffers = std::make_unique<Buffers>();
   STRATA_ASSIGN_OR_RETURN(buffers->layout, make_layout(options_, device.kind()));
-  STRATA_ASSIGN_OR_RETURN(lm::ModelBlas blas, lm::create_model_blas(device));
-  blas_ = std::move(blas.blocks);
-  head_blas_ = std::move(blas.head);
-  STRATA_ASSIGN_OR_RETURN(buffers->arena, device.allocate(buffers->layout.total, "GPT activations"));
+  if (Status status = allocate_activations(buffers->layout, "GPT", *buffers); !status.ok()) return status;
   const DeviceLayout& d = buffers->layout;
-  if (options_.checkpointing == ActivationCheckpointing::kPinnedHost) {
-    STRATA_ASSIGN_OR_RETURN(buffers->pinned, lm::PinnedBlockInputs::create(device, d.pinned_slots, d.pinned_slot_bytes, "GPT"));
-  }
-  STRATA_ASSIGN_OR_RETURN(vocab_, lm::VocabHead::create(engine_, *head_blas_, d.head_shape, buffers->at(d.vocab_head), buffers->at(d.param_scratch)));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<lm::VocabHead> vocab,
+                          lm::VocabHead::create(engine_, *head_blas_, d.head_shape, buffers->at(d.vocab_head), buffers->at(d.param_scratch)));
   // wpe's rows: each token's place in its sequence.
   const size_t position_rows = static_cast<size_t>(std::max(d.rows, d.eval_rows)), T = static_cast<size_t>(options_.seq_len);
   std::vector<int32_t> positions(position_rows);
   for (size_t r = 0; r < position_rows; ++r) positions[r] = static_cast<int32_t>(r % T);
   STRATA_RETURN_IF_ERROR(device.copy_async(buffers->at(d.positions), positions.data(), position_rows * 4, CopyKind::kHostToDevice, engine_.compute_stream()));
   STRATA_RETURN_IF_ERROR(engine_.compute_stream().synchronize());
+  vocab_ = std::move(vocab);
   buffers_ = std::move(buffers);
   return {};
 }
@@ -516,17 +489,10 @@ Status GptModel::head_forward(int64_t train_sequences, int64_t eval_sequences) {
 Status GptModel::embed_backward() {
   Buffers& b = *buffers_;
   const DeviceLayout& d = b.layout;
-  for (int64_t k = 0; k < groups_.chunks; ++k) {
-    const int g = groups_.wte(k);
-    STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
-    float* dweight = static_cast<float*>(grads.tensors[0]);
-    STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-    STRATA_RETURN_IF_ERROR(vocab_->head_backward_chunk(k, view, b.at(d.lnf_out), dweight, nullptr));
-    STRATA_RETURN_IF_ERROR(engine_.release(g));
-    STRATA_RETURN_IF_ERROR(vocab_->embed_backward(k, b.at(d.dresid), dweight));
-    STRATA_RETURN_IF_ERROR(capture(g, grads));
-    STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
-  }
+  // wte is tied to the head: each chunk's gradient also takes the head's.
+  const auto wte = [this](int64_t k) { return groups_.wte(k); };
+  if (Status status = vocab_chunks_backward(groups_.chunks, wte, b.at(d.lnf_out), b.at(d.dresid)); !status.ok())
+    return status;
   const int wpe = groups_.wpe();
   STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(wpe));
   const GptConfig& c = options_.config;
@@ -731,11 +697,6 @@ Status GptModel::backward_blocks(const Pass& pass) {
     STRATA_RETURN_IF_ERROR(restore_block_input(pass, l));
   }
   return {};
-}
-
-StatusOr<MicroBatchLosses> GptModel::collect(const QueuedMicroBatch& queued) {
-  if (!buffers_) return FailedPreconditionError("GptModel::collect() before allocate()");
-  return vocab_->collect(queued);
 }
 
 }  // namespace strata::gpt

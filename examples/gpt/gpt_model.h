@@ -176,7 +176,6 @@ class GptModel : public lm::TransformerModel<GptModelOptions, GptGroups> {
   // does both).
   // TokenBatch::positions must be null or 0 .. seq_len-1 (GPT-2's position table is indexed by place).
   StatusOr<QueuedMicroBatch> queue_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) override;
-  StatusOr<MicroBatchLosses> collect(const QueuedMicroBatch& queued) override;
 
  private:
   struct Buffers;
@@ -204,7 +203,6 @@ class GptModel : public lm::TransformerModel<GptModelOptions, GptGroups> {
   Status restore_block_input(const Pass& pass, int m);
 
   std::unique_ptr<Buffers> buffers_;
-  std::unique_ptr<lm::VocabHead> vocab_;
 };
 
 }  // namespace strata::gpt

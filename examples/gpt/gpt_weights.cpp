@@ -154,16 +154,13 @@ Status export_gpt2_checkpoint(const std::string& dir, const GptConfig& config, c
   hf_options.metadata = options.metadata;
   hf_options.tokenizer_source_dir = options.tokenizer_source_dir;
   nlohmann::json config_json = gpt2_config_json(config);
-  config_json["torch_dtype"] = options.dtype == hf::SafetensorsDType::kBF16  ? "bfloat16"
-                               : options.dtype == hf::SafetensorsDType::kF16 ? "float16"
-                                                                         : "float32";
+  config_json["torch_dtype"] = std::string(hf::torch_dtype_name(options.dtype));
   return hf::export_hf_from_groups(dir, config_json, layouts, gpt2_name_map(config), options.dtype, source, hf_options);
 }
 
 StatusOr<std::vector<int>> gpt2_export_group_order(const GptConfig& config) {
   STRATA_ASSIGN_OR_RETURN(const std::vector<GroupLayout> layouts, gpt2_export_layouts(config));
-  STRATA_ASSIGN_OR_RETURN(const hf::HfGroupExport plan, hf::HfGroupExport::plan(layouts, gpt2_name_map(config), hf::SafetensorsDType::kF32));
-  return plan.group_order();
+  return hf::export_group_order(layouts, gpt2_name_map(config));
 }
 
 nlohmann::json gpt2_config_json(const GptConfig& config) {

@@ -261,4 +261,23 @@ Status write_hf_checkpoint(const std::string& dir, const nlohmann::json& config,
   return Status::Ok();
 }
 
+std::string_view torch_dtype_name(SafetensorsDType dtype) {
+  switch (dtype) {
+    case SafetensorsDType::kBF16: return "bfloat16";
+    case SafetensorsDType::kF16: return "float16";
+    default: return "float32";
+  }
+}
+
+StatusOr<SafetensorsDType> export_safetensors_dtype(DType dtype, std::string_view who) {
+  switch (dtype) {
+    case DType::kFloat32: return SafetensorsDType::kF32;
+    case DType::kBFloat16: return SafetensorsDType::kBF16;
+    case DType::kFloat16: return SafetensorsDType::kF16;
+    default:
+      return InvalidArgumentError(std::string(who) + ": weights are written as fp32, bf16 or fp16, not " +
+                                  std::string(dtype_name(dtype)));
+  }
+}
+
 }  // namespace strata::hf

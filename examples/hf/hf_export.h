@@ -27,6 +27,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/core/dtype.h"
 #include "engine/core/status.h"
 #include "examples/hf/safetensors.h"
 
@@ -86,5 +87,12 @@ Status write_safetensors_file(const std::string& path, std::span<const HfExportT
 // Writes `value` as JSON (2-space indent, a final newline) to "<path>.tmp", fsyncs it and
 // renames it to `path`.
 Status write_json_file(const std::string& path, const nlohmann::json& value);
+
+// config.json's "torch_dtype" for weights written as `dtype`: "bfloat16", "float16", else "float32".
+std::string_view torch_dtype_name(SafetensorsDType dtype);
+
+// The safetensors dtype an export writes for engine `dtype` (fp32, bf16 or fp16; others
+// are refused, the error starting with `who`, e.g. "GPT-2 export").
+StatusOr<SafetensorsDType> export_safetensors_dtype(DType dtype, std::string_view who);
 
 }  // namespace strata::hf

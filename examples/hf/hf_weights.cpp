@@ -199,6 +199,11 @@ Status HfGroupExport::fill(const FullGroupSource& source, size_t index, uint64_t
   return Status::Ok();
 }
 
+StatusOr<std::vector<int>> export_group_order(std::span<const GroupLayout> layouts, const HfNameMap& map) {
+  STRATA_ASSIGN_OR_RETURN(const HfGroupExport plan, HfGroupExport::plan(layouts, map, hf::SafetensorsDType::kF32));
+  return plan.group_order();
+}
+
 Status export_hf_from_groups(const std::string& dir, const nlohmann::json& config, std::span<const GroupLayout> layouts,
                              const HfNameMap& map, hf::SafetensorsDType dtype, const FullGroupSource& source,
                              const HfExportOptions& options) {

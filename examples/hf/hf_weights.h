@@ -115,6 +115,10 @@ class HfGroupExport {
   int held_group_ = -1;
 };
 
+// The order an export of `layouts` asks for the groups in (HfGroupExport::group_order();
+// it does not depend on the dtype written).
+StatusOr<std::vector<int>> export_group_order(std::span<const GroupLayout> layouts, const HfNameMap& map);
+
 // Writes `dir` from full groups (write_hf_checkpoint with HfGroupExport).
 Status export_hf_from_groups(const std::string& dir, const nlohmann::json& config, std::span<const GroupLayout> layouts,
                              const HfNameMap& map, hf::SafetensorsDType dtype, const FullGroupSource& source,

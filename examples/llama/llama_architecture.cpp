@@ -34,23 +34,6 @@ json rope_scaling_json(const kernels::RopeScaling& s) {
   return nullptr;
 }
 
-std::string_view torch_dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kFloat16: return "float16";
-    default: return "float32";
-  }
-}
-
-StatusOr<hf::SafetensorsDType> safetensors_dtype(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return hf::SafetensorsDType::kF32;
-    case DType::kBFloat16: return hf::SafetensorsDType::kBF16;
-    case DType::kFloat16: return hf::SafetensorsDType::kF16;
-    default: return InvalidArgumentError("Llama export: weights are written as fp32, bf16 or fp16, not " + std::string(dtype_name(dtype)));
-  }
-}
-
 // A model directory opened once, shared read-only by every rank's load.
 class LlamaWeights final : public lm::WeightSource {
  public:
@@ -103,8 +86,12 @@ StatusOr<std::shared_ptr<const LlamaArchitecture>> LlamaArchitecture::create(con
   return std::shared_ptr<const LlamaArchitecture>(new LlamaArchitecture(config, vocab_chunk_bytes));
 }
 
+// Rotary positions honour position ids; LlamaModel does not measure an evaluation batch in
+// a training forward.
 LlamaArchitecture::LlamaArchitecture(const LlamaConfig& config, size_t vocab_chunk_bytes)
-    : config_(config), vocab_chunk_bytes_(vocab_chunk_bytes), chunks_(vocab_chunks(config, vocab_chunk_bytes)) {}
+    : TransformerArchitecture({.vocab_size = config.vocab_size, .context_length = config.max_position_embeddings, .hidden_size = config.hidden_size,
+                               .layers = config.num_hidden_layers, .takes_position_ids = true, .evaluates_while_training = false}),
+      config_(config), vocab_chunk_bytes_(vocab_chunk_bytes), chunks_(vocab_chunks(config, vocab_chunk_bytes)) {}
 
 lm::FlopShape LlamaArchitecture::flop_shape() const {
   const LlamaConfig& c = config_;
@@ -166,7 +153,7 @@ Status LlamaArchitecture::load_weights(Engine& engine, int rank, const lm::Weigh
 }
 
 Status LlamaArchitecture::export_weights(const std::string& dir, const lm::FullGroupSource& source, const lm::ExportSettings& settings) const {
-  STRATA_ASSIGN_OR_RETURN(const hf::SafetensorsDType dtype, safetensors_dtype(settings.dtype));
+  STRATA_ASSIGN_OR_RETURN(const hf::SafetensorsDType dtype, hf::export_safetensors_dtype(settings.dtype, "Llama export"));
   json config = llama_config_json(config_);
   // The source's own config.json keeps what Strata does not model (token ids, ...).
   std::error_code ec;
@@ -174,7 +161,7 @@ Status LlamaArchitecture::export_weights(const std::string& dir, const lm::FullG
   if (!settings.source_dir.empty() && std::filesystem::exists(source_config, ec)) {
     STRATA_ASSIGN_OR_RETURN(config, hf::read_json_object(source_config.string(), "the source model's config"));
   }
-  config["torch_dtype"] = std::string(torch_dtype_name(settings.dtype));
+  config["torch_dtype"] = std::string(hf::torch_dtype_name(dtype));
   hf::HfExportOptions options;
   if (settings.shard_bytes > 0) options.shard_bytes = settings.shard_bytes;
   options.metadata = settings.metadata;
@@ -185,8 +172,7 @@ Status LlamaArchitecture::export_weights(const std::string& dir, const lm::FullG
 
 StatusOr<std::vector<int>> LlamaArchitecture::export_group_order() const {
   STRATA_ASSIGN_OR_RETURN(const std::vector<GroupLayout> all, layouts());
-  STRATA_ASSIGN_OR_RETURN(hf::HfGroupExport plan, hf::HfGroupExport::plan(all, name_map(), hf::SafetensorsDType::kF32));
-  return plan.group_order();
+  return hf::export_group_order(all, name_map());
 }
 
 }  // namespace strata::llama

@@ -40,14 +40,7 @@ class LlamaArchitecture final : public lm::TransformerArchitecture<LlamaModel, L
   std::string describe() const override { return describe_llama_config(config_); }
   std::string model_json() const override { return llama_config_json(config_).dump(); }
   int64_t parameter_count() const override { return llama_parameter_count(config_); }
-  int64_t vocab_size() const override { return config_.vocab_size; }
-  int64_t context_length() const override { return config_.max_position_embeddings; }
-  int64_t hidden_size() const override { return config_.hidden_size; }
-  int64_t layers() const override { return config_.num_hidden_layers; }
   lm::FlopShape flop_shape() const override;
-  bool takes_position_ids() const override { return true; }
-  // LlamaModel does not measure an evaluation batch in a training forward.
-  bool evaluates_while_training() const override { return false; }
 
   std::vector<GroupSpec> group_specs() const override { return llama_group_specs(config_, chunks_); }
   std::vector<int> schedule() const override { return llama_schedule(config_, chunks_); }

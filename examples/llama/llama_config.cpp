@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/core/file.h"
+#include "examples/lm/config_problems.h"
+#include "examples/lm/presets.h"
 
 namespace strata::llama {
 namespace {
@@ -126,11 +128,6 @@ StatusOr<kernels::RopeScaling> rope_scaling_from(const Keys& keys, std::string_v
   return scaling;
 }
 
-struct PresetEntry {
-  const char* name;
-  LlamaConfig config;
-};
-
 LlamaConfig make_preset(int64_t layers, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t mlp, int64_t vocab,
                         int64_t max_positions, double theta, bool tied, kernels::RopeScaling scaling) {
   LlamaConfig c;
@@ -159,7 +156,7 @@ kernels::RopeScaling llama3_scaling(double factor) {
   return s;
 }
 
-std::vector<PresetEntry> presets() {
+std::vector<lm::Preset<LlamaConfig>> presets() {
   return {
       {"llama-tiny", make_preset(2, 64, 4, 2, 16, 160, 256, 256, 10000.0, true, {})},
       {"llama-1b", make_preset(16, 2048, 32, 8, 64, 8192, 128256, 131072, 500000.0, true, llama3_scaling(32.0))},
@@ -235,39 +232,29 @@ StatusOr<LlamaConfig> read_llama_config(const std::string& path) {
 }
 
 Status validate_llama_config(const LlamaConfig& c) {
-  std::vector<std::string> problems;
-  auto positive = [&](const char* name, int64_t value) {
-    if (value <= 0) problems.push_back(std::string(name) + " must be positive, got " + std::to_string(value));
-  };
-  positive("hidden_size", c.hidden_size);
-  positive("intermediate_size", c.intermediate_size);
-  positive("num_hidden_layers", c.num_hidden_layers);
-  positive("num_attention_heads", c.num_attention_heads);
-  positive("num_key_value_heads", c.num_key_value_heads);
-  positive("head_dim", c.head_dim);
-  positive("vocab_size", c.vocab_size);
-  positive("max_position_embeddings", c.max_position_embeddings);
+  lm::ConfigProblems problems;
+  problems.all_positive({{"hidden_size", c.hidden_size}, {"intermediate_size", c.intermediate_size},
+                         {"num_hidden_layers", c.num_hidden_layers}, {"num_attention_heads", c.num_attention_heads},
+                         {"num_key_value_heads", c.num_key_value_heads}, {"head_dim", c.head_dim},
+                         {"vocab_size", c.vocab_size}, {"max_position_embeddings", c.max_position_embeddings}});
   if (c.num_attention_heads > 0 && c.num_key_value_heads > 0 && c.num_attention_heads % c.num_key_value_heads != 0)
-    problems.push_back("num_attention_heads (" + std::to_string(c.num_attention_heads) + ") must be a multiple of num_key_value_heads (" +
-                       std::to_string(c.num_key_value_heads) + ")");
-  if (c.head_dim > 0 && c.head_dim % 2 != 0) problems.push_back("head_dim (" + std::to_string(c.head_dim) + ") must be even for rotary embeddings");
-  if (c.vocab_size > (int64_t{1} << 31) - 1) problems.push_back("vocab_size must fit int32 token ids");
-  if (!(c.rms_norm_eps > 0.0)) problems.push_back("rms_norm_eps must be positive");
-  if (!(c.rope_theta > 0.0)) problems.push_back("rope_theta must be positive");
-  if (!(c.initializer_range >= 0.0)) problems.push_back("initializer_range must be >= 0");
-  if (c.sliding_window < 0) problems.push_back("sliding_window must be >= 0");
+    problems.add("num_attention_heads (" + std::to_string(c.num_attention_heads) + ") must be a multiple of num_key_value_heads (" +
+                 std::to_string(c.num_key_value_heads) + ")");
+  if (c.head_dim > 0 && c.head_dim % 2 != 0) problems.add("head_dim (" + std::to_string(c.head_dim) + ") must be even for rotary embeddings");
+  problems.vocab_fits_token_ids(c.vocab_size);
+  if (!(c.rms_norm_eps > 0.0)) problems.add("rms_norm_eps must be positive");
+  if (!(c.rope_theta > 0.0)) problems.add("rope_theta must be positive");
+  if (!(c.initializer_range >= 0.0)) problems.add("initializer_range must be >= 0");
+  if (c.sliding_window < 0) problems.add("sliding_window must be >= 0");
   const kernels::RopeScaling& s = c.rope_scaling;
   if (s.kind != kernels::RopeScaling::Kind::kNone && !(s.factor > 0.0))
-    problems.push_back("rope_scaling.factor must be positive, got " + std::to_string(s.factor));
+    problems.add("rope_scaling.factor must be positive, got " + std::to_string(s.factor));
   if (s.kind == kernels::RopeScaling::Kind::kLlama3) {
     if (!(s.high_freq_factor > s.low_freq_factor) || !(s.low_freq_factor > 0.0))
-      problems.push_back("rope_scaling needs 0 < low_freq_factor < high_freq_factor");
-    if (s.original_max_position_embeddings <= 0) problems.push_back("rope_scaling.original_max_position_embeddings must be positive");
+      problems.add("rope_scaling needs 0 < low_freq_factor < high_freq_factor");
+    if (s.original_max_position_embeddings <= 0) problems.add("rope_scaling.original_max_position_embeddings must be positive");
   }
-  if (problems.empty()) return {};
-  std::string message = "Llama config: ";
-  for (size_t i = 0; i < problems.size(); ++i) message += (i ? "; " : "") + problems[i];
-  return InvalidArgumentError(message);
+  return problems.status("Llama config");
 }
 
 Status check_sequence_length(const LlamaConfig& c, int64_t seq_len) {
@@ -283,19 +270,11 @@ Status check_sequence_length(const LlamaConfig& c, int64_t seq_len) {
 }
 
 StatusOr<LlamaConfig> llama_preset(std::string_view name) {
-  const auto entries = presets();
-  for (const auto& preset : entries)
-    if (name == preset.name) return preset.config;
-  std::string names;
-  for (const auto& preset : entries) names += std::string(names.empty() ? "" : ", ") + preset.name;
-  return NotFoundError("unknown Llama preset \"" + std::string(name) + "\"; known presets: " + names);
+  const std::vector<lm::Preset<LlamaConfig>> entries = presets();
+  return lm::find_preset<LlamaConfig>(entries, name, "Llama");
 }
 
-std::vector<std::string> llama_preset_names() {
-  std::vector<std::string> names;
-  for (const auto& preset : presets()) names.emplace_back(preset.name);
-  return names;
-}
+std::vector<std::string> llama_preset_names() { return lm::preset_names<LlamaConfig>(presets()); }
 
 int64_t llama_parameter_count(const LlamaConfig& c) {
   const int64_t H = c.hidden_size, D = c.head_dim, I = c.intermediate_size;

@@ -299,15 +299,12 @@ struct LlamaModel::Rows {
   bool training = false;  // a backward follows (kPinnedHost saves the block inputs)
 };
 
-struct LlamaModel::Buffers {
+struct LlamaModel::Buffers : lm::ActivationArena {
   DeviceLayout layout;
   BlockIndex index;
-  DeviceBuffer arena;
-  lm::PinnedBlockInputs pinned;  // training block inputs (kPinnedHost)
   // Pinned staging of each pass's positions (copied from after stage_inputs returns).
   lm::UploadStaging positions;
 
-  void* at(size_t offset) const { return static_cast<char*>(arena.data()) + offset; }
   template <class T>
   T* as(size_t offset) const { return static_cast<T*>(at(offset)); }
   void* resid(int64_t layer) const { return at(layout.resid[static_cast<size_t>(layer) % layout.resid.size()]); }
@@ -321,7 +318,7 @@ struct LlamaModel::Buffers {
 };
 
 LlamaModel::LlamaModel(Engine& engine, const LlamaModelOptions& options, const LlamaActivationPlan& plan)
-    : TransformerModel(engine, options, llama_groups(options.config, plan.chunks)) {
+    : TransformerModel(engine, options, llama_groups(options.config, plan.chunks), "LlamaModel") {
   plan_ = plan;
 }
 
@@ -353,16 +350,11 @@ Status LlamaModel::allocate() {
   auto b = std::make_unique<Buffers>();
   STRATA_ASSIGN_OR_RETURN(b->layout, make_layout(options_, device.kind()));
   block_tensors(options_.config, &b->index);
-  STRATA_ASSIGN_OR_RETURN(lm::ModelBlas blas, lm::create_model_blas(device));
-  blas_ = std::move(blas.blocks);
-  head_blas_ = std::move(blas.head);
-  STRATA_ASSIGN_OR_RETURN(b->arena, device.allocate(b->layout.total, "Llama activations"));
+  if (Status status = allocate_activations(b->layout, "Llama", *b); !status.ok()) return status;
   const DeviceLayout& d = b->layout;
-  if (options_.checkpointing == ActivationCheckpointing::kPinnedHost) {
-    STRATA_ASSIGN_OR_RETURN(b->pinned, lm::PinnedBlockInputs::create(device, d.pinned_slots, d.pinned_slot_bytes, "Llama"));
-  }
   STRATA_ASSIGN_OR_RETURN(b->positions, lm::UploadStaging::create(device, static_cast<size_t>(d.rows) * 4, "Llama position ids"));
-  STRATA_ASSIGN_OR_RETURN(vocab_, lm::VocabHead::create(engine_, *head_blas_, d.head_shape, b->at(d.vocab_head), b->at(d.matrix_scratch)));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<lm::VocabHead> vocab,
+                          lm::VocabHead::create(engine_, *head_blas_, d.head_shape, b->at(d.vocab_head), b->at(d.matrix_scratch)));
 
   // The rotary inverse frequencies.
   Stream& stream = engine_.compute_stream();
@@ -371,6 +363,7 @@ Status LlamaModel::allocate() {
                           kernels::rope_inverse_frequencies(static_cast<size_t>(c.head_dim), c.rope_theta, c.rope_scaling));
   STRATA_RETURN_IF_ERROR(device.copy_async(b->at(d.inv_freq), inv_freq.data(), inv_freq.size() * 4, CopyKind::kHostToDevice, stream));
   STRATA_RETURN_IF_ERROR(stream.synchronize());
+  vocab_ = std::move(vocab);
   buffers_ = std::move(b);
   return {};
 }
@@ -684,20 +677,8 @@ Status LlamaModel::backward(const Rows& rows) {
     STRATA_RETURN_IF_ERROR(b.pinned.restore(stream, l, b.resid(l - 2), block_input_bytes(rows)));
   }
   // dresid is d loss / d x_0: the embedding chunks' gradients (tied: plus the head's).
-  for (int64_t k = 0; k < d.chunks.count; ++k) {
-    const int g = groups_.embed(k);
-    STRATA_ASSIGN_OR_RETURN(GroupView grads, engine_.gradient_buffer(g));
-    float* dweight = static_cast<float*>(grads.tensors[0]);
-    if (groups_.tied) {
-      STRATA_ASSIGN_OR_RETURN(GroupView view, engine_.gather(g));
-      STRATA_RETURN_IF_ERROR(vocab_->head_backward_chunk(k, view, b.at(d.norm_out), dweight, nullptr));
-      STRATA_RETURN_IF_ERROR(engine_.release(g));
-    }
-    STRATA_RETURN_IF_ERROR(vocab_->embed_backward(k, b.at(d.dresid), dweight));
-    STRATA_RETURN_IF_ERROR(capture(g, grads));
-    STRATA_RETURN_IF_ERROR(engine_.grads_ready(g));
-  }
-  return {};
+  const auto embed = [this](int64_t k) { return groups_.embed(k); };
+  return vocab_chunks_backward(d.chunks.count, embed, groups_.tied ? b.at(d.norm_out) : nullptr, b.at(d.dresid));
 }
 
 StatusOr<QueuedMicroBatch> LlamaModel::queue_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) {
@@ -728,11 +709,6 @@ StatusOr<QueuedMicroBatch> LlamaModel::queue_micro_batch(const TokenBatch* train
     STRATA_RETURN_IF_ERROR(backward(rows));
   }
   return result;
-}
-
-StatusOr<MicroBatchLosses> LlamaModel::collect(const QueuedMicroBatch& queued) {
-  if (!buffers_) return FailedPreconditionError("LlamaModel::collect() before allocate()");
-  return vocab_->collect(queued);
 }
 
 }  // namespace strata::llama

@@ -153,7 +153,6 @@ class LlamaModel final : public lm::TransformerModel<LlamaModelOptions, LlamaGro
   // Returns once enqueued; the losses follow through collect() (CausalLm::run_micro_batch
   // does both).
   StatusOr<QueuedMicroBatch> queue_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) override;
-  StatusOr<MicroBatchLosses> collect(const QueuedMicroBatch& queued) override;
 
  private:
   struct Buffers;
@@ -172,7 +171,6 @@ class LlamaModel final : public lm::TransformerModel<LlamaModelOptions, LlamaGro
   Status backward(const Rows& rows);
 
   std::unique_ptr<Buffers> buffers_;
-  std::unique_ptr<lm::VocabHead> vocab_;
 };
 
 }  // namespace strata::llama

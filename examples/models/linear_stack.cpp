@@ -146,63 +146,118 @@ StatusOr<const float*> LinearStackModel::as_fp32(const GroupView& view, size_t e
   return scratch.as<const float>();
 }
 
+namespace {
+
+// The three matmul shapes of the stack for `rows` rows.
+struct StackShapes {
+  kernels::MatmulShape embed;  // features -> width
+  kernels::MatmulShape layer;  // width -> width
+  kernels::MatmulShape head;   // width -> features, the tied embedding transposed
+};
+
+StackShapes stack_shapes(size_t rows, size_t f, size_t w) {
+  return StackShapes{.embed = {rows, f, w, kernels::WeightLayout::kInOut},
+                     .layer = {rows, w, w, kernels::WeightLayout::kInOut},
+                     .head = {rows, w, f, kernels::WeightLayout::kOutIn}};
+}
+
+}  // namespace
+
+// What forward() and backward() of one micro-batch share: this rank's sizes and the shapes.
+struct LinearStackModel::Step {
+  Stream& stream;
+  size_t rows;  // this rank's rows of the micro-batch
+  size_t f, w;  // features, width
+  int layers;
+  StackShapes shapes;
+  size_t embed_numel;  // group 0's elements
+};
+
+// The device work of a step; with StackCompute::kNone only the engine's protocol runs.
+Status LinearStackModel::launch(const std::function<Status()>& work) const {
+  return config_.compute == StackCompute::kKernels ? work() : Status();
+}
+
+float* LinearStackModel::activations(int layer) {
+  return h_.as<float>() + static_cast<size_t>(layer) * static_cast<size_t>(local_rows_) * static_cast<size_t>(config_.width);
+}
+
+float* LinearStackModel::pre_activations(int layer) {
+  return pre_.as<float>() +
+         static_cast<size_t>(layer - 1) * static_cast<size_t>(local_rows_) * static_cast<size_t>(config_.width);
+}
+
 Status LinearStackModel::forward_backward(int64_t step, int micro, int micro_batches, double* loss) {
   Stream& stream = engine_.compute_stream();
   Device& device = engine_.device();
   const size_t rows = static_cast<size_t>(local_rows_);
-  const size_t f = static_cast<size_t>(config_.features), w = static_cast<size_t>(config_.width);
-  const int layers = config_.layers;
+  const size_t f = static_cast<size_t>(config_.features);
   // Host inputs: this rank's rows of the global micro-batch. The buffers stay untouched
   // until the step's end (the copies read them asynchronously).
   float* hx = host_x_.data() + static_cast<size_t>(micro) * rows * f;
   int32_t* hl = host_labels_.data() + static_cast<size_t>(micro) * rows;
   make_batch(config_, step, micro, rank_ * local_rows_, local_rows_, hx, hl);
-  // The device work of a step; with StackCompute::kNone only the engine's protocol runs.
-  const bool computes = config_.compute == StackCompute::kKernels;
-  auto kernel = [computes](const std::function<Status()>& launch) { return computes ? launch() : Status(); };
-  STRATA_RETURN_IF_ERROR(kernel([&] { return device.copy_async(x_.data(), hx, rows * f * 4, CopyKind::kHostToDevice, stream); }));
-  STRATA_RETURN_IF_ERROR(kernel([&] { return device.copy_async(labels_.data(), hl, rows * 4, CopyKind::kHostToDevice, stream); }));
+  STRATA_RETURN_IF_ERROR(launch([&] { return device.copy_async(x_.data(), hx, rows * f * 4, CopyKind::kHostToDevice, stream); }));
+  STRATA_RETURN_IF_ERROR(launch([&] { return device.copy_async(labels_.data(), hl, rows * 4, CopyKind::kHostToDevice, stream); }));
+  const size_t w = static_cast<size_t>(config_.width);
+  const Step s{.stream = stream, .rows = rows, .f = f, .w = w, .layers = config_.layers,
+               .shapes = stack_shapes(rows, f, w), .embed_numel = engine_.layout(0).numel};
+  if (Status status = forward(s, micro, micro_batches); !status.ok()) return status;
+  if (Status status = backward(s); !status.ok()) return status;
+  (void)loss;
+  return {};
+}
 
-  auto h = [&](int l) { return h_.as<float>() + static_cast<size_t>(l) * rows * w; };
-  auto pre = [&](int l) { return pre_.as<float>() + static_cast<size_t>(l - 1) * rows * w; };
-  const kernels::MatmulShape embed_shape{rows, f, w, kernels::WeightLayout::kInOut};
-  const kernels::MatmulShape layer_shape{rows, w, w, kernels::WeightLayout::kInOut};
-  const kernels::MatmulShape head_shape{rows, w, f, kernels::WeightLayout::kOutIn};
-  const size_t embed_numel = engine_.layout(0).numel;
-
-  // Forward.
+// Embedding, the layers, the tied head and the fused loss of one micro-batch; the mean
+// loss is copied into micro_losses_[micro].
+Status LinearStackModel::forward(const Step& s, int micro, int micro_batches) {
+  Stream& stream = s.stream;
+  Device& device = engine_.device();
+  const size_t rows = s.rows, f = s.f, w = s.w;
+  const int layers = s.layers;
+  const StackShapes& shapes = s.shapes;
+  const size_t embed_numel = s.embed_numel;
   STRATA_ASSIGN_OR_RETURN(GroupView embed, engine_.gather(0));
   STRATA_ASSIGN_OR_RETURN(const float* e, as_fp32(embed, embed_numel, scratch_embed_));
-  STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::matmul_forward(stream, *blas_, embed_shape, DType::kFloat32, x_.data(), e, nullptr, h(0)); }));
+  STRATA_RETURN_IF_ERROR(launch([&] { return kernels::matmul_forward(stream, *blas_, shapes.embed, DType::kFloat32, x_.data(), e, nullptr, activations(0)); }));
   STRATA_RETURN_IF_ERROR(engine_.release(0));
   for (int l = 1; l <= layers; ++l) {
     STRATA_ASSIGN_OR_RETURN(GroupView layer, engine_.gather(l));
     STRATA_ASSIGN_OR_RETURN(const float* p, as_fp32(layer, engine_.layout(l).numel, scratch_layer_));
     const float* weight = p;
     const float* bias = p + engine_.layout(l).tensors[1].offset;
-    STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::matmul_forward(stream, *blas_, layer_shape, DType::kFloat32, h(l - 1), weight, bias, pre(l)); }));
-    STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::gelu_forward(stream, DType::kFloat32, pre(l), h(l), rows * w); }));
+    STRATA_RETURN_IF_ERROR(launch([&] { return kernels::matmul_forward(stream, *blas_, shapes.layer, DType::kFloat32, activations(l - 1), weight, bias, pre_activations(l)); }));
+    STRATA_RETURN_IF_ERROR(launch([&] { return kernels::gelu_forward(stream, DType::kFloat32, pre_activations(l), activations(l), rows * w); }));
     STRATA_RETURN_IF_ERROR(engine_.release(l));
   }
   STRATA_ASSIGN_OR_RETURN(embed, engine_.gather(0));
   STRATA_ASSIGN_OR_RETURN(e, as_fp32(embed, embed_numel, scratch_embed_));
-  STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::matmul_forward(stream, *blas_, head_shape, DType::kFloat32, h(layers), e, nullptr, logits_.data()); }));
+  STRATA_RETURN_IF_ERROR(launch([&] { return kernels::matmul_forward(stream, *blas_, shapes.head, DType::kFloat32, activations(layers), e, nullptr, logits_.data()); }));
   STRATA_RETURN_IF_ERROR(engine_.release(0));
   // The objective is the mean over all rows of all ranks and micro-batches, times the
   // loss scale: each rank's rows contribute 1 / (global rows x micro-batches).
   const float grad_scale = engine_.loss_scale() / static_cast<float>(config_.global_rows * micro_batches);
   const kernels::CrossEntropyShape ce{rows, f, -1};
-  STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::cross_entropy_fused(stream, ce, DType::kFloat32, logits_.data(), labels_.as<int32_t>(), grad_scale,
+  STRATA_RETURN_IF_ERROR(launch([&] { return kernels::cross_entropy_fused(stream, ce, DType::kFloat32, logits_.data(), labels_.as<int32_t>(), grad_scale,
                                                       losses_.as<float>(), mean_loss_.as<float>(), logits_.data()); }));
   float* loss_out = &micro_losses_[static_cast<size_t>(micro)];
-  STRATA_RETURN_IF_ERROR(kernel([&] { return device.copy_async(loss_out, mean_loss_.data(), 4, CopyKind::kDeviceToHost, stream); }));
+  STRATA_RETURN_IF_ERROR(launch([&] { return device.copy_async(loss_out, mean_loss_.data(), 4, CopyKind::kDeviceToHost, stream); }));
+  return {};
+}
 
-  // Backward.
+// The head, the layers (each layer's gradients handed to the engine as they are done)
+// and the embedding, back from the loss gradient forward() left in logits_.
+Status LinearStackModel::backward(const Step& s) {
+  Stream& stream = s.stream;
+  const size_t rows = s.rows, w = s.w;
+  const int layers = s.layers;
+  const StackShapes& shapes = s.shapes;
+  const size_t embed_numel = s.embed_numel;
   const kernels::GradOptions accumulate_params{kernels::GradWrite::kOverwrite, kernels::GradWrite::kAccumulate};
-  STRATA_ASSIGN_OR_RETURN(embed, engine_.gather(0));
-  STRATA_ASSIGN_OR_RETURN(e, as_fp32(embed, embed_numel, scratch_embed_));
+  STRATA_ASSIGN_OR_RETURN(GroupView embed, engine_.gather(0));
+  STRATA_ASSIGN_OR_RETURN(const float* e, as_fp32(embed, embed_numel, scratch_embed_));
   STRATA_ASSIGN_OR_RETURN(GroupView d_embed, engine_.gradient_buffer(0));
-  STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::matmul_backward(stream, *blas_, head_shape, DType::kFloat32, logits_.data(), h(layers), e,
+  STRATA_RETURN_IF_ERROR(launch([&] { return kernels::matmul_backward(stream, *blas_, shapes.head, DType::kFloat32, logits_.data(), activations(layers), e,
                                                   grad_a_.data(), static_cast<float*>(d_embed.tensors[0]), nullptr, accumulate_params); }));
   STRATA_RETURN_IF_ERROR(engine_.release(0));
   void* dh = grad_a_.data();
@@ -211,8 +266,8 @@ Status LinearStackModel::forward_backward(int64_t step, int micro, int micro_bat
     STRATA_ASSIGN_OR_RETURN(GroupView layer, engine_.gather(l));
     STRATA_ASSIGN_OR_RETURN(const float* p, as_fp32(layer, engine_.layout(l).numel, scratch_layer_));
     STRATA_ASSIGN_OR_RETURN(GroupView d_layer, engine_.gradient_buffer(l));
-    STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::gelu_backward(stream, DType::kFloat32, dh, pre(l), dh, rows * w, kernels::GradWrite::kOverwrite); }));
-    STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::matmul_backward(stream, *blas_, layer_shape, DType::kFloat32, dh, h(l - 1), p, dh_next,
+    STRATA_RETURN_IF_ERROR(launch([&] { return kernels::gelu_backward(stream, DType::kFloat32, dh, pre_activations(l), dh, rows * w, kernels::GradWrite::kOverwrite); }));
+    STRATA_RETURN_IF_ERROR(launch([&] { return kernels::matmul_backward(stream, *blas_, shapes.layer, DType::kFloat32, dh, activations(l - 1), p, dh_next,
                                                     static_cast<float*>(d_layer.tensors[0]), static_cast<float*>(d_layer.tensors[1]),
                                                     accumulate_params); }));
     STRATA_RETURN_IF_ERROR(engine_.release(l));
@@ -221,11 +276,10 @@ Status LinearStackModel::forward_backward(int64_t step, int micro, int micro_bat
   }
   STRATA_ASSIGN_OR_RETURN(embed, engine_.gather(0));
   STRATA_ASSIGN_OR_RETURN(e, as_fp32(embed, embed_numel, scratch_embed_));
-  STRATA_RETURN_IF_ERROR(kernel([&] { return kernels::matmul_backward(stream, *blas_, embed_shape, DType::kFloat32, dh, x_.data(), e, nullptr,
+  STRATA_RETURN_IF_ERROR(launch([&] { return kernels::matmul_backward(stream, *blas_, shapes.embed, DType::kFloat32, dh, x_.data(), e, nullptr,
                                                   static_cast<float*>(d_embed.tensors[0]), nullptr, accumulate_params); }));
   STRATA_RETURN_IF_ERROR(engine_.release(0));
   STRATA_RETURN_IF_ERROR(engine_.grads_ready(0));
-  (void)loss;
   return {};
 }
 

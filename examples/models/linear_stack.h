@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -77,6 +78,12 @@ class LinearStackModel {
   LinearStackModel(Engine& engine, const LinearStackConfig& config, int rank, int world_size)
       : engine_(engine), config_(config), rank_(rank), world_size_(world_size) {}
   Status forward_backward(int64_t step, int micro, int micro_batches, double* loss);
+  struct Step;  // one micro-batch's sizes and shapes
+  Status forward(const Step& s, int micro, int micro_batches);  // after forward_backward's input copies
+  Status backward(const Step& s);
+  Status launch(const std::function<Status()>& work) const;  // runs `work` when the stack computes
+  float* activations(int layer);      // h_ of `layer` (0: the embedding's output)
+  float* pre_activations(int layer);  // pre_ of `layer` (1..layers)
   // The gathered group as fp32 (a cast into scratch when parameters are 16-bit).
   StatusOr<const float*> as_fp32(const GroupView& view, size_t elements, DeviceBuffer& scratch);
 
