@@ -147,7 +147,7 @@ void GradientPath::begin_micro_batch() {
   for (GroupFacts& facts : facts_) facts.active_slot = -1;
 }
 
-StatusOr<float*> GradientPath::buffer(int g) {
+StatusOr<float*> GradientPath::buffer(int g, GradientStart start) {
   GroupFacts& facts = facts_[static_cast<size_t>(g)];
   if (facts.active_slot == -2)
     return FailedPreconditionError("gradient_buffer(" + std::to_string(g) + ") after grads_ready(" + std::to_string(g) +
@@ -164,7 +164,8 @@ StatusOr<float*> GradientPath::buffer(int g) {
       slots_[static_cast<size_t>(chosen)].busy = true;
     }
     facts.active_slot = chosen;
-    STRATA_RETURN_IF_ERROR(ctx_.device->memset_async(slots_[static_cast<size_t>(chosen)].full.data(), 0,
+    if (start == GradientStart::kZeroed)
+      STRATA_RETURN_IF_ERROR(ctx_.device->memset_async(slots_[static_cast<size_t>(chosen)].full.data(), 0,
                                                      group_layout(g).padded_numel * sizeof(float), *ctx_.compute));
   }
   return slots_[static_cast<size_t>(facts.active_slot)].full.as<float>();

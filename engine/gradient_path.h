@@ -89,9 +89,10 @@ class GradientPath {
 
   // Model thread. A micro-batch starts: no group holds a slot.
   void begin_micro_batch();
-  // Group g's zeroed fp32 gradient buffer for this micro-batch (one slot per group and
-  // micro-batch; waits for a free slot).
-  StatusOr<float*> buffer(int g);
+  // Group g's fp32 gradient buffer for this micro-batch (one slot per group and
+  // micro-batch; waits for a free slot), zeroed on the compute stream when taken, or
+  // handed out unwritten (the slot is free: nothing reads it until hand_over).
+  StatusOr<float*> buffer(int g, GradientStart start = GradientStart::kZeroed);
   // The model's gradients of g for this micro-batch are enqueued on the compute stream.
   Status hand_over(int g, int64_t step, int micro);
   // Every trainable group's final gradient of `step` has landed: their statistics, added

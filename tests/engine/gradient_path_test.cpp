@@ -200,6 +200,28 @@ TEST_F(GradientPathTest, AnInfOrNanGradientIsFlaggedInTheStatistics) {
   EXPECT_TRUE(stats.non_finite);
 }
 
+// A model that writes every element from its own thread takes the buffer unwritten:
+// nothing is queued on the compute stream, the slot holds an earlier gradient, and what
+// the model writes is what lands.
+TEST_F(GradientPathTest, AnUnwrittenBufferKeepsItsEarlierValuesAndLandsWhatTheModelWrites) {
+  build(fp32_options());
+  STRATA_ASSERT_OK(run_step(0, {1.0f}).status());
+  path_->begin_micro_batch();
+  for (int g = 0; g < 2; ++g) {
+    STRATA_ASSERT_OK_AND_ASSIGN(float* buffer, path_->buffer(g, GradientStart::kUnwritten));
+    const std::vector<float> held(buffer, buffer + shard(g));
+    EXPECT_NE(sum_of_squares(held), 0.0) << "group " << g << ": an unwritten buffer is not zeroed";
+    const std::vector<float> values = ramp(shard(g), -3.0f);
+    std::copy(values.begin(), values.end(), buffer);
+    STRATA_ASSERT_OK(path_->hand_over(g, 1, 0));
+  }
+  STRATA_ASSERT_OK(path_->wait_step_landed(1).status());
+  for (int g = 0; g < 2; ++g) {
+    STRATA_ASSERT_OK_AND_ASSIGN(const GradientView view, board_->landed(g, 1));
+    EXPECT_EQ(host_view(view, shard(g)), ramp(shard(g), -3.0f)) << "group " << g;
+  }
+}
+
 TEST_F(GradientPathTest, ASecondHandOverInOneMicroBatchIsRefused) {
   build(fp32_options());
   path_->begin_micro_batch();
