@@ -120,7 +120,7 @@ StatusOr<GroupView> EngineImpl::gradient_buffer(int g, GradientStart start) {
   STRATA_RETURN_IF_ERROR(check_trainable(g, "gradient_buffer(" + std::to_string(g) + ")"));
   if (micro_ < 0) return FailedPreconditionError("gradient_buffer() outside a step");
   if (forward_only_) return FailedPreconditionError("gradient_buffer() in a forward-only pass");
-  STRATA_ASSIGN_OR_RETURN(float* buffer, gradient_path_->buffer(g, start));
+  STRATA_ASSIGN_OR_RETURN(float* buffer, gradient_path_->buffer(g, step_index_, start));
   return view_of(group(g), buffer, DType::kFloat32);
 }
 

@@ -1,10 +1,11 @@
 // A model that computes on its own thread rather than in compute_stream() order (the
 // Python front end on the CPU device): it waits for each gathered group with
-// wait_gathered() and takes its gradient buffers unwritten (GradientStart::kUnwritten),
-// writing every element itself. It must train the same bits as the same model that
-// synchronizes the compute stream after each gather and takes zeroed buffers, in every
-// parameter tier (the direct view of device parameters, gather slots, persistent groups,
-// NVMe) and in both overlap modes.
+// wait_gathered() and takes its gradient buffers unwritten (GradientStart::kUnwritten,
+// on the CPU device with one rank the landing buffers themselves), writing every element
+// itself. It must train the same bits as the same model that synchronizes the compute
+// stream after each gather and takes zeroed buffers, in every parameter tier (the direct
+// view of device parameters, gather slots, NVMe), in both overlap modes and with
+// micro-batches.
 #include <gtest/gtest.h>
 
 #include <bit>
@@ -41,6 +42,7 @@ struct HostRunSpec {
   OverlapMode overlap = OverlapMode::kExact;
   HostWaits waits = HostWaits::kWholeStream;
   int prefetch_depth = EngineOptions::kAutoDepth;
+  int micro_batches = 1;
 };
 
 EngineOptions host_options(const HostRunSpec& spec, const std::string& nvme_path) {
@@ -57,24 +59,26 @@ EngineOptions host_options(const HostRunSpec& spec, const std::string& nvme_path
   options.optimizer_threads = 1;
   options.nvme_path = nvme_path;
   options.prefetch_depth = spec.prefetch_depth;
+  options.gradient_accumulation_steps = spec.micro_batches;
   return options;
 }
 
-// The gradient of 0.5 * sum((w - step)^2) over the group's real elements, written by this
-// thread into every element of the buffer (padding: zero).
-void write_gradient(const GroupLayout& layout, const float* params, float* grads, int64_t step) {
+// The gradient of 0.5 * sum((w - target)^2) over the group's real elements, written by
+// this thread into every element of the buffer (padding: zero).
+void write_gradient(const GroupLayout& layout, const float* params, float* grads, float target) {
   std::vector<char> covered(layout.padded_numel, 0);
   for (const TensorLayout& t : layout.tensors)
     for (size_t i = t.offset; i < t.offset + t.numel; ++i) {
-      grads[i] = params[i] - static_cast<float>(step);
+      grads[i] = params[i] - target;
       covered[i] = 1;
     }
   for (size_t i = 0; i < layout.padded_numel; ++i)
     if (!covered[i]) grads[i] = 0.0f;
 }
 
-Status host_step(Engine& engine, int64_t step, HostWaits waits) {
-  STRATA_RETURN_IF_ERROR(engine.begin_step(1e-2));
+// One micro-batch: a forward that keeps what the host read, a backward that gathers again
+// and writes each group's gradient.
+Status host_micro_batch(Engine& engine, float target, HostWaits waits) {
   std::vector<std::vector<float>> seen(kGroups);
   for (int g = 0; g < kGroups; ++g) {  // forward: keep what the host read
     STRATA_ASSIGN_OR_RETURN(const GroupView view, engine.gather(g));
@@ -98,9 +102,18 @@ Status host_step(Engine& engine, int64_t step, HostWaits waits) {
     const float* params = static_cast<const float*>(view.flat);
     if (std::memcmp(params, seen[static_cast<size_t>(g)].data(), seen[static_cast<size_t>(g)].size() * sizeof(float)) != 0)
       return InternalError("group " + std::to_string(g) + " gathered other values in backward than in forward");
-    write_gradient(engine.layout(g), params, static_cast<float*>(grads.flat), step);
+    write_gradient(engine.layout(g), params, static_cast<float*>(grads.flat), target);
     STRATA_RETURN_IF_ERROR(engine.release(g));
     STRATA_RETURN_IF_ERROR(engine.grads_ready(g));
+  }
+  return {};
+}
+
+Status host_step(Engine& engine, int64_t step, const HostRunSpec& spec) {
+  STRATA_RETURN_IF_ERROR(engine.begin_step(1e-2));
+  for (int micro = 0; micro < spec.micro_batches; ++micro) {
+    if (micro > 0) STRATA_RETURN_IF_ERROR(engine.begin_micro_batch());
+    STRATA_RETURN_IF_ERROR(host_micro_batch(engine, static_cast<float>(step) + 0.5f * static_cast<float>(micro), spec.waits));
   }
   return engine.step(0.0).status();
 }
@@ -116,7 +129,7 @@ StatusOr<std::vector<std::vector<float>>> train_on_host(const HostRunSpec& spec)
                                                       cluster->reduce_communicator(0)));
   for (const GroupSpec& group : host_model_groups()) STRATA_RETURN_IF_ERROR(engine->register_group(group).status());
   STRATA_RETURN_IF_ERROR(engine->start());
-  for (int64_t step = 0; step < kSteps; ++step) STRATA_RETURN_IF_ERROR(host_step(*engine, step, spec.waits));
+  for (int64_t step = 0; step < kSteps; ++step) STRATA_RETURN_IF_ERROR(host_step(*engine, step, spec));
   STRATA_RETURN_IF_ERROR(engine->finish());
   std::vector<std::vector<float>> masters;
   for (int g = 0; g < kGroups; ++g) {
@@ -138,13 +151,14 @@ struct HostCase {
   Tier param_tier;
   OverlapMode overlap;
   int prefetch_depth;
+  int micro_batches;
 };
 
 class HostModelTiers : public ::testing::TestWithParam<HostCase> {};
 
 TEST_P(HostModelTiers, WaitingPerGroupWithUnwrittenBuffersTrainsTheSameBitsAsWholeStreamWaits) {
   const HostCase& c = GetParam();
-  HostRunSpec spec{c.param_tier, c.overlap, HostWaits::kWholeStream, c.prefetch_depth};
+  HostRunSpec spec{c.param_tier, c.overlap, HostWaits::kWholeStream, c.prefetch_depth, c.micro_batches};
   STRATA_ASSERT_OK_AND_ASSIGN(const auto stream_waits, train_on_host(spec));
   spec.waits = HostWaits::kPerGroup;
   STRATA_ASSERT_OK_AND_ASSIGN(const auto group_waits, train_on_host(spec));
@@ -154,10 +168,12 @@ TEST_P(HostModelTiers, WaitingPerGroupWithUnwrittenBuffersTrainsTheSameBitsAsWho
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiers, HostModelTiers,
-                         ::testing::Values(HostCase{"DeviceDirectView", Tier::kDevice, OverlapMode::kExact, EngineOptions::kAutoDepth},
-                                           HostCase{"PinnedSlots", Tier::kPinned, OverlapMode::kExact, 1},
-                                           HostCase{"PinnedDelayed", Tier::kPinned, OverlapMode::kDelayed, EngineOptions::kAutoDepth},
-                                           HostCase{"Nvme", Tier::kNvme, OverlapMode::kExact, 2}),
+                         ::testing::Values(HostCase{"DeviceDirectView", Tier::kDevice, OverlapMode::kExact, EngineOptions::kAutoDepth, 1},
+                                           HostCase{"DeviceDelayed", Tier::kDevice, OverlapMode::kDelayed, EngineOptions::kAutoDepth, 1},
+                                           HostCase{"DeviceMicroBatches", Tier::kDevice, OverlapMode::kExact, EngineOptions::kAutoDepth, 3},
+                                           HostCase{"PinnedSlots", Tier::kPinned, OverlapMode::kExact, 1, 1},
+                                           HostCase{"PinnedDelayedMicroBatches", Tier::kPinned, OverlapMode::kDelayed, EngineOptions::kAutoDepth, 2},
+                                           HostCase{"Nvme", Tier::kNvme, OverlapMode::kExact, 2, 1}),
                          [](const ::testing::TestParamInfo<HostCase>& info) { return std::string(info.param.name); });
 
 TEST(HostModelTest, WaitGatheredOfAGroupThatIsNotGatheredIsRefused) {
