@@ -98,7 +98,7 @@ enum class StateKind : uint8_t { kMaster, kExpAvg, kExpAvgSq, kStaleParams };
 // micro-batch.
 enum class GradientStart : uint8_t {
   kZeroed,     // zeros, written in compute_stream() order: backward kernels add into it
-  kUnwritten,  // whatever it held (another group's gradients): for a model that writes
+  kUnwritten,  // whatever it held (earlier gradients): for a model that writes
                // every element, padding included, before grads_ready(). Nothing is
                // enqueued, so a model writing from its own thread need not wait for the
                // compute stream.
