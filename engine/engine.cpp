@@ -140,7 +140,7 @@ Status EngineImpl::create_gradient_path() {
   hooks.failed = [this](Status status) { record_error(std::move(status)); };
   hooks.describe_engine = [this] { return describe_state(); };
   hooks.wait_for_update = [this](int g, int64_t version) {
-    return versions_->wait_for(g, version, "the previous step's update of the group (it reads the device gradient)", describer());
+    return versions_->wait_for(g, version, "the previous update of the group (it reads the gradient buffer the model writes next)", describer());
   };
   STRATA_ASSIGN_OR_RETURN(gradient_path_, GradientPath::create(context, std::move(hooks)));
   return gradient_path_->allocate();

@@ -135,10 +135,16 @@ class Engine {
   virtual Status begin_step(double learning_rate = -1.0) = 0;
   virtual Status begin_micro_batch() = 0;
   virtual StatusOr<GroupView> gather(int group) = 0;
+  // For a model that reads the gathered parameters on its own thread (a host computation
+  // on the CPU device) rather than in compute_stream() order: blocks until what gather()
+  // returned for the group is in memory. Waits on that group's fetch alone, not on the
+  // work queued on the compute stream. An error for a group that is not gathered.
+  virtual Status wait_gathered(int group) = 0;
   virtual Status release(int group) = 0;
-  // The fp32 full-group gradient buffer for this micro-batch (zeroed on first request); an
-  // error for a frozen group, as is grads_ready().
-  virtual StatusOr<GroupView> gradient_buffer(int group) = 0;
+  // The fp32 full-group gradient buffer for this micro-batch (on the first request of the
+  // micro-batch: zeroed, or handed out as it is, see GradientStart); an error for a frozen
+  // group, as is grads_ready().
+  virtual StatusOr<GroupView> gradient_buffer(int group, GradientStart start = GradientStart::kZeroed) = 0;
   virtual Status grads_ready(int group) = 0;
   // What the model multiplies its loss by before backward (1 unless fp16 loss scaling).
   virtual float loss_scale() const = 0;

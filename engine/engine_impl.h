@@ -158,9 +158,10 @@ class EngineImpl final : public Engine {
   Status begin_step(double learning_rate) override;
   Status begin_micro_batch() override;
   StatusOr<GroupView> gather(int group) override;
+  Status wait_gathered(int group) override;
   Status release(int group) override;
   Status check_gather_slot_free(int g) const;
-  StatusOr<GroupView> gradient_buffer(int group) override;
+  StatusOr<GroupView> gradient_buffer(int group, GradientStart start) override;
   Status grads_ready(int group) override;
   StatusOr<StepReport> step(double loss) override;
   Status finish() override;

@@ -94,4 +94,14 @@ struct EngineOptions {
 // stage keeps the first three; kStaleParams is the shard store's older parameter copy).
 enum class StateKind : uint8_t { kMaster, kExpAvg, kExpAvgSq, kStaleParams };
 
+// What a group's gradient buffer holds when gradient_buffer() first hands it out in a
+// micro-batch.
+enum class GradientStart : uint8_t {
+  kZeroed,     // zeros, written in compute_stream() order: backward kernels add into it
+  kUnwritten,  // whatever it held (earlier gradients): for a model that writes
+               // every element, padding included, before grads_ready(). Nothing is
+               // enqueued, so a model writing from its own thread need not wait for the
+               // compute stream.
+};
+
 }  // namespace strata

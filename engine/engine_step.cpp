@@ -92,6 +92,17 @@ Status EngineImpl::check_gather_slot_free(int g) const {
                                  "): release one first, or plan more slots (a deeper prefetch, strata.prefetch_depth)");
 }
 
+// The direct view was written by the update gather() waited for on this thread; a fetched
+// use is in memory once its own fetch is (gather() made only the compute stream wait).
+Status EngineImpl::wait_gathered(int g) {
+  STRATA_RETURN_IF_ERROR(check_group(g, "wait_gathered"));
+  auto it = active_uses_.find(g);
+  if (it == active_uses_.end())
+    return FailedPreconditionError("wait_gathered(" + std::to_string(g) + ") of a group that is not gathered");
+  if (direct_view(group(g))) return {};
+  return fetcher_->wait_taken(g, it->second.position);
+}
+
 Status EngineImpl::release(int g) {
   STRATA_RETURN_IF_ERROR(check_group(g, "release"));
   auto it = active_uses_.find(g);
@@ -104,12 +115,12 @@ Status EngineImpl::release(int g) {
   return fetcher_->release(g, use.position);
 }
 
-StatusOr<GroupView> EngineImpl::gradient_buffer(int g) {
+StatusOr<GroupView> EngineImpl::gradient_buffer(int g, GradientStart start) {
   STRATA_RETURN_IF_ERROR(check_group(g, "gradient_buffer"));
   STRATA_RETURN_IF_ERROR(check_trainable(g, "gradient_buffer(" + std::to_string(g) + ")"));
   if (micro_ < 0) return FailedPreconditionError("gradient_buffer() outside a step");
   if (forward_only_) return FailedPreconditionError("gradient_buffer() in a forward-only pass");
-  STRATA_ASSIGN_OR_RETURN(float* buffer, gradient_path_->buffer(g));
+  STRATA_ASSIGN_OR_RETURN(float* buffer, gradient_path_->buffer(g, step_index_, start));
   return view_of(group(g), buffer, DType::kFloat32);
 }
 

@@ -12,9 +12,9 @@ StatusOr<std::unique_ptr<GradientPath>> GradientPath::create(const GradientPathC
   if (context.plan->gradients_spilled && context.spill == nullptr)
     return InternalError("gradient path: the plan spills gradients but there is no NVMe state to spill them to");
   if (context.board == nullptr) return InternalError("gradient path: no gradient board to publish the gradients on");
-  if (context.options->optimizer_tier == Tier::kDevice && !hooks.wait_for_update)
-    return InternalError("gradient path: device-resident optimizer state needs the wait for the previous update");
   auto path = std::make_unique<GradientPath>(context, std::move(hooks));
+  if ((context.options->optimizer_tier == Tier::kDevice || path->lands_in_place()) && !path->hooks_.wait_for_update)
+    return InternalError("gradient path: device-resident optimizer state and gradients landed in place need the wait for the previous update");
   STRATA_ASSIGN_OR_RETURN(GradientOps ops, GradientOps::create(*context.executor));
   path->ops_.emplace(std::move(ops));
   path->facts_.resize(context.layouts->size());
@@ -79,6 +79,9 @@ Status GradientPath::allocate_group_buffers(const GroupLayout& layout) {
   const std::string name = "group " + layout.name;
   GroupBuffers& buffers = buffers_[static_cast<size_t>(layout.id)];
   const int copies = o.overlap == OverlapMode::kDelayed ? 2 : 1;
+  if (lands_in_place()) {
+    STRATA_ASSIGN_OR_RETURN(buffers.written, ctx_.device->create_event());
+  }
   for (int c = 0; c < copies; ++c) {
     STRATA_ASSIGN_OR_RETURN(PinnedBuffer landing, ctx_.arena->allocate(shard * tsize, name + " gradient landing"));
     buffers.landing.push_back(std::move(landing));
@@ -144,15 +147,33 @@ std::string GradientPath::describe() const {
 // ----------------------------------------------------------------------- model thread
 
 void GradientPath::begin_micro_batch() {
-  for (GroupFacts& facts : facts_) facts.active_slot = -1;
+  for (GroupFacts& facts : facts_) facts.active_slot = kNoSlot;
 }
 
-StatusOr<float*> GradientPath::buffer(int g) {
+bool GradientPath::lands_in_place() const {
+  const EngineOptions& o = *ctx_.options;
+  return ctx_.device->kind() == DeviceKind::kCpu && o.world_size == 1 && o.grad_transfer_dtype == DType::kFloat32 &&
+         o.optimizer_tier != Tier::kDevice && !ctx_.plan->gradients_spilled;
+}
+
+StatusOr<float*> GradientPath::buffer(int g, int64_t step, GradientStart start) {
   GroupFacts& facts = facts_[static_cast<size_t>(g)];
-  if (facts.active_slot == -2)
+  if (facts.active_slot == kHandedOver)
     return FailedPreconditionError("gradient_buffer(" + std::to_string(g) + ") after grads_ready(" + std::to_string(g) +
                                    ") in the same micro-batch");
-  if (facts.active_slot < 0) {
+  if (facts.active_slot == kNoSlot && start == GradientStart::kUnwritten && lands_in_place()) {
+    // With one micro-batch the landing buffer is what the update reads: the one of step - 1
+    // (exact mode), or of step - 2 (delayed mode, a landing buffer per step parity), must
+    // be done before the model overwrites it. Usually it is: the group's gather waited.
+    if (ctx_.options->gradient_accumulation_steps == 1) {
+      const int64_t version = ctx_.options->overlap == OverlapMode::kDelayed ? step - 1 : step;
+      if (version > 0) STRATA_RETURN_IF_ERROR(hooks_.wait_for_update(g, version));
+    }
+    STRATA_ASSIGN_OR_RETURN(facts.in_place, own_landing_when_free(g, step));
+    facts.active_slot = kInPlace;
+  }
+  if (facts.active_slot == kInPlace) return static_cast<float*>(facts.in_place);
+  if (facts.active_slot == kNoSlot) {
     int chosen = -1;
     const size_t elements = group_layout(g).padded_numel;
     STRATA_RETURN_IF_ERROR(check_slot_can_free(g, elements));
@@ -164,7 +185,8 @@ StatusOr<float*> GradientPath::buffer(int g) {
       slots_[static_cast<size_t>(chosen)].busy = true;
     }
     facts.active_slot = chosen;
-    STRATA_RETURN_IF_ERROR(ctx_.device->memset_async(slots_[static_cast<size_t>(chosen)].full.data(), 0,
+    if (start == GradientStart::kZeroed)
+      STRATA_RETURN_IF_ERROR(ctx_.device->memset_async(slots_[static_cast<size_t>(chosen)].full.data(), 0,
                                                      group_layout(g).padded_numel * sizeof(float), *ctx_.compute));
   }
   return slots_[static_cast<size_t>(facts.active_slot)].full.as<float>();
@@ -236,11 +258,17 @@ StatusOr<void*> GradientPath::landing_target(int g, int64_t step, int* ring) {
     ring_busy_[static_cast<size_t>(*ring)] = 1;
     return ring_[static_cast<size_t>(*ring)].data();
   }
-  // The group's own buffer is read by the lander after each copy: the next copy into it
-  // waits until that is done.
+  lock.unlock();
+  *ring = -1;
+  return own_landing_when_free(g, step);
+}
+
+// The group's own buffer is read by the lander after each landing: the next write into it
+// waits until that is done.
+StatusOr<void*> GradientPath::own_landing_when_free(int g, int64_t step) {
+  std::unique_lock<std::mutex> lock(sync_.mutex);
   GroupFacts& facts = facts_[static_cast<size_t>(g)];
   STRATA_RETURN_IF_ERROR(stage_wait(lock, sync_.cv, sync_.halt, [&] { return facts.processed == facts.sent; }, "the previous gradient landing", describer()));
-  *ring = -1;
   return buffers_[static_cast<size_t>(g)].landing[static_cast<size_t>(copy_of(step))].data();
 }
 
@@ -282,15 +310,16 @@ Status GradientPath::land_on_device(int g, Slot& slot, int64_t step, int micro, 
 
 Status GradientPath::hand_over(int g, int64_t step, int micro) {
   GroupFacts& facts = facts_[static_cast<size_t>(g)];
-  if (facts.active_slot < 0)
+  if (facts.active_slot == kNoSlot || facts.active_slot == kHandedOver)
     return FailedPreconditionError("grads_ready(" + std::to_string(g) + ") without gradient_buffer(" + std::to_string(g) +
                                    ") in this micro-batch (or twice)");
   const int slot_index = facts.active_slot;
-  facts.active_slot = -2;  // handed over: a second grads_ready this micro-batch is an error
-  Slot& slot = slots_[static_cast<size_t>(slot_index)];
+  facts.active_slot = kHandedOver;  // a second grads_ready this micro-batch is an error
   const EngineOptions& o = *ctx_.options;
-  const size_t shard = group_layout(g).shard_numel;
   const bool last = micro + 1 == o.gradient_accumulation_steps;
+  if (slot_index == kInPlace) return hand_over_in_place(g, step, micro, last);
+  Slot& slot = slots_[static_cast<size_t>(slot_index)];
+  const size_t shard = group_layout(g).shard_numel;
   STRATA_RETURN_IF_ERROR(ctx_.compute->record(*slot.grads_done));
   STRATA_RETURN_IF_ERROR(ctx_.reduce->wait(*slot.grads_done));
   if (o.world_size > 1) STRATA_RETURN_IF_ERROR(reduce(g, slot));
@@ -314,6 +343,21 @@ Status GradientPath::hand_over(int g, int64_t step, int micro) {
   {
     std::lock_guard<std::mutex> lock(sync_.mutex);
     queue_.push_back({g, slot_index, step, micro, last, ring});
+    ++queued_;
+    ++facts.sent;
+  }
+  sync_.cv.notify_all();
+  return {};
+}
+
+// The model wrote the landing buffer itself: the lander waits for what the compute stream
+// holds of those writes (nothing, for a model writing on its own thread), then lands it.
+Status GradientPath::hand_over_in_place(int g, int64_t step, int micro, bool last) {
+  GroupFacts& facts = facts_[static_cast<size_t>(g)];
+  STRATA_RETURN_IF_ERROR(ctx_.compute->record(*buffers_[static_cast<size_t>(g)].written));
+  {
+    std::lock_guard<std::mutex> lock(sync_.mutex);
+    queue_.push_back({g, -1, step, micro, last, -1});
     ++queued_;
     ++facts.sent;
   }
@@ -365,13 +409,17 @@ void GradientPath::loop() {
 }
 
 Status GradientPath::land(const Landing& item) {
-  Slot& slot = slots_[static_cast<size_t>(item.slot)];
-  STRATA_RETURN_IF_ERROR(slot.copied->synchronize());
-  {
-    std::lock_guard<std::mutex> lock(sync_.mutex);
-    slot.busy = false;
+  if (item.slot < 0) {
+    STRATA_RETURN_IF_ERROR(buffers_[static_cast<size_t>(item.group)].written->synchronize());
+  } else {
+    Slot& slot = slots_[static_cast<size_t>(item.slot)];
+    STRATA_RETURN_IF_ERROR(slot.copied->synchronize());
+    {
+      std::lock_guard<std::mutex> lock(sync_.mutex);
+      slot.busy = false;
+    }
+    sync_.cv.notify_all();
   }
-  sync_.cv.notify_all();
   const EngineOptions& o = *ctx_.options;
   GradientStats stats;
   {

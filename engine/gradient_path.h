@@ -89,9 +89,16 @@ class GradientPath {
 
   // Model thread. A micro-batch starts: no group holds a slot.
   void begin_micro_batch();
-  // Group g's zeroed fp32 gradient buffer for this micro-batch (one slot per group and
-  // micro-batch; waits for a free slot).
-  StatusOr<float*> buffer(int g);
+  // Group g's fp32 gradient buffer for micro-batch of `step` (one slot per group and
+  // micro-batch; waits for a free slot), zeroed on the compute stream when taken, or
+  // handed out unwritten (the slot is free: nothing reads it until hand_over). Unwritten,
+  // where the path lands in place (lands_in_place()), it is the group's landing buffer
+  // itself: no slot, and no copy at hand_over.
+  StatusOr<float*> buffer(int g, int64_t step, GradientStart start = GradientStart::kZeroed);
+  // Whether an unwritten buffer is the landing buffer: the CPU device (its memory is the
+  // host's), one rank (nothing to reduce), fp32 transfer (nothing to cast), host optimizer
+  // state and each group's own landing buffer (not spilled).
+  bool lands_in_place() const;
   // The model's gradients of g for this micro-batch are enqueued on the compute stream.
   Status hand_over(int g, int64_t step, int micro);
   // Every trainable group's final gradient of `step` has landed: their statistics, added
@@ -115,7 +122,7 @@ class GradientPath {
   };
   struct Landing {
     int group = -1;
-    int slot = -1;
+    int slot = -1;                   // -1: landed in place
     int64_t step = 0;
     int micro = 0;
     bool last_micro = false;
@@ -129,9 +136,15 @@ class GradientPath {
     std::vector<PinnedBuffer> landing;
     std::vector<PinnedBuffer> accum;
     DeviceBuffer device_accum;       // device state: the reduced shard, accumulated (fp32)
+    std::unique_ptr<Event> written;  // landing in place: recorded on the compute stream at hand_over
   };
+  // GroupFacts::active_slot besides a slot's index (model thread).
+  static constexpr int kNoSlot = -1;       // no buffer taken this micro-batch
+  static constexpr int kHandedOver = -2;   // grads_ready came
+  static constexpr int kInPlace = -3;      // the model writes the landing buffer itself
   struct GroupFacts {
-    int active_slot = -1;            // this micro-batch's slot (model thread); -2 handed over
+    int active_slot = kNoSlot;       // this micro-batch's slot, or one of the k* above (model thread)
+    void* in_place = nullptr;        // kInPlace: the landing buffer handed out
     uint64_t sent = 0, processed = 0;  // landings of the group queued / done
     int64_t landed_step = -1;
     GradientStats stats;
@@ -140,6 +153,9 @@ class GradientPath {
   void loop();
   Status check_slot_can_free(int g, size_t elements);
   Status land(const Landing& item);
+  // The landing buffer of g for `step` once the lander is done with its previous landing.
+  StatusOr<void*> own_landing_when_free(int g, int64_t step);
+  Status hand_over_in_place(int g, int64_t step, int micro, bool last);
   // The final gradient's statistics, accumulating first where micro-batches add up.
   StatusOr<GradientStats> accumulate_host(const Landing& item, const void* landed);
   StatusOr<GradientStats> accumulate_spilled(const Landing& item, const void* landed);

@@ -152,6 +152,15 @@ StatusOr<void*> ParamFetcher::take_persistent(int g) {
   return p.full.data();
 }
 
+Status ParamFetcher::wait_taken(int g, const PipelineState& position) {
+  if (position.index < 0) {
+    const Persistent& p = persistent_[static_cast<size_t>(g)];
+    if (!p.ready) return InternalError("group " + group_layout(g).name + " has no persistent gathered copy");
+    return p.ready->synchronize();
+  }
+  return slots_[static_cast<size_t>(position.index)].ready->synchronize();
+}
+
 Status ParamFetcher::release(int g, const PipelineState& position) {
   if (position.index < 0) return ctx_.compute->record(*persistent_[static_cast<size_t>(g)].released);
   Slot& slot = slots_[static_cast<size_t>(position.index)];

@@ -91,6 +91,10 @@ class ParamFetcher final : public FetchIssuer {
   // Model thread: a persistent group whose fetch of this use's version an earlier use
   // planned (plan_fetch gave 0); returns its gathered copy (the compute stream waits for it).
   StatusOr<void*> take_persistent(int group);
+  // Model thread: blocks until the use taken at `position` (a slot, or the persistent copy
+  // when its index is negative) holds the gathered group; for a caller that reads it on
+  // the host rather than in compute stream order. Waits on that fetch alone.
+  Status wait_taken(int group, const PipelineState& position);
   // Compute is enqueued up to the release of a use at `position`.
   Status release(int group, const PipelineState& position);
   // The step's uses are over (persistent buffers may be refilled for the next).

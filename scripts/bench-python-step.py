@@ -11,6 +11,7 @@ memory with CPU Adam), so this measures the front end and the optimizer stage, n
 """
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -73,6 +74,7 @@ def main():
     opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
     engine = strata.initialize(model=make_model(args), config=config)
     params = sum(p.numel() for p in plain.parameters())
+    load_before = os.getloadavg()[0]  # the machine's 1-minute load: how shared it was
     rounds = []
     for r in range(args.rounds):
         # The first step of each side in a round warms it; the rest are timed.
@@ -87,10 +89,12 @@ def main():
                   flush=True)
     engine.close()
     summary = {key: statistics.median(x[key] for x in rounds) for key in rounds[0]}
-    summary.update(params=params, torch=torch.__version__, threads=torch.get_num_threads(), **vars(args))
+    summary.update(params=params, torch=torch.__version__, threads=torch.get_num_threads(), load_before=load_before,
+                   load_after=os.getloadavg()[0], **vars(args))
     print(json.dumps(summary) if args.json else
           f"median: plain {summary['plain_s']:.3f} s, strata {summary['strata_s']:.3f} s, plain/strata {summary['ratio']:.2f}x; "
-          f"{params / 1e6:.1f} M parameters; hooks {summary['hook_us_per_call']:.0f} us per call")
+          f"{params / 1e6:.1f} M parameters; hooks {summary['hook_us_per_call']:.0f} us per call; "
+          f"load average {load_before:.1f} before, {summary['load_after']:.1f} after")
 
 
 if __name__ == "__main__":

@@ -217,8 +217,8 @@ StatusOr<Region> Session::gather(int group) {
   STRATA_RETURN_IF_ERROR(check_open("gather"));
   STRATA_ASSIGN_OR_RETURN(const GroupView view, engine_->gather(group));
   // PyTorch computes on this thread, not in the compute stream's order: wait for the
-  // gathered data to be there.
-  STRATA_RETURN_IF_ERROR(engine_->compute_stream().synchronize());
+  // gathered data to be there (for this group's fetch alone).
+  STRATA_RETURN_IF_ERROR(engine_->wait_gathered(group));
   const PackedGroup* p = packed(group);
   if (p) return Region{view.flat, p->logical.padded_numel, p->dtype};
   return Region{view.flat, engine_->layout(group).padded_numel, view.dtype};
@@ -231,8 +231,10 @@ Status Session::release(int group) {
 
 StatusOr<Region> Session::gradient_buffer(int group) {
   STRATA_RETURN_IF_ERROR(check_open("gradient_buffer"));
-  STRATA_ASSIGN_OR_RETURN(const GroupView view, engine_->gradient_buffer(group));
-  STRATA_RETURN_IF_ERROR(engine_->compute_stream().synchronize());  // the buffer is zeroed in stream order
+  // Unwritten: the front end writes every element before grads_ready (the first gradient
+  // of a tensor is a copy; what no gradient reached, padding included, it zeroes), so
+  // nothing waits for a zeroing on the compute stream.
+  STRATA_ASSIGN_OR_RETURN(const GroupView view, engine_->gradient_buffer(group, GradientStart::kUnwritten));
   return Region{view.flat, engine_->layout(group).padded_numel, DType::kFloat32};
 }
 

@@ -104,6 +104,8 @@ class Session {
   bool in_micro_batch() const { return micro_open_; }
   StatusOr<Region> gather(int group);
   Status release(int group);
+  // Unzeroed (GradientStart::kUnwritten): the caller writes every element, padding
+  // included, before grads_ready().
   StatusOr<Region> gradient_buffer(int group);
   Status grads_ready(int group);
   float loss_scale() const { return engine_->loss_scale(); }

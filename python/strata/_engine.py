@@ -38,7 +38,7 @@ _DTYPE_NAMES = {d: n for n, d in _DTYPES.items()}
 
 class _Group:
     __slots__ = ("id", "name", "trainable", "pieces", "layout", "flat", "open", "refs", "holds", "expected",
-                 "grads", "ready", "written")
+                 "grads", "ready", "written", "gaps")
 
     def __init__(self, gid: int, plan: _groups.GroupPlan, layout: dict):
         self.id = gid
@@ -54,6 +54,7 @@ class _Group:
         self.grads: Optional[torch.Tensor] = None
         self.ready = False
         self.written: set = set()  # tensors with a gradient in this micro-batch's buffer
+        self.gaps = _gaps(layout)  # [begin, end) ranges of the flat buffer no tensor covers (padding)
 
     def tensor(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         _, shape, offset, numel = self.layout["tensors"][index]
@@ -65,6 +66,17 @@ class _Group:
             return False
         begin = flat.data_ptr()
         return begin <= t.data_ptr() < begin + flat.numel() * flat.element_size()
+
+
+def _gaps(layout: dict) -> List[tuple]:
+    gaps, end = [], 0
+    for _, _, offset, numel in sorted(layout["tensors"], key=lambda t: t[2]):
+        if offset > end:
+            gaps.append((end, offset))
+        end = max(end, offset + numel)
+    if layout["padded_numel"] > end:
+        gaps.append((end, layout["padded_numel"]))
+    return gaps
 
 
 _ADD_CHUNK_ELEMENTS = 1 << 22
@@ -599,7 +611,7 @@ class Engine:
         target = g.tensor(self._gradient_buffer(g), index)
         if index in g.written:
             _add_into(target, part)
-        else:  # the buffer starts at zero: the first gradient is a copy
+        else:  # the buffer is handed out unwritten: the first gradient is a copy
             target.copy_(part)
             g.written.add(index)
 
@@ -618,8 +630,10 @@ class Engine:
     def _deliver_rows(self, g: _Group, index: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         """As _deliver_gradient for a gradient that is zero outside `rows` (an embedding's)."""
         target = g.tensor(self._gradient_buffer(g), index)
-        target.index_add_(0, rows, values.to(target.dtype))  # the buffer starts at zero
-        g.written.add(index)
+        if index not in g.written:  # the buffer is handed out unwritten
+            target.zero_()
+            g.written.add(index)
+        target.index_add_(0, rows, values.to(target.dtype))
         self._use_done(g)
 
     def _check_in_backward(self) -> None:
@@ -627,13 +641,20 @@ class Engine:
             raise StrataError("backward ran outside engine.backward(loss): call engine.backward(loss), not loss.backward()")
 
     def _gradient_buffer(self, g: _Group) -> torch.Tensor:
+        """The group's buffer for this micro-batch, handed out unwritten (not zeroed): each
+        tensor's first gradient is copied in, and _grads_ready zeroes the rest."""
         if g.grads is None:
             g.grads = dlpack.from_dlpack(self._session.gradient_buffer(g.id))
         return g.grads
 
     def _grads_ready(self, g: _Group) -> None:
         if not g.ready:
-            self._gradient_buffer(g)
+            grads = self._gradient_buffer(g)
+            for index in range(len(g.layout["tensors"])):
+                if index not in g.written:  # no gradient reached it (a group no gradient reached: every one)
+                    g.tensor(grads, index).zero_()
+            for begin, end in g.gaps:
+                grads[begin:end].zero_()
             g.grads = None
             g.ready = True
             self._session.grads_ready(g.id)

@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -71,7 +72,7 @@ class GradientPathTest : public StageTest {
 
   // The model's part: group g's gradient of this micro-batch is `values`.
   Status give(int g, int64_t step, int micro, const std::vector<float>& values) {
-    STRATA_ASSIGN_OR_RETURN(float* buffer, path_->buffer(g));
+    STRATA_ASSIGN_OR_RETURN(float* buffer, path_->buffer(g, step));
     STRATA_RETURN_IF_ERROR(rig_->compute->synchronize());  // the zeroing is done: the CPU device's memory is the host's
     std::copy(values.begin(), values.end(), buffer);
     return path_->hand_over(g, step, micro);
@@ -200,12 +201,87 @@ TEST_F(GradientPathTest, AnInfOrNanGradientIsFlaggedInTheStatistics) {
   EXPECT_TRUE(stats.non_finite);
 }
 
+// A model that writes every element from its own thread takes the buffer unwritten:
+// nothing is queued on the compute stream, it holds an earlier gradient, and what the
+// model writes is what lands. Returns the buffers handed out in step 1.
+std::vector<float*> write_unwritten_step(GradientPath& path, const std::vector<size_t>& shards) {
+  std::vector<float*> buffers;
+  path.begin_micro_batch();
+  for (int g = 0; g < 2; ++g) {
+    StatusOr<float*> buffer = path.buffer(g, 1, GradientStart::kUnwritten);
+    EXPECT_TRUE(buffer.ok()) << buffer.status().to_string();
+    if (!buffer.ok()) return buffers;
+    const std::vector<float> held(*buffer, *buffer + shards[static_cast<size_t>(g)]);
+    EXPECT_TRUE(std::any_of(held.begin(), held.end(), [](float x) { return x != 0.0f; })) << "group " << g << ": not zeroed";
+    const std::vector<float> values = ramp(shards[static_cast<size_t>(g)], -3.0f);
+    std::copy(values.begin(), values.end(), *buffer);
+    EXPECT_TRUE(path.hand_over(g, 1, 0).ok());
+    buffers.push_back(*buffer);
+  }
+  EXPECT_TRUE(path.wait_step_landed(1).ok());
+  return buffers;
+}
+
+// On the CPU device with one rank, fp32 and host optimizer state, the buffer is the
+// group's landing buffer itself (no slot, no copy), handed out once the update that read
+// the previous step's gradient there is done.
+TEST_F(GradientPathTest, AnUnwrittenBufferOnTheCpuDeviceIsTheLandingBufferItself) {
+  build(fp32_options());
+  ASSERT_TRUE(path_->lands_in_place());
+  STRATA_ASSERT_OK(run_step(0, {1.0f}).status());
+  const std::vector<float*> buffers = write_unwritten_step(*path_, {shard(0), shard(1)});
+  ASSERT_EQ(buffers.size(), 2u);
+  for (int g = 0; g < 2; ++g) {
+    STRATA_ASSERT_OK_AND_ASSIGN(const GradientView view, board_->landed(g, 1));
+    EXPECT_EQ(view.data, buffers[static_cast<size_t>(g)]) << "group " << g;
+    EXPECT_EQ(host_view(view, shard(g)), ramp(shard(g), -3.0f)) << "group " << g;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  EXPECT_EQ(update_waits_, (std::vector<std::pair<int, int64_t>>{{0, 1}, {1, 1}}));
+}
+
+// Elsewhere (here: optimizer state on the device) it is a slot, reduced and copied as a
+// zeroed one is.
+TEST_F(GradientPathTest, AnUnwrittenBufferElsewhereIsASlotThatLandsWhatTheModelWrote) {
+  EngineOptions o = fp32_options();
+  o.optimizer_tier = Tier::kDevice;
+  build(o);
+  ASSERT_FALSE(path_->lands_in_place());
+  STRATA_ASSERT_OK(run_step(0, {1.0f}).status());
+  ASSERT_EQ(write_unwritten_step(*path_, {shard(0), shard(1)}).size(), 2u);
+  STRATA_ASSERT_OK(rig_->device->synchronize());
+  for (int g = 0; g < 2; ++g) {
+    STRATA_ASSERT_OK_AND_ASSIGN(const GradientView view, board_->landed(g, 1));
+    EXPECT_EQ(host_view(view, shard(g)), ramp(shard(g), -3.0f)) << "group " << g;
+  }
+}
+
+// Micro-batches add up from a buffer written in place as from a slot.
+TEST_F(GradientPathTest, UnwrittenBuffersAccumulateMicroBatchesInFp32) {
+  EngineOptions o = fp32_options();
+  o.gradient_accumulation_steps = 2;
+  build(o);
+  ASSERT_TRUE(path_->lands_in_place());
+  for (int micro = 0; micro < 2; ++micro) {
+    path_->begin_micro_batch();
+    for (int g = 0; g < 2; ++g) {
+      STRATA_ASSERT_OK_AND_ASSIGN(float* buffer, path_->buffer(g, 0, GradientStart::kUnwritten));
+      const std::vector<float> values = ramp(shard(g), micro == 0 ? 1.0f : 0.5f);
+      std::copy(values.begin(), values.end(), buffer);
+      STRATA_ASSERT_OK(path_->hand_over(g, 0, micro));
+    }
+  }
+  STRATA_ASSERT_OK(path_->wait_step_landed(0).status());
+  STRATA_ASSERT_OK_AND_ASSIGN(const GradientView view, board_->landed(0, 0));
+  EXPECT_EQ(host_view(view, shard(0)), ramp(shard(0), 1.5f));
+}
+
 TEST_F(GradientPathTest, ASecondHandOverInOneMicroBatchIsRefused) {
   build(fp32_options());
   path_->begin_micro_batch();
   STRATA_ASSERT_OK(give(0, 0, 0, ramp(shard(0), 1.0f)));
   EXPECT_EQ(path_->hand_over(0, 0, 0).code(), StatusCode::kFailedPrecondition);
-  EXPECT_EQ(path_->buffer(0).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(path_->buffer(0, 0).status().code(), StatusCode::kFailedPrecondition);
   STRATA_ASSERT_OK(path_->wait_drained());
 }
 
