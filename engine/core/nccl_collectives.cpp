@@ -118,6 +118,15 @@ namespace {
 bool takes_native_path(DType dtype, DType wire, ReduceOp op) {
   return dtype == DType::kFloat32 && wire == DType::kFloat32 && op != ReduceOp::kMax;
 }
+
+// A reduction that needs a kernel after its transfer (not NCCL's own sum, or a mean) cannot
+// run inside an NcclGroup, where NCCL defers the transfer to the group's end.
+Status check_outside_group_if_kernel(const std::string& who, const std::string& what, DType dtype, DType wire, ReduceOp op) {
+  if ((takes_native_path(dtype, wire, op) && op != ReduceOp::kMean) || t_group_depth == 0) return Status::Ok();
+  return FailedPreconditionError(who + ": " + what + " (" + std::string(dtype_name(dtype)) + ", " + std::string(reduce_op_name(op)) +
+                                 ", wire " + std::string(dtype_name(wire)) + ") needs a kernel after the transfer and cannot run inside an NcclGroup");
+}
+
 }  // namespace
 
 Status NcclCommunicator::reduce_scatter(const void* send, void* recv, size_t recv_count, DType dtype,
@@ -126,12 +135,7 @@ Status NcclCommunicator::reduce_scatter(const void* send, void* recv, size_t rec
   STRATA_ASSIGN_OR_RETURN(const DType wire, resolve_wire_dtype(dtype, options));
   STRATA_ASSIGN_OR_RETURN(cudaStream_t native, begin(stream, what));
   STRATA_NCCL_ENTER_DEVICE(state_->ordinal);
-  if (!takes_native_path(dtype, wire, options.op) || options.op == ReduceOp::kMean) {
-    if (t_group_depth > 0)
-      return FailedPreconditionError(state_->who + ": " + what + " (" + std::string(dtype_name(dtype)) + ", " +
-                                     std::string(reduce_op_name(options.op)) + ", wire " + std::string(dtype_name(wire)) +
-                                     ") needs a kernel after the transfer and cannot run inside an NcclGroup");
-  }
+  STRATA_RETURN_IF_ERROR(check_outside_group_if_kernel(state_->who, what, dtype, wire, options.op));
   if (takes_native_path(dtype, wire, options.op)) {
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
@@ -159,10 +163,7 @@ Status NcclCommunicator::all_reduce(const void* send, void* recv, size_t count, 
   STRATA_ASSIGN_OR_RETURN(const DType wire, resolve_wire_dtype(dtype, options));
   STRATA_ASSIGN_OR_RETURN(cudaStream_t native, begin(stream, what));
   STRATA_NCCL_ENTER_DEVICE(state_->ordinal);
-  if ((!takes_native_path(dtype, wire, options.op) || options.op == ReduceOp::kMean) && t_group_depth > 0)
-    return FailedPreconditionError(state_->who + ": " + what + " (" + std::string(dtype_name(dtype)) + ", " +
-                                   std::string(reduce_op_name(options.op)) + ", wire " + std::string(dtype_name(wire)) +
-                                   ") needs a kernel after the transfer and cannot run inside an NcclGroup");
+  STRATA_RETURN_IF_ERROR(check_outside_group_if_kernel(state_->who, what, dtype, wire, options.op));
   if (takes_native_path(dtype, wire, options.op)) {
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
