@@ -21,9 +21,9 @@ Status EngineImpl::allocate_and_initialize() {
   const size_t host_bytes = plan_.pinned_bytes + plan_.host_bytes;
   if (host_bytes > 0) {
     PinnedArenaOptions arena_options;
-    // Slack for the slab allocator: buffers are carved in plan order, but a best-fit
-    // allocator can fragment.
-    arena_options.bytes = host_bytes + host_bytes / 32 + (size_t{4} << 20);
+    // With slack for the slab allocator: buffers are carved in plan order, but a best-fit
+    // allocator can fragment. The plan's budget check counts it.
+    arena_options.bytes = host_arena_bytes(host_bytes);
     arena_options.lock = options_.pin_memory;
     arena_options.register_with_gpu = options_.pin_memory;
     STRATA_ASSIGN_OR_RETURN(arena_, PinnedArena::create(arena_options));

@@ -19,6 +19,7 @@ namespace strata::engine_internal {
 namespace {
 
 constexpr size_t kMiB = size_t{1} << 20;
+constexpr size_t kArenaSlackBytes = size_t{4} << 20;  // the host arena's fixed slack (host_arena_bytes)
 
 // MemAvailable from /proc/meminfo, or 0 when unknown.
 size_t host_memory_available() {
@@ -80,7 +81,7 @@ class Planner {
  private:
   bool fits(const EnginePlan& p) const {
     const bool device_fits = p.device_bytes <= p.device_budget_bytes;
-    const bool pinned_fits = o_.pinned_budget_bytes == 0 || p.pinned_bytes + p.host_bytes <= o_.pinned_budget_bytes;
+    const bool pinned_fits = o_.pinned_budget_bytes == 0 || p.pinned_bytes + p.host_bytes <= plan_host_bytes_within(o_.pinned_budget_bytes);
     return device_fits && pinned_fits && (o_.optimizer_tier != Tier::kNvme || p.state_piece_elements > 0);
   }
 
@@ -275,8 +276,8 @@ class Planner {
   void size_state_ring(EnginePlan& p, Tier host) const {
     const NvmeAdamStateOptions ring = ring_shape(o_, p);
     const size_t used = p.pinned_bytes + p.host_bytes;
-    const size_t room = o_.pinned_budget_bytes > 0 ? (o_.pinned_budget_bytes > used ? o_.pinned_budget_bytes - used : 0)
-                                                   : kDefaultStateRingBytes;
+    const size_t within = plan_host_bytes_within(o_.pinned_budget_bytes);
+    const size_t room = o_.pinned_budget_bytes > 0 ? (within > used ? within - used : 0) : kDefaultStateRingBytes;
     const size_t align = NvmeAdamState::piece_alignment(ring, planned_store_granularity(o_));
     const size_t unit = NvmeAdamState::slot_bytes(ring, align, kPlannedStoreAlignment);
     size_t piece = room / ring.slots / unit * align;
@@ -364,13 +365,13 @@ Status check_device_budget(const EnginePlan& plan, const EngineOptions& options)
 Status check_pinned_budget(const EnginePlan& plan, const EngineOptions& options) {
   const size_t host = plan.pinned_bytes + plan.host_bytes;
   const bool ring_empty = options.optimizer_tier == Tier::kNvme && plan.state_piece_elements == 0;
-  if (options.pinned_budget_bytes == 0 || (host <= options.pinned_budget_bytes && !ring_empty)) return {};
+  if (options.pinned_budget_bytes == 0 || (host <= plan_host_bytes_within(options.pinned_budget_bytes) && !ring_empty)) return {};
   std::ostringstream message;
   message << "the pinned budget of " << format_bytes(options.pinned_budget_bytes) << " cannot hold the plan's " << format_bytes(host)
-          << ":";
+          << " and the host arena's slack (" << format_bytes(host_arena_bytes(host) - host) << "):";
   for (const auto& l : plan.lines)
     if (l.tier == Tier::kPinned || l.tier == Tier::kHost) message << " " << l.what << " " << format_bytes(l.bytes) << ";";
-  message << " settings that would fit: a pinned budget of at least " << (host + kMiB - 1) / kMiB << " MiB (strata.pinned_budget_mib)";
+  message << " settings that would fit: a pinned budget of at least " << (host_arena_bytes(host) + kMiB - 1) / kMiB << " MiB (strata.pinned_budget_mib)";
   if (options.param_tier == Tier::kPinned || options.param_tier == Tier::kHost) message << ", or parameters on nvme";
   if (options.optimizer_tier == Tier::kPinned || options.optimizer_tier == Tier::kHost) message << ", or optimizer state on nvme";
   if (options.optimizer_tier == Tier::kNvme)
@@ -380,6 +381,19 @@ Status check_pinned_budget(const EnginePlan& plan, const EngineOptions& options)
 }
 
 }  // namespace
+
+size_t host_arena_bytes(size_t plan_host_bytes) {
+  return plan_host_bytes == 0 ? 0 : plan_host_bytes + plan_host_bytes / 32 + kArenaSlackBytes;
+}
+
+size_t plan_host_bytes_within(size_t budget) {
+  if (budget <= kArenaSlackBytes) return 0;
+  // The largest h with host_arena_bytes(h) <= budget: start from one that fits (a multiple
+  // of 32) and step up, at most 32 bytes.
+  size_t h = (budget - kArenaSlackBytes) / 33 * 32;
+  while (host_arena_bytes(h + 1) <= budget) ++h;
+  return h;
+}
 
 std::string format_bytes(size_t bytes) {
   char text[64];

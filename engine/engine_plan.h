@@ -27,6 +27,13 @@ inline constexpr size_t kDefaultStateRingBytes = size_t{192} << 20;
 // The store's transfer granularity the plan assumes (its checksum block; the O_DIRECT
 // alignment without checksums): chunk offsets stay on it.
 size_t planned_store_granularity(const EngineOptions& options);
+
+// The host arena an engine maps for `plan_host_bytes` of planned pinned and host buffers:
+// the plan's bytes and the slab allocator's slack (1/32 of them and 4 MiB, so a carve that
+// fragments still fits). The pinned budget bounds the arena, slack included.
+size_t host_arena_bytes(size_t plan_host_bytes);
+// The most planned pinned and host bytes whose arena fits in `budget` bytes.
+size_t plan_host_bytes_within(size_t budget);
 inline constexpr size_t kPlannedStoreAlignment = 4096;
 
 struct PlanInputs {

@@ -104,6 +104,32 @@ TEST(EnginePlanTest, APinnedBudgetTooSmallFailsNamingTheBudgetThatWouldFit) {
   EXPECT_NE(status.message().find("optimizer state on nvme"), std::string::npos) << status.to_string();
 }
 
+TEST(EnginePlanTest, TheHostArenaIsThePlanWithItsSlackAndTheBudgetBoundsTheArena) {
+  EXPECT_EQ(host_arena_bytes(0), 0u);
+  EXPECT_EQ(host_arena_bytes(3200), 3200u + 100u + 4 * kMiB);
+  for (const size_t budget : {size_t{0}, 4 * kMiB, 4 * kMiB + 1, 4 * kMiB + 33, 5 * kMiB + 7, 2048 * kMiB + 12345}) {
+    const size_t within = plan_host_bytes_within(budget);
+    if (within > 0) {
+      EXPECT_LE(host_arena_bytes(within), budget) << budget;
+    }
+    EXPECT_GT(host_arena_bytes(within + 1), budget) << budget;
+  }
+}
+
+TEST(EnginePlanTest, APlanThatFitsTheBudgetOnlyWithoutTheArenasSlackIsRefused) {
+  EngineOptions options;  // parameters and optimizer state in pinned memory
+  STRATA_ASSERT_OK_AND_ASSIGN(const EnginePlan unbounded, plan_for(options, linear_layers(4, 512), 1024 * kMiB));
+  const size_t host = unbounded.pinned_bytes + unbounded.host_bytes;
+  options.pinned_budget_bytes = host;  // the plan's bytes, not the arena's
+  STRATA_ASSERT_OK_AND_ASSIGN(const EnginePlan tight, plan_for(options, linear_layers(4, 512), 1024 * kMiB));
+  const Status status = check_plan_against_machine(tight, options);
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find("the host arena's slack"), std::string::npos) << status.to_string();
+  options.pinned_budget_bytes = host_arena_bytes(host);
+  STRATA_ASSERT_OK_AND_ASSIGN(const EnginePlan enough, plan_for(options, linear_layers(4, 512), 1024 * kMiB));
+  STRATA_EXPECT_OK(check_plan_budgets(enough, options));
+}
+
 // The case strata-bench step --layers 8 --width 4096 --batch 4 --device-budget-mib 512
 // hit: the default depth 2 did not fit where depth 1 does.
 TEST(EnginePlanTest, AutomaticPrefetchDepthIsTheDeepestThatFitsTheDeviceBudget) {
