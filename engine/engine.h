@@ -199,6 +199,9 @@ class Engine {
   // Restores it between steps; an error when the engine has no loss scaler.
   virtual Status restore_loss_scaler_state(const LossScaler::State& state) = 0;
   virtual const Tracer& tracer() const = 0;
+  // The plan's predicted step and busy seconds per stage, for the trace file to show
+  // beside what happened (engine/trace.h). Any time before finish().
+  virtual void set_trace_prediction(const TracePrediction& prediction) = 0;
 };
 
 }  // namespace strata

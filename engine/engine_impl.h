@@ -153,6 +153,7 @@ class EngineImpl final : public Engine {
   }
   Status restore_loss_scaler_state(const LossScaler::State& state) override;
   const Tracer& tracer() const override { return tracer_; }
+  void set_trace_prediction(const TracePrediction& prediction) override { tracer_.set_prediction(prediction); }
 
   // ----------------------------------------------------------------- the step
   Status begin_step(double learning_rate) override;

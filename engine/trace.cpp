@@ -70,16 +70,47 @@ void Tracer::forget_before(TraceClock::time_point cutoff) {
   std::erase_if(intervals_, [&](const TraceInterval& iv) { return iv.end < cutoff; });
 }
 
+void Tracer::set_prediction(const TracePrediction& prediction) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  prediction_ = prediction;
+}
+
+std::optional<TracePrediction> Tracer::prediction() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return prediction_;
+}
+
+namespace {
+
+std::string seconds_label(double seconds) {
+  char text[48];
+  std::snprintf(text, sizeof(text), "%.4g s", seconds);
+  return text;
+}
+
+// {"predicted_step_s": ..., "predicted_busy_s": {"compute": ..., ...}}
+nlohmann::json prediction_json(const TracePrediction& prediction) {
+  nlohmann::json busy = nlohmann::json::object();
+  for (size_t s = 0; s < kStageCount; ++s) busy[std::string(stage_name(static_cast<Stage>(s)))] = prediction.busy_seconds[s];
+  return {{"predicted_step_s", prediction.step_seconds}, {"predicted_busy_s", std::move(busy)}};
+}
+
+}  // namespace
+
 Status write_chrome_trace(const std::string& path, const std::vector<const Tracer*>& tracers) {
   if (tracers.empty()) return InvalidArgumentError("write_chrome_trace: no tracers");
   const TraceClock::time_point origin = tracers.front()->origin();
   nlohmann::json events = nlohmann::json::array();
   for (const Tracer* tracer : tracers) {
     const int pid = tracer->rank();
-    events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", pid}, {"args", {{"name", "rank " + std::to_string(pid)}}}});
+    const std::optional<TracePrediction> prediction = tracer->prediction();
+    std::string process = "rank " + std::to_string(pid);
+    if (prediction) process += " (predicted step " + seconds_label(prediction->step_seconds) + ")";
+    events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", pid}, {"args", {{"name", process}}}});
     for (size_t s = 0; s < kStageCount; ++s) {
-      events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid}, {"tid", s},
-                        {"args", {{"name", std::string(stage_name(static_cast<Stage>(s)))}}}});
+      std::string track(stage_name(static_cast<Stage>(s)));
+      if (prediction) track += " (predicted " + seconds_label(prediction->busy_seconds[s]) + " a step)";
+      events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid}, {"tid", s}, {"args", {{"name", track}}}});
       events.push_back({{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", pid}, {"tid", s}, {"args", {{"sort_index", s}}}});
     }
     for (const auto& iv : tracer->intervals()) {
@@ -96,7 +127,8 @@ Status write_chrome_trace(const std::string& path, const std::vector<const Trace
       events.push_back(std::move(event));
     }
   }
-  const nlohmann::json doc = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}};
+  nlohmann::json doc = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ms"}};
+  if (const std::optional<TracePrediction> prediction = tracers.front()->prediction()) doc["otherData"] = prediction_json(*prediction);
   const std::string temporary = path + ".tmp";
   {
     std::ofstream out(temporary, std::ios::trunc);

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -47,6 +48,14 @@ struct TraceInterval {
 };
 
 using StageSeconds = std::array<double, kStageCount>;
+
+// What the plan's cost model predicts for one step (examples/profile/step_cost.h), for the
+// trace to show beside what happened: each stage's track is named with its predicted busy
+// seconds, the rank with its predicted step, and the file's "otherData" carries both.
+struct TracePrediction {
+  double step_seconds = 0;
+  StageSeconds busy_seconds{};
+};
 
 // Thread-safe collector of intervals for one rank.
 class Tracer {
@@ -83,12 +92,15 @@ class Tracer {
   void forget_before(TraceClock::time_point cutoff);
   int rank() const { return rank_; }
   TraceClock::time_point origin() const { return origin_; }
+  void set_prediction(const TracePrediction& prediction);
+  std::optional<TracePrediction> prediction() const;
 
  private:
   const int rank_;
   const TraceClock::time_point origin_;
   mutable std::mutex mutex_;
   std::vector<TraceInterval> intervals_;
+  std::optional<TracePrediction> prediction_;  // guarded by mutex_
 };
 
 // The length of the union of `intervals` (of one stage) clipped to the window.
@@ -96,7 +108,8 @@ double union_seconds(std::vector<std::pair<TraceClock::time_point, TraceClock::t
                      TraceClock::time_point window_begin, TraceClock::time_point window_end);
 
 // Writes the intervals of all tracers as one Chrome-trace JSON file: one process per rank,
-// one track (thread) per stage, one slice per interval. Written to a temporary name and
+// one track (thread) per stage, one slice per interval; with a tracer's prediction, its
+// tracks' names carry the predicted seconds and "otherData" the predicted figures. Written to a temporary name and
 // renamed, so a reader never sees half a file.
 Status write_chrome_trace(const std::string& path, const std::vector<const Tracer*>& tracers);
 

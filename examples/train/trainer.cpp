@@ -182,6 +182,7 @@ Status RankRun::announce() {
   if (prediction) {
     run_.result.predicted_step_seconds = prediction->step_seconds;
     run_.result.predicted_busy = prediction->busy;
+    engine_->set_trace_prediction({.step_seconds = prediction->step_seconds, .busy_seconds = prediction->busy});
   }
   if (options.out) {
     *options.out << "model: " << run_.model.family() << ", " << run_.model.describe() << "\n"

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -50,6 +51,40 @@ TEST(TraceTest, TracerSumsPerStageAndWritesChromeTrace) {
   }
   EXPECT_EQ(slices, 3);
   EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+}
+
+TEST(TraceTest, APredictionNamesEachStagesTrackAndIsInTheFilesOtherData) {
+  Tracer tracer(0);
+  const auto t0 = TraceClock::now();
+  tracer.record(Stage::kH2D, 3, t0, t0 + 2ms, "g3");
+  TracePrediction prediction;
+  prediction.step_seconds = 0.25;
+  prediction.busy_seconds[static_cast<size_t>(Stage::kH2D)] = 0.125;
+  tracer.set_prediction(prediction);
+
+  testing::TempDir dir;
+  const std::string path = (dir.path() / "trace.json").string();
+  STRATA_ASSERT_OK(write_chrome_trace(path, {&tracer}));
+  std::ifstream in(path);
+  const auto doc = nlohmann::json::parse(in);
+  EXPECT_DOUBLE_EQ(doc["otherData"]["predicted_step_s"].get<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(doc["otherData"]["predicted_busy_s"]["h2d"].get<double>(), 0.125);
+  EXPECT_DOUBLE_EQ(doc["otherData"]["predicted_busy_s"]["compute"].get<double>(), 0.0);
+  std::vector<std::string> names;
+  for (const auto& e : doc["traceEvents"])
+    if (e["ph"] == "M" && (e["name"] == "thread_name" || e["name"] == "process_name")) names.push_back(e["args"]["name"]);
+  EXPECT_NE(std::find(names.begin(), names.end(), "h2d (predicted 0.125 s a step)"), names.end());
+  EXPECT_NE(std::find(names.begin(), names.end(), "rank 0 (predicted step 0.25 s)"), names.end());
+}
+
+TEST(TraceTest, WithoutAPredictionTheTraceHasNoOtherData) {
+  Tracer tracer(0);
+  testing::TempDir dir;
+  const std::string path = (dir.path() / "trace.json").string();
+  STRATA_ASSERT_OK(write_chrome_trace(path, {&tracer}));
+  std::ifstream in(path);
+  const auto doc = nlohmann::json::parse(in);
+  EXPECT_FALSE(doc.contains("otherData"));
 }
 
 TEST(TraceTest, UnwritableTracePathIsAnError) {

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "tests/examples/train_gpt_runner.h"
 #include "tests/support/test_support.h"
 
@@ -123,9 +125,14 @@ TEST_F(PlanPreviewTest, ADamagedProfileFileIsAnErrorNamingIt) {
   EXPECT_TRUE(contains(run.err, damaged.string())) << run.err;
 }
 
-TEST_F(PlanPreviewTest, TheSummaryCarriesThePredictionBesideTheMeasuredStep) {
-  const TrainRun run = train_gpt(dir_, tiny({"--steps", "3", "--profile", datasheet_profile()}));
+TEST_F(PlanPreviewTest, TheSummaryAndTheTraceCarryThePredictionBesideTheMeasuredStep) {
+  const fs::path trace = dir_.path() / "trace.json";
+  const TrainRun run = train_gpt(dir_, tiny({"--steps", "3", "--profile", datasheet_profile(), "--trace", trace.string()}));
   ASSERT_RAN(run);
+  std::ifstream in(trace);
+  const nlohmann::json doc = nlohmann::json::parse(in);
+  ASSERT_TRUE(doc.contains("otherData")) << "the trace does not mark the prediction";
+  EXPECT_DOUBLE_EQ(doc["otherData"]["predicted_step_s"].get<double>(), run.summary.at("predicted_step_s").get<double>());
   EXPECT_TRUE(contains(run.out, "predicted step (profile")) << run.out;
   ASSERT_TRUE(run.summary.at("step_s").is_number()) << run.out;
   ASSERT_TRUE(run.summary.at("predicted_step_s").is_number()) << run.out;
