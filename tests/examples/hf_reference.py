@@ -58,10 +58,6 @@ import argparse
 import copy
 import json
 import os
-
-# One compute thread: CTest runs two tests at once on two cores, where PyTorch's OpenMP pool
-# waits a scheduler slice at every parallel op. The reference computes in fp64.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 import sys
 
 # The reference never reaches a hub: everything is made here.
@@ -644,6 +640,11 @@ def parse_args(argv):
 
 def main(argv):
     args = parse_args(argv)
+    if args.command != "make-random":
+        # The tests' commands compute tiny models in fp64 with one thread: CTest runs two
+        # tests at once on two cores, where PyTorch's OpenMP pool waits a scheduler slice at
+        # every parallel op. make-random (scripts/make-random-llama) keeps every core.
+        torch.set_num_threads(1)
     {"make-tiny": command_make_tiny, "logits": command_logits, "check-load": command_check_load,
      "loss": command_loss, "compare-weights": command_compare_weights, "make-random": command_make_random}[args.command](args)
 
