@@ -137,7 +137,7 @@ void flip_byte(const std::string& path, uint64_t offset) {
   file.write(&byte, 1);
 }
 
-bool contains(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
+using testing::contains;
 
 // ---------------------------------------------------------------------------------------
 

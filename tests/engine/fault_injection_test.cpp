@@ -33,7 +33,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using testing::contains;
 
 models::LinearStackConfig tiny_model() {
   models::LinearStackConfig model;

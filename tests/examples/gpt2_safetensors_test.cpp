@@ -22,7 +22,7 @@ using hf::SafetensorsDType;
 using hf::SafetensorsTensorSpec;
 using hf::SafetensorsWriter;
 
-bool contains(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
+using testing::contains;
 
 // The value the script below stores at element k of tensor `index`: index + k / 1000 as a
 // float32, or its top 16 bits (bf16 by truncation) for the BF16 tensors. The truncation

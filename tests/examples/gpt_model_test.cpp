@@ -35,7 +35,7 @@ using hf::SafetensorsWriter;
 
 namespace fs = std::filesystem;
 
-bool contains(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
+using testing::contains;
 
 // Small, with no size a multiple of a vector width: 2 layers, 3 heads of 6, context 13,
 // vocabulary 37, sequences of 11 tokens (shorter than the context).

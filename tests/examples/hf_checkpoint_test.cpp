@@ -35,7 +35,7 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 using hf::SafetensorsDType;
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using testing::contains;
 
 // The value every test writes at element i of tensor `name`.
 float value_at(const std::string& name, uint64_t i) {

@@ -35,7 +35,7 @@ using hf::SafetensorsDType;
 using hf::SafetensorsTensorSpec;
 using hf::SafetensorsWriter;
 
-bool contains(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
+using testing::contains;
 
 // A config.json for a tiny model with no size a multiple of a vector width: 2 layers,
 // hidden 24, 4 heads of 6 sharing 2 key/value heads, MLP 40, vocabulary 37.

@@ -21,7 +21,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-bool contains(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
+using testing::contains;
 
 float value_of(size_t tensor, size_t element) {
   return std::sin(static_cast<float>(tensor * 1000 + element) * 0.37f) * static_cast<float>(1 + element % 7);

@@ -24,7 +24,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-bool contains(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
+using testing::contains;
 
 void write_header_file(const fs::path& path, std::vector<int32_t> header_values, size_t payload_bytes) {
   std::vector<int32_t> header(kLlmcHeaderInts, 0);

@@ -15,7 +15,6 @@
 
 namespace strata::testing {
 
-inline bool contains(const std::string& text, const std::string& needle) { return text.find(needle) != std::string::npos; }
 std::string read_file(const std::filesystem::path& path);
 
 struct TrainRun {

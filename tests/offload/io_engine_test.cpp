@@ -54,7 +54,6 @@ StatusOr<std::unique_ptr<IoEngine>> make_engine(const IoEngineOptions& options) 
 enum class BufferKind { kRegistered, kUnregistered };
 enum class FileMode { kDirect, kBuffered };
 
-bool contains_text(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 std::string engine_label(IoEngineKind kind) { return std::string(io_engine_kind_name(kind)); }
 
@@ -482,8 +481,8 @@ TEST_P(IoEngineKindTest, VerifyHookWithoutVerifierThreadsRunsWhereTheRequestComp
   }
   const Status all = engine->wait_all();
   EXPECT_EQ(verified.load(), 4);
-  EXPECT_TRUE(contains_text(all.to_string(), "from on_complete")) << all.to_string();
-  EXPECT_TRUE(contains_text(all.to_string(), "3 more failed")) << all.to_string();
+  EXPECT_TRUE(testing::contains(all.to_string(), "from on_complete")) << all.to_string();
+  EXPECT_TRUE(testing::contains(all.to_string(), "3 more failed")) << all.to_string();
   EXPECT_EQ(engine->stats().verified_requests, 4u);
   EXPECT_EQ(engine->stats().verified_by_waiters, 0u);
 }
@@ -514,7 +513,7 @@ TEST_P(IoEngineKindTest, VerifierThreadThatCannotStartFailsTheRequestAfterItsHoo
   }
   EXPECT_EQ(hooks.load(), 1);
   EXPECT_FALSE(refused.ok());
-  EXPECT_TRUE(contains_text(refused.to_string(), "starting the threads that verify checksums beside the I/O"))
+  EXPECT_TRUE(testing::contains(refused.to_string(), "starting the threads that verify checksums beside the I/O"))
       << refused.to_string();
   STRATA_ASSERT_OK_AND_ASSIGN(IoTicket again, engine->submit(request()));
   STRATA_EXPECT_OK(engine->wait(again));
@@ -575,8 +574,8 @@ TEST(IoEngineTest, FallsBackToThePoolWhereIoUringIsRefused) {
       },
       &child_stderr);
   if (result.rfind("skip: ", 0) == 0) GTEST_SKIP() << result;
-  EXPECT_TRUE(contains_text(result, "UNAVAILABLE: io_uring_queue_init(8) failed: Function not implemented")) << result;
-  EXPECT_TRUE(contains_text(result, "\nauto is psync round trip ok\nauto is psync round trip ok")) << result;
+  EXPECT_TRUE(testing::contains(result, "UNAVAILABLE: io_uring_queue_init(8) failed: Function not implemented")) << result;
+  EXPECT_TRUE(testing::contains(result, "\nauto is psync round trip ok\nauto is psync round trip ok")) << result;
   size_t notes = 0;
   for (size_t at = child_stderr.find("io_uring unavailable"); at != std::string::npos;
        at = child_stderr.find("io_uring unavailable", at + 1)) {
@@ -744,7 +743,7 @@ TEST_P(IoEngineFaultTest, InjectedFaultIsAbsorbedOrNamesTheOperationAndTheFile) 
     EXPECT_EQ(faulted.code(), fault.expected) << faulted.to_string();
     const std::string operation = *fault.rule.match.op == IoOp::kRead ? "read of 65536 bytes at offset 0 from "
                                                                        : "write of 65536 bytes at offset 0 to ";
-    EXPECT_TRUE(contains_text(faulted.message(), operation + path + ": " + fault.expected_text)) << faulted.to_string();
+    EXPECT_TRUE(testing::contains(faulted.message(), operation + path + ": " + fault.expected_text)) << faulted.to_string();
     EXPECT_EQ(engine->stats().failed_requests, 1u);
   }
   STRATA_ASSERT_OK(engine->wait_all());
@@ -790,7 +789,7 @@ TEST_P(IoEngineKindTest, FaultHitsOnlyTheChosenOrdinal) {
     results.push_back(engine->wait(ticket));
   }
   for (int i = 0; i < 5; ++i) EXPECT_EQ(results[static_cast<size_t>(i)].ok(), i != 2) << i << ": " << results[static_cast<size_t>(i)].to_string();
-  EXPECT_TRUE(contains_text(results[2].message(), "write of 4096 bytes at offset 8192 to " + path)) << results[2].to_string();
+  EXPECT_TRUE(testing::contains(results[2].message(), "write of 4096 bytes at offset 8192 to " + path)) << results[2].to_string();
   EXPECT_EQ(injector->matched(0), 5u);
   ASSERT_EQ(injector->injected().size(), 1u);
   EXPECT_EQ(injector->injected()[0].ordinal, 3u);

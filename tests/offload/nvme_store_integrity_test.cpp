@@ -30,7 +30,7 @@ using testing::first_pattern_mismatch;
 constexpr size_t kKiB = 1024;
 constexpr size_t kBlock = 64 * kKiB;  // the checksum block of these tests
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using testing::contains;
 
 std::string hex64(uint64_t value) {
   char text[24];

@@ -28,7 +28,7 @@ using testing::first_pattern_mismatch;
 constexpr size_t kKiB = 1024;
 constexpr size_t kMiB = 1024 * 1024;
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using testing::contains;
 
 NvmeStoreOptions store_options(const std::string& path, IoEngineKind kind = IoEngineKind::kAuto) {
   NvmeStoreOptions options;

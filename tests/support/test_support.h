@@ -82,6 +82,9 @@ class OpenOnExit {
 std::filesystem::path source_dir();
 std::filesystem::path binary_dir();
 
+// Whether `text` contains `part` (error messages, program output).
+inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
 }  // namespace strata::testing
 
 #define STRATA_ASSERT_OK(expr)                                                    \

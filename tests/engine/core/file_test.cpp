@@ -19,7 +19,7 @@ namespace {
 
 using testing::TempDir;
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using testing::contains;
 
 std::vector<char> pattern(size_t bytes) {
   std::vector<char> data(bytes);

@@ -20,11 +20,12 @@
 
 #include "engine/core/cpu_device.h"
 #include "engine/core/executor.h"
+#include "tests/support/test_support.h"
 
 namespace strata {
 namespace {
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using testing::contains;
 
 int current_thread_nice() {
   errno = 0;
