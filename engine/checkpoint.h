@@ -227,8 +227,14 @@ class CheckpointSaver {
   // and returns their records as text for add_peer_files() on the saver holding rank 0 —
   // or, when a write failed, a text that makes that saver fail the step naming it.
   StatusOr<std::string> local_files(int64_t step);
-  // Process ranks, on the saver holding rank 0: every process's local_files() text for
-  // `step` (its own is skipped). The step commits once all ranks' files are in.
+  // Process ranks: the text for add_peer_files() of a process whose part of a step failed
+  // before its snapshots reached the saver (`why`; local_files() would wait for them).
+  std::string failed_files(const Status& why) const;
+  // Process ranks, on the saver holding rank 0: every process's local_files() or
+  // failed_files() text for `step` (its own file records are skipped). The step commits
+  // once all ranks' files are in; a failure text fails it, and the step ends (as failed,
+  // for wait()) once every rank's files are in or failed — this saver's own ranks
+  // included, when its own text is a failure. The trainer state must have been submitted.
   Status add_peer_files(int64_t step, const std::vector<std::string>& texts);
 
   int64_t last_committed_step() const;  // -1 before the first commit

@@ -215,7 +215,14 @@ class CheckpointSaver::Impl {
     for (const std::string& text : texts) {
       const json parsed = json::parse(text, nullptr, /*allow_exceptions=*/false);
       if (parsed.is_object() && parsed.contains("error")) {
-        if (job->status.ok()) job->status = IoError(what + ": a process failed to write its rank files: " + parsed["error"].dump());
+        const json& error = parsed["error"];
+        std::string ranks;
+        if (parsed.contains("ranks") && parsed["ranks"].is_array())
+          for (const json& r : parsed["ranks"]) ranks += (ranks.empty() ? " (rank " : ", ") + r.dump();
+        if (!ranks.empty()) ranks += ")";
+        if (job->status.ok())
+          job->status = IoError(what + ": a process" + ranks + " failed to write its rank files: " + (error.is_string() ? error.get<std::string>() : error.dump()));
+        mark_failed_ranks_locked(*job, parsed);
         continue;
       }
       if (!parsed.is_object() || !parsed.contains("files") || !parsed["files"].is_array())
@@ -239,7 +246,33 @@ class CheckpointSaver::Impl {
     return bytes_written_;
   }
 
+  std::string failed_files(const Status& why) const { return failure_record(why).dump(); }
+
  private:
+  // This saver's ranks, failed for `why`: what add_peer_files() takes from a process whose
+  // part of a step failed.
+  json failure_record(const Status& why) const {
+    json ranks = json::array();
+    for (int r = options_.first_rank; r < options_.first_rank + local_count(); ++r) ranks.push_back(r);
+    return json{{"error", why.to_string()}, {"ranks", std::move(ranks)}};
+  }
+
+  // An error record's ranks count as written (with nothing to commit: the job has failed),
+  // so the step ends once every rank is accounted for instead of waiting for files that
+  // will never come. This saver's own ranks too: a process that failed before its
+  // snapshots reached the saver passes its own record.
+  static void mark_failed_ranks_locked(SaveJob& job, const json& record) {
+    if (!record.contains("ranks") || !record["ranks"].is_array()) return;
+    for (const json& rank : record["ranks"]) {
+      if (!rank.is_number_integer()) continue;
+      const int r = rank.get<int>();
+      if (r < 0 || static_cast<size_t>(r) >= job.written.size() || job.written[static_cast<size_t>(r)] || job.snapshots[static_cast<size_t>(r)])
+        continue;  // out of range, already written, or a snapshot the writer thread will account for
+      job.written[static_cast<size_t>(r)] = true;
+      ++job.written_count;
+    }
+  }
+
   // The job for `step`, creating it (and blocking while max_pending_saves are unfinished).
   StatusOr<SaveJob*> job_for_locked(std::unique_lock<std::mutex>& lock, int64_t step, const std::string& what) {
     auto find = [&]() -> SaveJob* {
@@ -342,7 +375,12 @@ class CheckpointSaver::Impl {
         remove_tmp(job);
         status = rewrite(job);
       }
-      if (!status.ok() && commits()) remove_tmp(job);
+      if (!status.ok() && commits()) {
+        // Process ranks: once every rank is accounted for, no process writes into the
+        // temporary directory any more; what the others wrote there goes with this saver's.
+        if (complete && shared_directory()) adopt_tmp(job);
+        remove_tmp(job);
+      }
       for (auto& snapshot : job.snapshots) snapshot.reset();  // frees the memory before relocking
       lock.lock();
       if (status.ok() && commits()) {
@@ -386,7 +424,7 @@ class CheckpointSaver::Impl {
 
   // This saver's rank files of `job` as add_peer_files() takes them, or the write's failure.
   std::string local_files_text_locked(const SaveJob& job) const {
-    if (!job.status.ok()) return json{{"error", job.status.to_string()}}.dump();
+    if (!job.status.ok()) return failure_record(job.status).dump();
     json files = json::array();
     for (int r = options_.first_rank; r < options_.first_rank + local_count(); ++r)
       files.push_back(file_to_json(job.rank_files[static_cast<size_t>(r)]));
@@ -469,7 +507,7 @@ class CheckpointSaver::Impl {
   // Writer thread: creates the job's temporary directory, replacing one a crash left.
   Status ensure_tmp(SaveJob& job) {
     if (job.tmp_created) return Status::Ok();
-    job.tmp_dir = (fs::path(options_.directory) / (std::string(kTmpPrefix) + checkpoint_dir_name(job.step))).string();
+    job.tmp_dir = tmp_path(job);
     if (shared_directory()) {
       // Other processes write into the same directory, maybe first: nothing there is stale
       // (their files are rewritten whole; the manifest lists only this step's).
@@ -486,6 +524,18 @@ class CheckpointSaver::Impl {
     if (::mkdir(job.tmp_dir.c_str(), 0755) != 0) return Status::FromErrno(errno, "mkdir(" + job.tmp_dir + ")");
     job.tmp_created = true;
     return Status::Ok();
+  }
+
+  // The job's temporary directory, as this saver's to remove, when it exists.
+  void adopt_tmp(SaveJob& job) {
+    if (job.tmp_created) return;
+    job.tmp_dir = tmp_path(job);
+    std::error_code error;
+    job.tmp_created = fs::exists(job.tmp_dir, error);
+  }
+
+  std::string tmp_path(const SaveJob& job) const {
+    return (fs::path(options_.directory) / (std::string(kTmpPrefix) + checkpoint_dir_name(job.step))).string();
   }
 
   void remove_tmp(SaveJob& job) {
@@ -703,6 +753,7 @@ StatusOr<std::string> CheckpointSaver::local_files(int64_t step) { return impl_-
 Status CheckpointSaver::add_peer_files(int64_t step, const std::vector<std::string>& texts) {
   return impl_->add_peer_files(step, texts);
 }
+std::string CheckpointSaver::failed_files(const Status& why) const { return impl_->failed_files(why); }
 uint64_t CheckpointSaver::bytes_written() const { return impl_->bytes_written(); }
 
 }  // namespace strata

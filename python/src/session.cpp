@@ -194,10 +194,10 @@ Status Session::write_group(int group, std::span<const float> full) {
 
 Status Session::read_group(int group, std::span<float> full) {
   STRATA_RETURN_IF_ERROR(check_open("read_group"));
-  if (world_size_ != 1) return UnimplementedError("reading whole groups with more than one rank is not supported yet");
   const GroupLayout& l = layout(group);
   if (full.size() != l.numel) return InvalidArgumentError("read_group(" + l.name + "): the buffer holds " + std::to_string(full.size()) +
                                                           " values for a group of " + std::to_string(l.numel));
+  if (world_size_ > 1) return all_gather_group(group, full);
   std::vector<float> shard(l.shard_numel);
   STRATA_RETURN_IF_ERROR(read_shard(group, shard));
   std::copy_n(shard.begin(), l.numel, full.begin());
@@ -207,6 +207,7 @@ Status Session::read_group(int group, std::span<float> full) {
 Status Session::begin_micro_batch() {
   STRATA_RETURN_IF_ERROR(check_open("a forward pass"));
   if (micro_open_) return {};
+  settled_ = false;  // the step gathers: the engine's fetches run again
   if (micro_ == 0) STRATA_RETURN_IF_ERROR(engine_->begin_step(schedule_->current_lr()));
   else STRATA_RETURN_IF_ERROR(engine_->begin_micro_batch());
   micro_open_ = true;

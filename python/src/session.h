@@ -14,6 +14,14 @@
 //       gradient_buffer/grads_ready, step()
 //   ->  save_checkpoint()/load_checkpoint()/export_hf()/load_hf() between steps
 //   ->  close().
+//
+// More than one process (one rank each): read_group(), save_checkpoint(),
+// load_checkpoint() and export_hf() are collective — every rank calls them, with the same
+// arguments, in the same order (session_ranks.cpp). Whole groups are all-gathered over the
+// engine's gather communicator once the engine is settled (no fetch of its own in flight);
+// checkpoints and outcomes travel through the launcher's rendezvous. A failure on one rank
+// becomes an error on every rank, naming it, rather than a wait: the collectives' timeout
+// (STRATA_COLLECTIVE_TIMEOUT_S) bounds only a rank that is lost or stuck.
 #pragma once
 
 #include <cstdint>
@@ -21,13 +29,18 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "engine/checkpoint.h"
 #include "engine/core/config.h"
 #include "engine/core/status.h"
 #include "engine/engine.h"
 #include "engine/local_cluster.h"
+#include "examples/hf/hf_export.h"
+#include "examples/hf/hf_weights.h"
 #include "optim/lr_schedule.h"
 #include "python/src/packing.h"
 
@@ -95,7 +108,8 @@ class Session {
   Status write_group(int group, std::span<const float> full);
   // After every write_group: the parameter copies from the masters.
   Status refresh() { return engine_->refresh_parameters(); }
-  // The group's full unpadded master values as fp32 into `full` (world size 1 only).
+  // The group's full unpadded master values as fp32 into `full`. With more than one
+  // process, collective: this rank's shard all-gathered with every other rank's.
   Status read_group(int group, std::span<float> full);
 
   // A step: begin_micro_batch() starts the step at its first micro-batch (with the
@@ -116,16 +130,22 @@ class Session {
   int64_t steps_taken() const { return engine_->steps_taken(); }
 
   // Forward-only passes between steps (evaluation, generation).
-  Status begin_forward() { return engine_->begin_forward(); }
+  Status begin_forward() {
+    settled_ = false;  // the pass gathers: the engine's fetches run again
+    return engine_->begin_forward();
+  }
   Status end_forward() { return engine_->end_forward(); }
 
-  // Checkpoints (world size 1): D/step-<N> holding the engine's state and `client_state`
-  // (JSON text) beside the schedule's; load returns the client state.
+  // Checkpoints: D/step-<N> holding the engine's state (every rank's shards) and rank 0's
+  // `client_state` (JSON text) beside the schedule's; load returns the client state. With
+  // more than one process a save returns once rank 0 has committed the step with every
+  // rank's files in; a load reads the checkpoint rank 0 picks (any saved world size).
   Status save_checkpoint(const std::string& dir, const std::string& client_state);
   StatusOr<std::string> load_checkpoint(const std::string& dir);
 
   // Hugging Face directories: the named tensors out of (export) or into (load) the
-  // engine's master weights. `config_json` is written as config.json.
+  // engine's master weights. `config_json` is written as config.json. With more than one
+  // process rank 0 writes the export, and every rank returns once it is complete.
   Status export_hf(const std::string& dir, const std::string& config_json, const std::vector<HfTensorName>& names,
                    const std::string& tokenizer_dir, uint64_t shard_bytes, const std::string& dtype);
   Status load_hf(const std::string& dir, const std::vector<HfTensorName>& names);
@@ -143,6 +163,31 @@ class Session {
   Status read_shard(int group, std::span<float> shard);
   Status write_shard(int group, std::span<const float> shard);
   std::vector<GroupLayout> layouts() const;
+  // The saver for D (made on the first save to it, or to another directory).
+  Status open_saver(const std::string& dir);
+  // What trainer_state.json holds: the client state (JSON text, checked) and the schedule's.
+  StatusOr<std::string> trainer_state_text(const std::string& client_state) const;
+  // The checkpoint a load of `dir` reads: `dir` itself when it is one (D/step-<N>), else
+  // D's newest complete one.
+  static StatusOr<std::string> checkpoint_to_load(const std::string& dir);
+  // Loads the checkpoint at `path` into this rank's engine and the schedule; returns the client state.
+  StatusOr<std::string> load_checkpoint_at(const std::string& path);
+
+  // More than one process (session_ranks.cpp).
+  // The engine settled for an exchange on its gather communicator: finished (no fetch in
+  // flight, none planned until the next micro-batch or forward pass).
+  Status settle_for_exchange();
+  Status all_gather_group(int group, std::span<float> full);
+  Status save_across_processes(const std::string& dir, const std::string& client_state);
+  StatusOr<std::string> load_across_processes(const std::string& dir);
+  Status export_across_processes(const std::string& dir, const nlohmann::json& config, std::span<const GroupLayout> layouts,
+                                 const hf::HfNameMap& map, hf::SafetensorsDType dtype, const hf::HfExportOptions& options);
+  // Every rank's `mine` (a JSON object), by rank, through the rendezvous.
+  StatusOr<std::vector<nlohmann::json>> exchange(const nlohmann::json& mine, std::string_view what);
+  // Every rank's outcome of `what`: `mine` when it failed, else the first other rank's failure, else OK.
+  Status agree(Status mine, std::string_view what);
+  // The same from outcomes already exchanged (status fields of `all`, by rank).
+  Status first_failure(const std::vector<nlohmann::json>& all, Status mine, std::string_view what) const;
 
   StrataConfig config_;
   EngineOptions options_;
@@ -154,6 +199,8 @@ class Session {
   std::vector<std::vector<std::vector<int64_t>>> packed_shapes_;
   std::vector<DType> packed_dtypes_;
   std::vector<std::optional<PackedGroup>> packed_;
+  std::unique_ptr<Stream> exchange_stream_;  // all_gather_group's collectives (more than one process)
+  bool settled_ = false;       // the engine is finished and nothing was gathered since
   int rank_ = 0;
   int world_size_ = 1;
   int micro_ = 0;              // micro-batches finished in the current step

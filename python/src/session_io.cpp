@@ -45,37 +45,53 @@ Status check_between_steps(bool micro_open, std::string_view call) {
 
 }  // namespace
 
-Status Session::save_checkpoint(const std::string& dir, const std::string& client_state) {
-  STRATA_RETURN_IF_ERROR(check_open("save_checkpoint"));
-  STRATA_RETURN_IF_ERROR(check_between_steps(micro_open_ || micro_ != 0, "save_checkpoint()"));
-  if (world_size_ != 1) return UnimplementedError("save_checkpoint() with more than one process is not supported yet");
-  if (!saver_ || saver_->directory() != dir) {
-    if (saver_) STRATA_RETURN_IF_ERROR(saver_->finish());
+Status Session::open_saver(const std::string& dir) {
+  if (saver_ && saver_->directory() == dir) return {};
+  if (saver_) {
+    const Status finished = saver_->finish();
     saver_.reset();
-    CheckpointSaverOptions options;
-    options.directory = dir;
-    for (int g = 0; g < engine_->group_count(); ++g) options.checkpoint_elements += engine_->layout(g).padded_numel;
-    if (options_.overlap == OverlapMode::kDelayed) options.state_segments = kCheckpointStateKinds + 1;
-    STRATA_ASSIGN_OR_RETURN(saver_, CheckpointSaver::create(options));
+    STRATA_RETURN_IF_ERROR(finished);
   }
+  CheckpointSaverOptions options;
+  options.directory = dir;
+  for (int g = 0; g < engine_->group_count(); ++g) options.checkpoint_elements += engine_->layout(g).padded_numel;
+  if (options_.overlap == OverlapMode::kDelayed) options.state_segments = kCheckpointStateKinds + 1;
+  if (world_size_ > 1) {  // one saver per process on the shared directory: each writes its own rank's file
+    options.world_size = world_size_;
+    options.first_rank = rank_;
+    options.local_ranks = 1;
+  }
+  STRATA_ASSIGN_OR_RETURN(saver_, CheckpointSaver::create(options));
+  return {};
+}
+
+StatusOr<std::string> Session::trainer_state_text(const std::string& client_state) const {
   nlohmann::json client = nlohmann::json::parse(client_state, nullptr, /*allow_exceptions=*/false);
   if (client.is_discarded()) return InvalidArgumentError("save_checkpoint(): client_state is not JSON");
   const nlohmann::json state = {{"client_state", client}, {"lr_schedule", schedule_->state_json()}};
+  return state.dump();
+}
+
+Status Session::save_checkpoint(const std::string& dir, const std::string& client_state) {
+  STRATA_RETURN_IF_ERROR(check_open("save_checkpoint"));
+  STRATA_RETURN_IF_ERROR(check_between_steps(micro_open_ || micro_ != 0, "save_checkpoint()"));
+  if (world_size_ > 1) return save_across_processes(dir, client_state);
+  STRATA_RETURN_IF_ERROR(open_saver(dir));
+  STRATA_ASSIGN_OR_RETURN(std::string state, trainer_state_text(client_state));
   const int64_t step = engine_->steps_taken();
   STRATA_ASSIGN_OR_RETURN(RankSnapshot snapshot, snapshot_engine_state(*engine_, rank_));
   STRATA_RETURN_IF_ERROR(saver_->submit(step, std::move(snapshot)));
-  STRATA_RETURN_IF_ERROR(saver_->submit_trainer_state(step, state.dump()));
+  STRATA_RETURN_IF_ERROR(saver_->submit_trainer_state(step, std::move(state)));
   return saver_->wait();
 }
 
-StatusOr<std::string> Session::load_checkpoint(const std::string& dir) {
-  STRATA_RETURN_IF_ERROR(check_open("load_checkpoint"));
-  STRATA_RETURN_IF_ERROR(check_between_steps(micro_open_ || micro_ != 0, "load_checkpoint()"));
-  std::string path = dir;
-  if (!std::filesystem::exists(std::filesystem::path(dir) / "manifest.json")) {
-    STRATA_ASSIGN_OR_RETURN(const CheckpointRef ref, latest_complete(dir));
-    path = ref.path;
-  }
+StatusOr<std::string> Session::checkpoint_to_load(const std::string& dir) {
+  if (std::filesystem::exists(std::filesystem::path(dir) / "manifest.json")) return dir;
+  STRATA_ASSIGN_OR_RETURN(const CheckpointRef ref, latest_complete(dir));
+  return ref.path;
+}
+
+StatusOr<std::string> Session::load_checkpoint_at(const std::string& path) {
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader, CheckpointReader::open(path));
   STRATA_RETURN_IF_ERROR(load_engine_state(*engine_, rank_, *reader));
   const nlohmann::json state = nlohmann::json::parse(reader->trainer_state(), nullptr, /*allow_exceptions=*/false);
@@ -85,11 +101,18 @@ StatusOr<std::string> Session::load_checkpoint(const std::string& dir) {
   return state["client_state"].dump();
 }
 
+StatusOr<std::string> Session::load_checkpoint(const std::string& dir) {
+  STRATA_RETURN_IF_ERROR(check_open("load_checkpoint"));
+  STRATA_RETURN_IF_ERROR(check_between_steps(micro_open_ || micro_ != 0, "load_checkpoint()"));
+  if (world_size_ > 1) return load_across_processes(dir);
+  STRATA_ASSIGN_OR_RETURN(const std::string path, checkpoint_to_load(dir));
+  return load_checkpoint_at(path);
+}
+
 Status Session::export_hf(const std::string& dir, const std::string& config_json, const std::vector<HfTensorName>& names,
                           const std::string& tokenizer_dir, uint64_t shard_bytes, const std::string& dtype) {
   STRATA_RETURN_IF_ERROR(check_open("export_hf"));
   STRATA_RETURN_IF_ERROR(check_between_steps(micro_open_ || micro_ != 0, "export_hf()"));
-  if (world_size_ != 1) return UnimplementedError("export_hf() with more than one process is not supported yet");
   const nlohmann::json config = nlohmann::json::parse(config_json, nullptr, /*allow_exceptions=*/false);
   if (config.is_discarded() || !config.is_object()) return InvalidArgumentError("export_hf(): the model config is not a JSON object");
   STRATA_ASSIGN_OR_RETURN(const hf::SafetensorsDType file_dtype, hf::parse_safetensors_dtype(dtype));
@@ -98,6 +121,7 @@ Status Session::export_hf(const std::string& dir, const std::string& config_json
   hf::HfExportOptions options;
   options.tokenizer_source_dir = tokenizer_dir;
   if (shard_bytes > 0) options.shard_bytes = shard_bytes;
+  if (world_size_ > 1) return export_across_processes(dir, config, all, map, file_dtype, options);
   auto source = [&](int group, std::span<float> out) { return read_group(group, out); };
   return hf::export_hf_from_groups(dir, config, all, map, file_dtype, source, options);
 }
