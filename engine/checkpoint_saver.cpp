@@ -383,8 +383,8 @@ class CheckpointSaver::Impl {
       }
       for (auto& snapshot : job.snapshots) snapshot.reset();  // frees the memory before relocking
       lock.lock();
-      if (status.ok() && commits()) {
-        last_committed_ = std::max(last_committed_, job.step);
+      if (status.ok()) {
+        if (commits()) last_committed_ = std::max(last_committed_, job.step);
       } else {
         status.with_context("checkpoint step " + std::to_string(job.step) + " in " + options_.directory + " was not saved");
         STRATA_LOG(kError) << status.to_string();
