@@ -307,6 +307,11 @@ class Engine:
 
     # ---- state in and out ---------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None) -> None:
+        """Saves save_dir/step-<N>: the engine's state, the schedule's and client_state (rank
+        0's). With more than one process every rank calls it with the same save_dir (a
+        directory all of them reach): each writes its own shards, rank 0 commits the step
+        once every rank's file is in, and every rank returns after that — or raises, when a
+        rank failed, leaving no step-<N>."""
         self._check_between_steps("save_checkpoint()")
         if tag is not None:
             raise StrataError("save_checkpoint(tag=...) is not supported: checkpoints are named step-<N> by the engine")
@@ -314,7 +319,9 @@ class Engine:
 
     def load_checkpoint(self, load_dir: str):
         """Loads the newest complete checkpoint of load_dir (or load_dir itself when it is
-        one step-<N> directory); returns (path, client_state) as DeepSpeed does."""
+        one step-<N> directory); returns (path, client_state) as DeepSpeed does. With more
+        than one process every rank calls it: rank 0 picks the checkpoint and each rank loads
+        its shards of it, whatever number of processes saved it."""
         self._check_between_steps("load_checkpoint()")
         client = json.loads(self._session.load_checkpoint(os.fspath(load_dir)))
         # A checkpoint holds trainable state only: frozen groups still need load_hf.
@@ -330,7 +337,9 @@ class Engine:
     def export_hf(self, out_dir: str, tokenizer_dir: Optional[str] = None, shard_bytes: int = 0,
                   dtype: Optional[torch.dtype] = None) -> None:
         """Writes a directory from_pretrained loads: config.json, (sharded) safetensors and
-        the tokenizer files of tokenizer_dir."""
+        the tokenizer files of tokenizer_dir. With more than one process every rank calls it
+        with the same arguments: rank 0 writes out_dir with the groups gathered from every
+        rank, one at a time, and every rank returns once it is complete (or raises)."""
         self._check_between_steps("export_hf()")
         config = getattr(self.module, "config", None)
         config_json = config.to_json_string() if hasattr(config, "to_json_string") else "{}"
@@ -346,7 +355,9 @@ class Engine:
         self._needs_load = False
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
-        """The full fp32 weights by parameter name (one group at a time through host memory)."""
+        """The full fp32 weights by parameter name (one group at a time through host memory).
+        With more than one process every rank calls it and gets the full weights, gathered
+        from every rank's shards."""
         self._check_between_steps("state_dict()")
         out: Dict[str, torch.Tensor] = {}
         for g in self._groups:
