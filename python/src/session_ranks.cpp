@@ -149,7 +149,13 @@ Status Session::save_across_processes(const std::string& dir, const std::string&
   }
   Rendezvous& processes = *cluster_->rendezvous();
   StatusOr<std::vector<std::string>> every = processes.all_gather_strings(records);
-  if (!every.ok()) return std::move(every).status().with_context("save_checkpoint(): exchanging the rank files' records of step " + std::to_string(step));
+  if (!every.ok()) {
+    if (state_in) {  // the step cannot end without the records: abandoned, so that no later save waits behind it
+      (void)saver_->finish();
+      saver_.reset();
+    }
+    return std::move(every).status().with_context("save_checkpoint(): exchanging the rank files' records of step " + std::to_string(step));
+  }
   Status outcome = local;
   if (state_in) {
     Status added = saver_->add_peer_files(step, *every);
