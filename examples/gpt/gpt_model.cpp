@@ -252,9 +252,8 @@ StatusOr<DeviceLayout> make_layout(const GptModelOptions& options, DeviceKind ki
   d.lnf_mean = d.add(rows * 4, l_lnf);
   d.lnf_rstd = d.add(rows * 4, l_lnf);
   d.lnf_gamma = d.add(2 * C * cs, l_lnf);
-  d.add_vocab_head();
   const kernels::AttentionShape train{static_cast<size_t>(options.batch), T_size, H, C / H};
-  d.add_attention_workspace(kernels::attention_workspace_bytes(train, compute, kind));
+  d.add_head_and_attention(kernels::attention_workspace_bytes(train, compute, kind));
   STRATA_RETURN_IF_ERROR(add_param_scratch(d, options, compute));
   return d;
 }
@@ -262,8 +261,7 @@ StatusOr<DeviceLayout> make_layout(const GptModelOptions& options, DeviceKind ki
 }  // namespace
 
 StatusOr<GptActivationPlan> plan_gpt_activations(const GptModelOptions& options, DeviceKind device) {
-  STRATA_ASSIGN_OR_RETURN(DeviceLayout layout, make_layout(options, device));
-  return lm::plan_of_layout("GPT", layout, device, gpt_compute_dtype(options.param_dtype, device));
+  return lm::plan_of_layout("GPT", make_layout(options, device), device);
 }
 
 // =====================================================================================

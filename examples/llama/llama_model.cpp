@@ -269,9 +269,8 @@ StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) 
   const size_t act_sets = d.block_activation_sets(o.checkpointing, L, &l_acts);
   for (size_t s = 0; s < act_sets; ++s) d.acts.push_back(add_block_acts(d, l_acts, rows, dims));
   add_gradients_and_norm(d, rows, dims);
-  d.add_vocab_head();
   const kernels::GqaAttentionShape shape{static_cast<size_t>(sequences), T, NH, static_cast<size_t>(c.num_key_value_heads), D, 0, 0, 0};
-  d.add_attention_workspace(kernels::gqa_attention_workspace_bytes(shape, compute, kind));
+  d.add_head_and_attention(kernels::gqa_attention_workspace_bytes(shape, compute, kind));
   add_param_scratch(d, o, compute);
   return d;
 }
@@ -279,8 +278,7 @@ StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) 
 }  // namespace
 
 StatusOr<LlamaActivationPlan> plan_llama_activations(const LlamaModelOptions& options, DeviceKind device) {
-  STRATA_ASSIGN_OR_RETURN(DeviceLayout layout, make_layout(options, device));
-  return lm::plan_of_layout("Llama", layout, device, compute_dtype_for(options.param_dtype, device));
+  return lm::plan_of_layout("Llama", make_layout(options, device), device);
 }
 
 // =====================================================================================
