@@ -145,6 +145,9 @@ void keep_blas_single_threaded() {
 // page of alignment): the largest any OpenBLAS target uses, so a buffer this probe finds
 // room for fits.
 constexpr size_t kOpenBlasBufferBytes = (size_t{128} << 20) + 4096;
+// The most buffers reserved: Debian's OpenBLAS has slots for 128 (twice its 64 threads); a
+// caller beyond this many still maps its own on its first product, as without a reservation.
+constexpr int kMaxReservedBlasBuffers = 64;
 
 Status reserve_blas_buffers(int callers) {
 #if defined(OPENBLAS_VERSION)
@@ -157,6 +160,7 @@ Status reserve_blas_buffers(int callers) {
   static std::mutex mutex;
   static int reserved = 0;  // buffers mapped by earlier calls
   std::lock_guard lock(mutex);
+  callers = std::min(callers, kMaxReservedBlasBuffers);
   // Every buffer is held until all are mapped, so each takes a slot of its own; freed, the
   // slots keep their buffers for the threads that call OpenBLAS next.
   std::vector<void*> held;
@@ -171,7 +175,9 @@ Status reserve_blas_buffers(int callers) {
       break;
     }
     std::free(probe);
-    held.push_back(blas_alloc(0));
+    void* buffer = blas_alloc(0);
+    if (buffer == nullptr) break;  // out of slots: OpenBLAS said so itself
+    held.push_back(buffer);
   }
   for (void* buffer : held) blas_free(buffer);
   reserved += static_cast<int>(held.size());
