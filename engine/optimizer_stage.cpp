@@ -38,6 +38,16 @@ Status OptimizerStage::allocate_staging() {
   return {};
 }
 
+size_t update_queue_position(const std::deque<OptimizerJob>& queued, size_t taken, const OptimizerJob& job) {
+  size_t at = queued.size();
+  if (job.order.size() != 1) return at;
+  auto later = [&](const OptimizerJob& q) {
+    return q.order.size() == 1 && q.step_index == job.step_index && q.order.front() > job.order.front();
+  };
+  while (at > taken && later(queued[at - 1])) --at;
+  return at;
+}
+
 OptimizerStage::~OptimizerStage() { stop(); }
 
 Status OptimizerStage::start() {
@@ -49,7 +59,8 @@ void OptimizerStage::stop() { sync_.stop(); }
 void OptimizerStage::submit(OptimizerJob job) {
   {
     std::lock_guard<std::mutex> lock(sync_.mutex);
-    jobs_.push_back(std::move(job));
+    const size_t at = update_queue_position(jobs_, taken_, job);
+    jobs_.insert(jobs_.begin() + static_cast<std::ptrdiff_t>(at), std::move(job));
   }
   sync_.cv.notify_all();
 }
@@ -78,11 +89,13 @@ void OptimizerStage::loop() {
         groups.insert(job.order.begin(), job.order.end());
         batch.push_back(job);
       }
+      taken_ = batch.size();
     }
     Status status = run_jobs(batch);
     {
       std::lock_guard<std::mutex> lock(sync_.mutex);
       for (size_t i = 0; i < batch.size(); ++i) jobs_.pop_front();
+      taken_ = 0;
     }
     unflushed += batch.size();
     // Idle now: the state write-backs are waited for before the jobs count as done (state

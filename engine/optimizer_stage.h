@@ -50,6 +50,11 @@ struct OptimizerJob {
   std::vector<int> order;            // groups in the order to update
 };
 
+// Where OptimizerStage::submit queues `job` among `queued`, whose first `taken` jobs are
+// running: at the end, or, for a one-group update, ahead of the not yet started one-group
+// updates of the same step with a higher group id (see submit()).
+size_t update_queue_position(const std::deque<OptimizerJob>& queued, size_t taken, const OptimizerJob& job);
+
 // What the stage works on; everything outlives the stage.
 struct OptimizerStageContext {
   const EngineOptions* options = nullptr;
@@ -81,6 +86,11 @@ class OptimizerStage {
   Status start();  // starts the worker thread (an error at the thread limit)
   // Drops queued jobs and joins the worker (after the running job's group).
   void stop();
+  // Queued behind the jobs there are, except that a one-group update (exact overlap: as its
+  // gradient lands) goes ahead of the queued, not yet started one-group updates of the same
+  // step with a higher group id: groups are numbered in the order the models register them,
+  // their forward order, so with a backlog at the end of backward the group the next
+  // forward needs first is updated first.
   void submit(OptimizerJob job);
   size_t queued() const;
 
@@ -123,6 +133,7 @@ class OptimizerStage {
 
   mutable StageSync sync_;
   std::deque<OptimizerJob> jobs_;
+  size_t taken_ = 0;  // jobs at the front of jobs_ the worker is running (not reordered)
 };
 
 }  // namespace strata::engine_internal

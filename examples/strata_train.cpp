@@ -81,11 +81,12 @@ Plan and prediction (docs/profile.md)
                              opened and --nvme-path is neither created nor touched; exit 1 when the plan
                              fails its budget checks
   --profile FILE             the machine profile the plan predicts the step with (strata-bench profile);
-                             default: the one kept for this host, else no prediction
+                             default: the one kept for this host, else no prediction. Key strata.profile
   --placement auto|config    auto: choose parameter and optimizer tiers, prefetch depth, micro-batch size
                              (the batch per rank kept), activation checkpointing and optimizer overlap for
                              the most predicted tokens/s within the budgets (needs a profile); prints the
-                             choice and the runner-up. config (default): the config's placement
+                             choice and the runner-up. config (default): the config's placement.
+                             Key strata.placement
 Files
   --metrics FILE --trace FILE
   --save-dir DIR --save-every N --keep-checkpoints N --resume DIR
@@ -230,12 +231,11 @@ StatusOr<std::shared_ptr<const lm::Architecture>> resolve_model(const TrainArgs&
   return gpt_model(run, init_from);
 }
 
-// --placement: auto searches (examples/train/auto_placement.h), prints the choice and writes
-// it into `config` and `options`; config (the default) keeps the config's placement.
-Status place(const std::string& placement, const RunConfig& run, StrataConfig& config, TrainerOptions& options) {
-  if (placement.empty() || placement == "config") return {};
-  if (placement != "auto")
-    return InvalidArgumentError("--placement takes auto or config (the config's own placement, the default), got \"" + placement + "\"");
+// strata.placement (--placement): auto searches (examples/train/auto_placement.h), prints
+// the choice and writes it into `config` and `options`; config (the default) keeps the
+// config's placement.
+Status place(const RunConfig& run, StrataConfig& config, TrainerOptions& options) {
+  if (run.placement == PlacementMode::kConfig) return {};
   // Each process would search alone, against its own node's memory and disk.
   if (options.process_group)
     return UnimplementedError("--placement auto with process ranks (a launcher's WORLD_SIZE > 1) is not supported yet: run it with "
@@ -317,8 +317,9 @@ StatusOr<TrainerOptions> build_options(const TrainArgs& args) {
     options.export_dtype = *parsed;
   }
   if (options.save_every > 0 && options.save_dir.empty()) return InvalidArgumentError("--save-every needs --save-dir");
-  STRATA_ASSIGN_OR_RETURN(options.profile, profile::resolve_run_profile(trainer_string(args, "profile")));
-  STRATA_RETURN_IF_ERROR(place(trainer_string(args, "placement"), run, config, options));
+  // --profile and --placement set strata.profile and strata.placement.
+  STRATA_ASSIGN_OR_RETURN(options.profile, profile::resolve_run_profile(run.profile));
+  STRATA_RETURN_IF_ERROR(place(run, config, options));
   // --plan-only writes nothing: the output paths are checked (and made) only for a run.
   if (trainer_string(args, "plan-only") != "true") STRATA_RETURN_IF_ERROR(check_output_paths(config, options));
   options.config = std::move(config);

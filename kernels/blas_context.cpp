@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "engine/core/cpu_device.h"
 #include "kernels/blas_context_impl.h"
 #include "kernels/transformer_ops_cpu.h"
 
@@ -67,7 +68,10 @@ StatusOr<BlasContext> BlasContext::create(Device& device, const BlasOptions& opt
     return UnimplementedError("BlasContext: " + device.description() + " is a CUDA device in a build without CUDA");
 #endif
   } else {
-    cpu::keep_blas_single_threaded();
+    // The threads that may multiply at once: the executor's workers and a caller beside them.
+    auto* cpu = dynamic_cast<CpuDevice*>(&device);
+    const int callers = (cpu != nullptr ? cpu->executor().concurrency() : available_cpu_count()) + 1;
+    STRATA_RETURN_IF_ERROR(cpu::reserve_blas_buffers(callers).with_context("BlasContext on " + device.description()));
   }
   return BlasContext(std::move(impl));
 }

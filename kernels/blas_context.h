@@ -17,6 +17,9 @@
 // OpenBLAS's level-3 lock. Measured on the 2-core dev box while other builds ran, backward of a
 // [256 x 128] . [128 x 512] product: 24 ms as one call with OpenBLAS's 2 threads beside
 // a 2-thread executor, 1.1 ms as one single-threaded call, 0.57 ms in executor tiles.
+// Creating it also has OpenBLAS map the working buffers of the threads that will multiply
+// (cpu::reserve_blas_buffers), so an address-space limit that leaves no room for them
+// fails here with OUT_OF_MEMORY instead of inside a product that would retry forever.
 //
 // Why an object the caller keeps rather than a cache keyed by stream inside kernels/:
 // the handle and the workspace are resources with a device and a budget, and this

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -137,6 +138,54 @@ void keep_blas_single_threaded() {
     return true;
   }();
   (void)once;
+#endif
+}
+
+// OpenBLAS's working buffer as x86-64 builds allocate it (BUFFER_SIZE, 128 MiB, plus a
+// page of alignment): the largest any OpenBLAS target uses, so a buffer this probe finds
+// room for fits.
+constexpr size_t kOpenBlasBufferBytes = (size_t{128} << 20) + 4096;
+// The most buffers reserved: Debian's OpenBLAS has slots for 128 (twice its 64 threads); a
+// caller beyond this many still maps its own on its first product, as without a reservation.
+constexpr int kMaxReservedBlasBuffers = 64;
+
+Status reserve_blas_buffers(int callers) {
+#if defined(OPENBLAS_VERSION)
+  using Alloc = void* (*)(int);
+  using Free = void (*)(void*);
+  static const auto blas_alloc = reinterpret_cast<Alloc>(dlsym(RTLD_DEFAULT, "blas_memory_alloc"));
+  static const auto blas_free = reinterpret_cast<Free>(dlsym(RTLD_DEFAULT, "blas_memory_free"));
+  keep_blas_single_threaded();
+  if (blas_alloc == nullptr || blas_free == nullptr) return {};
+  static std::mutex mutex;
+  static int reserved = 0;  // buffers mapped by earlier calls
+  std::lock_guard lock(mutex);
+  callers = std::min(callers, kMaxReservedBlasBuffers);
+  // Every buffer is held until all are mapped, so each takes a slot of its own; freed, the
+  // slots keep their buffers for the threads that call OpenBLAS next.
+  std::vector<void*> held;
+  Status status;
+  while (reserved + static_cast<int>(held.size()) < callers) {
+    void* probe = std::malloc(kOpenBlasBufferBytes);
+    if (probe == nullptr) {
+      status = OutOfMemoryError("the system refused " + std::to_string(kOpenBlasBufferBytes) + " bytes (" +
+                                std::to_string(kOpenBlasBufferBytes >> 20) + " MiB) for 'OpenBLAS working buffer " +
+                                std::to_string(reserved + static_cast<int>(held.size()) + 1) + " of " + std::to_string(callers) +
+                                "' (malloc): OpenBLAS retries a refused buffer forever, so the matrix products could not start");
+      break;
+    }
+    std::free(probe);
+    void* buffer = blas_alloc(0);
+    if (buffer == nullptr) break;  // out of slots: OpenBLAS said so itself
+    held.push_back(buffer);
+  }
+  for (void* buffer : held) blas_free(buffer);
+  reserved += static_cast<int>(held.size());
+  return status;
+#else
+  (void)callers;
+  keep_blas_single_threaded();
+  return {};
 #endif
 }
 

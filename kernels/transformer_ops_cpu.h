@@ -76,6 +76,18 @@ bool has_blas();
 // and thread-safe; a no-op without OpenBLAS.
 void keep_blas_single_threaded();
 
+// Makes OpenBLAS map, now, the working buffers of `callers` threads that call it at once
+// (process-wide: the first call maps them, later ones only what is still missing). OpenBLAS
+// takes a buffer of about 128 MiB from a table of slots on a thread's first matrix product
+// and keeps it for the next; where that allocation fails (an address-space limit,
+// `ulimit -v`) it retries forever, and the product never returns. So each buffer is first
+// tried with malloc of the same size: when the system refuses it, this returns
+// OUT_OF_MEMORY naming the buffer (and OpenBLAS is not asked); else OpenBLAS maps it at
+// once, and the products reuse it later whatever else the program has mapped since.
+// BlasContext::create calls it on a CPU device, before the model's activations are
+// allocated. A no-op without OpenBLAS (or an OpenBLAS without blas_memory_alloc).
+Status reserve_blas_buffers(int callers);
+
 // For a program's main, first thing: makes the CPU BLAS single-threaded from the moment
 // it loads. OpenBLAS's threaded build starts its pool in its library constructor, before
 // main, and each pool thread maps a 128 MiB buffer; where that mmap fails (an address-space

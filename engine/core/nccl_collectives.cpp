@@ -115,6 +115,20 @@ Status NcclCommunicator::barrier(Stream& stream) {
 }
 
 namespace {
+// NCCL's own fp32 sum (`issue` makes the call on the communicator, under the state's
+// mutex), then the division for a mean.
+template <typename Issue>
+Status native_sum(nccl_communicator_internal::State& state, const char* statement, Issue issue, float* recv, size_t count, ReduceOp op,
+                  int world_size, cudaStream_t native) {
+  {
+    std::lock_guard<std::mutex> lock(state.mutex);
+    if (state.comm == nullptr) return FailedPreconditionError(state.who + ": the communicator was aborted");
+    STRATA_RETURN_IF_ERROR(state.settle(issue(state.comm), statement, __FILE__, __LINE__));
+  }
+  if (op != ReduceOp::kMean) return Status::Ok();
+  return nccl_communicator_internal::launch_divide(recv, count, static_cast<float>(world_size), native);
+}
+
 bool takes_native_path(DType dtype, DType wire, ReduceOp op) {
   return dtype == DType::kFloat32 && wire == DType::kFloat32 && op != ReduceOp::kMax;
 }
@@ -137,15 +151,8 @@ Status NcclCommunicator::reduce_scatter(const void* send, void* recv, size_t rec
   STRATA_NCCL_ENTER_DEVICE(state_->ordinal);
   STRATA_RETURN_IF_ERROR(check_outside_group_if_kernel(state_->who, what, dtype, wire, options.op));
   if (takes_native_path(dtype, wire, options.op)) {
-    {
-      std::lock_guard<std::mutex> lock(state_->mutex);
-      if (state_->comm == nullptr) return FailedPreconditionError(state_->who + ": the communicator was aborted");
-      STRATA_NCCL_SETTLE(*state_,
-                         ncclReduceScatter(send, recv, recv_count, ncclFloat32, ncclSum, state_->comm, native));
-    }
-    if (options.op == ReduceOp::kMean)
-      STRATA_RETURN_IF_ERROR(nccl_communicator_internal::launch_divide(static_cast<float*>(recv), recv_count,
-                                                                       static_cast<float>(world_size_), native));
+    auto issue = [&](ncclComm_t comm) { return ncclReduceScatter(send, recv, recv_count, ncclFloat32, ncclSum, comm, native); };
+    STRATA_RETURN_IF_ERROR(native_sum(*state_, "ncclReduceScatter", issue, static_cast<float*>(recv), recv_count, options.op, world_size_, native));
     return finish(stream, what);
   }
   Slices slices;
@@ -165,14 +172,8 @@ Status NcclCommunicator::all_reduce(const void* send, void* recv, size_t count, 
   STRATA_NCCL_ENTER_DEVICE(state_->ordinal);
   STRATA_RETURN_IF_ERROR(check_outside_group_if_kernel(state_->who, what, dtype, wire, options.op));
   if (takes_native_path(dtype, wire, options.op)) {
-    {
-      std::lock_guard<std::mutex> lock(state_->mutex);
-      if (state_->comm == nullptr) return FailedPreconditionError(state_->who + ": the communicator was aborted");
-      STRATA_NCCL_SETTLE(*state_, ncclAllReduce(send, recv, count, ncclFloat32, ncclSum, state_->comm, native));
-    }
-    if (options.op == ReduceOp::kMean)
-      STRATA_RETURN_IF_ERROR(nccl_communicator_internal::launch_divide(static_cast<float*>(recv), count,
-                                                                       static_cast<float>(world_size_), native));
+    auto issue = [&](ncclComm_t comm) { return ncclAllReduce(send, recv, count, ncclFloat32, ncclSum, comm, native); };
+    STRATA_RETURN_IF_ERROR(native_sum(*state_, "ncclAllReduce", issue, static_cast<float*>(recv), count, options.op, world_size_, native));
     return finish(stream, what);
   }
   // The same split as HostCommunicator: ceil(count / N) elements per rank, the last ones shorter.

@@ -252,9 +252,8 @@ StatusOr<DeviceLayout> make_layout(const GptModelOptions& options, DeviceKind ki
   d.lnf_mean = d.add(rows * 4, l_lnf);
   d.lnf_rstd = d.add(rows * 4, l_lnf);
   d.lnf_gamma = d.add(2 * C * cs, l_lnf);
-  d.add_vocab_head();
   const kernels::AttentionShape train{static_cast<size_t>(options.batch), T_size, H, C / H};
-  d.add_attention_workspace(kernels::attention_workspace_bytes(train, compute, kind));
+  d.add_head_and_attention(kernels::attention_workspace_bytes(train, compute, kind));
   STRATA_RETURN_IF_ERROR(add_param_scratch(d, options, compute));
   return d;
 }
@@ -262,8 +261,7 @@ StatusOr<DeviceLayout> make_layout(const GptModelOptions& options, DeviceKind ki
 }  // namespace
 
 StatusOr<GptActivationPlan> plan_gpt_activations(const GptModelOptions& options, DeviceKind device) {
-  STRATA_ASSIGN_OR_RETURN(DeviceLayout layout, make_layout(options, device));
-  return lm::plan_of_layout("GPT", layout, device, gpt_compute_dtype(options.param_dtype, device));
+  return lm::plan_of_layout("GPT", make_layout(options, device), device);
 }
 
 // =====================================================================================
@@ -286,33 +284,31 @@ struct GptModel::Buffers : lm::ActivationArena {
   }
 };
 
-GptModel::GptModel(Engine& engine, const GptModelOptions& options)
-    : TransformerModel(engine, options, gpt_groups(options.config, options.vocab_chunk_bytes), "GptModel") {}
+namespace {
 
-GptModel::~GptModel() {
-  // Buffers must not be freed while the streams still use them; an error here was
-  // already reported by the call that enqueued the work (or is the engine's to report).
-  if (buffers_) (void)buffers_->pinned.synchronize();
-  if (buffers_ && !buffers_->arena.empty()) (void)engine_.compute_stream().synchronize();
-}
-
-StatusOr<std::unique_ptr<GptModel>> GptModel::create(Engine& engine, const GptModelOptions& options) {
+GptModelOptions resolve_gpt_options(const GptModelOptions& options) {
   GptModelOptions resolved = options;
   if (resolved.seq_len == 0) resolved.seq_len = resolved.config.n_ctx;
-  // Validates the shapes now (allocate() plans for the engine's device).
-  STRATA_RETURN_IF_ERROR(make_layout(resolved, DeviceKind::kCpu).status());
-  std::unique_ptr<GptModel> model(new GptModel(engine, resolved));
-  STRATA_RETURN_IF_ERROR(lm::register_model_groups(engine, gpt_group_specs(resolved.config, resolved.vocab_chunk_bytes), "GPT model"));
-  // The schedule is recorded on the first step (see the header); no gradient waits between
-  // uses of its group, so the engine needs only its two overlapping gradient slots.
-  STRATA_RETURN_IF_ERROR(engine.declare_held_gradients(0));
-  return model;
+  return resolved;
 }
 
-Status GptModel::allocate() {
-  if (buffers_) return FailedPreconditionError("GptModel::allocate() called twice");
+std::vector<GroupSpec> gpt_specs_of(const GptModelOptions& options, const lm::VocabChunks&) {
+  return gpt_group_specs(options.config, options.vocab_chunk_bytes);
+}
+
+// The schedule is recorded on the first step (see the header).
+std::vector<int> gpt_recorded_schedule(const GptModelOptions&, const lm::VocabChunks&) { return {}; }
+
+}  // namespace
+
+const lm::ModelRecipe<GptModelOptions> GptModel::kRecipe{"GPT model", resolve_gpt_options, plan_gpt_activations, gpt_specs_of,
+                                                         gpt_recorded_schedule};
+
+GptModel::GptModel(Engine& engine, const GptModelOptions& options, const GptActivationPlan& plan)
+    : TransformerModel(engine, options, plan, GptGroups{options.config.n_layer, plan.chunks.count}, "GptModel") {}
+
+Status GptModel::allocate_buffers() {
   Device& device = engine_.device();
-  STRATA_ASSIGN_OR_RETURN(plan_, plan_gpt_activations(options_, device.kind()));
   auto buffers = std::make_unique<Buffers>();
   STRATA_ASSIGN_OR_RETURN(buffers->layout, make_layout(options_, device.kind()));
   if (Status status = allocate_activations(buffers->layout, "GPT", *buffers); !status.ok()) return status;
@@ -325,8 +321,7 @@ Status GptModel::allocate() {
   for (size_t r = 0; r < position_rows; ++r) positions[r] = static_cast<int32_t>(r % T);
   STRATA_RETURN_IF_ERROR(device.copy_async(buffers->at(d.positions), positions.data(), position_rows * 4, CopyKind::kHostToDevice, engine_.compute_stream()));
   STRATA_RETURN_IF_ERROR(engine_.compute_stream().synchronize());
-  vocab_ = std::move(vocab);
-  buffers_ = std::move(buffers);
+  buffers_ = keep_buffers(std::move(buffers), std::move(vocab));
   return {};
 }
 
@@ -564,7 +559,7 @@ StatusOr<QueuedMicroBatch> GptModel::queue_micro_batch(const TokenBatch* train, 
   if (train == nullptr && eval == nullptr) return InvalidArgumentError("GptModel::queue_micro_batch(): neither a training nor an evaluation batch");
   STRATA_RETURN_IF_ERROR(check_batches(train, eval));
   Pass pass;
-  pass.b = buffers_.get();
+  pass.b = buffers_;
   pass.train = train != nullptr;
   pass.eval_sequences = eval ? eval->sequences : 0;
   pass.layers = static_cast<int>(options_.config.n_layer);

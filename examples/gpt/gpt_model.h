@@ -155,15 +155,11 @@ StatusOr<GptActivationPlan> plan_gpt_activations(const GptModelOptions& options,
 // The dtype activations are computed in for these parameters on this device.
 DType gpt_compute_dtype(DType param_dtype, DeviceKind device);
 
-class GptModel : public lm::TransformerModel<GptModelOptions, GptGroups> {
+// GptModel::create(engine, options) registers the groups with `engine` and records the
+// schedule on the first step (see above); allocate() follows engine.start()
+// (lm::TransformerModel).
+class GptModel : public lm::TransformerModel<GptModel, GptModelOptions, GptGroups> {
  public:
-  // Registers the groups with `engine` and declares the schedule (before engine.start()).
-  static StatusOr<std::unique_ptr<GptModel>> create(Engine& engine, const GptModelOptions& options);
-  ~GptModel() override;
-
-  // After engine.start(): allocates the activations (and pinned checkpoints).
-  Status allocate() override;
-
   // One micro-batch inside engine.begin_step()/begin_micro_batch() ... engine.step().
   // With `train`: forward and backward over its sequences (options.batch of them),
   // gradients scaled by `grad_scale` (d objective / d per-token loss: loss_scale / tokens
@@ -178,9 +174,14 @@ class GptModel : public lm::TransformerModel<GptModelOptions, GptGroups> {
   StatusOr<QueuedMicroBatch> queue_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) override;
 
  private:
+  friend TransformerModel;
   struct Buffers;
   struct BlockActs;
-  GptModel(Engine& engine, const GptModelOptions& options);
+  // What TransformerModel::create() does for GPT-2: seq_len 0 = n_ctx, no declared schedule.
+  static const lm::ModelRecipe<GptModelOptions> kRecipe;
+  GptModel(Engine& engine, const GptModelOptions& options, const GptActivationPlan& plan);
+  // allocate()'s part: the activations, the vocabulary head and the position ids.
+  Status allocate_buffers();
 
   // Gathered parameters of a group as compute-dtype pointers (cast into scratch when needed).
   StatusOr<std::vector<const void*>> params_of(int group, const GroupView& view);
@@ -202,7 +203,7 @@ class GptModel : public lm::TransformerModel<GptModelOptions, GptGroups> {
   Status backward_blocks(const Pass& pass);
   Status restore_block_input(const Pass& pass, int m);
 
-  std::unique_ptr<Buffers> buffers_;
+  Buffers* buffers_ = nullptr;  // TransformerModel's activations, as GPT-2's buffers
 };
 
 }  // namespace strata::gpt

@@ -9,6 +9,14 @@
 #include <nlohmann/json.hpp>
 
 namespace strata::gpt {
+namespace {
+
+// GPT2Config's sizes that the tensors also give: config.json is written with them, and a
+// checkpoint's config.json is checked against its tensors with them (in this order).
+constexpr hf::ConfigKey<GptConfig> kGpt2SizeKeys[] = {
+    {"n_layer", &GptConfig::n_layer}, {"n_embd", &GptConfig::n_embd}, {"vocab_size", &GptConfig::vocab_size}, {"n_positions", &GptConfig::n_ctx}};
+
+}  // namespace
 
 Gpt2Dims gpt2_dims(const GptConfig& config) {
   Gpt2Dims dims;
@@ -44,10 +52,9 @@ StatusOr<GptConfig> gpt_config_from_safetensors(const SafetensorsReader& reader,
                                     reader.path() + " give " + std::to_string(from_tensors));
       return {};
     };
-    STRATA_RETURN_IF_ERROR(check("n_layer", config.n_layer));
-    STRATA_RETURN_IF_ERROR(check("n_embd", config.n_embd));
-    STRATA_RETURN_IF_ERROR(check("vocab_size", config.vocab_size));
-    STRATA_RETURN_IF_ERROR(check("n_positions", config.n_ctx));
+    for (const auto& [key, field] : kGpt2SizeKeys) {
+      STRATA_RETURN_IF_ERROR(check(key, config.*field));
+    }
     if (json.contains("n_head")) {
       if (!json["n_head"].is_number_integer()) return InvalidArgumentError(json_path.string() + ": \"n_head\" must be an integer");
       config.n_head = json["n_head"].get<int64_t>();
@@ -112,26 +119,13 @@ Status load_gpt2_weights(Engine& engine, int rank, const hf::HfTensorSource& sou
 }
 
 Status check_gpt2_weights(const hf::HfTensorSource& source, const GptConfig& config) {
-  std::vector<GroupLayout> layouts;
-  const auto specs = gpt_group_specs(config);
-  for (size_t g = 0; g < specs.size(); ++g) {
-    STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(specs[g], static_cast<int>(g), 1));
-    layouts.push_back(std::move(layout));
-  }
+  STRATA_ASSIGN_OR_RETURN(const std::vector<GroupLayout> layouts, hf::single_rank_layouts(gpt_group_specs(config)));
   return hf::check_hf_mapping(source, layouts, gpt2_name_map_as_stored(source, gpt2_name_map(config)), gpt2_load_options());
 }
 
 namespace {
 
-StatusOr<std::vector<GroupLayout>> gpt2_export_layouts(const GptConfig& config) {
-  const auto specs = gpt_group_specs(config);
-  std::vector<GroupLayout> layouts;
-  for (size_t g = 0; g < specs.size(); ++g) {
-    STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(specs[g], static_cast<int>(g), 1));
-    layouts.push_back(std::move(layout));
-  }
-  return layouts;
-}
+StatusOr<std::vector<GroupLayout>> gpt2_export_layouts(const GptConfig& config) { return hf::single_rank_layouts(gpt_group_specs(config)); }
 
 }  // namespace
 
@@ -164,21 +158,19 @@ StatusOr<std::vector<int>> gpt2_export_group_order(const GptConfig& config) {
 }
 
 nlohmann::json gpt2_config_json(const GptConfig& config) {
-  return {
+  nlohmann::json json = {
       {"architectures", {"GPT2LMHeadModel"}},
       {"model_type", "gpt2"},
-      {"n_layer", config.n_layer},
       {"n_head", config.n_head},
-      {"n_embd", config.n_embd},
-      {"n_positions", config.n_ctx},
       {"n_ctx", config.n_ctx},
-      {"vocab_size", config.vocab_size},
       {"activation_function", "gelu_new"},
       {"layer_norm_epsilon", 1e-5},
       {"n_inner", nullptr},
       {"tie_word_embeddings", true},
       {"torch_dtype", "float32"},
   };
+  hf::put_config_keys(json, config, kGpt2SizeKeys);
+  return json;
 }
 
 Status write_gpt2_config_json(const std::string& path, const GptConfig& config) {

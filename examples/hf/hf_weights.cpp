@@ -38,6 +38,15 @@ std::vector<std::pair<uint64_t, uint64_t>> uncovered(std::vector<std::pair<uint6
 
 }  // namespace
 
+StatusOr<std::vector<GroupLayout>> single_rank_layouts(std::span<const GroupSpec> specs) {
+  std::vector<GroupLayout> layouts;
+  for (size_t g = 0; g < specs.size(); ++g) {
+    STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(specs[g], static_cast<int>(g), 1));
+    layouts.push_back(std::move(layout));
+  }
+  return layouts;
+}
+
 Status check_hf_mapping(const HfTensorSource& source, std::span<const GroupLayout> layouts, const HfNameMap& map,
                         const HfLoadOptions& options) {
   std::vector<std::string> problems;

@@ -58,6 +58,23 @@ struct HfLoadOptions {
   std::function<bool(std::string_view name)> is_ignored;
 };
 
+// The layouts of `specs` with ids 0, 1, ... and world size 1: a family's groups as its
+// name map is checked, loaded and exported against (errors name a bad spec).
+StatusOr<std::vector<GroupLayout>> single_rank_layouts(std::span<const GroupSpec> specs);
+
+// One integer field of a family's config (Config::*field) under its key in Hugging Face's
+// config.json: a family lists its keys once and writes config.json from them
+// (put_config_keys), or checks a checkpoint's against them.
+template <class Config>
+struct ConfigKey {
+  const char* key;
+  int64_t Config::*field;
+};
+template <class Config, size_t N>
+void put_config_keys(nlohmann::json& json, const Config& config, const ConfigKey<Config> (&keys)[N]) {
+  for (const ConfigKey<Config>& k : keys) json[k.key] = config.*k.field;
+}
+
 // Checks `map` against `source` for every tensor of `layouts` (see the top of this file):
 // OK, or kInvalidArgument listing every problem, naming the source.
 Status check_hf_mapping(const HfTensorSource& source, std::span<const GroupLayout> layouts, const HfNameMap& map,

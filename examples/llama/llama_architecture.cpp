@@ -34,6 +34,13 @@ json rope_scaling_json(const kernels::RopeScaling& s) {
   return nullptr;
 }
 
+// The sizes config.json always carries (head_dim only when it is not hidden_size / heads).
+constexpr hf::ConfigKey<LlamaConfig> kLlamaSizeKeys[] = {
+    {"hidden_size", &LlamaConfig::hidden_size}, {"intermediate_size", &LlamaConfig::intermediate_size},
+    {"num_hidden_layers", &LlamaConfig::num_hidden_layers}, {"num_attention_heads", &LlamaConfig::num_attention_heads},
+    {"num_key_value_heads", &LlamaConfig::num_key_value_heads}, {"vocab_size", &LlamaConfig::vocab_size},
+    {"max_position_embeddings", &LlamaConfig::max_position_embeddings}};
+
 // A model directory opened once, shared read-only by every rank's load.
 class LlamaWeights final : public lm::WeightSource {
  public:
@@ -51,19 +58,13 @@ class LlamaWeights final : public lm::WeightSource {
 json llama_config_json(const LlamaConfig& c) {
   json j = {{"architectures", json::array({architecture_name(c.family)})},
             {"model_type", std::string(llama_family_name(c.family))},
-            {"hidden_size", c.hidden_size},
-            {"intermediate_size", c.intermediate_size},
-            {"num_hidden_layers", c.num_hidden_layers},
-            {"num_attention_heads", c.num_attention_heads},
-            {"num_key_value_heads", c.num_key_value_heads},
-            {"vocab_size", c.vocab_size},
-            {"max_position_embeddings", c.max_position_embeddings},
             {"rms_norm_eps", c.rms_norm_eps},
             {"rope_theta", c.rope_theta},
             {"rope_scaling", rope_scaling_json(c.rope_scaling)},
             {"tie_word_embeddings", c.tie_word_embeddings},
             {"hidden_act", "silu"},
             {"initializer_range", c.initializer_range}};
+  hf::put_config_keys(j, c, kLlamaSizeKeys);
   if (c.head_dim != c.hidden_size / c.num_attention_heads) j["head_dim"] = c.head_dim;
   switch (c.family) {
     case LlamaFamily::kLlama:
@@ -129,15 +130,7 @@ StatusOr<LlamaModelOptions> LlamaArchitecture::model_options(const lm::ModelRunO
   return model;
 }
 
-StatusOr<std::vector<GroupLayout>> LlamaArchitecture::layouts() const {
-  std::vector<GroupLayout> out;
-  const auto specs = group_specs();
-  for (size_t g = 0; g < specs.size(); ++g) {
-    STRATA_ASSIGN_OR_RETURN(GroupLayout layout, layout_group(specs[g], static_cast<int>(g), 1));
-    out.push_back(std::move(layout));
-  }
-  return out;
-}
+StatusOr<std::vector<GroupLayout>> LlamaArchitecture::layouts() const { return hf::single_rank_layouts(group_specs()); }
 
 StatusOr<std::unique_ptr<lm::WeightSource>> LlamaArchitecture::open_weights(const std::string& path) const {
   STRATA_ASSIGN_OR_RETURN(hf::HfCheckpoint checkpoint, hf::HfCheckpoint::open(path));

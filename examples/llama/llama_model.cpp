@@ -269,9 +269,8 @@ StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) 
   const size_t act_sets = d.block_activation_sets(o.checkpointing, L, &l_acts);
   for (size_t s = 0; s < act_sets; ++s) d.acts.push_back(add_block_acts(d, l_acts, rows, dims));
   add_gradients_and_norm(d, rows, dims);
-  d.add_vocab_head();
   const kernels::GqaAttentionShape shape{static_cast<size_t>(sequences), T, NH, static_cast<size_t>(c.num_key_value_heads), D, 0, 0, 0};
-  d.add_attention_workspace(kernels::gqa_attention_workspace_bytes(shape, compute, kind));
+  d.add_head_and_attention(kernels::gqa_attention_workspace_bytes(shape, compute, kind));
   add_param_scratch(d, o, compute);
   return d;
 }
@@ -279,8 +278,7 @@ StatusOr<DeviceLayout> make_layout(const LlamaModelOptions& o, DeviceKind kind) 
 }  // namespace
 
 StatusOr<LlamaActivationPlan> plan_llama_activations(const LlamaModelOptions& options, DeviceKind device) {
-  STRATA_ASSIGN_OR_RETURN(DeviceLayout layout, make_layout(options, device));
-  return lm::plan_of_layout("Llama", layout, device, compute_dtype_for(options.param_dtype, device));
+  return lm::plan_of_layout("Llama", make_layout(options, device), device);
 }
 
 // =====================================================================================
@@ -317,36 +315,35 @@ struct LlamaModel::Buffers : lm::ActivationArena {
   }
 };
 
-LlamaModel::LlamaModel(Engine& engine, const LlamaModelOptions& options, const LlamaActivationPlan& plan)
-    : TransformerModel(engine, options, llama_groups(options.config, plan.chunks), "LlamaModel") {
-  plan_ = plan;
-}
+namespace {
 
-LlamaModel::~LlamaModel() {
-  // Buffers must not be freed while the stream still uses them; an error here was already
-  // reported by the call that enqueued the work (or is the engine's to report).
-  if (buffers_) (void)buffers_->pinned.synchronize();
-  if (buffers_ && !buffers_->arena.empty()) (void)engine_.compute_stream().synchronize();
-}
-
-StatusOr<std::unique_ptr<LlamaModel>> LlamaModel::create(Engine& engine, const LlamaModelOptions& options) {
+LlamaModelOptions resolve_llama_options(const LlamaModelOptions& options) {
   LlamaModelOptions resolved = options;
   if (resolved.eval_batch == 0) resolved.eval_batch = resolved.batch;
-  STRATA_ASSIGN_OR_RETURN(LlamaActivationPlan plan, plan_llama_activations(resolved, DeviceKind::kCpu));
-  std::unique_ptr<LlamaModel> model(new LlamaModel(engine, resolved, plan));
-  STRATA_RETURN_IF_ERROR(lm::register_model_groups(engine, llama_group_specs(resolved.config, plan.chunks), "Llama model"));
-  // Tied: see the header (the engine would plan a gradient buffer per embedding chunk).
-  if (!resolved.config.tie_word_embeddings) STRATA_RETURN_IF_ERROR(engine.declare_schedule(llama_schedule(resolved.config, plan.chunks)));
-  // No gradient waits between uses of its group (each chunk's is filled and handed over in
-  // one use), so the engine needs only its two overlapping gradient slots.
-  STRATA_RETURN_IF_ERROR(engine.declare_held_gradients(0));
-  return model;
+  return resolved;
 }
 
-Status LlamaModel::allocate() {
-  if (buffers_) return FailedPreconditionError("LlamaModel::allocate() called twice");
+std::vector<GroupSpec> llama_specs_of(const LlamaModelOptions& options, const VocabChunks& chunks) {
+  return llama_group_specs(options.config, chunks);
+}
+
+// Tied: recorded on the first step (see the header: the engine would plan a gradient
+// buffer per embedding chunk).
+std::vector<int> llama_declared_schedule(const LlamaModelOptions& options, const VocabChunks& chunks) {
+  if (options.config.tie_word_embeddings) return {};
+  return llama_schedule(options.config, chunks);
+}
+
+}  // namespace
+
+const lm::ModelRecipe<LlamaModelOptions> LlamaModel::kRecipe{"Llama model", resolve_llama_options, plan_llama_activations,
+                                                             llama_specs_of, llama_declared_schedule};
+
+LlamaModel::LlamaModel(Engine& engine, const LlamaModelOptions& options, const LlamaActivationPlan& plan)
+    : TransformerModel(engine, options, plan, llama_groups(options.config, plan.chunks), "LlamaModel") {}
+
+Status LlamaModel::allocate_buffers() {
   Device& device = engine_.device();
-  STRATA_ASSIGN_OR_RETURN(plan_, plan_llama_activations(options_, device.kind()));
   auto b = std::make_unique<Buffers>();
   STRATA_ASSIGN_OR_RETURN(b->layout, make_layout(options_, device.kind()));
   block_tensors(options_.config, &b->index);
@@ -363,8 +360,7 @@ Status LlamaModel::allocate() {
                           kernels::rope_inverse_frequencies(static_cast<size_t>(c.head_dim), c.rope_theta, c.rope_scaling));
   STRATA_RETURN_IF_ERROR(device.copy_async(b->at(d.inv_freq), inv_freq.data(), inv_freq.size() * 4, CopyKind::kHostToDevice, stream));
   STRATA_RETURN_IF_ERROR(stream.synchronize());
-  vocab_ = std::move(vocab);
-  buffers_ = std::move(b);
+  buffers_ = keep_buffers(std::move(b), std::move(vocab));
   return {};
 }
 

@@ -131,16 +131,11 @@ struct LlamaModelOptions : lm::ModelRunOptions {
 using LlamaActivationPlan = lm::TransformerActivationPlan;  // examples/lm/transformer_layout.h
 StatusOr<LlamaActivationPlan> plan_llama_activations(const LlamaModelOptions& options, DeviceKind device);
 
-class LlamaModel final : public lm::TransformerModel<LlamaModelOptions, LlamaGroups> {
+// LlamaModel::create(engine, options) registers the groups with `engine` (first: ids
+// from 0) and declares the schedule (untied), before engine.start(); allocate() follows
+// engine.start() and also uploads the rotary frequencies (lm::TransformerModel).
+class LlamaModel final : public lm::TransformerModel<LlamaModel, LlamaModelOptions, LlamaGroups> {
  public:
-  // Registers the groups with `engine` (first: ids from 0) and declares the schedule
-  // (untied), before engine.start().
-  static StatusOr<std::unique_ptr<LlamaModel>> create(Engine& engine, const LlamaModelOptions& options);
-  ~LlamaModel() override;
-
-  // After engine.start(): allocates the activations and the rotary frequencies.
-  Status allocate() override;
-
   // One micro-batch inside engine.begin_step()/begin_micro_batch() ... engine.step(), as
   // GptModel::run_micro_batch: `train` (options.batch sequences) runs forward and
   // backward with gradients scaled by grad_scale and grads_ready() for every group; an
@@ -155,12 +150,17 @@ class LlamaModel final : public lm::TransformerModel<LlamaModelOptions, LlamaGro
   StatusOr<QueuedMicroBatch> queue_micro_batch(const TokenBatch* train, const TokenBatch* eval, float grad_scale) override;
 
  private:
+  friend TransformerModel;
+  // TransformerModel::create() for the Llama family: eval_batch 0 = batch; the schedule
+  // declared when the head is untied.
+  static const lm::ModelRecipe<LlamaModelOptions> kRecipe;
+  LlamaModel(Engine& engine, const LlamaModelOptions& options, const LlamaActivationPlan& plan);
+  Status allocate_buffers();  // allocate()'s part: activations, head, positions' staging, rotary frequencies
+
   struct Buffers;
   struct BlockActs;
   struct Rows;
   class Params;
-  LlamaModel(Engine& engine, const LlamaModelOptions& options, const LlamaActivationPlan& plan);
-
   StatusOr<Params> params_of(int group, const GroupView& view);
   StatusOr<int64_t> stage_inputs(const TokenBatch& batch, float grad_scale, Rows& rows);
   Status embed_forward(const Rows& rows);
@@ -170,7 +170,7 @@ class LlamaModel final : public lm::TransformerModel<LlamaModelOptions, LlamaGro
   Status forward(const Rows& rows);
   Status backward(const Rows& rows);
 
-  std::unique_ptr<Buffers> buffers_;
+  Buffers* buffers_ = nullptr;  // TransformerModel's activations, as the family's buffers
 };
 
 }  // namespace strata::llama

@@ -48,15 +48,12 @@ size_t TransformerLayout::block_activation_sets(ActivationCheckpointing mode, si
   return sets;
 }
 
-void TransformerLayout::add_vocab_head() {
+void TransformerLayout::add_head_and_attention(size_t attention_bytes) {
   size_t counted_by_lines = 0;  // the head's own lines say what its bytes hold
   vocab_head = add(head.bytes, &counted_by_lines);
   for (const auto& [what, bytes] : head.lines) lines.emplace_back(what, bytes);
-}
-
-void TransformerLayout::add_attention_workspace(size_t bytes) {
-  attention_workspace_bytes = bytes;
-  if (bytes > 0) attention_workspace = add(bytes, line("attention workspace"));
+  attention_workspace_bytes = attention_bytes;
+  if (attention_bytes > 0) attention_workspace = add(attention_bytes, line("attention workspace"));
 }
 
 Status check_transformer_run(const TransformerRunShape& s) {
@@ -89,11 +86,10 @@ ActivationPlan TransformerActivationPlan::summary() const {
   return out;
 }
 
-TransformerActivationPlan plan_of_layout(std::string family, const TransformerLayout& layout, DeviceKind device,
-                                         DType compute_dtype) {
+TransformerActivationPlan plan_of_layout(std::string family, const TransformerLayout& layout, DeviceKind device) {
   TransformerActivationPlan plan;
   plan.family = std::move(family);
-  plan.compute_dtype = compute_dtype;
+  plan.compute_dtype = layout.head_shape.compute_dtype;
   plan.head_rows = layout.head.head_rows;
   plan.chunks = layout.chunks;
   plan.lines.assign(layout.lines.begin(), layout.lines.end());

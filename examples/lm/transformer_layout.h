@@ -50,10 +50,10 @@ struct TransformerLayout {
   // How many sets of block activations to carve (`kept_sets` when nothing is recomputed,
   // else one) and the line that counts them.
   size_t block_activation_sets(ActivationCheckpointing mode, size_t kept_sets, size_t** line_total);
-  // The vocabulary head's buffer; its own lines say what its bytes hold.
-  void add_vocab_head();
-  // The attention's scratch, when it needs any.
-  void add_attention_workspace(size_t bytes);
+  // What every family carves after its blocks: the vocabulary head's buffer (its own lines
+  // say what its bytes hold), then the attention's scratch of `attention_workspace_bytes`
+  // when it needs any.
+  void add_head_and_attention(size_t attention_workspace_bytes);
 };
 
 // The run's shape a family checks before it plans: errors start with `family` ("GPT
@@ -82,7 +82,13 @@ struct TransformerActivationPlan {
   std::string text() const;
   ActivationPlan summary() const;  // the family-neutral form the trainer takes
 };
-TransformerActivationPlan plan_of_layout(std::string family, const TransformerLayout& layout, DeviceKind device,
-                                         DType compute_dtype);
+TransformerActivationPlan plan_of_layout(std::string family, const TransformerLayout& layout, DeviceKind device);
+// A family's plan function: its make_layout's result planned (in the compute dtype the
+// layout planned its head for), or make_layout's error.
+template <class Layout>
+StatusOr<TransformerActivationPlan> plan_of_layout(std::string family, StatusOr<Layout> layout, DeviceKind device) {
+  STRATA_RETURN_IF_ERROR(layout.status());
+  return plan_of_layout(std::move(family), *layout, device);
+}
 
 }  // namespace strata::lm

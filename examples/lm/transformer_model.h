@@ -1,8 +1,11 @@
-// What every transformer family's model holds the same way (GPT-2, the Llama family): the
-// engine it runs on, its options and groups, the activation plan, the two BLAS contexts
-// (the blocks' and the vocabulary head's), the gradients tests capture, and the group
-// registration, the vocabulary head and the losses read from it. A family derives its model
-// from TransformerModel<Options, Groups> and writes only its blocks, its buffers and its passes.
+// What every transformer family's model holds and does the same way (GPT-2, the Llama
+// family): the engine it runs on, its options and groups, the activation plan, the two BLAS
+// contexts (the blocks' and the vocabulary head's), the gradients tests capture; create()
+// (the shapes checked, the groups registered, the schedule declared), allocate() (the plan
+// for the engine's device) and the activations' lifetime; the vocabulary head and the losses
+// read from it. A family derives its model from TransformerModel<Model, Options, Groups>,
+// gives create() its recipe (ModelRecipe) and writes only its blocks, its buffers and its
+// passes.
 #pragma once
 
 #include <map>
@@ -29,19 +32,68 @@ Status register_model_groups(Engine& engine, std::span<const GroupSpec> specs, s
 // The activation memory every family's buffers hold: one device arena its layout carves
 // and, under kPinnedHost, the pinned block inputs. A family's buffers derive from it.
 struct ActivationArena {
+  virtual ~ActivationArena() = default;  // the model owns a family's buffers through this base
+
   DeviceBuffer arena;
   PinnedBlockInputs pinned;  // kPinnedHost
 
   void* at(size_t offset) const { return static_cast<char*>(arena.data()) + offset; }
 };
 
-// Options: a family's model options (ModelRunOptions and capture_gradients); Groups: its
-// group ids.
-template <class Options, class Groups>
+// What create() needs of a family besides its model's constructor.
+template <class Options>
+struct ModelRecipe {
+  std::string_view family;                       // starts the registration's errors ("GPT model")
+  Options (*resolve)(const Options& options);   // the defaults the model fills in (a sequence length, ...)
+  // The activation plan; its errors name a bad shape, so create() checks the shapes with it.
+  StatusOr<TransformerActivationPlan> (*plan)(const Options& options, DeviceKind device);
+  std::vector<GroupSpec> (*group_specs)(const Options& options, const VocabChunks& chunks);
+  // The schedule the model declares; empty: the engine records it on the first step.
+  std::vector<int> (*declared_schedule)(const Options& options, const VocabChunks& chunks);
+};
+
+// Model: the family's model class, which befriends this base and gives it
+// `static const ModelRecipe<Options> kRecipe`, a constructor (Engine&, const Options&, const
+// TransformerActivationPlan&) and `Status allocate_buffers()`. Options: its model options
+// (ModelRunOptions and capture_gradients); Groups: its group ids.
+template <class Model, class Options, class Groups>
 class TransformerModel : public CausalLm {
  public:
   TransformerModel(const TransformerModel&) = delete;
   TransformerModel& operator=(const TransformerModel&) = delete;
+
+  // Registers the groups with `engine` (first: ids from 0), declares the family's schedule
+  // when it declares one, and that no gradient waits between uses of its group (each is
+  // filled and handed over in one use), so the engine plans only its two overlapping
+  // gradient slots; before engine.start(). The shapes are checked now (allocate() plans for
+  // the engine's device).
+  static StatusOr<std::unique_ptr<Model>> create(Engine& engine, const Options& options) {
+    const ModelRecipe<Options>& recipe = Model::kRecipe;
+    const Options resolved = recipe.resolve(options);
+    STRATA_ASSIGN_OR_RETURN(const TransformerActivationPlan plan, recipe.plan(resolved, DeviceKind::kCpu));
+    std::unique_ptr<Model> model(new Model(engine, resolved, plan));
+    STRATA_RETURN_IF_ERROR(register_model_groups(engine, recipe.group_specs(resolved, plan.chunks), recipe.family));
+    if (const std::vector<int> schedule = recipe.declared_schedule(resolved, plan.chunks); !schedule.empty()) {
+      STRATA_RETURN_IF_ERROR(engine.declare_schedule(schedule));
+    }
+    STRATA_RETURN_IF_ERROR(engine.declare_held_gradients(0));
+    return model;
+  }
+
+  ~TransformerModel() override {
+    // The buffers must not be freed while the streams still use them; an error here was
+    // already reported by the call that enqueued the work (or is the engine's to report).
+    if (activations_) (void)activations_->pinned.synchronize();
+    if (activations_ && !activations_->arena.empty()) (void)engine_.compute_stream().synchronize();
+  }
+
+  // After engine.start(): plans for the engine's device and allocates the activations and
+  // what the family uploads once (Model::allocate_buffers).
+  Status allocate() final {
+    if (activations_) return FailedPreconditionError(std::string(class_name_) + "::allocate() called twice");
+    STRATA_ASSIGN_OR_RETURN(plan_, Model::kRecipe.plan(options_, engine_.device().kind()));
+    return static_cast<Model&>(*this).allocate_buffers();
+  }
 
   const Options& options() const { return options_; }
   const TransformerActivationPlan& activation_plan() const { return plan_; }
@@ -58,8 +110,19 @@ class TransformerModel : public CausalLm {
 
  protected:
   // `class_name`: the family's model class, for messages ("GptModel").
-  TransformerModel(Engine& engine, const Options& options, const Groups& groups, std::string_view class_name)
-      : engine_(engine), options_(options), groups_(groups), class_name_(class_name) {}
+  TransformerModel(Engine& engine, const Options& options, const TransformerActivationPlan& plan, const Groups& groups,
+                   std::string_view class_name)
+      : engine_(engine), options_(options), plan_(plan), groups_(groups), class_name_(class_name) {}
+
+  // allocate_buffers' last step, once all has succeeded: the model keeps `buffers` (freed
+  // once the streams are done with them) and the vocabulary head; returns the buffers.
+  template <class Buffers>
+  Buffers* keep_buffers(std::unique_ptr<Buffers> buffers, std::unique_ptr<VocabHead> vocab) {
+    Buffers* kept = buffers.get();
+    vocab_ = std::move(vocab);
+    activations_ = std::move(buffers);
+    return kept;
+  }
 
   // allocate()'s steps that follow the family's layout in every family: both BLAS
   // contexts, `buffers`' arena of layout.total bytes and, under kPinnedHost, its pinned
@@ -112,8 +175,9 @@ class TransformerModel : public CausalLm {
   std::unique_ptr<kernels::BlasContext> blas_;       // the blocks: strata.matmul_precision
   std::unique_ptr<kernels::BlasContext> head_blas_;  // the vocabulary head: IEEE fp32 (ModelBlas)
   std::map<int, std::vector<float>> captured_;
-  // Set by the family's allocate() once it has succeeded, with the family's own buffers.
+  // Set by keep_buffers once the family's allocate_buffers() has succeeded.
   std::unique_ptr<VocabHead> vocab_;
+  std::unique_ptr<ActivationArena> activations_;  // the family's buffers
   std::string_view class_name_;
 };
 

@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <sstream>
 
+#include "engine/engine_plan.h"
+
 namespace strata::profile {
 
 namespace {
@@ -145,6 +147,30 @@ std::optional<double> nvme_free_bytes(const std::string& nvme_path) {
   struct statvfs fs {};
   if (at.empty() || statvfs(at.c_str(), &fs) != 0) return std::nullopt;
   return static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize);
+}
+
+PlacementSpace config_space(const StrataConfig& config) {
+  const bool pinned = config.zero.offload_param.pin_memory && config.zero.offload_optimizer.pin_memory;
+  const Tier host = pinned ? Tier::kPinned : Tier::kHost;
+  PlacementSpace space;
+  space.params = {Tier::kDevice, host};
+  space.optimizer = {Tier::kDevice, host};
+  if (!config.strata.nvme_path.empty()) {
+    space.params.push_back(Tier::kNvme);
+    space.optimizer.push_back(Tier::kNvme);
+  }
+  space.prefetch_depths = {0, 1, 2, 4};
+  if (config.was_given("strata.optimizer_overlap") || config.fp16.enabled)
+    space.overlaps = {config.strata.optimizer_overlap};
+  else
+    space.overlaps = {OverlapMode::kExact, OverlapMode::kDelayed};
+  return space;
+}
+
+Status check_nvme_room(size_t nvme_bytes, const std::string& nvme_path, std::optional<double> nvme_free) {
+  if (nvme_bytes == 0 || !nvme_free || static_cast<double>(nvme_bytes) <= *nvme_free) return {};
+  return ResourceExhaustedError("nvme_path " + nvme_path + " has " + engine_internal::format_bytes(static_cast<size_t>(*nvme_free)) +
+                                " free but the plan needs " + engine_internal::format_bytes(nvme_bytes));
 }
 
 std::string placement_choice_text(const PlacementChoice& c) {

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/core/config.h"
 #include "engine/core/overlap_mode.h"
 #include "engine/core/status.h"
 #include "examples/lm/causal_lm.h"
@@ -45,6 +46,13 @@ struct PlacementSpace {
   std::vector<lm::ActivationCheckpointing> checkpointing;
   std::vector<OverlapMode> overlaps;
 };
+
+// The dimensions every caller searches alike, from the config: parameter and optimizer
+// tiers (device, cpu — pinned, or pageable when either pin_memory is false —, and nvme when
+// strata.nvme_path is set), prefetch depth 0, 1, 2 or 4, and optimizer overlap exact or
+// delayed (only the configured one when strata.optimizer_overlap was given, or with fp16
+// loss scaling). The batches and checkpointing are left to the caller.
+PlacementSpace config_space(const StrataConfig& config);
 
 // The (micro-batch, accumulation) pairs whose product is `per_rank_batch`: every power of
 // two that divides it, and the batch itself.
@@ -80,6 +88,8 @@ StatusOr<PlacementChoice> search_placements(const PlacementSpace& space, const P
 // path is not created); nullopt when nothing can be asked. A candidate whose NVMe file
 // does not fit there is dropped.
 std::optional<double> nvme_free_bytes(const std::string& nvme_path);
+// A candidate's NVMe file against that free space (nullopt: not known, not checked).
+Status check_nvme_room(size_t nvme_bytes, const std::string& nvme_path, std::optional<double> nvme_free);
 
 // The lines printed before the plan: the choice, its prediction, the runner-up and why it lost.
 std::string placement_choice_text(const PlacementChoice& choice);

@@ -54,8 +54,13 @@ void add_transfer_rows(RowBuilder& rows, const StepWork& w, const PipelineShape&
   rows.add(Stage::kReduceScatter, "full gradients", w.reduce_scatter_bytes, "B", same_world ? comm.reduce_scatter_bytes_per_s.value_or(0) : 0,
            same_world ? "reduce_scatter at world " + std::to_string(comm.world) : "none at world " + std::to_string(shape.world));
   rows.add(Stage::kD2H, "gradient shards", w.d2h_bytes, "B", p.copy.d2h_bytes_per_s, copy + " d2h");
-  // The landing pass streams host memory; the host-memory figure the profile has is its copy rate.
-  rows.add(Stage::kLanding, "gradient shards (host memory)", w.landing_bytes, "B", p.copy.d2h_bytes_per_s, copy + " d2h (host memory)");
+  // The landing pass streams host memory. The profile's host-memory figure is a copy's rate,
+  // which reads and writes each byte: twice that in bytes read or written.
+  rows.add(Stage::kLanding, "gradient shards (host memory)", w.landing_bytes, "B", 2 * p.copy.d2h_bytes_per_s,
+           copy + " d2h x 2 (host memory traffic)");
+  // A spilled gradient is written to NVMe by the landing thread, which waits for it (the
+  // same bytes count in nvme_write, the store's own time).
+  rows.add(Stage::kLanding, "gradient spill to NVMe", w.landing_spill_bytes, "B", write, nvme_source(nvme, "write"));
 }
 
 void add_compute_rows(RowBuilder& rows, const StepWork& w, const MachineProfile& p) {
@@ -121,7 +126,7 @@ void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& sh
 
 Status check_inputs(const StepWork& w, const PipelineShape& shape) {
   for (const double v : {w.param_read_bytes, w.state_read_bytes, w.param_write_bytes, w.state_write_bytes, w.h2d_bytes, w.h2d_update_bytes, w.allgather_bytes,
-                         w.reduce_scatter_bytes, w.d2h_bytes, w.landing_bytes, w.forward_matmul_flops, w.forward_attention_flops,
+                         w.reduce_scatter_bytes, w.d2h_bytes, w.landing_bytes, w.landing_spill_bytes, w.forward_matmul_flops, w.forward_attention_flops,
                          w.backward_matmul_flops, w.backward_attention_flops, w.recompute_matmul_flops, w.recompute_attention_flops,
                          w.adam_elements}) {
     if (!(v >= 0) || !std::isfinite(v)) return InvalidArgumentError("step work must be finite and >= 0");

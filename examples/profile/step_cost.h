@@ -42,6 +42,7 @@ struct StepWork {
   double reduce_scatter_bytes = 0;   // full gradient buffers reduced (world > 1)
   double d2h_bytes = 0;              // gradient shards to the host
   double landing_bytes = 0;          // host bytes the landing pass reads and writes
+  double landing_spill_bytes = 0;    // of state_write_bytes, the spilled gradients the landing thread writes and waits for
   double forward_matmul_flops = 0;
   double forward_attention_flops = 0;
   double backward_matmul_flops = 0;

@@ -59,6 +59,7 @@ void add_gradients_and_update(const PlannedStepInputs& in, StepWork& w) {
     w.adam_elements += shard;
     if (plan.gradients_spilled) {
       w.state_write_bytes += rounded_4k(shard * stored) * (k > 1 ? k : 1.0);
+      w.landing_spill_bytes += rounded_4k(shard * stored) * (k > 1 ? k : 1.0);
       w.state_read_bytes += rounded_4k(shard * stored) * k;  // accumulation reads back, Adam reads the last
     }
     if (o.optimizer_tier == Tier::kNvme) {

@@ -34,6 +34,9 @@ std::vector<KeySpec> trainer_keys(RunConfig& run) {
   add(bound_key("strata.data.path", &data.path, StringCodec{}));
   add(bound_key("strata.data.eval_fraction", &data.eval_fraction, DoubleCodec{.min = 0.0, .max = 1.0, .max_exclusive = true}));
   add(bound_key("strata.data.seq_len", &data.seq_len, non_negative()));
+  add(bound_key("strata.placement", &run.placement,
+                EnumCodec<PlacementMode>{.names = {{"config", PlacementMode::kConfig}, {"auto", PlacementMode::kAuto}}}));
+  add(bound_key("strata.profile", &run.profile, StringCodec{}));
   return keys;
 }
 

@@ -1,6 +1,8 @@
-// strata-train's config: the engine's (engine/core/config.h) plus the trainer's own keys in
-// the same file, strata.model.*, strata.data.* and strata.steps, parsed with the engine's
-// keys and in the same messages (every unknown or ill-typed key rejected, naming it).
+// strata-train's config: the engine's (engine/core/config.h) plus the keys of the programs
+// that train a model in the same file: strata.model.*, strata.data.* and strata.steps
+// (strata-train's), strata.placement and strata.profile (strata-train's and the Python
+// front end's), parsed with the engine's keys and in the same messages (every unknown or
+// ill-typed key rejected, naming it).
 // Programs that train a model read their file here; the engine never sees these keys.
 //
 // Use:
@@ -44,11 +46,17 @@ struct DataConfig {
   int64_t seq_len = 0;         // tokens per sample; 0 = model.n_ctx
 };
 
+// strata.placement: the config's own tiers, prefetch depth and overlap, or those the plan's
+// search picks by the predicted step (examples/profile/placement_search.h).
+enum class PlacementMode : uint8_t { kConfig, kAuto };
+
 struct RunConfig {
   StrataConfig engine;  // every key the engine reads
   ModelConfig model;    // strata.model
   DataConfig data;      // strata.data
   int64_t steps = 0;    // strata.steps: optimizer steps to run; 0 = the trainer's default
+  PlacementMode placement = PlacementMode::kConfig;  // strata.placement (strata-train --placement wins)
+  std::string profile;  // strata.profile: the machine profile to predict with; empty = the one kept on this host
 };
 
 // As load_config_file / parse_config_json, with the trainer's keys.

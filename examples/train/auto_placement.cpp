@@ -10,23 +10,10 @@ namespace {
 
 profile::PlacementSpace trainer_space(const TrainerOptions& options) {
   const StrataConfig& config = options.config;
-  const bool pinned = config.zero.offload_param.pin_memory && config.zero.offload_optimizer.pin_memory;
-  const Tier host = pinned ? Tier::kPinned : Tier::kHost;
-  profile::PlacementSpace space;
-  space.params = {Tier::kDevice, host};
-  space.optimizer = {Tier::kDevice, host};
-  if (!config.strata.nvme_path.empty()) {
-    space.params.push_back(Tier::kNvme);
-    space.optimizer.push_back(Tier::kNvme);
-  }
-  space.prefetch_depths = {0, 1, 2, 4};
+  profile::PlacementSpace space = profile::config_space(config);
   const int64_t per_rank = config.train_micro_batch_size_per_gpu.value_or(1) * config.gradient_accumulation_steps.value_or(1);
   space.batches = profile::batch_splits(per_rank);
   space.checkpointing = {lm::ActivationCheckpointing::kOff, lm::ActivationCheckpointing::kDevice, lm::ActivationCheckpointing::kPinnedHost};
-  if (config.was_given("strata.optimizer_overlap") || config.fp16.enabled)
-    space.overlaps = {config.strata.optimizer_overlap};
-  else
-    space.overlaps = {OverlapMode::kExact, OverlapMode::kDelayed};
   return space;
 }
 
@@ -38,10 +25,7 @@ Status check_candidate(const PlanPreview& preview, std::optional<double> nvme_fr
   if (o.pinned_budget_bytes > 0 && host > o.pinned_budget_bytes)
     return OutOfMemoryError("the pinned budget of " + engine_internal::format_bytes(o.pinned_budget_bytes) + " cannot hold the plan's " +
                             engine_internal::format_bytes(host) + " with the model's pinned block inputs");
-  if (preview.plan.nvme_bytes > 0 && nvme_free && static_cast<double>(preview.plan.nvme_bytes) > *nvme_free)
-    return ResourceExhaustedError("nvme_path " + o.nvme_path + " has " + engine_internal::format_bytes(static_cast<size_t>(*nvme_free)) +
-                                  " free but the plan needs " + engine_internal::format_bytes(preview.plan.nvme_bytes));
-  return {};
+  return profile::check_nvme_room(preview.plan.nvme_bytes, o.nvme_path, nvme_free);
 }
 
 }  // namespace

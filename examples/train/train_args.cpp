@@ -24,7 +24,7 @@ constexpr IntegerFlag kIntegerFlags[] = {
     {"export-shard-mib", 1, kInt64Max / (int64_t{1} << 20)},
 };
 // Flags that set no config key (strings, and the integers above).
-constexpr std::string_view kStringFlags[] = {"init-from", "export", "save-dir", "resume", "model", "export-dtype", "profile", "placement"};
+constexpr std::string_view kStringFlags[] = {"init-from", "export", "save-dir", "resume", "model", "export-dtype"};
 // Switches: `--name` alone means true; `--name=true|false` also reads.
 constexpr std::string_view kSwitchFlags[] = {"eval-only", "plan-only"};
 

@@ -140,6 +140,20 @@ void bind_session(py::module_& m) {
              return value(s.register_group(name, entries, trainable, value(parse_dtype(dtype))));
            })
       .def("declare_held_gradients", [](Session& s, int count) { check(s.declare_held_gradients(count)); })
+      .def_property_readonly("placement_auto", &Session::placement_auto)
+      .def("declare_work",
+           [](Session& s, int64_t matmul_weights, int64_t attention_layers, int64_t attention_width, int64_t seq_len, int64_t head_weights,
+              bool recompute) {
+             SessionWork work;
+             work.flops.matmul_weights = matmul_weights;
+             work.flops.attention_layers = attention_layers;
+             work.flops.attention_width = attention_width;
+             work.seq_len = seq_len;
+             work.head_weights = head_weights;
+             work.recompute = recompute;
+             s.declare_work(work);
+           })
+      .def_property_readonly("placement_text", &Session::placement_text)
       .def("start", [](Session& s) { unlocked([&] { return s.start(); }); })
       .def("plan", [](const Session& s) { return plan_dict(live(s).plan()); })
       .def("layout", [](const Session& s, int g) { return layout_dict(live(s).layout(g)); })

@@ -70,12 +70,22 @@ StatusOr<std::unique_ptr<Session>> Session::create(const std::string& config_tex
   session->world_size_ = cluster.world_size();
   STRATA_RETURN_IF_ERROR(finalize(config, session->world_size_));
   STRATA_ASSIGN_OR_RETURN(session->options_, engine_options_from_config(config, session->rank_));
-  STRATA_ASSIGN_OR_RETURN(session->engine_, Engine::create(session->options_, cluster.device(session->rank_),
-                                                           cluster.gather_communicator(session->rank_),
-                                                           cluster.reduce_communicator(session->rank_)));
+  session->placement_ = run.placement;
+  session->profile_path_ = run.profile;
+  // Each process would search alone, against its own node's memory and disk.
+  if (run.placement == PlacementMode::kAuto && session->world_size_ > 1)
+    return UnimplementedError("strata.placement \"auto\" with more than one process is not supported yet: choose the placement in a "
+                              "one-process run (engine.placement shows it) and write it into the config");
+  STRATA_RETURN_IF_ERROR(session->create_engine());
   STRATA_ASSIGN_OR_RETURN(LrSchedule schedule, LrSchedule::create(config.scheduler, config.optimizer.lr));
   session->schedule_ = std::move(schedule);
   return session;
+}
+
+Status Session::create_engine() {
+  STRATA_ASSIGN_OR_RETURN(engine_, Engine::create(options_, cluster_->device(rank_), cluster_->gather_communicator(rank_),
+                                                  cluster_->reduce_communicator(rank_)));
+  return {};
 }
 
 Session::~Session() {
@@ -113,6 +123,7 @@ StatusOr<int> Session::register_group(const std::string& name, const std::vector
     spec.tensors.push_back(std::move(tensor));
   }
   STRATA_ASSIGN_OR_RETURN(const int id, engine_->register_group(spec));
+  specs_.push_back(spec);
   packed_shapes_.resize(static_cast<size_t>(id) + 1);
   packed_dtypes_.resize(static_cast<size_t>(id) + 1, options_.param_dtype);
   if (factor > 1) {
@@ -122,10 +133,41 @@ StatusOr<int> Session::register_group(const std::string& name, const std::vector
   return id;
 }
 
+Status Session::declare_held_gradients(int count) {
+  STRATA_RETURN_IF_ERROR(engine_->declare_held_gradients(count));
+  held_gradients_ = count;
+  return {};
+}
+
+Status Session::place_automatically() {
+  if (!work_) return FailedPreconditionError("strata.placement \"auto\": the model's work was not declared before start()");
+  STRATA_ASSIGN_OR_RETURN(const profile::RunProfile profile, profile::resolve_run_profile(profile_path_));
+  PlacementRequest request;
+  request.config = &config_;
+  request.rank = rank_;
+  request.world_size = world_size_;
+  request.groups = specs_;
+  request.held_gradients = held_gradients_;
+  request.device_budget_bytes = cluster_->device(rank_).memory_stats().budget_bytes;
+  request.work = *work_;
+  request.profile = &profile;
+  STRATA_ASSIGN_OR_RETURN(const profile::PlacementChoice choice, choose_session_placement(request));
+  placement_text_ = profile::placement_choice_text(choice);
+  STRATA_LOG(kInfo) << placement_text_;
+  apply_session_placement(choice.best.placement, config_);
+  STRATA_ASSIGN_OR_RETURN(options_, engine_options_from_config(config_, rank_));
+  engine_.reset();
+  STRATA_RETURN_IF_ERROR(create_engine());
+  for (const GroupSpec& spec : specs_) STRATA_RETURN_IF_ERROR(engine_->register_group(spec).status());
+  if (held_gradients_ >= 0) STRATA_RETURN_IF_ERROR(engine_->declare_held_gradients(held_gradients_));
+  return {};
+}
+
 Status Session::start() {
   if (closed_) return FailedPreconditionError("start() after close()");
   if (started_) return FailedPreconditionError("start() called twice");
   if (engine_->group_count() == 0) return InvalidArgumentError("the model has no parameters to train: no group was registered");
+  if (placement_ == PlacementMode::kAuto) STRATA_RETURN_IF_ERROR(place_automatically().with_context("strata.placement \"auto\""));
   for (int g = 0; g < engine_->group_count(); ++g) STRATA_RETURN_IF_ERROR(engine_->declare_loaded(g));
   STRATA_RETURN_IF_ERROR(engine_->start());
   packed_.assign(static_cast<size_t>(engine_->group_count()), std::nullopt);

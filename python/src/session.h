@@ -42,7 +42,9 @@
 #include "examples/hf/hf_export.h"
 #include "examples/hf/hf_weights.h"
 #include "optim/lr_schedule.h"
+#include "examples/run_config/run_config.h"
 #include "python/src/packing.h"
+#include "python/src/session_placement.h"
 
 namespace strata::python {
 
@@ -93,7 +95,14 @@ class Session {
                                DType dtype);
   // Before start(): the most gradient buffers the model keeps between uses of their groups
   // (a group shared by two units keeps its buffer from the first unit's backward to the second's).
-  Status declare_held_gradients(int count) { return engine_->declare_held_gradients(count); }
+  Status declare_held_gradients(int count);
+  // Before start(), for strata.placement "auto" (session_placement.h): what a step of the
+  // model computes. The search runs in start(), over the groups registered by then.
+  void declare_work(const SessionWork& work) { work_ = work; }
+  bool placement_auto() const { return placement_ == PlacementMode::kAuto; }
+  // After start() with strata.placement "auto": the choice, its prediction and the
+  // runner-up (what was logged); empty otherwise.
+  const std::string& placement_text() const { return placement_text_; }
   // Plans, checks the budgets and allocates. Every group is declared loaded: the caller
   // writes its values (write_group, or load_hf) before the first step.
   Status start();
@@ -189,6 +198,11 @@ class Session {
   // The same from outcomes already exchanged (status fields of `all`, by rank).
   Status first_failure(const std::vector<nlohmann::json>& all, Status mine, std::string_view what) const;
 
+  Status create_engine();
+  // strata.placement "auto": the search, its choice written into the config, and the
+  // engine made again with it and the groups registered so far.
+  Status place_automatically();
+
   StrataConfig config_;
   EngineOptions options_;
   std::unique_ptr<LocalCluster> cluster_;
@@ -201,6 +215,12 @@ class Session {
   std::vector<std::optional<PackedGroup>> packed_;
   std::unique_ptr<Stream> exchange_stream_;  // all_gather_group's collectives (more than one process)
   bool settled_ = false;       // the engine is finished and nothing was gathered since
+  std::vector<GroupSpec> specs_;  // as registered, for an engine made again by the placement search
+  int held_gradients_ = -1;       // declared; -1: none
+  PlacementMode placement_ = PlacementMode::kConfig;
+  std::string profile_path_;      // strata.profile
+  std::optional<SessionWork> work_;
+  std::string placement_text_;
   int rank_ = 0;
   int world_size_ = 1;
   int micro_ = 0;              // micro-batches finished in the current step

@@ -24,7 +24,7 @@ _live: Optional[Engine] = None
 
 
 def initialize(model=None, config: Any = None, groups=None, weight_decay=None, max_group_elements: int = 1 << 26,
-               **unsupported) -> Engine:
+               seq_len: Optional[int] = None, **unsupported) -> Engine:
     """The engine for ``model`` under ``config`` (a DeepSpeed-vocabulary dict or JSON file).
 
     ``groups``: module classes, or a function of the model giving the modules, whose
@@ -33,6 +33,9 @@ def initialize(model=None, config: Any = None, groups=None, weight_decay=None, m
     decays (default: all, as torch.optim.AdamW(model.parameters()) does).
     ``max_group_elements``: a parameter larger than this is cut by rows into groups of its
     own (a vocabulary-sized embedding), so no engine buffer is sized by it.
+    ``seq_len``: tokens per sequence of the training batches, for ``"strata": {"placement":
+    "auto"}``, which picks the tiers, prefetch depth and overlap by the step it predicts
+    (default: the model config's max_position_embeddings).
     """
     global _live
     if unsupported:
@@ -41,7 +44,8 @@ def initialize(model=None, config: Any = None, groups=None, weight_decay=None, m
                           "'optimizer' and 'scheduler' sections, the data from the calling script")
     if model is None or config is None:
         raise TypeError("strata.initialize() needs model= and config=")
-    _live = Engine(model, config, groups=groups, weight_decay=weight_decay, max_group_elements=max_group_elements)
+    _live = Engine(model, config, groups=groups, weight_decay=weight_decay, max_group_elements=max_group_elements,
+                   seq_len=seq_len)
     return _live
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils import dlpack
 
-from . import _autograd, _groups, _pieced
+from . import _autograd, _groups, _pieced, _work
 from ._strata import Session, StrataError
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -100,7 +100,7 @@ class Engine:
     """What strata.initialize returns. Call it as the model; then backward(loss), step()."""
 
     def __init__(self, model: nn.Module, config: Any, groups: _groups.GroupsArg = None,
-                 weight_decay: Optional[Any] = None, max_group_elements: int = 1 << 26):
+                 weight_decay: Optional[Any] = None, max_group_elements: int = 1 << 26, seq_len: Optional[int] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
         text, source = _config_text(config)
@@ -118,6 +118,8 @@ class Engine:
                                                      for piece in plan.pieces], plan.trainable,
                                          _DTYPE_NAMES[plan.dtype or self._dtype])
         self._session.declare_held_gradients(self._shared_trainable_groups(plans))
+        if self._session.placement_auto:
+            self._session.declare_work(*_work.model_work(model, seq_len))
         self._session.start()
         self._groups = [_Group(i, plan, self._session.layout(i)) for i, plan in enumerate(plans)]
         self._params = list({id(piece.param): piece.param for g in self._groups for piece in g.pieces}.values())
@@ -278,6 +280,12 @@ class Engine:
 
     def plan(self) -> dict:
         return self._session.plan()
+
+    @property
+    def placement(self) -> Optional[str]:
+        """Under strata.placement "auto": the placement chosen, its predicted step and the
+        runner-up, as logged; None when the config's own placement is used."""
+        return self._session.placement_text or None
 
     def hook_stats(self) -> dict:
         """The front end's own cost: calls of its unit hooks and GatherFn backwards, and the

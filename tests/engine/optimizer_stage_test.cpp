@@ -231,5 +231,40 @@ TEST_F(OptimizerStageTest, AFailedNvmeWriteOfTheStateStopsTheStageWithTheError) 
   EXPECT_EQ(jobs_done_, 0) << "a job whose state was not written back is not done";
 }
 
+OptimizerJob one_group_update(int64_t step, int g) {
+  OptimizerJob j;
+  j.step_index = step;
+  j.order = {g};
+  return j;
+}
+
+std::vector<int> groups_in(const std::deque<OptimizerJob>& queue) {
+  std::vector<int> out;
+  for (const OptimizerJob& j : queue) out.push_back(j.order.size() == 1 ? j.order.front() : -1);
+  return out;
+}
+
+TEST(UpdateQueuePosition, PutsAOneGroupUpdateAheadOfLaterGroupsOfItsStepThatHaveNotStarted) {
+  // Landed in backward order: 3 is running, 2 and 1 wait; 0 lands last and goes first of those waiting.
+  std::deque<OptimizerJob> queue = {one_group_update(7, 3), one_group_update(7, 2), one_group_update(7, 1)};
+  const OptimizerJob first = one_group_update(7, 0);
+  const size_t at = update_queue_position(queue, /*taken=*/1, first);
+  queue.insert(queue.begin() + static_cast<std::ptrdiff_t>(at), first);
+  EXPECT_EQ(groups_in(queue), (std::vector<int>{3, 0, 2, 1}));
+}
+
+TEST(UpdateQueuePosition, KeepsTheOrderOfRunningJobsOtherStepsAndWholeStepJobs) {
+  const std::deque<OptimizerJob> running = {one_group_update(7, 3)};
+  EXPECT_EQ(update_queue_position(running, 1, one_group_update(7, 0)), 1u);  // never ahead of a running job
+  const std::deque<OptimizerJob> older_step = {one_group_update(6, 5)};
+  EXPECT_EQ(update_queue_position(older_step, 0, one_group_update(7, 0)), 1u);
+  OptimizerJob whole = one_group_update(7, 0);
+  whole.order = {0, 1, 2};
+  const std::deque<OptimizerJob> waiting = {one_group_update(7, 4)};
+  EXPECT_EQ(update_queue_position(waiting, 0, whole), 1u);  // a whole step's job queues at the end
+  std::deque<OptimizerJob> behind_whole = {whole};
+  EXPECT_EQ(update_queue_position(behind_whole, 0, one_group_update(7, 0)), 1u);
+}
+
 }  // namespace
 }  // namespace strata::engine_internal

@@ -173,6 +173,19 @@ TEST_F(PlacementAutoTest, PicksAPlacementWhosePlanPassesItsChecksAndTrains) {
   EXPECT_TRUE(run.summary.at("predicted_step_s").is_number());
 }
 
+TEST_F(PlacementAutoTest, TheConfigAsksForItWithStrataPlacementAndStrataProfile) {
+  const fs::path config = dir_.path() / "auto.json";
+  std::ofstream(config) << R"({"strata": {"placement": "auto", "profile": ")" << datasheet_profile() << R"("}})";
+  const TrainRun run = train_gpt(dir_, tiny({"--config", config.string(), "--micro-batch", "8", "--device-budget-mib", "1", "--plan-only"}));
+  ASSERT_RAN(run);
+  EXPECT_TRUE(contains(run.out, "placement auto: ")) << run.out;
+  EXPECT_TRUE(contains(run.out, "predicted step (profile " + datasheet_profile())) << run.out;
+  // The flag wins over the key.
+  const TrainRun flagged = train_gpt(dir_, tiny({"--config", config.string(), "--placement", "config", "--plan-only"}));
+  ASSERT_RAN(flagged);
+  EXPECT_FALSE(contains(flagged.out, "placement auto: ")) << flagged.out;
+}
+
 TEST_F(PlacementAutoTest, SaysClearlyWhenNothingFits) {
   const TrainRun run = train_gpt(dir_, tiny({"--micro-batch", "256", "--device-budget-mib", "1", "--profile", datasheet_profile(),
                                              "--placement", "auto", "--plan-only"}));
@@ -190,7 +203,7 @@ TEST_F(PlacementAutoTest, NeedsAMachineProfile) {
 TEST_F(PlacementAutoTest, AnUnknownPlacementIsRefused) {
   const TrainRun run = train_gpt(dir_, tiny({"--placement", "fastest", "--plan-only"}));
   EXPECT_EQ(run.exit_code, 2);
-  EXPECT_TRUE(contains(run.err, "--placement takes auto or config")) << run.err;
+  EXPECT_TRUE(contains(run.err, "--placement fastest: strata.placement: expected one of \"config\", \"auto\"")) << run.err;
 }
 
 }  // namespace

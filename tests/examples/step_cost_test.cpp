@@ -137,6 +137,17 @@ TEST(StepCost, TheDiskBoundsADiskHeavyStep) {
   EXPECT_DOUBLE_EQ(p->step_seconds, 4.0);
 }
 
+TEST(StepCost, TheLandingStreamsAtTwiceTheCopyRateAndWaitsForItsSpilledGradients) {
+  StepWork w = three_seconds_of_compute();
+  w.landing_bytes = 5e9;          // 0.5 s at twice the 5e9 B/s copy rate (a copy reads and writes each byte)
+  w.state_write_bytes = 2e9;      // 2 s at 1e9 B/s (1 MiB QD32, checksums on)
+  w.landing_spill_bytes = 1e9;    // of which the landing thread writes 1 s
+  auto p = predict_step(w, PipelineShape{}, round_profile());
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(busy(*p, Stage::kLanding), 0.5 + 1.0);
+  EXPECT_DOUBLE_EQ(busy(*p, Stage::kNvmeWrite), 2.0);
+}
+
 TEST(StepCost, AStageWithoutARateIsNamedAndLeftOut) {
   StepWork w = three_seconds_of_compute();
   w.allgather_bytes = 1e9;
@@ -220,6 +231,7 @@ TEST(StepWorkFromPlan, EverythingOnNvmeReadsAndWritesWhatTheTiersSay) {
   // Spilled bf16 gradients (written, read by Adam) and master + moments (12 B/element), both ways.
   EXPECT_DOUBLE_EQ(w.state_read_bytes, 2 * 4096.0 + 2 * 3 * 4096.0);
   EXPECT_DOUBLE_EQ(w.state_write_bytes, 2 * 4096.0 + 2 * 3 * 4096.0);
+  EXPECT_DOUBLE_EQ(w.landing_spill_bytes, 2 * 4096.0);  // the landing thread writes the spilled gradients
   EXPECT_DOUBLE_EQ(w.param_write_bytes, 2 * 4096.0);
   EXPECT_EQ(s->shape.prefetch_depth, 2);
   EXPECT_TRUE(s->shape.adam_during_backward);

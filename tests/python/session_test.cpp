@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <bit>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -135,6 +136,54 @@ TEST(Session, RejectsATrainerOnlyKeyNamingIt) {
   const auto session = Session::create(text, "<test>");
   ASSERT_FALSE(session.ok());
   EXPECT_NE(session.status().message().find("strata.steps"), std::string::npos) << session.status().to_string();
+}
+
+std::string placement_auto_config(const std::string& nvme_path, int device_budget_mib) {
+  const char* source = std::getenv("STRATA_SOURCE_DIR");
+  const std::string profile = std::string(source ? source : ".") + "/examples/profiles/h200-datasheet.json";
+  return R"({"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+    "strata": {"device": "cpu", "device_budget_mib": )" + std::to_string(device_budget_mib) + R"(, "nvme_path": ")" + nvme_path +
+         R"(", "placement": "auto", "profile": ")" + profile + R"("}})";
+}
+
+SessionWork dense_work(int64_t weights) {
+  SessionWork work;
+  work.flops.matmul_weights = weights;
+  work.flops.attention_layers = 2;
+  work.flops.attention_width = 64;
+  work.seq_len = 128;
+  return work;
+}
+
+TEST(SessionPlacementAuto, MakesTheEngineWithAChoiceWhosePlanFitsTheDeviceBudget) {
+  testing::TempDir dir;
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Session> session, Session::create(placement_auto_config(dir.str(), 4), "<test>"));
+  ASSERT_TRUE(session->placement_auto());
+  // Six 576 KiB groups (above the persistence threshold): the 4 MiB device budget cannot
+  // keep them all beside the gradient buffers, so the parameters go to a host tier or NVMe.
+  for (int g = 0; g < 6; ++g)
+    STRATA_ASSERT_OK(session->register_group("g" + std::to_string(g), {{"w", {384, 384}, true}}, true, DType::kFloat32).status());
+  session->declare_work(dense_work(6 * 384 * 384));
+  STRATA_ASSERT_OK(session->start());
+  EXPECT_NE(session->placement_text().find("chosen: params "), std::string::npos) << session->placement_text();
+  EXPECT_LE(session->plan().device_bytes, session->plan().device_budget_bytes);
+  EXPECT_NE(session->plan().text.find("parameters: fp32 on "), std::string::npos);
+  EXPECT_EQ(session->plan().text.find("parameters: fp32 on device"), std::string::npos) << session->plan().text;
+  const std::vector<float> values(session->layout(0).numel, 0.25f);
+  STRATA_ASSERT_OK(session->write_group(0, values));
+  std::vector<float> back(values.size());
+  STRATA_ASSERT_OK(session->read_group(0, back));
+  expect_bits_equal(back, values);
+  STRATA_EXPECT_OK(session->close());
+}
+
+TEST(SessionPlacementAuto, NeedsTheModelsWorkBeforeStart) {
+  testing::TempDir dir;
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Session> session, Session::create(placement_auto_config(dir.str(), 64), "<test>"));
+  STRATA_ASSERT_OK(session->register_group("g", {{"w", {4}, true}}, true, DType::kFloat32).status());
+  const Status status = session->start();
+  EXPECT_EQ(status.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(status.message().find("strata.placement"), std::string::npos) << status.to_string();
 }
 
 }  // namespace

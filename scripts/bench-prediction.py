@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""The plan's predicted step against the measured one (docs/profile.md, docs/benchmarks.md):
+the machine profile measured first, in the same session, then a grid of configurations run
+in alternating rounds (each round runs every configuration once, in reversed order every
+other round), and per configuration the median measured step and per-stage busy time
+against the prediction.
+
+  scripts/bench-prediction.py --nvme-path /work/nvme-pred [--rounds 3] [--profile FILE]
+      [--bin build/bin] [--only 'NAME;...'] [--json]
+
+The grid: GPT-2 small and medium through strata-train (--compute kernels: the CPU device's
+own kernels), and the GPT-2 medium, GPT-2 XL and Llama-3.2-1B shapes as strata-bench step's
+layer stack with --compute none (the host stages alone), over parameters device / cpu /
+nvme, optimizer state cpu / nvme and exact / delayed overlap. Stages whose predicted and
+measured busy times are both under 2% of the step are not compared.
+"""
+import argparse
+import glob
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+TRAIN = ["--seq-len", "128", "--micro-batch", "1", "--steps", "5", "--eval-sequences", "0", "--device", "cpu",
+         "--device-budget-mib", "2048"]
+
+
+def gpt(preset, params, optimizer, overlap):
+    return ["strata-train", "--preset", preset, *TRAIN, "--offload-param", params, "--offload-optimizer", optimizer,
+            "--set", f"strata.optimizer_overlap={overlap}"]
+
+
+def stack(layers, width, params, optimizer, overlap, steps=4):
+    return ["strata-bench", "step", "--layers", str(layers), "--width", str(width), "--batch", "1", "--micro-batches", "1",
+            "--steps", str(steps), "--world-size", "1", "--device", "cpu", "--device-budget-mib", "1024", "--param-dtype", "bf16",
+            "--offload-param", params, "--offload-optimizer", optimizer, "--overlap", overlap, "--compute", "none", "--json"]
+
+
+GRID = {
+    "gpt2 small, params device, opt cpu, exact, kernels": gpt("gpt2", "none", "cpu", "exact"),
+    "gpt2 small, params cpu, opt cpu, delayed, kernels": gpt("gpt2", "cpu", "cpu", "delayed"),
+    "gpt2 small, params nvme, opt nvme, exact, kernels": gpt("gpt2", "nvme", "nvme", "exact"),
+    "gpt2 medium, params cpu, opt cpu, exact, kernels": gpt("gpt2-medium", "cpu", "cpu", "exact"),
+    "gpt2-medium shape, params device, opt cpu, exact, none": stack(24, 1024, "device", "cpu", "exact"),
+    "gpt2-xl shape, params cpu, opt nvme, exact, none": stack(48, 1600, "cpu", "nvme", "exact", steps=3),
+    "gpt2-xl shape, params nvme, opt nvme, delayed, none": stack(48, 1600, "nvme", "nvme", "delayed", steps=3),
+    "llama-1b shape, params nvme, opt nvme, exact, none": stack(16, 2048, "nvme", "nvme", "exact"),
+}
+
+
+def empty(path):
+    for name in glob.glob(os.path.join(path, "strata-rank*.swap")) + glob.glob(os.path.join(path, "strata-rank*.lock")):
+        os.remove(name)
+
+
+def run(command, bin_dir, nvme_path, profile):
+    command = [os.path.join(bin_dir, command[0]), *command[1:], "--nvme-path", nvme_path, "--profile", profile]
+    empty(nvme_path)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare(samples):
+    """Medians of the measured step and busy times against the (fixed) prediction."""
+    step = statistics.median(s["step_s"] for s in samples)
+    predicted = samples[0]["predicted_step_s"]
+    row = {"predicted_step_s": predicted, "step_s": step, "step_ratio": step / predicted, "steps_s": [s["step_s"] for s in samples],
+           "stages": {}}
+    for stage, want in samples[0]["predicted_busy_s"].items():
+        got = statistics.median(s["busy_s"].get(stage, 0.0) for s in samples)
+        if max(got, want) >= 0.02 * max(step, predicted):
+            row["stages"][stage] = {"predicted": want, "measured": got, "ratio": got / want if want > 0 else None}
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nvme-path", required=True)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--bin", default="build/bin")
+    parser.add_argument("--profile", help="a profile measured in this session already (default: measure one first)")
+    parser.add_argument("--only", help="semicolon-separated substrings of the grid's configuration names")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    os.makedirs(args.nvme_path, exist_ok=True)
+    profile = args.profile or os.path.join(args.nvme_path, "profile.json")
+    if not args.profile:
+        subprocess.run([os.path.join(args.bin, "strata-bench"), "profile", "--nvme-path", os.path.join(args.nvme_path, "profile"),
+                        "--out", profile, "--no-keep"], check=True, capture_output=True)
+    names = [n for n in GRID if not args.only or any(o in n for o in args.only.split(";"))]
+    samples = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else reversed(names):
+            result = run(GRID[name], args.bin, args.nvme_path, profile)
+            samples[name].append(result)
+            print(f"round {r}: {name}: step {result['step_s']:.3f} s, predicted {result['predicted_step_s']:.3f} s, "
+                  f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+    rows = {name: compare(samples[name]) for name in names}
+    if args.json:
+        print(json.dumps(rows))
+        return
+    print("| configuration | predicted step | measured (median) | measured / predicted | stages: measured / predicted |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for name, row in rows.items():
+        stages = ", ".join(f"{s} {v['ratio']:.2f}" if v["ratio"] is not None else f"{s} {v['measured']:.3f} s (predicted 0)"
+                           for s, v in row["stages"].items())
+        print(f"| {name} | {row['predicted_step_s']:.3f} s | {row['step_s']:.3f} s | {row['step_ratio']:.2f} | {stages} |")
+
+
+if __name__ == "__main__":
+    main()
