@@ -96,7 +96,24 @@ double row_seconds(const StepPrediction& p, std::string_view what_prefix, Stage 
 }
 
 // The chain the pipeline cannot overlap, and what it is made of.
-void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& shape) {
+// The resources stages share: NVMe reads and writes take turns on one disk, and on the CPU
+// device (compute on the host's cores) compute, the copies, the landing and CPU Adam take
+// turns on the same cores. Each bounds the step by the sum of its stages' busy times.
+struct SharedBound {
+  double seconds = 0;
+  std::string name;
+};
+SharedBound shared_resources(const StepPrediction& p, bool host_cores) {
+  auto busy_of = [&](Stage s) { return p.busy[static_cast<size_t>(s)]; };
+  SharedBound disk{busy_of(Stage::kNvmeRead) + busy_of(Stage::kNvmeWrite), "the disk (nvme_read + nvme_write)"};
+  if (!host_cores) return disk;
+  SharedBound cores{busy_of(Stage::kCompute) + busy_of(Stage::kH2D) + busy_of(Stage::kD2H) + busy_of(Stage::kLanding) +
+                        busy_of(Stage::kOptimizer) + busy_of(Stage::kAllGather) + busy_of(Stage::kReduceScatter),
+                    "the host's cores (compute, copies, landing, optimizer and collectives on the CPU device)"};
+  return cores.seconds > disk.seconds ? cores : disk;
+}
+
+void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& shape, bool host_cores) {
   const double compute = p.busy[static_cast<size_t>(Stage::kCompute)];
   const double k = static_cast<double>(shape.micro_batches);
   const double forward_mb = row_seconds(p, "forward", Stage::kCompute) / k;
@@ -120,8 +137,14 @@ void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& sh
   for (size_t s = 1; s < kStageCount; ++s)
     if (p.busy[s] > p.busy[busiest]) busiest = s;
   p.pipeline_seconds = p.busy[busiest];
+  std::string pipeline_bound = name_of(static_cast<Stage>(busiest));
+  const SharedBound shared = shared_resources(p, host_cores);
+  if (shared.seconds > p.pipeline_seconds) {
+    p.pipeline_seconds = shared.seconds;
+    pipeline_bound = shared.name;
+  }
   p.step_seconds = std::max(p.pipeline_seconds, p.chain_seconds);
-  p.bound = p.pipeline_seconds >= p.chain_seconds ? name_of(static_cast<Stage>(busiest)) : "chain: " + chain;
+  p.bound = p.pipeline_seconds >= p.chain_seconds ? pipeline_bound : "chain: " + chain;
 }
 
 Status check_inputs(const StepWork& w, const PipelineShape& shape) {
@@ -197,7 +220,7 @@ StatusOr<StepPrediction> predict_step(const StepWork& work, const PipelineShape&
   add_transfer_rows(rows, work, shape, profile);
   add_compute_rows(rows, work, profile);
   add_optimizer_row(rows, work, shape, profile);
-  critical_path(prediction, work, shape);
+  critical_path(prediction, work, shape, profile.compute.device == "cpu");
   return prediction;
 }
 

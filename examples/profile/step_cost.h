@@ -82,7 +82,7 @@ struct CostRow {
 struct StepPrediction {
   std::vector<CostRow> rows;
   StageSeconds busy{};          // per engine stage: the sum of its rows' seconds
-  double pipeline_seconds = 0;  // the busiest stage's
+  double pipeline_seconds = 0;  // the busiest stage's, or a shared resource's (the disk, the CPU device's cores) when more
   double chain_seconds = 0;     // the chain that cannot overlap
   double step_seconds = 0;      // the larger
   std::string bound;            // what bounds the step: a stage's name or the chain's description

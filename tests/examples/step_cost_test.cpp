@@ -23,7 +23,9 @@ MachineProfile round_profile() {
   p.cpu_adam = {{.threads = 1, .grad_dtype = "bf16", .param_dtype = "bf16", .elements_per_s = 0.5e8},
                 {.threads = 2, .grad_dtype = "bf16", .param_dtype = "bf16", .elements_per_s = 1e8},
                 {.threads = 2, .grad_dtype = "fp32", .param_dtype = "fp32", .elements_per_s = 2e8}};
-  p.compute = {.device = "cpu", .dtype = "fp32", .scale = 1, .gemm_flops_per_s = 1e11, .attention_flops_per_s = 5e10,
+  // A device whose compute and copies take no host core (the CPU device's shared cores
+  // have their own test).
+  p.compute = {.device = "cuda", .dtype = "fp32", .scale = 1, .gemm_flops_per_s = 1e11, .attention_flops_per_s = 5e10,
                .memory_bytes_per_s = 2.8e10, .kernels = {}};
   p.communicator = {.world = 1, .all_gather_bytes_per_s = std::nullopt, .reduce_scatter_bytes_per_s = std::nullopt, .why_none = "world 1"};
   return p;
@@ -124,7 +126,7 @@ TEST(StepCost, UploadingNewParametersIsNotAFetchTheChainWaitsFor) {
   EXPECT_DOUBLE_EQ(p->chain_seconds, 3.0);
 }
 
-TEST(StepCost, TheDiskBoundsADiskHeavyStep) {
+TEST(StepCost, TheDiskBoundsADiskHeavyStepByItsReadsAndWritesTogether) {
   StepWork w = three_seconds_of_compute();
   w.state_read_bytes = 8e9;   // 4 s
   w.state_write_bytes = 4e9;  // 4 s
@@ -134,7 +136,25 @@ TEST(StepCost, TheDiskBoundsADiskHeavyStep) {
   ASSERT_TRUE(p.ok());
   EXPECT_DOUBLE_EQ(busy(*p, Stage::kNvmeRead), 4.0);
   EXPECT_DOUBLE_EQ(busy(*p, Stage::kNvmeWrite), 4.0);
-  EXPECT_DOUBLE_EQ(p->step_seconds, 4.0);
+  EXPECT_DOUBLE_EQ(p->step_seconds, 8.0);  // one disk: the reads and the writes take turns
+  EXPECT_EQ(p->bound, "the disk (nvme_read + nvme_write)");
+}
+
+TEST(StepCost, OnTheCpuDeviceComputeCopiesLandingAndAdamShareTheCores) {
+  MachineProfile cpu = round_profile();
+  cpu.compute.device = "cpu";
+  StepWork w = three_seconds_of_compute();
+  w.adam_elements = 1e8;  // 1 s at 1e8 elements/s (bf16)
+  w.h2d_bytes = 1e10;     // 1 s
+  PipelineShape shape;
+  shape.overlap = OverlapMode::kDelayed;
+  auto p = predict_step(w, shape, cpu);
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(p->step_seconds, 3.0 + 1.0 + 1.0);
+  EXPECT_NE(p->bound.find("the host's cores"), std::string::npos) << p->bound;
+  auto device = predict_step(w, shape, round_profile());  // a device of its own: the busiest stage or the chain
+  ASSERT_TRUE(device.ok());
+  EXPECT_LT(device->step_seconds, 5.0);
 }
 
 TEST(StepCost, TheLandingStreamsAtTwiceTheCopyRateAndWaitsForItsSpilledGradients) {
