@@ -500,6 +500,47 @@ int run_plan_only(const StepBenchOptions& o, const profile::RunProfile& run_prof
   return checks.ok() ? 0 : 1;
 }
 
+// The run's summary at its median step `chosen` (the figures every run reports), and every
+// step after the warm-up one under "steps".
+nlohmann::ordered_json step_summary(const StepBenchOptions& o, const TrainingRun& run, LocalCluster& cluster, size_t chosen,
+                                    const std::optional<StoreBandwidth>& store) {
+  const std::vector<StepReport>& reports = run.reports;
+  const StepReport& r = reports[chosen];
+  nlohmann::ordered_json out = {{"bench", "step"}};
+  const int64_t rows_per_step = int64_t{o.model.global_rows} * o.micro_batches;
+  StepWork work;
+  const bool computes = o.model.compute == models::StackCompute::kKernels;
+  work.model_flops = computes ? lm::training_step_flops(models::linear_stack_flop_shape(o.model), /*seq_len=*/1, rows_per_step) : 0.0;
+  const MatmulPrecision precision = cluster.device(cluster.first_rank()).matmul_precision();
+  if (o.device == DeviceKind::kCuda) work.peak_flops = h200_dense_peak_flops(precision) * o.world;
+  const nlohmann::ordered_json median = step_figures(reports, chosen, work, store);
+  out.update(median);
+  out.erase("step");  // the top level describes the median step; "steps" numbers them all
+  out["device_budget_bytes"] = r.device_budget_bytes;
+  out["state_bytes"] = run.state_bytes;
+  out["pinned_bytes"] = run.pinned_bytes;
+  out["host_bytes"] = run.host_bytes;
+  out["pinned_budget_bytes"] = o.pinned_budget_bytes;
+  out["compute"] = computes ? "kernels" : "none";
+  out["model_flops"] = work.model_flops;
+  out["matmul_precision"] = std::string(matmul_precision_name(precision));
+  if (work.peak_flops) out["peak_tflops"] = *work.peak_flops / 1e12;  // all ranks' GPUs
+  out["clip_grad_norm"] = o.clip_grad_norm;
+  // The optimizer stage's rate over its busy time: rank 0's shard elements per second of
+  // Adam, to set beside `strata-bench adam` at the same count.
+  const double optimizer_busy = r.busy[static_cast<size_t>(Stage::kOptimizer)];
+  out["optimizer_params_per_s"] = optimizer_busy > 0 ? static_cast<double>(run.shard_elements) / optimizer_busy : 0.0;
+  if (store) {
+    out["store_read_gbps"] = store->read_gbps;
+    out["store_write_gbps"] = store->write_gbps;
+    out["store_gbps_source"] = o.store_bandwidth ? "given" : "measured";
+  }
+  nlohmann::ordered_json steps = nlohmann::ordered_json::array();
+  for (size_t i = 1; i < reports.size(); ++i) steps.push_back(step_figures(reports, i, work, store));
+  out["steps"] = steps;
+  return out;
+}
+
 }  // namespace
 
 int run_step(int argc, char** argv) {
@@ -544,41 +585,10 @@ int run_step(int argc, char** argv) {
   size_t peak = 0;
   for (int rank = 0; rank < (*cluster)->local_ranks(); ++rank) peak = std::max(peak, (*cluster)->device((*cluster)->first_rank() + rank).memory_stats().high_water_bytes);
 
-  nlohmann::ordered_json out = {{"bench", "step"}};
-  const int64_t rows_per_step = int64_t{o.model.global_rows} * o.micro_batches;
-  StepWork work;
-  const bool computes = o.model.compute == models::StackCompute::kKernels;
-  work.model_flops = computes ? lm::training_step_flops(models::linear_stack_flop_shape(o.model), /*seq_len=*/1, rows_per_step) : 0.0;
-  const MatmulPrecision precision = (*cluster)->device((*cluster)->first_rank()).matmul_precision();
-  if (o.device == DeviceKind::kCuda) work.peak_flops = h200_dense_peak_flops(precision) * o.world;
-  const nlohmann::ordered_json median = step_figures(reports, chosen, work, *store);
-  out.update(median);
-  out.erase("step");  // the top level describes the median step; "steps" numbers them all
+  nlohmann::ordered_json out = step_summary(o, *run, **cluster, chosen, *store);
   out["overlap"] = overlap;
   out["slowest_stage"] = std::string(stage_name(static_cast<Stage>(slowest_stage)));
   out["device_peak_bytes"] = peak;
-  out["device_budget_bytes"] = r.device_budget_bytes;
-  out["state_bytes"] = run->state_bytes;
-  out["pinned_bytes"] = run->pinned_bytes;
-  out["host_bytes"] = run->host_bytes;
-  out["pinned_budget_bytes"] = o.pinned_budget_bytes;
-  out["compute"] = computes ? "kernels" : "none";
-  out["model_flops"] = work.model_flops;
-  out["matmul_precision"] = std::string(matmul_precision_name(precision));
-  if (work.peak_flops) out["peak_tflops"] = *work.peak_flops / 1e12;  // all ranks' GPUs
-  out["clip_grad_norm"] = o.clip_grad_norm;
-  // The optimizer stage's rate over its busy time: rank 0's shard elements per second of
-  // Adam, to set beside `strata-bench adam` at the same count.
-  const double optimizer_busy = r.busy[static_cast<size_t>(Stage::kOptimizer)];
-  out["optimizer_params_per_s"] = optimizer_busy > 0 ? static_cast<double>(run->shard_elements) / optimizer_busy : 0.0;
-  if (*store) {
-    out["store_read_gbps"] = (*store)->read_gbps;
-    out["store_write_gbps"] = (*store)->write_gbps;
-    out["store_gbps_source"] = o.store_bandwidth ? "given" : "measured";
-  }
-  nlohmann::ordered_json steps = nlohmann::ordered_json::array();
-  for (size_t i = 1; i < reports.size(); ++i) steps.push_back(step_figures(reports, i, work, *store));
-  out["steps"] = steps;
   auto prediction = predict_bench_step(o, run->engine_options, run->plan, run->layouts, *run_profile);
   if (!prediction.ok()) return report_failure("step", prediction.status());
   add_prediction(*prediction, out);

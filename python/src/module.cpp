@@ -118,8 +118,12 @@ std::vector<HfTensorName> hf_names(const std::vector<HfNameTuple>& names) {
   return out;
 }
 
-void bind_session(py::module_& m) {
-  py::class_<Session>(m, "Session")
+using SessionClass = py::class_<Session>;
+
+// Creation, the settings read back, and what precedes start(): groups, held gradients, the
+// model's work for placement auto.
+void bind_session_setup(SessionClass& session) {
+  session
       .def(py::init([](const std::string& text, const std::string& source) { return unlocked([&] { return Session::create(text, source); }); }),
            py::arg("config_json"), py::arg("source"))
       .def_property_readonly("rank", &Session::rank)
@@ -154,7 +158,12 @@ void bind_session(py::module_& m) {
              s.declare_work(work);
            })
       .def_property_readonly("placement_text", &Session::placement_text)
-      .def("start", [](Session& s) { unlocked([&] { return s.start(); }); })
+      .def("start", [](Session& s) { unlocked([&] { return s.start(); }); });
+}
+
+// After start(): values in and out, the steps, checkpoints and model directories, close.
+void bind_session_use(SessionClass& session) {
+  session
       .def("plan", [](const Session& s) { return plan_dict(live(s).plan()); })
       .def("layout", [](const Session& s, int g) { return layout_dict(live(s).layout(g)); })
       .def("write_group",
@@ -201,6 +210,12 @@ void bind_session(py::module_& m) {
              unlocked([&] { return s.load_hf(dir, n); });
            })
       .def("close", [](Session& s) { unlocked([&] { return s.close(); }); });
+}
+
+void bind_session(py::module_& m) {
+  SessionClass session(m, "Session");
+  bind_session_setup(session);
+  bind_session_use(session);
 }
 
 }  // namespace
