@@ -192,9 +192,12 @@ void IoEngineState::finish_request(uint64_t ticket, std::unique_lock<std::mutex>
       run_verify(ticket, lock, IoVerifiedBy::kCompleter, std::move(started));
       return;
     }
-    verify_queue.push_back(ticket);
-    verify_wanted.notify_one();
-    // A thread waiting for this request runs it at once rather than wait for a verifier.
+    // A thread waiting for this request runs it at once rather than wait for a verifier
+    // (which would skip it): no verifier is woken for it.
+    if (record.waiters == 0) {
+      verify_queue.push_back(ticket);
+      verify_wanted.notify_one();
+    }
     request_finished.notify_all();
     return;
   }

@@ -18,9 +18,17 @@ std::string placement_word(Tier tier) {
   return std::string(tier_name(tier));
 }
 
-// True when `a` beats `b`: more predicted tokens/s, then less device memory, then less host.
+bool pinned_checkpoints(const PlacementOutcome& o) { return o.placement.checkpointing == lm::ActivationCheckpointing::kPinnedHost; }
+
+// True when `a` beats `b`: more predicted tokens/s. Between equal predictions, what the model
+// leaves out decides: block inputs kept on the device rather than copied out to pinned
+// memory and back (the model prices the copies, not the waits for them: measured 25-40%
+// slower on GPT-2 XL, docs/benchmarks.md), then the deeper prefetch (latency the model does
+// not count is hidden behind it); then less device memory, then less host.
 bool better(const PlacementOutcome& a, const PlacementOutcome& b) {
   if (a.tokens_per_s() != b.tokens_per_s()) return a.tokens_per_s() > b.tokens_per_s();
+  if (pinned_checkpoints(a) != pinned_checkpoints(b)) return !pinned_checkpoints(a);
+  if (a.placement.prefetch_depth != b.placement.prefetch_depth) return a.placement.prefetch_depth > b.placement.prefetch_depth;
   if (a.device_bytes != b.device_bytes) return a.device_bytes < b.device_bytes;
   return a.host_bytes < b.host_bytes;
 }
@@ -70,6 +78,10 @@ std::string why_lost(const PlacementOutcome& winner, const PlacementOutcome& los
     char percent[32];
     std::snprintf(percent, sizeof(percent), "%.1f%%", w > 0 ? 100.0 * (w - l) / w : 0.0);
     text << percent << " fewer predicted tokens/s; its step is bound by " << loser.prediction->bound;
+  } else if (pinned_checkpoints(winner) != pinned_checkpoints(loser)) {
+    text << "as fast, but copies its block inputs out to pinned memory and back";
+  } else if (winner.placement.prefetch_depth != loser.placement.prefetch_depth) {
+    text << "as fast, but prefetches " << loser.placement.prefetch_depth << " deep against " << winner.placement.prefetch_depth;
   } else if (winner.device_bytes != loser.device_bytes) {
     text << "as fast, but needs more device memory (" << rate_text(loser.device_bytes / 1048576.0) << " MiB against "
          << rate_text(winner.device_bytes / 1048576.0) << " MiB)";

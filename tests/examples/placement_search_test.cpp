@@ -1,6 +1,6 @@
 // --placement auto's search (examples/profile/placement_search) with a made-up evaluator:
 // it never picks a candidate whose plan fails its checks, picks the most predicted tokens/s
-// (ties: less device memory), names the runner-up and why it lost, and says clearly when
+// (ties: block inputs on the device, then the deeper prefetch, then less device memory), names the runner-up and why it lost, and says clearly when
 // nothing fits.
 #include "examples/profile/placement_search.h"
 
@@ -84,8 +84,24 @@ TEST(PlacementSearch, TheRunnerUpIsAnotherTuningOnlyWhenNoOtherPlacementFits) {
   auto choice = search_placements(s, made_up);
   ASSERT_TRUE(choice.ok());
   ASSERT_TRUE(choice->runner_up.has_value());
-  EXPECT_EQ(choice->runner_up->placement.prefetch_depth, 1);  // 6.0 s against the choice's 5.0 s
+  // 6.0 s against the choice's 5.0 s; of the 6.0 s tunings (depth 1 x micro-batch 4, depth 2
+  // x micro-batch 2), the deeper prefetch.
+  EXPECT_DOUBLE_EQ(choice->runner_up->prediction->step_seconds, 6.0);
+  EXPECT_EQ(choice->runner_up->placement.prefetch_depth, 2);
+  EXPECT_EQ(choice->runner_up->placement.micro_batch, 2);
   EXPECT_NE(placement_choice_text(*choice).find("fewer predicted tokens/s"), std::string::npos);
+}
+
+TEST(PlacementSearch, BetweenEqualPredictionsKeepsBlockInputsOnTheDevice) {
+  PlacementSpace s = small_space();
+  s.checkpointing = {lm::ActivationCheckpointing::kPinnedHost, lm::ActivationCheckpointing::kDevice};
+  auto choice = search_placements(s, made_up);  // the same prediction and device memory either way
+  ASSERT_TRUE(choice.ok());
+  EXPECT_EQ(choice->best.placement.checkpointing, lm::ActivationCheckpointing::kDevice);
+  ASSERT_TRUE(choice->runner_up.has_value());
+  EXPECT_EQ(choice->runner_up->placement.checkpointing, lm::ActivationCheckpointing::kPinnedHost);
+  EXPECT_NE(placement_choice_text(*choice).find("copies its block inputs out to pinned memory and back"), std::string::npos)
+      << placement_choice_text(*choice);
 }
 
 TEST(PlacementSearch, SaysClearlyWhenNothingFits) {
