@@ -458,6 +458,9 @@ StatusOr<IoTicket> NvmeStore::write_async(NvmeExtent handle, const void* src, si
   const bool checksums = options_.checksums;
   auto pending_sums = checksums ? std::make_shared<WriteChecksums>() : nullptr;
   const size_t block_bytes = transfer.block_bytes;
+  // This thread may still be hashing the bounce buffer when a failed write's completion
+  // has run and dropped the transfer: it keeps the buffer until it is done.
+  const std::shared_ptr<AlignedBuffer> hashing = transfer.bounce;
   set_completion_hooks(request, write_completion(shared_, std::move(transfer), data, pending_sums), checksums,
                        completed_at);
   StatusOr<IoTicket> ticket = submit_transfer(std::move(request), handle.id);
