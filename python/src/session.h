@@ -41,8 +41,8 @@
 #include "engine/local_cluster.h"
 #include "examples/hf/hf_export.h"
 #include "examples/hf/hf_weights.h"
-#include "optim/lr_schedule.h"
 #include "examples/run_config/run_config.h"
+#include "optim/lr_schedule.h"
 #include "python/src/packing.h"
 #include "python/src/session_placement.h"
 
