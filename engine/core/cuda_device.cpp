@@ -261,13 +261,17 @@ class CudaEvent final : public TimingEvent {
   std::shared_ptr<const TimingAnchor> anchor_;  // timing events: the anchor of the last record; guarded by mutex_
 };
 
+// Whether a CudaStream destroys its cudaStream_t (create_stream) or leaves it to the
+// owner it was adopted from (adopt_stream).
+enum class StreamOwnership : uint8_t { kOwned, kAdopted };
+
 class CudaStream final : public Stream {
  public:
-  CudaStream(CudaDevice& device, cudaStream_t stream, std::shared_ptr<StreamState> state)
-      : device_(device), stream_(stream), state_(std::move(state)) {}
+  CudaStream(CudaDevice& device, cudaStream_t stream, std::shared_ptr<StreamState> state, StreamOwnership ownership)
+      : device_(device), stream_(stream), state_(std::move(state)), ownership_(ownership) {}
 
-  // Drains the stream before destroying it, so that its work (and its host functions'
-  // errors) is finished when the destructor returns.
+  // Drains the stream before destroying it (an adopted one is only drained), so that its
+  // work (and its host functions' errors) is finished when the destructor returns.
   ~CudaStream() override {
     {
       DeviceScope scope(device_.ordinal());
@@ -277,7 +281,7 @@ class CudaStream final : public Stream {
         STRATA_LOG(kError) << "stream '" << state_->name() << "' of " << device_.name()
                            << ": cudaStreamSynchronize at destruction failed: " << cudaGetErrorString(error);
       }
-      error = cudaStreamDestroy(stream_);
+      error = ownership_ == StreamOwnership::kOwned ? cudaStreamDestroy(stream_) : cudaSuccess;
       if (error != cudaSuccess) {
         (void)cudaGetLastError();
         STRATA_LOG(kError) << "stream '" << state_->name() << "' of " << device_.name()
@@ -361,6 +365,7 @@ class CudaStream final : public Stream {
   CudaDevice& device_;
   const cudaStream_t stream_;
   std::shared_ptr<StreamState> state_;
+  const StreamOwnership ownership_;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -571,11 +576,32 @@ StatusOr<std::unique_ptr<Stream>> CudaDevice::create_stream(std::string name) {
   cudaStream_t stream = nullptr;
   STRATA_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   auto state = std::make_shared<StreamState>(std::move(name));
-  auto owner = std::make_unique<CudaStream>(*this, stream, state);
+  auto owner = std::make_unique<CudaStream>(*this, stream, state, StreamOwnership::kOwned);
   std::lock_guard<std::mutex> lock(streams_mutex_);
   streams_.push_back(std::move(state));
   ++live_stream_count_;
   return std::unique_ptr<Stream>(std::move(owner));
+}
+
+StatusOr<std::unique_ptr<Stream>> CudaDevice::adopt_stream(void* native_handle, std::string name) {
+  auto stream = static_cast<cudaStream_t>(native_handle);
+  STRATA_ENTER_DEVICE(ordinal_);
+  // The handle must be a live stream of this GPU: its device, asked of the driver.
+  int stream_device = -1;
+  STRATA_RETURN_IF_ERROR_CTX(
+      [&]() -> Status {
+        STRATA_RETURN_IF_CUDA_ERROR(cudaStreamGetDevice(stream, &stream_device));
+        return {};
+      }(),
+      "adopting stream '" + name + "'");
+  if (stream_device != ordinal_)
+    return InvalidArgumentError("stream '" + name + "' belongs to cuda:" + std::to_string(stream_device) + ", not to " + this->name());
+  auto state = std::make_shared<StreamState>(std::move(name));
+  auto wrapper = std::make_unique<CudaStream>(*this, stream, state, StreamOwnership::kAdopted);
+  std::lock_guard<std::mutex> lock(streams_mutex_);
+  streams_.push_back(std::move(state));
+  ++live_stream_count_;
+  return std::unique_ptr<Stream>(std::move(wrapper));
 }
 
 StatusOr<std::unique_ptr<Event>> CudaDevice::create_event() {

@@ -73,6 +73,8 @@ class CudaDevice final : public Device {
   Status release_cached_memory() override;
 
   StatusOr<std::unique_ptr<Stream>> create_stream(std::string name) override;
+  // A cudaStream_t of this GPU made elsewhere (torch's current stream); never destroyed here.
+  StatusOr<std::unique_ptr<Stream>> adopt_stream(void* native_handle, std::string name) override;
   StatusOr<std::unique_ptr<Event>> create_event() override;
   StatusOr<std::unique_ptr<TimingEvent>> create_timing_event() override;
 

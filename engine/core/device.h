@@ -182,6 +182,14 @@ class Device {
   virtual Status release_cached_memory() = 0;
 
   virtual StatusOr<std::unique_ptr<Stream>> create_stream(std::string name) = 0;
+  // A stream someone else made and owns (a framework's current stream, given as its
+  // native handle: a cudaStream_t), so that work on the device's own streams and the
+  // owner's can be ordered with events in both directions. The wrapper records, waits,
+  // launches and synchronizes like a stream of create_stream(); its destructor waits for
+  // the work enqueued through it but leaves the stream itself to its owner. Unimplemented
+  // on a device without native streams (the CPU device, whose callers compute on their
+  // own thread and wait for the device's events instead).
+  virtual StatusOr<std::unique_ptr<Stream>> adopt_stream(void* native_handle, std::string name);
   virtual StatusOr<std::unique_ptr<Event>> create_event() = 0;
   // An event that records when it completed (see TimingEvent); a little dearer to record
   // than create_event()'s, so made only where a time is wanted.

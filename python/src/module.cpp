@@ -54,9 +54,9 @@ const Session& live(const Session& s) {
   return s;
 }
 
-// The front end computes on the CPU device only (Session refuses CUDA), so regions are host memory.
+// Host memory on the CPU device, the GPU's on CUDA.
 py::object capsule_of(const Region& region) {
-  const DLDevice device{kDLCPU, 0};
+  const DLDevice device = region.device == DeviceKind::kCuda ? DLDevice{kDLCUDA, region.ordinal} : DLDevice{kDLCPU, 0};
   PyObject* capsule = make_capsule(region.data, region.numel, region.dtype, device);
   if (capsule == nullptr) throw py::error_already_set();
   return py::reinterpret_steal<py::object>(capsule);
@@ -177,6 +177,12 @@ void bind_session_use(SessionClass& session) {
              unlocked([&] { return s.read_group(g, {static_cast<float*>(t.data()), t.numel()}); });
            })
       .def("refresh", [](Session& s) { unlocked([&] { return s.refresh(); }); })
+      .def_property_readonly("device",
+                             [](const Session& s) {
+                               const std::string kind(device_kind_name(live(s).device_kind()));
+                               return s.device_kind() == DeviceKind::kCpu ? kind : kind + ":" + std::to_string(s.device_ordinal());
+                             })
+      .def("use_caller_stream", [](Session& s, uintptr_t handle) { check(s.use_caller_stream(handle)); })
       .def("begin_micro_batch", [](Session& s) { unlocked([&] { return s.begin_micro_batch(); }); })
       .def("gather",
            [](Session& s, int g) {

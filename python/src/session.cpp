@@ -60,9 +60,6 @@ StatusOr<std::unique_ptr<Session>> Session::create(const std::string& config_tex
   StrataConfig& config = session->config_;
   STRATA_RETURN_IF_ERROR(reject_trainer_keys(config));
   const DeviceKind device = resolve_device(config);
-  if (device != DeviceKind::kCpu)
-    return UnimplementedError("strata.device is " + std::string(device_kind_name(device)) +
-                              ": the Python front end computes on the CPU device only so far (set \"strata\": {\"device\": \"cpu\"})");
   STRATA_ASSIGN_OR_RETURN(const LocalClusterOptions options, cluster_options(config, device));
   STRATA_ASSIGN_OR_RETURN(session->cluster_, LocalCluster::create(options));
   LocalCluster& cluster = *session->cluster_;
@@ -256,19 +253,44 @@ Status Session::begin_micro_batch() {
   return {};
 }
 
+Status Session::use_caller_stream(uintptr_t native_handle) {
+  STRATA_RETURN_IF_ERROR(check_open("use_caller_stream"));
+  return caller_.use(cluster_->device(rank_), native_handle);
+}
+
+Region Session::region(void* data, size_t numel, DType dtype) const {
+  return Region{data, numel, dtype, device_kind(), device_ordinal()};
+}
+
+Status Session::caller_after_engine(std::string_view call) {
+  if (device_kind() == DeviceKind::kCpu) return {};
+  return caller_.caller_after_engine(engine_->compute_stream(), call);
+}
+
+Status Session::engine_after_caller(std::string_view call) {
+  // The CPU device's caller computed on this thread: its work is done.
+  if (device_kind() == DeviceKind::kCpu) return {};
+  return caller_.engine_after_caller(engine_->compute_stream(), call);
+}
+
 StatusOr<Region> Session::gather(int group) {
   STRATA_RETURN_IF_ERROR(check_open("gather"));
   STRATA_ASSIGN_OR_RETURN(const GroupView view, engine_->gather(group));
-  // PyTorch computes on this thread, not in the compute stream's order: wait for the
-  // gathered data to be there (for this group's fetch alone).
-  STRATA_RETURN_IF_ERROR(engine_->wait_gathered(group));
+  if (device_kind() == DeviceKind::kCpu) {
+    // PyTorch computes on this thread, not in the compute stream's order: wait for the
+    // gathered data to be there (for this group's fetch alone).
+    STRATA_RETURN_IF_ERROR(engine_->wait_gathered(group));
+  } else {
+    STRATA_RETURN_IF_ERROR(caller_after_engine("gather"));
+  }
   const PackedGroup* p = packed(group);
-  if (p) return Region{view.flat, p->logical.padded_numel, p->dtype};
-  return Region{view.flat, engine_->layout(group).padded_numel, view.dtype};
+  if (p) return region(view.flat, p->logical.padded_numel, p->dtype);
+  return region(view.flat, engine_->layout(group).padded_numel, view.dtype);
 }
 
 Status Session::release(int group) {
   STRATA_RETURN_IF_ERROR(check_open("release"));
+  STRATA_RETURN_IF_ERROR(engine_after_caller("release"));
   return engine_->release(group);
 }
 
@@ -278,11 +300,13 @@ StatusOr<Region> Session::gradient_buffer(int group) {
   // of a tensor is a copy; what no gradient reached, padding included, it zeroes), so
   // nothing waits for a zeroing on the compute stream.
   STRATA_ASSIGN_OR_RETURN(const GroupView view, engine_->gradient_buffer(group, GradientStart::kUnwritten));
-  return Region{view.flat, engine_->layout(group).padded_numel, DType::kFloat32};
+  STRATA_RETURN_IF_ERROR(caller_after_engine("gradient_buffer"));
+  return region(view.flat, engine_->layout(group).padded_numel, DType::kFloat32);
 }
 
 Status Session::grads_ready(int group) {
   STRATA_RETURN_IF_ERROR(check_open("grads_ready"));
+  STRATA_RETURN_IF_ERROR(engine_after_caller("grads_ready"));
   return engine_->grads_ready(group);
 }
 

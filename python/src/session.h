@@ -9,6 +9,7 @@
 //
 // Life of a session:
 //   Session::create(config)  ->  register_group() per group  ->  start()
+//   ->  use_caller_stream() on CUDA (again whenever the caller's stream changes)
 //   ->  write_group() per group (the model's initial values)  ->  refresh()
 //   ->  per step: begin_micro_batch() (begin_step at the first), gather/release,
 //       gradient_buffer/grads_ready, step()
@@ -45,6 +46,7 @@
 #include "optim/lr_schedule.h"
 #include "python/src/packing.h"
 #include "python/src/session_placement.h"
+#include "python/src/stream_join.h"
 
 namespace strata::python {
 
@@ -55,11 +57,14 @@ struct TensorEntry {
   bool weight_decay = true;
 };
 
-// A device region the binding hands to Python: `numel` elements of `dtype` at `data`.
+// A device region the binding hands to Python: `numel` elements of `dtype` at `data`, in
+// the memory of the session's device (host memory for the CPU device).
 struct Region {
   void* data = nullptr;
   size_t numel = 0;
   DType dtype = DType::kFloat32;
+  DeviceKind device = DeviceKind::kCpu;
+  int ordinal = 0;
 };
 
 // One HF tensor of an export or load: checkpoint name <-> engine (group, tensor). An engine
@@ -121,6 +126,17 @@ class Session {
   // process, collective: this rank's shard all-gathered with every other rank's.
   Status read_group(int group, std::span<float> full);
 
+  // The device the engine computes on, and where gather() and gradient_buffer() regions live.
+  DeviceKind device_kind() const { return cluster_->device(rank_).kind(); }
+  int device_ordinal() const { return cluster_->device(rank_).ordinal(); }
+  // On a device with streams (CUDA): the caller's current stream, as its native handle
+  // (torch.cuda.current_stream().cuda_stream), which the caller's kernels run on. A
+  // gathered group or gradient buffer is ready in that stream's order, and release() and
+  // grads_ready() wait (on the device, not the host) for the work enqueued on it so far
+  // (stream_join.h). Given before the first gather of each pass; an error on the CPU
+  // device, where the caller computes on its own thread and gather() waits for the data.
+  Status use_caller_stream(uintptr_t native_handle);
+
   // A step: begin_micro_batch() starts the step at its first micro-batch (with the
   // schedule's rate); the last micro-batch's step() applies the update.
   Status begin_micro_batch();
@@ -167,6 +183,10 @@ class Session {
  private:
   Session() = default;
   Status check_open(std::string_view call) const;
+  Region region(void* data, size_t numel, DType dtype) const;
+  // The joins of the caller's stream with the engine's compute stream (none on the CPU device).
+  Status caller_after_engine(std::string_view call);
+  Status engine_after_caller(std::string_view call);
   const PackedGroup* packed(int group) const;
   // Rank `rank_`'s shard of the group in elements (layout().shard_numel) <-> its tier.
   Status read_shard(int group, std::span<float> shard);
@@ -187,6 +207,7 @@ class Session {
   // flight, none planned until the next micro-batch or forward pass).
   Status settle_for_exchange();
   Status all_gather_group(int group, std::span<float> full);
+  Status all_gather_floats(std::span<const float> send, std::span<float> all);
   Status save_across_processes(const std::string& dir, const std::string& client_state);
   StatusOr<std::string> load_across_processes(const std::string& dir);
   Status export_across_processes(const std::string& dir, const nlohmann::json& config, std::span<const GroupLayout> layouts,
@@ -213,6 +234,7 @@ class Session {
   std::vector<std::vector<std::vector<int64_t>>> packed_shapes_;
   std::vector<DType> packed_dtypes_;
   std::vector<std::optional<PackedGroup>> packed_;
+  StreamJoin caller_;  // the caller's stream, on a device with streams
   std::unique_ptr<Stream> exchange_stream_;  // all_gather_group's collectives (more than one process)
   bool settled_ = false;       // the engine is finished and nothing was gathered since
   std::vector<GroupSpec> specs_;  // as registered, for an engine made again by the placement search

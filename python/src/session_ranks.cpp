@@ -78,6 +78,24 @@ Status Session::settle_for_exchange() {
 // Each rank sends its shard followed by one flag element (1: it could not read the shard),
 // so a rank's failure reaches every rank at the same group. The front end computes on the
 // CPU device, whose memory is host memory: the buffers are plain vectors.
+// Host memory in and out. The CPU device's communicator takes host memory as device
+// memory; NCCL's takes the GPU's, so on CUDA both ends are staged through device buffers.
+Status Session::all_gather_floats(std::span<const float> send, std::span<float> all) {
+  Communicator& comm = cluster_->gather_communicator(rank_);
+  Device& device = cluster_->device(rank_);
+  Stream& stream = *exchange_stream_;
+  if (device.kind() == DeviceKind::kCpu) {
+    STRATA_RETURN_IF_ERROR(comm.all_gather(send.data(), all.data(), send.size(), DType::kFloat32, stream));
+    return stream.synchronize();
+  }
+  STRATA_ASSIGN_OR_RETURN(DeviceBuffer device_send, device.allocate(send.size_bytes(), "exchange send buffer"));
+  STRATA_ASSIGN_OR_RETURN(DeviceBuffer device_all, device.allocate(all.size_bytes(), "exchange receive buffer"));
+  STRATA_RETURN_IF_ERROR(device.copy_async(device_send.data(), send.data(), send.size_bytes(), CopyKind::kHostToDevice, stream));
+  STRATA_RETURN_IF_ERROR(comm.all_gather(device_send.data(), device_all.data(), send.size(), DType::kFloat32, stream));
+  STRATA_RETURN_IF_ERROR(device.copy_async(all.data(), device_all.data(), all.size_bytes(), CopyKind::kDeviceToHost, stream));
+  return stream.synchronize();  // before the buffers go
+}
+
 Status Session::all_gather_group(int group, std::span<float> full) {
   STRATA_RETURN_IF_ERROR(settle_for_exchange());
   const GroupLayout& l = layout(group);
@@ -86,10 +104,8 @@ Status Session::all_gather_group(int group, std::span<float> full) {
   Status local = read_shard(group, std::span<float>(send).first(l.shard_numel));
   send.back() = local.ok() ? 0.0f : 1.0f;
   std::vector<float> all(stride * static_cast<size_t>(world_size_));
-  Communicator& comm = cluster_->gather_communicator(rank_);
   const std::string what = "gathering group " + l.name + " from every rank";
-  STRATA_RETURN_IF_ERROR_CTX(comm.all_gather(send.data(), all.data(), stride, DType::kFloat32, *exchange_stream_), what);
-  STRATA_RETURN_IF_ERROR_CTX(exchange_stream_->synchronize(), what);
+  STRATA_RETURN_IF_ERROR_CTX(all_gather_floats(send, all), what);
   if (!local.ok()) return std::move(local).with_context(what);
   std::string failed;
   for (int r = 0; r < world_size_; ++r)

@@ -68,6 +68,7 @@ class GatherFn(torch.autograd.Function):
         return None, None
 
 
-def make_anchor() -> torch.Tensor:
-    """A leaf that requires grad, so GatherFn is in the graph even when nothing else is."""
-    return torch.zeros((), requires_grad=True)
+def make_anchor(device: torch.device) -> torch.Tensor:
+    """A leaf that requires grad, so GatherFn is in the graph even when nothing else is; on
+    the engine's device, so autograd runs the node with that device's streams."""
+    return torch.zeros((), requires_grad=True, device=device)

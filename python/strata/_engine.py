@@ -103,9 +103,10 @@ class Engine:
                  weight_decay: Optional[Any] = None, max_group_elements: int = 1 << 26, seq_len: Optional[int] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-        text, source = _config_text(config)
+        text, source = _config_text(config, model)
         self.module = model
         self._session = Session(text, source)
+        self.device = torch.device(self._session.device)
         self._units = _groups.plan_units(model, groups)
         plans, self._where = _groups.plan_groups(model, self._units, max_group_elements)
         if not plans:
@@ -149,9 +150,9 @@ class Engine:
                     raise StrataError(f"parameter {name} is {p.dtype}: the engine holds floating-point parameters only")
                 if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                     raise StrataError(f"parameter {name} is {p.dtype}: the engine holds fp32, bf16 and fp16 parameters")
-                if p.device.type not in ("cpu", "meta"):
-                    raise StrataError(f"parameter {name} is on {p.device}: the CPU device front end takes a model on the CPU "
-                                      "(or built under strata.init_empty())")
+                if p.device.type not in ("cpu", "meta") and p.device != self.device:
+                    raise StrataError(f"parameter {name} is on {p.device}, but the engine computes on {self.device}: move the "
+                                      "model there, build it under strata.init_empty(), or set \"strata\": {\"device\": ...}")
 
     def _shared_trainable_groups(self, plans: List[_groups.GroupPlan]) -> int:
         """Trainable groups bound by more than one unit: each keeps its gradient buffer from
@@ -171,9 +172,14 @@ class Engine:
         self._session.refresh()
 
     def _take_parameters(self) -> None:
+        on_cpu = self.device.type == "cpu"
         for p in self._params:
             p.strata_shape = tuple(p.shape)
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)  # meta stays meta (init_empty)
+            # On the CPU device meta stays meta (init_empty); on a GPU every placeholder is on
+            # it, so code that asks a model for its device (its first parameter's) gets the GPU.
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device if on_cpu else self.device)
+        if not on_cpu:
+            _move_buffers(self.module, self.device)
 
     def _install_hooks(self) -> None:
         for unit in self._units:
@@ -216,7 +222,14 @@ class Engine:
             self._release_all()
             self._session.end_forward()
 
+    def _join_caller_stream(self) -> None:
+        """On a GPU: the engine's gathers and gradient hand-overs are ordered against the
+        caller's current stream (events on the device, no host wait)."""
+        if self.device.type == "cuda":
+            self._session.use_caller_stream(torch.cuda.current_stream(self.device).cuda_stream)
+
     def _run(self, args, kwargs):
+        self._join_caller_stream()
         self._active = True
         try:
             return self.module(*args, **kwargs)
@@ -247,6 +260,7 @@ class Engine:
         if self._phase != "forward":
             raise StrataError("backward() without a training forward since the last step(): call engine(**batch) first")
         scale = self._session.loss_scale / (self._session.gradient_accumulation_steps * self._session.world_size)
+        self._join_caller_stream()
         self._in_backward = True
         try:
             (loss * scale).backward()
@@ -508,7 +522,7 @@ class Engine:
         outputs: tuple = ()
         if trainable_views:
             handle = _autograd.UseHandle(self, trainable_views, slots)
-            outputs = _autograd.GatherFn.apply(_autograd.make_anchor(), handle)
+            outputs = _autograd.GatherFn.apply(_autograd.make_anchor(self.device), handle)
             if not self._in_backward:
                 unit.uses.append(handle)
         for b in unit.bindings:
@@ -533,7 +547,7 @@ class Engine:
             self._gather(g)
             view = g.tensor(g.flat, index)
             if full is None:
-                full = torch.empty(piece.full_shape, dtype=view.dtype)
+                full = torch.empty(piece.full_shape, dtype=view.dtype, device=view.device)
             piece.values(full).copy_(view)
             if not held:
                 self._release(g)
@@ -708,14 +722,46 @@ def _checkpoint_name(name: str) -> str:
     return name[len(_PEFT_PREFIX):].replace(".base_layer.", ".")
 
 
-def _config_text(config: Any):
+def _config_text(config: Any, model: nn.Module):
+    """The config as JSON text and its source. Without strata.device, the device is the
+    model's: cuda:N for a model whose parameters are on that GPU, else cpu (a model on the
+    CPU or built under init_empty; such a model trains on a GPU when the config says so)."""
     if isinstance(config, dict):
-        return json.dumps(config), "<config dict>"
-    if isinstance(config, (str, os.PathLike)):
-        path = os.fspath(config)
+        text, source = json.dumps(config), "<config dict>"
+    elif isinstance(config, (str, os.PathLike)):
+        source = os.fspath(config)
         try:
-            with open(path, encoding="utf-8") as f:
-                return f.read(), path
+            with open(source, encoding="utf-8") as f:
+                text = f.read()
         except OSError as e:
-            raise StrataError(f"cannot read the config file {path}: {e.strerror}") from None
-    raise TypeError(f"config must be a dict or a path to a JSON file, not {type(config).__name__}")
+            raise StrataError(f"cannot read the config file {source}: {e.strerror}") from None
+    else:
+        raise TypeError(f"config must be a dict or a path to a JSON file, not {type(config).__name__}")
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return text, source  # the engine's parser names the fault
+    strata = parsed.get("strata") if isinstance(parsed, dict) else None
+    if isinstance(strata, dict) and "device" not in strata:
+        strata["device"] = _model_device(model)
+        return json.dumps(parsed), source
+    if isinstance(parsed, dict) and strata is None:
+        parsed["strata"] = {"device": _model_device(model)}
+        return json.dumps(parsed), source
+    return text, source
+
+
+def _model_device(model: nn.Module) -> str:
+    for p in model.parameters():
+        if p.device.type == "cuda":
+            return "cuda"
+    return "cpu"
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    """The model's buffers (rotary frequencies, position ids, masks) onto the device its
+    parameters are gathered to; meta ones are left (init_empty keeps buffers real)."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device and buffer.device.type != "meta":
+                module._buffers[name] = buffer.to(device)

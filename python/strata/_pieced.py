@@ -77,11 +77,11 @@ def install(engine: Any, unit: Any) -> Optional[PiecedWeight]:
     pieced = PiecedWeight(engine, module, weight, sorted(engine._where[id(weight)], key=lambda e: e[2].row_begin), kind)
     if kind == "linear":
         def forward(x: torch.Tensor) -> torch.Tensor:
-            out = PiecedLinearFn.apply(x, _autograd.make_anchor(), pieced, pieced.trainable)
+            out = PiecedLinearFn.apply(x, _autograd.make_anchor(x.device), pieced, pieced.trainable)
             return out if module.bias is None else out + module.bias
     else:
         def forward(ids: torch.Tensor) -> torch.Tensor:
-            return PiecedEmbeddingFn.apply(ids, _autograd.make_anchor(), pieced, pieced.trainable)
+            return PiecedEmbeddingFn.apply(ids, _autograd.make_anchor(ids.device), pieced, pieced.trainable)
     module.forward = forward
     return pieced
 
@@ -90,7 +90,7 @@ class PiecedLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, anchor: torch.Tensor, pieced: PiecedWeight, trainable: bool):  # type: ignore[override]
         rows = pieced.entries[0][2].full_shape[0]
-        out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype)
+        out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)
         for _, _, piece, w in pieced.pieces():
             out[..., piece.row_begin:piece.row_end].copy_(F.linear(x, w))
         ctx.pieced = pieced
@@ -106,7 +106,7 @@ class PiecedLinearFn(torch.autograd.Function):
         x, = ctx.saved_tensors
         # The pieces' shares of x's gradient are summed in fp32 whatever x's dtype, so a bf16
         # model rounds the sum once, as the one matmul over the whole vocabulary would.
-        grad_x = torch.zeros(x.shape, dtype=torch.float32) if ctx.needs_input_grad[0] else None
+        grad_x = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[0] else None
         flat_x = x.reshape(-1, x.shape[-1])
         for gid, index, piece, w in pieced.pieces():
             part = grad_out[..., piece.row_begin:piece.row_end]
@@ -123,7 +123,7 @@ class PiecedEmbeddingFn(torch.autograd.Function):
         rows, width = pieced.entries[0][2].full_shape[0], pieced.entries[0][2].full_shape[1]
         if ids.numel() > 0 and (int(ids.min()) < 0 or int(ids.max()) >= rows):
             raise IndexError(f"index out of range in self: token ids must lie in [0, {rows})")
-        out = torch.empty(*ids.shape, width, dtype=pieced.param.dtype)
+        out = torch.empty(*ids.shape, width, dtype=pieced.param.dtype, device=ids.device)
         for _, _, piece, w in pieced.pieces():
             chosen = (ids >= piece.row_begin) & (ids < piece.row_end)
             if bool(chosen.any()):

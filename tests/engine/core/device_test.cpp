@@ -683,6 +683,56 @@ TEST(CudaDeviceTest, AThreadWaitingForTheGpuSleepsInsteadOfSpinning) {
   }
 }
 
+// A framework's stream (torch's current one) joined with the device's own, both ways,
+// through the wrapper adopt_stream gives; the wrapper's end leaves the stream to its owner.
+TEST(CudaDeviceTest, AnAdoptedStreamIsOrderedBothWaysAndStaysItsOwners) {
+  if (!gpu_available()) GTEST_SKIP() << "no GPU: " << discover_gpus().reason;
+#if defined(STRATA_HAVE_CUDA)
+  const size_t bytes = size_t{64} << 20;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto device, create_cuda_device({.budget_bytes = 4 * bytes}));
+  cudaStream_t native = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&native, cudaStreamNonBlocking), cudaSuccess);
+  STRATA_ASSERT_OK_AND_ASSIGN(auto own, device->create_stream("own"));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto event, device->create_event());
+  STRATA_ASSERT_OK_AND_ASSIGN(auto a, device->allocate(bytes, "a"));
+  STRATA_ASSERT_OK_AND_ASSIGN(auto b, device->allocate(bytes, "b"));
+  std::vector<uint8_t> host(bytes);
+  {
+    STRATA_ASSERT_OK_AND_ASSIGN(auto adopted, device->adopt_stream(native, "framework"));
+    EXPECT_EQ(adopted->native_handle(), static_cast<void*>(native));
+    // The device's stream writes, the adopted one reads after an event.
+    for (int i = 0; i < 50; ++i) STRATA_ASSERT_OK(device->memset_async(a.data(), i, bytes, *own));
+    STRATA_ASSERT_OK(device->memset_async(a.data(), 7, bytes, *own));
+    STRATA_ASSERT_OK(own->record(*event));
+    STRATA_ASSERT_OK(adopted->wait(*event));
+    STRATA_ASSERT_OK(device->copy_async(host.data(), a.data(), bytes, CopyKind::kDeviceToHost, *adopted));
+    STRATA_ASSERT_OK(adopted->synchronize());
+    EXPECT_EQ(std::count(host.begin(), host.end(), uint8_t{7}), static_cast<std::ptrdiff_t>(bytes));
+    // The adopted stream writes, the device's reads after an event.
+    for (int i = 0; i < 50; ++i) STRATA_ASSERT_OK(device->memset_async(b.data(), i, bytes, *adopted));
+    STRATA_ASSERT_OK(device->memset_async(b.data(), 9, bytes, *adopted));
+    STRATA_ASSERT_OK(adopted->record(*event));
+    STRATA_ASSERT_OK(own->wait(*event));
+    STRATA_ASSERT_OK(device->copy_async(host.data(), b.data(), bytes, CopyKind::kDeviceToHost, *own));
+    STRATA_ASSERT_OK(own->synchronize());
+    EXPECT_EQ(std::count(host.begin(), host.end(), uint8_t{9}), static_cast<std::ptrdiff_t>(bytes));
+  }
+  EXPECT_EQ(cudaStreamQuery(native), cudaSuccess) << "the wrapper destroyed a stream it does not own";
+  EXPECT_EQ(cudaStreamDestroy(native), cudaSuccess);
+  // The legacy default stream (a handle of 0, torch's default) is adopted too.
+  STRATA_EXPECT_OK(device->adopt_stream(nullptr, "default").status());
+#endif
+}
+
+// The CPU device's callers compute on their own thread: there is no native stream to adopt.
+TEST(CpuDeviceTest, HasNoNativeStreamToAdopt) {
+  STRATA_ASSERT_OK_AND_ASSIGN(auto device, create_cpu_device({.budget_bytes = size_t{8} << 20}));
+  auto adopted = device->adopt_stream(nullptr, "framework");
+  ASSERT_FALSE(adopted.ok());
+  EXPECT_EQ(adopted.status().code(), StatusCode::kUnimplemented);
+  EXPECT_NE(adopted.status().message().find("no native streams"), std::string::npos) << adopted.status().to_string();
+}
+
 // Runs on every machine (scripts/gpu-check fails on a GPU machine where a gpu-labelled
 // test skips): with a GPU the factory makes the device, without one it says why not.
 TEST(CudaDeviceFactoryTest, CreatesTheDeviceOrIsUnavailableWithTheReason) {
