@@ -69,10 +69,6 @@ StatusOr<std::unique_ptr<Session>> Session::create(const std::string& config_tex
   STRATA_ASSIGN_OR_RETURN(session->options_, engine_options_from_config(config, session->rank_));
   session->placement_ = run.placement;
   session->profile_path_ = run.profile;
-  // Each process would search alone, against its own node's memory and disk.
-  if (run.placement == PlacementMode::kAuto && session->world_size_ > 1)
-    return UnimplementedError("strata.placement \"auto\" with more than one process is not supported yet: choose the placement in a "
-                              "one-process run (engine.placement shows it) and write it into the config");
   STRATA_RETURN_IF_ERROR(session->create_engine());
   STRATA_ASSIGN_OR_RETURN(LrSchedule schedule, LrSchedule::create(config.scheduler, config.optimizer.lr));
   session->schedule_ = std::move(schedule);
@@ -136,7 +132,7 @@ Status Session::declare_held_gradients(int count) {
   return {};
 }
 
-Status Session::place_automatically() {
+StatusOr<ChosenPlacement> Session::search_placement() {
   if (!work_) return FailedPreconditionError("strata.placement \"auto\": the model's work was not declared before start()");
   STRATA_ASSIGN_OR_RETURN(const profile::RunProfile profile, profile::resolve_run_profile(profile_path_));
   PlacementRequest request;
@@ -149,9 +145,16 @@ Status Session::place_automatically() {
   request.work = *work_;
   request.profile = &profile;
   STRATA_ASSIGN_OR_RETURN(const profile::PlacementChoice choice, choose_session_placement(request));
-  placement_text_ = profile::placement_choice_text(choice);
-  STRATA_LOG(kInfo) << placement_text_;
-  apply_session_placement(choice.best.placement, config_);
+  return ChosenPlacement{choice.best.placement, profile::placement_choice_text(choice)};
+}
+
+Status Session::place_automatically() {
+  // With more than one process rank 0 searches, against its own machine, and every rank
+  // takes its choice: ranks that searched alone could choose differently.
+  STRATA_ASSIGN_OR_RETURN(const ChosenPlacement chosen, world_size_ > 1 ? placement_of_rank_0() : search_placement());
+  placement_text_ = chosen.text;
+  if (rank_ == 0) STRATA_LOG(kInfo) << placement_text_;
+  apply_session_placement(chosen.placement, config_);
   STRATA_ASSIGN_OR_RETURN(options_, engine_options_from_config(config_, rank_));
   engine_.reset();
   STRATA_RETURN_IF_ERROR(create_engine());

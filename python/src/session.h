@@ -78,6 +78,12 @@ struct HfTensorName {
   std::vector<int64_t> full_shape; // the checkpoint tensor's shape
 };
 
+// strata.placement "auto"'s choice and what was logged of it.
+struct ChosenPlacement {
+  profile::Placement placement;
+  std::string text;  // the choice, its prediction and the runner-up
+};
+
 class Session {
  public:
   // `config_text` is JSON in Strata's config vocabulary; `source` names it in messages.
@@ -220,9 +226,13 @@ class Session {
   Status first_failure(const std::vector<nlohmann::json>& all, Status mine, std::string_view what) const;
 
   Status create_engine();
-  // strata.placement "auto": the search, its choice written into the config, and the
-  // engine made again with it and the groups registered so far.
+  // strata.placement "auto": the search (rank 0's, with more than one process), its
+  // choice written into the config, and the engine made again with it and the groups
+  // registered so far.
   Status place_automatically();
+  StatusOr<ChosenPlacement> search_placement();
+  // Collective: rank 0 searches and every rank gets its choice, or its error.
+  StatusOr<ChosenPlacement> placement_of_rank_0();
 
   StrataConfig config_;
   EngineOptions options_;

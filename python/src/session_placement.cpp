@@ -66,6 +66,36 @@ void apply_session_placement(const profile::Placement& p, StrataConfig& config) 
   config.strata.optimizer_overlap = p.overlap;
 }
 
+nlohmann::json session_placement_json(const profile::Placement& p) {
+  return {{"params", tier_name(p.params)},
+          {"optimizer", tier_name(p.optimizer)},
+          {"prefetch_depth", p.prefetch_depth},
+          {"overlap", overlap_mode_name(p.overlap)}};
+}
+
+StatusOr<profile::Placement> session_placement_from_json(const nlohmann::json& json) {
+  if (!json.is_object()) return InvalidArgumentError("placement: not a JSON object");
+  auto text = [&](const char* key) {
+    const auto it = json.find(key);
+    return it != json.end() && it->is_string() ? it->get<std::string>() : std::string();
+  };
+  auto tier = [&](const char* key) -> StatusOr<Tier> {
+    const std::string name = text(key);
+    for (const Tier t : {Tier::kDevice, Tier::kPinned, Tier::kHost, Tier::kNvme})
+      if (tier_name(t) == name) return t;
+    return InvalidArgumentError(std::string("placement: \"") + key + "\" is '" + name + "', not a tier");
+  };
+  profile::Placement p;
+  STRATA_ASSIGN_OR_RETURN(p.params, tier("params"));
+  STRATA_ASSIGN_OR_RETURN(p.optimizer, tier("optimizer"));
+  const auto depth = json.find("prefetch_depth");
+  if (depth == json.end() || !depth->is_number_integer() || depth->get<int>() < 0)
+    return InvalidArgumentError("placement: no prefetch_depth >= 0");
+  p.prefetch_depth = depth->get<int>();
+  STRATA_ASSIGN_OR_RETURN(p.overlap, parse_overlap_mode(text("overlap")));
+  return p;
+}
+
 StatusOr<profile::PlacementChoice> choose_session_placement(const PlacementRequest& request) {
   if (request.config == nullptr || request.profile == nullptr) return InvalidArgumentError("choose_session_placement: no config or profile");
   if (!request.profile->profile)

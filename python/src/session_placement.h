@@ -18,6 +18,8 @@
 #include <span>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "engine/core/config.h"
 #include "engine/partition.h"
 #include "examples/lm/model_flops.h"
@@ -49,5 +51,10 @@ StatusOr<profile::PlacementChoice> choose_session_placement(const PlacementReque
 
 // The placement written into the config: tiers, prefetch depth and overlap.
 void apply_session_placement(const profile::Placement& placement, StrataConfig& config);
+
+// The part of a placement the front end decides, as JSON (what rank 0 hands the other
+// ranks of a multi-process run) and back; an error names a field that is missing or wrong.
+nlohmann::json session_placement_json(const profile::Placement& placement);
+StatusOr<profile::Placement> session_placement_from_json(const nlohmann::json& json);
 
 }  // namespace strata::python

@@ -62,6 +62,23 @@ Status Session::first_failure(const std::vector<nlohmann::json>& all, Status min
   return {};
 }
 
+StatusOr<ChosenPlacement> Session::placement_of_rank_0() {
+  constexpr std::string_view what = "strata.placement \"auto\" (rank 0's choice)";
+  StatusOr<ChosenPlacement> mine = rank_ == 0 ? search_placement() : StatusOr<ChosenPlacement>(ChosenPlacement{});
+  nlohmann::json sent = status_json(mine.status());
+  if (rank_ == 0 && mine.ok()) {
+    sent["placement"] = session_placement_json(mine->placement);
+    sent["text"] = mine->text;
+  }
+  STRATA_ASSIGN_OR_RETURN(const std::vector<nlohmann::json> all, exchange(sent, what));
+  if (rank_ == 0) return mine;
+  STRATA_RETURN_IF_ERROR(peer_status(all[0], 0).with_context(std::string(what)));
+  ChosenPlacement chosen;
+  STRATA_ASSIGN_OR_RETURN(chosen.placement, session_placement_from_json(all[0].value("placement", nlohmann::json())));
+  chosen.text = all[0].value("text", std::string());
+  return chosen;
+}
+
 Status Session::settle_for_exchange() {
   if (settled_) return {};
   // The engine's fetcher issues all-gathers on the gather communicator ahead of use, into

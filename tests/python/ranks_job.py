@@ -9,6 +9,7 @@ State in and out (every rank makes the same calls, as a training script would):
   --save DIR          save_checkpoint(DIR) after step --save-at (default: the last)
   --export DIR        after the last step: export_hf(DIR), and the state_dict() to
                       DIR.state-<rank>.pt
+  --placement-auto P  strata.placement "auto" with machine profile P (rank 0 chooses)
   --refused-saves DIR after the last step: a save whose directory differs between ranks,
                       and one whose rank-1 file cannot be written; their errors are printed
                       (refused), then the save is made again, whole."""
@@ -82,11 +83,15 @@ def main() -> None:
     parser.add_argument("--save-at", type=int)
     parser.add_argument("--export")
     parser.add_argument("--refused-saves")
+    parser.add_argument("--placement-auto", metavar="PROFILE", help="strata.placement auto with this machine profile")
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model = ref.make_model(args.family)
     idle = count_idle_experts(model)
-    engine = strata.initialize(model=model, config=ref.strata_config(accumulation=RANKS // world))
+    # Exact overlap only: a delayed update would change the arithmetic the test compares.
+    keys = ({"placement": "auto", "profile": args.placement_auto, "device_budget_mib": 1, "optimizer_overlap": "exact"}
+            if args.placement_auto else {})
+    engine = strata.initialize(model=model, config=ref.strata_config(accumulation=RANKS // world, **keys), seq_len=ref.SEQ)
     assert strata.world_size() == world and strata.rank() == int(os.environ.get("RANK", "0"))
     first, client = 0, None
     if args.load:
@@ -110,7 +115,7 @@ def main() -> None:
     saves = refused_saves(engine, args.refused_saves) if args.refused_saves else {}
     engine.close()
     print(json.dumps({"losses": losses, "idle_experts": max(idle) if idle else 0, "first_step": first,
-                      "client_state": client, "refused": saves}))
+                      "client_state": client, "refused": saves, "placement": engine.placement}))
 
 
 if __name__ == "__main__":

@@ -186,5 +186,28 @@ TEST(SessionPlacementAuto, NeedsTheModelsWorkBeforeStart) {
   EXPECT_NE(status.message().find("strata.placement"), std::string::npos) << status.to_string();
 }
 
+// What rank 0 hands the other ranks: the decided fields survive the trip, and a message
+// that lacks one or names no tier is refused, naming the field.
+TEST(SessionPlacementAuto, APlacementCrossesToTheOtherRanksAsJsonAndAWrongOneIsNamed) {
+  profile::Placement p;
+  p.params = Tier::kNvme;
+  p.optimizer = Tier::kPinned;
+  p.prefetch_depth = 4;
+  p.overlap = OverlapMode::kDelayed;
+  STRATA_ASSERT_OK_AND_ASSIGN(const profile::Placement back, session_placement_from_json(session_placement_json(p)));
+  EXPECT_EQ(back.params, Tier::kNvme);
+  EXPECT_EQ(back.optimizer, Tier::kPinned);
+  EXPECT_EQ(back.prefetch_depth, 4);
+  EXPECT_EQ(back.overlap, OverlapMode::kDelayed);
+
+  nlohmann::json wrong = session_placement_json(p);
+  wrong["optimizer"] = "tape";
+  EXPECT_NE(session_placement_from_json(wrong).status().message().find("\"optimizer\" is 'tape'"), std::string::npos);
+  wrong = session_placement_json(p);
+  wrong.erase("prefetch_depth");
+  EXPECT_NE(session_placement_from_json(wrong).status().message().find("prefetch_depth"), std::string::npos);
+  EXPECT_FALSE(session_placement_from_json(nlohmann::json::array()).ok());
+}
+
 }  // namespace
 }  // namespace strata::python

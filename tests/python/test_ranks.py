@@ -2,9 +2,14 @@
 train as 1 process accumulating both; a Mixtral rank whose tokens leave experts idle
 neither hangs nor changes the result."""
 
+import os
+
 import pytest
 
 from launch import one_process, two_processes
+
+DATASHEET = os.path.join(os.environ.get("STRATA_SOURCE_DIR", os.path.join(os.path.dirname(__file__), "..", "..")),
+                         "examples", "profiles", "h200-datasheet.json")
 
 
 def assert_same_training(single: dict, ranks: list) -> None:
@@ -23,3 +28,11 @@ def test_mixtral_with_idle_experts_on_one_rank_neither_hangs_nor_differs():
     ranks = two_processes("--family", "mixtral")
     assert ranks[1]["idle_experts"] > 0, "the test's batch left no expert idle on rank 1"
     assert_same_training(one_process("--family", "mixtral"), ranks)
+
+
+def test_with_placement_auto_every_rank_takes_rank_0s_choice_and_trains_as_one_process():
+    ranks = two_processes("--placement-auto", DATASHEET)
+    assert ranks[0]["placement"] and "chosen: params " in ranks[0]["placement"]
+    assert ranks[1]["placement"] == ranks[0]["placement"]
+    # A placement moves state between tiers, never changes the arithmetic.
+    assert_same_training(one_process(), ranks)
