@@ -158,7 +158,7 @@ Status OptimizerStage::run_nvme_jobs(const std::vector<const OptimizerJob*>& job
       io.grad = gradient.data;
       io.grad_type = gradient.dtype;
       io.stored_gradient_copy = gradient.stored_copy;
-      io.param = ctx_.shards->host_copy(g, ctx_.shards->copy_of(g, job->step_index + 1));  // nullptr: staged, written out piece by piece
+      io.param = ctx_.shards->host_writable_copy(g, ctx_.shards->copy_of(g, job->step_index + 1));  // nullptr: staged, written out piece by piece
       io.param_type = ctx_.options->param_dtype;
       steps.push_back({static_cast<size_t>(g), io, runs.back()});
       job_of.push_back(job);
@@ -187,7 +187,7 @@ Status OptimizerStage::run_nvme_jobs(const std::vector<const OptimizerJob*>& job
 }
 
 // Host-resident state: CPU Adam on the group's buffers, the new parameters straight into
-// the host copy (or staged out to the device or NVMe).
+// the host copy, or the CPU device's copy (else staged out to the GPU or NVMe).
 Status OptimizerStage::update_host_group(const OptimizerJob& job, int g) {
   const EngineOptions& o = *ctx_.options;
   GroupOptimizerState& s = groups_[static_cast<size_t>(g)];
@@ -202,7 +202,7 @@ Status OptimizerStage::update_host_group(const OptimizerJob& job, int g) {
   buffers.exp_avg = s.exp_avg.data();
   buffers.exp_avg_sq = s.exp_avg_sq.data();
   buffers.moment_type = DType::kFloat32;
-  void* in_place = ctx_.shards->host_copy(g, out_copy);
+  void* in_place = ctx_.shards->host_writable_copy(g, out_copy);
   void* param_out = in_place != nullptr ? in_place : param_out_stage_.data();
   buffers.param = param_out;
   buffers.param_type = o.param_dtype;

@@ -62,6 +62,11 @@ void* ShardStore::device_copy(int g, int copy) {
   return state.device.empty() ? nullptr : state.device[static_cast<size_t>(copy)].data();
 }
 
+void* ShardStore::host_writable_copy(int g, int copy) {
+  if (void* host = host_copy(g, copy)) return host;
+  return ctx_.device->kind() == DeviceKind::kCpu ? device_copy(g, copy) : nullptr;
+}
+
 Status ShardStore::write(int g, int copy, size_t begin, size_t count, const void* values, size_t capacity) {
   Copies& state = copies_[static_cast<size_t>(g)];
   const size_t psize = dtype_size(ctx_.options->param_dtype);

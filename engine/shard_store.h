@@ -59,6 +59,10 @@ class ShardStore {
   // the device tier (the device Adam); nullptr for the other tiers.
   void* host_copy(int g, int copy);
   void* device_copy(int g, int copy);
+  // Where CPU Adam writes copy `copy`'s new values in place: the host copy, or the device
+  // copy on a device whose memory is the host's (the CPU device), so that no staging copy
+  // follows the update; nullptr otherwise (the values are staged and handed to write()).
+  void* host_writable_copy(int g, int copy);
   // Elements [begin, begin + count) of copy `copy` from host memory (the device and NVMe
   // tiers); synchronous. `capacity` bytes at `values` may be read (0 = exactly the bytes).
   Status write(int g, int copy, size_t begin, size_t count, const void* values, size_t capacity);

@@ -46,7 +46,8 @@ void add_transfer_rows(RowBuilder& rows, const StepWork& w, const PipelineShape&
   rows.add(Stage::kNvmeWrite, "optimizer state", w.state_write_bytes, "B", write, nvme_source(nvme, "write"));
   const std::string copy = p.copy.host_copy ? "host copy" : (p.copy.pinned ? "pinned copy" : "pageable copy");
   rows.add(Stage::kH2D, "parameter shards", w.h2d_bytes, "B", p.copy.h2d_bytes_per_s, copy + " h2d");
-  rows.add(Stage::kH2D, "new parameters", w.h2d_update_bytes, "B", p.copy.h2d_bytes_per_s, copy + " h2d");
+  // On the CPU device (a host copy) CPU Adam writes the device's parameters in place: no copy.
+  if (!p.copy.host_copy) rows.add(Stage::kH2D, "new parameters", w.h2d_update_bytes, "B", p.copy.h2d_bytes_per_s, copy + " h2d");
   const CommunicatorRate& comm = p.communicator;
   const bool same_world = comm.world == shape.world;
   rows.add(Stage::kAllGather, "full groups", w.allgather_bytes, "B", same_world ? comm.all_gather_bytes_per_s.value_or(0) : 0,

@@ -98,6 +98,27 @@ TEST_P(ShardStoreTest, AVersionsSourceIsInTheTiersFormAndOnlyHostTiersLendACopy)
   }
 }
 
+// CPU Adam writes a version in place wherever the memory is the host's: a host tier's
+// copy, or the device tier's on the CPU device (the rig's device); NVMe copies are staged.
+TEST_P(ShardStoreTest, CpuAdamWritesInPlaceWhereverTheCopyIsHostMemory) {
+  const std::vector<float> values = ramp(rig_->layouts[0].shard_numel, 0.5f);
+  STRATA_ASSERT_OK(store_->allocate_group(0, values.data()));
+  const Tier tier = GetParam().tier;
+  ASSERT_EQ(rig_->device->kind(), DeviceKind::kCpu);
+  const int copy = store_->copies(0) - 1;
+  void* target = store_->host_writable_copy(0, copy);
+  if (tier == Tier::kNvme) {
+    EXPECT_EQ(target, nullptr);
+    return;
+  }
+  EXPECT_EQ(target, tier == Tier::kDevice ? store_->device_copy(0, copy) : store_->host_copy(0, copy));
+  ASSERT_NE(target, nullptr);
+  static_cast<float*>(target)[3] = -2.0f;
+  std::vector<float> expected = values;
+  expected[3] = -2.0f;
+  EXPECT_EQ(load(0, copy), expected);
+}
+
 TEST_P(ShardStoreTest, BfloatParametersReadBackAsTheRoundedValues) {
   rig_->options.param_dtype = DType::kBFloat16;
   store_ = std::make_unique<ShardStore>(ShardStoreContext{&rig_->options, rig_->device.get(), rig_->update.get(), rig_->arena.get(),

@@ -120,10 +120,23 @@ TEST(StepCost, UploadingNewParametersIsNotAFetchTheChainWaitsFor) {
   w.h2d_update_bytes = 1e10;  // 1 s
   PipelineShape shape;
   shape.prefetch_depth = 0;
-  auto p = predict_step(w, shape, round_profile());
+  MachineProfile gpu = round_profile();
+  gpu.copy.host_copy = false;  // a real copy to a GPU
+  auto p = predict_step(w, shape, gpu);
   ASSERT_TRUE(p.ok());
   EXPECT_DOUBLE_EQ(busy(*p, Stage::kH2D), 1.0);
   EXPECT_DOUBLE_EQ(p->chain_seconds, 3.0);
+}
+
+// The CPU device's memory is the host's: CPU Adam writes its parameters in place.
+TEST(StepCost, OnTheCpuDeviceNewParametersCostNoCopy) {
+  StepWork w = three_seconds_of_compute();
+  w.h2d_update_bytes = 1e10;
+  MachineProfile cpu = round_profile();
+  cpu.copy.host_copy = true;
+  auto p = predict_step(w, PipelineShape{}, cpu);
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(busy(*p, Stage::kH2D), 0.0);
 }
 
 TEST(StepCost, TheDiskBoundsADiskHeavyStepByItsReadsAndWritesTogether) {
