@@ -30,6 +30,8 @@ from torch import nn
 from torch.utils import dlpack
 
 from . import _autograd, _groups, _pieced, _work
+from ._config import config_text
+from ._device import move_buffers
 from ._strata import Session, StrataError
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -103,7 +105,7 @@ class Engine:
                  weight_decay: Optional[Any] = None, max_group_elements: int = 1 << 26, seq_len: Optional[int] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-        text, source = _config_text(config, model)
+        text, source = config_text(config, model)
         self.module = model
         self._session = Session(text, source)
         self.device = torch.device(self._session.device)
@@ -179,7 +181,7 @@ class Engine:
             # it, so code that asks a model for its device (its first parameter's) gets the GPU.
             p.data = torch.empty(0, dtype=p.dtype, device=p.device if on_cpu else self.device)
         if not on_cpu:
-            _move_buffers(self.module, self.device)
+            move_buffers(self.module, self.device)
 
     def _install_hooks(self) -> None:
         for unit in self._units:
@@ -720,48 +722,3 @@ def _checkpoint_name(name: str) -> str:
     if any(marker in name for marker in _ADAPTER_MARKERS):
         return ""
     return name[len(_PEFT_PREFIX):].replace(".base_layer.", ".")
-
-
-def _config_text(config: Any, model: nn.Module):
-    """The config as JSON text and its source. Without strata.device, the device is the
-    model's: cuda:N for a model whose parameters are on that GPU, else cpu (a model on the
-    CPU or built under init_empty; such a model trains on a GPU when the config says so)."""
-    if isinstance(config, dict):
-        text, source = json.dumps(config), "<config dict>"
-    elif isinstance(config, (str, os.PathLike)):
-        source = os.fspath(config)
-        try:
-            with open(source, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise StrataError(f"cannot read the config file {source}: {e.strerror}") from None
-    else:
-        raise TypeError(f"config must be a dict or a path to a JSON file, not {type(config).__name__}")
-    try:
-        parsed = json.loads(text)
-    except ValueError:
-        return text, source  # the engine's parser names the fault
-    strata = parsed.get("strata") if isinstance(parsed, dict) else None
-    if isinstance(strata, dict) and "device" not in strata:
-        strata["device"] = _model_device(model)
-        return json.dumps(parsed), source
-    if isinstance(parsed, dict) and strata is None:
-        parsed["strata"] = {"device": _model_device(model)}
-        return json.dumps(parsed), source
-    return text, source
-
-
-def _model_device(model: nn.Module) -> str:
-    for p in model.parameters():
-        if p.device.type == "cuda":
-            return "cuda"
-    return "cpu"
-
-
-def _move_buffers(model: nn.Module, device: torch.device) -> None:
-    """The model's buffers (rotary frequencies, position ids, masks) onto the device its
-    parameters are gathered to; meta ones are left (init_empty keeps buffers real)."""
-    for module in model.modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.device != device and buffer.device.type != "meta":
-                module._buffers[name] = buffer.to(device)
