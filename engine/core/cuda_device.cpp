@@ -270,24 +270,12 @@ class CudaStream final : public Stream {
   CudaStream(CudaDevice& device, cudaStream_t stream, std::shared_ptr<StreamState> state, StreamOwnership ownership)
       : device_(device), stream_(stream), state_(std::move(state)), ownership_(ownership) {}
 
-  // Drains the stream before destroying it (an adopted one is only drained), so that its
-  // work (and its host functions' errors) is finished when the destructor returns.
+  // Drains the stream before destroying it, so that its work (and its host functions'
+  // errors) is finished when the destructor returns. An adopted stream is its owner's,
+  // who may have destroyed it already: it is neither drained nor destroyed here (a host
+  // function enqueued through the wrapper holds the state it reports to).
   ~CudaStream() override {
-    {
-      DeviceScope scope(device_.ordinal());
-      cudaError_t error = cudaStreamSynchronize(stream_);
-      if (error != cudaSuccess) {
-        (void)cudaGetLastError();
-        STRATA_LOG(kError) << "stream '" << state_->name() << "' of " << device_.name()
-                           << ": cudaStreamSynchronize at destruction failed: " << cudaGetErrorString(error);
-      }
-      error = ownership_ == StreamOwnership::kOwned ? cudaStreamDestroy(stream_) : cudaSuccess;
-      if (error != cudaSuccess) {
-        (void)cudaGetLastError();
-        STRATA_LOG(kError) << "stream '" << state_->name() << "' of " << device_.name()
-                           << ": cudaStreamDestroy failed: " << cudaGetErrorString(error);
-      }
-    }
+    if (ownership_ == StreamOwnership::kOwned) drain_and_destroy();
     device_.on_stream_destroyed(state_);
   }
   CudaStream(const CudaStream&) = delete;
@@ -353,6 +341,22 @@ class CudaStream final : public Stream {
   cudaStream_t native() const { return stream_; }
 
  private:
+  void drain_and_destroy() noexcept {
+    DeviceScope scope(device_.ordinal());
+    cudaError_t error = cudaStreamSynchronize(stream_);
+    if (error != cudaSuccess) {
+      (void)cudaGetLastError();
+      STRATA_LOG(kError) << "stream '" << state_->name() << "' of " << device_.name()
+                         << ": cudaStreamSynchronize at destruction failed: " << cudaGetErrorString(error);
+    }
+    error = cudaStreamDestroy(stream_);
+    if (error != cudaSuccess) {
+      (void)cudaGetLastError();
+      STRATA_LOG(kError) << "stream '" << state_->name() << "' of " << device_.name()
+                         << ": cudaStreamDestroy failed: " << cudaGetErrorString(error);
+    }
+  }
+
   StatusOr<CudaEvent*> own_event(Event& event, std::string_view verb) {
     auto* cuda_event = dynamic_cast<CudaEvent*>(&event);
     if (cuda_event == nullptr || cuda_event->device() != &device_) {

@@ -185,8 +185,8 @@ class Device {
   // A stream someone else made and owns (a framework's current stream, given as its
   // native handle: a cudaStream_t), so that work on the device's own streams and the
   // owner's can be ordered with events in both directions. The wrapper records, waits,
-  // launches and synchronizes like a stream of create_stream(); its destructor waits for
-  // the work enqueued through it but leaves the stream itself to its owner. Unimplemented
+  // launches and synchronizes like a stream of create_stream(); its destructor neither
+  // waits for the stream nor destroys it, which stay its owner's. Unimplemented
   // on a device without native streams (the CPU device, whose callers compute on their
   // own thread and wait for the device's events instead).
   virtual StatusOr<std::unique_ptr<Stream>> adopt_stream(void* native_handle, std::string name);

@@ -28,7 +28,7 @@ class StreamJoin {
 
   // The caller's stream from now on: `native_handle` is its cudaStream_t (0: the legacy
   // default stream). A handle already in use is kept; another replaces it (the old
-  // wrapper waits for what was enqueued through it).
+  // stream is left to its owner: nothing of the front end's runs on it but events).
   Status use(Device& device, uintptr_t native_handle);
   bool joined() const { return caller_ != nullptr; }
 
