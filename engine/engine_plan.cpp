@@ -59,6 +59,9 @@ struct ModelShape {
   int slot_groups = 0;                           // groups that take a gather slot
 };
 
+// Gradient buffers beyond the ones the model holds: two (double buffering), or one.
+enum class GradientBuffering : uint8_t { kDouble, kSingle };
+
 class Planner {
  public:
   explicit Planner(const PlanInputs& in) : in_(in), o_(*in.options) {}
@@ -70,8 +73,15 @@ class Planner {
     const int cap = automatic ? std::min(kMaxAutomaticPrefetchDepth, std::max(1, shape_.slot_groups)) : o_.prefetch_depth;
     EnginePlan chosen;
     for (int depth = cap; depth >= 0; --depth) {
-      STRATA_ASSIGN_OR_RETURN(chosen, plan_with_depth(depth));
+      STRATA_ASSIGN_OR_RETURN(chosen, plan_with_depth(depth, GradientBuffering::kDouble));
       if (!automatic || fits(chosen)) break;
+    }
+    // The last resort before the budget check fails: one gradient buffer where two do
+    // not fit (each group's backward then waits until the previous group's gradients have
+    // left the device).
+    if (!fits(chosen) && in_.schedule_known()) {
+      STRATA_ASSIGN_OR_RETURN(EnginePlan single, plan_with_depth(chosen.prefetch_depth, GradientBuffering::kSingle));
+      if (fits(single)) chosen = std::move(single);
     }
     chosen.prefetch_depth_chosen = automatic;
     chosen.text = describe(chosen);
@@ -143,18 +153,22 @@ class Planner {
   // live between its backward uses). Without a declared schedule, assume one such group.
   // Two slots let one group's gradient be reduced and copied out while the next group's
   // backward fills the other; each gradient the model holds between uses takes one more.
-  int gradient_slot_count() const {
+  // Two buffers by default, so that a group's backward writes one while the previous
+  // group's gradients leave the other; plus one per gradient the model holds between
+  // uses. Without a known schedule, three.
+  int gradient_slot_count(GradientBuffering buffering) const {
     if (shape_.trainable_max_padded == 0) return 0;  // every group frozen: no gradients
-    if (in_.held_gradients >= 0) return 2 + in_.held_gradients;
+    const int base = buffering == GradientBuffering::kSingle ? 1 : 2;
+    if (in_.held_gradients >= 0) return base + in_.held_gradients;
     if (in_.schedule.empty()) return 3;
     std::map<int, int> uses;
     for (int g : in_.schedule) ++uses[g];
-    int slots = 2;
+    int slots = base;
     for (const auto& [g, n] : uses) slots += n > 2 ? 1 : 0;
     return slots;
   }
 
-  StatusOr<EnginePlan> plan_with_depth(int requested_depth) const {
+  StatusOr<EnginePlan> plan_with_depth(int requested_depth, GradientBuffering buffering) const {
     EnginePlan p;
     p.persistent = persistent_;
     p.max_gather_elements = shape_.max_padded;
@@ -166,7 +180,8 @@ class Planner {
     p.device_budget_bytes = in_.device_budget_bytes;
     p.state_bytes = shape_.total_numel * dtype_size(o_.param_dtype) + shape_.trainable_numel * (12 + 4);
     size_gather_slots(p, requested_depth);
-    p.gradient_slots = gradient_slot_count();
+    p.gradient_slots = gradient_slot_count(buffering);
+    p.single_gradient_buffer = buffering == GradientBuffering::kSingle;
     p.gradient_slot_elements.assign(static_cast<size_t>(p.gradient_slots), std::max<size_t>(shape_.trainable_second_max_padded, 1));
     if (p.gradient_slots > 0) p.gradient_slot_elements.front() = shape_.trainable_max_padded;
     if (o_.world_size > 1 && o_.reduce_bucket_elements > 0 && o_.reduce_bucket_elements < shape_.trainable_max_shard)
@@ -214,7 +229,9 @@ class Planner {
     add(p, "persistent groups (gathered)", Tier::kDevice, shape_.persistent_full_bytes + shape_.persistent_shard_bytes);
     size_t gradient_elements = 0;
     for (size_t elements : p.gradient_slot_elements) gradient_elements += elements;
-    if (gslots > 0)
+    if (gslots == 1)
+      add(p, "gradient buffer (fp32: 1 x " + format_bytes(shape_.trainable_max_padded * 4) + ")", Tier::kDevice, gradient_elements * 4);
+    if (gslots > 1)
       add(p, "gradient buffers (fp32: 1 x " + format_bytes(shape_.trainable_max_padded * 4) + " + " + std::to_string(gslots - 1) + " x " +
                  format_bytes(p.gradient_slot_elements.back() * 4) + ")",
           Tier::kDevice, gradient_elements * 4);
@@ -329,6 +346,9 @@ class Planner {
     text << "\n  prefetch depth " << p.prefetch_depth << (p.prefetch_depth_chosen ? " (automatic: the deepest that fits)" : "")
          << " (" << p.gather_slots << " gather slots), optimizer overlap " << overlap_mode_name(o_.overlap) << ", "
          << o_.gradient_accumulation_steps << " micro-batch(es) per step";
+    if (p.single_gradient_buffer)
+      text << "; one gradient buffer (two do not fit the device budget: each group's backward waits for the previous group's "
+              "gradients to leave)";
     if (p.state_ring_slots > 0)
       text << "; optimizer-state chunks of " << p.state_piece_elements << " elements"
            << (o_.sub_group_elements > 0 ? " (sub_group_size " + std::to_string(o_.sub_group_elements) + ")" : " (automatic)");

@@ -42,6 +42,9 @@ struct PlanInputs {
   std::span<const int> schedule;        // declared group uses (empty: recorded later)
   int held_gradients = -1;              // Engine::declare_held_gradients; -1: inferred from the schedule
   size_t device_budget_bytes = 0;
+  // The gradient buffers the model holds at once are known (declared, or counted from a
+  // declared schedule), so one buffer beyond them suffices when two do not fit.
+  bool schedule_known() const { return held_gradients >= 0 || !schedule.empty(); }
 };
 
 StatusOr<EnginePlan> make_engine_plan(const PlanInputs& inputs);

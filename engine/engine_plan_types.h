@@ -39,6 +39,8 @@ struct EnginePlan {
   // groups have neither; 0 when every group is frozen).
   size_t max_trainable_shard_elements = 0;
   int gradient_slots = 0;         // device gradient buffers
+  // One buffer beyond those the model holds, not two: two did not fit the device budget.
+  bool single_gradient_buffer = false;
   // Elements (padded) each gradient slot holds: the first fits the largest group, the
   // others the largest of the rest (a vocabulary-sized group takes the big one).
   std::vector<size_t> gradient_slot_elements;

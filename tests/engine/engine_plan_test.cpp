@@ -199,6 +199,42 @@ TEST(EnginePlanTest, DeclaredHeldGradientsSetTheGradientSlotsBeyondTheTwo) {
   }
 }
 
+// Two gradient buffers beyond the held ones, until they do not fit the device budget: then
+// one, said in the plan's text (after every shallower prefetch, with the automatic depth);
+// without a declared schedule (three buffers) never fewer.
+TEST(EnginePlanTest, WhenTwoGradientBuffersDoNotFitTheBudgetThePlanTakesOne) {
+  const std::vector<GroupLayout> layouts = linear_layers(6, 1024);  // 4 MiB of fp32 gradient per group
+  EngineOptions options;
+  options.prefetch_depth = 1;  // fixed: with the automatic depth a shallower prefetch is tried first
+  PlanInputs inputs;
+  inputs.options = &options;
+  inputs.layouts = layouts;
+  inputs.held_gradients = 0;
+  inputs.device_budget_bytes = 4096 * kMiB;
+  STRATA_ASSERT_OK_AND_ASSIGN(const EnginePlan roomy, make_engine_plan(inputs));
+  EXPECT_EQ(roomy.gradient_slots, 2);
+  EXPECT_FALSE(roomy.single_gradient_buffer);
+  // Just under the two-buffer plan: one buffer (4 MiB less) fits.
+  inputs.device_budget_bytes = roomy.device_bytes - 1;
+  STRATA_ASSERT_OK_AND_ASSIGN(const EnginePlan tight, make_engine_plan(inputs));
+  EXPECT_EQ(tight.gradient_slots, 1);
+  EXPECT_TRUE(tight.single_gradient_buffer);
+  EXPECT_LE(tight.device_bytes, tight.device_budget_bytes) << tight.text;
+  EXPECT_NE(tight.text.find("gradient buffer (fp32: 1 x 4.0 MiB)"), std::string::npos) << tight.text;
+  EXPECT_NE(tight.text.find("one gradient buffer (two do not fit"), std::string::npos) << tight.text;
+  // Held gradients stay on top of the one.
+  inputs.held_gradients = 2;
+  STRATA_ASSERT_OK_AND_ASSIGN(const EnginePlan held_roomy, make_engine_plan(PlanInputs{inputs.options, inputs.layouts, {}, 2, 4096 * kMiB}));
+  inputs.device_budget_bytes = held_roomy.device_bytes - 1;
+  STRATA_ASSERT_OK_AND_ASSIGN(const EnginePlan held_tight, make_engine_plan(inputs));
+  EXPECT_EQ(held_tight.gradient_slots, 3);
+  // A model that declared nothing keeps its three, and fails the check instead.
+  inputs.held_gradients = -1;
+  STRATA_ASSERT_OK_AND_ASSIGN(const EnginePlan recorded, make_engine_plan(inputs));
+  EXPECT_EQ(recorded.gradient_slots, 3);
+  EXPECT_FALSE(recorded.single_gradient_buffer);
+}
+
 TEST(EnginePlanTest, TheAutomaticDepthAlsoFitsNvmeReadStagingIntoThePinnedBudget) {
   const auto layouts = linear_layers(8, 2048);  // 8 MiB bf16 shards
   EngineOptions options = nvme_options();

@@ -318,6 +318,31 @@ TEST(EngineTest, RecordedScheduleGivesTheSameWeightsAsADeclaredOne) {
     EXPECT_EQ(std::memcmp(declared.masters[g].data(), recorded.masters[g].data(), declared.masters[g].size() * 4), 0) << "group " << g;
 }
 
+// A device budget that holds one gradient buffer but not two: the backward waits for each
+// group's gradients to leave before writing the next's, and the weights are the same bits.
+TEST(EngineTest, OneGradientBufferUnderATightBudgetTrainsTheSameBitsAsTwo) {
+  for (int world : {1, 2}) {
+    RunSpec spec;
+    spec.model = small_model();
+    spec.world = world;
+    spec.steps = 4;
+    spec.micro_batches = 2;
+    EngineOptions options = fp32_options();
+    options.prefetch_depth = 1;
+    EngineRun two = run_engine(options, spec);
+    STRATA_ASSERT_OK(two.status);
+    ASSERT_FALSE(two.plan.single_gradient_buffer);
+    spec.budget_bytes = two.plan.device_bytes - 1;
+    EngineRun one = run_engine(options, spec);
+    STRATA_ASSERT_OK(one.status);
+    ASSERT_TRUE(one.plan.single_gradient_buffer) << one.plan.text;
+    EXPECT_EQ(one.plan.gradient_slots, two.plan.gradient_slots - 1);
+    EXPECT_LE(one.max_high_water, spec.budget_bytes);
+    for (size_t g = 0; g < two.masters.size(); ++g)
+      EXPECT_EQ(std::memcmp(two.masters[g].data(), one.masters[g].data(), two.masters[g].size() * 4), 0) << "group " << g << " world " << world;
+  }
+}
+
 struct PlacementCase {
   Tier params;
   Tier optimizer;
