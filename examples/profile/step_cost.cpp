@@ -130,10 +130,14 @@ void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& sh
     const double window = forward_mb + (shape.adam_during_backward ? backward_mb : 0.0);
     waited = std::max(0.0, optimizer - window);
   }
-  p.chain_seconds = compute + fill + waited;
+  const double gradients_out = shape.single_gradient_buffer ? p.busy[static_cast<size_t>(Stage::kReduceScatter)] +
+                                                                   row_seconds(p, "gradient", Stage::kD2H)
+                                                             : 0.0;
+  p.chain_seconds = compute + fill + waited + gradients_out;
   std::string chain = "compute";
   if (fill > 0) chain += shape.prefetch_depth == 0 ? " + every parameter fetch (prefetch depth 0)" : " + the first fetch";
   if (waited > 0) chain += " + optimizer (exact overlap: forward(g) waits for Adam(g))";
+  if (gradients_out > 0) chain += " + every group's gradients leaving (one gradient buffer)";
   size_t busiest = 0;
   for (size_t s = 1; s < kStageCount; ++s)
     if (p.busy[s] > p.busy[busiest]) busiest = s;

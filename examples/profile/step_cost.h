@@ -61,6 +61,9 @@ struct PipelineShape {
   int world = 1;
   bool adam_during_backward = false;  // exact overlap without clipping or loss scaling
   bool adam_on_device = false;        // optimizer state on the device: Adam at the device's memory rate
+  // One gradient buffer (the plan's fallback): each group's backward waits for the previous
+  // group's gradients to leave the device, so their reduce-scatter and copy join the chain.
+  bool single_gradient_buffer = false;
   std::string grad_dtype = "bf16";    // what the CPU Adam reads ("fp32" | "bf16" | "fp16")
   std::string param_dtype = "bf16";   // the parameter copy it writes
   uint64_t nvme_block_bytes = uint64_t{1} << 20;

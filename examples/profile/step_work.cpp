@@ -102,6 +102,7 @@ StatusOr<PlannedStep> planned_step(const PlannedStepInputs& in) {
   add_flops(in.model, o.gradient_accumulation_steps, out.work);
   PipelineShape& s = out.shape;
   s.prefetch_depth = in.plan->prefetch_depth;
+  s.single_gradient_buffer = in.plan->single_gradient_buffer;
   s.overlap = o.overlap;
   s.micro_batches = o.gradient_accumulation_steps;
   s.world = o.world_size;

@@ -128,6 +128,22 @@ TEST(StepCost, UploadingNewParametersIsNotAFetchTheChainWaitsFor) {
   EXPECT_DOUBLE_EQ(p->chain_seconds, 3.0);
 }
 
+// With one gradient buffer the backward waits for each group's gradients to leave: their
+// copy to the host is on the chain, not beside it.
+TEST(StepCost, OneGradientBufferPutsTheGradientCopiesOnTheChain) {
+  StepWork w = three_seconds_of_compute();
+  w.d2h_bytes = 5e9;  // 1 s at 5 GB/s
+  PipelineShape shape;
+  auto two = predict_step(w, shape, round_profile());
+  ASSERT_TRUE(two.ok());
+  EXPECT_DOUBLE_EQ(two->chain_seconds, 3.0);
+  shape.single_gradient_buffer = true;
+  auto one = predict_step(w, shape, round_profile());
+  ASSERT_TRUE(one.ok());
+  EXPECT_DOUBLE_EQ(one->chain_seconds, 4.0);
+  EXPECT_NE(one->bound.find("one gradient buffer"), std::string::npos) << one->bound;
+}
+
 // The CPU device's memory is the host's: CPU Adam writes its parameters in place.
 TEST(StepCost, OnTheCpuDeviceNewParametersCostNoCopy) {
   StepWork w = three_seconds_of_compute();
