@@ -131,6 +131,25 @@ TEST(Session, RefusesARegistrationAfterStart) {
   EXPECT_NE(status.message().find("late"), std::string::npos) << status.to_string();
 }
 
+// The CPU device's caller computes on its own thread: a gather is ready when it returns,
+// regions are host memory, and there is no stream to join.
+TEST(Session, OnTheCpuDeviceRegionsAreHostMemoryAndNoStreamIsJoined) {
+  STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Session> session, Session::create(config_text(""), "<test>"));
+  STRATA_ASSERT_OK(session->register_group("g", {{"w", {4}, true}}, true, DType::kFloat32).status());
+  STRATA_ASSERT_OK(session->start());
+  EXPECT_EQ(session->device_kind(), DeviceKind::kCpu);
+  const Status joined = session->use_caller_stream(0);
+  EXPECT_EQ(joined.code(), StatusCode::kUnimplemented) << joined.to_string();
+  STRATA_ASSERT_OK(session->write_group(0, std::vector<float>{1, 2, 3, 4}));
+  STRATA_ASSERT_OK(session->refresh());
+  STRATA_ASSERT_OK(session->begin_micro_batch());
+  STRATA_ASSERT_OK_AND_ASSIGN(const Region gathered, session->gather(0));
+  EXPECT_EQ(gathered.device, DeviceKind::kCpu);
+  EXPECT_EQ(static_cast<const float*>(gathered.data)[2], 3.0f);  // ready on return, read on this thread
+  STRATA_EXPECT_OK(session->release(0));
+  STRATA_EXPECT_OK(session->close());
+}
+
 TEST(Session, RejectsATrainerOnlyKeyNamingIt) {
   const std::string text = R"({"train_micro_batch_size_per_gpu": 1, "strata": {"device": "cpu", "steps": 3}})";
   const auto session = Session::create(text, "<test>");
