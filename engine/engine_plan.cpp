@@ -148,14 +148,10 @@ class Planner {
     }
   }
 
-  // Gradient slots: two (one being written, one draining to the host), plus one for every
-  // group used more than twice per micro-batch (a tied group: its gradient buffer stays
-  // live between its backward uses). Without a declared schedule, assume one such group.
-  // Two slots let one group's gradient be reduced and copied out while the next group's
-  // backward fills the other; each gradient the model holds between uses takes one more.
-  // Two buffers by default, so that a group's backward writes one while the previous
-  // group's gradients leave the other; plus one per gradient the model holds between
-  // uses. Without a known schedule, three.
+  // Gradient slots: two (one being written by a group's backward, one draining the
+  // previous group's gradients to the host), or one where two do not fit; plus one for
+  // every gradient the model holds between uses (declared, or a group used more than twice
+  // per micro-batch: a tied group). Without a declared schedule, three.
   int gradient_slot_count(GradientBuffering buffering) const {
     if (shape_.trainable_max_padded == 0) return 0;  // every group frozen: no gradients
     const int base = buffering == GradientBuffering::kSingle ? 1 : 2;

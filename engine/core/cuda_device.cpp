@@ -579,12 +579,16 @@ StatusOr<std::unique_ptr<Stream>> CudaDevice::create_stream(std::string name) {
   STRATA_ENTER_DEVICE(ordinal_);
   cudaStream_t stream = nullptr;
   STRATA_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return track_stream(stream, std::move(name), /*owned=*/true);
+}
+
+std::unique_ptr<Stream> CudaDevice::track_stream(cudaStream_t stream, std::string name, bool owned) {
   auto state = std::make_shared<StreamState>(std::move(name));
-  auto owner = std::make_unique<CudaStream>(*this, stream, state, StreamOwnership::kOwned);
+  auto wrapper = std::make_unique<CudaStream>(*this, stream, state, owned ? StreamOwnership::kOwned : StreamOwnership::kAdopted);
   std::lock_guard<std::mutex> lock(streams_mutex_);
   streams_.push_back(std::move(state));
   ++live_stream_count_;
-  return std::unique_ptr<Stream>(std::move(owner));
+  return wrapper;
 }
 
 StatusOr<std::unique_ptr<Stream>> CudaDevice::adopt_stream(void* native_handle, std::string name) {
@@ -600,12 +604,7 @@ StatusOr<std::unique_ptr<Stream>> CudaDevice::adopt_stream(void* native_handle, 
       "adopting stream '" + name + "'");
   if (stream_device != ordinal_)
     return InvalidArgumentError("stream '" + name + "' belongs to cuda:" + std::to_string(stream_device) + ", not to " + this->name());
-  auto state = std::make_shared<StreamState>(std::move(name));
-  auto wrapper = std::make_unique<CudaStream>(*this, stream, state, StreamOwnership::kAdopted);
-  std::lock_guard<std::mutex> lock(streams_mutex_);
-  streams_.push_back(std::move(state));
-  ++live_stream_count_;
-  return std::unique_ptr<Stream>(std::move(wrapper));
+  return track_stream(stream, std::move(name), /*owned=*/false);
 }
 
 StatusOr<std::unique_ptr<Event>> CudaDevice::create_event() {

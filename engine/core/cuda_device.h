@@ -102,6 +102,9 @@ class CudaDevice final : public Device {
   // on entry and on return; it is released while the driver frees.
   Status release_cached(std::unique_lock<std::mutex>& lock);
   void on_stream_destroyed(const std::shared_ptr<cuda_device_internal::StreamState>& state);
+  // A wrapper of `stream` counted among the live streams; `owned`: destroyed with it
+  // (create_stream), else left to its owner (adopt_stream).
+  std::unique_ptr<Stream> track_stream(cudaStream_t stream, std::string name, bool owned);
   // The anchor a timing event recorded now is converted through: the current one, or a
   // new one when it is older than kAnchorRefresh (or there is none yet).
   StatusOr<std::shared_ptr<const cuda_device_internal::TimingAnchor>> timing_anchor();

@@ -37,8 +37,7 @@ std::string_view copy_kind_name(CopyKind kind) {
   return "?";
 }
 
-StatusOr<std::unique_ptr<Stream>> Device::adopt_stream(void* native_handle, std::string name) {
-  (void)native_handle;
+StatusOr<std::unique_ptr<Stream>> Device::adopt_stream(void* /*native_handle*/, std::string name) {
   return UnimplementedError(description() + " has no native streams to adopt ('" + name +
                             "'): its callers wait for its events on their own thread");
 }

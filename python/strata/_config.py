@@ -32,11 +32,8 @@ def config_text(config: Any, model: nn.Module):
         parsed = json.loads(text)
     except ValueError:
         return text, source  # the engine's parser names the fault
-    strata = parsed.get("strata") if isinstance(parsed, dict) else None
-    if isinstance(strata, dict) and "device" not in strata:
-        strata["device"] = model_device(model)
-        return json.dumps(parsed), source
-    if isinstance(parsed, dict) and strata is None:
-        parsed["strata"] = {"device": model_device(model)}
-        return json.dumps(parsed), source
-    return text, source
+    strata = parsed.setdefault("strata", {}) if isinstance(parsed, dict) else None
+    if not isinstance(strata, dict) or "device" in strata:
+        return text, source  # as written (a wrong "strata" is the engine's to name)
+    strata["device"] = model_device(model)
+    return json.dumps(parsed), source
