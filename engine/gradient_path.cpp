@@ -332,7 +332,10 @@ Status GradientPath::hand_over(int g, int64_t step, int micro) {
     if (o.grad_transfer_dtype != DType::kFloat32) {
       // The shared cast buffer: the previous copy out of it must be done.
       STRATA_RETURN_IF_ERROR(ctx_.reduce->wait(*cast_free_));
-      STRATA_RETURN_IF_ERROR(kernels::cast(*ctx_.reduce, transfer, DType::kFloat32, cast_.data(), o.grad_transfer_dtype, shard));
+      // Traced with the reduce stream's other work (the reduce_scatter stage's track).
+      STRATA_RETURN_IF_ERROR(ctx_.stream_trace->traced(*ctx_.reduce, Stage::kReduceScatter, g, group_layout(g).name + " cast", [&] {
+        return kernels::cast(*ctx_.reduce, transfer, DType::kFloat32, cast_.data(), o.grad_transfer_dtype, shard);
+      }));
       transfer = cast_.data();
     }
     STRATA_RETURN_IF_ERROR(ctx_.reduce->record(*slot.reduced));

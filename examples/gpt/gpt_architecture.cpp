@@ -70,6 +70,12 @@ lm::FlopShape GptArchitecture::flop_shape() const {
   return lm::decoder_flop_shape({.layers = config_.n_layer, .hidden = C, .query_width = C, .kv_width = C, .mlp_width = 4 * C,
                                  .mlp_matrices = 2, .vocab = config_.vocab_size});
 }
+lm::MemoryBoundWork GptArchitecture::memory_bound_work() const {
+  const int64_t C = config_.n_embd;
+  return lm::decoder_memory_bound_work({.layers = config_.n_layer, .hidden = C, .query_width = C, .kv_width = C, .mlp_width = 4 * C,
+                                        .vocab = config_.vocab_size},
+                                       lm::DecoderOps::kGpt2);
+}
 std::vector<GroupSpec> GptArchitecture::group_specs() const { return gpt_group_specs(config_); }
 std::vector<int> GptArchitecture::schedule() const { return gpt_schedule(config_); }
 std::vector<int> GptArchitecture::forward_order() const { return gpt_forward_order(config_); }

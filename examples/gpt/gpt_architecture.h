@@ -25,6 +25,7 @@ class GptArchitecture final : public lm::TransformerArchitecture<GptModel, GptMo
   std::string model_json() const override;
   int64_t parameter_count() const override;
   lm::FlopShape flop_shape() const override;
+  lm::MemoryBoundWork memory_bound_work() const override;
 
   std::vector<GroupSpec> group_specs() const override;
   std::vector<int> schedule() const override;

@@ -101,6 +101,13 @@ lm::FlopShape LlamaArchitecture::flop_shape() const {
                                  .vocab = c.vocab_size});
 }
 
+lm::MemoryBoundWork LlamaArchitecture::memory_bound_work() const {
+  const LlamaConfig& c = config_;
+  return lm::decoder_memory_bound_work({.layers = c.num_hidden_layers, .hidden = c.hidden_size, .query_width = c.num_attention_heads * c.head_dim,
+                                        .kv_width = c.num_key_value_heads * c.head_dim, .mlp_width = c.intermediate_size, .vocab = c.vocab_size},
+                                       lm::DecoderOps::kLlama);
+}
+
 std::string LlamaArchitecture::family() const {
   switch (config_.family) {
     case LlamaFamily::kLlama: return "Llama";

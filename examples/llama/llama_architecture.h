@@ -41,6 +41,7 @@ class LlamaArchitecture final : public lm::TransformerArchitecture<LlamaModel, L
   std::string model_json() const override { return llama_config_json(config_).dump(); }
   int64_t parameter_count() const override { return llama_parameter_count(config_); }
   lm::FlopShape flop_shape() const override;
+  lm::MemoryBoundWork memory_bound_work() const override;
 
   std::vector<GroupSpec> group_specs() const override { return llama_group_specs(config_, chunks_); }
   std::vector<int> schedule() const override { return llama_schedule(config_, chunks_); }

@@ -22,6 +22,7 @@
 #include "engine/core/status.h"
 #include "engine/engine.h"
 #include "examples/lm/host_staging.h"
+#include "examples/lm/memory_bound_work.h"
 #include "examples/lm/model_flops.h"
 
 namespace strata::lm {
@@ -132,6 +133,8 @@ class Architecture {
   virtual int64_t layers() const = 0;
   // What its model FLOPs per token depend on (examples/lm/model_flops.h).
   virtual FlopShape flop_shape() const = 0;
+  // Its memory-bound kernels per token, for the step's cost model (examples/lm/memory_bound_work.h).
+  virtual MemoryBoundWork memory_bound_work() const = 0;
   // True when TokenBatch::positions other than 0 .. seq_len-1 are honoured.
   virtual bool takes_position_ids() const = 0;
   // True when one forward can also measure an evaluation batch (CausalLm::run_micro_batch

@@ -72,8 +72,10 @@ Json communicator_to_json(const CommunicatorRate& c) {
 nlohmann::ordered_json machine_profile_to_json(const MachineProfile& p) {
   Json nvme = Json::array();
   for (const NvmeRate& n : p.nvme) {
-    nvme.push_back({{"block_bytes", n.block_bytes}, {"queue_depth", n.queue_depth}, {"checksums", n.checksums},
-                    {"read_bytes_per_s", n.read_bytes_per_s}, {"write_bytes_per_s", n.write_bytes_per_s}});
+    Json rate = {{"block_bytes", n.block_bytes}, {"queue_depth", n.queue_depth}, {"checksums", n.checksums},
+                 {"read_bytes_per_s", n.read_bytes_per_s}, {"write_bytes_per_s", n.write_bytes_per_s}};
+    if (n.mixed_bytes_per_s) rate["mixed_bytes_per_s"] = *n.mixed_bytes_per_s;
+    nvme.push_back(std::move(rate));
   }
   Json adam = Json::array();
   for (const AdamRate& a : p.cpu_adam) {
@@ -274,6 +276,9 @@ StatusOr<NvmeRate> read_nvme(ObjectReader r) {
   STRATA_ASSIGN_OR_RETURN(n.checksums, r.boolean("checksums"));
   STRATA_ASSIGN_OR_RETURN(n.read_bytes_per_s, r.rate("read_bytes_per_s"));
   STRATA_ASSIGN_OR_RETURN(n.write_bytes_per_s, r.rate("write_bytes_per_s"));
+  if (r.optional("mixed_bytes_per_s") != nullptr) {
+    STRATA_ASSIGN_OR_RETURN(n.mixed_bytes_per_s, r.rate("mixed_bytes_per_s"));
+  }
   STRATA_RETURN_IF_ERROR(r.finish());
   return n;
 }

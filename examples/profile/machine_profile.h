@@ -57,6 +57,10 @@ struct NvmeRate {
   bool checksums = true;        // computed on write and verified on read, as the engine runs
   double read_bytes_per_s = 0;
   double write_bytes_per_s = 0;
+  // Reads and writes at once (each direction queue_depth deep, from its own thread): both
+  // directions' bytes per second. Unset where not measured; the cost model then times a
+  // step's reads and writes one after the other at the rates above.
+  std::optional<double> mixed_bytes_per_s;
 };
 
 // Pinned host memory <-> device memory. On the CPU device both ends are host memory and a

@@ -1,5 +1,7 @@
 #include "examples/profile/step_cost.h"
 
+#include "examples/profile/kernel_ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -54,6 +56,8 @@ void add_transfer_rows(RowBuilder& rows, const StepWork& w, const PipelineShape&
            same_world ? "all_gather at world " + std::to_string(comm.world) : "none at world " + std::to_string(shape.world));
   rows.add(Stage::kReduceScatter, "full gradients", w.reduce_scatter_bytes, "B", same_world ? comm.reduce_scatter_bytes_per_s.value_or(0) : 0,
            same_world ? "reduce_scatter at world " + std::to_string(comm.world) : "none at world " + std::to_string(shape.world));
+  const std::string cast_op = "grad cast to " + shape.grad_dtype;
+  rows.add(Stage::kReduceScatter, "gradient cast to " + shape.grad_dtype, w.gradient_cast_bytes, "B", memory_op_rate(p, cast_op), cast_op);
   rows.add(Stage::kD2H, "gradient shards", w.d2h_bytes, "B", p.copy.d2h_bytes_per_s, copy + " d2h");
   // The landing pass streams host memory. The profile's host-memory figure is a copy's rate,
   // which reads and writes each byte: twice that in bytes read or written.
@@ -64,15 +68,48 @@ void add_transfer_rows(RowBuilder& rows, const StepWork& w, const PipelineShape&
   rows.add(Stage::kLanding, "gradient spill to NVMe", w.landing_spill_bytes, "B", write, nvme_source(nvme, "write"));
 }
 
+double compute_element_bytes(const MachineProfile& p) { return p.compute.dtype == "fp32" ? 4.0 : 2.0; }
+
+// One row for a phase's memory-bound kernels: their bytes, each op at its own rate; the
+// row's rate is the bytes over the summed seconds (0, so no seconds, when an op has none).
+void add_memory_row(RowBuilder& rows, const std::string& what, const std::vector<MemoryPass>& passes, const MachineProfile& p,
+                    const std::string& on) {
+  double bytes = 0, seconds = 0;
+  bool priced = true;
+  for (const MemoryPass& pass : passes) {
+    const double b = memory_op_accesses(pass.op).value_or(0.0) * pass.elements * compute_element_bytes(p);
+    const double rate = memory_op_rate(p, pass.op);
+    bytes += b;
+    if (rate > 0) seconds += b / rate;
+    else if (b > 0) priced = false;
+  }
+  rows.add(Stage::kCompute, what, bytes, "B", priced && seconds > 0 ? bytes / seconds : 0.0, "memory-bound ops, each at its rate" + on);
+}
+
 void add_compute_rows(RowBuilder& rows, const StepWork& w, const MachineProfile& p) {
   const double gemm = p.compute.gemm_flops_per_s, attention = p.compute.attention_flops_per_s;
   const std::string on = " (" + p.compute.device + " " + p.compute.dtype + ")";
+  // The host's GEMMs stream each weight from memory into their packed panels, a copy
+  // beside the FLOPs that the profile's GEMM rate (weights in cache) leaves out. A GPU's
+  // products read their weights at its memory's speed within the measured rate: no row.
+  const double streamed = p.copy.host_copy ? p.copy.h2d_bytes_per_s : 0.0;
+  const double element = compute_element_bytes(p);
+  const std::string stream_source = "host copy (weights streamed from memory)";
   rows.add(Stage::kCompute, "forward (GEMM)", w.forward_matmul_flops, "FLOP", gemm, "gemm" + on);
   rows.add(Stage::kCompute, "forward (attention)", w.forward_attention_flops, "FLOP", attention, "attention" + on);
+  add_memory_row(rows, "forward (memory-bound ops)", w.forward_memory, p, on);
+  if (streamed > 0) rows.add(Stage::kCompute, "forward (weights from memory)", w.forward_weight_elements * element, "B", streamed, stream_source);
   rows.add(Stage::kCompute, "recompute (GEMM)", w.recompute_matmul_flops, "FLOP", gemm, "gemm" + on);
   rows.add(Stage::kCompute, "recompute (attention)", w.recompute_attention_flops, "FLOP", attention, "attention" + on);
+  add_memory_row(rows, "recompute (memory-bound ops)", w.recompute_memory, p, on);
+  if (streamed > 0)
+    rows.add(Stage::kCompute, "recompute (weights from memory)", w.recompute_weight_elements * element, "B", streamed, stream_source);
   rows.add(Stage::kCompute, "backward (GEMM)", w.backward_matmul_flops, "FLOP", gemm, "gemm" + on);
   rows.add(Stage::kCompute, "backward (attention)", w.backward_attention_flops, "FLOP", attention, "attention" + on);
+  add_memory_row(rows, "backward (memory-bound ops)", w.backward_memory, p, on);
+  if (streamed > 0) rows.add(Stage::kCompute, "backward (weights from memory)", w.backward_weight_elements * element, "B", streamed, stream_source);
+  rows.add(Stage::kCompute, "backward (gradient buffers zeroed)", w.gradient_zero_bytes, "B", p.compute.memory_bytes_per_s,
+           "memory-bound" + on);
 }
 
 void add_optimizer_row(RowBuilder& rows, const StepWork& w, const PipelineShape& shape, const MachineProfile& p) {
@@ -104,9 +141,21 @@ struct SharedBound {
   double seconds = 0;
   std::string name;
 };
-SharedBound shared_resources(const StepPrediction& p, bool host_cores) {
+// The disk's time for the step's reads and writes: the bytes both directions move together
+// at the profile's mixed rate where it has one (a step reads and writes its state at once),
+// the rest of each direction at its own rate; without a mixed rate, one after the other.
+SharedBound disk_time(const StepPrediction& p, const StepWork& w, const NvmeRate* nvme) {
+  const double read_busy = p.busy[static_cast<size_t>(Stage::kNvmeRead)], write_busy = p.busy[static_cast<size_t>(Stage::kNvmeWrite)];
+  if (nvme == nullptr || !nvme->mixed_bytes_per_s || *nvme->mixed_bytes_per_s <= 0)
+    return {read_busy + write_busy, "the disk (nvme_read + nvme_write)"};
+  const double read = w.param_read_bytes + w.state_read_bytes, write = w.param_write_bytes + w.state_write_bytes;
+  const double both = std::min(read, write);
+  const double seconds = 2 * both / *nvme->mixed_bytes_per_s + (read - both) / nvme->read_bytes_per_s + (write - both) / nvme->write_bytes_per_s;
+  return {seconds, "the disk (reads and writes at once)"};
+}
+
+SharedBound shared_resources(const StepPrediction& p, const SharedBound& disk, bool host_cores) {
   auto busy_of = [&](Stage s) { return p.busy[static_cast<size_t>(s)]; };
-  SharedBound disk{busy_of(Stage::kNvmeRead) + busy_of(Stage::kNvmeWrite), "the disk (nvme_read + nvme_write)"};
   if (!host_cores) return disk;
   SharedBound cores{busy_of(Stage::kCompute) + busy_of(Stage::kH2D) + busy_of(Stage::kD2H) + busy_of(Stage::kLanding) +
                         busy_of(Stage::kOptimizer) + busy_of(Stage::kAllGather) + busy_of(Stage::kReduceScatter),
@@ -114,7 +163,7 @@ SharedBound shared_resources(const StepPrediction& p, bool host_cores) {
   return cores.seconds > disk.seconds ? cores : disk;
 }
 
-void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& shape, bool host_cores) {
+void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& shape, const SharedBound& disk, bool host_cores) {
   const double compute = p.busy[static_cast<size_t>(Stage::kCompute)];
   const double k = static_cast<double>(shape.micro_batches);
   const double forward_mb = row_seconds(p, "forward", Stage::kCompute) / k;
@@ -143,7 +192,7 @@ void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& sh
     if (p.busy[s] > p.busy[busiest]) busiest = s;
   p.pipeline_seconds = p.busy[busiest];
   std::string pipeline_bound = name_of(static_cast<Stage>(busiest));
-  const SharedBound shared = shared_resources(p, host_cores);
+  const SharedBound shared = shared_resources(p, disk, host_cores);
   if (shared.seconds > p.pipeline_seconds) {
     p.pipeline_seconds = shared.seconds;
     pipeline_bound = shared.name;
@@ -156,9 +205,14 @@ Status check_inputs(const StepWork& w, const PipelineShape& shape) {
   for (const double v : {w.param_read_bytes, w.state_read_bytes, w.param_write_bytes, w.state_write_bytes, w.h2d_bytes, w.h2d_update_bytes, w.allgather_bytes,
                          w.reduce_scatter_bytes, w.d2h_bytes, w.landing_bytes, w.landing_spill_bytes, w.forward_matmul_flops, w.forward_attention_flops,
                          w.backward_matmul_flops, w.backward_attention_flops, w.recompute_matmul_flops, w.recompute_attention_flops,
-                         w.adam_elements}) {
+                         w.forward_weight_elements, w.recompute_weight_elements, w.backward_weight_elements, w.gradient_zero_bytes,
+                         w.gradient_cast_bytes, w.adam_elements}) {
     if (!(v >= 0) || !std::isfinite(v)) return InvalidArgumentError("step work must be finite and >= 0");
   }
+  for (const auto* passes : {&w.forward_memory, &w.recompute_memory, &w.backward_memory})
+    for (const MemoryPass& pass : *passes)
+      if (!(pass.elements >= 0) || !std::isfinite(pass.elements) || !memory_op_accesses(pass.op))
+        return InvalidArgumentError("memory-bound op '" + pass.op + "': unknown, or its elements are not finite and >= 0");
   if (w.fetching_gathers < 0) return InvalidArgumentError("fetching gathers must be >= 0");
   if (shape.micro_batches < 1 || shape.world < 1 || shape.prefetch_depth < 0 || shape.nvme_queue_depth < 1 || shape.nvme_block_bytes == 0)
     return InvalidArgumentError("pipeline shape: micro-batches, world and NVMe queue depth >= 1, prefetch depth >= 0, block > 0");
@@ -225,7 +279,8 @@ StatusOr<StepPrediction> predict_step(const StepWork& work, const PipelineShape&
   add_transfer_rows(rows, work, shape, profile);
   add_compute_rows(rows, work, profile);
   add_optimizer_row(rows, work, shape, profile);
-  critical_path(prediction, work, shape, profile.compute.device == "cpu");
+  const NvmeRate* nvme = nearest_nvme_rate(profile, shape.nvme_block_bytes, shape.nvme_queue_depth, shape.nvme_checksums);
+  critical_path(prediction, work, shape, disk_time(prediction, work, nvme), profile.compute.device == "cpu");
   return prediction;
 }
 

@@ -30,6 +30,13 @@
 
 namespace strata::profile {
 
+// A memory-bound kernel's elements in one phase of the step, named as the profile names
+// it (examples/profile/kernel_ops.h gives the bytes per element).
+struct MemoryPass {
+  std::string op;
+  double elements = 0;
+};
+
 // One rank's work in one optimizer step (all its micro-batches).
 struct StepWork {
   double param_read_bytes = 0;       // parameter shards read from NVMe for gathers
@@ -49,6 +56,14 @@ struct StepWork {
   double backward_attention_flops = 0;
   double recompute_matmul_flops = 0;    // activation checkpointing: each block's forward again
   double recompute_attention_flops = 0;
+  std::vector<MemoryPass> forward_memory;    // the model's memory-bound kernels, by phase
+  std::vector<MemoryPass> recompute_memory;
+  std::vector<MemoryPass> backward_memory;
+  double forward_weight_elements = 0;    // matmul weights the products stream from memory, by phase
+  double recompute_weight_elements = 0;
+  double backward_weight_elements = 0;
+  double gradient_zero_bytes = 0;        // gradient buffers the engine zeroes on the compute stream
+  double gradient_cast_bytes = 0;        // fp32 gradients read and cast to the transfer dtype written
   double adam_elements = 0;          // optimizer elements stepped (this rank's trainable shards)
   int fetching_gathers = 0;          // gathers per step that fetch (the fill is one of them)
 };

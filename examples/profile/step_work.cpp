@@ -2,6 +2,9 @@
 
 #include <map>
 #include <string>
+#include <vector>
+
+#include "examples/profile/kernel_ops.h"
 
 namespace strata::profile {
 
@@ -76,16 +79,58 @@ void add_flops(const ModelWork& m, int micro_batches, StepWork& w) {
   const double tokens = static_cast<double>(m.tokens) * micro_batches;
   const double weights = static_cast<double>(m.flops.matmul_weights);
   const double data_weights = static_cast<double>(m.flops.data_input_weights);
+  const double head = static_cast<double>(m.head_weights);
   const double attention = static_cast<double>(m.flops.attention_layers) * static_cast<double>(m.seq_len) *
                            static_cast<double>(m.flops.attention_width);
+  // Weights made again in backward: the blocks' with checkpointing, the head's when its
+  // logits are recomputed.
+  const double recomputed = (m.recompute ? weights - head : 0.0) + (m.memory.head_logits_recomputed ? head : 0.0);
   w.forward_matmul_flops = 2 * weights * tokens;
   w.backward_matmul_flops = (4 * weights - 2 * data_weights) * tokens;
   w.forward_attention_flops = 4 * attention * tokens;
   w.backward_attention_flops = 8 * attention * tokens;
-  if (m.recompute) {
-    w.recompute_matmul_flops = 2 * (weights - static_cast<double>(m.head_weights)) * tokens;
-    w.recompute_attention_flops = w.forward_attention_flops;
+  w.recompute_matmul_flops = 2 * recomputed * tokens;
+  if (m.recompute) w.recompute_attention_flops = w.forward_attention_flops;
+  const double passes = static_cast<double>(micro_batches);
+  w.forward_weight_elements = weights * passes;
+  w.recompute_weight_elements = recomputed * passes;
+  w.backward_weight_elements = (2 * weights - data_weights) * passes;
+}
+
+void add_memory_ops(std::vector<MemoryPass>& to, const std::vector<lm::MemoryOp>& ops, double tokens) {
+  for (const lm::MemoryOp& op : ops) to.push_back({op.op, op.elements_per_token * tokens});
+}
+
+void add_memory_bound(const ModelWork& m, int micro_batches, StepWork& w) {
+  if (m.tokens <= 0) return;
+  const double tokens = static_cast<double>(m.tokens) * micro_batches;
+  add_memory_ops(w.forward_memory, m.memory.block_forward, tokens);
+  add_memory_ops(w.forward_memory, m.memory.head_forward, tokens);
+  if (m.recompute) add_memory_ops(w.recompute_memory, m.memory.block_forward, tokens);
+  add_memory_ops(w.backward_memory, m.memory.block_backward, tokens);
+  add_memory_ops(w.backward_memory, m.memory.head_backward, tokens);
+}
+
+// The engine's own device passes over the gradients: zeroing each buffer it hands out, and
+// casting each fp32 gradient to the transfer dtype before its copy to the host.
+void add_gradient_passes(const PlannedStepInputs& in, StepWork& w) {
+  const EngineOptions& o = *in.options;
+  const double k = static_cast<double>(o.gradient_accumulation_steps);
+  const bool cast = o.optimizer_tier != Tier::kDevice && o.grad_transfer_dtype != DType::kFloat32;
+  for (const GroupLayout& g : in.layouts) {
+    if (!g.trainable) continue;
+    if (in.model.gradient_buffers_zeroed) w.gradient_zero_bytes += k * static_cast<double>(g.padded_numel) * 4.0;
+    if (cast) w.gradient_cast_bytes += k * static_cast<double>(g.shard_numel) * (4.0 + static_cast<double>(dtype_size(o.grad_transfer_dtype)));
   }
+}
+
+Status check_memory_ops(const lm::MemoryBoundWork& memory) {
+  for (const auto* ops : {&memory.block_forward, &memory.block_backward, &memory.head_forward, &memory.head_backward})
+    for (const lm::MemoryOp& op : *ops) {
+      if (!memory_op_accesses(op.op)) return InvalidArgumentError("planned_step: the model declares an unknown memory-bound op '" + op.op + "'");
+      if (!(op.elements_per_token >= 0)) return InvalidArgumentError("planned_step: memory-bound op '" + op.op + "' has a negative count");
+    }
+  return {};
 }
 
 }  // namespace
@@ -96,10 +141,13 @@ StatusOr<PlannedStep> planned_step(const PlannedStepInputs& in) {
   if (o.gradient_accumulation_steps < 1) return InvalidArgumentError("planned_step: gradient_accumulation_steps must be >= 1");
   if (in.model.head_weights > in.model.flops.matmul_weights || in.model.seq_len < 0)
     return InvalidArgumentError("planned_step: the head's weights exceed the model's, or a negative seq_len");
+  STRATA_RETURN_IF_ERROR(check_memory_ops(in.model.memory));
   PlannedStep out;
   add_parameter_fetch(in, out.work);
   add_gradients_and_update(in, out.work);
   add_flops(in.model, o.gradient_accumulation_steps, out.work);
+  add_memory_bound(in.model, o.gradient_accumulation_steps, out.work);
+  add_gradient_passes(in, out.work);
   PipelineShape& s = out.shape;
   s.prefetch_depth = in.plan->prefetch_depth;
   s.single_gradient_buffer = in.plan->single_gradient_buffer;

@@ -15,7 +15,14 @@
 //
 // FLOPs: forward 2 per matmul weight per token, backward 4 (2 for a weight whose input is
 // the data), attention 4 x seq_len x width per layer forward and 8 backward; activation
-// checkpointing recomputes each block's forward (the vocabulary head is not recomputed).
+// checkpointing recomputes each block's forward (the vocabulary head only when the model
+// says its logits are made again in backward).
+//
+// Memory-bound work: the model's declared kernels per phase (forward, recompute, backward),
+// and the weights the products stream from memory: each matmul weight is read once per
+// forward and recompute, once more by the input gradient's product (not for a weight whose
+// input is the data) and written once by the weight gradient's; the gradient buffers the
+// engine zeroes for the model, and the fp32 gradients cast to a narrower transfer dtype.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +31,7 @@
 #include "engine/engine_options.h"
 #include "engine/engine_plan_types.h"
 #include "engine/partition.h"
+#include "examples/lm/memory_bound_work.h"
 #include "examples/lm/model_flops.h"
 #include "examples/profile/step_cost.h"
 
@@ -36,6 +44,8 @@ struct ModelWork {
   int64_t tokens = 0;             // tokens per micro-batch on this rank (0: no compute, --compute none)
   int64_t head_weights = 0;       // matmul weights of the vocabulary head (not recomputed)
   bool recompute = false;         // activation checkpointing is on
+  lm::MemoryBoundWork memory;     // its memory-bound kernels (none declared: not priced)
+  bool gradient_buffers_zeroed = true;  // it takes each gradient buffer zeroed (the engine's memset on the compute stream)
 };
 
 struct PlannedStepInputs {

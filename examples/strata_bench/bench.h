@@ -59,6 +59,10 @@ struct StoreMeasurement {
   // `queue_depth` blocks reused as requests complete (fio's footprint: iodepth x bs, which
   // stays in cache; the engine's NVMe rings do the same).
   enum class Footprint : uint8_t { kWholeSize, kRing } footprint = Footprint::kWholeSize;
+  // After the write and read phases, a third: the written data read again while as many
+  // bytes are written to a second extent, each direction from its own thread with its own
+  // `queue_depth` requests in flight (a training step's traffic: state read and written at once).
+  bool mixed = false;
 };
 struct StoreBandwidth {
   double write_seconds = 0;  // first submission to last completion
@@ -68,6 +72,8 @@ struct StoreBandwidth {
   std::string engine_name;
   std::string file_path;
   bool registered = false;   // the transfers used fixed buffers
+  double mixed_seconds = 0;  // with `mixed`: both directions' first submission to the last completion
+  double mixed_gbps = 0;     // both directions' bytes over mixed_seconds
 };
 // The store's bandwidth as `strata-bench nvme` measures it (the data verified after the
 // read, outside the timed part). Fails where the file system refuses O_DIRECT.

@@ -31,6 +31,7 @@
 
 #include "engine/core/device.h"
 #include "engine/core/dtype.h"
+#include "examples/profile/kernel_ops.h"
 #include "examples/strata_bench/bench.h"
 #include "kernels/adam.h"
 #include "kernels/blas_context.h"
@@ -248,6 +249,12 @@ Status bench_attention(Bench& b, const ModelShape& m) {
   });
 }
 
+// The bytes a memory-bound op is counted as moving: its element accesses (the profile's
+// table, which the cost model prices with) times the elements and their size.
+double op_bytes(std::string_view op, size_t count, double element) {
+  return profile::memory_op_accesses(op).value_or(0.0) * double(count) * element;
+}
+
 Status bench_norm(Bench& b, const ModelShape& m) {
   const size_t rows = m.seq_len;
   const size_t count = rows * m.channels;
@@ -262,10 +269,10 @@ Status bench_norm(Bench& b, const ModelShape& m) {
   float* mean = stats.as<float>();
   float* rstd = stats.as<float>() + rows;
   const std::string text = dims({rows, m.channels});
-  // Forward reads x and writes y; backward reads dy and x and writes dx.
-  const double forward_bytes = 2 * double(count) * element;
-  const double backward_bytes = 3 * double(count) * element;
-  if (m.family == ModelShape::Family::kGpt2) {
+  const bool gpt2 = m.family == ModelShape::Family::kGpt2;
+  const double forward_bytes = op_bytes(gpt2 ? "layernorm fwd" : "rmsnorm fwd", count, element);
+  const double backward_bytes = op_bytes(gpt2 ? "layernorm bwd" : "rmsnorm bwd", count, element);
+  if (gpt2) {
     const kernels::LayerNormShape shape{.rows = rows, .channels = m.channels};
     STRATA_RETURN_IF_ERROR(b.measure(m, "layernorm fwd", text, Work::kBytes, forward_bytes, [&] {
       return kernels::layernorm_forward(b.stream(), shape, b.dtype(), x.data(), gamma.data(), beta.data(), y.data(), mean,
@@ -298,17 +305,17 @@ Status bench_activation(Bench& b, const ModelShape& m) {
   const std::string text = dims({m.seq_len, m.mlp});
   const auto overwrite = kernels::GradWrite::kOverwrite;
   if (m.family == ModelShape::Family::kGpt2) {
-    STRATA_RETURN_IF_ERROR(b.measure(m, "gelu fwd", text, Work::kBytes, 2 * double(count) * element, [&] {
+    STRATA_RETURN_IF_ERROR(b.measure(m, "gelu fwd", text, Work::kBytes, op_bytes("gelu fwd", count, element), [&] {
       return kernels::gelu_forward(b.stream(), b.dtype(), a.data(), out.data(), count);
     }));
-    return b.measure(m, "gelu bwd", text, Work::kBytes, 3 * double(count) * element, [&] {
+    return b.measure(m, "gelu bwd", text, Work::kBytes, op_bytes("gelu bwd", count, element), [&] {
       return kernels::gelu_backward(b.stream(), b.dtype(), c.data(), a.data(), da.data(), count, overwrite);
     });
   }
-  STRATA_RETURN_IF_ERROR(b.measure(m, "swiglu fwd", text, Work::kBytes, 3 * double(count) * element, [&] {
+  STRATA_RETURN_IF_ERROR(b.measure(m, "swiglu fwd", text, Work::kBytes, op_bytes("swiglu fwd", count, element), [&] {
     return kernels::swiglu_forward(b.stream(), b.dtype(), a.data(), c.data(), out.data(), count);
   }));
-  return b.measure(m, "swiglu bwd", text, Work::kBytes, 5 * double(count) * element, [&] {
+  return b.measure(m, "swiglu bwd", text, Work::kBytes, op_bytes("swiglu bwd", count, element), [&] {
     return kernels::swiglu_backward(b.stream(), b.dtype(), out.data(), a.data(), c.data(), da.data(), dc.data(), count,
                                     overwrite);
   });
@@ -330,13 +337,13 @@ Status bench_rope(Bench& b, const ModelShape& m) {
   STRATA_RETURN_IF_ERROR(b.stream().synchronize());
   STRATA_ASSIGN_OR_RETURN(DeviceBuffer x, b.filled(count));
   STRATA_ASSIGN_OR_RETURN(DeviceBuffer y, b.zeros(count * dtype_size(b.dtype())));
-  const double bytes = 2 * double(count) * double(dtype_size(b.dtype()));
+  const double element = double(dtype_size(b.dtype()));
   const std::string text = dims({m.seq_len, m.heads, m.head_dim});
-  STRATA_RETURN_IF_ERROR(b.measure(m, "rope fwd", text, Work::kBytes, bytes, [&] {
+  STRATA_RETURN_IF_ERROR(b.measure(m, "rope fwd", text, Work::kBytes, op_bytes("rope fwd", count, element), [&] {
     return kernels::rope_forward(b.stream(), shape, b.dtype(), d_positions.as<int32_t>(), inv_freq.as<float>(), x.data(),
                                  y.data());
   }));
-  return b.measure(m, "rope bwd", text, Work::kBytes, bytes, [&] {
+  return b.measure(m, "rope bwd", text, Work::kBytes, op_bytes("rope bwd", count, element), [&] {
     return kernels::rope_backward(b.stream(), shape, b.dtype(), d_positions.as<int32_t>(), inv_freq.as<float>(), y.data(),
                                   x.data(), kernels::GradWrite::kOverwrite);
   });
@@ -352,13 +359,13 @@ Status bench_cross_entropy(Bench& b, const ModelShape& m) {
   float* losses = stats.as<float>();
   float* lse = losses + m.seq_len;
   float* mean = lse + m.seq_len;
-  const double bytes = double(count) * double(dtype_size(b.dtype()));
+  const double element = double(dtype_size(b.dtype()));
   const std::string text = dims({m.seq_len, m.vocab});
-  STRATA_RETURN_IF_ERROR(b.measure(m, "cross-entropy fwd", text, Work::kBytes, bytes, [&] {
+  STRATA_RETURN_IF_ERROR(b.measure(m, "cross-entropy fwd", text, Work::kBytes, op_bytes("cross-entropy fwd", count, element), [&] {
     return kernels::cross_entropy_forward(b.stream(), shape, b.dtype(), logits.data(), targets.as<int32_t>(), losses, lse,
                                           mean);
   }));
-  return b.measure(m, "cross-entropy bwd", text, Work::kBytes, 2 * bytes, [&] {
+  return b.measure(m, "cross-entropy bwd", text, Work::kBytes, op_bytes("cross-entropy bwd", count, element), [&] {
     return kernels::cross_entropy_backward(b.stream(), shape, b.dtype(), logits.data(), targets.as<int32_t>(), lse,
                                            1.0f / float(m.seq_len), dlogits.data(), kernels::GradWrite::kOverwrite);
   });

@@ -3,7 +3,7 @@
 //
 //   strata-bench nvme --nvme-path D --size-mib M --block-kib B --queue-depth Q
 //                     [--engine io_uring|psync] [--no-checksums] [--sqpoll] [--json]
-//                     [--no-huge-pages] [--unregistered] [--buffer-ring]
+//                     [--no-huge-pages] [--unregistered] [--buffer-ring] [--mixed]
 //
 // Compare with fio on the same directory, given the same advantages (huge-page buffers with
 // pages reserved in /proc/sys/vm/nr_hugepages, registered buffers and files):
@@ -21,13 +21,18 @@
 // complete, the footprint fio's buffers have (iodepth x bs); by default every block has
 // its own memory (size-mib of it). Each block written from the ring carries its index in
 // its first word, so the file is still verified block by block after the timed part.
+//
+// --mixed adds a third phase: the written data is read again while as many bytes are
+// written to a second extent, each direction from its own thread with Q requests in flight,
+// as a training step reads and writes its state at once; its rate counts both directions.
 #include <algorithm>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
-#include <vector>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -42,7 +47,8 @@ const char* const kNvmeUsage =
     "usage: strata-bench nvme --nvme-path DIR [--size-mib M=1024] [--block-kib B=1024] [--queue-depth Q=32]\n"
     "                         [--engine io_uring|psync] [--no-checksums] [--sqpoll] [--json]\n"
     "                         [--no-huge-pages] [--unregistered]   (to see what huge pages and fixed buffers bring)\n"
-    "                         [--buffer-ring]   (the data moves through queue-depth blocks of memory, as fio's buffers do)";
+    "                         [--buffer-ring]   (the data moves through queue-depth blocks of memory, as fio's buffers do)\n"
+    "                         [--mixed]   (then reads and writes at once, each direction Q deep: a training step's traffic)";
 
 namespace {
 
@@ -130,6 +136,21 @@ Status verify_ring_file(NvmeStore& store, NvmeExtent extent, const PhaseMemory& 
   return {};
 }
 
+// Reads `from` into `read_memory` on this thread while a second thread writes `to` from
+// `write_memory`; the seconds until both are done.
+StatusOr<double> run_mixed_phase(NvmeStore& store, NvmeExtent from, NvmeExtent to, const PhaseMemory& read_memory,
+                                 const PhaseMemory& write_memory, size_t bytes, size_t block, unsigned depth) {
+  StatusOr<double> written = 0.0;
+  const auto start = std::chrono::steady_clock::now();
+  std::thread writer([&] { written = run_phase(store, to, write_memory, bytes, block, depth, IoOp::kWrite); });
+  const StatusOr<double> read = run_phase(store, from, read_memory, bytes, block, depth, IoOp::kRead);
+  writer.join();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!read.ok()) return Status(read.status()).with_context("the mixed phase's reads");
+  if (!written.ok()) return Status(written.status()).with_context("the mixed phase's writes");
+  return seconds;
+}
+
 }  // namespace
 
 StatusOr<StoreBandwidth> measure_store_bandwidth(const StoreMeasurement& m) {
@@ -147,19 +168,26 @@ StatusOr<StoreBandwidth> measure_store_bandwidth(const StoreMeasurement& m) {
   const size_t host_bytes = ring ? std::min<size_t>(blocks, depth) * block : bytes;
   // A ring under one huge page still gets one (the arena takes huge pages from 2 MiB up), as
   // fio's --iomem=mmaphuge maps even a small buffer on them.
-  const size_t arena_bytes = m.huge_pages ? std::max(host_bytes, size_t{2} << 20) : host_bytes;
+  // The mixed phase's writes come from memory of their own.
+  const size_t all_host_bytes = m.mixed ? 2 * host_bytes : host_bytes;
+  const size_t arena_bytes = m.huge_pages ? std::max(all_host_bytes, size_t{2} << 20) : all_host_bytes;
   STRATA_ASSIGN_OR_RETURN(auto arena, PinnedArena::create({.bytes = arena_bytes, .try_huge_pages = m.huge_pages}));
   STRATA_ASSIGN_OR_RETURN(PinnedBuffer data, arena->allocate(host_bytes, "nvme bench data"));
+  PinnedBuffer mixed_data;
+  if (m.mixed) {
+    STRATA_ASSIGN_OR_RETURN(mixed_data, arena->allocate(host_bytes, "nvme bench mixed-phase writes"));
+  }
   auto* words = data.as<uint64_t>();
   // Whole size: the word's index in the file; ring: its index in the block (every slot alike).
   for (size_t j = 0; j < host_bytes / 8; ++j) words[j] = pattern_word(ring ? j % (block / 8) : j);
   const PhaseMemory memory{data.as<char>(), data.capacity(), ring ? host_bytes / block : 0};
+  if (m.mixed) std::memcpy(mixed_data.data(), data.data(), host_bytes);
 
   NvmeStoreOptions options;
   options.nvme_path = path;
   options.checksums = m.checksums;
   options.checksum_block_bytes = block;
-  options.initial_bytes = bytes;  // preallocated outside the timed part
+  options.initial_bytes = m.mixed ? 2 * bytes : bytes;  // preallocated outside the timed part
   options.io.kind = engine_kind;
   options.io.queue_depth = depth;
   options.io.sqpoll = m.sqpoll;
@@ -181,6 +209,13 @@ StatusOr<StoreBandwidth> measure_store_bandwidth(const StoreMeasurement& m) {
   STRATA_ASSIGN_OR_RETURN(const double write_seconds, run_phase(*store, extent, memory, bytes, block, depth, IoOp::kWrite));
   std::memset(data.data(), 0, host_bytes);  // so the read must bring every byte back
   STRATA_ASSIGN_OR_RETURN(const double read_seconds, run_phase(*store, extent, memory, bytes, block, depth, IoOp::kRead));
+  double mixed_seconds = 0;
+  if (m.mixed) {
+    STRATA_ASSIGN_OR_RETURN(NvmeExtent second, store->allocate("nvme bench mixed-phase writes", bytes));
+    const PhaseMemory write_memory{mixed_data.as<char>(), mixed_data.capacity(), memory.slots};
+    STRATA_ASSIGN_OR_RETURN(mixed_seconds, run_mixed_phase(*store, extent, second, memory, write_memory, bytes, block, depth));
+    STRATA_RETURN_IF_ERROR(store->free(second));
+  }
   if (ring) {
     STRATA_RETURN_IF_ERROR(verify_ring_file(*store, extent, memory, bytes, block));
   } else {
@@ -197,7 +232,9 @@ StatusOr<StoreBandwidth> measure_store_bandwidth(const StoreMeasurement& m) {
                         .read_gbps = static_cast<double>(bytes) / read_seconds / 1e9,
                         .engine_name = std::string(store->io_engine().name()),
                         .file_path = store->file_path(),
-                        .registered = registered};
+                        .registered = registered,
+                        .mixed_seconds = mixed_seconds,
+                        .mixed_gbps = mixed_seconds > 0 ? 2.0 * static_cast<double>(bytes) / mixed_seconds / 1e9 : 0.0};
 }
 
 namespace {
@@ -222,6 +259,7 @@ Status run(const Args& args) {
   m.huge_pages = !args.flag("no-huge-pages");
   m.register_buffers = !args.flag("unregistered");
   if (args.flag("buffer-ring")) m.footprint = StoreMeasurement::Footprint::kRing;
+  m.mixed = args.flag("mixed");
   STRATA_ASSIGN_OR_RETURN(const StoreBandwidth measured, measure_store_bandwidth(m));
   const size_t bytes = m.bytes;
   const size_t block = m.block_bytes;
@@ -231,7 +269,7 @@ Status run(const Args& args) {
   const double read_gbps = measured.read_gbps;
   const std::string& engine_name = measured.engine_name;
   if (json) {
-    const nlohmann::ordered_json result = {
+    nlohmann::ordered_json result = {
         {"bench", "nvme"},
         {"engine", engine_name},
         {"bytes", bytes},
@@ -241,6 +279,7 @@ Status run(const Args& args) {
         {"write_gbps", write_gbps},
         {"read_gbps", read_gbps},
     };
+    if (m.mixed) result["mixed_gbps"] = measured.mixed_gbps;
     std::printf("%s\n", result.dump().c_str());
   } else {
     std::printf("strata-bench nvme: %" PRId64 " MiB in %" PRId64 " KiB requests, queue depth %" PRId64
@@ -251,6 +290,9 @@ Status run(const Args& args) {
     std::printf("  %-6s %10s %10s %10s\n", "phase", "seconds", "GB/s", "GiB/s");
     std::printf("  %-6s %10.3f %10.3f %10.3f\n", "write", write_seconds, write_gbps, write_gbps * 1e9 / (1 << 30));
     std::printf("  %-6s %10.3f %10.3f %10.3f\n", "read", read_seconds, read_gbps, read_gbps * 1e9 / (1 << 30));
+    if (m.mixed)
+      std::printf("  %-6s %10.3f %10.3f %10.3f   (reads and writes at once; both directions' bytes)\n", "mixed", measured.mixed_seconds,
+                  measured.mixed_gbps, measured.mixed_gbps * 1e9 / (1 << 30));
     std::printf("  verify  ok (%zu bytes compared, outside the timed part; data through %s)\n", bytes,
                 m.footprint == StoreMeasurement::Footprint::kRing ? "a ring of queue-depth blocks" : "distinct memory");
   }
@@ -262,7 +304,7 @@ Status run(const Args& args) {
 
 int run_nvme(int argc, char** argv) {
   StatusOr<Args> args = Args::parse(argc, argv, {"nvme-path", "size-mib", "block-kib", "queue-depth", "engine"},
-                                    {"json", "no-checksums", "sqpoll", "no-huge-pages", "unregistered", "buffer-ring"});
+                                    {"json", "no-checksums", "sqpoll", "no-huge-pages", "unregistered", "buffer-ring", "mixed"});
   if (!args.ok()) {
     std::fprintf(stderr, "%s\n", kNvmeUsage);
     return report_failure("nvme", args.status());

@@ -88,7 +88,8 @@ void progress(const char* what) {
 }
 
 // The engine's NVMe shapes: aio's default (1 MiB, QD32) and the two docs/benchmarks.md
-// compares with fio (128 KiB QD8, 4 MiB QD8).
+// compares with fio (128 KiB QD8, 4 MiB QD8). The engine's shape is also measured with reads
+// and writes at once, the traffic of a step whose state lives on NVMe.
 StatusOr<std::vector<profile::NvmeRate>> measure_nvme(const Config& c) {
   struct Shape {
     size_t block;
@@ -104,9 +105,11 @@ StatusOr<std::vector<profile::NvmeRate>> measure_nvme(const Config& c) {
     m.queue_depth = shape.depth;
     m.checksums = true;
     m.footprint = StoreMeasurement::Footprint::kRing;  // the engine's NVMe rings reuse their blocks
+    m.mixed = &shape == &shapes[0];                      // the engine's own shape: reads and writes at once too
     STRATA_ASSIGN_OR_RETURN(const StoreBandwidth b, measure_store_bandwidth(m));
     rates.push_back({.block_bytes = shape.block, .queue_depth = static_cast<int>(shape.depth), .checksums = true,
-                     .read_bytes_per_s = b.read_gbps * 1e9, .write_bytes_per_s = b.write_gbps * 1e9});
+                     .read_bytes_per_s = b.read_gbps * 1e9, .write_bytes_per_s = b.write_gbps * 1e9,
+                     .mixed_bytes_per_s = m.mixed ? std::optional<double>(b.mixed_gbps * 1e9) : std::nullopt});
   }
   return rates;
 }
@@ -262,6 +265,9 @@ void print_summary(const profile::MachineProfile& p) {
   for (const profile::NvmeRate& n : p.nvme) {
     std::printf("  nvme %5zu KiB QD%-2d   read %7.3f GB/s  write %7.3f GB/s  (checksums on)\n", size_t(n.block_bytes >> 10),
                 n.queue_depth, n.read_bytes_per_s / 1e9, n.write_bytes_per_s / 1e9);
+    if (n.mixed_bytes_per_s)
+      std::printf("  nvme %5zu KiB QD%-2d   reads and writes at once %7.3f GB/s (both directions)\n", size_t(n.block_bytes >> 10),
+                  n.queue_depth, *n.mixed_bytes_per_s / 1e9);
   }
   std::printf("  copy %s  h2d %7.3f GB/s  d2h %7.3f GB/s\n", p.copy.host_copy ? "(host memcpy)" : "(pinned)", p.copy.h2d_bytes_per_s / 1e9,
               p.copy.d2h_bytes_per_s / 1e9);

@@ -76,6 +76,7 @@ StatusOr<std::optional<profile::StepPrediction>> predict_plan_step(const lm::Arc
   inputs.model.tokens = model_options.batch * model_options.seq_len;
   inputs.model.head_weights = std::min(model.hidden_size() * model.vocab_size(), inputs.model.flops.matmul_weights);
   inputs.model.recompute = model_options.checkpointing != lm::ActivationCheckpointing::kOff;
+  inputs.model.memory = model.memory_bound_work();
   STRATA_ASSIGN_OR_RETURN(const profile::PlannedStep step, profile::planned_step(inputs));
   STRATA_ASSIGN_OR_RETURN(profile::StepPrediction prediction, profile::predict_step(step.work, step.shape, *profile.profile));
   return std::optional<profile::StepPrediction>(std::move(prediction));

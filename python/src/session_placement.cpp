@@ -53,6 +53,9 @@ StatusOr<profile::StepPrediction> predict(const PlacementRequest& request, const
   inputs.model.tokens = tokens;
   inputs.model.head_weights = request.work.head_weights;
   inputs.model.recompute = request.work.recompute;
+  // The front end asks for unzeroed buffers and zeroes only what no gradient reaches; its
+  // model's memory-bound ops are PyTorch's and not declared (not priced).
+  inputs.model.gradient_buffers_zeroed = false;
   STRATA_ASSIGN_OR_RETURN(const profile::PlannedStep step, profile::planned_step(inputs));
   return profile::predict_step(step.work, step.shape, *request.profile->profile);
 }

@@ -220,6 +220,52 @@ TEST(StepCost, DeviceAdamRunsAtTheDevicesMemoryRate) {
   EXPECT_DOUBLE_EQ(busy(*p, Stage::kOptimizer), 1.0);
 }
 
+TEST(StepCost, TheHostsGemmsStreamTheirWeightsFromMemoryAndAGpusDoNot) {
+  StepWork w = three_seconds_of_compute();
+  w.forward_weight_elements = 1e9;   // fp32: 4 GB at the host copy's 1e10 B/s, 0.4 s
+  w.backward_weight_elements = 2e9;  // 0.8 s
+  MachineProfile cpu = round_profile();
+  cpu.compute.device = "cpu";
+  auto host = predict_step(w, PipelineShape{}, cpu);
+  ASSERT_TRUE(host.ok()) << host.status().to_string();
+  EXPECT_DOUBLE_EQ(busy(*host, Stage::kCompute), 3.0 + 0.4 + 0.8);
+  MachineProfile gpu = round_profile();
+  gpu.copy.host_copy = false;  // a GPU reads its weights within the measured GEMM rate
+  auto device = predict_step(w, PipelineShape{}, gpu);
+  ASSERT_TRUE(device.ok());
+  EXPECT_DOUBLE_EQ(busy(*device, Stage::kCompute), 3.0);
+}
+
+TEST(StepCost, EachMemoryBoundOpIsPricedAtItsOwnRateOrTheMedian) {
+  StepWork w;
+  w.forward_memory = {{"gelu fwd", 1e8}, {"residual add", 7e8}};  // 2 x 4e8 B at 1e9 B/s; 3 x 2.8e9 B at the median 2.8e10
+  w.backward_memory = {{"gelu bwd", 1e8}};                         // 3 x 4e8 B at the median
+  MachineProfile p = round_profile();
+  p.compute.kernels = {{.model = "m", .op = "gelu fwd", .shape = "", .kind = "memory", .rate_per_s = 1e9}};
+  auto prediction = predict_step(w, PipelineShape{}, p);
+  ASSERT_TRUE(prediction.ok()) << prediction.status().to_string();
+  EXPECT_NEAR(busy(*prediction, Stage::kCompute), 0.8 + 0.3 + 1.2e9 / 2.8e10, 1e-12);
+  EXPECT_DOUBLE_EQ(prediction->chain_seconds, busy(*prediction, Stage::kCompute));
+}
+
+TEST(StepCost, TheEnginesGradientZeroingAndCastAreCounted) {
+  StepWork w;
+  w.gradient_zero_bytes = 2.8e10;  // 1 s at the memory-bound median, on the compute stream
+  w.gradient_cast_bytes = 1.4e10;  // no "grad cast to bf16" figure: the median, 0.5 s
+  auto p = predict_step(w, PipelineShape{}, round_profile());
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(busy(*p, Stage::kCompute), 1.0);
+  EXPECT_DOUBLE_EQ(busy(*p, Stage::kReduceScatter), 0.5);
+}
+
+TEST(StepCost, AnUnknownMemoryBoundOpIsRefused) {
+  StepWork w;
+  w.forward_memory = {{"softplus fwd", 10}};
+  auto p = predict_step(w, PipelineShape{}, round_profile());
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("softplus fwd"), std::string::npos);
+}
+
 TEST(StepCost, NegativeWorkIsRefused) {
   StepWork w;
   w.h2d_bytes = -1;
@@ -318,6 +364,53 @@ TEST(StepWorkFromPlan, DeviceParametersAtWorldOneFetchNothingAndTheFlopsFollowTh
   EXPECT_DOUBLE_EQ(w.forward_matmul_flops + w.backward_matmul_flops + w.forward_attention_flops + w.backward_attention_flops,
                    lm::training_step_flops(model.flops, model.seq_len, 6));
   EXPECT_FALSE(s->shape.adam_during_backward);
+}
+
+TEST(StepWorkFromPlan, TheModelsMemoryBoundOpsWeightsAndTheEnginesGradientPassesFollowThePlan) {
+  EngineOptions o;
+  o.param_tier = Tier::kDevice;
+  o.optimizer_tier = Tier::kPinned;
+  o.grad_transfer_dtype = DType::kBFloat16;
+  o.gradient_accumulation_steps = 2;
+  EnginePlan plan;
+  plan.persistent = {0, 0};
+  const auto layouts = two_groups();
+  ModelWork model;
+  model.flops = {.matmul_weights = 100, .data_input_weights = 10, .attention_layers = 0, .attention_width = 0};
+  model.seq_len = 4;
+  model.tokens = 3;
+  model.head_weights = 40;
+  model.recompute = true;
+  model.memory.block_forward = {{"gelu fwd", 5}};
+  model.memory.block_backward = {{"gelu bwd", 5}};
+  model.memory.head_forward = {{"cross-entropy fwd", 7}};
+  model.memory.head_backward = {{"cross-entropy bwd", 7}};
+  model.memory.head_logits_recomputed = true;
+  auto s = planned_step({.options = &o, .plan = &plan, .layouts = layouts, .schedule = {}, .model = model});
+  ASSERT_TRUE(s.ok()) << s.status().to_string();
+  const StepWork& w = s->work;
+  const double tokens = 6;
+  EXPECT_DOUBLE_EQ(w.recompute_matmul_flops, 2 * (60 + 40) * tokens);  // the blocks and the head's logits
+  EXPECT_DOUBLE_EQ(w.forward_weight_elements, 2 * 100.0);               // once per micro-batch
+  EXPECT_DOUBLE_EQ(w.recompute_weight_elements, 2 * 100.0);
+  EXPECT_DOUBLE_EQ(w.backward_weight_elements, 2 * (200.0 - 10));     // the input gradients read, the weight gradients written
+  ASSERT_EQ(w.forward_memory.size(), 2u);
+  EXPECT_EQ(w.forward_memory[1].op, "cross-entropy fwd");
+  EXPECT_DOUBLE_EQ(w.forward_memory[1].elements, 7 * tokens);
+  ASSERT_EQ(w.recompute_memory.size(), 1u);  // the blocks' forward again, not the loss
+  EXPECT_DOUBLE_EQ(w.recompute_memory[0].elements, 5 * tokens);
+  EXPECT_EQ(w.backward_memory.size(), 2u);
+  EXPECT_DOUBLE_EQ(w.gradient_zero_bytes, 2 * 2 * 1000 * 4.0);            // each buffer, each micro-batch
+  EXPECT_DOUBLE_EQ(w.gradient_cast_bytes, 2 * 2 * 1000 * (4.0 + 2.0));  // fp32 read, bf16 written
+
+  model.gradient_buffers_zeroed = false;  // a caller that writes every element (the Python front end)
+  model.memory.block_forward = {{"no such op", 1}};
+  EXPECT_FALSE(planned_step({.options = &o, .plan = &plan, .layouts = layouts, .schedule = {}, .model = model}).ok());
+  model.memory = {};
+  auto unzeroed = planned_step({.options = &o, .plan = &plan, .layouts = layouts, .schedule = {}, .model = model});
+  ASSERT_TRUE(unzeroed.ok());
+  EXPECT_DOUBLE_EQ(unzeroed->work.gradient_zero_bytes, 0.0);
+  EXPECT_DOUBLE_EQ(unzeroed->work.recompute_matmul_flops, 2 * 60 * tokens);
 }
 
 }  // namespace
