@@ -31,7 +31,8 @@ MachineProfile sample_profile() {
   p.host = {.hostname = "box", .cpu_model = "Some CPU", .cores = 2, .isa = "avx2", .avx512_bf16 = false, .gpu = "none",
             .memory_total_bytes = 8ull << 30, .memory_available_bytes = 6ull << 30, .memlock_limit_bytes = 8ull << 20};
   p.disk = {.path = "/tmp/x", .filesystem = "ext4", .block_device = "vda", .model = "unknown", .rotational = true, .free_bytes = 1ull << 40};
-  p.nvme = {{.block_bytes = 1 << 20, .queue_depth = 32, .checksums = true, .read_bytes_per_s = 2.25e9, .write_bytes_per_s = 1.5e9},
+  p.nvme = {{.block_bytes = 1 << 20, .queue_depth = 32, .checksums = true, .read_bytes_per_s = 2.25e9, .write_bytes_per_s = 1.5e9,
+             .mixed_bytes_per_s = 1.75e9},
             {.block_bytes = 128 << 10, .queue_depth = 8, .checksums = true, .read_bytes_per_s = 1.125e9, .write_bytes_per_s = 0.75e9}};
   p.copy = {.host_copy = true, .pinned = true, .h2d_bytes_per_s = 4.5e9, .d2h_bytes_per_s = 4.25e9};
   p.cpu_adam = {{.threads = 1, .grad_dtype = "fp32", .param_dtype = "fp32", .elements_per_s = 5.5e8},
@@ -68,6 +69,8 @@ TEST(MachineProfile, WhatTheWriterWritesLoadsBackTheSame) {
   ASSERT_EQ(loaded.nvme.size(), 2u);
   EXPECT_EQ(loaded.nvme[1].block_bytes, 128u << 10);
   EXPECT_DOUBLE_EQ(loaded.nvme[1].read_bytes_per_s, 1.125e9);
+  EXPECT_EQ(loaded.nvme[0].mixed_bytes_per_s, std::optional<double>(1.75e9));  // reads and writes at once
+  EXPECT_FALSE(loaded.nvme[1].mixed_bytes_per_s.has_value());                 // optional: not measured there
   EXPECT_EQ(loaded.cpu_adam[1].param_dtype, "bf16");
   EXPECT_EQ(loaded.compute.kernels.at(0).kind, "gemm");
   EXPECT_EQ(loaded.communicator.why_none, "world size 1");
@@ -115,6 +118,9 @@ TEST(MachineProfile, ANegativeOrZeroRateIsRefused) {
   Json negative = sample_json();
   negative["nvme"][0]["read_bytes_per_s"] = -3.0;
   expect_refused(parse(negative), {"'nvme[0].read_bytes_per_s'", "positive", "-3"});
+  Json mixed = sample_json();
+  mixed["nvme"][0]["mixed_bytes_per_s"] = 0;
+  expect_refused(parse(mixed), {"'nvme[0].mixed_bytes_per_s'", "positive"});
   Json zero = sample_json();
   zero["cpu_adam"][1]["elements_per_s"] = 0;
   expect_refused(parse(zero), {"'cpu_adam[1].elements_per_s'", "positive"});
