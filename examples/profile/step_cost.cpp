@@ -1,6 +1,7 @@
 #include "examples/profile/step_cost.h"
 
 #include "examples/profile/kernel_ops.h"
+#include "examples/profile/step_replay.h"
 
 #include <algorithm>
 #include <cmath>
@@ -201,6 +202,33 @@ void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& sh
   p.bound = p.pipeline_seconds >= p.chain_seconds ? pipeline_bound : "chain: " + chain;
 }
 
+// The replay's rates: the stages' rows' own figures, and the phases' predicted compute.
+ReplayRates replay_rates(const StepPrediction& p, const PipelineShape& shape, const MachineProfile& profile) {
+  const NvmeRate* nvme = nearest_nvme_rate(profile, shape.nvme_block_bytes, shape.nvme_queue_depth, shape.nvme_checksums);
+  ReplayRates r;
+  r.disk_read_bytes_per_s = nvme ? nvme->read_bytes_per_s : 0;
+  r.disk_write_bytes_per_s = nvme ? nvme->write_bytes_per_s : 0;
+  r.h2d_bytes_per_s = profile.copy.h2d_bytes_per_s;
+  r.d2h_bytes_per_s = profile.copy.d2h_bytes_per_s;
+  r.landing_bytes_per_s = 2 * profile.copy.d2h_bytes_per_s;
+  if (shape.adam_on_device) {
+    r.adam_elements_per_s = profile.compute.memory_bytes_per_s / 28.0;
+  } else if (const AdamRate* adam = matching_adam_rate(profile, shape.grad_dtype, shape.param_dtype)) {
+    r.adam_elements_per_s = adam->elements_per_s;
+  }
+  r.forward_seconds = row_seconds(p, "forward", Stage::kCompute);
+  r.backward_seconds = row_seconds(p, "backward", Stage::kCompute) + row_seconds(p, "recompute", Stage::kCompute);
+  return r;
+}
+
+void add_replay(StepPrediction& p, const StepWork& w, const PipelineShape& shape, const MachineProfile& profile) {
+  p.replay_seconds = replay_step_seconds(w, shape, replay_rates(p, shape, profile));
+  if (p.replay_seconds > p.step_seconds) {
+    p.step_seconds = p.replay_seconds;
+    p.bound = "the schedule replayed group by group (fetches, compute and updates in the engine's order)";
+  }
+}
+
 Status check_inputs(const StepWork& w, const PipelineShape& shape) {
   for (const double v : {w.param_read_bytes, w.state_read_bytes, w.param_write_bytes, w.state_write_bytes, w.h2d_bytes, w.h2d_update_bytes, w.allgather_bytes,
                          w.reduce_scatter_bytes, w.d2h_bytes, w.landing_bytes, w.landing_spill_bytes, w.forward_matmul_flops, w.forward_attention_flops,
@@ -281,6 +309,7 @@ StatusOr<StepPrediction> predict_step(const StepWork& work, const PipelineShape&
   add_optimizer_row(rows, work, shape, profile);
   const NvmeRate* nvme = nearest_nvme_rate(profile, shape.nvme_block_bytes, shape.nvme_queue_depth, shape.nvme_checksums);
   critical_path(prediction, work, shape, disk_time(prediction, work, nvme), profile.compute.device == "cpu");
+  add_replay(prediction, work, shape, profile);
   return prediction;
 }
 
@@ -300,8 +329,9 @@ std::string format_prediction(const StepPrediction& prediction, std::string_view
                   rate_text(r.rate, r.unit).c_str(), seconds.c_str());
     text << line;
   }
-  std::snprintf(line, sizeof(line), "    busiest stage %.4f s, chain %.4f s: step %.4f s, bound by %s", prediction.pipeline_seconds,
-                prediction.chain_seconds, prediction.step_seconds, prediction.bound.c_str());
+  std::snprintf(line, sizeof(line), "    busiest stage %.4f s, chain %.4f s, replay %.4f s: step %.4f s, bound by %s",
+                prediction.pipeline_seconds, prediction.chain_seconds, prediction.replay_seconds, prediction.step_seconds,
+                prediction.bound.c_str());
   text << line;
   if (!prediction.unknown.empty()) {
     text << "\n    left out (the profile has no rate): ";

@@ -12,8 +12,11 @@
 //   waits for Adam(g), and Adam starts after backward; with clipping and loss scaling off
 //   it may start during the last micro-batch's backward, which it overlaps too).
 // In delayed overlap the optimizer overlaps the whole next step and joins the chain only
-// through its own busy time. The step is the longer of the two bounds; the prediction
-// names the stage or chain that bounds it. docs/profile.md describes the model.
+// through its own busy time. Where the work carries its groups and their order, the
+// schedule is also replayed group by group (examples/profile/step_replay.h), which sees a
+// resource wait on the order of the work (an update the next forward needs first, queued
+// behind the others). The step is the longest of the bounds; the prediction names the
+// stage, shared resource, chain or replay that bounds it. docs/profile.md describes the model.
 #pragma once
 
 #include <optional>
@@ -35,6 +38,21 @@ namespace strata::profile {
 struct MemoryPass {
   std::string op;
   double elements = 0;
+};
+
+// One group's part of the step, for the replay of its schedule (examples/profile/step_replay.h).
+struct GroupWork {
+  double numel = 0;                // its parameters: its share of the compute
+  bool persistent = false;         // fetched once per step
+  double fetch_read_bytes = 0;     // per fetch: its shard from NVMe
+  double fetch_h2d_bytes = 0;      // per fetch: host to device
+  bool trainable = false;
+  double gradient_out_bytes = 0;   // per micro-batch: its gradient shard to the host
+  double landing_bytes = 0;        // per micro-batch: what the landing pass moves
+  double spill_bytes = 0;          // per micro-batch: its gradient written to NVMe by the landing
+  double update_read_bytes = 0;    // per step: optimizer state and the spilled gradient read
+  double update_write_bytes = 0;   // per step: optimizer state and new parameters written
+  double adam_elements = 0;
 };
 
 // One rank's work in one optimizer step (all its micro-batches).
@@ -65,6 +83,8 @@ struct StepWork {
   double gradient_zero_bytes = 0;        // gradient buffers the engine zeroes on the compute stream
   double gradient_cast_bytes = 0;        // fp32 gradients read and cast to the transfer dtype written
   double adam_elements = 0;          // optimizer elements stepped (this rank's trainable shards)
+  std::vector<GroupWork> groups;     // by group id (empty: no replay of the schedule)
+  std::vector<int> uses;             // group ids in the order one micro-batch uses them
   int fetching_gathers = 0;          // gathers per step that fetch (the fill is one of them)
 };
 
@@ -102,6 +122,7 @@ struct StepPrediction {
   StageSeconds busy{};          // per engine stage: the sum of its rows' seconds
   double pipeline_seconds = 0;  // the busiest stage's, or a shared resource's (the disk, the CPU device's cores) when more
   double chain_seconds = 0;     // the chain that cannot overlap
+  double replay_seconds = 0;    // the schedule replayed group by group (examples/profile/step_replay.h); 0 without one
   double step_seconds = 0;      // the larger
   std::string bound;            // what bounds the step: a stage's name or the chain's description
   std::vector<std::string> unknown;  // rows with work but no rate (left out of the step)

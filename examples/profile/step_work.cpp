@@ -23,6 +23,22 @@ std::map<int, int> uses_per_micro_batch(const PlannedStepInputs& in) {
   return uses;
 }
 
+// Each group's size and residence, and the order of one micro-batch's uses, for the replay.
+void describe_groups(const PlannedStepInputs& in, StepWork& w) {
+  w.groups.assign(in.layouts.size(), GroupWork{});
+  for (size_t i = 0; i < in.layouts.size(); ++i) {
+    w.groups[i].numel = static_cast<double>(in.layouts[i].numel);
+    w.groups[i].persistent = i < in.plan->persistent.size() && in.plan->persistent[i] != 0;
+  }
+  if (in.schedule.empty()) {
+    for (const GroupLayout& g : in.layouts) w.uses.push_back(g.id);
+    for (auto g = in.layouts.rbegin(); g != in.layouts.rend(); ++g) w.uses.push_back(g->id);
+  } else {
+    w.uses.assign(in.schedule.begin(), in.schedule.end());
+  }
+  std::erase_if(w.uses, [&](int g) { return g < 0 || static_cast<size_t>(g) >= in.layouts.size(); });
+}
+
 void add_parameter_fetch(const PlannedStepInputs& in, StepWork& w) {
   const EngineOptions& o = *in.options;
   const double psize = static_cast<double>(dtype_size(o.param_dtype));
@@ -35,8 +51,11 @@ void add_parameter_fetch(const PlannedStepInputs& in, StepWork& w) {
     const bool persistent = static_cast<size_t>(id) < in.plan->persistent.size() && in.plan->persistent[static_cast<size_t>(id)] != 0;
     const double fetches = persistent ? 1.0 : k * count;
     const double shard = static_cast<double>(g.shard_numel) * psize;
-    if (o.param_tier == Tier::kNvme) w.param_read_bytes += fetches * rounded_4k(shard);
-    if (o.param_tier != Tier::kDevice) w.h2d_bytes += fetches * shard;
+    GroupWork& part = w.groups[static_cast<size_t>(id)];
+    if (o.param_tier == Tier::kNvme) part.fetch_read_bytes = rounded_4k(shard);
+    if (o.param_tier != Tier::kDevice) part.fetch_h2d_bytes = shard;
+    w.param_read_bytes += fetches * part.fetch_read_bytes;
+    w.h2d_bytes += fetches * part.fetch_h2d_bytes;
     if (o.world_size > 1) w.allgather_bytes += fetches * static_cast<double>(g.padded_numel) * psize;
     if (!persistent) w.fetching_gathers += static_cast<int>(fetches);
   }
@@ -53,24 +72,32 @@ void add_gradients_and_update(const PlannedStepInputs& in, StepWork& w) {
   const double transfer = device_optimizer ? 4.0 : static_cast<double>(dtype_size(o.grad_transfer_dtype));
   const double stored = k > 1 ? 4.0 : transfer;  // a spilled gradient: fp32 when accumulated
   for (const GroupLayout& g : in.layouts) {
-    if (!g.trainable) continue;
+    if (!g.trainable || g.id < 0 || static_cast<size_t>(g.id) >= w.groups.size()) continue;
+    GroupWork& part = w.groups[static_cast<size_t>(g.id)];
     const double shard = static_cast<double>(g.shard_numel);
     if (o.world_size > 1) w.reduce_scatter_bytes += k * static_cast<double>(g.padded_numel) * wire;
-    w.d2h_bytes += k * shard * transfer;
+    part.trainable = true;
+    part.gradient_out_bytes = shard * transfer;
     // Read what landed; with micro-batches, add it into the fp32 accumulator (read + write).
-    w.landing_bytes += k * shard * transfer + (k > 1 ? k * shard * 8.0 : 0.0);
-    w.adam_elements += shard;
+    part.landing_bytes = shard * transfer + (k > 1 ? shard * 8.0 : 0.0);
+    part.adam_elements = shard;
     if (plan.gradients_spilled) {
-      w.state_write_bytes += rounded_4k(shard * stored) * (k > 1 ? k : 1.0);
-      w.landing_spill_bytes += rounded_4k(shard * stored) * (k > 1 ? k : 1.0);
-      w.state_read_bytes += rounded_4k(shard * stored) * k;  // accumulation reads back, Adam reads the last
+      part.spill_bytes = rounded_4k(shard * stored);
+      w.state_read_bytes += part.spill_bytes * (k - 1);  // accumulation reads the earlier micro-batches' back
+      part.update_read_bytes += part.spill_bytes;       // Adam reads the last
     }
-    if (o.optimizer_tier == Tier::kNvme) {
-      w.state_read_bytes += 3 * rounded_4k(shard * 4);
-      w.state_write_bytes += 3 * rounded_4k(shard * 4);
-    }
-    if (o.param_tier == Tier::kNvme) w.param_write_bytes += rounded_4k(shard * psize);
+    const double state = o.optimizer_tier == Tier::kNvme ? 3 * rounded_4k(shard * 4) : 0.0;  // master weights and moments
+    const double new_parameters = o.param_tier == Tier::kNvme ? rounded_4k(shard * psize) : 0.0;
+    part.update_read_bytes += state;
+    part.update_write_bytes = state + new_parameters;
     if (o.param_tier == Tier::kDevice && !device_optimizer) w.h2d_update_bytes += shard * psize;
+    w.d2h_bytes += k * part.gradient_out_bytes;
+    w.landing_bytes += k * part.landing_bytes;
+    w.adam_elements += part.adam_elements;
+    w.state_write_bytes += k * part.spill_bytes + state;
+    w.param_write_bytes += new_parameters;
+    w.landing_spill_bytes += k * part.spill_bytes;
+    w.state_read_bytes += part.update_read_bytes;
   }
 }
 
@@ -143,6 +170,7 @@ StatusOr<PlannedStep> planned_step(const PlannedStepInputs& in) {
     return InvalidArgumentError("planned_step: the head's weights exceed the model's, or a negative seq_len");
   STRATA_RETURN_IF_ERROR(check_memory_ops(in.model.memory));
   PlannedStep out;
+  describe_groups(in, out.work);
   add_parameter_fetch(in, out.work);
   add_gradients_and_update(in, out.work);
   add_flops(in.model, o.gradient_accumulation_steps, out.work);

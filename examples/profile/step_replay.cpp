@@ -1,0 +1,154 @@
+#include "examples/profile/step_replay.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace strata::profile {
+
+namespace {
+
+constexpr int kReplayedSteps = 4;
+
+// A worker that takes one job at a time, in the order they are given.
+class Worker {
+ public:
+  double run(double ready, double seconds) {
+    free_ = std::max(free_, ready) + seconds;
+    return free_;
+  }
+
+ private:
+  double free_ = 0;
+};
+
+double seconds_of(double amount, double rate) { return amount > 0 ? amount / rate : 0.0; }
+
+class Replay {
+ public:
+  Replay(const StepWork& w, const PipelineShape& shape, const ReplayRates& r) : w_(w), shape_(shape), r_(r) {
+    const size_t n = w.uses.size();
+    double forward_numel = 0, backward_numel = 0;
+    for (size_t i = 0; i < n; ++i) (i < n / 2 ? forward_numel : backward_numel) += group(i).numel;
+    const double k = static_cast<double>(shape.micro_batches);
+    for (size_t i = 0; i < n; ++i) {
+      const bool forward = i < n / 2;
+      const double share = group(i).numel / std::max(forward ? forward_numel : backward_numel, 1.0);
+      compute_.push_back((forward ? r.forward_seconds : r.backward_seconds) / k * share);
+    }
+    last_use_.assign(w.groups.size(), -1);
+    first_use_.assign(w.groups.size(), -1);
+    for (size_t i = 0; i < n; ++i) {
+      const size_t g = static_cast<size_t>(w.uses[i]);
+      last_use_[g] = static_cast<int>(i);
+      if (first_use_[g] < 0) first_use_[g] = static_cast<int>(i);
+    }
+    updated_.assign(kReplayedSteps, std::vector<double>(w.groups.size(), 0.0));
+  }
+
+  double run() {
+    const size_t n = w_.uses.size();
+    const size_t per_step = n * static_cast<size_t>(shape_.micro_batches);
+    const size_t total = per_step * kReplayedSteps;
+    fetched_.assign(total, 0.0);
+    computed_.assign(total, 0.0);
+    std::vector<double> step_end(kReplayedSteps, 0.0);
+    for (size_t u = 0; u <= std::min<size_t>(static_cast<size_t>(shape_.prefetch_depth), total - 1); ++u) fetch(u, 0.0);
+    for (size_t t = 0; t < total; ++t) {
+      // Use t - 1 has released its slot: the fetch `prefetch_depth` uses ahead of t goes out.
+      const size_t ahead = t + static_cast<size_t>(shape_.prefetch_depth);
+      if (t > 0 && ahead < total) fetch(ahead, computed_[t - 1]);
+      compute(t);
+      step_end[t / per_step] = computed_[t];
+      if ((t + 1) % per_step == 0) flush_updates(t / per_step, computed_[t]);
+    }
+    return step_end[kReplayedSteps - 1] - step_end[kReplayedSteps - 2];
+  }
+
+ private:
+  const GroupWork& group(size_t use) const { return w_.groups[static_cast<size_t>(w_.uses[use])]; }
+  size_t use_of(size_t t) const { return t % w_.uses.size(); }
+  int step_of(size_t t) const { return static_cast<int>(t / (w_.uses.size() * static_cast<size_t>(shape_.micro_batches))); }
+  int micro_of(size_t t) const { return static_cast<int>(t / w_.uses.size()) % shape_.micro_batches; }
+
+  // A group's first use in a step waits for the update `lag` steps back.
+  double update_wait(size_t t) const {
+    const size_t i = use_of(t);
+    const size_t g = static_cast<size_t>(w_.uses[i]);
+    const int lag = shape_.overlap == OverlapMode::kExact ? 1 : 2;
+    const int from = step_of(t) - lag;
+    if (micro_of(t) != 0 || first_use_[g] != static_cast<int>(i) || from < 0 || !w_.groups[g].trainable) return 0.0;
+    return updated_[static_cast<size_t>(from)][g];
+  }
+
+  void fetch(size_t u, double slot_free) {
+    const size_t i = use_of(u);
+    const GroupWork& g = group(i);
+    const bool fetches = !g.persistent || (micro_of(u) == 0 && first_use_[static_cast<size_t>(w_.uses[i])] == static_cast<int>(i));
+    if (!fetches) return;
+    const double ready = std::max(slot_free, update_wait(u));
+    const double read = g.fetch_read_bytes > 0 ? disk_.run(ready, seconds_of(g.fetch_read_bytes, r_.disk_read_bytes_per_s)) : ready;
+    fetched_[u] = g.fetch_h2d_bytes > 0 ? h2d_.run(read, seconds_of(g.fetch_h2d_bytes, r_.h2d_bytes_per_s)) : read;
+  }
+
+  void compute(size_t t) {
+    const size_t i = use_of(t);
+    computed_[t] = compute_stream_.run(std::max(fetched_[t], update_wait(t)), compute_[i]);
+    const size_t g = static_cast<size_t>(w_.uses[i]);
+    if (!w_.groups[g].trainable || last_use_[g] != static_cast<int>(i)) return;
+    const GroupWork& part = w_.groups[g];
+    double landed = gradients_.run(computed_[t], seconds_of(part.gradient_out_bytes, r_.d2h_bytes_per_s) +
+                                                     seconds_of(part.landing_bytes, r_.landing_bytes_per_s));
+    if (part.spill_bytes > 0) landed = disk_.run(landed, seconds_of(part.spill_bytes, r_.disk_write_bytes_per_s));
+    if (micro_of(t) != shape_.micro_batches - 1) return;
+    pending_.push_back({g, landed});
+    if (shape_.adam_during_backward) flush_updates(step_of(t), 0.0);
+  }
+
+  // The waiting updates, in the order their gradients landed, none before `not_before`.
+  void flush_updates(int step, double not_before) {
+    for (const auto& [g, landed] : pending_) {
+      const GroupWork& part = w_.groups[g];
+      double at = std::max(landed, not_before);
+      if (part.update_read_bytes > 0) at = disk_.run(at, seconds_of(part.update_read_bytes, r_.disk_read_bytes_per_s));
+      at = optimizer_.run(at, seconds_of(part.adam_elements, r_.adam_elements_per_s));
+      if (part.update_write_bytes > 0) at = disk_.run(at, seconds_of(part.update_write_bytes, r_.disk_write_bytes_per_s));
+      updated_[static_cast<size_t>(step)][g] = at;
+    }
+    pending_.clear();
+  }
+
+  struct Pending {
+    size_t group;
+    double landed;
+  };
+  const StepWork& w_;
+  const PipelineShape& shape_;
+  const ReplayRates& r_;
+  std::vector<double> compute_;                // per use of a micro-batch
+  std::vector<int> first_use_, last_use_;      // per group: its first and last use in a micro-batch
+  std::vector<std::vector<double>> updated_;   // per step and group: its update done
+  std::vector<double> fetched_, computed_;     // per use of the replay
+  std::vector<Pending> pending_;
+  Worker disk_, h2d_, compute_stream_, gradients_, optimizer_;
+};
+
+bool rates_cover(const StepWork& w, const ReplayRates& r) {
+  bool reads = false, writes = false, h2d = false, adam = false;
+  for (const GroupWork& g : w.groups) {
+    reads |= g.fetch_read_bytes > 0 || g.update_read_bytes > 0;
+    writes |= g.update_write_bytes > 0 || g.spill_bytes > 0;
+    h2d |= g.fetch_h2d_bytes > 0;
+    adam |= g.adam_elements > 0;
+  }
+  return (!reads || r.disk_read_bytes_per_s > 0) && (!writes || r.disk_write_bytes_per_s > 0) && (!h2d || r.h2d_bytes_per_s > 0) &&
+         (!adam || r.adam_elements_per_s > 0) && r.d2h_bytes_per_s > 0 && r.landing_bytes_per_s > 0;
+}
+
+}  // namespace
+
+double replay_step_seconds(const StepWork& work, const PipelineShape& shape, const ReplayRates& rates) {
+  if (work.uses.empty() || work.groups.empty() || shape.micro_batches < 1 || !rates_cover(work, rates)) return 0.0;
+  return Replay(work, shape, rates).run();
+}
+
+}  // namespace strata::profile

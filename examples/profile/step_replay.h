@@ -1,0 +1,37 @@
+// A replay of the step's schedule, group by group: the bound the stage sums cannot see,
+// where the order of the work makes a resource wait (docs/profile.md).
+//
+// One micro-batch uses the groups in the model's schedule; the first half of the uses are
+// the forward, the rest the backward, and each use computes for its share (by parameter
+// count) of the phase's predicted seconds. Each use's parameters are fetched (an NVMe read,
+// then a host-to-device copy) once the use `prefetch_depth + 1` before it has released its
+// slot; after a trainable group's last use in a micro-batch its gradient goes to the host
+// and lands (and is spilled to NVMe); after the last micro-batch its update reads its
+// state, steps Adam and writes its state and new parameters. A group's first use of a step
+// waits for its update from the step before (exact overlap) or the one before that
+// (delayed); with clipping or loss scaling the updates wait for the whole backward. The
+// disk, the copy to the device, the compute stream, the gradients' way out and the
+// optimizer each take one job at a time, in the order the engine issues them. Four steps
+// are replayed; the result is the last step's length.
+#pragma once
+
+#include "examples/profile/step_cost.h"
+
+namespace strata::profile {
+
+struct ReplayRates {
+  double disk_read_bytes_per_s = 0;   // 0: the step reads nothing from NVMe, or no rate
+  double disk_write_bytes_per_s = 0;
+  double h2d_bytes_per_s = 0;
+  double d2h_bytes_per_s = 0;
+  double landing_bytes_per_s = 0;
+  double adam_elements_per_s = 0;
+  double forward_seconds = 0;         // the step's forward (all micro-batches)
+  double backward_seconds = 0;        // its backward with recompute
+};
+
+// The replayed step's seconds; 0 when the work has no schedule or a rate it needs is
+// missing (the other bounds then stand alone).
+double replay_step_seconds(const StepWork& work, const PipelineShape& shape, const ReplayRates& rates);
+
+}  // namespace strata::profile

@@ -1,0 +1,80 @@
+// The schedule's replay (examples/profile/step_replay) at hand-computed cases: a group
+// that is first in forward and last in backward puts its whole update between two steps
+// in exact overlap and none in delayed; fetches ahead of the compute overlap it; updates
+// queued on the disk delay the fetches behind them.
+#include "examples/profile/step_replay.h"
+
+#include <gtest/gtest.h>
+
+namespace strata::profile {
+namespace {
+
+// One group, used once forward and once backward, its update 1 s of reads and 1 s of writes.
+StepWork one_group_on_nvme() {
+  StepWork w;
+  w.groups = {{.numel = 1, .trainable = true, .update_read_bytes = 1e9, .update_write_bytes = 2e9}};
+  w.uses = {0, 0};
+  return w;
+}
+
+ReplayRates rates(double forward_s, double backward_s) {
+  return {.disk_read_bytes_per_s = 1e9, .disk_write_bytes_per_s = 2e9, .h2d_bytes_per_s = 1e9, .d2h_bytes_per_s = 1e9,
+          .landing_bytes_per_s = 1e9, .adam_elements_per_s = 1e9, .forward_seconds = forward_s, .backward_seconds = backward_s};
+}
+
+TEST(StepReplay, InExactOverlapTheNextForwardWaitsForTheWholeUpdate) {
+  PipelineShape shape;
+  shape.overlap = OverlapMode::kExact;
+  shape.adam_during_backward = true;
+  // forward 1 s, backward 1 s, then the update's 2 s of disk before the next forward.
+  EXPECT_DOUBLE_EQ(replay_step_seconds(one_group_on_nvme(), shape, rates(1.0, 1.0)), 4.0);
+}
+
+TEST(StepReplay, InDelayedOverlapTheUpdateRunsBesideTheNextStep) {
+  PipelineShape shape;
+  shape.overlap = OverlapMode::kDelayed;
+  EXPECT_DOUBLE_EQ(replay_step_seconds(one_group_on_nvme(), shape, rates(1.0, 1.0)), 2.0);
+  // An update longer than a step: the disk sets the pace.
+  EXPECT_DOUBLE_EQ(replay_step_seconds(one_group_on_nvme(), shape, rates(0.5, 0.5)), 2.0);
+}
+
+// Four groups used forward then backward, each fetch 0.5 s of NVMe read, each use 1 s of compute.
+StepWork four_fetched_groups() {
+  StepWork w;
+  for (int g = 0; g < 4; ++g) w.groups.push_back({.numel = 1, .fetch_read_bytes = 0.5e9});
+  w.uses = {0, 1, 2, 3, 3, 2, 1, 0};
+  return w;
+}
+
+TEST(StepReplay, FetchesAheadOfTheComputeOverlapIt) {
+  PipelineShape serial;
+  serial.prefetch_depth = 0;  // each fetch after the use before it: 8 x (0.5 + 1) s
+  EXPECT_DOUBLE_EQ(replay_step_seconds(four_fetched_groups(), serial, rates(4.0, 4.0)), 12.0);
+  PipelineShape ahead;
+  ahead.prefetch_depth = 2;  // every fetch hidden but the step's first
+  EXPECT_DOUBLE_EQ(replay_step_seconds(four_fetched_groups(), ahead, rates(4.0, 4.0)), 8.0);
+}
+
+TEST(StepReplay, UpdatesQueuedOnTheDiskHoldBackTheFetchesBehindThem) {
+  StepWork w = four_fetched_groups();
+  for (GroupWork& g : w.groups) {
+    g.trainable = true;
+    g.update_read_bytes = 2e9;  // 2 s each on the disk, queued as each backward ends
+  }
+  PipelineShape shape;
+  shape.prefetch_depth = 2;
+  shape.overlap = OverlapMode::kDelayed;
+  const double seconds = replay_step_seconds(w, shape, rates(4.0, 4.0));
+  EXPECT_GT(seconds, 8.0);   // more than the compute alone ...
+  EXPECT_GE(seconds, 12.0);  // ... at least the disk's 4 x 0.5 s of fetches and 4 x 2 s of reads
+}
+
+TEST(StepReplay, WithoutAScheduleOrARateItNeedsThereIsNoReplay) {
+  EXPECT_DOUBLE_EQ(replay_step_seconds(StepWork{}, PipelineShape{}, rates(1.0, 1.0)), 0.0);
+  ReplayRates no_disk = rates(1.0, 1.0);
+  no_disk.disk_read_bytes_per_s = 0;
+  EXPECT_DOUBLE_EQ(replay_step_seconds(one_group_on_nvme(), PipelineShape{}, no_disk), 0.0);
+}
+
+}  // namespace
+}  // namespace strata::profile
