@@ -218,6 +218,7 @@ ReplayRates replay_rates(const StepPrediction& p, const PipelineShape& shape, co
   }
   r.forward_seconds = row_seconds(p, "forward", Stage::kCompute);
   r.backward_seconds = row_seconds(p, "backward", Stage::kCompute) + row_seconds(p, "recompute", Stage::kCompute);
+  r.shared_host_cores = profile.compute.device == "cpu";
   return r;
 }
 

@@ -1,6 +1,8 @@
 #include "examples/profile/step_replay.h"
 
 #include <algorithm>
+#include <cstddef>
+#include <utility>
 #include <vector>
 
 namespace strata::profile {
@@ -9,16 +11,27 @@ namespace {
 
 constexpr int kReplayedSteps = 4;
 
-// A worker that takes one job at a time, in the order they are given.
+// A worker that takes one job at a time. A job starts in the first idle gap at or after
+// it is ready that holds it, so a job given later may run in a gap earlier ones left (the
+// engine's queues serve whoever is ready); callers that must keep an order (a stream) say
+// so through `ready`.
 class Worker {
  public:
   double run(double ready, double seconds) {
-    free_ = std::max(free_, ready) + seconds;
-    return free_;
+    if (seconds <= 0) return ready;
+    double start = ready;
+    size_t at = 0;
+    while (at < busy_.size() && busy_[at].second <= start) ++at;
+    for (; at < busy_.size(); ++at) {
+      if (busy_[at].first >= start + seconds) break;  // fits before this job
+      start = std::max(start, busy_[at].second);
+    }
+    busy_.insert(busy_.begin() + static_cast<std::ptrdiff_t>(at), {start, start + seconds});
+    return start + seconds;
   }
 
  private:
-  double free_ = 0;
+  std::vector<std::pair<double, double>> busy_;  // sorted, disjoint
 };
 
 double seconds_of(double amount, double rate) { return amount > 0 ? amount / rate : 0.0; }
@@ -65,6 +78,9 @@ class Replay {
   }
 
  private:
+  // On the CPU device the host's cores run the compute, the copies, the landing and Adam:
+  // one worker for all of them.
+  Worker& cores(Worker& own) { return r_.shared_host_cores ? host_cores_ : own; }
   const GroupWork& group(size_t use) const { return w_.groups[static_cast<size_t>(w_.uses[use])]; }
   size_t use_of(size_t t) const { return t % w_.uses.size(); }
   int step_of(size_t t) const { return static_cast<int>(t / (w_.uses.size() * static_cast<size_t>(shape_.micro_batches))); }
@@ -87,16 +103,17 @@ class Replay {
     if (!fetches) return;
     const double ready = std::max(slot_free, update_wait(u));
     const double read = g.fetch_read_bytes > 0 ? disk_.run(ready, seconds_of(g.fetch_read_bytes, r_.disk_read_bytes_per_s)) : ready;
-    fetched_[u] = g.fetch_h2d_bytes > 0 ? h2d_.run(read, seconds_of(g.fetch_h2d_bytes, r_.h2d_bytes_per_s)) : read;
+    fetched_[u] = g.fetch_h2d_bytes > 0 ? cores(h2d_).run(read, seconds_of(g.fetch_h2d_bytes, r_.h2d_bytes_per_s)) : read;
   }
 
   void compute(size_t t) {
     const size_t i = use_of(t);
-    computed_[t] = compute_stream_.run(std::max(fetched_[t], update_wait(t)), compute_[i]);
+    const double in_order = t == 0 ? 0.0 : computed_[t - 1];  // the compute stream runs its uses in order
+    computed_[t] = cores(compute_stream_).run(std::max({fetched_[t], update_wait(t), in_order}), compute_[i]);
     const size_t g = static_cast<size_t>(w_.uses[i]);
     if (!w_.groups[g].trainable || last_use_[g] != static_cast<int>(i)) return;
     const GroupWork& part = w_.groups[g];
-    double landed = gradients_.run(computed_[t], seconds_of(part.gradient_out_bytes, r_.d2h_bytes_per_s) +
+    double landed = cores(gradients_).run(computed_[t], seconds_of(part.gradient_out_bytes, r_.d2h_bytes_per_s) +
                                                      seconds_of(part.landing_bytes, r_.landing_bytes_per_s));
     if (part.spill_bytes > 0) landed = disk_.run(landed, seconds_of(part.spill_bytes, r_.disk_write_bytes_per_s));
     if (micro_of(t) != shape_.micro_batches - 1) return;
@@ -110,7 +127,7 @@ class Replay {
       const GroupWork& part = w_.groups[g];
       double at = std::max(landed, not_before);
       if (part.update_read_bytes > 0) at = disk_.run(at, seconds_of(part.update_read_bytes, r_.disk_read_bytes_per_s));
-      at = optimizer_.run(at, seconds_of(part.adam_elements, r_.adam_elements_per_s));
+      at = cores(optimizer_).run(at, seconds_of(part.adam_elements, r_.adam_elements_per_s));
       if (part.update_write_bytes > 0) at = disk_.run(at, seconds_of(part.update_write_bytes, r_.disk_write_bytes_per_s));
       updated_[static_cast<size_t>(step)][g] = at;
     }
@@ -129,7 +146,7 @@ class Replay {
   std::vector<std::vector<double>> updated_;   // per step and group: its update done
   std::vector<double> fetched_, computed_;     // per use of the replay
   std::vector<Pending> pending_;
-  Worker disk_, h2d_, compute_stream_, gradients_, optimizer_;
+  Worker disk_, h2d_, compute_stream_, gradients_, optimizer_, host_cores_;
 };
 
 bool rates_cover(const StepWork& w, const ReplayRates& r) {

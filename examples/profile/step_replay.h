@@ -11,8 +11,10 @@
 // waits for its update from the step before (exact overlap) or the one before that
 // (delayed); with clipping or loss scaling the updates wait for the whole backward. The
 // disk, the copy to the device, the compute stream, the gradients' way out and the
-// optimizer each take one job at a time, in the order the engine issues them. Four steps
-// are replayed; the result is the last step's length.
+// optimizer each take one job at a time (on the CPU device, compute, copies, landing and
+// Adam are one worker: the host's cores), a job starting in the first idle gap after it is
+// ready; the compute stream keeps its order. Four steps are replayed; the result is the
+// last step's length.
 #pragma once
 
 #include "examples/profile/step_cost.h"
@@ -28,6 +30,7 @@ struct ReplayRates {
   double adam_elements_per_s = 0;
   double forward_seconds = 0;         // the step's forward (all micro-batches)
   double backward_seconds = 0;        // its backward with recompute
+  bool shared_host_cores = false;     // the CPU device: compute, copies, landing and Adam take turns on the host's cores
 };
 
 // The replayed step's seconds; 0 when the work has no schedule or a rate it needs is

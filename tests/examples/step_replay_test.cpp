@@ -1,7 +1,8 @@
 // The schedule's replay (examples/profile/step_replay) at hand-computed cases: a group
 // that is first in forward and last in backward puts its whole update between two steps
 // in exact overlap and none in delayed; fetches ahead of the compute overlap it; updates
-// queued on the disk delay the fetches behind them.
+// queued on the disk delay the fetches behind them; on the CPU device the compute and the
+// host's stages take turns on the cores.
 #include "examples/profile/step_replay.h"
 
 #include <gtest/gtest.h>
@@ -67,6 +68,19 @@ TEST(StepReplay, UpdatesQueuedOnTheDiskHoldBackTheFetchesBehindThem) {
   const double seconds = replay_step_seconds(w, shape, rates(4.0, 4.0));
   EXPECT_GT(seconds, 8.0);   // more than the compute alone ...
   EXPECT_GE(seconds, 12.0);  // ... at least the disk's 4 x 0.5 s of fetches and 4 x 2 s of reads
+}
+
+TEST(StepReplay, OnTheCpuDeviceComputeAndAdamTakeTurnsOnTheCores) {
+  StepWork w;
+  for (int g = 0; g < 2; ++g) w.groups.push_back({.numel = 1, .trainable = true, .adam_elements = 1e9});  // 1 s of Adam each
+  w.uses = {0, 1, 1, 0};
+  PipelineShape shape;
+  shape.overlap = OverlapMode::kDelayed;
+  ReplayRates own = rates(2.0, 2.0);
+  EXPECT_DOUBLE_EQ(replay_step_seconds(w, shape, own), 4.0);  // Adam beside the compute
+  ReplayRates shared = own;
+  shared.shared_host_cores = true;
+  EXPECT_DOUBLE_EQ(replay_step_seconds(w, shape, shared), 6.0);  // after it
 }
 
 TEST(StepReplay, WithoutAScheduleOrARateItNeedsThereIsNoReplay) {
