@@ -37,10 +37,15 @@ double memory_op_rate(const MachineProfile& profile, std::string_view op) {
   std::vector<double> rates;
   for (const KernelRate& k : profile.compute.kernels)
     if (k.kind == "memory" && k.op == op && k.rate_per_s > 0) rates.push_back(k.rate_per_s);
-  if (rates.empty()) return profile.compute.memory_bytes_per_s;
+  if (rates.empty()) return streaming_rate(profile);
   std::sort(rates.begin(), rates.end());
   const size_t n = rates.size();
   return n % 2 == 1 ? rates[n / 2] : (rates[n / 2 - 1] + rates[n / 2]) / 2;
+}
+
+double streaming_rate(const MachineProfile& profile) {
+  if (profile.copy.host_copy && profile.copy.d2h_bytes_per_s > 0) return profile.copy.d2h_bytes_per_s;
+  return profile.compute.memory_bytes_per_s;
 }
 
 }  // namespace strata::profile

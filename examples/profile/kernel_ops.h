@@ -17,7 +17,13 @@ namespace strata::profile {
 std::optional<double> memory_op_accesses(std::string_view op);
 
 // The profile's rate for `op` in bytes/s: the median over its measurements of that op (one
-// per model shape the bench ran), else the median over all memory-bound ops.
+// per model shape the bench ran), else streaming_rate().
 double memory_op_rate(const MachineProfile& profile, std::string_view op);
+
+// A plain stream through memory the bench does not time (a residual add, a memset): on the
+// CPU device the host copy rate (bytes copied per second), elsewhere the median over the
+// memory-bound ops. The median of the CPU's ops mixes fast passes (the norms) with slow
+// ones (GELU, the loss's exponentials) and is no streaming rate.
+double streaming_rate(const MachineProfile& profile);
 
 }  // namespace strata::profile

@@ -109,8 +109,8 @@ void add_compute_rows(RowBuilder& rows, const StepWork& w, const MachineProfile&
   rows.add(Stage::kCompute, "backward (attention)", w.backward_attention_flops, "FLOP", attention, "attention" + on);
   add_memory_row(rows, "backward (memory-bound ops)", w.backward_memory, p, on);
   if (streamed > 0) rows.add(Stage::kCompute, "backward (weights from memory)", w.backward_weight_elements * element, "B", streamed, stream_source);
-  rows.add(Stage::kCompute, "backward (gradient buffers zeroed)", w.gradient_zero_bytes, "B", p.compute.memory_bytes_per_s,
-           "memory-bound" + on);
+  rows.add(Stage::kCompute, "backward (gradient buffers zeroed)", w.gradient_zero_bytes, "B", streaming_rate(p),
+           p.copy.host_copy ? "host copy (a stream through memory)" : "memory-bound" + on);
 }
 
 void add_optimizer_row(RowBuilder& rows, const StepWork& w, const PipelineShape& shape, const MachineProfile& p) {

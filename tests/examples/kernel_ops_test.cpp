@@ -41,10 +41,18 @@ TEST(KernelOps, AnOpsRateIsTheMedianOfItsOwnMeasurements) {
   EXPECT_DOUBLE_EQ(memory_op_rate(p, "layernorm fwd"), 9e9);
 }
 
-TEST(KernelOps, AnOpTheProfileDidNotTimeTakesTheMedianOfAll) {
+TEST(KernelOps, AnOpTheProfileDidNotTimeStreamsAtTheMedianOnAGpu) {
   const MachineProfile p = with_kernels({{.model = "a", .op = "gelu fwd", .shape = "", .kind = "memory", .rate_per_s = 1e9}});
   EXPECT_DOUBLE_EQ(memory_op_rate(p, "residual add"), 7e9);
   EXPECT_DOUBLE_EQ(memory_op_rate(with_kernels({}), "gelu fwd"), 7e9);  // a datasheet profile lists no ops
+}
+
+TEST(KernelOps, AnOpTheProfileDidNotTimeStreamsAtTheHostCopyRateOnTheCpuDevice) {
+  MachineProfile p = with_kernels({{.model = "a", .op = "gelu fwd", .shape = "", .kind = "memory", .rate_per_s = 1e9}});
+  p.copy = {.host_copy = true, .pinned = true, .h2d_bytes_per_s = 11e9, .d2h_bytes_per_s = 12e9};
+  EXPECT_DOUBLE_EQ(memory_op_rate(p, "residual add"), 12e9);
+  EXPECT_DOUBLE_EQ(memory_op_rate(p, "gelu fwd"), 1e9);  // a timed op keeps its own rate
+  EXPECT_DOUBLE_EQ(streaming_rate(p), 12e9);
 }
 
 }  // namespace

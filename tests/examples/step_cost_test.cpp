@@ -241,6 +241,7 @@ TEST(StepCost, EachMemoryBoundOpIsPricedAtItsOwnRateOrTheMedian) {
   w.forward_memory = {{"gelu fwd", 1e8}, {"residual add", 7e8}};  // 2 x 4e8 B at 1e9 B/s; 3 x 2.8e9 B at the median 2.8e10
   w.backward_memory = {{"gelu bwd", 1e8}};                         // 3 x 4e8 B at the median
   MachineProfile p = round_profile();
+  p.copy.host_copy = false;  // a GPU: untimed ops stream at the memory-bound median
   p.compute.kernels = {{.model = "m", .op = "gelu fwd", .shape = "", .kind = "memory", .rate_per_s = 1e9}};
   auto prediction = predict_step(w, PipelineShape{}, p);
   ASSERT_TRUE(prediction.ok()) << prediction.status().to_string();
@@ -252,10 +253,17 @@ TEST(StepCost, TheEnginesGradientZeroingAndCastAreCounted) {
   StepWork w;
   w.gradient_zero_bytes = 2.8e10;  // 1 s at the memory-bound median, on the compute stream
   w.gradient_cast_bytes = 1.4e10;  // no "grad cast to bf16" figure: the median, 0.5 s
-  auto p = predict_step(w, PipelineShape{}, round_profile());
+  MachineProfile gpu = round_profile();
+  gpu.copy.host_copy = false;
+  auto p = predict_step(w, PipelineShape{}, gpu);
   ASSERT_TRUE(p.ok());
   EXPECT_DOUBLE_EQ(busy(*p, Stage::kCompute), 1.0);
   EXPECT_DOUBLE_EQ(busy(*p, Stage::kReduceScatter), 0.5);
+  // On the CPU device both are streams through host memory, at the copy rate (5e9 B/s).
+  auto host = predict_step(w, PipelineShape{}, round_profile());
+  ASSERT_TRUE(host.ok());
+  EXPECT_DOUBLE_EQ(busy(*host, Stage::kCompute), 5.6);
+  EXPECT_DOUBLE_EQ(busy(*host, Stage::kReduceScatter), 2.8);
 }
 
 TEST(StepCost, AnUnknownMemoryBoundOpIsRefused) {
