@@ -13,8 +13,11 @@
 // disk, the copy to the device, the compute stream, the gradients' way out and the
 // optimizer each take one job at a time (on the CPU device, compute, copies, landing and
 // Adam are one worker: the host's cores), a job starting in the first idle gap after it is
-// ready; the compute stream keeps its order. Four steps are replayed; the result is the
-// last step's length.
+// ready; the compute stream keeps its order. The fetches' NVMe reads go one after another
+// and share the disk with the updates' traffic (its queue serves both at once, a few
+// requests of each deep): a fetch runs at half speed while an update's transfer is under
+// way instead of waiting for the whole update (the disk's total time is bounded apart).
+// Four steps are replayed; the result is the last step's length.
 #pragma once
 
 #include "examples/profile/step_cost.h"
