@@ -192,6 +192,8 @@ bool rates_cover(const StepWork& w, const ReplayRates& r) {
 
 double replay_step_seconds(const StepWork& work, const PipelineShape& shape, const ReplayRates& rates) {
   if (work.uses.empty() || work.groups.empty() || shape.micro_batches < 1 || !rates_cover(work, rates)) return 0.0;
+  for (const int g : work.uses)
+    if (g < 0 || static_cast<size_t>(g) >= work.groups.size()) return 0.0;  // a use of no group: nothing to replay
   return Replay(work, shape, rates).run();
 }
 

@@ -36,8 +36,8 @@ struct ReplayRates {
   bool shared_host_cores = false;     // the CPU device: compute, copies, landing and Adam take turns on the host's cores
 };
 
-// The replayed step's seconds; 0 when the work has no schedule or a rate it needs is
-// missing (the other bounds then stand alone).
+// The replayed step's seconds; 0 when the work has no schedule, a use names no group, or a
+// rate it needs is missing (the other bounds then stand alone).
 double replay_step_seconds(const StepWork& work, const PipelineShape& shape, const ReplayRates& rates);
 
 }  // namespace strata::profile

@@ -85,11 +85,14 @@ TEST(StepReplay, OnTheCpuDeviceComputeAndAdamTakeTurnsOnTheCores) {
   EXPECT_DOUBLE_EQ(replay_step_seconds(w, shape, shared), 6.0);  // after it
 }
 
-TEST(StepReplay, WithoutAScheduleOrARateItNeedsThereIsNoReplay) {
+TEST(StepReplay, WithoutAScheduleAGroupOrARateItNeedsThereIsNoReplay) {
   EXPECT_DOUBLE_EQ(replay_step_seconds(StepWork{}, PipelineShape{}, rates(1.0, 1.0)), 0.0);
   ReplayRates no_disk = rates(1.0, 1.0);
   no_disk.disk_read_bytes_per_s = 0;
   EXPECT_DOUBLE_EQ(replay_step_seconds(one_group_on_nvme(), PipelineShape{}, no_disk), 0.0);
+  StepWork stray = one_group_on_nvme();
+  stray.uses = {0, 1};  // group 1 does not exist
+  EXPECT_DOUBLE_EQ(replay_step_seconds(stray, PipelineShape{}, rates(1.0, 1.0)), 0.0);
 }
 
 }  // namespace
