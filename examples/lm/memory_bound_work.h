@@ -4,7 +4,7 @@
 // "gelu fwd", "rmsnorm bwd", "cross-entropy fwd", ...), with the elements it is timed over;
 // the cost model (examples/profile/step_cost.h) turns elements into the bytes the bench
 // counts and prices each at its own measured rate. Ops the bench does not time ("residual
-// add") are priced at the profile's median memory-bound rate.
+// add") are priced as plain streams through memory (examples/profile/kernel_ops.h).
 #pragma once
 
 #include <cstdint>

@@ -1,12 +1,12 @@
 #include "examples/profile/step_cost.h"
 
-#include "examples/profile/kernel_ops.h"
-#include "examples/profile/step_replay.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <sstream>
+
+#include "examples/profile/kernel_ops.h"
+#include "examples/profile/step_replay.h"
 
 namespace strata::profile {
 
@@ -40,8 +40,7 @@ std::string nvme_source(const NvmeRate* rate, const char* direction) {
          (rate->checksums ? " checksums on" : " checksums off");
 }
 
-void add_transfer_rows(RowBuilder& rows, const StepWork& w, const PipelineShape& shape, const MachineProfile& p) {
-  const NvmeRate* nvme = nearest_nvme_rate(p, shape.nvme_block_bytes, shape.nvme_queue_depth, shape.nvme_checksums);
+void add_transfer_rows(RowBuilder& rows, const StepWork& w, const PipelineShape& shape, const MachineProfile& p, const NvmeRate* nvme) {
   const double read = nvme ? nvme->read_bytes_per_s : 0, write = nvme ? nvme->write_bytes_per_s : 0;
   rows.add(Stage::kNvmeRead, "parameter shards", w.param_read_bytes, "B", read, nvme_source(nvme, "read"));
   rows.add(Stage::kNvmeRead, "optimizer state", w.state_read_bytes, "B", read, nvme_source(nvme, "read"));
@@ -93,7 +92,7 @@ void add_compute_rows(RowBuilder& rows, const StepWork& w, const MachineProfile&
   // The host's GEMMs stream each weight from memory into their packed panels, a copy
   // beside the FLOPs that the profile's GEMM rate (weights in cache) leaves out. A GPU's
   // products read their weights at its memory's speed within the measured rate: no row.
-  const double streamed = p.copy.host_copy ? p.copy.h2d_bytes_per_s : 0.0;
+  const double streamed = p.copy.host_copy ? streaming_rate(p) : 0.0;
   const double element = compute_element_bytes(p);
   const std::string stream_source = "host copy (weights streamed from memory)";
   rows.add(Stage::kCompute, "forward (GEMM)", w.forward_matmul_flops, "FLOP", gemm, "gemm" + on);
@@ -203,8 +202,7 @@ void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& sh
 }
 
 // The replay's rates: the stages' rows' own figures, and the phases' predicted compute.
-ReplayRates replay_rates(const StepPrediction& p, const PipelineShape& shape, const MachineProfile& profile) {
-  const NvmeRate* nvme = nearest_nvme_rate(profile, shape.nvme_block_bytes, shape.nvme_queue_depth, shape.nvme_checksums);
+ReplayRates replay_rates(const StepPrediction& p, const PipelineShape& shape, const MachineProfile& profile, const NvmeRate* nvme) {
   ReplayRates r;
   r.disk_read_bytes_per_s = nvme ? nvme->read_bytes_per_s : 0;
   r.disk_write_bytes_per_s = nvme ? nvme->write_bytes_per_s : 0;
@@ -222,8 +220,8 @@ ReplayRates replay_rates(const StepPrediction& p, const PipelineShape& shape, co
   return r;
 }
 
-void add_replay(StepPrediction& p, const StepWork& w, const PipelineShape& shape, const MachineProfile& profile) {
-  p.replay_seconds = replay_step_seconds(w, shape, replay_rates(p, shape, profile));
+void add_replay(StepPrediction& p, const StepWork& w, const PipelineShape& shape, const MachineProfile& profile, const NvmeRate* nvme) {
+  p.replay_seconds = replay_step_seconds(w, shape, replay_rates(p, shape, profile, nvme));
   if (p.replay_seconds > p.step_seconds) {
     p.step_seconds = p.replay_seconds;
     p.bound = "the schedule replayed group by group (fetches, compute and updates in the engine's order)";
@@ -305,12 +303,12 @@ StatusOr<StepPrediction> predict_step(const StepWork& work, const PipelineShape&
   STRATA_RETURN_IF_ERROR(check_inputs(work, shape).with_context("predict_step"));
   StepPrediction prediction;
   RowBuilder rows(prediction);
-  add_transfer_rows(rows, work, shape, profile);
+  const NvmeRate* nvme = nearest_nvme_rate(profile, shape.nvme_block_bytes, shape.nvme_queue_depth, shape.nvme_checksums);
+  add_transfer_rows(rows, work, shape, profile, nvme);
   add_compute_rows(rows, work, profile);
   add_optimizer_row(rows, work, shape, profile);
-  const NvmeRate* nvme = nearest_nvme_rate(profile, shape.nvme_block_bytes, shape.nvme_queue_depth, shape.nvme_checksums);
   critical_path(prediction, work, shape, disk_time(prediction, work, nvme), profile.compute.device == "cpu");
-  add_replay(prediction, work, shape, profile);
+  add_replay(prediction, work, shape, profile, nvme);
   return prediction;
 }
 

@@ -222,13 +222,13 @@ TEST(StepCost, DeviceAdamRunsAtTheDevicesMemoryRate) {
 
 TEST(StepCost, TheHostsGemmsStreamTheirWeightsFromMemoryAndAGpusDoNot) {
   StepWork w = three_seconds_of_compute();
-  w.forward_weight_elements = 1e9;   // fp32: 4 GB at the host copy's 1e10 B/s, 0.4 s
-  w.backward_weight_elements = 2e9;  // 0.8 s
+  w.forward_weight_elements = 1e9;   // fp32: 4 GB at the host stream rate (the copy's 5e9 B/s), 0.8 s
+  w.backward_weight_elements = 2e9;  // 1.6 s
   MachineProfile cpu = round_profile();
   cpu.compute.device = "cpu";
   auto host = predict_step(w, PipelineShape{}, cpu);
   ASSERT_TRUE(host.ok()) << host.status().to_string();
-  EXPECT_DOUBLE_EQ(busy(*host, Stage::kCompute), 3.0 + 0.4 + 0.8);
+  EXPECT_DOUBLE_EQ(busy(*host, Stage::kCompute), 3.0 + 0.8 + 1.6);
   MachineProfile gpu = round_profile();
   gpu.copy.host_copy = false;  // a GPU reads its weights within the measured GEMM rate
   auto device = predict_step(w, PipelineShape{}, gpu);
@@ -340,21 +340,34 @@ TEST(StepWorkFromPlan, EverythingOnNvmeReadsAndWritesWhatTheTiersSay) {
   EXPECT_TRUE(s->shape.adam_during_backward);
 }
 
-TEST(StepWorkFromPlan, DeviceParametersAtWorldOneFetchNothingAndTheFlopsFollowTheShape) {
+// Parameters on the device, optimizer state pinned, two micro-batches.
+EngineOptions device_parameters_two_micro_batches() {
   EngineOptions o;
   o.param_tier = Tier::kDevice;
   o.optimizer_tier = Tier::kPinned;
   o.gradient_accumulation_steps = 2;
-  o.overlap = OverlapMode::kDelayed;
-  EnginePlan plan;
-  plan.persistent = {0, 0};
-  const auto layouts = two_groups();
+  return o;
+}
+
+// 100 matmul weights (10 on the data, 40 in the head), 3 tokens of 4 per micro-batch,
+// activation checkpointing on.
+ModelWork small_model(int64_t attention_layers, int64_t attention_width) {
   ModelWork model;
-  model.flops = {.matmul_weights = 100, .data_input_weights = 10, .attention_layers = 2, .attention_width = 8};
+  model.flops = {.matmul_weights = 100, .data_input_weights = 10, .attention_layers = attention_layers, .attention_width = attention_width};
   model.seq_len = 4;
   model.tokens = 3;
   model.head_weights = 40;
   model.recompute = true;
+  return model;
+}
+
+TEST(StepWorkFromPlan, DeviceParametersAtWorldOneFetchNothingAndTheFlopsFollowTheShape) {
+  EngineOptions o = device_parameters_two_micro_batches();
+  o.overlap = OverlapMode::kDelayed;
+  EnginePlan plan;
+  plan.persistent = {0, 0};
+  const auto layouts = two_groups();
+  const ModelWork model = small_model(2, 8);
   auto s = planned_step({.options = &o, .plan = &plan, .layouts = layouts, .schedule = {}, .model = model});
   ASSERT_TRUE(s.ok());
   const StepWork& w = s->work;
@@ -375,20 +388,12 @@ TEST(StepWorkFromPlan, DeviceParametersAtWorldOneFetchNothingAndTheFlopsFollowTh
 }
 
 TEST(StepWorkFromPlan, TheModelsMemoryBoundOpsWeightsAndTheEnginesGradientPassesFollowThePlan) {
-  EngineOptions o;
-  o.param_tier = Tier::kDevice;
-  o.optimizer_tier = Tier::kPinned;
+  EngineOptions o = device_parameters_two_micro_batches();
   o.grad_transfer_dtype = DType::kBFloat16;
-  o.gradient_accumulation_steps = 2;
   EnginePlan plan;
   plan.persistent = {0, 0};
   const auto layouts = two_groups();
-  ModelWork model;
-  model.flops = {.matmul_weights = 100, .data_input_weights = 10, .attention_layers = 0, .attention_width = 0};
-  model.seq_len = 4;
-  model.tokens = 3;
-  model.head_weights = 40;
-  model.recompute = true;
+  ModelWork model = small_model(0, 0);
   model.memory.block_forward = {{"gelu fwd", 5}};
   model.memory.block_backward = {{"gelu bwd", 5}};
   model.memory.head_forward = {{"cross-entropy fwd", 7}};
