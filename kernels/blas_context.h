@@ -56,9 +56,12 @@ struct BlasOptions {
 // GELU): `fused` ran with it; `fallbacks` found no algorithm for the combination (shape,
 // types, alignment), and the op took its unfused path (slower, same result). Zero on a
 // CpuDevice. Tests and benchmarks read it to tell a fused run from a fallback.
+// `gelu_fused` is the part of `fused` that carried a GELU (forward or gradient): a GEMM
+// whose GELU took the unfused path may still have fused its bias.
 struct EpilogueCounts {
   uint64_t fused = 0;
   uint64_t fallbacks = 0;
+  uint64_t gelu_fused = 0;
 };
 
 class BlasContext {

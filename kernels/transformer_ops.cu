@@ -578,6 +578,9 @@ StatusOr<bool> gemm_with_epilogue(BlasContext::Impl& impl, cudaStream_t stream, 
   STRATA_ASSIGN_OR_RETURN(const bool fused,
                           try_gemm_with_epilogue(impl, stream, compute, m, n, k, alpha, a, b, beta, c, c_type, ldc, args));
   ++(fused ? impl.epilogue_counts.fused : impl.epilogue_counts.fallbacks);
+  const bool gelu = args.kind == GemmEpilogue::kGeluAux || args.kind == GemmEpilogue::kGeluGrad ||
+                    args.kind == GemmEpilogue::kGeluGradBiasGrad;
+  if (fused && gelu) ++impl.epilogue_counts.gelu_fused;
   return fused;
 }
 

@@ -41,7 +41,8 @@ StatusOr<DeviceKind> parse_device_kind(std::string_view text);
 enum class MatmulPrecision : uint8_t {
   kFp32,  // IEEE fp32 products (CUBLAS_COMPUTE_32F); the default, and the CPU device's only one
   kTf32,  // tensor-core TF32 operands (10-bit mantissa), fp32 accumulation (CUBLAS_COMPUTE_32F_FAST_TF32)
-  kBf16,  // tensor-core bf16 operands (7-bit mantissa), fp32 accumulation (CUBLAS_COMPUTE_32F_FAST_16BF)
+  kBf16,  // tensor-core bf16 operands (7-bit mantissa), fp32 accumulation (CUBLAS_COMPUTE_32F_FAST_16BF: a
+          // permission; cuBLAS may pick a TF32 kernel for a shape, as it did for a small one on an H200)
 };
 std::string_view matmul_precision_name(MatmulPrecision precision);  // "fp32" | "tf32" | "bf16"
 

@@ -28,8 +28,8 @@ TEST(BlasContextTest, FollowsTheDevicePrecisionUnlessTheOptionsSetOne) {
 }
 
 // y = x . w at [256 x 512] . [512 x 384] in fp32 on a GPU of each precision, against a
-// float64 product: IEEE fp32 lands near 1e-7, TF32 near 3e-4, bf16 operands near 3e-3, so
-// each policy shows in the error. The context also takes its 32 MiB cuBLAS workspace (NVIDIA's
+// float64 product: IEEE fp32 lands near 1e-7, TF32 near 3e-4, bf16 operands near 2e-3, so
+// each policy shows in the error (bf16 is a permission: cuBLAS may run it as TF32). The context also takes its 32 MiB cuBLAS workspace (NVIDIA's
 // advice for Hopper) from the device budget.
 class BlasPrecisionTest : public ::testing::TestWithParam<MatmulPrecision> {};
 
@@ -75,7 +75,9 @@ TEST_P(BlasPrecisionTest, Fp32GemmsRunAtTheDevicePrecision) {
   switch (precision) {
     case MatmulPrecision::kFp32: EXPECT_LT(error, 1e-5); break;
     case MatmulPrecision::kTf32: EXPECT_GT(error, 2e-5) << "TF32 was not used"; EXPECT_LT(error, 2e-3); break;
-    case MatmulPrecision::kBf16: EXPECT_GT(error, 5e-4) << "bf16 operands were not used"; EXPECT_LT(error, 2e-2); break;
+    // FAST_16BF permits bf16 operands; cuBLAS may still pick a TF32 kernel (it did at this
+    // shape on an H200: 2.95e-4), so the test asks for reduced precision, not bf16's own.
+    case MatmulPrecision::kBf16: EXPECT_GT(error, 2e-5) << "fp32 products were used"; EXPECT_LT(error, 2e-2); break;
   }
   RecordProperty("relative_error", std::to_string(error));
 }

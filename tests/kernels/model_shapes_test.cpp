@@ -269,7 +269,7 @@ TEST_P(ModelShapesTest, FusedMatmulGeluAtGpt2XlMlpShape) {
         Outputs outputs{h.get(pre_out, wide), h.get(y, wide), h.get(dpre, wide),
                         h.get(dbias, fc.out_features, DType::kFloat32)};
         if (h.device().kind() == DeviceKind::kCuda) {
-          EXPECT_EQ(h.blas().epilogue_counts().fused - before.fused, expected_fused)
+          EXPECT_EQ(h.blas().epilogue_counts().gelu_fused - before.gelu_fused, expected_fused)
               << "GELU epilogue GEMMs that ran fused (forward + backward) in " << dtype_name(dtype());
         }
         return outputs;

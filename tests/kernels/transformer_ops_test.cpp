@@ -560,9 +560,9 @@ TEST(TransformerOpsCudaTest, GeluEpilogueInFp32MatchesTheGeluKernels) {
     return std::vector<std::vector<double>>{h.get(y, o.m * o.wide), h.get(dpre, o.m * o.wide), h.get(dbias, o.wide, DType::kFloat32)};
   };
   const auto want = run(unfused_blas);
-  EXPECT_EQ(unfused_blas.epilogue_counts().fused, 0u);
+  EXPECT_EQ(unfused_blas.epilogue_counts().gelu_fused, 0u);
   const auto got = run(fused_blas);
-  EXPECT_EQ(fused_blas.epilogue_counts().fused, 2u) << "cuBLASLt had no fp32 GELU epilogue for this shape";
+  EXPECT_EQ(fused_blas.epilogue_counts().gelu_fused, 2u) << "cuBLASLt had no fp32 GELU epilogue for this shape";
   const char* names[] = {"gelu output", "dpre", "bias gradient"};
   for (size_t i = 0; i < want.size(); ++i) {
     const double difference = relative_error(got[i], want[i]);
