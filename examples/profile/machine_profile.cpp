@@ -82,7 +82,7 @@ nlohmann::ordered_json machine_profile_to_json(const MachineProfile& p) {
     adam.push_back({{"threads", a.threads}, {"grad_dtype", a.grad_dtype}, {"param_dtype", a.param_dtype},
                     {"elements_per_s", a.elements_per_s}});
   }
-  return {{"format", kMachineProfileFormat},
+  Json out = {{"format", kMachineProfileFormat},
           {"version", kMachineProfileVersion},
           {"source", profile_source_name(p.source)},
           {"date", p.date},
@@ -94,9 +94,14 @@ nlohmann::ordered_json machine_profile_to_json(const MachineProfile& p) {
           {"nvme", nvme},
           {"copy", {{"host_copy", p.copy.host_copy}, {"pinned", p.copy.pinned}, {"h2d_bytes_per_s", p.copy.h2d_bytes_per_s},
                     {"d2h_bytes_per_s", p.copy.d2h_bytes_per_s}}},
-          {"cpu_adam", adam},
-          {"compute", compute_to_json(p.compute)},
-          {"communicator", communicator_to_json(p.communicator)}};
+          {"cpu_adam", adam}};
+  if (p.landing) {
+    out["landing"] = {{"threads", p.landing->threads}, {"stats_bytes_per_s", p.landing->stats_bytes_per_s},
+                      {"accumulate_bytes_per_s", p.landing->accumulate_bytes_per_s}};
+  }
+  out["compute"] = compute_to_json(p.compute);
+  out["communicator"] = communicator_to_json(p.communicator);
+  return out;
 }
 
 Status validate_machine_profile(const MachineProfile& profile, const std::string& origin) {
@@ -304,6 +309,16 @@ StatusOr<AdamRate> read_adam(ObjectReader r) {
   return a;
 }
 
+StatusOr<LandingRate> read_landing(ObjectReader r) {
+  LandingRate l;
+  STRATA_ASSIGN_OR_RETURN(const int64_t threads, r.integer("threads", 1));
+  l.threads = static_cast<int>(threads);
+  STRATA_ASSIGN_OR_RETURN(l.stats_bytes_per_s, r.rate("stats_bytes_per_s"));
+  STRATA_ASSIGN_OR_RETURN(l.accumulate_bytes_per_s, r.rate("accumulate_bytes_per_s"));
+  STRATA_RETURN_IF_ERROR(r.finish());
+  return l;
+}
+
 StatusOr<KernelRate> read_kernel(ObjectReader r) {
   KernelRate k;
   STRATA_ASSIGN_OR_RETURN(k.model, r.string("model"));
@@ -403,6 +418,10 @@ Status read_sections(ObjectReader& r, MachineProfile& p) {
   for (ObjectReader& a : adam) {
     STRATA_ASSIGN_OR_RETURN(AdamRate rate, read_adam(std::move(a)));
     p.cpu_adam.push_back(std::move(rate));
+  }
+  if (r.optional("landing") != nullptr) {
+    STRATA_ASSIGN_OR_RETURN(ObjectReader landing, r.object("landing"));
+    STRATA_ASSIGN_OR_RETURN(p.landing, read_landing(std::move(landing)));
   }
   STRATA_ASSIGN_OR_RETURN(ObjectReader compute, r.object("compute"));
   STRATA_ASSIGN_OR_RETURN(p.compute, read_compute(std::move(compute)));

@@ -80,6 +80,16 @@ struct AdamRate {
   double elements_per_s = 0;
 };
 
+// The gradient path's landing pass on the host (optim/gradient_ops.h), on the executor CPU
+// Adam shares with it: in bytes as the cost model counts them. `stats` reads a bf16 shard
+// (2 bytes an element: one micro-batch); `accumulate` adds a bf16 shard into an fp32
+// accumulator with its statistics (2 read + 4 read + 4 written: micro-batches).
+struct LandingRate {
+  int threads = 0;
+  double stats_bytes_per_s = 0;
+  double accumulate_bytes_per_s = 0;
+};
+
 // One op of `strata-bench kernels`: FLOP/s for GEMMs and attention, bytes/s for the rest.
 struct KernelRate {
   std::string model;            // e.g. "GPT-2 XL"
@@ -119,6 +129,9 @@ struct MachineProfile {
   std::vector<NvmeRate> nvme;   // at least one shape
   CopyRate copy;
   std::vector<AdamRate> cpu_adam;  // at least one configuration
+  // Unset where not measured (older or hand-written profiles): the cost model then takes
+  // twice the copy's D2H rate, which on a GPU is the bus's rate, not the host memory's.
+  std::optional<LandingRate> landing;
   ComputeRate compute;
   CommunicatorRate communicator;
 };

@@ -40,6 +40,24 @@ std::string nvme_source(const NvmeRate* rate, const char* direction) {
          (rate->checksums ? " checksums on" : " checksums off");
 }
 
+// The landing pass's rate in bytes as StepWork counts them: the profile's measured pass
+// (statistics alone with one micro-batch, accumulation with several), else twice a
+// copy's rate (a copy reads and writes each byte), which is the host memory's only on the
+// CPU device.
+struct LandingFigure {
+  double bytes_per_s = 0;
+  std::string source;
+};
+LandingFigure landing_figure(const MachineProfile& p, const PipelineShape& shape) {
+  if (p.landing) {
+    const bool accumulate = shape.micro_batches > 1;
+    return {accumulate ? p.landing->accumulate_bytes_per_s : p.landing->stats_bytes_per_s,
+            std::string("landing ") + (accumulate ? "accumulation" : "statistics") + ", " + std::to_string(p.landing->threads) + " threads"};
+  }
+  const std::string copy = p.copy.host_copy ? "host copy" : (p.copy.pinned ? "pinned copy" : "pageable copy");
+  return {2 * p.copy.d2h_bytes_per_s, copy + " d2h x 2 (host memory traffic)"};
+}
+
 void add_transfer_rows(RowBuilder& rows, const StepWork& w, const PipelineShape& shape, const MachineProfile& p, const NvmeRate* nvme) {
   const double read = nvme ? nvme->read_bytes_per_s : 0, write = nvme ? nvme->write_bytes_per_s : 0;
   rows.add(Stage::kNvmeRead, "parameter shards", w.param_read_bytes, "B", read, nvme_source(nvme, "read"));
@@ -59,10 +77,8 @@ void add_transfer_rows(RowBuilder& rows, const StepWork& w, const PipelineShape&
   const std::string cast_op = "grad cast to " + shape.grad_dtype;
   rows.add(Stage::kReduceScatter, "gradient cast to " + shape.grad_dtype, w.gradient_cast_bytes, "B", memory_op_rate(p, cast_op), cast_op);
   rows.add(Stage::kD2H, "gradient shards", w.d2h_bytes, "B", p.copy.d2h_bytes_per_s, copy + " d2h");
-  // The landing pass streams host memory. The profile's host-memory figure is a copy's rate,
-  // which reads and writes each byte: twice that in bytes read or written.
-  rows.add(Stage::kLanding, "gradient shards (host memory)", w.landing_bytes, "B", 2 * p.copy.d2h_bytes_per_s,
-           copy + " d2h x 2 (host memory traffic)");
+  const LandingFigure landing = landing_figure(p, shape);
+  rows.add(Stage::kLanding, "gradient shards (host memory)", w.landing_bytes, "B", landing.bytes_per_s, landing.source);
   // A spilled gradient is written to NVMe by the landing thread, which waits for it (the
   // same bytes count in nvme_write, the store's own time).
   rows.add(Stage::kLanding, "gradient spill to NVMe", w.landing_spill_bytes, "B", write, nvme_source(nvme, "write"));
@@ -133,10 +149,11 @@ double row_seconds(const StepPrediction& p, std::string_view what_prefix, Stage 
   return total;
 }
 
-// The chain the pipeline cannot overlap, and what it is made of.
-// The resources stages share: NVMe reads and writes take turns on one disk, and on the CPU
+// The resources stages share: NVMe reads and writes take turns on one disk; on the CPU
 // device (compute on the host's cores) compute, the copies, the landing and CPU Adam take
-// turns on the same cores. Each bounds the step by the sum of its stages' busy times.
+// turns on the same cores; on a GPU the landing pass runs on CPU Adam's executor
+// (engine/gradient_path.cpp), so the two take turns there. Each bounds the step by the sum
+// of its stages' busy times.
 struct SharedBound {
   double seconds = 0;
   std::string name;
@@ -156,7 +173,11 @@ SharedBound disk_time(const StepPrediction& p, const StepWork& w, const NvmeRate
 
 SharedBound shared_resources(const StepPrediction& p, const SharedBound& disk, bool host_cores) {
   auto busy_of = [&](Stage s) { return p.busy[static_cast<size_t>(s)]; };
-  if (!host_cores) return disk;
+  if (!host_cores) {
+    const SharedBound executor{row_seconds(p, "gradient shards", Stage::kLanding) + busy_of(Stage::kOptimizer),
+                               "CPU Adam's executor (the landing pass and the optimizer)"};
+    return executor.seconds > disk.seconds ? executor : disk;
+  }
   SharedBound cores{busy_of(Stage::kCompute) + busy_of(Stage::kH2D) + busy_of(Stage::kD2H) + busy_of(Stage::kLanding) +
                         busy_of(Stage::kOptimizer) + busy_of(Stage::kAllGather) + busy_of(Stage::kReduceScatter),
                     "the host's cores (compute, copies, landing, optimizer and collectives on the CPU device)"};
@@ -208,7 +229,7 @@ ReplayRates replay_rates(const StepPrediction& p, const PipelineShape& shape, co
   r.disk_write_bytes_per_s = nvme ? nvme->write_bytes_per_s : 0;
   r.h2d_bytes_per_s = profile.copy.h2d_bytes_per_s;
   r.d2h_bytes_per_s = profile.copy.d2h_bytes_per_s;
-  r.landing_bytes_per_s = 2 * profile.copy.d2h_bytes_per_s;
+  r.landing_bytes_per_s = landing_figure(profile, shape).bytes_per_s;
   if (shape.adam_on_device) {
     r.adam_elements_per_s = profile.compute.memory_bytes_per_s / 28.0;
   } else if (const AdamRate* adam = matching_adam_rate(profile, shape.grad_dtype, shape.param_dtype)) {

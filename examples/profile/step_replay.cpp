@@ -97,8 +97,10 @@ class Replay {
 
  private:
   // On the CPU device the host's cores run the compute, the copies, the landing and Adam:
-  // one worker for all of them.
+  // one worker for all of them. On a GPU the landing pass and Adam share CPU Adam's
+  // executor: one worker for the two.
   Worker& cores(Worker& own) { return r_.shared_host_cores ? host_cores_ : own; }
+  Worker& executor() { return r_.shared_host_cores ? host_cores_ : optimizer_; }
   const GroupWork& group(size_t use) const { return w_.groups[static_cast<size_t>(w_.uses[use])]; }
   size_t use_of(size_t t) const { return t % w_.uses.size(); }
   int step_of(size_t t) const { return static_cast<int>(t / (w_.uses.size() * static_cast<size_t>(shape_.micro_batches))); }
@@ -135,8 +137,8 @@ class Replay {
     const size_t g = static_cast<size_t>(w_.uses[i]);
     if (!w_.groups[g].trainable || last_use_[g] != static_cast<int>(i)) return;
     const GroupWork& part = w_.groups[g];
-    double landed = cores(gradients_).run(computed_[t], seconds_of(part.gradient_out_bytes, r_.d2h_bytes_per_s) +
-                                                     seconds_of(part.landing_bytes, r_.landing_bytes_per_s));
+    const double copied = cores(gradients_).run(computed_[t], seconds_of(part.gradient_out_bytes, r_.d2h_bytes_per_s));
+    double landed = executor().run(copied, seconds_of(part.landing_bytes, r_.landing_bytes_per_s));
     if (part.spill_bytes > 0) landed = disk_.run(landed, seconds_of(part.spill_bytes, r_.disk_write_bytes_per_s));
     if (micro_of(t) != shape_.micro_batches - 1) return;
     pending_.push_back({g, landed});
@@ -149,7 +151,7 @@ class Replay {
       const GroupWork& part = w_.groups[g];
       double at = std::max(landed, not_before);
       if (part.update_read_bytes > 0) at = disk_.run(at, seconds_of(part.update_read_bytes, r_.disk_read_bytes_per_s));
-      at = cores(optimizer_).run(at, seconds_of(part.adam_elements, r_.adam_elements_per_s));
+      at = executor().run(at, seconds_of(part.adam_elements, r_.adam_elements_per_s));
       if (part.update_write_bytes > 0) at = disk_.run(at, seconds_of(part.update_write_bytes, r_.disk_write_bytes_per_s));
       updated_[static_cast<size_t>(step)][g] = at;
     }

@@ -10,10 +10,10 @@
 // state, steps Adam and writes its state and new parameters. A group's first use of a step
 // waits for its update from the step before (exact overlap) or the one before that
 // (delayed); with clipping or loss scaling the updates wait for the whole backward. The
-// disk, the copy to the device, the compute stream, the gradients' way out and the
-// optimizer each take one job at a time (on the CPU device, compute, copies, landing and
-// Adam are one worker: the host's cores), a job starting in the first idle gap after it is
-// ready; the compute stream keeps its order. The fetches' NVMe reads go one after another
+// disk, the copy to the device, the compute stream, the gradients' copy to the host and
+// CPU Adam's executor (the landing pass and Adam) each take one job at a time (on the CPU
+// device, compute, copies, landing and Adam are one worker: the host's cores), a job
+// starting in the first idle gap after it is ready; the compute stream keeps its order. The fetches' NVMe reads go one after another
 // and share the disk with the updates' traffic (its queue serves both at once, a few
 // requests of each deep): a fetch runs at half speed while an update's transfer is under
 // way instead of waiting for the whole update (the disk's total time is bounded apart).

@@ -5,6 +5,8 @@
 //     O_DIRECT, checksums on, the data through a ring of queue-depth blocks (`nvme`);
 //   - pinned host memory to and from the device (`copy`); on the CPU device a host memcpy;
 //   - the fused CPU Adam step by thread count, fp32 and bf16 parameters (`adam`);
+//   - the gradient path's landing pass (statistics, accumulation into fp32) on CPU Adam's
+//     executor at the engine's thread count;
 //   - the device's GEMMs, attention and memory-bound ops at the models' shapes (`kernels`);
 //   - with --world N, the host communicator's all_gather and reduce_scatter among N thread
 //     ranks of the CPU device (else the file says why the communicator was not measured);
@@ -21,6 +23,8 @@
 #include <vector>
 
 #include "engine/core/host_communicator.h"
+#include "optim/cpu_adam.h"
+#include "optim/gradient_ops.h"
 #include "examples/profile/host_probe.h"
 #include "examples/profile/machine_profile.h"
 #include "examples/strata_bench/bench.h"
@@ -164,6 +168,35 @@ double median(std::vector<double> values) {
   return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
+// The landing pass as the gradient path runs it (engine/gradient_path.cpp): GradientOps on
+// the executor of a CpuAdam at the engine's default thread count (the cores), over a bf16
+// shard. Bytes as the cost model counts them: statistics read 2 per element; accumulation
+// with statistics reads 2 + 4 and writes 4. The buffers are touched before timing.
+StatusOr<profile::LandingRate> measure_landing(const Config& c, int cores) {
+  const size_t n = c.quick ? size_t{16} << 20 : size_t{64} << 20;
+  const int repetitions = c.quick ? 3 : 7;
+  STRATA_ASSIGN_OR_RETURN(CpuAdam adam, CpuAdam::create({.threads = cores}));
+  STRATA_ASSIGN_OR_RETURN(GradientOps ops, GradientOps::create(adam.executor()));
+  std::vector<uint16_t> grad(n, 0x3c00);  // bf16 0.0078125: sums stay finite
+  std::vector<float> accum(n, 0.0f);
+  auto time_of = [&](const std::function<Status()>& pass) -> StatusOr<double> {
+    STRATA_RETURN_IF_ERROR(pass());  // warm-up
+    std::vector<double> seconds;
+    for (int i = 0; i < repetitions; ++i) {
+      const auto begin = std::chrono::steady_clock::now();
+      STRATA_RETURN_IF_ERROR(pass());
+      seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
+    }
+    return median(seconds);
+  };
+  STRATA_ASSIGN_OR_RETURN(const double stats_s, time_of([&] { return ops.stats(grad.data(), DType::kBFloat16, n).status(); }));
+  STRATA_ASSIGN_OR_RETURN(const double accumulate_s, time_of([&] {
+    return ops.accumulate_with_stats(accum.data(), grad.data(), DType::kBFloat16, n, AccumulateMode::kAdd).status();
+  }));
+  return profile::LandingRate{.threads = adam.threads(), .stats_bytes_per_s = 2.0 * double(n) / stats_s,
+                              .accumulate_bytes_per_s = 10.0 * double(n) / accumulate_s};
+}
+
 StatusOr<profile::ComputeRate> measure_compute(const Config& c, std::string& description) {
   const bool gpu = c.device == DeviceKind::kCuda;
   KernelMeasurement m{.device = c.device, .dtype = gpu ? DType::kBFloat16 : DType::kFloat32, .scale = c.scale,
@@ -277,6 +310,10 @@ void print_summary(const profile::MachineProfile& p) {
     std::printf("  cpu adam %2d threads grad %s param %s: %7.3f G elements/s\n", a.threads, a.grad_dtype.c_str(), a.param_dtype.c_str(),
                 a.elements_per_s / 1e9);
   }
+  if (p.landing) {
+    std::printf("  landing %2d threads: statistics %.2f GB/s, accumulation %.2f GB/s (bytes read and written)\n", p.landing->threads,
+                p.landing->stats_bytes_per_s / 1e9, p.landing->accumulate_bytes_per_s / 1e9);
+  }
   std::printf("  compute (%s %s, scale %d): gemm %.3f TFLOP/s, attention %.3f TFLOP/s, memory-bound %.2f GB/s (medians)\n",
               p.compute.device.c_str(), p.compute.dtype.c_str(), p.compute.scale, p.compute.gemm_flops_per_s / 1e12,
               p.compute.attention_flops_per_s / 1e12, p.compute.memory_bytes_per_s / 1e9);
@@ -305,6 +342,8 @@ StatusOr<profile::MachineProfile> measure(const Config& c) {
   STRATA_ASSIGN_OR_RETURN(p.copy, measure_copy(c, notes));
   progress("CPU Adam by thread count, fp32 and bf16 parameters");
   STRATA_ASSIGN_OR_RETURN(p.cpu_adam, measure_adam(c, p.host.cores));
+  progress("the gradients' landing pass (statistics, accumulation) on CPU Adam's executor");
+  STRATA_ASSIGN_OR_RETURN(p.landing, measure_landing(c, p.host.cores));
   progress("the device's kernels at the models' shapes");
   std::string description;
   STRATA_ASSIGN_OR_RETURN(p.compute, measure_compute(c, description));

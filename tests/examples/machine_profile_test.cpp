@@ -37,6 +37,7 @@ MachineProfile sample_profile() {
   p.copy = {.host_copy = true, .pinned = true, .h2d_bytes_per_s = 4.5e9, .d2h_bytes_per_s = 4.25e9};
   p.cpu_adam = {{.threads = 1, .grad_dtype = "fp32", .param_dtype = "fp32", .elements_per_s = 5.5e8},
                 {.threads = 2, .grad_dtype = "bf16", .param_dtype = "bf16", .elements_per_s = 6.0e8}};
+  p.landing = LandingRate{.threads = 2, .stats_bytes_per_s = 1.5e10, .accumulate_bytes_per_s = 2.25e10};
   p.compute = {.device = "cpu", .dtype = "fp32", .scale = 16, .gemm_flops_per_s = 1.0e11, .attention_flops_per_s = 3.5e10,
                .memory_bytes_per_s = 6.0e9,
                .kernels = {{.model = "GPT-2 XL", .op = "matmul fwd c_fc", .shape = "64x100x400 +bias", .kind = "gemm", .rate_per_s = 1.0e11}}};
@@ -72,6 +73,8 @@ TEST(MachineProfile, WhatTheWriterWritesLoadsBackTheSame) {
   EXPECT_EQ(loaded.nvme[0].mixed_bytes_per_s, std::optional<double>(1.75e9));  // reads and writes at once
   EXPECT_FALSE(loaded.nvme[1].mixed_bytes_per_s.has_value());                 // optional: not measured there
   EXPECT_EQ(loaded.cpu_adam[1].param_dtype, "bf16");
+  ASSERT_TRUE(loaded.landing.has_value());
+  EXPECT_DOUBLE_EQ(loaded.landing->accumulate_bytes_per_s, 2.25e10);
   EXPECT_EQ(loaded.compute.kernels.at(0).kind, "gemm");
   EXPECT_EQ(loaded.communicator.why_none, "world size 1");
   EXPECT_FALSE(loaded.communicator.all_gather_bytes_per_s.has_value());
@@ -87,6 +90,22 @@ TEST(MachineProfile, UnlimitedLockableMemoryAndCommunicatorRatesRoundTrip) {
   EXPECT_FALSE(loaded.disk.rotational.has_value());
   EXPECT_EQ(loaded.communicator.world, 4);
   EXPECT_EQ(loaded.communicator.reduce_scatter_bytes_per_s, std::optional<double>(1.5e10));
+}
+
+TEST(MachineProfile, TheLandingRatesAreOptionalAndCheckedWhenGiven) {
+  Json without = sample_json();
+  without.erase("landing");  // a profile from before they were measured, or one written by hand
+  STRATA_ASSERT_OK_AND_ASSIGN(const MachineProfile loaded, parse_machine_profile(without.dump(), "test.json"));
+  EXPECT_FALSE(loaded.landing.has_value());
+  Json zero = sample_json();
+  zero["landing"]["stats_bytes_per_s"] = 0;
+  expect_refused(parse(zero), {"'landing.stats_bytes_per_s'", "positive"});
+  Json missing = sample_json();
+  missing["landing"].erase("accumulate_bytes_per_s");
+  expect_refused(parse(missing), {"'landing.accumulate_bytes_per_s'", "missing"});
+  Json unknown = sample_json();
+  unknown["landing"]["fp32_bytes_per_s"] = 1e9;
+  expect_refused(parse(unknown), {"'landing.fp32_bytes_per_s'", "unknown"});
 }
 
 TEST(MachineProfile, AnUnknownKeyIsRefusedByItsPath) {

@@ -197,6 +197,37 @@ TEST(StepCost, TheLandingStreamsAtTwiceTheCopyRateAndWaitsForItsSpilledGradients
   EXPECT_DOUBLE_EQ(busy(*p, Stage::kNvmeWrite), 2.0);
 }
 
+// A measured landing pass replaces the copy-rate estimate: statistics alone with one
+// micro-batch, accumulation into fp32 with several. On a GPU the copy's rate is the bus's.
+TEST(StepCost, TheLandingTakesTheProfilesLandingPassWhereMeasured) {
+  MachineProfile profile = round_profile();
+  profile.landing = LandingRate{.threads = 2, .stats_bytes_per_s = 2e9, .accumulate_bytes_per_s = 4e9};
+  StepWork w = three_seconds_of_compute();
+  w.landing_bytes = 4e9;
+  auto one = predict_step(w, PipelineShape{.micro_batches = 1}, profile);
+  ASSERT_TRUE(one.ok());
+  EXPECT_DOUBLE_EQ(busy(*one, Stage::kLanding), 2.0);
+  auto several = predict_step(w, PipelineShape{.micro_batches = 2}, profile);
+  ASSERT_TRUE(several.ok());
+  EXPECT_DOUBLE_EQ(busy(*several, Stage::kLanding), 1.0);
+}
+
+// On a GPU the landing pass runs on CPU Adam's executor: the two take turns there, so their
+// sum bounds the step though each alone is shorter than the compute.
+TEST(StepCost, OnAGpuTheLandingAndAdamShareCpuAdamsExecutor) {
+  MachineProfile profile = round_profile();
+  profile.landing = LandingRate{.threads = 2, .stats_bytes_per_s = 1e9, .accumulate_bytes_per_s = 1e9};
+  StepWork w = three_seconds_of_compute();
+  w.landing_bytes = 2e9;   // 2 s
+  w.adam_elements = 2e8;   // 2 s at 1e8 elements/s (bf16, 2 threads)
+  PipelineShape shape;
+  shape.overlap = OverlapMode::kDelayed;
+  auto p = predict_step(w, shape, profile);
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(p->step_seconds, 4.0);
+  EXPECT_EQ(p->bound, "CPU Adam's executor (the landing pass and the optimizer)");
+}
+
 TEST(StepCost, AStageWithoutARateIsNamedAndLeftOut) {
   StepWork w = three_seconds_of_compute();
   w.allgather_bytes = 1e9;
