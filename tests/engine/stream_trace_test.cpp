@@ -107,8 +107,9 @@ TEST_P(StreamTraceTest, AnIntervalHoldsTheWorkBetweenOpenAndCloseAndIsCollectedW
 
 // A stream held at a gate keeps its intervals pending while another stream's complete:
 // collect() takes what has finished, in each stream's order, and the rest later. The free
-// stream's intervals enclose no host function: the CUDA runtime runs the host functions
-// of all streams on one thread, which the gated one holds.
+// stream's intervals enclose no host function: on CUDA a host function that blocks holds
+// back the host functions of other streams too (this case never finished on an H200 while
+// the free stream's intervals each held one).
 TEST_P(StreamTraceTest, CompletedIntervalsAreCollectedInStreamOrderWhileAnotherStreamIsHeld) {
   Rig rig(GetParam());
   STRATA_ASSERT_OK_AND_ASSIGN(auto trace, StreamTrace::create(*rig.device, rig.tracer));
