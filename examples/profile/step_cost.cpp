@@ -158,22 +158,29 @@ struct SharedBound {
   double seconds = 0;
   std::string name;
 };
-// The disk's time for the step's reads and writes: the bytes both directions move together
-// at the profile's mixed rate where it has one (a step reads and writes its state at once),
-// the rest of each direction at its own rate; without a mixed rate, one after the other.
-SharedBound disk_time(const StepPrediction& p, const StepWork& w, const NvmeRate* nvme) {
-  const double read_busy = p.busy[static_cast<size_t>(Stage::kNvmeRead)], write_busy = p.busy[static_cast<size_t>(Stage::kNvmeWrite)];
-  if (nvme == nullptr || !nvme->mixed_bytes_per_s || *nvme->mixed_bytes_per_s <= 0)
-    return {read_busy + write_busy, "the disk (nvme_read + nvme_write)"};
-  const double read = w.param_read_bytes + w.state_read_bytes, write = w.param_write_bytes + w.state_write_bytes;
+bool has_mixed_rate(const NvmeRate* nvme) { return nvme != nullptr && nvme->mixed_bytes_per_s && *nvme->mixed_bytes_per_s > 0; }
+
+// The disk's seconds for `read` and `write` bytes in flight together: the bytes both
+// directions move together at the profile's mixed rate (both directions' bytes), the rest
+// of each direction at its own rate. Only with a mixed rate.
+double together_seconds(double read, double write, const NvmeRate& nvme) {
   const double both = std::min(read, write);
-  const double seconds = 2 * both / *nvme->mixed_bytes_per_s + (read - both) / nvme->read_bytes_per_s + (write - both) / nvme->write_bytes_per_s;
-  return {seconds, "the disk (reads and writes at once)"};
+  return 2 * both / *nvme.mixed_bytes_per_s + (read - both) / nvme.read_bytes_per_s + (write - both) / nvme.write_bytes_per_s;
 }
 
-SharedBound shared_resources(const StepPrediction& p, const SharedBound& disk, bool host_cores) {
+// The disk's time for the step's reads and writes: together where the profile has a mixed
+// rate (a step reads and writes its state at once), else one after the other.
+SharedBound disk_time(const StepPrediction& p, const StepWork& w, const NvmeRate* nvme) {
+  const double read_busy = p.busy[static_cast<size_t>(Stage::kNvmeRead)], write_busy = p.busy[static_cast<size_t>(Stage::kNvmeWrite)];
+  if (!has_mixed_rate(nvme)) return {read_busy + write_busy, "the disk (nvme_read + nvme_write)"};
+  return {together_seconds(w.param_read_bytes + w.state_read_bytes, w.param_write_bytes + w.state_write_bytes, *nvme),
+          "the disk (reads and writes at once)"};
+}
+
+SharedBound shared_resources(const StepPrediction& p, const SharedBound& disk, const PipelineShape& shape, bool host_cores) {
   auto busy_of = [&](Stage s) { return p.busy[static_cast<size_t>(s)]; };
   if (!host_cores) {
+    if (shape.adam_on_device) return disk;  // the landing pass has the executor to itself
     const SharedBound executor{row_seconds(p, "gradient shards", Stage::kLanding) + busy_of(Stage::kOptimizer),
                                "CPU Adam's executor (the landing pass and the optimizer)"};
     return executor.seconds > disk.seconds ? executor : disk;
@@ -184,7 +191,9 @@ SharedBound shared_resources(const StepPrediction& p, const SharedBound& disk, b
   return cores.seconds > disk.seconds ? cores : disk;
 }
 
-void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& shape, const SharedBound& disk, bool host_cores) {
+// The chain the pipeline cannot overlap, and what it is made of; the step is the longest of
+// it, the busiest stage and the shared resources.
+void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& shape, const NvmeRate* nvme, bool host_cores) {
   const double compute = p.busy[static_cast<size_t>(Stage::kCompute)];
   const double k = static_cast<double>(shape.micro_batches);
   const double forward_mb = row_seconds(p, "forward", Stage::kCompute) / k;
@@ -192,9 +201,12 @@ void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& sh
   const double fetch = row_seconds(p, "parameter", Stage::kNvmeRead) + row_seconds(p, "parameter", Stage::kH2D) +
                        p.busy[static_cast<size_t>(Stage::kAllGather)];
   const double fill = shape.prefetch_depth == 0 ? fetch : (w.fetching_gathers > 0 ? fetch / w.fetching_gathers : 0.0);
-  // The optimizer's time includes streaming its state when it lives on NVMe.
-  const double optimizer = std::max(p.busy[static_cast<size_t>(Stage::kOptimizer)],
-                                    row_seconds(p, "optimizer", Stage::kNvmeRead) + row_seconds(p, "optimizer", Stage::kNvmeWrite));
+  // The optimizer's time includes streaming its state when it lives on NVMe: its state ring
+  // reads the next chunks while the last are written, so both directions at once where the
+  // profile measured that.
+  const double state_disk = has_mixed_rate(nvme) ? together_seconds(w.state_read_bytes, w.state_write_bytes, *nvme)
+                                                 : row_seconds(p, "optimizer", Stage::kNvmeRead) + row_seconds(p, "optimizer", Stage::kNvmeWrite);
+  const double optimizer = std::max(p.busy[static_cast<size_t>(Stage::kOptimizer)], state_disk);
   double waited = 0;
   if (shape.overlap == OverlapMode::kExact) {
     const double window = forward_mb + (shape.adam_during_backward ? backward_mb : 0.0);
@@ -213,7 +225,7 @@ void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& sh
     if (p.busy[s] > p.busy[busiest]) busiest = s;
   p.pipeline_seconds = p.busy[busiest];
   std::string pipeline_bound = name_of(static_cast<Stage>(busiest));
-  const SharedBound shared = shared_resources(p, disk, host_cores);
+  const SharedBound shared = shared_resources(p, disk_time(p, w, nvme), shape, host_cores);
   if (shared.seconds > p.pipeline_seconds) {
     p.pipeline_seconds = shared.seconds;
     pipeline_bound = shared.name;
@@ -227,6 +239,7 @@ ReplayRates replay_rates(const StepPrediction& p, const PipelineShape& shape, co
   ReplayRates r;
   r.disk_read_bytes_per_s = nvme ? nvme->read_bytes_per_s : 0;
   r.disk_write_bytes_per_s = nvme ? nvme->write_bytes_per_s : 0;
+  r.disk_mixed_bytes_per_s = has_mixed_rate(nvme) ? *nvme->mixed_bytes_per_s : 0;
   r.h2d_bytes_per_s = profile.copy.h2d_bytes_per_s;
   r.d2h_bytes_per_s = profile.copy.d2h_bytes_per_s;
   r.landing_bytes_per_s = landing_figure(profile, shape).bytes_per_s;
@@ -328,7 +341,7 @@ StatusOr<StepPrediction> predict_step(const StepWork& work, const PipelineShape&
   add_transfer_rows(rows, work, shape, profile, nvme);
   add_compute_rows(rows, work, profile);
   add_optimizer_row(rows, work, shape, profile);
-  critical_path(prediction, work, shape, disk_time(prediction, work, nvme), profile.compute.device == "cpu");
+  critical_path(prediction, work, shape, nvme, profile.compute.device == "cpu");
   add_replay(prediction, work, shape, profile, nvme);
   return prediction;
 }

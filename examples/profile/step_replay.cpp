@@ -97,10 +97,10 @@ class Replay {
 
  private:
   // On the CPU device the host's cores run the compute, the copies, the landing and Adam:
-  // one worker for all of them. On a GPU the landing pass and Adam share CPU Adam's
-  // executor: one worker for the two.
+  // one worker for all of them. On a GPU the landing pass runs on CPU Adam's executor, one
+  // worker with Adam unless Adam runs on the device.
   Worker& cores(Worker& own) { return r_.shared_host_cores ? host_cores_ : own; }
-  Worker& executor() { return r_.shared_host_cores ? host_cores_ : optimizer_; }
+  Worker& lander() { return shape_.adam_on_device ? cores(landing_) : cores(optimizer_); }
   const GroupWork& group(size_t use) const { return w_.groups[static_cast<size_t>(w_.uses[use])]; }
   size_t use_of(size_t t) const { return t % w_.uses.size(); }
   int step_of(size_t t) const { return static_cast<int>(t / (w_.uses.size() * static_cast<size_t>(shape_.micro_batches))); }
@@ -138,7 +138,7 @@ class Replay {
     if (!w_.groups[g].trainable || last_use_[g] != static_cast<int>(i)) return;
     const GroupWork& part = w_.groups[g];
     const double copied = cores(gradients_).run(computed_[t], seconds_of(part.gradient_out_bytes, r_.d2h_bytes_per_s));
-    double landed = executor().run(copied, seconds_of(part.landing_bytes, r_.landing_bytes_per_s));
+    double landed = lander().run(copied, seconds_of(part.landing_bytes, r_.landing_bytes_per_s));
     if (part.spill_bytes > 0) landed = disk_.run(landed, seconds_of(part.spill_bytes, r_.disk_write_bytes_per_s));
     if (micro_of(t) != shape_.micro_batches - 1) return;
     pending_.push_back({g, landed});
@@ -149,10 +149,13 @@ class Replay {
   void flush_updates(int step, double not_before) {
     for (const auto& [g, landed] : pending_) {
       const GroupWork& part = w_.groups[g];
+      const bool both_ways = part.update_read_bytes > 0 && part.update_write_bytes > 0 && r_.disk_mixed_bytes_per_s > 0;
+      const double read_rate = both_ways ? r_.disk_mixed_bytes_per_s : r_.disk_read_bytes_per_s;
+      const double write_rate = both_ways ? r_.disk_mixed_bytes_per_s : r_.disk_write_bytes_per_s;
       double at = std::max(landed, not_before);
-      if (part.update_read_bytes > 0) at = disk_.run(at, seconds_of(part.update_read_bytes, r_.disk_read_bytes_per_s));
-      at = executor().run(at, seconds_of(part.adam_elements, r_.adam_elements_per_s));
-      if (part.update_write_bytes > 0) at = disk_.run(at, seconds_of(part.update_write_bytes, r_.disk_write_bytes_per_s));
+      if (part.update_read_bytes > 0) at = disk_.run(at, seconds_of(part.update_read_bytes, read_rate));
+      at = cores(optimizer_).run(at, seconds_of(part.adam_elements, r_.adam_elements_per_s));
+      if (part.update_write_bytes > 0) at = disk_.run(at, seconds_of(part.update_write_bytes, write_rate));
       updated_[static_cast<size_t>(step)][g] = at;
     }
     pending_.clear();
@@ -175,7 +178,7 @@ class Replay {
   // on `disk_` rather than waiting for a whole update. The disk's total time is bounded
   // apart (examples/profile/step_cost.h).
   double fetch_disk_free_ = 0;
-  Worker disk_, h2d_, compute_stream_, gradients_, optimizer_, host_cores_;
+  Worker disk_, h2d_, compute_stream_, gradients_, landing_, optimizer_, host_cores_;
 };
 
 bool rates_cover(const StepWork& w, const ReplayRates& r) {

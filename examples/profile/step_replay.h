@@ -11,12 +11,15 @@
 // waits for its update from the step before (exact overlap) or the one before that
 // (delayed); with clipping or loss scaling the updates wait for the whole backward. The
 // disk, the copy to the device, the compute stream, the gradients' copy to the host and
-// CPU Adam's executor (the landing pass and Adam) each take one job at a time (on the CPU
-// device, compute, copies, landing and Adam are one worker: the host's cores), a job
-// starting in the first idle gap after it is ready; the compute stream keeps its order. The fetches' NVMe reads go one after another
-// and share the disk with the updates' traffic (its queue serves both at once, a few
-// requests of each deep): a fetch runs at half speed while an update's transfer is under
-// way instead of waiting for the whole update (the disk's total time is bounded apart).
+// CPU Adam's executor (the landing pass, and Adam unless it runs on the device) each take
+// one job at a time (on the CPU device, compute, copies, landing and Adam are one worker:
+// the host's cores), a job starting in the first idle gap after it is ready; the compute
+// stream keeps its order. The fetches' NVMe reads go one after another and share the disk
+// with the updates' traffic (its queue serves both at once, a few requests of each deep): a
+// fetch runs at half speed while an update's transfer is under way instead of waiting for
+// the whole update (the disk's total time is bounded apart). An update that reads and
+// writes its state keeps the disk busy both ways at once (the state ring reads the next
+// chunks while the last are written): its bytes go at the mixed rate where measured.
 // Four steps are replayed; the result is the last step's length.
 #pragma once
 
@@ -27,6 +30,7 @@ namespace strata::profile {
 struct ReplayRates {
   double disk_read_bytes_per_s = 0;   // 0: the step reads nothing from NVMe, or no rate
   double disk_write_bytes_per_s = 0;
+  double disk_mixed_bytes_per_s = 0;  // reads and writes at once, both directions' bytes; 0: not measured
   double h2d_bytes_per_s = 0;
   double d2h_bytes_per_s = 0;
   double landing_bytes_per_s = 0;

@@ -169,6 +169,26 @@ TEST(StepCost, TheDiskBoundsADiskHeavyStepByItsReadsAndWritesTogether) {
   EXPECT_EQ(p->bound, "the disk (nvme_read + nvme_write)");
 }
 
+// In exact overlap forward(g) waits for Adam(g), whose state streams through the disk; the
+// state ring reads the next chunks while the last are written, so where the profile
+// measured reads and writes at once the wait prices both directions together.
+TEST(StepCost, TheExactWaitStreamsTheStateBothWaysAtOnceWhereMeasured) {
+  StepWork w = three_seconds_of_compute();  // 1 s of forward
+  w.state_read_bytes = 2e9;                 // 1 s alone at 2e9 B/s
+  w.state_write_bytes = 2e9;                // 2 s alone at 1e9 B/s
+  PipelineShape shape;
+  shape.overlap = OverlapMode::kExact;
+  auto apart = predict_step(w, shape, round_profile());
+  ASSERT_TRUE(apart.ok());
+  EXPECT_DOUBLE_EQ(apart->chain_seconds, 3.0 + (1.0 + 2.0 - 1.0));
+  MachineProfile mixed = round_profile();
+  mixed.nvme[0].mixed_bytes_per_s = 4e9;  // both directions' bytes: 4e9 B of traffic in 1 s
+  auto together = predict_step(w, shape, mixed);
+  ASSERT_TRUE(together.ok());
+  EXPECT_DOUBLE_EQ(together->chain_seconds, 3.0);  // 1 s of state traffic hides behind the 1 s forward
+  EXPECT_DOUBLE_EQ(together->step_seconds, 3.0);
+}
+
 TEST(StepCost, OnTheCpuDeviceComputeCopiesLandingAndAdamShareTheCores) {
   MachineProfile cpu = round_profile();
   cpu.compute.device = "cpu";
@@ -226,6 +246,11 @@ TEST(StepCost, OnAGpuTheLandingAndAdamShareCpuAdamsExecutor) {
   ASSERT_TRUE(p.ok());
   EXPECT_DOUBLE_EQ(p->step_seconds, 4.0);
   EXPECT_EQ(p->bound, "CPU Adam's executor (the landing pass and the optimizer)");
+  shape.adam_on_device = true;  // Adam on the GPU: the landing has the executor to itself
+  auto device = predict_step(w, shape, profile);
+  ASSERT_TRUE(device.ok());
+  EXPECT_DOUBLE_EQ(device->step_seconds, 3.0);
+  EXPECT_EQ(device->bound, "compute");
 }
 
 TEST(StepCost, AStageWithoutARateIsNamedAndLeftOut) {

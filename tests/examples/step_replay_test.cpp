@@ -1,8 +1,9 @@
 // The schedule's replay (examples/profile/step_replay) at hand-computed cases: a group
 // that is first in forward and last in backward puts its whole update between two steps
 // in exact overlap and none in delayed; fetches ahead of the compute overlap it; fetches
-// share the disk with the updates' traffic; on the CPU device the compute and the
-// host's stages take turns on the cores.
+// share the disk with the updates' traffic, and an update's reads and writes go both ways
+// at once at the mixed rate; on the CPU device the compute and the host's stages take turns
+// on the cores, on a GPU the landing pass and Adam on CPU Adam's executor.
 #include "examples/profile/step_replay.h"
 
 #include <gtest/gtest.h>
@@ -83,6 +84,32 @@ TEST(StepReplay, OnTheCpuDeviceComputeAndAdamTakeTurnsOnTheCores) {
   ReplayRates shared = own;
   shared.shared_host_cores = true;
   EXPECT_DOUBLE_EQ(replay_step_seconds(w, shape, shared), 6.0);  // after it
+}
+
+// An update that reads and writes its state keeps the disk busy both ways at once: with a
+// mixed rate its 3e9 bytes take 1 s, not 1 s of reads and then 1 s of writes.
+TEST(StepReplay, AnUpdateReadingAndWritingMovesBothWaysAtTheMixedRate) {
+  PipelineShape shape;
+  shape.overlap = OverlapMode::kExact;
+  shape.adam_during_backward = true;
+  ReplayRates mixed = rates(1.0, 1.0);
+  mixed.disk_mixed_bytes_per_s = 3e9;
+  EXPECT_DOUBLE_EQ(replay_step_seconds(one_group_on_nvme(), shape, mixed), 3.0);
+}
+
+// On a GPU the landing pass runs on CPU Adam's executor: 1.5 s of landing and 1.5 s of
+// Adam per group are 6 s of executor work a step, over the 4 s of compute.
+TEST(StepReplay, OnAGpuTheLandingAndAdamTakeTurnsOnCpuAdamsExecutor) {
+  StepWork w;
+  for (int g = 0; g < 2; ++g)
+    w.groups.push_back({.numel = 1, .trainable = true, .landing_bytes = 1.5e9, .adam_elements = 1.5e9});
+  w.uses = {0, 1, 1, 0};
+  PipelineShape shape;
+  shape.overlap = OverlapMode::kDelayed;
+  const double shared = replay_step_seconds(w, shape, rates(2.0, 2.0));
+  EXPECT_DOUBLE_EQ(shared, 6.0);  // the executor sets the pace
+  shape.adam_on_device = true;  // Adam on the GPU: the landing has the executor to itself
+  EXPECT_DOUBLE_EQ(replay_step_seconds(w, shape, rates(2.0, 2.0)), 4.0);
 }
 
 TEST(StepReplay, WithoutAScheduleAGroupOrARateItNeedsThereIsNoReplay) {
