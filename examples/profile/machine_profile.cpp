@@ -50,13 +50,15 @@ Json compute_to_json(const ComputeRate& c) {
   for (const KernelRate& k : c.kernels) {
     kernels.push_back({{"model", k.model}, {"op", k.op}, {"shape", k.shape}, {"kind", k.kind}, {"rate_per_s", k.rate_per_s}});
   }
-  return {{"device", c.device},
-          {"dtype", c.dtype},
-          {"scale", c.scale},
-          {"gemm_flops_per_s", c.gemm_flops_per_s},
-          {"attention_flops_per_s", c.attention_flops_per_s},
-          {"memory_bytes_per_s", c.memory_bytes_per_s},
-          {"kernels", kernels}};
+  Json out = {{"device", c.device},
+              {"dtype", c.dtype},
+              {"scale", c.scale},
+              {"gemm_flops_per_s", c.gemm_flops_per_s},
+              {"attention_flops_per_s", c.attention_flops_per_s},
+              {"memory_bytes_per_s", c.memory_bytes_per_s}};
+  if (c.weight_stream_bytes_per_s) out["weight_stream_bytes_per_s"] = *c.weight_stream_bytes_per_s;
+  out["kernels"] = kernels;
+  return out;
 }
 
 Json communicator_to_json(const CommunicatorRate& c) {
@@ -339,6 +341,9 @@ StatusOr<ComputeRate> read_compute(ObjectReader r) {
   STRATA_ASSIGN_OR_RETURN(c.gemm_flops_per_s, r.rate("gemm_flops_per_s"));
   STRATA_ASSIGN_OR_RETURN(c.attention_flops_per_s, r.rate("attention_flops_per_s"));
   STRATA_ASSIGN_OR_RETURN(c.memory_bytes_per_s, r.rate("memory_bytes_per_s"));
+  if (r.optional("weight_stream_bytes_per_s") != nullptr) {
+    STRATA_ASSIGN_OR_RETURN(c.weight_stream_bytes_per_s, r.rate("weight_stream_bytes_per_s"));
+  }
   if (r.optional("kernels") != nullptr) {
     STRATA_ASSIGN_OR_RETURN(std::vector<ObjectReader> kernels, r.objects("kernels", false));
     for (ObjectReader& k : kernels) {

@@ -107,6 +107,10 @@ struct ComputeRate {
   double attention_flops_per_s = 0;  // the median over the attention ops
   double memory_bytes_per_s = 0;     // the median over the memory-bound ops
   std::vector<KernelRate> kernels;   // each op (may be empty in a datasheet profile)
+  // The CPU device: weight bytes per second its products read from memory beyond their
+  // FLOPs when the weights are not in cache, as in a step. Unset: not measured (a GPU, an
+  // older profile); the cost model then takes the host copy's rate.
+  std::optional<double> weight_stream_bytes_per_s;
 };
 
 // The collectives at the profiled world size; without figures, why not.

@@ -105,12 +105,15 @@ void add_memory_row(RowBuilder& rows, const std::string& what, const std::vector
 void add_compute_rows(RowBuilder& rows, const StepWork& w, const MachineProfile& p) {
   const double gemm = p.compute.gemm_flops_per_s, attention = p.compute.attention_flops_per_s;
   const std::string on = " (" + p.compute.device + " " + p.compute.dtype + ")";
-  // The host's GEMMs stream each weight from memory into their packed panels, a copy
-  // beside the FLOPs that the profile's GEMM rate (weights in cache) leaves out. A GPU's
-  // products read their weights at its memory's speed within the measured rate: no row.
-  const double streamed = p.copy.host_copy ? streaming_rate(p) : 0.0;
+  // The host's GEMMs stream each weight from memory into their packed panels, beside the
+  // FLOPs that the profile's GEMM rate (weights in cache) leaves out: at the profile's
+  // measured rate for that, else the host copy's (how much the streaming hides behind the
+  // FLOPs differs between CPUs). A GPU's products read their weights at its memory's speed
+  // within the measured rate: no row.
+  const double streamed = !p.copy.host_copy ? 0.0 : p.compute.weight_stream_bytes_per_s.value_or(streaming_rate(p));
   const double element = compute_element_bytes(p);
-  const std::string stream_source = "host copy (weights streamed from memory)";
+  const std::string stream_source = p.compute.weight_stream_bytes_per_s ? "weights read from memory (measured)"
+                                                                        : "host copy (weights streamed from memory)";
   rows.add(Stage::kCompute, "forward (GEMM)", w.forward_matmul_flops, "FLOP", gemm, "gemm" + on);
   rows.add(Stage::kCompute, "forward (attention)", w.forward_attention_flops, "FLOP", attention, "attention" + on);
   add_memory_row(rows, "forward (memory-bound ops)", w.forward_memory, p, on);

@@ -145,6 +145,10 @@ struct KernelTimings {
 };
 StatusOr<KernelTimings> measure_kernel_timings(const KernelMeasurement& measurement);
 
+// The rate, in weight bytes per second, at which the CPU device's products read weights
+// that are not in cache, beyond their FLOPs (bench_kernels.cpp says how it is timed).
+StatusOr<double> measure_weight_streaming(int repetitions);
+
 // The NVIDIA H200 (SXM)'s peaks, from its datasheet (NVIDIA H200 Tensor Core GPU), dense:
 // the datasheet quotes the tensor-core figures with 2:4 structured sparsity (TF32 989,
 // BF16 1979 TFLOPS), which dense GEMMs get half of. Exact fp32 products run on the CUDA

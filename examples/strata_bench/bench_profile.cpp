@@ -317,6 +317,9 @@ void print_summary(const profile::MachineProfile& p) {
   std::printf("  compute (%s %s, scale %d): gemm %.3f TFLOP/s, attention %.3f TFLOP/s, memory-bound %.2f GB/s (medians)\n",
               p.compute.device.c_str(), p.compute.dtype.c_str(), p.compute.scale, p.compute.gemm_flops_per_s / 1e12,
               p.compute.attention_flops_per_s / 1e12, p.compute.memory_bytes_per_s / 1e9);
+  if (p.compute.weight_stream_bytes_per_s) {
+    std::printf("  compute: weights read from memory beyond the products' FLOPs at %.2f GB/s\n", *p.compute.weight_stream_bytes_per_s / 1e9);
+  }
   if (p.communicator.all_gather_bytes_per_s) {
     std::printf("  communicator (%d thread ranks): all_gather %.3f GB/s, reduce_scatter %.3f GB/s (gathered bytes per second)\n",
                 p.communicator.world, *p.communicator.all_gather_bytes_per_s / 1e9, *p.communicator.reduce_scatter_bytes_per_s / 1e9);
@@ -350,6 +353,8 @@ StatusOr<profile::MachineProfile> measure(const Config& c) {
   if (c.device == DeviceKind::kCuda) p.host.gpu = description;
   if (c.device == DeviceKind::kCpu) {
     notes += " compute: the CPU device's kernels (fp32 twins) at the models' shapes divided by " + std::to_string(c.scale) + ".";
+    progress("the host's products reading weights from memory (not from cache)");
+    STRATA_ASSIGN_OR_RETURN(p.compute.weight_stream_bytes_per_s, measure_weight_streaming(c.quick ? 3 : 5));
   }
   progress("the communicator");
   STRATA_ASSIGN_OR_RETURN(p.communicator, measure_communicator(c));

@@ -40,7 +40,8 @@ MachineProfile sample_profile() {
   p.landing = LandingRate{.threads = 2, .stats_bytes_per_s = 1.5e10, .accumulate_bytes_per_s = 2.25e10};
   p.compute = {.device = "cpu", .dtype = "fp32", .scale = 16, .gemm_flops_per_s = 1.0e11, .attention_flops_per_s = 3.5e10,
                .memory_bytes_per_s = 6.0e9,
-               .kernels = {{.model = "GPT-2 XL", .op = "matmul fwd c_fc", .shape = "64x100x400 +bias", .kind = "gemm", .rate_per_s = 1.0e11}}};
+               .kernels = {{.model = "GPT-2 XL", .op = "matmul fwd c_fc", .shape = "64x100x400 +bias", .kind = "gemm", .rate_per_s = 1.0e11}},
+               .weight_stream_bytes_per_s = 3.25e10};
   p.communicator = {.world = 1, .why_none = "world size 1"};
   return p;
 }
@@ -76,6 +77,7 @@ TEST(MachineProfile, WhatTheWriterWritesLoadsBackTheSame) {
   ASSERT_TRUE(loaded.landing.has_value());
   EXPECT_DOUBLE_EQ(loaded.landing->accumulate_bytes_per_s, 2.25e10);
   EXPECT_EQ(loaded.compute.kernels.at(0).kind, "gemm");
+  EXPECT_EQ(loaded.compute.weight_stream_bytes_per_s, std::optional<double>(3.25e10));
   EXPECT_EQ(loaded.communicator.why_none, "world size 1");
   EXPECT_FALSE(loaded.communicator.all_gather_bytes_per_s.has_value());
 }
@@ -140,6 +142,9 @@ TEST(MachineProfile, ANegativeOrZeroRateIsRefused) {
   Json mixed = sample_json();
   mixed["nvme"][0]["mixed_bytes_per_s"] = 0;
   expect_refused(parse(mixed), {"'nvme[0].mixed_bytes_per_s'", "positive"});
+  Json weights = sample_json();
+  weights["compute"]["weight_stream_bytes_per_s"] = -1;
+  expect_refused(parse(weights), {"'compute.weight_stream_bytes_per_s'", "positive"});
   Json zero = sample_json();
   zero["cpu_adam"][1]["elements_per_s"] = 0;
   expect_refused(parse(zero), {"'cpu_adam[1].elements_per_s'", "positive"});
