@@ -50,6 +50,7 @@ def test_auto_picks_a_placement_that_fits_and_trains_as_that_placement_written_b
     config = ref.strata_config(prefetch_depth=int(depth), optimizer_overlap=overlap, **keys)
     config["zero_optimization"] = {"stage": 3, "offload_param": {"device": TIER_WORDS[params]},
                                    "offload_optimizer": {"device": TIER_WORDS[optimizer]}}
+    config["strata"]["nvme_path"] = keys["nvme_path"]  # for whichever tier the choice put on NVMe
     by_hand = strata.initialize(model=ref.make_model("llama"), config=config)
     assert by_hand.placement is None
     assert train(by_hand) == automatic
