@@ -8,10 +8,12 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <future>
 #include <mutex>
 #include <ostream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "engine/core/gpu.h"
@@ -62,15 +64,19 @@ class StreamTraceTest : public ::testing::TestWithParam<DeviceKind> {
   }
 };
 
-// Calls collect() on another thread and says whether it returned within a deadline that
-// only bounds a failure. A collect() that waits for the stream `gate` holds would never
-// return: past the deadline the gate opens, so the test fails instead of hanging.
-Status collect_without_waiting(StreamTrace& trace, Gate& gate) {
-  auto done = std::async(std::launch::async, [&trace] { return trace.collect(); });
+// Runs `call` on another thread and says whether it returned within a deadline that only
+// bounds a failure. A call that waits for the stream `gate` holds would never return: past
+// the deadline the gate opens, so the test fails instead of hanging.
+Status without_waiting_for(Gate& gate, std::string_view what, const std::function<Status()>& call) {
+  auto done = std::async(std::launch::async, call);
   if (done.wait_for(std::chrono::seconds(30)) == std::future_status::ready) return done.get();
   gate.open();
   (void)done.get();
-  return DeadlineExceededError("collect() waited for the stream's work");
+  return DeadlineExceededError(std::string(what) + " waited for the gated stream's work");
+}
+
+Status collect_without_waiting(StreamTrace& trace, Gate& gate) {
+  return without_waiting_for(gate, "collect()", [&trace] { return trace.collect(); });
 }
 
 TEST_P(StreamTraceTest, AnIntervalHoldsTheWorkBetweenOpenAndCloseAndIsCollectedWithoutWaiting) {
@@ -121,7 +127,7 @@ TEST_P(StreamTraceTest, CompletedIntervalsAreCollectedInStreamOrderWhileAnotherS
     });
   }));
   for (int g = 1; g <= 3; ++g) STRATA_ASSERT_OK(trace->traced(*rig.second, Stage::kD2H, g, "free", [] { return Status(); }));
-  STRATA_ASSERT_OK(rig.second->synchronize());
+  STRATA_ASSERT_OK(without_waiting_for(gate, "the free stream's synchronize()", [&] { return rig.second->synchronize(); }));
   STRATA_ASSERT_OK(collect_without_waiting(*trace, gate));
   std::vector<TraceInterval> intervals = rig.tracer.intervals();
   ASSERT_EQ(intervals.size(), 3u);
