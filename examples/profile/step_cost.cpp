@@ -163,12 +163,8 @@ struct SharedBound {
 };
 bool has_mixed_rate(const NvmeRate* nvme) { return nvme != nullptr && nvme->mixed_bytes_per_s && *nvme->mixed_bytes_per_s > 0; }
 
-// The disk's seconds for `read` and `write` bytes in flight together: the bytes both
-// directions move together at the profile's mixed rate (both directions' bytes), the rest
-// of each direction at its own rate. Only with a mixed rate.
 double together_seconds(double read, double write, const NvmeRate& nvme) {
-  const double both = std::min(read, write);
-  return 2 * both / *nvme.mixed_bytes_per_s + (read - both) / nvme.read_bytes_per_s + (write - both) / nvme.write_bytes_per_s;
+  return disk_seconds(read, write, nvme.read_bytes_per_s, nvme.write_bytes_per_s, *nvme.mixed_bytes_per_s);
 }
 
 // The disk's time for the step's reads and writes: together where the profile has a mixed
@@ -306,6 +302,13 @@ std::string rate_text(double rate, const std::string& unit) {
 }
 
 }  // namespace
+
+double disk_seconds(double read, double write, double read_rate, double write_rate, double mixed_rate) {
+  auto seconds = [](double bytes, double rate) { return bytes > 0 ? bytes / rate : 0.0; };
+  if (mixed_rate <= 0) return seconds(read, read_rate) + seconds(write, write_rate);
+  const double both = std::min(read, write);
+  return seconds(2 * both, mixed_rate) + seconds(read - both, read_rate) + seconds(write - both, write_rate);
+}
 
 const NvmeRate* nearest_nvme_rate(const MachineProfile& profile, uint64_t block_bytes, int queue_depth, bool checksums) {
   const NvmeRate* best = nullptr;

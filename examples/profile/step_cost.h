@@ -141,6 +141,10 @@ nlohmann::ordered_json predicted_busy_json(const StepPrediction& prediction);
 // The profile's figure nearest the engine's NVMe shape (block size and queue depth, on a
 // log scale; the checksum setting first).
 const NvmeRate* nearest_nvme_rate(const MachineProfile& profile, uint64_t block_bytes, int queue_depth, bool checksums);
+// The disk's seconds for `read` and `write` bytes in flight together: the bytes both
+// directions move together at `mixed_rate` (both directions' bytes per second), the rest
+// of each direction at its own rate; without a mixed rate (0), one after the other.
+double disk_seconds(double read, double write, double read_rate, double write_rate, double mixed_rate);
 // The CPU Adam figure for the dtypes (most threads among those that match; any dtype when
 // none does).
 const AdamRate* matching_adam_rate(const MachineProfile& profile, std::string_view grad_dtype, std::string_view param_dtype);

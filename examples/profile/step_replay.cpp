@@ -149,13 +149,15 @@ class Replay {
   void flush_updates(int step, double not_before) {
     for (const auto& [g, landed] : pending_) {
       const GroupWork& part = w_.groups[g];
-      const bool both_ways = part.update_read_bytes > 0 && part.update_write_bytes > 0 && r_.disk_mixed_bytes_per_s > 0;
-      const double read_rate = both_ways ? r_.disk_mixed_bytes_per_s : r_.disk_read_bytes_per_s;
-      const double write_rate = both_ways ? r_.disk_mixed_bytes_per_s : r_.disk_write_bytes_per_s;
+      // The update's disk time as the disk bound prices it (step_cost.h: disk_seconds): its
+      // reads before Adam, its writes after; moved together, the time split by bytes.
+      const double read = part.update_read_bytes, write = part.update_write_bytes;
+      const double disk = disk_seconds(read, write, r_.disk_read_bytes_per_s, r_.disk_write_bytes_per_s, r_.disk_mixed_bytes_per_s);
+      const double reading = r_.disk_mixed_bytes_per_s > 0 && read > 0 ? disk * read / (read + write) : seconds_of(read, r_.disk_read_bytes_per_s);
       double at = std::max(landed, not_before);
-      if (part.update_read_bytes > 0) at = disk_.run(at, seconds_of(part.update_read_bytes, read_rate));
+      if (read > 0) at = disk_.run(at, reading);
       at = cores(optimizer_).run(at, seconds_of(part.adam_elements, r_.adam_elements_per_s));
-      if (part.update_write_bytes > 0) at = disk_.run(at, seconds_of(part.update_write_bytes, write_rate));
+      if (write > 0) at = disk_.run(at, disk - reading);
       updated_[static_cast<size_t>(step)][g] = at;
     }
     pending_.clear();

@@ -87,14 +87,15 @@ TEST(StepReplay, OnTheCpuDeviceComputeAndAdamTakeTurnsOnTheCores) {
 }
 
 // An update that reads and writes its state keeps the disk busy both ways at once: with a
-// mixed rate its 3e9 bytes take 1 s, not 1 s of reads and then 1 s of writes.
+// mixed rate of 3e9 B/s the 1e9 bytes each way move together in 2/3 s and the other 1e9
+// written bytes alone in 0.5 s, not 1 s of reads and then 1 s of writes.
 TEST(StepReplay, AnUpdateReadingAndWritingMovesBothWaysAtTheMixedRate) {
   PipelineShape shape;
   shape.overlap = OverlapMode::kExact;
   shape.adam_during_backward = true;
   ReplayRates mixed = rates(1.0, 1.0);
   mixed.disk_mixed_bytes_per_s = 3e9;
-  EXPECT_DOUBLE_EQ(replay_step_seconds(one_group_on_nvme(), shape, mixed), 3.0);
+  EXPECT_DOUBLE_EQ(replay_step_seconds(one_group_on_nvme(), shape, mixed), 2.0 + 2.0 / 3.0 + 0.5);
 }
 
 // On a GPU the landing pass runs on CPU Adam's executor: 1.5 s of landing and 1.5 s of
