@@ -23,11 +23,11 @@
 #include <vector>
 
 #include "engine/core/host_communicator.h"
-#include "optim/cpu_adam.h"
-#include "optim/gradient_ops.h"
 #include "examples/profile/host_probe.h"
 #include "examples/profile/machine_profile.h"
 #include "examples/strata_bench/bench.h"
+#include "optim/cpu_adam.h"
+#include "optim/gradient_ops.h"
 
 namespace strata::bench {
 
