@@ -43,9 +43,9 @@ struct NvmeAdamState::Slot {
   size_t begin = 0, end = 0;   // the piece's elements in the group
 };
 
-NvmeAdamState::NvmeAdamState(ConstructionKey, NvmeStore& store, PinnedArena& arena, std::vector<size_t> group_elements,
+NvmeAdamState::NvmeAdamState(ConstructionKey, NvmeStore& store, std::vector<size_t> group_elements,
                              const NvmeAdamStateOptions& options)
-    : store_(store), arena_(arena), group_elements_(std::move(group_elements)), options_(options) {}
+    : store_(store), group_elements_(std::move(group_elements)), options_(options) {}
 
 NvmeAdamState::~NvmeAdamState() {
   for (const GroupExtents& group : extents_) {
@@ -88,7 +88,7 @@ StatusOr<std::unique_ptr<NvmeAdamState>> NvmeAdamState::create(NvmeStore& store,
   if (options.stored_gradient_type && options.gradient_copies < 1)
     return InvalidArgumentError("nvme adam state: stored gradients need at least one copy");
   if (group_elements.empty()) return InvalidArgumentError("nvme adam state: no groups");
-  auto state = std::make_unique<NvmeAdamState>(ConstructionKey(), store, arena, std::move(group_elements), options);
+  auto state = std::make_unique<NvmeAdamState>(ConstructionKey(), store, std::move(group_elements), options);
 
   // A piece starts where every array's byte offset is a multiple of the store's transfer
   // granularity (the checksum block, or the O_DIRECT alignment without checksums).

@@ -169,8 +169,7 @@ class NvmeAdamState {
     friend class NvmeAdamState;
     ConstructionKey() = default;
   };
-  NvmeAdamState(ConstructionKey, NvmeStore& store, PinnedArena& arena, std::vector<size_t> group_elements,
-                const NvmeAdamStateOptions& options);
+  NvmeAdamState(ConstructionKey, NvmeStore& store, std::vector<size_t> group_elements, const NvmeAdamStateOptions& options);
 
  private:
   struct GroupExtents {
@@ -195,7 +194,6 @@ class NvmeAdamState {
   Status wait_slot(Slot& slot);
 
   NvmeStore& store_;
-  PinnedArena& arena_;
   std::vector<size_t> group_elements_;
   NvmeAdamStateOptions options_;
   size_t piece_elements_ = 0;

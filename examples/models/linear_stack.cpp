@@ -102,7 +102,7 @@ StatusOr<std::unique_ptr<LinearStackModel>> LinearStackModel::create(Engine& eng
   if (config.global_rows % world_size != 0)
     return InvalidArgumentError("linear stack: " + std::to_string(config.global_rows) + " rows per micro-batch do not split over " +
                                 std::to_string(world_size) + " ranks");
-  std::unique_ptr<LinearStackModel> model(new LinearStackModel(engine, config, rank, world_size));
+  std::unique_ptr<LinearStackModel> model(new LinearStackModel(engine, config, rank));
   model->local_rows_ = config.global_rows / world_size;
   for (const auto& spec : linear_stack_groups(config)) {
     STRATA_ASSIGN_OR_RETURN(int id, engine.register_group(spec));

@@ -75,8 +75,8 @@ class LinearStackModel {
   StatusOr<StepReport> train_step(int64_t step, int micro_batches, double learning_rate);
 
  private:
-  LinearStackModel(Engine& engine, const LinearStackConfig& config, int rank, int world_size)
-      : engine_(engine), config_(config), rank_(rank), world_size_(world_size) {}
+  LinearStackModel(Engine& engine, const LinearStackConfig& config, int rank)
+      : engine_(engine), config_(config), rank_(rank) {}
   Status forward_backward(int64_t step, int micro, int micro_batches, double* loss);
   struct Step;  // one micro-batch's sizes and shapes
   Status forward(const Step& s, int micro, int micro_batches);  // after forward_backward's input copies
@@ -90,7 +90,6 @@ class LinearStackModel {
   Engine& engine_;
   LinearStackConfig config_;
   int rank_;
-  int world_size_;
   int local_rows_ = 0;
   std::unique_ptr<kernels::BlasContext> blas_;
   DeviceBuffer x_, labels_, h_, pre_, logits_, losses_, mean_loss_, grad_a_, grad_b_;

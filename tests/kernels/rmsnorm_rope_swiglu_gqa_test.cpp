@@ -148,7 +148,7 @@ TEST(OpReferenceGradientTest, GroupedQueryAttentionOnStridedRows) {
     auto v = random_vector(rows * kv_heads * hd, rng);
     const auto w = random_vector(rows * heads * hd, rng);
     auto objective = [&] {
-      std::vector<double> out(w.size()), lse(2 * heads * 4);
+      std::vector<double> out(w.size()), lse(2 * shape.heads * 4);  // not `heads`: clang 14 cannot capture a structured binding
       ref::gqa_attention_forward(shape, q.data(), k.data(), v.data(), out.data(), lse.data());
       return weighted_sum(out, w);
     };

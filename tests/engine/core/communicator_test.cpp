@@ -151,7 +151,10 @@ class HostCollectivesTest : public ::testing::TestWithParam<std::tuple<int, DTyp
 using PassResults = std::vector<std::vector<std::vector<std::byte>>>;
 
 TEST_P(HostCollectivesTest, MatchesSerialReferenceAndRepeatsBitForBit) {
-  const auto [world, dtype, count] = GetParam();
+  // Plain variables, not a structured binding: the lambdas below capture them (clang 14).
+  const int world = std::get<0>(GetParam());
+  const DType dtype = std::get<1>(GetParam());
+  const size_t count = std::get<2>(GetParam());
   STRATA_ASSERT_OK_AND_ASSIGN(std::unique_ptr<Ranks> ranks, Ranks::create(world));
   const size_t element = dtype_size(dtype);
   const size_t total = count * static_cast<size_t>(world);
