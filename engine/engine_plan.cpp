@@ -1,7 +1,6 @@
 #include "engine/engine_plan.h"
 
 #include <sys/resource.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +11,7 @@
 #include <sstream>
 
 #include "engine/core/log.h"
+#include "offload/nvme_store.h"
 #include "optim/nvme_adam_state.h"
 
 namespace strata::engine_internal {
@@ -464,13 +464,8 @@ Status check_plan_against_machine(const EnginePlan& plan, const EngineOptions& o
   if (plan.nvme_bytes > 0) {
     std::error_code ignored;
     std::filesystem::create_directories(options.nvme_path, ignored);
-    struct statvfs fs {};
-    if (statvfs(options.nvme_path.c_str(), &fs) != 0)
-      return Status::FromErrno(errno, "nvme_path " + options.nvme_path + " cannot be used (statvfs)");
-    size_t free_bytes = static_cast<size_t>(fs.f_bavail) * fs.f_frsize;
-    // A file a finished run left is reused: its size counts as room.
-    const auto existing = std::filesystem::path(options.nvme_path) / ("strata-rank" + std::to_string(options.rank) + ".swap");
-    if (std::filesystem::exists(existing, ignored)) free_bytes += std::filesystem::file_size(existing, ignored);
+    // A file a finished run left is reused: it counts as room.
+    STRATA_ASSIGN_OR_RETURN(const size_t free_bytes, NvmeStore::room_bytes(options.nvme_path, options.rank));
     if (plan.nvme_bytes > free_bytes) {
       return ResourceExhaustedError("nvme_path " + options.nvme_path + " has " + format_bytes(free_bytes) + " free but rank " +
                                     std::to_string(options.rank) + " needs " + format_bytes(plan.nvme_bytes) +

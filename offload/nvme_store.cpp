@@ -1,6 +1,7 @@
 #include "offload/nvme_store.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -153,6 +154,28 @@ std::string NvmeStore::lock_holder() const {
 
 NvmeStore::NvmeStore(ConstructionKey) : shared_(std::make_shared<Shared>()) {}
 
+std::string NvmeStore::file_path_for(const std::string& nvme_path, int rank) {
+  return nvme_path + "/strata-rank" + std::to_string(rank) + ".swap";
+}
+
+StatusOr<size_t> NvmeStore::room_bytes(const std::string& nvme_path, int rank) {
+  std::error_code ignored;
+  std::filesystem::path at = std::filesystem::absolute(nvme_path, ignored);
+  while (!at.empty() && !std::filesystem::exists(at, ignored)) {
+    if (at == at.parent_path()) break;
+    at = at.parent_path();
+  }
+  struct statvfs fs {};
+  if (at.empty() || statvfs(at.c_str(), &fs) != 0) {
+    return Status::FromErrno(at.empty() ? ENOENT : errno, "nvme_path " + nvme_path + ": cannot ask its file system for free space (statvfs)");
+  }
+  size_t room = static_cast<size_t>(fs.f_bavail) * static_cast<size_t>(fs.f_frsize);
+  // Blocks the file holds, not its length: a sparse file grows into free space.
+  struct stat left {};
+  if (::stat(file_path_for(nvme_path, rank).c_str(), &left) == 0) room += static_cast<size_t>(left.st_blocks) * 512;
+  return room;
+}
+
 StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::open(const NvmeStoreOptions& options, IoEngine* engine) {
   if (options.nvme_path.empty()) return InvalidArgumentError("nvme store: nvme_path is empty");
   if (options.rank < 0) return InvalidArgumentError("nvme store: rank " + std::to_string(options.rank) + " is negative");
@@ -163,9 +186,8 @@ StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::open(const NvmeStoreOptions& opt
   auto store = std::make_unique<NvmeStore>(ConstructionKey());
   store->options_ = options;
   store->directory_ = options.nvme_path;
-  const std::string stem = store->directory_ + "/strata-rank" + std::to_string(options.rank);
-  store->lock_path_ = stem + ".lock";
-  store->file_path_ = stem + ".swap";
+  store->file_path_ = file_path_for(store->directory_, options.rank);
+  store->lock_path_ = store->directory_ + "/strata-rank" + std::to_string(options.rank) + ".lock";
   STRATA_RETURN_IF_ERROR(store->open_files());
   if (engine == nullptr) {
     STRATA_ASSIGN_OR_RETURN(store->owned_engine_, IoEngine::create(options.io));

@@ -95,6 +95,13 @@ class NvmeStore {
   // Opens (creating where needed) nvme_path and this rank's files. With `engine` null the
   // store creates its own from options.io; otherwise `engine` must outlive the store.
   static StatusOr<std::unique_ptr<NvmeStore>> open(const NvmeStoreOptions& options, IoEngine* engine = nullptr);
+  // The data file of `rank`'s store under nvme_path.
+  static std::string file_path_for(const std::string& nvme_path, int rank);
+  // The bytes a store for `rank` can take under nvme_path: the file system's free space
+  // (under the nearest folder that exists; nothing is created) plus the size of the file
+  // a finished run left there, which the store reuses. An error names the path when the
+  // file system cannot be asked.
+  static StatusOr<size_t> room_bytes(const std::string& nvme_path, int rank);
   ~NvmeStore();
   NvmeStore(const NvmeStore&) = delete;
   NvmeStore& operator=(const NvmeStore&) = delete;

@@ -1,6 +1,5 @@
 #include "examples/profile/placement_search.h"
 
-#include <sys/statvfs.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -149,16 +148,10 @@ StatusOr<PlacementChoice> search_placements(const PlacementSpace& space, const P
   return choice;
 }
 
-std::optional<double> nvme_free_bytes(const std::string& nvme_path) {
-  std::error_code ignored;
-  std::filesystem::path at = std::filesystem::absolute(nvme_path, ignored);
-  while (!at.empty() && !std::filesystem::exists(at, ignored)) {
-    if (at == at.parent_path()) return std::nullopt;
-    at = at.parent_path();
-  }
-  struct statvfs fs {};
-  if (at.empty() || statvfs(at.c_str(), &fs) != 0) return std::nullopt;
-  return static_cast<double>(fs.f_bavail) * static_cast<double>(fs.f_frsize);
+std::optional<double> nvme_room_bytes(const std::string& nvme_path, int rank) {
+  StatusOr<size_t> room = NvmeStore::room_bytes(nvme_path, rank);
+  if (!room.ok()) return std::nullopt;
+  return static_cast<double>(*room);
 }
 
 PlacementSpace config_space(const StrataConfig& config) {

@@ -84,10 +84,10 @@ struct PlacementChoice {
 // closest (the least device memory).
 StatusOr<PlacementChoice> search_placements(const PlacementSpace& space, const PlacementEvaluator& evaluate);
 
-// Free bytes under `nvme_path`, or under the nearest folder above it that exists (the
-// path is not created); nullopt when nothing can be asked. A candidate whose NVMe file
-// does not fit there is dropped.
-std::optional<double> nvme_free_bytes(const std::string& nvme_path);
+// The room for `rank`'s NVMe file under `nvme_path` (NvmeStore::room_bytes: free space,
+// plus the file a finished run left, which is reused); nullopt when nothing can be asked.
+// A candidate whose NVMe file does not fit there is dropped.
+std::optional<double> nvme_room_bytes(const std::string& nvme_path, int rank);
 // A candidate's NVMe file against that free space (nullopt: not known, not checked).
 Status check_nvme_room(size_t nvme_bytes, const std::string& nvme_path, std::optional<double> nvme_free);
 

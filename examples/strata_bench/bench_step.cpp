@@ -447,7 +447,7 @@ StatusOr<profile::PlacementChoice> choose_bench_placement(const StepBenchOptions
   space.batches = profile::batch_splits(rows_per_step);
   space.checkpointing = {lm::ActivationCheckpointing::kOff};
   space.overlaps = o.overlap_given ? std::vector<OverlapMode>{o.overlap} : std::vector<OverlapMode>{OverlapMode::kExact, OverlapMode::kDelayed};
-  const std::optional<double> nvme_free = o.nvme_path.empty() ? std::nullopt : profile::nvme_free_bytes(o.nvme_path);
+  const std::optional<double> nvme_free = o.nvme_path.empty() ? std::nullopt : profile::nvme_room_bytes(o.nvme_path, 0);
   StepBenchOptions candidate = o;
   auto evaluate = [&](const profile::Placement& p) -> StatusOr<profile::PlacementOutcome> {
     apply_bench_placement(p, candidate);

@@ -46,7 +46,7 @@ StatusOr<profile::PlacementChoice> choose_placement(const TrainerOptions& option
     return FailedPreconditionError("--placement auto chooses by the predicted step and needs a machine profile: " + options.profile.why_none);
   STRATA_ASSIGN_OR_RETURN(const internal::RunShape shape, internal::run_shape(options));
   const int64_t eval_sequences = internal::evaluation_sequences(options, shape);
-  const std::optional<double> nvme_free = options.config.strata.nvme_path.empty() ? std::nullopt : profile::nvme_free_bytes(options.config.strata.nvme_path);
+  const std::optional<double> nvme_free = options.config.strata.nvme_path.empty() ? std::nullopt : profile::nvme_room_bytes(options.config.strata.nvme_path, 0);
   TrainerOptions candidate = options;
   auto evaluate = [&](const profile::Placement& p) -> StatusOr<profile::PlacementOutcome> {
     apply_placement(p, candidate);

@@ -105,7 +105,7 @@ StatusOr<profile::PlacementChoice> choose_session_placement(const PlacementReque
     return FailedPreconditionError("strata.placement \"auto\" chooses by the predicted step and needs a machine profile (strata.profile, "
                                    "or one kept by `strata-bench profile`): " + request.profile->why_none);
   const StrataConfig& config = *request.config;
-  const std::optional<double> nvme_free = config.strata.nvme_path.empty() ? std::nullopt : profile::nvme_free_bytes(config.strata.nvme_path);
+  const std::optional<double> nvme_free = config.strata.nvme_path.empty() ? std::nullopt : profile::nvme_room_bytes(config.strata.nvme_path, request.rank);
   StrataConfig candidate_config = config;
   auto evaluate = [&](const profile::Placement& p) -> StatusOr<profile::PlacementOutcome> {
     apply_session_placement(p, candidate_config);

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <thread>
@@ -462,6 +463,40 @@ TEST(NvmeStoreTest, FullDiskRefusesGrowthAndKeepsEarlierExtents) {
   EXPECT_TRUE(contains(result, "No space left on device")) << result;
   EXPECT_TRUE(contains(result, "free")) << result;
   EXPECT_TRUE(contains(result, "\nfirst intact")) << result;
+}
+
+// An 8 MiB tmpfs: room is the free space, under the nearest folder that exists, plus the
+// blocks of the file a finished run left for the same rank (the store reuses it), and
+// not another rank's.
+TEST(NvmeStoreTest, RoomCountsTheFileAFinishedRunLeftForTheSameRank) {
+  testing::TempDir dir;
+  const std::string mount_point = dir.str() + "/small";
+  std::filesystem::create_directories(mount_point);
+  const std::string result = testing::run_in_child([&]() -> std::string {
+    const std::string why = testing::mount_private_tmpfs(mount_point, "8m");
+    if (!why.empty()) return "skip: " + why;
+    auto empty = NvmeStore::room_bytes(mount_point + "/not/yet", 0);
+    if (!empty.ok()) return "room of an empty disk failed: " + empty.status().to_string();
+    {
+      NvmeStoreOptions options = store_options(mount_point + "/not/yet");
+      options.initial_bytes = 6 * kMiB;
+      auto store = NvmeStore::open(options);
+      if (!store.ok()) return "open failed: " + store.status().to_string();
+    }
+    auto rank0 = NvmeStore::room_bytes(mount_point + "/not/yet", 0);
+    auto rank1 = NvmeStore::room_bytes(mount_point + "/not/yet", 1);
+    if (!rank0.ok() || !rank1.ok()) return "room after the run failed";
+    return "empty " + std::to_string(*empty) + " rank0 " + std::to_string(*rank0) + " rank1 " + std::to_string(*rank1);
+  });
+  RecordProperty("child_report", result);
+  if (result.rfind("skip: ", 0) == 0) GTEST_SKIP() << result;
+  unsigned long long empty = 0, rank0 = 0, rank1 = 0;
+  ASSERT_EQ(std::sscanf(result.c_str(), "empty %llu rank0 %llu rank1 %llu", &empty, &rank0, &rank1), 3) << result;
+  EXPECT_EQ(empty, 8 * kMiB);
+  // The left file's 6 MiB count for rank 0 (its folders and lock file take a few pages).
+  EXPECT_GE(rank0, empty - 64 * kKiB) << result;
+  EXPECT_LE(rank0, empty) << result;
+  EXPECT_LE(rank1, 2 * kMiB) << result;
 }
 
 // RLIMIT_FSIZE (in a child) makes a write stop half way, honestly: the kernel writes up
