@@ -142,6 +142,8 @@ Status EngineImpl::create_gradient_path() {
   hooks.wait_for_update = [this](int g, int64_t version) {
     return versions_->wait_for(g, version, "the previous update of the group (it reads the gradient buffer the model writes next)", describer());
   };
+  hooks.host_wait_begins = [this] { return pause_compute_traces(); };
+  hooks.host_wait_ends = [this] { return resume_compute_traces(); };
   STRATA_ASSIGN_OR_RETURN(gradient_path_, GradientPath::create(context, std::move(hooks)));
   return gradient_path_->allocate();
 }

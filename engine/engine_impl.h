@@ -52,6 +52,7 @@ namespace strata::engine_internal {
 struct GroupState {
   GroupLayout layout;
   StreamTrace::Opened compute_trace;         // the current use's compute interval, opened by gather() (model thread)
+  bool compute_resumed = false;              // compute_trace reopened after a wait in gradient_buffer() (labelled so)
 };
 
 // The Engine behind the API. Its definitions are in three files: engine.cpp (start-up:
@@ -163,6 +164,10 @@ class EngineImpl final : public Engine {
   Status release(int group) override;
   Status check_gather_slot_free(int g) const;
   StatusOr<GroupView> gradient_buffer(int group, GradientStart start) override;
+  // Around a wait of the model's thread in the gradient path (GradientPathHooks).
+  Status pause_compute_traces();
+  Status resume_compute_traces();
+  Status close_compute_trace(GroupState& state);
   Status grads_ready(int group) override;
   StatusOr<StepReport> step(double loss) override;
   Status finish() override;

@@ -110,9 +110,32 @@ Status EngineImpl::release(int g) {
   const ActiveUse use = it->second;
   active_uses_.erase(it);
   GroupState& state = group(g);
-  STRATA_RETURN_IF_ERROR(stream_trace_->close(std::move(state.compute_trace), Stage::kCompute, state.layout.id, state.layout.name));
+  STRATA_RETURN_IF_ERROR(close_compute_trace(state));
   if (direct_view(state)) return {};
   return fetcher_->release(g, use.position);
+}
+
+// The gathered groups' compute intervals end while the model's thread waits in the
+// gradient path (nothing new reaches the compute stream meanwhile) and start again after.
+// A resumed interval is labelled so: each use keeps one interval under the group's name.
+Status EngineImpl::close_compute_trace(GroupState& state) {
+  std::string label = state.compute_resumed ? state.layout.name + " (after a wait for its gradient buffer)" : state.layout.name;
+  state.compute_resumed = false;
+  return stream_trace_->close(std::move(state.compute_trace), Stage::kCompute, state.layout.id, std::move(label));
+}
+
+Status EngineImpl::pause_compute_traces() {
+  for (const auto& active : active_uses_) STRATA_RETURN_IF_ERROR(close_compute_trace(group(active.first)));
+  return {};
+}
+
+Status EngineImpl::resume_compute_traces() {
+  for (const auto& active : active_uses_) {
+    GroupState& state = group(active.first);
+    STRATA_ASSIGN_OR_RETURN(state.compute_trace, stream_trace_->open(*compute_stream_));
+    state.compute_resumed = true;
+  }
+  return {};
 }
 
 StatusOr<GroupView> EngineImpl::gradient_buffer(int g, GradientStart start) {

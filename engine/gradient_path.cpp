@@ -161,6 +161,8 @@ StatusOr<float*> GradientPath::buffer(int g, int64_t step, GradientStart start) 
   if (facts.active_slot == kHandedOver)
     return FailedPreconditionError("gradient_buffer(" + std::to_string(g) + ") after grads_ready(" + std::to_string(g) +
                                    ") in the same micro-batch");
+  const bool may_wait = facts.active_slot == kNoSlot;
+  if (may_wait && hooks_.host_wait_begins) STRATA_RETURN_IF_ERROR(hooks_.host_wait_begins());
   if (facts.active_slot == kNoSlot && start == GradientStart::kUnwritten && lands_in_place()) {
     // With one micro-batch the landing buffer is what the update reads: the one of step - 1
     // (exact mode), or of step - 2 (delayed mode, a landing buffer per step parity), must
@@ -171,6 +173,8 @@ StatusOr<float*> GradientPath::buffer(int g, int64_t step, GradientStart start) 
     }
     STRATA_ASSIGN_OR_RETURN(facts.in_place, own_landing_when_free(g, step));
     facts.active_slot = kInPlace;
+    if (may_wait && hooks_.host_wait_ends) STRATA_RETURN_IF_ERROR(hooks_.host_wait_ends());
+    return static_cast<float*>(facts.in_place);
   }
   if (facts.active_slot == kInPlace) return static_cast<float*>(facts.in_place);
   if (facts.active_slot == kNoSlot) {
@@ -185,6 +189,7 @@ StatusOr<float*> GradientPath::buffer(int g, int64_t step, GradientStart start) 
       slots_[static_cast<size_t>(chosen)].busy = true;
     }
     facts.active_slot = chosen;
+    if (may_wait && hooks_.host_wait_ends) STRATA_RETURN_IF_ERROR(hooks_.host_wait_ends());
     if (start == GradientStart::kZeroed)
       STRATA_RETURN_IF_ERROR(ctx_.device->memset_async(slots_[static_cast<size_t>(chosen)].full.data(), 0,
                                                      group_layout(g).padded_numel * sizeof(float), *ctx_.compute));
@@ -425,10 +430,12 @@ Status GradientPath::land(const Landing& item) {
   }
   const EngineOptions& o = *ctx_.options;
   GradientStats stats;
+  SpillPiece spill;
   {
     Tracer::Scope scope(ctx_.tracer, Stage::kLanding, item.group, group_layout(item.group).name);
     if (item.ring >= 0) {
-      STRATA_ASSIGN_OR_RETURN(stats, accumulate_spilled(item, ring_[static_cast<size_t>(item.ring)].data()));
+      STRATA_ASSIGN_OR_RETURN(spill, accumulate_spilled(item, ring_[static_cast<size_t>(item.ring)].data()));
+      stats = spill.stats;
     } else if (o.optimizer_tier == Tier::kDevice) {
       if (item.last_micro) {
         const GroupBuffers& buffers = buffers_[static_cast<size_t>(item.group)];
@@ -439,6 +446,7 @@ Status GradientPath::land(const Landing& item) {
       STRATA_ASSIGN_OR_RETURN(stats, accumulate_host(item, buffers_[static_cast<size_t>(item.group)].landing[static_cast<size_t>(copy_of(item.step))].data()));
     }
   }
+  if (item.ring >= 0) STRATA_RETURN_IF_ERROR(store_spilled(item, spill));
   // The board has it before the engine hears of it, and the engine before step() can see
   // it: an update planned now still belongs to this step (its learning rate and step number).
   if (item.last_micro) {
@@ -471,32 +479,36 @@ StatusOr<GradientStats> GradientPath::accumulate_host(const Landing& item, const
 // Spilled gradients: micro-batches add up in the fp32 scratch (the running sum read back
 // from NVMe after the first), and the shard the optimizer will read is stored beside the
 // NVMe state; the statistics are taken of exactly what is stored.
-StatusOr<GradientStats> GradientPath::accumulate_spilled(const Landing& item, const void* landed) {
+StatusOr<GradientPath::SpillPiece> GradientPath::accumulate_spilled(const Landing& item, const void* landed) {
   const EngineOptions& o = *ctx_.options;
   const size_t g = static_cast<size_t>(item.group);
   const size_t shard = group_layout(item.group).shard_numel;
   const unsigned copy = static_cast<unsigned>(copy_of(item.step));
-  const void* stored = landed;
-  size_t capacity = ring_[static_cast<size_t>(item.ring)].capacity();
-  GradientStats stats;
+  SpillPiece piece{GradientStats{}, landed, ring_[static_cast<size_t>(item.ring)].capacity()};
   if (o.gradient_accumulation_steps > 1) {
     float* accum = scratch_.as<float>();
     if (item.micro > 0) STRATA_RETURN_IF_ERROR(ctx_.spill->load_gradient(g, copy, accum, scratch_.capacity()));
     const AccumulateMode mode = item.micro == 0 ? AccumulateMode::kAssign : AccumulateMode::kAdd;
     if (item.last_micro) {
-      STRATA_ASSIGN_OR_RETURN(stats, ops_->accumulate_with_stats(accum, landed, o.grad_transfer_dtype, shard, mode));
+      STRATA_ASSIGN_OR_RETURN(piece.stats, ops_->accumulate_with_stats(accum, landed, o.grad_transfer_dtype, shard, mode));
     } else {
       STRATA_RETURN_IF_ERROR(ops_->accumulate(accum, landed, o.grad_transfer_dtype, shard, mode));
     }
-    stored = accum;
-    capacity = scratch_.capacity();
+    piece.stored = accum;
+    piece.capacity = scratch_.capacity();
   } else {
-    STRATA_ASSIGN_OR_RETURN(stats, ops_->stats(landed, o.grad_transfer_dtype, shard));
+    STRATA_ASSIGN_OR_RETURN(piece.stats, ops_->stats(landed, o.grad_transfer_dtype, shard));
   }
+  return piece;
+}
+
+// The spill's write is the store's (nvme_write), not the landing's host pass.
+Status GradientPath::store_spilled(const Landing& item, const SpillPiece& piece) {
   const auto begin = TraceClock::now();
-  STRATA_RETURN_IF_ERROR(ctx_.spill->store_gradient(g, copy, stored, capacity));
+  STRATA_RETURN_IF_ERROR(ctx_.spill->store_gradient(static_cast<size_t>(item.group), static_cast<unsigned>(copy_of(item.step)),
+                                                    piece.stored, piece.capacity));
   ctx_.tracer->record(Stage::kNvmeWrite, item.group, begin, TraceClock::now(), group_layout(item.group).name + " gradient");
-  return stats;
+  return {};
 }
 
 }  // namespace strata::engine_internal

@@ -71,6 +71,11 @@ struct GradientPathHooks {
   // done): device-resident optimizer state has one gradient accumulator per group, which
   // that update reads and the next step's gradients overwrite.
   std::function<Status(int group, int64_t version)> wait_for_update;
+  // buffer() may make the model's thread wait (for the group's update, its landing buffer,
+  // a free slot) while the compute stream idles: called before such a wait and after it,
+  // so the compute stream's busy time leaves the wait out. Optional.
+  std::function<Status()> host_wait_begins;
+  std::function<Status()> host_wait_ends;
 };
 
 class GradientPath {
@@ -158,7 +163,14 @@ class GradientPath {
   Status hand_over_in_place(int g, int64_t step, int micro, bool last);
   // The final gradient's statistics, accumulating first where micro-batches add up.
   StatusOr<GradientStats> accumulate_host(const Landing& item, const void* landed);
-  StatusOr<GradientStats> accumulate_spilled(const Landing& item, const void* landed);
+  // A spilled gradient: the host pass (accumulation, statistics), then its write to NVMe.
+  struct SpillPiece {
+    GradientStats stats;
+    const void* stored = nullptr;  // what goes to NVMe: the landed shard, or the fp32 running sum
+    size_t capacity = 0;
+  };
+  StatusOr<SpillPiece> accumulate_spilled(const Landing& item, const void* landed);
+  Status store_spilled(const Landing& item, const SpillPiece& piece);
   Status reduce(int g, Slot& slot);
   Status land_on_device(int g, Slot& slot, int64_t step, int micro, bool last, void** landing);
   StatusOr<void*> landing_target(int g, int64_t step, int* ring);

@@ -78,10 +78,9 @@ void add_transfer_rows(RowBuilder& rows, const StepWork& w, const PipelineShape&
   rows.add(Stage::kReduceScatter, "gradient cast to " + shape.grad_dtype, w.gradient_cast_bytes, "B", memory_op_rate(p, cast_op), cast_op);
   rows.add(Stage::kD2H, "gradient shards", w.d2h_bytes, "B", p.copy.d2h_bytes_per_s, copy + " d2h");
   const LandingFigure landing = landing_figure(p, shape);
+  // A spilled gradient's write to NVMe counts in nvme_write (the store's stage; its bytes
+  // are in state_write_bytes), as the engine traces it, not in the landing's host pass.
   rows.add(Stage::kLanding, "gradient shards (host memory)", w.landing_bytes, "B", landing.bytes_per_s, landing.source);
-  // A spilled gradient is written to NVMe by the landing thread, which waits for it (the
-  // same bytes count in nvme_write, the store's own time).
-  rows.add(Stage::kLanding, "gradient spill to NVMe", w.landing_spill_bytes, "B", write, nvme_source(nvme, "write"));
 }
 
 double compute_element_bytes(const MachineProfile& p) { return p.compute.dtype == "fp32" ? 4.0 : 2.0; }
@@ -253,6 +252,21 @@ ReplayRates replay_rates(const StepPrediction& p, const PipelineShape& shape, co
   return r;
 }
 
+// The disk's directions in flight: the update's reads and writes (state, spilled gradients,
+// new parameters) move together, each direction in flight the whole time; the parameter
+// fetches' reads, and whatever one direction moves beyond the other, at their own rates.
+void add_in_flight(StepPrediction& p, const StepWork& w, const NvmeRate* nvme) {
+  p.in_flight = p.busy;
+  if (!has_mixed_rate(nvme)) return;
+  auto seconds = [](double bytes, double rate) { return bytes > 0 && rate > 0 ? bytes / rate : 0.0; };
+  const double reads = w.state_read_bytes, writes = w.state_write_bytes + w.param_write_bytes;
+  const double both = std::min(reads, writes);
+  const double together = seconds(2 * both, *nvme->mixed_bytes_per_s);
+  p.in_flight[static_cast<size_t>(Stage::kNvmeRead)] =
+      together + seconds(reads - both, nvme->read_bytes_per_s) + seconds(w.param_read_bytes, nvme->read_bytes_per_s);
+  p.in_flight[static_cast<size_t>(Stage::kNvmeWrite)] = together + seconds(writes - both, nvme->write_bytes_per_s);
+}
+
 void add_replay(StepPrediction& p, const StepWork& w, const PipelineShape& shape, const MachineProfile& profile, const NvmeRate* nvme) {
   p.replay_seconds = replay_step_seconds(w, shape, replay_rates(p, shape, profile, nvme));
   if (p.replay_seconds > p.step_seconds) {
@@ -263,7 +277,7 @@ void add_replay(StepPrediction& p, const StepWork& w, const PipelineShape& shape
 
 Status check_inputs(const StepWork& w, const PipelineShape& shape) {
   for (const double v : {w.param_read_bytes, w.state_read_bytes, w.param_write_bytes, w.state_write_bytes, w.h2d_bytes, w.h2d_update_bytes, w.allgather_bytes,
-                         w.reduce_scatter_bytes, w.d2h_bytes, w.landing_bytes, w.landing_spill_bytes, w.forward_matmul_flops, w.forward_attention_flops,
+                         w.reduce_scatter_bytes, w.d2h_bytes, w.landing_bytes, w.forward_matmul_flops, w.forward_attention_flops,
                          w.backward_matmul_flops, w.backward_attention_flops, w.recompute_matmul_flops, w.recompute_attention_flops,
                          w.forward_weight_elements, w.recompute_weight_elements, w.backward_weight_elements, w.gradient_zero_bytes,
                          w.gradient_cast_bytes, w.adam_elements}) {
@@ -349,6 +363,7 @@ StatusOr<StepPrediction> predict_step(const StepWork& work, const PipelineShape&
   add_optimizer_row(rows, work, shape, profile);
   critical_path(prediction, work, shape, nvme, profile.compute.device == "cpu");
   add_replay(prediction, work, shape, profile, nvme);
+  add_in_flight(prediction, work, nvme);
   return prediction;
 }
 
@@ -381,7 +396,7 @@ std::string format_prediction(const StepPrediction& prediction, std::string_view
 
 nlohmann::ordered_json predicted_busy_json(const StepPrediction& prediction) {
   nlohmann::ordered_json busy;
-  for (size_t s = 0; s < kStageCount; ++s) busy[name_of(static_cast<Stage>(s))] = prediction.busy[s];
+  for (size_t s = 0; s < kStageCount; ++s) busy[name_of(static_cast<Stage>(s))] = prediction.in_flight[s];
   return busy;
 }
 

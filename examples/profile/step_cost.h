@@ -67,7 +67,6 @@ struct StepWork {
   double reduce_scatter_bytes = 0;   // full gradient buffers reduced (world > 1)
   double d2h_bytes = 0;              // gradient shards to the host
   double landing_bytes = 0;          // host bytes the landing pass reads and writes
-  double landing_spill_bytes = 0;    // of state_write_bytes, the spilled gradients the landing thread writes and waits for
   double forward_matmul_flops = 0;
   double forward_attention_flops = 0;
   double backward_matmul_flops = 0;
@@ -120,6 +119,10 @@ struct CostRow {
 struct StepPrediction {
   std::vector<CostRow> rows;
   StageSeconds busy{};          // per engine stage: the sum of its rows' seconds
+  // Per engine stage, the time it has work in flight (what the engine's busy_s measures):
+  // busy, except that the disk's two directions are both in flight while an update moves
+  // its state both ways at once (at the profile's mixed rate, where measured).
+  StageSeconds in_flight{};
   double pipeline_seconds = 0;  // the busiest stage's, or a shared resource's (the disk, the CPU device's cores) when more
   double chain_seconds = 0;     // the chain that cannot overlap
   double replay_seconds = 0;    // the schedule replayed group by group (examples/profile/step_replay.h); 0 without one
@@ -135,7 +138,8 @@ StatusOr<StepPrediction> predict_step(const StepWork& work, const PipelineShape&
 // `origin` names the profile (its path, or "datasheet ...").
 std::string format_prediction(const StepPrediction& prediction, std::string_view origin);
 
-// {"compute": s, "nvme_read": s, ...}: the engine stages' names, as busy_s has them.
+// {"compute": s, "nvme_read": s, ...}: the engine stages' names, as busy_s has them;
+// each stage's in-flight time (StepPrediction::in_flight).
 nlohmann::ordered_json predicted_busy_json(const StepPrediction& prediction);
 
 // The profile's figure nearest the engine's NVMe shape (block size and queue depth, on a

@@ -96,7 +96,6 @@ void add_gradients_and_update(const PlannedStepInputs& in, StepWork& w) {
     w.adam_elements += part.adam_elements;
     w.state_write_bytes += k * part.spill_bytes + state;
     w.param_write_bytes += new_parameters;
-    w.landing_spill_bytes += k * part.spill_bytes;
     w.state_read_bytes += part.update_read_bytes;
   }
 }

@@ -181,8 +181,8 @@ Status RankRun::announce() {
                           predict_plan_step(run_.model, engine_options_, plan, layouts, model_options_, options.profile));
   if (prediction) {
     run_.result.predicted_step_seconds = prediction->step_seconds;
-    run_.result.predicted_busy = prediction->busy;
-    engine_->set_trace_prediction({.step_seconds = prediction->step_seconds, .busy_seconds = prediction->busy});
+    run_.result.predicted_busy = prediction->in_flight;
+    engine_->set_trace_prediction({.step_seconds = prediction->step_seconds, .busy_seconds = prediction->in_flight});
   }
   if (options.out) {
     *options.out << "model: " << run_.model.family() << ", " << run_.model.describe() << "\n"

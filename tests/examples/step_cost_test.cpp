@@ -189,6 +189,30 @@ TEST(StepCost, TheExactWaitStreamsTheStateBothWaysAtOnceWhereMeasured) {
   EXPECT_DOUBLE_EQ(together->step_seconds, 3.0);
 }
 
+// The engine measures a stage's busy time as the time it has work in flight. While an
+// update moves its state both ways at once, both directions are in flight the whole time;
+// fetches and what one direction moves beyond the other go at their own rates.
+TEST(StepCost, BothDiskDirectionsAreInFlightWhileTheUpdateMovesStateBothWays) {
+  StepWork w = three_seconds_of_compute();
+  w.param_read_bytes = 1e9;    // 0.5 s of fetches at 2e9 B/s
+  w.state_read_bytes = 3e9;    // 2e9 of it together with the writes, 1e9 more alone: 0.5 s
+  w.state_write_bytes = 1.5e9;
+  w.param_write_bytes = 0.5e9;  // the update's writes: 2e9 B
+  MachineProfile mixed = round_profile();
+  mixed.nvme[0].mixed_bytes_per_s = 4e9;  // 4e9 B of traffic both ways: 1 s
+  auto p = predict_step(w, PipelineShape{}, mixed);
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(p->in_flight[static_cast<size_t>(Stage::kNvmeRead)], 1.0 + 0.5 + 0.5);
+  EXPECT_DOUBLE_EQ(p->in_flight[static_cast<size_t>(Stage::kNvmeWrite)], 1.0);
+  EXPECT_DOUBLE_EQ(busy(*p, Stage::kNvmeRead), 2.0);   // the work, each direction at its own rate
+  EXPECT_DOUBLE_EQ(busy(*p, Stage::kNvmeWrite), 2.0);
+  EXPECT_DOUBLE_EQ(p->in_flight[static_cast<size_t>(Stage::kCompute)], busy(*p, Stage::kCompute));
+  auto apart = predict_step(w, PipelineShape{}, round_profile());  // no mixed figure: one after the other
+  ASSERT_TRUE(apart.ok());
+  EXPECT_DOUBLE_EQ(apart->in_flight[static_cast<size_t>(Stage::kNvmeRead)], 2.0);
+  EXPECT_DOUBLE_EQ(apart->in_flight[static_cast<size_t>(Stage::kNvmeWrite)], 2.0);
+}
+
 TEST(StepCost, OnTheCpuDeviceComputeCopiesLandingAndAdamShareTheCores) {
   MachineProfile cpu = round_profile();
   cpu.compute.device = "cpu";
@@ -206,14 +230,15 @@ TEST(StepCost, OnTheCpuDeviceComputeCopiesLandingAndAdamShareTheCores) {
   EXPECT_LT(device->step_seconds, 5.0);
 }
 
-TEST(StepCost, TheLandingStreamsAtTwiceTheCopyRateAndWaitsForItsSpilledGradients) {
+// The landing is its host pass; a spilled gradient's write is the store's (nvme_write), as
+// the engine traces it.
+TEST(StepCost, TheLandingStreamsAtTwiceTheCopyRateAndItsSpillCountsAsAnNvmeWrite) {
   StepWork w = three_seconds_of_compute();
   w.landing_bytes = 5e9;          // 0.5 s at twice the 5e9 B/s copy rate (a copy reads and writes each byte)
-  w.state_write_bytes = 2e9;      // 2 s at 1e9 B/s (1 MiB QD32, checksums on)
-  w.landing_spill_bytes = 1e9;    // of which the landing thread writes 1 s
+  w.state_write_bytes = 2e9;      // 2 s at 1e9 B/s (1 MiB QD32, checksums on), spilled gradients included
   auto p = predict_step(w, PipelineShape{}, round_profile());
   ASSERT_TRUE(p.ok());
-  EXPECT_DOUBLE_EQ(busy(*p, Stage::kLanding), 0.5 + 1.0);
+  EXPECT_DOUBLE_EQ(busy(*p, Stage::kLanding), 0.5);
   EXPECT_DOUBLE_EQ(busy(*p, Stage::kNvmeWrite), 2.0);
 }
 
@@ -394,7 +419,9 @@ TEST(StepWorkFromPlan, EverythingOnNvmeReadsAndWritesWhatTheTiersSay) {
   // Spilled bf16 gradients (written, read by Adam) and master + moments (12 B/element), both ways.
   EXPECT_DOUBLE_EQ(w.state_read_bytes, 2 * 4096.0 + 2 * 3 * 4096.0);
   EXPECT_DOUBLE_EQ(w.state_write_bytes, 2 * 4096.0 + 2 * 3 * 4096.0);
-  EXPECT_DOUBLE_EQ(w.landing_spill_bytes, 2 * 4096.0);  // the landing thread writes the spilled gradients
+  double spilled = 0;
+  for (const GroupWork& g : w.groups) spilled += g.spill_bytes;
+  EXPECT_DOUBLE_EQ(spilled, 2 * 4096.0);  // the landing thread writes the spilled gradients
   EXPECT_DOUBLE_EQ(w.param_write_bytes, 2 * 4096.0);
   EXPECT_EQ(s->shape.prefetch_depth, 2);
   EXPECT_TRUE(s->shape.adam_during_backward);
