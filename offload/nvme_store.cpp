@@ -279,6 +279,13 @@ NvmeStore::~NvmeStore() {
     if (!status.ok()) STRATA_LOG(kWarn) << "nvme store: " << status.to_string();
   }
   owned_engine_.reset();
+  if (options_.remove_files_on_close && data_file_.is_open()) {
+    // Unlinked while the flock is still held: no other store can have opened them meanwhile.
+    for (const std::string& path : {file_path_, lock_path_}) {
+      if (::unlink(path.c_str()) != 0 && errno != ENOENT)
+        STRATA_LOG(kWarn) << "nvme store: cannot remove " << path << ": " << std::strerror(errno);
+    }
+  }
   data_file_.reset();  // releases the flock
 }
 

@@ -64,6 +64,7 @@ struct NvmeStoreOptions {
   size_t initial_bytes = 0;                    // file size to preallocate at open (rounded to the alignment)
   size_t growth_bytes = size_t{256} << 20;     // the least the file grows by when extents need room
   IoEngineOptions io;                          // for the engine the store creates when none is given
+  bool remove_files_on_close = false;          // the data and lock files go when the store closes (benchmarks); else a later run reuses them
 };
 
 // A handle to an extent; names it in the store's calls.

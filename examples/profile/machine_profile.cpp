@@ -77,6 +77,7 @@ nlohmann::ordered_json machine_profile_to_json(const MachineProfile& p) {
     Json rate = {{"block_bytes", n.block_bytes}, {"queue_depth", n.queue_depth}, {"checksums", n.checksums},
                  {"read_bytes_per_s", n.read_bytes_per_s}, {"write_bytes_per_s", n.write_bytes_per_s}};
     if (n.mixed_bytes_per_s) rate["mixed_bytes_per_s"] = *n.mixed_bytes_per_s;
+    if (n.checksum_bytes_per_s) rate["checksum_bytes_per_s"] = *n.checksum_bytes_per_s;
     nvme.push_back(std::move(rate));
   }
   Json adam = Json::array();
@@ -285,6 +286,9 @@ StatusOr<NvmeRate> read_nvme(ObjectReader r) {
   STRATA_ASSIGN_OR_RETURN(n.write_bytes_per_s, r.rate("write_bytes_per_s"));
   if (r.optional("mixed_bytes_per_s") != nullptr) {
     STRATA_ASSIGN_OR_RETURN(n.mixed_bytes_per_s, r.rate("mixed_bytes_per_s"));
+  }
+  if (r.optional("checksum_bytes_per_s") != nullptr) {
+    STRATA_ASSIGN_OR_RETURN(n.checksum_bytes_per_s, r.rate("checksum_bytes_per_s"));
   }
   STRATA_RETURN_IF_ERROR(r.finish());
   return n;

@@ -61,6 +61,9 @@ struct NvmeRate {
   // directions' bytes per second. Unset where not measured; the cost model then times a
   // step's reads and writes one after the other at the rates above.
   std::optional<double> mixed_bytes_per_s;
+  // With checksums: XXH64 over blocks of block_bytes not in cache (as a read leaves them), on
+  // one host thread. The checksums' share of the host's cores; unset where not measured.
+  std::optional<double> checksum_bytes_per_s;
 };
 
 // Pinned host memory <-> device memory. On the CPU device both ends are host memory and a

@@ -175,7 +175,22 @@ SharedBound disk_time(const StepPrediction& p, const StepWork& w, const NvmeRate
           "the disk (reads and writes at once)"};
 }
 
-SharedBound shared_resources(const StepPrediction& p, const SharedBound& disk, const PipelineShape& shape, bool host_cores) {
+// The store's checksums on the host's cores together, as the other host jobs are priced:
+// its verifier threads (and the thread waiting for a read) hash blocks side by side, so
+// the profile's one-thread rate times the cores; 0 without checksums or a measured rate.
+double host_checksum_rate(const MachineProfile& profile, const PipelineShape& shape, const NvmeRate* nvme) {
+  if (!shape.nvme_checksums || nvme == nullptr || !nvme->checksum_bytes_per_s || *nvme->checksum_bytes_per_s <= 0) return 0.0;
+  return *nvme->checksum_bytes_per_s * std::max(profile.host.cores, 1);
+}
+
+// The CPU device's cores also hash every byte the store moves, where the profile has the rate.
+double checksum_seconds(const StepWork& w, double rate) {
+  if (rate <= 0) return 0.0;
+  return (w.param_read_bytes + w.state_read_bytes + w.param_write_bytes + w.state_write_bytes) / rate;
+}
+
+SharedBound shared_resources(const StepPrediction& p, const SharedBound& disk, const PipelineShape& shape, bool host_cores,
+                             double checksums) {
   auto busy_of = [&](Stage s) { return p.busy[static_cast<size_t>(s)]; };
   if (!host_cores) {
     if (shape.adam_on_device) return disk;  // the landing pass has the executor to itself
@@ -184,14 +199,15 @@ SharedBound shared_resources(const StepPrediction& p, const SharedBound& disk, c
     return executor.seconds > disk.seconds ? executor : disk;
   }
   SharedBound cores{busy_of(Stage::kCompute) + busy_of(Stage::kH2D) + busy_of(Stage::kD2H) + busy_of(Stage::kLanding) +
-                        busy_of(Stage::kOptimizer) + busy_of(Stage::kAllGather) + busy_of(Stage::kReduceScatter),
-                    "the host's cores (compute, copies, landing, optimizer and collectives on the CPU device)"};
+                        busy_of(Stage::kOptimizer) + busy_of(Stage::kAllGather) + busy_of(Stage::kReduceScatter) + checksums,
+                    "the host's cores (compute, copies, landing, optimizer, collectives and the store's checksums on the CPU device)"};
   return cores.seconds > disk.seconds ? cores : disk;
 }
 
 // The chain the pipeline cannot overlap, and what it is made of; the step is the longest of
 // it, the busiest stage and the shared resources.
-void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& shape, const NvmeRate* nvme, bool host_cores) {
+void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& shape, const NvmeRate* nvme, bool host_cores,
+                   double checksum_rate) {
   const double compute = p.busy[static_cast<size_t>(Stage::kCompute)];
   const double k = static_cast<double>(shape.micro_batches);
   const double forward_mb = row_seconds(p, "forward", Stage::kCompute) / k;
@@ -223,7 +239,7 @@ void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& sh
     if (p.busy[s] > p.busy[busiest]) busiest = s;
   p.pipeline_seconds = p.busy[busiest];
   std::string pipeline_bound = name_of(static_cast<Stage>(busiest));
-  const SharedBound shared = shared_resources(p, disk_time(p, w, nvme), shape, host_cores);
+  const SharedBound shared = shared_resources(p, disk_time(p, w, nvme), shape, host_cores, host_cores ? checksum_seconds(w, checksum_rate) : 0.0);
   if (shared.seconds > p.pipeline_seconds) {
     p.pipeline_seconds = shared.seconds;
     pipeline_bound = shared.name;
@@ -249,6 +265,7 @@ ReplayRates replay_rates(const StepPrediction& p, const PipelineShape& shape, co
   r.forward_seconds = row_seconds(p, "forward", Stage::kCompute);
   r.backward_seconds = row_seconds(p, "backward", Stage::kCompute) + row_seconds(p, "recompute", Stage::kCompute);
   r.shared_host_cores = profile.compute.device == "cpu";
+  if (r.shared_host_cores) r.checksum_bytes_per_s = host_checksum_rate(profile, shape, nvme);
   return r;
 }
 
@@ -361,7 +378,7 @@ StatusOr<StepPrediction> predict_step(const StepWork& work, const PipelineShape&
   add_transfer_rows(rows, work, shape, profile, nvme);
   add_compute_rows(rows, work, profile);
   add_optimizer_row(rows, work, shape, profile);
-  critical_path(prediction, work, shape, nvme, profile.compute.device == "cpu");
+  critical_path(prediction, work, shape, nvme, profile.compute.device == "cpu", host_checksum_rate(profile, shape, nvme));
   add_replay(prediction, work, shape, profile, nvme);
   add_in_flight(prediction, work, nvme);
   return prediction;

@@ -106,6 +106,17 @@ class Replay {
   int step_of(size_t t) const { return static_cast<int>(t / (w_.uses.size() * static_cast<size_t>(shape_.micro_batches))); }
   int micro_of(size_t t) const { return static_cast<int>(t / w_.uses.size()) % shape_.micro_batches; }
 
+  // Checksums on the host's cores (ReplayRates::checksum_bytes_per_s): a read's bytes are
+  // usable once verified there; a write is done once both the disk and its hashing are.
+  double verified(double read_done, double bytes) {
+    if (r_.checksum_bytes_per_s <= 0 || bytes <= 0) return read_done;
+    return host_cores_.run(read_done, bytes / r_.checksum_bytes_per_s);
+  }
+  double written(double submitted, double disk_done, double bytes) {
+    if (r_.checksum_bytes_per_s <= 0 || bytes <= 0) return disk_done;
+    return std::max(disk_done, host_cores_.run(submitted, bytes / r_.checksum_bytes_per_s));
+  }
+
   // A group's first use in a step waits for the update `lag` steps back.
   double update_wait(size_t t) const {
     const size_t i = use_of(t);
@@ -126,6 +137,7 @@ class Replay {
     if (g.fetch_read_bytes > 0) {  // the fetches one after another, each sharing the disk with the updates' traffic
       read = disk_.shared_finish(std::max(ready, fetch_disk_free_), seconds_of(g.fetch_read_bytes, r_.disk_read_bytes_per_s));
       fetch_disk_free_ = read;
+      read = verified(read, g.fetch_read_bytes);
     }
     fetched_[u] = g.fetch_h2d_bytes > 0 ? cores(h2d_).run(read, seconds_of(g.fetch_h2d_bytes, r_.h2d_bytes_per_s)) : read;
   }
@@ -139,7 +151,7 @@ class Replay {
     const GroupWork& part = w_.groups[g];
     const double copied = cores(gradients_).run(computed_[t], seconds_of(part.gradient_out_bytes, r_.d2h_bytes_per_s));
     double landed = lander().run(copied, seconds_of(part.landing_bytes, r_.landing_bytes_per_s));
-    if (part.spill_bytes > 0) landed = disk_.run(landed, seconds_of(part.spill_bytes, r_.disk_write_bytes_per_s));
+    if (part.spill_bytes > 0) landed = written(landed, disk_.run(landed, seconds_of(part.spill_bytes, r_.disk_write_bytes_per_s)), part.spill_bytes);
     if (micro_of(t) != shape_.micro_batches - 1) return;
     pending_.push_back({g, landed});
     if (shape_.adam_during_backward) flush_updates(step_of(t), 0.0);
@@ -155,9 +167,9 @@ class Replay {
       const double disk = disk_seconds(read, write, r_.disk_read_bytes_per_s, r_.disk_write_bytes_per_s, r_.disk_mixed_bytes_per_s);
       const double reading = r_.disk_mixed_bytes_per_s > 0 && read > 0 ? disk * read / (read + write) : seconds_of(read, r_.disk_read_bytes_per_s);
       double at = std::max(landed, not_before);
-      if (read > 0) at = disk_.run(at, reading);
+      if (read > 0) at = verified(disk_.run(at, reading), read);
       at = cores(optimizer_).run(at, seconds_of(part.adam_elements, r_.adam_elements_per_s));
-      if (write > 0) at = disk_.run(at, disk - reading);
+      if (write > 0) at = written(at, disk_.run(at, disk - reading), write);
       updated_[static_cast<size_t>(step)][g] = at;
     }
     pending_.clear();

@@ -19,7 +19,9 @@
 // fetch runs at half speed while an update's transfer is under way instead of waiting for
 // the whole update (the disk's total time is bounded apart). An update that reads and
 // writes its state keeps the disk busy both ways at once (the state ring reads the next
-// chunks while the last are written): its bytes go at the mixed rate where measured.
+// chunks while the last are written): its bytes go at the mixed rate where measured. With
+// a checksum rate (the CPU device), a read is verified on the cores before its bytes are
+// used, and a write's checksums are computed on the cores while the disk writes it.
 // Four steps are replayed; the result is the last step's length.
 #pragma once
 
@@ -38,6 +40,9 @@ struct ReplayRates {
   double forward_seconds = 0;         // the step's forward (all micro-batches)
   double backward_seconds = 0;        // its backward with recompute
   bool shared_host_cores = false;     // the CPU device: compute, copies, landing and Adam take turns on the host's cores
+  // The CPU device with checksums on: the store's XXH64 of every byte it reads or writes
+  // (one thread's rate) is host work too, taking its turn on the cores; 0 = not priced.
+  double checksum_bytes_per_s = 0;
 };
 
 // The replayed step's seconds; 0 when the work has no schedule, a use names no group, or a

@@ -26,6 +26,7 @@
 #include "examples/profile/host_probe.h"
 #include "examples/profile/machine_profile.h"
 #include "examples/strata_bench/bench.h"
+#include "offload/checksum.h"
 #include "optim/cpu_adam.h"
 #include "optim/gradient_ops.h"
 
@@ -91,6 +92,26 @@ void progress(const char* what) {
   std::fflush(stderr);
 }
 
+// The store's checksum on one thread: XXH64 over a buffer four times larger than any
+// cache, in blocks of `block` bytes, as a verifier meets the blocks a read left in memory.
+// The median of three passes.
+StatusOr<double> measure_checksum_rate(size_t block) {
+  constexpr size_t kBytes = size_t{256} << 20;
+  std::vector<uint64_t> data(kBytes / 8);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = i * 0x9E3779B97F4A7C15ull;
+  const auto* bytes = reinterpret_cast<const char*>(data.data());
+  std::vector<double> seconds;
+  volatile uint64_t sink = 0;  // keeps the hashes from being optimized away
+  for (int pass = 0; pass < 3; ++pass) {
+    const auto begin = std::chrono::steady_clock::now();
+    for (size_t at = 0; at < kBytes; at += block) sink = sink ^ xxhash64(bytes + at, std::min(block, kBytes - at));
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
+  }
+  std::sort(seconds.begin(), seconds.end());
+  if (!(seconds[1] > 0)) return InternalError("checksum rate: a pass over 256 MiB took no time");
+  return static_cast<double>(kBytes) / seconds[1];
+}
+
 // The engine's NVMe shapes: aio's default (1 MiB, QD32) and the two docs/benchmarks.md
 // compares with fio (128 KiB QD8, 4 MiB QD8). The engine's shape is also measured with reads
 // and writes at once, the traffic of a step whose state lives on NVMe.
@@ -113,9 +134,11 @@ StatusOr<std::vector<profile::NvmeRate>> measure_nvme(const Config& c) {
     m.footprint = StoreMeasurement::Footprint::kRing;  // the engine's NVMe rings reuse their blocks
     m.mixed = &shape == &shapes[0];                      // the engine's own shape: reads and writes at once too
     STRATA_ASSIGN_OR_RETURN(const StoreBandwidth b, measure_store_bandwidth(m));
+    STRATA_ASSIGN_OR_RETURN(const double checksum, measure_checksum_rate(shape.block));
     rates.push_back({.block_bytes = shape.block, .queue_depth = static_cast<int>(shape.depth), .checksums = true,
                      .read_bytes_per_s = b.read_gbps * 1e9, .write_bytes_per_s = b.write_gbps * 1e9,
-                     .mixed_bytes_per_s = m.mixed ? std::optional<double>(b.mixed_gbps * 1e9) : std::nullopt});
+                     .mixed_bytes_per_s = m.mixed ? std::optional<double>(b.mixed_gbps * 1e9) : std::nullopt,
+                     .checksum_bytes_per_s = checksum});
   }
   return rates;
 }
@@ -303,6 +326,9 @@ void print_summary(const profile::MachineProfile& p) {
     if (n.mixed_bytes_per_s)
       std::printf("  nvme %5zu KiB QD%-2d   reads and writes at once %7.3f GB/s (both directions)\n", size_t(n.block_bytes >> 10),
                   n.queue_depth, *n.mixed_bytes_per_s / 1e9);
+    if (n.checksum_bytes_per_s)
+      std::printf("  nvme %5zu KiB QD%-2d   checksums (XXH64, one thread, data not in cache) %7.3f GB/s\n", size_t(n.block_bytes >> 10),
+                  n.queue_depth, *n.checksum_bytes_per_s / 1e9);
   }
   std::printf("  copy %s  h2d %7.3f GB/s  d2h %7.3f GB/s\n", p.copy.host_copy ? "(host memcpy)" : "(pinned)", p.copy.h2d_bytes_per_s / 1e9,
               p.copy.d2h_bytes_per_s / 1e9);

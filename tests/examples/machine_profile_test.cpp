@@ -32,7 +32,7 @@ MachineProfile sample_profile() {
             .memory_total_bytes = 8ull << 30, .memory_available_bytes = 6ull << 30, .memlock_limit_bytes = 8ull << 20};
   p.disk = {.path = "/tmp/x", .filesystem = "ext4", .block_device = "vda", .model = "unknown", .rotational = true, .free_bytes = 1ull << 40};
   p.nvme = {{.block_bytes = 1 << 20, .queue_depth = 32, .checksums = true, .read_bytes_per_s = 2.25e9, .write_bytes_per_s = 1.5e9,
-             .mixed_bytes_per_s = 1.75e9},
+             .mixed_bytes_per_s = 1.75e9, .checksum_bytes_per_s = 9.5e9},
             {.block_bytes = 128 << 10, .queue_depth = 8, .checksums = true, .read_bytes_per_s = 1.125e9, .write_bytes_per_s = 0.75e9}};
   p.copy = {.host_copy = true, .pinned = true, .h2d_bytes_per_s = 4.5e9, .d2h_bytes_per_s = 4.25e9};
   p.cpu_adam = {{.threads = 1, .grad_dtype = "fp32", .param_dtype = "fp32", .elements_per_s = 5.5e8},
@@ -73,6 +73,8 @@ TEST(MachineProfile, WhatTheWriterWritesLoadsBackTheSame) {
   EXPECT_DOUBLE_EQ(loaded.nvme[1].read_bytes_per_s, 1.125e9);
   EXPECT_EQ(loaded.nvme[0].mixed_bytes_per_s, std::optional<double>(1.75e9));  // reads and writes at once
   EXPECT_FALSE(loaded.nvme[1].mixed_bytes_per_s.has_value());                 // optional: not measured there
+  EXPECT_EQ(loaded.nvme[0].checksum_bytes_per_s, std::optional<double>(9.5e9));  // the checksums' rate on one thread
+  EXPECT_FALSE(loaded.nvme[1].checksum_bytes_per_s.has_value());
   EXPECT_EQ(loaded.cpu_adam[1].param_dtype, "bf16");
   ASSERT_TRUE(loaded.landing.has_value());
   EXPECT_DOUBLE_EQ(loaded.landing->accumulate_bytes_per_s, 2.25e10);
@@ -142,6 +144,9 @@ TEST(MachineProfile, ANegativeOrZeroRateIsRefused) {
   Json mixed = sample_json();
   mixed["nvme"][0]["mixed_bytes_per_s"] = 0;
   expect_refused(parse(mixed), {"'nvme[0].mixed_bytes_per_s'", "positive"});
+  Json hashing = sample_json();
+  hashing["nvme"][0]["checksum_bytes_per_s"] = -1;
+  expect_refused(parse(hashing), {"'nvme[0].checksum_bytes_per_s'", "positive"});
   Json weights = sample_json();
   weights["compute"]["weight_stream_bytes_per_s"] = -1;
   expect_refused(parse(weights), {"'compute.weight_stream_bytes_per_s'", "positive"});

@@ -230,6 +230,29 @@ TEST(StepCost, OnTheCpuDeviceComputeCopiesLandingAndAdamShareTheCores) {
   EXPECT_LT(device->step_seconds, 5.0);
 }
 
+// The store hashes every byte it moves on the host's cores: on the CPU device that work
+// takes its turn there too (2e9 bytes at 1e9 B/s on each of the 2 cores: 1 s more).
+TEST(StepCost, OnTheCpuDeviceTheStoresChecksumsTakeTheCoresToo) {
+  MachineProfile cpu = round_profile();
+  cpu.compute.device = "cpu";
+  cpu.nvme[0].checksum_bytes_per_s = 1e9;
+  cpu.host.cores = 2;
+  StepWork w = three_seconds_of_compute();
+  w.adam_elements = 1e8;  // 1 s
+  w.h2d_bytes = 1e10;     // 1 s
+  w.state_read_bytes = 1e9;
+  w.state_write_bytes = 1e9;  // 0.5 s of reading and 1 s of writing: less than the cores' 6 s
+  PipelineShape shape;
+  shape.overlap = OverlapMode::kDelayed;
+  auto p = predict_step(w, shape, cpu);
+  ASSERT_TRUE(p.ok());
+  EXPECT_DOUBLE_EQ(p->pipeline_seconds, 3.0 + 1.0 + 1.0 + 1.0);
+  shape.nvme_checksums = false;  // the profile's nearest shape still has checksums; the run does not hash
+  auto plain = predict_step(w, shape, cpu);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_DOUBLE_EQ(plain->pipeline_seconds, 5.0);
+}
+
 // The landing is its host pass; a spilled gradient's write is the store's (nvme_write), as
 // the engine traces it.
 TEST(StepCost, TheLandingStreamsAtTwiceTheCopyRateAndItsSpillCountsAsAnNvmeWrite) {

@@ -89,6 +89,20 @@ TEST(StepReplay, OnTheCpuDeviceComputeAndAdamTakeTurnsOnTheCores) {
 // An update that reads and writes its state keeps the disk busy both ways at once: with a
 // mixed rate of 3e9 B/s the 1e9 bytes each way move together in 2/3 s and the other 1e9
 // written bytes alone in 0.5 s, not 1 s of reads and then 1 s of writes.
+// With checksums on the CPU device, each fetched shard is verified on the cores before its
+// compute: 8 x (0.5 s read + 0.5 s verify + 1 s compute), where the verify cannot overlap
+// the compute that waits for it.
+TEST(StepReplay, OnTheCpuDeviceAReadIsVerifiedOnTheCoresBeforeItsBytesAreUsed) {
+  PipelineShape serial;
+  serial.prefetch_depth = 0;
+  ReplayRates hashing = rates(4.0, 4.0);
+  hashing.shared_host_cores = true;
+  hashing.checksum_bytes_per_s = 1e9;
+  EXPECT_DOUBLE_EQ(replay_step_seconds(four_fetched_groups(), serial, hashing), 16.0);
+  hashing.checksum_bytes_per_s = 0;  // not priced
+  EXPECT_DOUBLE_EQ(replay_step_seconds(four_fetched_groups(), serial, hashing), 12.0);
+}
+
 TEST(StepReplay, AnUpdateReadingAndWritingMovesBothWaysAtTheMixedRate) {
   PipelineShape shape;
   shape.overlap = OverlapMode::kExact;

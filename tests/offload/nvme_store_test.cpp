@@ -465,6 +465,21 @@ TEST(NvmeStoreTest, FullDiskRefusesGrowthAndKeepsEarlierExtents) {
   EXPECT_TRUE(contains(result, "\nfirst intact")) << result;
 }
 
+TEST(NvmeStoreTest, AStoreAskedToRemoveItsFilesLeavesNoneBehind) {
+  testing::TempDir dir;
+  NvmeStoreOptions options = store_options(dir.str() + "/scratch");
+  options.initial_bytes = 2 * kMiB;
+  options.remove_files_on_close = true;
+  std::string file_path;
+  {
+    OPEN_STORE_OR_SKIP(store, options);
+    file_path = store->file_path();
+    EXPECT_TRUE(std::filesystem::exists(file_path));
+  }
+  EXPECT_FALSE(std::filesystem::exists(file_path));
+  EXPECT_TRUE(std::filesystem::is_empty(dir.str() + "/scratch"));
+}
+
 // An 8 MiB tmpfs: room is the free space, under the nearest folder that exists, plus the
 // blocks of the file a finished run left for the same rank (the store reuses it), and
 // not another rank's.
