@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
 """The plan's predicted step against the measured one (docs/profile.md, docs/benchmarks.md):
-the machine profile measured first, in the same session, then a grid of configurations run
+the machine profile measured first, in the same session (--profiles times, each figure the
+median of those measurements: one profile on a shared machine can be 20-50% off in a figure),
+then a grid of configurations run
 in alternating rounds (each round runs every configuration once, in reversed order every
 other round), and per configuration the median measured step and per-stage busy time
 against the prediction.
 
-  scripts/bench-prediction.py --nvme-path /work/nvme-pred [--rounds 3] [--profile FILE]
+  scripts/bench-prediction.py --nvme-path /work/nvme-pred [--rounds 3] [--profiles 3] [--profile FILE]
       [--bin build/bin] [--only 'NAME;...'] [--json]
 
 The grid: GPT-2 small and medium through strata-train (--compute kernels: the CPU device's
@@ -76,20 +78,50 @@ def compare(samples):
     return row
 
 
+def median_profile(profiles):
+    """Each number the median of the profiles' (same shape: the same machine, flags and
+    build); everything else as the first has it."""
+    first = profiles[0]
+    if isinstance(first, bool) or not isinstance(first, (int, float, dict, list)):
+        return first
+    if isinstance(first, (int, float)):
+        return statistics.median(profiles) if all(isinstance(p, (int, float)) for p in profiles) else first
+    if isinstance(first, list):
+        if any(not isinstance(p, list) or len(p) != len(first) for p in profiles):
+            return first
+        return [median_profile([p[i] for p in profiles]) for i in range(len(first))]
+    return {k: median_profile([p[k] for p in profiles if k in p]) for k in first}
+
+
+def measure_profile(args, out):
+    paths = []
+    for i in range(args.profiles):
+        path = out if args.profiles == 1 else f"{out}.{i}"
+        subprocess.run([os.path.join(args.bin, "strata-bench"), "profile", "--nvme-path", os.path.join(args.nvme_path, "profile"),
+                        "--out", path, "--no-keep"], check=True, capture_output=True)
+        paths.append(path)
+    if args.profiles > 1:
+        profiles = [json.load(open(path)) for path in paths]
+        merged = median_profile(profiles)
+        merged["notes"] = f"{merged.get('notes', '')} Each figure the median of {args.profiles} profiles measured one after another.".strip()
+        with open(out, "w") as f:
+            json.dump(merged, f, indent=2)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nvme-path", required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--bin", default="build/bin")
     parser.add_argument("--profile", help="a profile measured in this session already (default: measure one first)")
+    parser.add_argument("--profiles", type=int, default=3, help="profiles to measure first, each figure their median")
     parser.add_argument("--only", help="semicolon-separated substrings of the grid's configuration names")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.makedirs(args.nvme_path, exist_ok=True)
     profile = args.profile or os.path.join(args.nvme_path, "profile.json")
     if not args.profile:
-        subprocess.run([os.path.join(args.bin, "strata-bench"), "profile", "--nvme-path", os.path.join(args.nvme_path, "profile"),
-                        "--out", profile, "--no-keep"], check=True, capture_output=True)
+        measure_profile(args, profile)
     names = [n for n in GRID if not args.only or any(o in n for o in args.only.split(";"))]
     samples = {n: [] for n in names}
     for r in range(args.rounds):
