@@ -163,7 +163,7 @@ StatusOr<float*> GradientPath::buffer(int g, int64_t step, GradientStart start) 
                                    ") in the same micro-batch");
   const bool may_wait = facts.active_slot == kNoSlot;
   if (may_wait && hooks_.host_wait_begins) STRATA_RETURN_IF_ERROR(hooks_.host_wait_begins());
-  if (facts.active_slot == kNoSlot && start == GradientStart::kUnwritten && lands_in_place()) {
+  if (may_wait && start == GradientStart::kUnwritten && lands_in_place()) {
     // With one micro-batch the landing buffer is what the update reads: the one of step - 1
     // (exact mode), or of step - 2 (delayed mode, a landing buffer per step parity), must
     // be done before the model overwrites it. Usually it is: the group's gather waited.

@@ -154,9 +154,12 @@ std::string NvmeStore::lock_holder() const {
 
 NvmeStore::NvmeStore(ConstructionKey) : shared_(std::make_shared<Shared>()) {}
 
-std::string NvmeStore::file_path_for(const std::string& nvme_path, int rank) {
-  return nvme_path + "/strata-rank" + std::to_string(rank) + ".swap";
-}
+namespace {
+// A rank's files under nvme_path share this stem: <stem>.swap (data), <stem>.lock (holder).
+std::string rank_stem(const std::string& nvme_path, int rank) { return nvme_path + "/strata-rank" + std::to_string(rank); }
+}  // namespace
+
+std::string NvmeStore::file_path_for(const std::string& nvme_path, int rank) { return rank_stem(nvme_path, rank) + ".swap"; }
 
 StatusOr<size_t> NvmeStore::room_bytes(const std::string& nvme_path, int rank) {
   std::error_code ignored;
@@ -187,7 +190,7 @@ StatusOr<std::unique_ptr<NvmeStore>> NvmeStore::open(const NvmeStoreOptions& opt
   store->options_ = options;
   store->directory_ = options.nvme_path;
   store->file_path_ = file_path_for(store->directory_, options.rank);
-  store->lock_path_ = store->directory_ + "/strata-rank" + std::to_string(options.rank) + ".lock";
+  store->lock_path_ = rank_stem(store->directory_, options.rank) + ".lock";
   STRATA_RETURN_IF_ERROR(store->open_files());
   if (engine == nullptr) {
     STRATA_ASSIGN_OR_RETURN(store->owned_engine_, IoEngine::create(options.io));

@@ -1,6 +1,5 @@
 #include "examples/profile/placement_search.h"
 
-
 #include <cstdio>
 #include <filesystem>
 #include <sstream>

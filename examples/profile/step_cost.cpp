@@ -239,7 +239,7 @@ void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& sh
     if (p.busy[s] > p.busy[busiest]) busiest = s;
   p.pipeline_seconds = p.busy[busiest];
   std::string pipeline_bound = name_of(static_cast<Stage>(busiest));
-  const SharedBound shared = shared_resources(p, disk_time(p, w, nvme), shape, host_cores, host_cores ? checksum_seconds(w, checksum_rate) : 0.0);
+  const SharedBound shared = shared_resources(p, disk_time(p, w, nvme), shape, host_cores, checksum_seconds(w, checksum_rate));
   if (shared.seconds > p.pipeline_seconds) {
     p.pipeline_seconds = shared.seconds;
     pipeline_bound = shared.name;

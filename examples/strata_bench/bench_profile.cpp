@@ -92,8 +92,8 @@ void progress(const char* what) {
   std::fflush(stderr);
 }
 
-// The store's checksum on one thread: XXH64 over a buffer four times larger than any
-// cache, in blocks of `block` bytes, as a verifier meets the blocks a read left in memory.
+// The store's checksum on one thread: XXH64 over 256 MiB (beyond the last-level cache of
+// most hosts), in blocks of `block` bytes, as a verifier meets the blocks a read left in memory.
 // The median of three passes.
 StatusOr<double> measure_checksum_rate(size_t block) {
   constexpr size_t kBytes = size_t{256} << 20;
