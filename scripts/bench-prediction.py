@@ -8,7 +8,13 @@ other round), and per configuration the median measured step and per-stage busy 
 against the prediction.
 
   scripts/bench-prediction.py --nvme-path /work/nvme-pred [--rounds 3] [--profiles 3] [--profile FILE]
-      [--bin build/bin] [--only 'NAME;...'] [--json]
+      [--bin build/bin] [--only 'NAME;...'] [--json] [--save-samples FILE]
+  scripts/bench-prediction.py --nvme-path /work/nvme-pred --replan FILE [--bin build/bin] [--json]
+
+--save-samples keeps every run's summary and the profile's path; --replan compares those
+measurements against the predictions of the build at hand (each configuration's
+--plan-only with the same profile, nothing run): a change to the cost model checked
+against a grid already measured.
 
 The grid: GPT-2 small and medium through strata-train (--compute kernels: the CPU device's
 own kernels), and the GPT-2 medium, GPT-2 XL and Llama-3.2-1B shapes as strata-bench step's
@@ -65,9 +71,23 @@ def run(command, bin_dir, nvme_path, profile):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def compare(samples):
-    """Medians of the measured step and busy times against the (fixed) prediction."""
+def plan_only(command, bin_dir, nvme_path, profile):
+    """The build's prediction for a configuration: its --plan-only line (nothing runs)."""
+    command = [os.path.join(bin_dir, command[0]), *[a for a in command[1:] if a != "--json"], "--nvme-path", nvme_path,
+               "--profile", profile, "--plan-only"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode not in (0, 1):
+        sys.exit(f"{' '.join(command)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare(samples, prediction=None):
+    """Medians of the measured step and busy times against the (fixed) prediction: the
+    runs' own, or `prediction` (a --plan-only line) when given."""
     step = statistics.median(s["step_s"] for s in samples)
+    if prediction is not None:
+        samples = [{**s, "predicted_step_s": prediction["predicted_step_s"], "predicted_busy_s": prediction["predicted_busy_s"]}
+                   for s in samples]
     predicted = samples[0]["predicted_step_s"]
     row = {"predicted_step_s": predicted, "step_s": step, "step_ratio": step / predicted, "steps_s": [s["step_s"] for s in samples],
            "stages": {}}
@@ -117,8 +137,16 @@ def main():
     parser.add_argument("--profiles", type=int, default=3, help="profiles to measure first, each figure their median")
     parser.add_argument("--only", help="semicolon-separated substrings of the grid's configuration names")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--save-samples", help="write every run's summary and the profile's path here (JSON)")
+    parser.add_argument("--replan", help="samples saved with --save-samples: compare them against this build's --plan-only")
     args = parser.parse_args()
     os.makedirs(args.nvme_path, exist_ok=True)
+    if args.replan:
+        saved = json.load(open(args.replan))
+        profile, samples = saved["profile"], saved["samples"]
+        rows = {name: compare(runs, plan_only(GRID[name], args.bin, args.nvme_path, profile)) for name, runs in samples.items()}
+        print_rows(rows, args.json)
+        return
     profile = args.profile or os.path.join(args.nvme_path, "profile.json")
     if not args.profile:
         measure_profile(args, profile)
@@ -130,8 +158,14 @@ def main():
             samples[name].append(result)
             print(f"round {r}: {name}: step {result['step_s']:.3f} s, predicted {result['predicted_step_s']:.3f} s, "
                   f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
-    rows = {name: compare(samples[name]) for name in names}
-    if args.json:
+    if args.save_samples:
+        with open(args.save_samples, "w") as f:
+            json.dump({"profile": os.path.abspath(profile), "samples": samples}, f)
+    print_rows({name: compare(samples[name]) for name in names}, args.json)
+
+
+def print_rows(rows, as_json):
+    if as_json:
         print(json.dumps(rows))
         return
     print("| configuration | predicted step | measured (median) | measured / predicted | stages: measured / predicted |")

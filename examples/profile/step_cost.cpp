@@ -7,6 +7,7 @@
 
 #include "examples/profile/kernel_ops.h"
 #include "examples/profile/step_replay.h"
+#include "offload/io_engine.h"
 
 namespace strata::profile {
 
@@ -152,10 +153,11 @@ double row_seconds(const StepPrediction& p, std::string_view what_prefix, Stage 
 }
 
 // The resources stages share: NVMe reads and writes take turns on one disk; on the CPU
-// device (compute on the host's cores) compute, the copies, the landing and CPU Adam take
-// turns on the same cores; on a GPU the landing pass runs on CPU Adam's executor
-// (engine/gradient_path.cpp), so the two take turns there. Each bounds the step by the sum
-// of its stages' busy times.
+// device (compute on the host's cores) compute, the copies, the cast, the landing and CPU
+// Adam share the same cores; on a GPU the landing pass runs on CPU Adam's executor
+// (engine/gradient_path.cpp), so the two take turns there. The disk and the executor bound
+// the step by the sum of their stages' busy times, the cores by their core-seconds over
+// the cores.
 struct SharedBound {
   double seconds = 0;
   std::string name;
@@ -175,39 +177,58 @@ SharedBound disk_time(const StepPrediction& p, const StepWork& w, const NvmeRate
           "the disk (reads and writes at once)"};
 }
 
-// The store's checksums on the host's cores together, as the other host jobs are priced:
-// its verifier threads (and the thread waiting for a read) hash blocks side by side, so
-// the profile's one-thread rate times the cores; 0 without checksums or a measured rate.
-double host_checksum_rate(const MachineProfile& profile, const PipelineShape& shape, const NvmeRate* nvme) {
+// The store's checksum on one host thread, where the run's checksums are on and the profile
+// measured it; 0 otherwise.
+double checksum_rate(const PipelineShape& shape, const NvmeRate* nvme) {
   if (!shape.nvme_checksums || nvme == nullptr || !nvme->checksum_bytes_per_s || *nvme->checksum_bytes_per_s <= 0) return 0.0;
-  return *nvme->checksum_bytes_per_s * std::max(profile.host.cores, 1);
+  return *nvme->checksum_bytes_per_s;
 }
 
-// The CPU device's cores also hash every byte the store moves, where the profile has the rate.
-double checksum_seconds(const StepWork& w, double rate) {
-  if (rate <= 0) return 0.0;
-  return (w.param_read_bytes + w.state_read_bytes + w.param_write_bytes + w.state_write_bytes) / rate;
+// The host's cores on the CPU device, and the cores each kind of its work keeps busy.
+struct HostCores {
+  int cores = 0;         // 0: not the CPU device (the host's cores are not the compute's)
+  int adam_threads = 1;  // CPU Adam's, as its profile figure ran
+  double checksum_bytes_per_s = 0;  // one thread's; 0: not priced
+};
+HostCores host_cores_of(const MachineProfile& profile, const PipelineShape& shape, const NvmeRate* nvme) {
+  if (profile.compute.device != "cpu") return {};
+  HostCores host{.cores = std::max(profile.host.cores, 1), .adam_threads = 1, .checksum_bytes_per_s = checksum_rate(shape, nvme)};
+  const AdamRate* adam = matching_adam_rate(profile, shape.grad_dtype, shape.param_dtype);
+  // Adam "on the device" is the CPU device's own kernel, on every core.
+  host.adam_threads = shape.adam_on_device || adam == nullptr ? host.cores : std::clamp(adam->threads, 1, host.cores);
+  return host;
 }
 
-SharedBound shared_resources(const StepPrediction& p, const SharedBound& disk, const PipelineShape& shape, bool host_cores,
-                             double checksums) {
+// The CPU device's core-seconds over its cores: compute, the cast, the landing and the
+// collectives keep every core busy, CPU Adam its threads, a copy one, and the store's
+// checksums one per byte hashed at one thread's rate.
+SharedBound host_cores_bound(const StepPrediction& p, const StepWork& w, const HostCores& host) {
   auto busy_of = [&](Stage s) { return p.busy[static_cast<size_t>(s)]; };
-  if (!host_cores) {
+  const double all = host.cores;
+  const double hashed = w.param_read_bytes + w.state_read_bytes + w.param_write_bytes + w.state_write_bytes;
+  const double core_seconds =
+      all * (busy_of(Stage::kCompute) + busy_of(Stage::kLanding) + busy_of(Stage::kAllGather) + busy_of(Stage::kReduceScatter)) +
+      host.adam_threads * busy_of(Stage::kOptimizer) + busy_of(Stage::kH2D) + busy_of(Stage::kD2H) +
+      (host.checksum_bytes_per_s > 0 ? hashed / host.checksum_bytes_per_s : 0.0);
+  return {core_seconds / all, "the host's cores (compute, copies, cast, landing, optimizer, collectives and the store's checksums on the "
+                              "CPU device, in core-seconds over the cores)"};
+}
+
+SharedBound shared_resources(const StepPrediction& p, const StepWork& w, const SharedBound& disk, const PipelineShape& shape,
+                             const HostCores& host) {
+  if (host.cores == 0) {
     if (shape.adam_on_device) return disk;  // the landing pass has the executor to itself
-    const SharedBound executor{row_seconds(p, "gradient shards", Stage::kLanding) + busy_of(Stage::kOptimizer),
+    const SharedBound executor{row_seconds(p, "gradient shards", Stage::kLanding) + p.busy[static_cast<size_t>(Stage::kOptimizer)],
                                "CPU Adam's executor (the landing pass and the optimizer)"};
     return executor.seconds > disk.seconds ? executor : disk;
   }
-  SharedBound cores{busy_of(Stage::kCompute) + busy_of(Stage::kH2D) + busy_of(Stage::kD2H) + busy_of(Stage::kLanding) +
-                        busy_of(Stage::kOptimizer) + busy_of(Stage::kAllGather) + busy_of(Stage::kReduceScatter) + checksums,
-                    "the host's cores (compute, copies, landing, optimizer, collectives and the store's checksums on the CPU device)"};
+  const SharedBound cores = host_cores_bound(p, w, host);
   return cores.seconds > disk.seconds ? cores : disk;
 }
 
 // The chain the pipeline cannot overlap, and what it is made of; the step is the longest of
 // it, the busiest stage and the shared resources.
-void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& shape, const NvmeRate* nvme, bool host_cores,
-                   double checksum_rate) {
+void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& shape, const NvmeRate* nvme, const HostCores& host) {
   const double compute = p.busy[static_cast<size_t>(Stage::kCompute)];
   const double k = static_cast<double>(shape.micro_batches);
   const double forward_mb = row_seconds(p, "forward", Stage::kCompute) / k;
@@ -239,7 +260,7 @@ void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& sh
     if (p.busy[s] > p.busy[busiest]) busiest = s;
   p.pipeline_seconds = p.busy[busiest];
   std::string pipeline_bound = name_of(static_cast<Stage>(busiest));
-  const SharedBound shared = shared_resources(p, disk_time(p, w, nvme), shape, host_cores, checksum_seconds(w, checksum_rate));
+  const SharedBound shared = shared_resources(p, w, disk_time(p, w, nvme), shape, host);
   if (shared.seconds > p.pipeline_seconds) {
     p.pipeline_seconds = shared.seconds;
     pipeline_bound = shared.name;
@@ -249,13 +270,15 @@ void critical_path(StepPrediction& p, const StepWork& w, const PipelineShape& sh
 }
 
 // The replay's rates: the stages' rows' own figures, and the phases' predicted compute.
-ReplayRates replay_rates(const StepPrediction& p, const PipelineShape& shape, const MachineProfile& profile, const NvmeRate* nvme) {
+ReplayRates replay_rates(const StepPrediction& p, const PipelineShape& shape, const MachineProfile& profile, const NvmeRate* nvme,
+                         const HostCores& host) {
   ReplayRates r;
   r.disk_read_bytes_per_s = nvme ? nvme->read_bytes_per_s : 0;
   r.disk_write_bytes_per_s = nvme ? nvme->write_bytes_per_s : 0;
   r.disk_mixed_bytes_per_s = has_mixed_rate(nvme) ? *nvme->mixed_bytes_per_s : 0;
   r.h2d_bytes_per_s = profile.copy.h2d_bytes_per_s;
   r.d2h_bytes_per_s = profile.copy.d2h_bytes_per_s;
+  r.cast_bytes_per_s = memory_op_rate(profile, "grad cast to " + shape.grad_dtype);
   r.landing_bytes_per_s = landing_figure(profile, shape).bytes_per_s;
   if (shape.adam_on_device) {
     r.adam_elements_per_s = profile.compute.memory_bytes_per_s / 28.0;
@@ -264,16 +287,26 @@ ReplayRates replay_rates(const StepPrediction& p, const PipelineShape& shape, co
   }
   r.forward_seconds = row_seconds(p, "forward", Stage::kCompute);
   r.backward_seconds = row_seconds(p, "backward", Stage::kCompute) + row_seconds(p, "recompute", Stage::kCompute);
-  r.shared_host_cores = profile.compute.device == "cpu";
-  if (r.shared_host_cores) r.checksum_bytes_per_s = host_checksum_rate(profile, shape, nvme);
+  r.host_cores = host.cores;
+  r.adam_threads = host.adam_threads;
+  r.checksum_bytes_per_s = host.checksum_bytes_per_s;
+  r.checksum_threads = static_cast<int>(IoEngineOptions{}.verify_threads);  // the store's engine's verifier threads
   return r;
 }
 
-// The disk's directions in flight: the update's reads and writes (state, spilled gradients,
+// Each stage's time in flight: the replay's, stretched by what shares the host's cores,
+// plus the stage's rows it does not replay (the collectives, new parameters uploaded to a
+// GPU). The disk's directions: the update's reads and writes (state, spilled gradients,
 // new parameters) move together, each direction in flight the whole time; the parameter
 // fetches' reads, and whatever one direction moves beyond the other, at their own rates.
-void add_in_flight(StepPrediction& p, const StepWork& w, const NvmeRate* nvme) {
+void add_in_flight(StepPrediction& p, const StepWork& w, const NvmeRate* nvme, const ReplayResult& replay) {
   p.in_flight = p.busy;
+  if (replay.step_seconds > 0) {
+    for (const Stage s : {Stage::kCompute, Stage::kH2D, Stage::kD2H, Stage::kLanding, Stage::kOptimizer, Stage::kReduceScatter})
+      p.in_flight[static_cast<size_t>(s)] = replay.in_flight[static_cast<size_t>(s)];
+    p.in_flight[static_cast<size_t>(Stage::kH2D)] += row_seconds(p, "new parameters", Stage::kH2D);
+    p.in_flight[static_cast<size_t>(Stage::kReduceScatter)] += row_seconds(p, "full gradients", Stage::kReduceScatter);
+  }
   if (!has_mixed_rate(nvme)) return;
   auto seconds = [](double bytes, double rate) { return bytes > 0 && rate > 0 ? bytes / rate : 0.0; };
   const double reads = w.state_read_bytes, writes = w.state_write_bytes + w.param_write_bytes;
@@ -284,12 +317,15 @@ void add_in_flight(StepPrediction& p, const StepWork& w, const NvmeRate* nvme) {
   p.in_flight[static_cast<size_t>(Stage::kNvmeWrite)] = together + seconds(writes - both, nvme->write_bytes_per_s);
 }
 
-void add_replay(StepPrediction& p, const StepWork& w, const PipelineShape& shape, const MachineProfile& profile, const NvmeRate* nvme) {
-  p.replay_seconds = replay_step_seconds(w, shape, replay_rates(p, shape, profile, nvme));
+ReplayResult add_replay(StepPrediction& p, const StepWork& w, const PipelineShape& shape, const MachineProfile& profile,
+                        const NvmeRate* nvme, const HostCores& host) {
+  ReplayResult replay = replay_step(w, shape, replay_rates(p, shape, profile, nvme, host));
+  p.replay_seconds = replay.step_seconds;
   if (p.replay_seconds > p.step_seconds) {
     p.step_seconds = p.replay_seconds;
     p.bound = "the schedule replayed group by group (fetches, compute and updates in the engine's order)";
   }
+  return replay;
 }
 
 Status check_inputs(const StepWork& w, const PipelineShape& shape) {
@@ -378,9 +414,10 @@ StatusOr<StepPrediction> predict_step(const StepWork& work, const PipelineShape&
   add_transfer_rows(rows, work, shape, profile, nvme);
   add_compute_rows(rows, work, profile);
   add_optimizer_row(rows, work, shape, profile);
-  critical_path(prediction, work, shape, nvme, profile.compute.device == "cpu", host_checksum_rate(profile, shape, nvme));
-  add_replay(prediction, work, shape, profile, nvme);
-  add_in_flight(prediction, work, nvme);
+  const HostCores host = host_cores_of(profile, shape, nvme);
+  critical_path(prediction, work, shape, nvme, host);
+  const ReplayResult replay = add_replay(prediction, work, shape, profile, nvme, host);
+  add_in_flight(prediction, work, nvme, replay);
   return prediction;
 }
 

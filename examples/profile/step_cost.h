@@ -47,6 +47,7 @@ struct GroupWork {
   double fetch_read_bytes = 0;     // per fetch: its shard from NVMe
   double fetch_h2d_bytes = 0;      // per fetch: host to device
   bool trainable = false;
+  double gradient_cast_bytes = 0;  // per micro-batch: its fp32 gradient read and cast to the transfer dtype written
   double gradient_out_bytes = 0;   // per micro-batch: its gradient shard to the host
   double landing_bytes = 0;        // per micro-batch: what the landing pass moves
   double spill_bytes = 0;          // per micro-batch: its gradient written to NVMe by the landing
@@ -120,8 +121,10 @@ struct StepPrediction {
   std::vector<CostRow> rows;
   StageSeconds busy{};          // per engine stage: the sum of its rows' seconds
   // Per engine stage, the time it has work in flight (what the engine's busy_s measures):
-  // busy, except that the disk's two directions are both in flight while an update moves
-  // its state both ways at once (at the profile's mixed rate, where measured).
+  // the replay's (the stage's jobs stretched by what shares the host's cores with them),
+  // plus its rows the replay leaves out (collectives, new parameters uploaded to a GPU),
+  // else busy; the disk's two directions are both in flight while an update moves its
+  // state both ways at once (at the profile's mixed rate, where measured).
   StageSeconds in_flight{};
   double pipeline_seconds = 0;  // the busiest stage's, or a shared resource's (the disk, the CPU device's cores) when more
   double chain_seconds = 0;     // the chain that cannot overlap

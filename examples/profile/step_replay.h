@@ -1,30 +1,37 @@
 // A replay of the step's schedule, group by group: the bound the stage sums cannot see,
-// where the order of the work makes a resource wait (docs/profile.md).
+// where the order of the work makes a resource wait, and each stage's time in flight
+// when stages share the host's cores or the disk (docs/profile.md).
 //
 // One micro-batch uses the groups in the model's schedule; the first half of the uses are
 // the forward, the rest the backward, and each use computes for its share (by parameter
 // count) of the phase's predicted seconds. Each use's parameters are fetched (an NVMe read,
 // then a host-to-device copy) once the use `prefetch_depth + 1` before it has released its
-// slot; after a trainable group's last use in a micro-batch its gradient goes to the host
-// and lands (and is spilled to NVMe); after the last micro-batch its update reads its
-// state, steps Adam and writes its state and new parameters. A group's first use of a step
-// waits for its update from the step before (exact overlap) or the one before that
-// (delayed); with clipping or loss scaling the updates wait for the whole backward. The
-// disk, the copy to the device, the compute stream, the gradients' copy to the host and
-// CPU Adam's executor (the landing pass, and Adam unless it runs on the device) each take
-// one job at a time (on the CPU device, compute, copies, landing and Adam are one worker:
-// the host's cores), a job starting in the first idle gap after it is ready; the compute
-// stream keeps its order. The fetches' NVMe reads go one after another and share the disk
-// with the updates' traffic (its queue serves both at once, a few requests of each deep): a
-// fetch runs at half speed while an update's transfer is under way instead of waiting for
-// the whole update (the disk's total time is bounded apart). An update that reads and
-// writes its state keeps the disk busy both ways at once (the state ring reads the next
-// chunks while the last are written): its bytes go at the mixed rate where measured. With
-// a checksum rate (the CPU device), a read is verified on the cores before its bytes are
-// used, and a write's checksums are computed on the cores while the disk writes it.
-// Four steps are replayed; the result is the last step's length.
+// slot; after a trainable group's last use in a micro-batch its gradient is cast, goes to
+// the host and lands (and is spilled to NVMe); after the last micro-batch its update reads
+// its state, steps Adam and writes its state and new parameters. A group's first use of a
+// step waits for its update from the step before (exact overlap) or the one before that
+// (delayed); with clipping or loss scaling the updates wait for the whole backward.
+//
+// Every piece of that work is a job on a lane that runs one job at a time, the ready job
+// that became ready first (the engine's streams and queues): the parameter fetches' disk
+// reads, the updates' disk traffic (and the spilled gradients), the store's checksums, the
+// copy to the device, the compute stream, the gradient cast, the copy to the host, the
+// landing pass and CPU Adam (one lane, its executor, unless Adam runs on the device). The
+// lanes run at once and share what they share:
+// - the disk: while both disk lanes have a job, each goes at half its pace (the disk's
+//   queue serves both);
+// - on the CPU device, the host's cores: compute, the cast and the landing want every core,
+//   CPU Adam its threads, a copy one, the checksums the store's verifier threads; while
+//   the jobs running want more cores than there are, each goes at cores / wanted of its
+//   pace (the scheduler's fair share), which stretches each stage's time in flight.
+// An update that reads and writes its state moves its bytes at the mixed rate where
+// measured (the state ring reads the next chunks while the last are written): its disk
+// time, split by bytes between its reads (before Adam) and its writes (after). With a
+// checksum rate (the CPU device), a read is verified before its bytes are used, and a
+// write is done once both the disk and its hashing are. Four steps are replayed.
 #pragma once
 
+#include "engine/trace.h"
 #include "examples/profile/step_cost.h"
 
 namespace strata::profile {
@@ -35,18 +42,31 @@ struct ReplayRates {
   double disk_mixed_bytes_per_s = 0;  // reads and writes at once, both directions' bytes; 0: not measured
   double h2d_bytes_per_s = 0;
   double d2h_bytes_per_s = 0;
+  double cast_bytes_per_s = 0;        // the gradients' cast before their copy to the host (0: not priced)
   double landing_bytes_per_s = 0;
   double adam_elements_per_s = 0;
   double forward_seconds = 0;         // the step's forward (all micro-batches)
   double backward_seconds = 0;        // its backward with recompute
-  bool shared_host_cores = false;     // the CPU device: compute, copies, landing and Adam take turns on the host's cores
-  // The CPU device with checksums on: the store's XXH64 of every byte it reads or writes
-  // (one thread's rate) is host work too, taking its turn on the cores; 0 = not priced.
+  // The CPU device: the cores the host's work shares (compute, copies, cast, landing,
+  // Adam, checksums); 0 on a GPU, where the device computes and copies.
+  int host_cores = 0;
+  int adam_threads = 1;               // CPU Adam's threads (its profile figure's)
+  // The CPU device with checksums on: the store's XXH64 of every byte it reads or writes,
+  // one thread's rate, on `checksum_threads` verifier threads; 0 = not priced.
   double checksum_bytes_per_s = 0;
+  int checksum_threads = 2;
 };
 
-// The replayed step's seconds; 0 when the work has no schedule, a use names no group, or a
+struct ReplayResult {
+  double step_seconds = 0;  // the last replayed step's length; 0: no replay (below)
+  // Per engine stage, the union of its jobs' intervals within the window of the step
+  // before the last (replayed steps on both sides of it), as the engine measures busy_s.
+  // Only the work replayed: not the collectives, nor new parameters uploaded to a GPU.
+  StageSeconds in_flight{};
+};
+
+// No replay (step_seconds 0) when the work has no schedule, a use names no group, or a
 // rate it needs is missing (the other bounds then stand alone).
-double replay_step_seconds(const StepWork& work, const PipelineShape& shape, const ReplayRates& rates);
+ReplayResult replay_step(const StepWork& work, const PipelineShape& shape, const ReplayRates& rates);
 
 }  // namespace strata::profile

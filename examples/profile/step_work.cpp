@@ -146,7 +146,10 @@ void add_gradient_passes(const PlannedStepInputs& in, StepWork& w) {
   for (const GroupLayout& g : in.layouts) {
     if (!g.trainable) continue;
     if (in.model.gradient_buffers_zeroed) w.gradient_zero_bytes += k * static_cast<double>(g.padded_numel) * 4.0;
-    if (cast) w.gradient_cast_bytes += k * static_cast<double>(g.shard_numel) * (4.0 + static_cast<double>(dtype_size(o.grad_transfer_dtype)));
+    if (!cast) continue;
+    const double bytes = static_cast<double>(g.shard_numel) * (4.0 + static_cast<double>(dtype_size(o.grad_transfer_dtype)));
+    w.gradient_cast_bytes += k * bytes;
+    if (g.id >= 0 && static_cast<size_t>(g.id) < w.groups.size()) w.groups[static_cast<size_t>(g.id)].gradient_cast_bytes = bytes;
   }
 }
 

@@ -231,7 +231,8 @@ TEST(StepCost, OnTheCpuDeviceComputeCopiesLandingAndAdamShareTheCores) {
 }
 
 // The store hashes every byte it moves on the host's cores: on the CPU device that work
-// takes its turn there too (2e9 bytes at 1e9 B/s on each of the 2 cores: 1 s more).
+// shares them too. The cores' bound is core-seconds over the 2 cores: compute 3 s on both,
+// Adam 1 s on its 2 threads, the copy 1 s on one, and 2e9 bytes hashed at 1e9 B/s a thread.
 TEST(StepCost, OnTheCpuDeviceTheStoresChecksumsTakeTheCoresToo) {
   MachineProfile cpu = round_profile();
   cpu.compute.device = "cpu";
@@ -246,11 +247,11 @@ TEST(StepCost, OnTheCpuDeviceTheStoresChecksumsTakeTheCoresToo) {
   shape.overlap = OverlapMode::kDelayed;
   auto p = predict_step(w, shape, cpu);
   ASSERT_TRUE(p.ok());
-  EXPECT_DOUBLE_EQ(p->pipeline_seconds, 3.0 + 1.0 + 1.0 + 1.0);
+  EXPECT_DOUBLE_EQ(p->pipeline_seconds, (2 * 3.0 + 2 * 1.0 + 1.0 + 2.0) / 2);
   shape.nvme_checksums = false;  // the profile's nearest shape still has checksums; the run does not hash
   auto plain = predict_step(w, shape, cpu);
   ASSERT_TRUE(plain.ok());
-  EXPECT_DOUBLE_EQ(plain->pipeline_seconds, 5.0);
+  EXPECT_DOUBLE_EQ(plain->pipeline_seconds, (2 * 3.0 + 2 * 1.0 + 1.0) / 2);
 }
 
 // The landing is its host pass; a spilled gradient's write is the store's (nvme_write), as

@@ -1,0 +1,76 @@
+// The lanes under the step's replay (examples/profile/shared_lanes) at hand-computed
+// cases: a lane runs one job at a time in the order its jobs became ready, a job waits for
+// the jobs it names, jobs on the disk share it equally, and jobs that want more host cores
+// than there are share them in proportion.
+#include "examples/profile/shared_lanes.h"
+
+#include <gtest/gtest.h>
+
+namespace strata::profile {
+namespace {
+
+TEST(SharedLanes, ALaneRunsItsJobsOneAtATimeInTheOrderTheyBecameReady) {
+  SharedLanes lanes(2, 0);
+  const int slow = lanes.add({.lane = 1, .seconds = 3});
+  const int waits = lanes.add({.lane = 0, .seconds = 1, .after = {slow}});  // ready at 3
+  const int free = lanes.add({.lane = 0, .seconds = 2});                    // ready at 0, added later
+  const auto spans = lanes.run();
+  EXPECT_DOUBLE_EQ(spans[free].start, 0.0);
+  EXPECT_DOUBLE_EQ(spans[free].end, 2.0);
+  EXPECT_DOUBLE_EQ(spans[waits].start, 3.0);
+  EXPECT_DOUBLE_EQ(spans[waits].end, 4.0);
+}
+
+TEST(SharedLanes, JobsOnTheDiskShareItEqually) {
+  SharedLanes lanes(2, 0);
+  const int a = lanes.add({.lane = 0, .seconds = 1, .disk = true});
+  const int b = lanes.add({.lane = 1, .seconds = 2, .disk = true});
+  const auto spans = lanes.run();
+  EXPECT_DOUBLE_EQ(spans[a].end, 2.0);  // half its pace while b runs
+  EXPECT_DOUBLE_EQ(spans[b].end, 3.0);  // 1 s of its work beside a, then 1 s alone
+}
+
+TEST(SharedLanes, JobsWantingMoreCoresThanTheHostHasShareThemInProportion) {
+  SharedLanes lanes(3, 2);
+  const int both = lanes.add({.lane = 0, .seconds = 3, .cores = 2});
+  const int one = lanes.add({.lane = 1, .seconds = 2, .cores = 1});
+  const auto spans = lanes.run();
+  EXPECT_DOUBLE_EQ(spans[one].end, 3.0);   // 3 cores wanted of 2: 2/3 of its pace
+  EXPECT_DOUBLE_EQ(spans[both].end, 4.0);  // 2 s of its work by then, the last 1 s alone
+  SharedLanes gpu(3, 0);                   // no host cores shared: each at its own pace
+  gpu.add({.lane = 0, .seconds = 3, .cores = 2});
+  EXPECT_DOUBLE_EQ(gpu.run()[0].end, 3.0);
+}
+
+TEST(SharedLanes, AJobOfNoSecondsIsDoneWhenItStartsAndStillHoldsItsOrder) {
+  SharedLanes lanes(1, 0);
+  const int first = lanes.add({.lane = 0, .seconds = 1});
+  const int nothing = lanes.add({.lane = 0, .seconds = 0, .after = {first}});
+  const int last = lanes.add({.lane = 0, .seconds = 1, .after = {nothing}});
+  const auto spans = lanes.run();
+  EXPECT_DOUBLE_EQ(spans[nothing].start, 1.0);
+  EXPECT_DOUBLE_EQ(spans[nothing].end, 1.0);
+  EXPECT_DOUBLE_EQ(spans[last].end, 2.0);
+}
+
+TEST(SharedLanes, AJobCannotWaitForItselfOrALaterJob) {
+  SharedLanes lanes(1, 0);
+  const int job = lanes.add({.lane = 0, .seconds = 1, .after = {0, 5, -1}});
+  EXPECT_TRUE(lanes.job(job).after.empty());
+  EXPECT_DOUBLE_EQ(lanes.run()[job].end, 1.0);
+}
+
+TEST(SharedLanes, AStagesBusyTimeIsTheUnionOfItsJobsWithinTheWindow) {
+  SharedLanes lanes(2, 0);
+  lanes.add({.lane = 0, .seconds = 2, .stage = Stage::kNvmeRead});
+  lanes.add({.lane = 1, .seconds = 3, .stage = Stage::kNvmeRead});  // overlaps the first
+  lanes.add({.lane = 0, .seconds = 4, .stage = Stage::kCompute});   // 2 to 6
+  const auto spans = lanes.run();
+  const StageSeconds busy = busy_within(lanes, spans, 1.0, 5.0);
+  EXPECT_DOUBLE_EQ(busy[static_cast<size_t>(Stage::kNvmeRead)], 2.0);  // 1 to 3
+  EXPECT_DOUBLE_EQ(busy[static_cast<size_t>(Stage::kCompute)], 3.0);   // 2 to 5
+  EXPECT_DOUBLE_EQ(busy[static_cast<size_t>(Stage::kD2H)], 0.0);
+}
+
+}  // namespace
+}  // namespace strata::profile
