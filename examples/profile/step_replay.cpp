@@ -93,15 +93,17 @@ class Replay {
     return {lanes_.add({.lane = lane, .seconds = seconds, .cores = wanted_cores, .disk = disk, .stage = stage,
                         .after = std::move(after)})};
   }
-  // The store's checksums of `bytes` (the CPU device with checksums on), on its verifier threads.
+  // The store's checksums are priced on the CPU device with checksums on.
+  bool checksums_priced() const { return r_.checksum_bytes_per_s > 0 && host_cores_shared(); }
+  // The store's checksums of `bytes`, on its verifier threads.
   Jobs hashed(double bytes, Jobs after) {
-    if (r_.checksum_bytes_per_s <= 0 || !host_cores_shared()) return after;
+    if (!checksums_priced()) return after;
     const int threads = cores(r_.checksum_threads);
     return then(kChecksums, std::nullopt, seconds_of(bytes, r_.checksum_bytes_per_s * threads), threads, false, std::move(after));
   }
   // A write is done once both the disk and its hashing are.
   Jobs written(Stage stage, double bytes, double disk_seconds, const Jobs& after) {
-    return joined(then(kStateDisk, stage, disk_seconds, 0, true, after), r_.checksum_bytes_per_s > 0 ? hashed(bytes, after) : Jobs{});
+    return joined(then(kStateDisk, stage, disk_seconds, 0, true, after), checksums_priced() ? hashed(bytes, after) : Jobs{});
   }
 
   // A group's first use in a step waits for its update `lag` steps back.
