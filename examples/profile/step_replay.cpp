@@ -82,16 +82,16 @@ class Replay {
   // The landing pass runs on CPU Adam's executor, a lane of its own when Adam is on the device.
   Lane lander() const { return shape_.adam_on_device ? kLanding : kOptimizer; }
 
-  // A job that always exists (the compute stream's uses: the step's ends are theirs).
-  int job(Lane lane, Stage stage, double seconds, int wanted_cores, Jobs after) {
-    return lanes_.add({.lane = lane, .seconds = seconds, .cores = wanted_cores, .disk = false, .stage = stage,
-                       .after = std::move(after)});
+  // A job that always exists (the compute stream's uses: the step's ends are theirs). The
+  // disk lanes' jobs move their bytes on the disk.
+  int job(Lane lane, std::optional<Stage> stage, double seconds, int wanted_cores, Jobs after) {
+    return lanes_.add({.lane = lane, .seconds = seconds, .cores = wanted_cores, .disk = lane == kFetchDisk || lane == kStateDisk,
+                       .stage = stage, .after = std::move(after)});
   }
   // Work of `seconds` after `after`: what waits for it next (`after` itself when there is none).
-  Jobs then(Lane lane, std::optional<Stage> stage, double seconds, int wanted_cores, bool disk, Jobs after) {
+  Jobs then(Lane lane, std::optional<Stage> stage, double seconds, int wanted_cores, Jobs after) {
     if (seconds <= 0) return after;
-    return {lanes_.add({.lane = lane, .seconds = seconds, .cores = wanted_cores, .disk = disk, .stage = stage,
-                        .after = std::move(after)})};
+    return {job(lane, stage, seconds, wanted_cores, std::move(after))};
   }
   // The store's checksums are priced on the CPU device with checksums on.
   bool checksums_priced() const { return r_.checksum_bytes_per_s > 0 && host_cores_shared(); }
@@ -99,11 +99,11 @@ class Replay {
   Jobs hashed(double bytes, Jobs after) {
     if (!checksums_priced()) return after;
     const int threads = cores(r_.checksum_threads);
-    return then(kChecksums, std::nullopt, seconds_of(bytes, r_.checksum_bytes_per_s * threads), threads, false, std::move(after));
+    return then(kChecksums, std::nullopt, seconds_of(bytes, r_.checksum_bytes_per_s * threads), threads, std::move(after));
   }
   // A write is done once both the disk and its hashing are.
   Jobs written(Stage stage, double bytes, double disk_seconds, const Jobs& after) {
-    return joined(then(kStateDisk, stage, disk_seconds, 0, true, after), checksums_priced() ? hashed(bytes, after) : Jobs{});
+    return joined(then(kStateDisk, stage, disk_seconds, 0, after), checksums_priced() ? hashed(bytes, after) : Jobs{});
   }
 
   // A group's first use in a step waits for its update `lag` steps back.
@@ -124,8 +124,8 @@ class Replay {
     Jobs at = joined(std::move(slot_free), update_wait(u));
     if (g.fetch_read_bytes > 0)  // read, then verified before its bytes are used
       at = hashed(g.fetch_read_bytes,
-                  then(kFetchDisk, Stage::kNvmeRead, seconds_of(g.fetch_read_bytes, r_.disk_read_bytes_per_s), 0, true, std::move(at)));
-    fetched_[u] = then(kToDevice, Stage::kH2D, seconds_of(g.fetch_h2d_bytes, r_.h2d_bytes_per_s), cores(1), false, std::move(at));
+                  then(kFetchDisk, Stage::kNvmeRead, seconds_of(g.fetch_read_bytes, r_.disk_read_bytes_per_s), 0, std::move(at)));
+    fetched_[u] = then(kToDevice, Stage::kH2D, seconds_of(g.fetch_h2d_bytes, r_.h2d_bytes_per_s), cores(1), std::move(at));
   }
 
   void compute(size_t t) {
@@ -136,9 +136,9 @@ class Replay {
     const size_t g = static_cast<size_t>(w_.uses[i]);
     if (!w_.groups[g].trainable || last_use_[g] != static_cast<int>(i)) return;
     const GroupWork& part = w_.groups[g];
-    Jobs at = then(kCast, Stage::kReduceScatter, seconds_of(part.gradient_cast_bytes, r_.cast_bytes_per_s), all_cores(), false, {computed_[t]});
-    at = then(kToHost, Stage::kD2H, seconds_of(part.gradient_out_bytes, r_.d2h_bytes_per_s), cores(1), false, std::move(at));
-    at = then(lander(), Stage::kLanding, seconds_of(part.landing_bytes, r_.landing_bytes_per_s), all_cores(), false, std::move(at));
+    Jobs at = then(kCast, Stage::kReduceScatter, seconds_of(part.gradient_cast_bytes, r_.cast_bytes_per_s), all_cores(), {computed_[t]});
+    at = then(kToHost, Stage::kD2H, seconds_of(part.gradient_out_bytes, r_.d2h_bytes_per_s), cores(1), std::move(at));
+    at = then(lander(), Stage::kLanding, seconds_of(part.landing_bytes, r_.landing_bytes_per_s), all_cores(), std::move(at));
     if (part.spill_bytes > 0) at = written(Stage::kNvmeWrite, part.spill_bytes, seconds_of(part.spill_bytes, r_.disk_write_bytes_per_s), at);
     if (micro_of(t) != shape_.micro_batches - 1) return;
     pending_.push_back({g, std::move(at)});
@@ -155,8 +155,8 @@ class Replay {
       const double disk = disk_seconds(read, write, r_.disk_read_bytes_per_s, r_.disk_write_bytes_per_s, r_.disk_mixed_bytes_per_s);
       const double reading = r_.disk_mixed_bytes_per_s > 0 && read > 0 ? disk * read / (read + write) : seconds_of(read, r_.disk_read_bytes_per_s);
       Jobs at = joined(std::move(landed), not_before);
-      if (read > 0) at = hashed(read, then(kStateDisk, Stage::kNvmeRead, reading, 0, true, std::move(at)));
-      at = then(kOptimizer, Stage::kOptimizer, seconds_of(part.adam_elements, r_.adam_elements_per_s), cores(r_.adam_threads), false,
+      if (read > 0) at = hashed(read, then(kStateDisk, Stage::kNvmeRead, reading, 0, std::move(at)));
+      at = then(kOptimizer, Stage::kOptimizer, seconds_of(part.adam_elements, r_.adam_elements_per_s), cores(r_.adam_threads),
                 std::move(at));
       if (write > 0) at = written(Stage::kNvmeWrite, write, disk - reading, at);
       updated_[step][g] = std::move(at);
