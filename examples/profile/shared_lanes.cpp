@@ -9,6 +9,12 @@
 
 namespace strata::profile {
 
+DiskSharing DiskSharing::from_rates(double read_bytes_per_s, double write_bytes_per_s, double mixed_bytes_per_s) {
+  if (!(read_bytes_per_s > 0) || !(write_bytes_per_s > 0) || !(mixed_bytes_per_s > 0)) return {};
+  return {.read_pace = std::min(1.0, mixed_bytes_per_s / 2 / read_bytes_per_s),
+          .write_pace = std::min(1.0, mixed_bytes_per_s / 2 / write_bytes_per_s)};
+}
+
 int SharedLanes::add(LaneJob job) {
   const int id = static_cast<int>(jobs_.size());
   std::erase_if(job.after, [id](int before) { return before < 0 || before >= id; });
@@ -23,21 +29,39 @@ namespace {
 using Ready = std::pair<double, int>;  // when it became ready, its id
 using ReadyQueue = std::priority_queue<Ready, std::vector<Ready>, std::greater<>>;
 
+// The disk's share of each direction while `readers` and `writers` jobs run.
+struct DiskShares {
+  double read = 1;
+  double write = 1;
+};
+DiskShares disk_shares(int readers, int writers, const DiskSharing& sharing) {
+  if (readers == 0 || writers == 0 || sharing.read_pace <= 0 || sharing.write_pace <= 0) {
+    const double each = 1.0 / std::max(readers + writers, 1);
+    return {each, each};
+  }
+  return {sharing.read_pace / readers, sharing.write_pace / writers};
+}
+
 // The pace of each running job (its lane's), given what the running jobs want together.
-std::vector<double> paces(const std::vector<LaneJob>& jobs, const std::vector<int>& running, int host_cores) {
-  int cores_wanted = 0, disk_users = 0;
+std::vector<double> paces(const std::vector<LaneJob>& jobs, const std::vector<int>& running, int host_cores,
+                          const DiskSharing& sharing) {
+  int cores_wanted = 0, readers = 0, writers = 0;
   for (const int id : running) {
     if (id < 0) continue;
-    cores_wanted += std::min(jobs[static_cast<size_t>(id)].cores, std::max(host_cores, 1));
-    disk_users += jobs[static_cast<size_t>(id)].disk ? 1 : 0;
+    const LaneJob& job = jobs[static_cast<size_t>(id)];
+    cores_wanted += std::min(job.cores, std::max(host_cores, 1));
+    readers += job.disk == DiskUse::kRead ? 1 : 0;
+    writers += job.disk == DiskUse::kWrite ? 1 : 0;
   }
+  const DiskShares disk = disk_shares(readers, writers, sharing);
   std::vector<double> pace(running.size(), 0.0);
   for (size_t lane = 0; lane < running.size(); ++lane) {
     if (running[lane] < 0) continue;
     const LaneJob& job = jobs[static_cast<size_t>(running[lane])];
     double p = 1.0;
     if (host_cores > 0 && job.cores > 0 && cores_wanted > host_cores) p *= static_cast<double>(host_cores) / cores_wanted;
-    if (job.disk && disk_users > 1) p /= disk_users;
+    if (job.disk == DiskUse::kRead) p *= disk.read;
+    if (job.disk == DiskUse::kWrite) p *= disk.write;
     pace[lane] = p;
   }
   return pace;
@@ -70,7 +94,7 @@ std::vector<JobSpan> SharedLanes::run() const {
       ready[lane].pop();
       spans[static_cast<size_t>(running[lane])].start = now;
     }
-    const std::vector<double> pace = paces(jobs_, running, host_cores_);
+    const std::vector<double> pace = paces(jobs_, running, host_cores_, disk_);
     double step = std::numeric_limits<double>::infinity();
     for (size_t lane = 0; lane < running.size(); ++lane)
       if (running[lane] >= 0) step = std::min(step, left[static_cast<size_t>(running[lane])] / pace[lane]);

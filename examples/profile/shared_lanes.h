@@ -5,7 +5,10 @@
 // became ready first (then the one added first), as a stream or a queue serves them. The
 // lanes run at once. A job has its seconds alone, and while it runs it may want host cores
 // and the disk:
-// - the disk: while k running jobs want it, each goes at 1/k of its pace;
+// - the disk: while k running jobs of one direction want it, each goes at 1/k of its pace;
+//   while both directions have jobs running, each direction keeps the pace the disk gives
+//   it under mixed traffic (DiskSharing, from the profile's mixed rate), split among that
+//   direction's jobs, or without that figure every job goes at 1/k;
 // - the host's cores: while the running jobs want W cores in all and the host has C < W,
 //   each goes at C / W of its pace (the scheduler's fair share of the cores).
 // A job that wants both goes at the product. With `host_cores` 0 the cores are not shared
@@ -19,11 +22,24 @@
 
 namespace strata::profile {
 
+enum class DiskUse { kNone, kRead, kWrite };
+
+// The pace each direction of the disk keeps while the other direction also has jobs
+// running (of its rate alone, in (0, 1]); 0 = not measured (every disk job then shares the
+// disk equally). A disk that moves `mixed` bytes per second both ways together, half each
+// way, keeps mixed / 2 / read_rate of the reads' pace and mixed / 2 / write_rate of the
+// writes'.
+struct DiskSharing {
+  double read_pace = 0;
+  double write_pace = 0;
+  static DiskSharing from_rates(double read_bytes_per_s, double write_bytes_per_s, double mixed_bytes_per_s);
+};
+
 struct LaneJob {
   int lane = 0;
   double seconds = 0;           // alone; 0 is done the moment it starts
   int cores = 0;                // host cores it wants while it runs
-  bool disk = false;            // it moves its bytes on the disk
+  DiskUse disk = DiskUse::kNone;  // the direction it moves its bytes on the disk
   std::optional<Stage> stage;   // what the engine traces it as (none: not a stage's work)
   std::vector<int> after;       // the jobs it waits for: ids added before it
 };
@@ -35,7 +51,7 @@ struct JobSpan {
 
 class SharedLanes {
  public:
-  SharedLanes(int lanes, int host_cores) : lanes_(lanes), host_cores_(host_cores) {}
+  SharedLanes(int lanes, int host_cores, DiskSharing disk = {}) : lanes_(lanes), host_cores_(host_cores), disk_(disk) {}
 
   // The job's id. Predecessors that are not earlier jobs are left out (they cannot be
   // waited for without a cycle).
@@ -49,6 +65,7 @@ class SharedLanes {
  private:
   int lanes_;
   int host_cores_;
+  DiskSharing disk_;
   std::vector<LaneJob> jobs_;
 };
 

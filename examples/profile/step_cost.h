@@ -53,6 +53,7 @@ struct GroupWork {
   double spill_bytes = 0;          // per micro-batch: its gradient written to NVMe by the landing
   double update_read_bytes = 0;    // per step: optimizer state and the spilled gradient read
   double update_write_bytes = 0;   // per step: optimizer state and new parameters written
+  int update_pieces = 0;           // optimizer state on NVMe: the state ring's chunks its update takes; 0: no ring
   double adam_elements = 0;
 };
 
@@ -103,6 +104,7 @@ struct PipelineShape {
   std::string param_dtype = "bf16";   // the parameter copy it writes
   uint64_t nvme_block_bytes = uint64_t{1} << 20;
   int nvme_queue_depth = 32;
+  int state_ring_slots = 3;           // optimizer state on NVMe: the state ring's slots (chunks in flight)
   bool nvme_checksums = true;
 };
 

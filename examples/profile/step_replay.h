@@ -14,21 +14,23 @@
 //
 // Every piece of that work is a job on a lane that runs one job at a time, the ready job
 // that became ready first (the engine's streams and queues): the parameter fetches' disk
-// reads, the updates' disk traffic (and the spilled gradients), the store's checksums, the
-// copy to the device, the compute stream, the gradient cast, the copy to the host, the
-// landing pass and CPU Adam (one lane, its executor, unless Adam runs on the device). The
-// lanes run at once and share what they share:
-// - the disk: while both disk lanes have a job, each goes at half its pace (the disk's
-//   queue serves both);
+// reads, the updates' disk reads, their disk writes (and the spilled gradients), the
+// store's checksums, the copy to the device, the compute stream, the gradient cast, the
+// copy to the host, the landing pass and CPU Adam (one lane, its executor, unless Adam runs
+// on the device). The lanes run at once and share what they share:
+// - the disk: jobs of one direction share it equally; while reads and writes both run,
+//   each direction keeps the pace the profile's mixed rate gives it (shared_lanes.h);
 // - on the CPU device, the host's cores: compute, the cast and the landing want every core,
 //   CPU Adam its threads, a copy one, the checksums the store's verifier threads; while
 //   the jobs running want more cores than there are, each goes at cores / wanted of its
 //   pace (the scheduler's fair share), which stretches each stage's time in flight.
-// An update that reads and writes its state moves its bytes at the mixed rate where
-// measured (the state ring reads the next chunks while the last are written): its disk
-// time, split by bytes between its reads (before Adam) and its writes (after). With a
-// checksum rate (the CPU device), a read is verified before its bytes are used, and a
-// write is done once both the disk and its hashing are. Four steps are replayed.
+// An update with its optimizer state on NVMe streams it through the state ring chunk by
+// chunk (a read into a free slot, Adam, the write back; a slot is free once the chunk
+// `state_ring_slots` before it is written), so its reads and writes overlap only where
+// the ring has chunks of both in flight: within an update of more chunks than slots, or
+// between updates that follow one another. With a checksum rate (the CPU device), a read is
+// verified before its bytes are used, and a write is done once both the disk and its
+// hashing are. Six steps are replayed; the step is the mean of the last two.
 #pragma once
 
 #include "engine/trace.h"
@@ -58,9 +60,10 @@ struct ReplayRates {
 };
 
 struct ReplayResult {
-  double step_seconds = 0;  // the last replayed step's length; 0: no replay (below)
-  // Per engine stage, the union of its jobs' intervals within the window of the step
-  // before the last (replayed steps on both sides of it), as the engine measures busy_s.
+  double step_seconds = 0;  // the mean of the last two replayed steps; 0: no replay (below)
+  // Per engine stage, the union of its jobs' intervals within the window of the two steps
+  // before the last (replayed steps on both sides of it), per step, as the engine measures
+  // busy_s.
   // Only the work replayed: not the collectives, nor new parameters uploaded to a GPU.
   StageSeconds in_flight{};
 };

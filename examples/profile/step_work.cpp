@@ -1,5 +1,6 @@
 #include "examples/profile/step_work.h"
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <vector>
@@ -90,6 +91,9 @@ void add_gradients_and_update(const PlannedStepInputs& in, StepWork& w) {
     const double new_parameters = o.param_tier == Tier::kNvme ? rounded_4k(shard * psize) : 0.0;
     part.update_read_bytes += state;
     part.update_write_bytes = state + new_parameters;
+    if (state > 0 && plan.state_piece_elements > 0)
+      part.update_pieces = static_cast<int>(std::min<size_t>((g.shard_numel + plan.state_piece_elements - 1) / plan.state_piece_elements,
+                                                             size_t{1} << 20));
     if (o.param_tier == Tier::kDevice && !device_optimizer) w.h2d_update_bytes += shard * psize;
     w.d2h_bytes += k * part.gradient_out_bytes;
     w.landing_bytes += k * part.landing_bytes;
@@ -191,6 +195,7 @@ StatusOr<PlannedStep> planned_step(const PlannedStepInputs& in) {
   s.nvme_block_bytes = o.nvme_block_bytes;
   s.nvme_queue_depth = o.nvme_queue_depth;
   s.nvme_checksums = o.nvme_checksum;
+  if (in.plan->state_ring_slots > 0) s.state_ring_slots = in.plan->state_ring_slots;
   return out;
 }
 
