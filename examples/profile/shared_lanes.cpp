@@ -11,8 +11,7 @@ namespace strata::profile {
 
 DiskSharing DiskSharing::from_rates(double read_bytes_per_s, double write_bytes_per_s, double mixed_bytes_per_s) {
   if (!(read_bytes_per_s > 0) || !(write_bytes_per_s > 0) || !(mixed_bytes_per_s > 0)) return {};
-  return {.read_pace = std::min(1.0, mixed_bytes_per_s / 2 / read_bytes_per_s),
-          .write_pace = std::min(1.0, mixed_bytes_per_s / 2 / write_bytes_per_s)};
+  return {.mixed_gain = mixed_bytes_per_s / ((read_bytes_per_s + write_bytes_per_s) / 2)};
 }
 
 int SharedLanes::add(LaneJob job) {
@@ -29,17 +28,12 @@ namespace {
 using Ready = std::pair<double, int>;  // when it became ready, its id
 using ReadyQueue = std::priority_queue<Ready, std::vector<Ready>, std::greater<>>;
 
-// The disk's share of each direction while `readers` and `writers` jobs run.
-struct DiskShares {
-  double read = 1;
-  double write = 1;
-};
-DiskShares disk_shares(int readers, int writers, const DiskSharing& sharing) {
-  if (readers == 0 || writers == 0 || sharing.read_pace <= 0 || sharing.write_pace <= 0) {
-    const double each = 1.0 / std::max(readers + writers, 1);
-    return {each, each};
-  }
-  return {sharing.read_pace / readers, sharing.write_pace / writers};
+// The pace of each disk job while `readers` and `writers` jobs run: an equal share of the
+// disk's time, times the gain of mixed traffic while both directions are on it.
+double disk_share(int readers, int writers, const DiskSharing& sharing) {
+  const int users = std::max(readers + writers, 1);
+  const double gain = readers > 0 && writers > 0 && sharing.mixed_gain > 0 ? sharing.mixed_gain : 1.0;
+  return std::min(1.0, gain / users);
 }
 
 // The pace of each running job (its lane's), given what the running jobs want together.
@@ -53,15 +47,14 @@ std::vector<double> paces(const std::vector<LaneJob>& jobs, const std::vector<in
     readers += job.disk == DiskUse::kRead ? 1 : 0;
     writers += job.disk == DiskUse::kWrite ? 1 : 0;
   }
-  const DiskShares disk = disk_shares(readers, writers, sharing);
+  const double disk = disk_share(readers, writers, sharing);
   std::vector<double> pace(running.size(), 0.0);
   for (size_t lane = 0; lane < running.size(); ++lane) {
     if (running[lane] < 0) continue;
     const LaneJob& job = jobs[static_cast<size_t>(running[lane])];
     double p = 1.0;
     if (host_cores > 0 && job.cores > 0 && cores_wanted > host_cores) p *= static_cast<double>(host_cores) / cores_wanted;
-    if (job.disk == DiskUse::kRead) p *= disk.read;
-    if (job.disk == DiskUse::kWrite) p *= disk.write;
+    if (job.disk != DiskUse::kNone) p *= disk;
     pace[lane] = p;
   }
   return pace;

@@ -5,10 +5,9 @@
 // became ready first (then the one added first), as a stream or a queue serves them. The
 // lanes run at once. A job has its seconds alone, and while it runs it may want host cores
 // and the disk:
-// - the disk: while k running jobs of one direction want it, each goes at 1/k of its pace;
-//   while both directions have jobs running, each direction keeps the pace the disk gives
-//   it under mixed traffic (DiskSharing, from the profile's mixed rate), split among that
-//   direction's jobs, or without that figure every job goes at 1/k;
+// - the disk: while k running jobs want it, each goes at 1/k of its pace (an equal share of
+//   the disk's time), times the gain of mixed traffic while both directions have jobs
+//   running (DiskSharing, from the profile's mixed rate), at most its whole pace;
 // - the host's cores: while the running jobs want W cores in all and the host has C < W,
 //   each goes at C / W of its pace (the scheduler's fair share of the cores).
 // A job that wants both goes at the product. With `host_cores` 0 the cores are not shared
@@ -24,14 +23,12 @@ namespace strata::profile {
 
 enum class DiskUse { kNone, kRead, kWrite };
 
-// The pace each direction of the disk keeps while the other direction also has jobs
-// running (of its rate alone, in (0, 1]); 0 = not measured (every disk job then shares the
-// disk equally). A disk that moves `mixed` bytes per second both ways together, half each
-// way, keeps mixed / 2 / read_rate of the reads' pace and mixed / 2 / write_rate of the
-// writes'.
+// What the disk gains from reads and writes at once over taking turns: a disk that reads R
+// and writes W bytes per second alone moves (R + W) / 2 with one job of each direction
+// sharing its time equally, and `mixed` when it serves them together: the gain is
+// mixed / ((R + W) / 2). 0 = not measured (no gain).
 struct DiskSharing {
-  double read_pace = 0;
-  double write_pace = 0;
+  double mixed_gain = 0;
   static DiskSharing from_rates(double read_bytes_per_s, double write_bytes_per_s, double mixed_bytes_per_s);
 };
 

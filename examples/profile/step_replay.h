@@ -18,8 +18,8 @@
 // store's checksums, the copy to the device, the compute stream, the gradient cast, the
 // copy to the host, the landing pass and CPU Adam (one lane, its executor, unless Adam runs
 // on the device). The lanes run at once and share what they share:
-// - the disk: jobs of one direction share it equally; while reads and writes both run,
-//   each direction keeps the pace the profile's mixed rate gives it (shared_lanes.h);
+// - the disk: its jobs share its time equally, with the gain of mixed traffic (from the
+//   profile's mixed rate) while reads and writes both run (shared_lanes.h);
 // - on the CPU device, the host's cores: compute, the cast and the landing want every core,
 //   CPU Adam its threads, a copy one, the checksums the store's verifier threads; while
 //   the jobs running want more cores than there are, each goes at cores / wanted of its

@@ -1,7 +1,7 @@
 // The lanes under the step's replay (examples/profile/shared_lanes) at hand-computed
 // cases: a lane runs one job at a time in the order its jobs became ready, a job waits for
-// the jobs it names, jobs on the disk share it equally unless reads and writes run together
-// (each direction then keeps its mixed pace), and jobs that want more host cores than there
+// the jobs it names, jobs on the disk share its time equally (with the gain of mixed
+// traffic while reads and writes run together), and jobs that want more host cores than there
 // are share them in proportion.
 #include "examples/profile/shared_lanes.h"
 
@@ -31,27 +31,31 @@ TEST(SharedLanes, JobsOnTheDiskShareItEqually) {
   EXPECT_DOUBLE_EQ(spans[b].end, 3.0);  // 1 s of its work beside a, then 1 s alone
 }
 
-// A disk that reads at 1 GB/s and writes at 2 GB/s, and moves 3 GB/s both ways together
-// (1.5 each way): reads keep their whole pace beside writes, writes three quarters of theirs.
-TEST(SharedLanes, WhileReadsAndWritesBothRunEachDirectionKeepsItsMixedPace) {
-  const DiskSharing mixed = DiskSharing::from_rates(1e9, 2e9, 3e9);
-  EXPECT_DOUBLE_EQ(mixed.read_pace, 1.0);
-  EXPECT_DOUBLE_EQ(mixed.write_pace, 0.75);
-  SharedLanes lanes(3, 0, {.read_pace = 0.8, .write_pace = 0.5});
+// A disk that reads at 1 GB/s and writes at 2 GB/s alone, so 1.5 GB/s taking turns, and
+// moves 2.4 GB/s both ways together: mixed traffic gains 1.6x. A read and a write then go
+// at 0.8 of their pace each; two reads, or a read without the gain, at half.
+TEST(SharedLanes, WhileReadsAndWritesBothRunTheDiskGainsItsMixedRate) {
+  const DiskSharing mixed = DiskSharing::from_rates(1e9, 2e9, 2.4e9);
+  EXPECT_DOUBLE_EQ(mixed.mixed_gain, 1.6);
+  SharedLanes lanes(3, 0, mixed);
   const int read = lanes.add({.lane = 0, .seconds = 1, .disk = DiskUse::kRead});
   const int write = lanes.add({.lane = 1, .seconds = 2, .disk = DiskUse::kWrite});
   const auto spans = lanes.run();
-  EXPECT_DOUBLE_EQ(spans[read].end, 1.25);  // at 0.8 of its pace
-  EXPECT_DOUBLE_EQ(spans[write].end, 2.625);  // 0.625 s of its work beside the read, 1.375 s alone
-  SharedLanes unmeasured(3, 0);  // no mixed figure: every disk job at 1/k
+  EXPECT_DOUBLE_EQ(spans[read].end, 1.25);    // at 0.8 of its pace
+  EXPECT_DOUBLE_EQ(spans[write].end, 2.25);   // 1 s of its work beside the read, 1 s alone
+  SharedLanes unmeasured(3, 0);               // no mixed figure: each at 1/2
   unmeasured.add({.lane = 0, .seconds = 1, .disk = DiskUse::kRead});
   unmeasured.add({.lane = 1, .seconds = 1, .disk = DiskUse::kWrite});
   EXPECT_DOUBLE_EQ(unmeasured.run()[0].end, 2.0);
-  SharedLanes two_reads(3, 0, {.read_pace = 0.8, .write_pace = 0.5});  // one direction: shared equally
+  SharedLanes two_reads(3, 0, mixed);         // one direction: no gain
   two_reads.add({.lane = 0, .seconds = 1, .disk = DiskUse::kRead});
   two_reads.add({.lane = 1, .seconds = 1, .disk = DiskUse::kRead});
   EXPECT_DOUBLE_EQ(two_reads.run()[0].end, 2.0);
-  EXPECT_EQ(DiskSharing::from_rates(1e9, 2e9, 0).read_pace, 0.0);  // not measured
+  SharedLanes fast(3, 0, {.mixed_gain = 3.0});  // never faster than alone
+  const int alone = fast.add({.lane = 0, .seconds = 1, .disk = DiskUse::kRead});
+  fast.add({.lane = 1, .seconds = 1, .disk = DiskUse::kWrite});
+  EXPECT_DOUBLE_EQ(fast.run()[alone].end, 1.0);
+  EXPECT_EQ(DiskSharing::from_rates(1e9, 2e9, 0).mixed_gain, 0.0);  // not measured
 }
 
 TEST(SharedLanes, JobsWantingMoreCoresThanTheHostHasShareThemInProportion) {
