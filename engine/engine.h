@@ -181,6 +181,11 @@ class Engine {
   using StateKind = strata::StateKind;  // engine/engine_options.h
   virtual Status read_state_shard(int group, StateKind kind, std::span<float> out) = 0;
   virtual Status write_state_shard(int group, StateKind kind, std::span<const float> in) = 0;
+  // The same for elements [first, first + size) of the shard, so that a caller streams a
+  // large group through a buffer of kStateChunkElements: `first` a multiple of
+  // kStateRangeAlignment, the range ending on one or at the shard's end (engine_options.h).
+  virtual Status read_state_range(int group, StateKind kind, size_t first, std::span<float> out) = 0;
+  virtual Status write_state_range(int group, StateKind kind, size_t first, std::span<const float> in) = 0;
   // After write_state_shard(kMaster, ...) calls: refreshes every trainable group's
   // parameter copies from the masters (a stale copy included: write kStaleParams after this).
   virtual Status refresh_parameters() = 0;

@@ -176,10 +176,12 @@ class EngineImpl final : public Engine {
 
   Status read_state_shard(int group, StateKind kind, std::span<float> out) override;
   Status write_state_shard(int group, StateKind kind, std::span<const float> in) override;
+  Status read_state_range(int group, StateKind kind, size_t first, std::span<float> out) override;
+  Status write_state_range(int group, StateKind kind, size_t first, std::span<const float> in) override;
   Status refresh_parameters() override;
   bool has_stale_parameters() const override { return options_.overlap == OverlapMode::kDelayed && step_index_ >= 1; }
   OverlapMode overlap_mode() const override { return options_.overlap; }
-  Status wait_for_state_access(int g, size_t elements, const char* call);
+  Status wait_for_state_access(int g, size_t first, size_t elements, const char* call);
 
  private:
   // Start-up pieces.
@@ -247,8 +249,11 @@ class EngineImpl final : public Engine {
   // after one (empty) step, where the next step reads the copy one version behind the
   // masters, and the step number the metrics give is kept.
   Status enter_stale_position();
-  Status write_stale_parameters(int g, std::span<const float> in);
-  Status write_frozen_parameters(int g, std::span<const float> in);
+  // The state access behind the whole-shard and ranged calls; `call` names the caller in errors.
+  Status read_state_part(int g, StateKind kind, size_t first, std::span<float> out, const char* call);
+  Status write_state_part(int g, StateKind kind, size_t first, std::span<const float> in, const char* call);
+  Status write_stale_parameters(int g, size_t first, std::span<const float> in, const char* call);
+  Status write_frozen_parameters(int g, size_t first, std::span<const float> in, const char* call);
 
   EngineOptions options_;
   Device& device_;

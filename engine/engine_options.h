@@ -94,6 +94,15 @@ struct EngineOptions {
 // stage keeps the first three; kStaleParams is the shard store's older parameter copy).
 enum class StateKind : uint8_t { kMaster, kExpAvg, kExpAvgSq, kStaleParams };
 
+// Ranged state access (Engine::read_state_range) moves elements [first, first + count) of a
+// shard: `first` is a multiple of kStateRangeAlignment, and the range ends on a multiple of
+// it or at the shard's end (so an NVMe range starts and ends on the store's checksum blocks
+// in every dtype). Whoever streams a large shard through a buffer of its own takes
+// kStateChunkElements at a time: 64 MiB of fp32 however large the group (a 3B model's
+// tied embedding is a 1.6 GB shard on one rank).
+inline constexpr size_t kStateRangeAlignment = size_t{1} << 20;
+inline constexpr size_t kStateChunkElements = size_t{16} << 20;
+
 // What a group's gradient buffer holds when gradient_buffer() first hands it out in a
 // micro-batch.
 enum class GradientStart : uint8_t {

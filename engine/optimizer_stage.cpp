@@ -277,9 +277,18 @@ Status OptimizerStage::initialize_group(int g, const float* master) {
       return ctx_.update_stream->synchronize();
     }
     case Tier::kNvme: {
-      STRATA_ASSIGN_OR_RETURN(AlignedBuffer zeros, AlignedBuffer::allocate(std::max<size_t>(shard, 1) * sizeof(float), 64, name + " zero moments"));
+      // A chunk at a time: a large group's zeros would otherwise be a shard-sized buffer.
+      const size_t chunk = std::min(shard, kStateChunkElements);
+      STRATA_ASSIGN_OR_RETURN(AlignedBuffer zeros, AlignedBuffer::allocate(std::max<size_t>(chunk, 1) * sizeof(float), 4096, name + " zero moments"));
       std::memset(zeros.data(), 0, zeros.capacity());
-      return ctx_.nvme_state->store_group(static_cast<size_t>(g), master, zeros.as<float>(), zeros.as<float>());
+      using Array = NvmeAdamState::Array;
+      for (size_t first = 0; first < shard; first += chunk) {
+        const size_t count = std::min(chunk, shard - first);
+        if (master != nullptr) STRATA_RETURN_IF_ERROR(ctx_.nvme_state->store_range(static_cast<size_t>(g), Array::kMaster, first, count, master + first));
+        STRATA_RETURN_IF_ERROR(ctx_.nvme_state->store_range(static_cast<size_t>(g), Array::kExpAvg, first, count, zeros.data()));
+        STRATA_RETURN_IF_ERROR(ctx_.nvme_state->store_range(static_cast<size_t>(g), Array::kExpAvgSq, first, count, zeros.data()));
+      }
+      return {};
     }
     case Tier::kPinned:
     case Tier::kHost: {
@@ -295,46 +304,44 @@ Status OptimizerStage::initialize_group(int g, const float* master) {
   return InternalError("unknown optimizer tier");
 }
 
-Status OptimizerStage::read_state(int g, StateKind kind, std::span<float> out) {
+Status OptimizerStage::read_state(int g, StateKind kind, size_t first, std::span<float> out) {
   if (kind == StateKind::kStaleParams) return InternalError("the optimizer stage keeps no parameter copies");
   GroupOptimizerState& s = groups_[static_cast<size_t>(g)];
   const size_t shard = group_layout(g).shard_numel;
   const size_t k = static_cast<size_t>(kind);
   switch (ctx_.options->optimizer_tier) {
     case Tier::kNvme:
-      return ctx_.nvme_state->load_group(static_cast<size_t>(g), k == 0 ? out.data() : nullptr, k == 1 ? out.data() : nullptr,
-                                     k == 2 ? out.data() : nullptr);
+      return ctx_.nvme_state->load_range(static_cast<size_t>(g), static_cast<NvmeAdamState::Array>(k), first, out.size(), out.data());
     case Tier::kDevice:
-      STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(out.data(), s.device.as<float>() + k * shard, shard * 4, CopyKind::kDeviceToHost,
-                                                     *ctx_.update_stream));
+      STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(out.data(), s.device.as<float>() + k * shard + first, out.size_bytes(),
+                                                     CopyKind::kDeviceToHost, *ctx_.update_stream));
       return ctx_.update_stream->synchronize();
     case Tier::kPinned:
     case Tier::kHost: {
       const PinnedBuffer& buffer = k == 0 ? s.master : k == 1 ? s.exp_avg : s.exp_avg_sq;
-      std::memcpy(out.data(), buffer.data(), shard * 4);
+      std::memcpy(out.data(), buffer.as<float>() + first, out.size_bytes());
       return {};
     }
   }
   return InternalError("unknown optimizer tier");
 }
 
-Status OptimizerStage::write_state(int g, StateKind kind, std::span<const float> in) {
+Status OptimizerStage::write_state(int g, StateKind kind, size_t first, std::span<const float> in) {
   if (kind == StateKind::kStaleParams) return InternalError("the optimizer stage keeps no parameter copies");
   GroupOptimizerState& s = groups_[static_cast<size_t>(g)];
   const size_t shard = group_layout(g).shard_numel;
   const size_t k = static_cast<size_t>(kind);
   switch (ctx_.options->optimizer_tier) {
     case Tier::kNvme:
-      return ctx_.nvme_state->store_group(static_cast<size_t>(g), k == 0 ? in.data() : nullptr, k == 1 ? in.data() : nullptr,
-                                      k == 2 ? in.data() : nullptr);
+      return ctx_.nvme_state->store_range(static_cast<size_t>(g), static_cast<NvmeAdamState::Array>(k), first, in.size(), in.data());
     case Tier::kDevice:
-      STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(s.device.as<float>() + k * shard, in.data(), shard * 4, CopyKind::kHostToDevice,
-                                                     *ctx_.update_stream));
+      STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(s.device.as<float>() + k * shard + first, in.data(), in.size_bytes(),
+                                                     CopyKind::kHostToDevice, *ctx_.update_stream));
       return ctx_.update_stream->synchronize();
     case Tier::kPinned:
     case Tier::kHost: {
       PinnedBuffer& buffer = k == 0 ? s.master : k == 1 ? s.exp_avg : s.exp_avg_sq;
-      std::memcpy(buffer.data(), in.data(), shard * 4);
+      std::memcpy(buffer.as<float>() + first, in.data(), in.size_bytes());
       return {};
     }
   }

@@ -98,9 +98,10 @@ class OptimizerStage {
   // one kind at a time for checkpoints.
   // (master null: only the moments are zeroed; a load writes the master).
   Status initialize_group(int g, const float* master);
-  // kind: kMaster, kExpAvg or kExpAvgSq.
-  Status read_state(int g, StateKind kind, std::span<float> out);
-  Status write_state(int g, StateKind kind, std::span<const float> in);
+  // kind: kMaster, kExpAvg or kExpAvgSq; elements [first, first + size) of the shard (the
+  // engine has checked the range).
+  Status read_state(int g, StateKind kind, size_t first, std::span<float> out);
+  Status write_state(int g, StateKind kind, size_t first, std::span<const float> in);
 
   // Only create() constructs stages.
   OptimizerStage(const OptimizerStageContext& context, OptimizerStageHooks hooks) : ctx_(context), hooks_(std::move(hooks)) {}

@@ -33,7 +33,9 @@ Status ShardStore::allocate_group(int g, const float* values) {
         break;
       }
     }
-    if (values != nullptr) STRATA_RETURN_IF_ERROR(store_values(g, c, values));
+    // A chunk at a time: staging in the parameter dtype stays bounded for a large group.
+    for (size_t first = 0; values != nullptr && first < layout.shard_numel; first += kStateChunkElements)
+      STRATA_RETURN_IF_ERROR(store_values(g, c, first, {values + first, std::min(kStateChunkElements, layout.shard_numel - first)}));
   }
   return {};
 }
@@ -91,35 +93,35 @@ Status ShardStore::write(int g, int copy, size_t begin, size_t count, const void
   return InternalError("unknown parameter tier");
 }
 
-Status ShardStore::store_values(int g, int copy, const float* values) {
-  const size_t shard = group_layout(g).shard_numel;
+Status ShardStore::store_values(int g, int copy, size_t first, std::span<const float> values) {
   const DType dtype = ctx_.options->param_dtype;
   void* host = host_copy(g, copy);
   if (host != nullptr) {
-    convert_from_float(values, dtype, shard, host);
+    convert_from_float(values.data(), dtype, values.size(), static_cast<char*>(host) + param_bytes(first));
     return {};
   }
-  STRATA_ASSIGN_OR_RETURN(AlignedBuffer converted, staging_buffer(g, param_bytes(shard)));
-  convert_from_float(values, dtype, shard, converted.data());
-  return write(g, copy, 0, shard, converted.data(), 0);
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer converted, staging_buffer(g, param_bytes(values.size())));
+  convert_from_float(values.data(), dtype, values.size(), converted.data());
+  return write(g, copy, first, values.size(), converted.data(), converted.capacity());
 }
 
-Status ShardStore::load_values(int g, int copy, float* values) {
+Status ShardStore::load_values(int g, int copy, size_t first, std::span<float> values) {
   Copies& state = copies_[static_cast<size_t>(g)];
-  const size_t shard = group_layout(g).shard_numel;
-  const size_t bytes = param_bytes(shard);
+  const size_t bytes = param_bytes(values.size());
   const DType dtype = ctx_.options->param_dtype;
   const void* host = host_copy(g, copy);
+  if (host != nullptr) host = static_cast<const char*>(host) + param_bytes(first);
   AlignedBuffer staged;
   if (host == nullptr) {
     STRATA_ASSIGN_OR_RETURN(staged, staging_buffer(g, bytes));
     switch (ctx_.options->param_tier) {
       case Tier::kDevice:
-        STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(staged.data(), device_copy(g, copy), bytes, CopyKind::kDeviceToHost, *ctx_.stream));
+        STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(staged.data(), static_cast<const char*>(device_copy(g, copy)) + param_bytes(first), bytes,
+                                                       CopyKind::kDeviceToHost, *ctx_.stream));
         STRATA_RETURN_IF_ERROR(ctx_.stream->synchronize());
         break;
       case Tier::kNvme:
-        STRATA_RETURN_IF_ERROR(ctx_.nvme->read(state.nvme[static_cast<size_t>(copy)], staged.data(), bytes));
+        STRATA_RETURN_IF_ERROR(ctx_.nvme->read(state.nvme[static_cast<size_t>(copy)], staged.data(), bytes, param_bytes(first), staged.capacity()));
         break;
       case Tier::kPinned:
       case Tier::kHost:
@@ -127,8 +129,8 @@ Status ShardStore::load_values(int g, int copy, float* values) {
     }
     host = staged.data();
   }
-  if (dtype == DType::kFloat32) std::memcpy(values, host, bytes);
-  else for (size_t i = 0; i < shard; ++i) values[i] = load_as_float(host, dtype, i);
+  if (dtype == DType::kFloat32) std::memcpy(values.data(), host, bytes);
+  else for (size_t i = 0; i < values.size(); ++i) values[i] = load_as_float(host, dtype, i);
   return {};
 }
 

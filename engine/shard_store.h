@@ -10,6 +10,7 @@
 #pragma once
 
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "engine/core/device.h"
@@ -66,11 +67,12 @@ class ShardStore {
   // Elements [begin, begin + count) of copy `copy` from host memory (the device and NVMe
   // tiers); synchronous. `capacity` bytes at `values` may be read (0 = exactly the bytes).
   Status write(int g, int copy, size_t begin, size_t count, const void* values, size_t capacity);
-  // fp32 values converted to the parameter dtype into copy `copy`.
-  Status store_values(int g, int copy, const float* values);
-  // Copy `copy` as fp32 values (exact: every parameter dtype widens to fp32); synchronous.
-  // For checkpoints of the stale copy in delayed mode.
-  Status load_values(int g, int copy, float* values);
+  // fp32 values converted to the parameter dtype into elements [first, first + size) of
+  // copy `copy` (an NVMe copy's range follows the store's ranged-transfer rules).
+  Status store_values(int g, int copy, size_t first, std::span<const float> values);
+  // Elements [first, first + size) of copy `copy` as fp32 values (exact: every parameter
+  // dtype widens to fp32); synchronous. For checkpoints of the stale copy in delayed mode.
+  Status load_values(int g, int copy, size_t first, std::span<float> values);
 
  private:
   StatusOr<AlignedBuffer> staging_buffer(int g, size_t bytes) const;

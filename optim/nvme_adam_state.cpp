@@ -159,33 +159,50 @@ StatusOr<std::unique_ptr<NvmeAdamState>> NvmeAdamState::create(NvmeStore& store,
 }
 
 Status NvmeAdamState::store_group(size_t group, const float* master, const void* exp_avg, const void* exp_avg_sq) {
-  STRATA_RETURN_IF_ERROR(flush());
   STRATA_RETURN_IF_ERROR(check_group_has_state(group));
   const size_t n = group_elements_[group];
-  const size_t moment_bytes = n * dtype_size(options_.moment_type);
-  if (master != nullptr)
-    STRATA_RETURN_IF_ERROR_CTX(store_.write(extents_[group].master, master, n * 4), "storing group " + std::to_string(group) + " master");
-  if (exp_avg != nullptr)
-    STRATA_RETURN_IF_ERROR_CTX(store_.write(extents_[group].exp_avg, exp_avg, moment_bytes), "storing group " + std::to_string(group) + " exp_avg");
-  if (exp_avg_sq != nullptr)
-    STRATA_RETURN_IF_ERROR_CTX(store_.write(extents_[group].exp_avg_sq, exp_avg_sq, moment_bytes),
-                               "storing group " + std::to_string(group) + " exp_avg_sq");
+  if (master != nullptr) STRATA_RETURN_IF_ERROR(store_range(group, Array::kMaster, 0, n, master));
+  if (exp_avg != nullptr) STRATA_RETURN_IF_ERROR(store_range(group, Array::kExpAvg, 0, n, exp_avg));
+  if (exp_avg_sq != nullptr) STRATA_RETURN_IF_ERROR(store_range(group, Array::kExpAvgSq, 0, n, exp_avg_sq));
   return {};
 }
 
 Status NvmeAdamState::load_group(size_t group, float* master, void* exp_avg, void* exp_avg_sq) {
-  STRATA_RETURN_IF_ERROR(flush());
   STRATA_RETURN_IF_ERROR(check_group_has_state(group));
   const size_t n = group_elements_[group];
-  const size_t moment_bytes = n * dtype_size(options_.moment_type);
-  if (master != nullptr)
-    STRATA_RETURN_IF_ERROR_CTX(store_.read(extents_[group].master, master, n * 4), "loading group " + std::to_string(group) + " master");
-  if (exp_avg != nullptr)
-    STRATA_RETURN_IF_ERROR_CTX(store_.read(extents_[group].exp_avg, exp_avg, moment_bytes), "loading group " + std::to_string(group) + " exp_avg");
-  if (exp_avg_sq != nullptr)
-    STRATA_RETURN_IF_ERROR_CTX(store_.read(extents_[group].exp_avg_sq, exp_avg_sq, moment_bytes),
-                               "loading group " + std::to_string(group) + " exp_avg_sq");
+  if (master != nullptr) STRATA_RETURN_IF_ERROR(load_range(group, Array::kMaster, 0, n, master));
+  if (exp_avg != nullptr) STRATA_RETURN_IF_ERROR(load_range(group, Array::kExpAvg, 0, n, exp_avg));
+  if (exp_avg_sq != nullptr) STRATA_RETURN_IF_ERROR(load_range(group, Array::kExpAvgSq, 0, n, exp_avg_sq));
   return {};
+}
+
+Status NvmeAdamState::store_range(size_t group, Array array, size_t first, size_t count, const void* values) {
+  STRATA_RETURN_IF_ERROR(flush());
+  STRATA_ASSIGN_OR_RETURN(const ArrayRange range, array_range(group, array, first, count));
+  STRATA_RETURN_IF_ERROR_CTX(store_.write(range.extent, values, range.bytes, range.offset), "storing " + range.what);
+  return {};
+}
+
+Status NvmeAdamState::load_range(size_t group, Array array, size_t first, size_t count, void* values) {
+  STRATA_RETURN_IF_ERROR(flush());
+  STRATA_ASSIGN_OR_RETURN(const ArrayRange range, array_range(group, array, first, count));
+  STRATA_RETURN_IF_ERROR_CTX(store_.read(range.extent, values, range.bytes, range.offset), "loading " + range.what);
+  return {};
+}
+
+StatusOr<NvmeAdamState::ArrayRange> NvmeAdamState::array_range(size_t group, Array array, size_t first, size_t count) const {
+  STRATA_RETURN_IF_ERROR(check_group_has_state(group));
+  const size_t n = group_elements_[group];
+  static constexpr const char* kNames[] = {"master", "exp_avg", "exp_avg_sq"};
+  const char* name = kNames[static_cast<int>(array)];
+  if (first > n || count > n - first)
+    return InvalidArgumentError("nvme adam state: elements [" + std::to_string(first) + ", " + std::to_string(first + count) + ") of group " +
+                           std::to_string(group) + " " + name + ", which has " + std::to_string(n));
+  const size_t size = array == Array::kMaster ? 4 : dtype_size(options_.moment_type);
+  const GroupExtents& e = extents_[group];
+  const NvmeExtent extent = array == Array::kMaster ? e.master : array == Array::kExpAvg ? e.exp_avg : e.exp_avg_sq;
+  return ArrayRange{extent, first * size, count * size,
+                    "group " + std::to_string(group) + " " + name + " elements [" + std::to_string(first) + ", " + std::to_string(first + count) + ")"};
 }
 
 Status NvmeAdamState::check_group_has_state(size_t group) const {

@@ -138,6 +138,13 @@ class NvmeAdamState {
   // left as it is.
   Status store_group(size_t group, const float* master, const void* exp_avg, const void* exp_avg_sq);
   Status load_group(size_t group, float* master, void* exp_avg, void* exp_avg_sq);
+  // The ranged forms, for shards larger than a caller's buffer: elements [first, first +
+  // count) of one array (the master in fp32, a moment in moment_type). The store's rules
+  // for ranged transfers apply to the byte range (nvme_store.h); an element count that is
+  // a multiple of piece_alignment() always meets them.
+  enum class Array { kMaster, kExpAvg, kExpAvgSq };
+  Status store_range(size_t group, Array array, size_t first, size_t count, const void* values);
+  Status load_range(size_t group, Array array, size_t first, size_t count, void* values);
 
   // One optimizer step over the groups in `order` (every group in index order when
   // empty), `io[g]` holding group g's gradient and parameter copy, written back before it
@@ -190,6 +197,13 @@ class NvmeAdamState {
   Status step_piece(CpuAdam& adam, const Piece& piece, const NvmeAdamGroupStep& step, Slot& slot, const NvmeAdamStepSinks& sinks);
   Status check_gradient_access(size_t group, unsigned copy, const char* what) const;
   Status check_group_has_state(size_t group) const;
+  // Where elements [first, first + count) of one array of a group lie, for the ranged forms.
+  struct ArrayRange {
+    NvmeExtent extent;
+    size_t offset = 0, bytes = 0;  // in the extent
+    std::string what;              // "group G master elements [a, b)", for errors
+  };
+  StatusOr<ArrayRange> array_range(size_t group, Array array, size_t first, size_t count) const;
   // Waits for the slot's outstanding transfers; returns the first error.
   Status wait_slot(Slot& slot);
 

@@ -101,29 +101,45 @@ Status check_hf_mapping(const HfTensorSource& source, std::span<const GroupLayou
   return problem_list_error(source.where() + " does not hold this model's weights", problems);
 }
 
+namespace {
+
+// Elements [first, first + values.size()) of rank `rank`'s shard of one group: read first
+// where a tensor is kept, the mapped tensors' elements from the source, then written.
+Status load_hf_chunk(const GroupLayout& layout, int rank, size_t first, std::span<float> values, const HfTensorSource& source,
+                     const HfNameMap& map, const HfShardAccess& access) {
+  std::fill(values.begin(), values.end(), 0.0f);
+  // A tensor the checkpoint does not hold keeps its values: start from the shard as it is.
+  const bool keeps = std::any_of(layout.tensors.begin(), layout.tensors.end(), [&](const TensorLayout& t) { return map(layout, t).kept(); });
+  if (keeps) STRATA_RETURN_IF_ERROR(access.read(layout.id, first, values));
+  const size_t begin = layout.shard_begin(rank) + first;
+  const size_t end = begin + values.size();
+  for (const TensorLayout& t : layout.tensors) {
+    const HfTensorSlice slice = map(layout, t);
+    if (slice.kept()) continue;
+    // Elements past the mapped ones (vocabulary padding) keep the zeros assigned above.
+    const size_t lo = std::max(begin, t.offset), hi = std::min(end, t.offset + static_cast<size_t>(slice.mapped(t)));
+    if (lo >= hi) continue;
+    const std::optional<HfTensorRef> ref = source.find(slice.name);  // checked by the caller
+    STRATA_RETURN_IF_ERROR_CTX(source.read_fp32(*ref, slice.element_offset + (lo - t.offset), values.subspan(lo - begin, hi - lo)),
+                               source.where() + ": loading " + engine_tensor_name(layout, t) + " on rank " + std::to_string(rank));
+  }
+  return access.write(layout.id, first, values);
+}
+
+}  // namespace
+
 Status load_hf_shards(std::span<const GroupLayout> layouts, int rank, const HfTensorSource& source, const HfNameMap& map,
                       const HfShardAccess& access, const HfLoadOptions& options) {
   STRATA_RETURN_IF_ERROR(check_hf_mapping(source, layouts, map, options));
-  std::vector<float> shard;
-  for (const GroupLayout& layout : layouts) {
-    shard.assign(layout.shard_numel, 0.0f);
-    // A tensor the checkpoint does not hold keeps its values: start from the shard as it is.
-    const bool keeps = std::any_of(layout.tensors.begin(), layout.tensors.end(), [&](const TensorLayout& t) { return map(layout, t).kept(); });
-    if (keeps) STRATA_RETURN_IF_ERROR(access.read(layout.id, shard));
-    const size_t begin = layout.shard_begin(rank);
-    const size_t end = begin + layout.shard_numel;
-    for (const TensorLayout& t : layout.tensors) {
-      const HfTensorSlice slice = map(layout, t);
-      if (slice.kept()) continue;
-      // Elements past the mapped ones (vocabulary padding) keep the zeros assigned above.
-      const size_t lo = std::max(begin, t.offset), hi = std::min(end, t.offset + static_cast<size_t>(slice.mapped(t)));
-      if (lo >= hi) continue;
-      const std::optional<HfTensorRef> ref = source.find(slice.name);  // checked above
-      STRATA_RETURN_IF_ERROR_CTX(source.read_fp32(*ref, slice.element_offset + (lo - t.offset), std::span<float>(shard.data() + (lo - begin), hi - lo)),
-                                 source.where() + ": loading " + engine_tensor_name(layout, t) + " on rank " + std::to_string(rank));
+  size_t largest = 0;
+  for (const GroupLayout& layout : layouts) largest = std::max(largest, layout.shard_numel);
+  const size_t chunk = access.chunk_elements == 0 ? largest : std::min(largest, access.chunk_elements);
+  std::vector<float> values(chunk);
+  for (const GroupLayout& layout : layouts)
+    for (size_t first = 0; first < layout.shard_numel; first += chunk) {
+      const std::span<float> part(values.data(), std::min(chunk, layout.shard_numel - first));
+      STRATA_RETURN_IF_ERROR(load_hf_chunk(layout, rank, first, part, source, map, access));
     }
-    STRATA_RETURN_IF_ERROR(access.write(layout.id, shard));
-  }
   return {};
 }
 
@@ -132,8 +148,11 @@ Status load_hf_weights(Engine& engine, int rank, const HfTensorSource& source, c
   layouts.reserve(static_cast<size_t>(engine.group_count()));
   for (int g = 0; g < engine.group_count(); ++g) layouts.push_back(engine.layout(g));
   HfShardAccess access;
-  access.read = [&](int g, std::span<float> shard) { return engine.read_state_shard(g, Engine::StateKind::kMaster, shard); };
-  access.write = [&](int g, std::span<const float> shard) { return engine.write_state_shard(g, Engine::StateKind::kMaster, shard); };
+  access.read = [&](int g, size_t first, std::span<float> values) { return engine.read_state_range(g, Engine::StateKind::kMaster, first, values); };
+  access.write = [&](int g, size_t first, std::span<const float> values) {
+    return engine.write_state_range(g, Engine::StateKind::kMaster, first, values);
+  };
+  access.chunk_elements = kStateChunkElements;
   STRATA_RETURN_IF_ERROR(load_hf_shards(layouts, rank, source, map, access, options));
   return engine.refresh_parameters();
 }

@@ -80,11 +80,14 @@ void put_config_keys(nlohmann::json& json, const Config& config, const ConfigKey
 Status check_hf_mapping(const HfTensorSource& source, std::span<const GroupLayout> layouts, const HfNameMap& map,
                         const HfLoadOptions& options = {});
 
-// Where a load puts rank `rank`'s shard of each group (shard_numel fp32 values), and where
-// it reads the shard first when a tensor of the group is kept (HfTensorSlice::kept()).
+// Where a load puts rank `rank`'s shard of each group (fp32 values), and where it reads
+// the shard first when a tensor of the group is kept (HfTensorSlice::kept()). The load
+// moves `chunk_elements` values at a time (elements [first, first + size) of the shard),
+// or whole shards (first 0) when it is 0.
 struct HfShardAccess {
-  std::function<Status(int group, std::span<float> shard)> read;
-  std::function<Status(int group, std::span<const float> shard)> write;
+  std::function<Status(int group, size_t first, std::span<float> values)> read;
+  std::function<Status(int group, size_t first, std::span<const float> values)> write;
+  size_t chunk_elements = 0;
 };
 
 // Loads rank `rank`'s shard of every group of `layouts` from `source` through `map` (any

@@ -18,9 +18,9 @@ uint64_t mix64(uint64_t x) {
 
 }  // namespace
 
-uint64_t master_checksum_part(const GroupLayout& layout, int rank, std::span<const float> shard) {
+uint64_t master_checksum_part(const GroupLayout& layout, int rank, std::span<const float> shard, size_t first) {
   uint64_t sum = 0;
-  const size_t begin = layout.shard_begin(rank);
+  const size_t begin = layout.shard_begin(rank) + first;
   const uint64_t group_key = mix64(0x5354524154410000ull + static_cast<uint64_t>(layout.id));
   for (size_t i = 0; i < shard.size() && begin + i < layout.numel; ++i) {
     const uint64_t bits = std::bit_cast<uint32_t>(shard[i]);

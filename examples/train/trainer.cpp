@@ -372,13 +372,15 @@ Status RankRun::add_checksum() {
   STRATA_RETURN_IF_ERROR(settle_state());
   uint64_t part = 0;
   double square_sum = 0.0;  // this rank's shards; padding is zero
-  std::vector<float> shard;
+  std::vector<float> chunk;  // a large group's shard streams through it
   for (int g = 0; g < engine_->group_count(); ++g) {
     const GroupLayout& layout = engine_->layout(g);
-    shard.resize(layout.shard_numel);
-    STRATA_RETURN_IF_ERROR(engine_->read_state_shard(g, Engine::StateKind::kMaster, shard));
-    part += master_checksum_part(layout, rank_, shard);
-    for (const float w : shard) square_sum += double(w) * double(w);
+    for (size_t first = 0; first < layout.shard_numel; first += kStateChunkElements) {
+      chunk.resize(std::min(kStateChunkElements, layout.shard_numel - first));
+      STRATA_RETURN_IF_ERROR(engine_->read_state_range(g, Engine::StateKind::kMaster, first, chunk));
+      part += master_checksum_part(layout, rank_, chunk, first);
+      for (const float w : chunk) square_sum += double(w) * double(w);
+    }
   }
   if (run_.processes == nullptr) {
     run_.square_sums[static_cast<size_t>(rank_)] = square_sum;

@@ -133,8 +133,9 @@ Status Session::load_hf(const std::string& dir, const std::vector<HfTensorName>&
   STRATA_ASSIGN_OR_RETURN(const hf::HfNameMap map, name_map(all, names));
   STRATA_ASSIGN_OR_RETURN(hf::HfCheckpoint checkpoint, hf::HfCheckpoint::open(dir));
   hf::HfShardAccess access;
-  access.read = [this](int g, std::span<float> shard) { return read_shard(g, shard); };
-  access.write = [this](int g, std::span<const float> shard) { return write_shard(g, shard); };
+  // Whole shards (chunk_elements 0, so first is 0): a packed group's words are not its elements.
+  access.read = [this](int g, size_t, std::span<float> shard) { return read_shard(g, shard); };
+  access.write = [this](int g, size_t, std::span<const float> shard) { return write_shard(g, shard); };
   STRATA_RETURN_IF_ERROR(hf::load_hf_shards(all, rank_, checkpoint, map, access));
   return engine_->refresh_parameters();
 }

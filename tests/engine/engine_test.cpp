@@ -282,6 +282,58 @@ TEST(EngineTest, GroupsDeclaredLoadedAreNotInitializedAndTakeTheLoadedValues) {
   }
 }
 
+// A shard written and read in ranges holds what whole-shard calls move, in every tier
+// (an NVMe range is a ranged transfer on checksum blocks); refresh_parameters(), which
+// streams a shard in chunks, makes the forward pass see the masters; a range off the
+// alignment rule is refused, naming the rule.
+TEST(EngineTest, StateRangesMoveWhatWholeShardsMove) {
+  testing::TempDir dir;
+  LinearStackConfig model = small_model();
+  model.width = 1200;  // a hidden layer of 1.44 M elements: over one range alignment
+  model.layers = 1;
+  for (Tier tier : {Tier::kPinned, Tier::kNvme}) {
+    SCOPED_TRACE(std::string(tier_name(tier)));
+    LocalClusterOptions cluster_options;
+    cluster_options.world_size = 1;
+    cluster_options.device_budget_bytes = size_t{64} << 20;
+    STRATA_ASSERT_OK_AND_ASSIGN(auto cluster, LocalCluster::create(cluster_options));
+    EngineOptions options = fp32_options();
+    options.param_tier = tier;
+    options.optimizer_tier = tier;
+    options.nvme_path = (dir.path() / ("nvme-" + std::string(tier_name(tier)))).string();
+    STRATA_ASSERT_OK_AND_ASSIGN(auto engine, Engine::create(options, cluster->device(0), cluster->gather_communicator(0), cluster->reduce_communicator(0)));
+    for (const GroupSpec& spec : models::linear_stack_groups(model)) STRATA_ASSERT_OK(engine->register_group(spec).status());
+    STRATA_ASSERT_OK(engine->start());
+    int g = 0;
+    while (g < engine->group_count() && engine->layout(g).shard_numel <= kStateRangeAlignment) ++g;
+    ASSERT_LT(g, engine->group_count());
+    const size_t n = engine->layout(g).shard_numel, cut = kStateRangeAlignment;
+    std::vector<float> values(n), back(n);
+    for (size_t i = 0; i < n; ++i) values[i] = i < engine->layout(g).numel ? 0.25f + 0.001f * float(i % 89) : 0.0f;
+    const std::span<const float> all(values);
+    for (Engine::StateKind kind : {Engine::StateKind::kMaster, Engine::StateKind::kExpAvg}) {
+      STRATA_ASSERT_OK(engine->write_state_range(g, kind, cut, all.subspan(cut)));
+      STRATA_ASSERT_OK(engine->write_state_range(g, kind, 0, all.first(cut)));
+      STRATA_ASSERT_OK(engine->read_state_shard(g, kind, back));
+      EXPECT_EQ(back, values);
+      std::vector<float> tail(n - cut);
+      STRATA_ASSERT_OK(engine->read_state_range(g, kind, cut, tail));
+      EXPECT_TRUE(std::equal(tail.begin(), tail.end(), values.begin() + std::ptrdiff_t(cut)));
+    }
+    STRATA_ASSERT_OK(engine->refresh_parameters());
+    int mismatches = 0;
+    STRATA_ASSERT_OK(forward_pass_sees_the_masters(*engine, 0, DType::kFloat32, ForwardOrder::kOnDemand, &mismatches));
+    EXPECT_EQ(mismatches, 0);
+    std::vector<float> odd(cut - 1);
+    const Status off = engine->read_state_range(g, Engine::StateKind::kMaster, 1, odd);
+    EXPECT_EQ(off.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(off.to_string().find("must start on a multiple of"), std::string::npos) << off.to_string();
+    EXPECT_EQ(engine->read_state_range(g, Engine::StateKind::kMaster, 0, odd).code(), StatusCode::kInvalidArgument);  // ends mid-range
+    EXPECT_EQ(engine->write_state_range(g, Engine::StateKind::kMaster, cut, all).code(), StatusCode::kInvalidArgument);  // past the end
+    STRATA_ASSERT_OK(engine->finish());
+  }
+}
+
 TEST(EngineTest, PersistentGroupsTrainTheSame) {
   RunSpec spec;
   spec.model = small_model();

@@ -111,12 +111,12 @@ class OptimizerStageTest : public StageTest {
   }
   std::vector<float> state(StateKind kind) {
     std::vector<float> out(shard());
-    EXPECT_TRUE(stage_->read_state(0, kind, out).ok());
+    EXPECT_TRUE(stage_->read_state(0, kind, 0, out).ok());
     return out;
   }
   std::vector<float> params(int copy) {
     std::vector<float> out(shard());
-    EXPECT_TRUE(shards_->load_values(0, copy, out.data()).ok());
+    EXPECT_TRUE(shards_->load_values(0, copy, 0, out).ok());
     return out;
   }
   // CPU Adam by hand over the group's decay runs, from the initial values and zero moments.

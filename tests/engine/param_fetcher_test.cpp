@@ -128,7 +128,7 @@ TEST_F(ParamFetcherTest, AFetchWaitsForTheVersionItsUseNeeds) {
   });
   EXPECT_EQ(next.wait_for(kSettle), std::future_status::timeout) << "fetched before version 1 was published";
   // The optimizer's part: the new values in place, then the version.
-  STRATA_ASSERT_OK(shards_->store_values(2, 0, values(2, 1).data()));
+  STRATA_ASSERT_OK(shards_->store_values(2, 0, 0, values(2, 1)));
   versions_->publish(2, 1);
   auto taken = next.get();
   STRATA_ASSERT_OK(taken.status());

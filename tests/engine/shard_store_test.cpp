@@ -39,7 +39,7 @@ class ShardStoreTest : public StageTest, public ::testing::WithParamInterface<Ti
 
   std::vector<float> load(int g, int copy) {
     std::vector<float> out(rig_->layouts[static_cast<size_t>(g)].shard_numel, -1.0f);
-    Status status = store_->load_values(g, copy, out.data());
+    Status status = store_->load_values(g, copy, 0, out);
     EXPECT_TRUE(status.ok()) << status.to_string();
     return out;
   }

@@ -573,6 +573,18 @@ TEST(GptModelTest, ChecksumPartsAddUpTheSameForEveryWorldSize) {
   EXPECT_EQ(train::checksum_hex(0x1234), "0000000000001234");
 }
 
+TEST(GptModelTest, ChecksumPartsOfAShardsChunksAddUpToTheShards) {
+  const auto specs = gpt_group_specs(odd_config());
+  STRATA_ASSERT_OK_AND_ASSIGN(GroupLayout layout, layout_group(specs[1], 1, 3));
+  std::vector<float> shard(layout.shard_numel);
+  init_shard(layout, 0, 7, shard.data());
+  const std::span<const float> all(shard);
+  const size_t cut = layout.numel / 3 + 1;  // among the weights, not the padding
+  EXPECT_EQ(train::master_checksum_part(layout, 0, all.first(cut)) + train::master_checksum_part(layout, 0, all.subspan(cut), cut),
+            train::master_checksum_part(layout, 0, all));
+  EXPECT_NE(train::master_checksum_part(layout, 0, all.subspan(cut), cut), train::master_checksum_part(layout, 0, all.subspan(cut)));
+}
+
 
 // Vocabulary 301: padded to 384 rows inside the model; with 64-row chunks, wte is 5 groups
 // (4 x 64 rows, then 45 real rows + 83 padding rows).
