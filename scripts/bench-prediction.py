@@ -7,13 +7,19 @@ in alternating rounds (each round runs every configuration once, in reversed ord
 other round), and per configuration the median measured step and per-stage busy time
 against the prediction.
 
-  scripts/bench-prediction.py --nvme-path /work/nvme-pred [--rounds 3] [--profiles 3] [--profile FILE]
+  scripts/bench-prediction.py --nvme-path /work/nvme-pred [--rounds 3] [--profiles 3 | --interleave] [--profile FILE]
       [--bin build/bin] [--only 'NAME;...'] [--json] [--save-samples FILE]
   scripts/bench-prediction.py --nvme-path /work/nvme-pred --replan FILE [--bin build/bin] [--json]
 
---save-samples keeps every run's summary and the profile's path; --replan compares those
+--interleave measures a profile before each round instead of all of them first, and each
+run is predicted from the profile measured just before its round: on a shared machine whose
+speed drifts by tens of percent within minutes (docs/benchmarks.md), a profile from the
+start of the session describes a different machine by the last round. Ratios are then the
+median of each run's measured / predicted.
+
+--save-samples keeps every run's summary and its profile's path; --replan compares those
 measurements against the predictions of the build at hand (each configuration's
---plan-only with the same profile, nothing run): a change to the cost model checked
+--plan-only with the same profiles, nothing run): a change to the cost model checked
 against a grid already measured.
 
 The grid: GPT-2 small and medium through strata-train (--compute kernels: the CPU device's
@@ -81,20 +87,24 @@ def plan_only(command, bin_dir, nvme_path, profile):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def compare(samples, prediction=None):
-    """Medians of the measured step and busy times against the (fixed) prediction: the
-    runs' own, or `prediction` (a --plan-only line) when given."""
+def compare(samples, predictions=None):
+    """Each run's measured step and busy times against its prediction: the run's own, or
+    predictions[i] (a --plan-only line) for run i when given. The row holds the medians of
+    the measured and predicted figures and the median of the runs' ratios (with one profile
+    for every run, that is the median measured over the prediction)."""
+    if predictions is not None:
+        samples = [{**s, "predicted_step_s": p["predicted_step_s"], "predicted_busy_s": p["predicted_busy_s"]}
+                   for s, p in zip(samples, predictions)]
     step = statistics.median(s["step_s"] for s in samples)
-    if prediction is not None:
-        samples = [{**s, "predicted_step_s": prediction["predicted_step_s"], "predicted_busy_s": prediction["predicted_busy_s"]}
-                   for s in samples]
-    predicted = samples[0]["predicted_step_s"]
-    row = {"predicted_step_s": predicted, "step_s": step, "step_ratio": step / predicted, "steps_s": [s["step_s"] for s in samples],
-           "stages": {}}
-    for stage, want in samples[0]["predicted_busy_s"].items():
+    predicted = statistics.median(s["predicted_step_s"] for s in samples)
+    row = {"predicted_step_s": predicted, "step_s": step, "step_ratio": statistics.median(s["step_s"] / s["predicted_step_s"] for s in samples),
+           "steps_s": [s["step_s"] for s in samples], "stages": {}}
+    for stage in samples[0]["predicted_busy_s"]:
+        want = statistics.median(s["predicted_busy_s"].get(stage, 0.0) for s in samples)
         got = statistics.median(s["busy_s"].get(stage, 0.0) for s in samples)
         if max(got, want) >= 0.02 * max(step, predicted):
-            row["stages"][stage] = {"predicted": want, "measured": got, "ratio": got / want if want > 0 else None}
+            ratios = [s["busy_s"].get(stage, 0.0) / s["predicted_busy_s"][stage] for s in samples if s["predicted_busy_s"].get(stage, 0.0) > 0]
+            row["stages"][stage] = {"predicted": want, "measured": got, "ratio": statistics.median(ratios) if ratios else None}
     return row
 
 
@@ -113,12 +123,21 @@ def median_profile(profiles):
     return {k: median_profile([p[k] for p in profiles if k in p]) for k in first}
 
 
+def profile_once(args, path):
+    subprocess.run([os.path.join(args.bin, "strata-bench"), "profile", "--nvme-path", os.path.join(args.nvme_path, "profile"),
+                    "--out", path, "--no-keep"], check=True, capture_output=True)
+    p = json.load(open(path))
+    read = p["nvme"][0]["read_bytes_per_s"] if p.get("nvme") else 0.0
+    adam = max((a["elements_per_s"] for a in p.get("cpu_adam", [])), default=0.0)
+    print(f"profile {path}: gemm {p['compute']['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s, nvme read {read / 1e9:.2f} GB/s, "
+          f"cpu adam {adam / 1e9:.2f} G elements/s", file=sys.stderr, flush=True)
+
+
 def measure_profile(args, out):
     paths = []
     for i in range(args.profiles):
         path = out if args.profiles == 1 else f"{out}.{i}"
-        subprocess.run([os.path.join(args.bin, "strata-bench"), "profile", "--nvme-path", os.path.join(args.nvme_path, "profile"),
-                        "--out", path, "--no-keep"], check=True, capture_output=True)
+        profile_once(args, path)
         paths.append(path)
     if args.profiles > 1:
         profiles = [json.load(open(path)) for path in paths]
@@ -135,6 +154,7 @@ def main():
     parser.add_argument("--bin", default="build/bin")
     parser.add_argument("--profile", help="a profile measured in this session already (default: measure one first)")
     parser.add_argument("--profiles", type=int, default=3, help="profiles to measure first, each figure their median")
+    parser.add_argument("--interleave", action="store_true", help="a profile before each round, predicting that round's runs")
     parser.add_argument("--only", help="semicolon-separated substrings of the grid's configuration names")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--save-samples", help="write every run's summary and the profile's path here (JSON)")
@@ -143,18 +163,26 @@ def main():
     os.makedirs(args.nvme_path, exist_ok=True)
     if args.replan:
         saved = json.load(open(args.replan))
-        profile, samples = saved["profile"], saved["samples"]
-        rows = {name: compare(runs, plan_only(GRID[name], args.bin, args.nvme_path, profile)) for name, runs in samples.items()}
+        rows = {}
+        for name, runs in saved["samples"].items():
+            # Each run's profile (saved by --interleave), else the one profile of the grid.
+            profiles = [r.get("profile", saved["profile"]) for r in runs]
+            plans = {p: plan_only(GRID[name], args.bin, args.nvme_path, p) for p in set(profiles)}
+            rows[name] = compare(runs, [plans[p] for p in profiles])
         print_rows(rows, args.json)
         return
     profile = args.profile or os.path.join(args.nvme_path, "profile.json")
-    if not args.profile:
+    if not args.profile and not args.interleave:
         measure_profile(args, profile)
     names = [n for n in GRID if not args.only or any(o in n for o in args.only.split(";"))]
     samples = {n: [] for n in names}
     for r in range(args.rounds):
+        if args.interleave and not args.profile:
+            profile = os.path.join(args.nvme_path, f"profile.round{r}.json")
+            profile_once(args, profile)
         for name in names if r % 2 == 0 else reversed(names):
             result = run(GRID[name], args.bin, args.nvme_path, profile)
+            result["profile"] = os.path.abspath(profile)
             samples[name].append(result)
             print(f"round {r}: {name}: step {result['step_s']:.3f} s, predicted {result['predicted_step_s']:.3f} s, "
                   f"load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)

@@ -241,6 +241,40 @@ TEST(NvmeAdamStateErrorsTest, SkippedStepDoesNoIoAndBadArgumentsAreNamed) {
   EXPECT_FALSE(state->store_group(2, a.master.data(), a.exp_avg.data(), a.exp_avg_sq.data()).ok());
 }
 
+// An array stored in ranges is the array stored whole, at an odd size with bf16 moments
+// (ranges on the store's checksum blocks: 16 Ki fp32 or 32 Ki bf16 elements here); a range
+// off the blocks or past the group's end is an error naming the group.
+TEST(NvmeAdamStateErrorsTest, RangesOfAnArrayHoldWhatTheWholeArrayHolds) {
+  testing::TempDir dir;
+  auto setup_or = make_setup(dir.str() + "/nvme", IoEngineKind::kAuto, true);
+  if (!setup_or.ok() && setup_or.status().code() == StatusCode::kUnavailable) GTEST_SKIP() << setup_or.status().message();
+  STRATA_ASSERT_OK(setup_or);
+  StoreSetup setup = std::move(setup_or).value();
+  constexpr size_t kN = 70001, kCut = 32768;
+  STRATA_ASSERT_OK_AND_ASSIGN(auto state, NvmeAdamState::create(*setup.store, *setup.arena, {kN}, {.moment_type = DType::kBFloat16}));
+  AdamShardData a = AdamShardData::random(kN, DType::kBFloat16, DType::kBFloat16, false, DType::kBFloat16, 3);
+  using Array = NvmeAdamState::Array;
+  STRATA_ASSERT_OK(state->store_range(0, Array::kMaster, kCut, kN - kCut, a.master.data() + kCut));
+  STRATA_ASSERT_OK(state->store_range(0, Array::kMaster, 0, kCut, a.master.data()));
+  STRATA_ASSERT_OK(state->store_range(0, Array::kExpAvg, 0, kN, a.exp_avg.data()));
+  STRATA_ASSERT_OK(state->store_range(0, Array::kExpAvgSq, kCut, kN - kCut, a.exp_avg_sq.data() + kCut * 2));
+  STRATA_ASSERT_OK(state->store_range(0, Array::kExpAvgSq, 0, kCut, a.exp_avg_sq.data()));
+  AdamShardData back = AdamShardData::random(kN, DType::kBFloat16, DType::kBFloat16, false, DType::kBFloat16, 4);
+  STRATA_ASSERT_OK(state->load_group(0, back.master.data(), back.exp_avg.data(), back.exp_avg_sq.data()));
+  EXPECT_EQ(back.master, a.master);
+  EXPECT_EQ(back.exp_avg, a.exp_avg);
+  EXPECT_EQ(back.exp_avg_sq, a.exp_avg_sq);
+  std::vector<float> middle(kCut);
+  STRATA_ASSERT_OK(state->load_range(0, Array::kMaster, 16384, kCut, middle.data()));
+  EXPECT_TRUE(std::equal(middle.begin(), middle.end(), a.master.begin() + 16384));
+  const Status off = state->load_range(0, Array::kMaster, 100, 200, middle.data());
+  EXPECT_FALSE(off.ok());
+  EXPECT_NE(off.to_string().find("group 0 master elements [100, 300)"), std::string::npos) << off.to_string();
+  const Status past = state->store_range(0, Array::kExpAvg, kCut, kN, a.exp_avg.data());
+  EXPECT_EQ(past.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(past.to_string().find("exp_avg"), std::string::npos) << past.to_string();
+}
+
 // A block corrupted on disk behind the store's back fails the step that reads it (the
 // checksum catches it on the I/O thread), and the error names the group.
 TEST(NvmeAdamStateErrorsTest, CorruptedStateFailsTheStepWithDataLoss) {
