@@ -59,10 +59,10 @@ Status EngineImpl::allocate_and_initialize() {
   early_update_ = options_.overlap == OverlapMode::kExact && options_.gradient_clipping <= 0.0f && !options_.fp16_loss_scaling &&
                   !options_.skip_non_finite_updates;
 
-  // Per group: storage, then the initial values of the local shards.
-  STRATA_ASSIGN_OR_RETURN(AlignedBuffer init,
-                          AlignedBuffer::allocate(std::max<size_t>(plan_.max_shard_elements, 1) * sizeof(float), 64, "initial shard values"));
-  for (auto& gp : groups_) STRATA_RETURN_IF_ERROR(initialize_group(*gp, init.as<float>()));
+  // Per group: storage, then the initial values of the local shards, a chunk at a time.
+  const size_t chunk = std::max<size_t>(std::min(plan_.max_shard_elements, kStateChunkElements), 1);
+  STRATA_ASSIGN_OR_RETURN(AlignedBuffer init, AlignedBuffer::allocate(chunk * sizeof(float), 4096, "initial shard values"));
+  for (auto& gp : groups_) STRATA_RETURN_IF_ERROR(initialize_group(*gp, {init.as<float>(), chunk}));
   return {};
 }
 
@@ -203,21 +203,24 @@ Status EngineImpl::submit_early_update(int g, int64_t step) {
   return {};
 }
 
-Status EngineImpl::initialize_group(GroupState& g, float* init) {
-  const size_t id = static_cast<size_t>(g.layout.id);
-  if (id < loaded_groups_.size() && loaded_groups_[id]) {
-    // The caller's load writes the master weights and the parameters: storage, zero moments.
-    STRATA_RETURN_IF_ERROR(shards_->allocate_group(g.layout.id, nullptr));
-    if (!g.layout.trainable) return {};
-    return optimizer_stage_->initialize_group(g.layout.id, nullptr);
-  }
+Status EngineImpl::initialize_group(GroupState& g, std::span<float> init) {
+  const int id = g.layout.id;
+  const bool loaded = static_cast<size_t>(id) < loaded_groups_.size() && loaded_groups_[static_cast<size_t>(id)];
+  // Storage and zero moments; a frozen group is its parameters alone: no optimizer state.
+  STRATA_RETURN_IF_ERROR(shards_->allocate_group(id, nullptr));
+  if (g.layout.trainable) STRATA_RETURN_IF_ERROR(optimizer_stage_->initialize_group(id, nullptr));
+  // The caller's load writes the master weights and the parameters.
+  if (loaded) return {};
   ++initialized_groups_;
-  init_shard(g.layout, options_.rank, options_.seed, init);
-  STRATA_RETURN_IF_ERROR(shards_->allocate_group(g.layout.id, init));
-  // A frozen group is its parameters alone: no optimizer state.
-  if (!g.layout.trainable) return {};
-  // Optimizer state: master = the fp32 initial values, moments zero.
-  return optimizer_stage_->initialize_group(g.layout.id, init);
+  // The fp32 initial values into every parameter copy and the master, chunk by chunk.
+  const size_t shard = g.layout.shard_numel;
+  for (size_t first = 0; first < shard; first += init.size()) {
+    const std::span<float> values = init.first(std::min(init.size(), shard - first));
+    init_shard_range(g.layout, options_.rank, options_.seed, first, values);
+    for (int c = 0; c < shards_->copies(id); ++c) STRATA_RETURN_IF_ERROR(shards_->store_values(id, c, first, values));
+    if (g.layout.trainable) STRATA_RETURN_IF_ERROR(optimizer_stage_->write_state(id, StateKind::kMaster, first, values));
+  }
+  return {};
 }
 
 Status EngineImpl::start() {

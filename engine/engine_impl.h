@@ -193,7 +193,7 @@ class EngineImpl final : public Engine {
   // soon as its gradients have landed.
   Status submit_early_update(int g, int64_t step);
   // `init`: room for the largest shard's fp32 values.
-  Status initialize_group(GroupState& g, float* init);
+  Status initialize_group(GroupState& g, std::span<float> init);
 
   Status create_param_fetcher();
   void record_error(Status status);

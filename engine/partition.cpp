@@ -52,9 +52,14 @@ StatusOr<GroupLayout> layout_group(const GroupSpec& spec, int id, int world_size
 }
 
 void init_shard(const GroupLayout& layout, int rank, uint64_t seed, float* shard) {
-  const size_t begin = layout.shard_begin(rank);
-  const size_t end = begin + layout.shard_numel;
-  std::fill(shard, shard + layout.shard_numel, 0.0f);
+  init_shard_range(layout, rank, seed, 0, {shard, layout.shard_numel});
+}
+
+void init_shard_range(const GroupLayout& layout, int rank, uint64_t seed, size_t first, std::span<float> out) {
+  const size_t begin = layout.shard_begin(rank) + first;
+  const size_t end = begin + out.size();
+  float* shard = out.data();
+  std::fill(out.begin(), out.end(), 0.0f);
   for (const auto& tensor : layout.tensors) {
     const size_t lo = std::max(begin, tensor.offset);
     size_t drawn = tensor.numel;

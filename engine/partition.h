@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -92,6 +93,8 @@ StatusOr<GroupLayout> layout_group(const GroupSpec& spec, int id, int world_size
 // (shard_numel elements): element e of the group gets the value its tensor's init draws
 // for (seed, group id, e); padding, gaps and a tensor's rows past TensorInit::rows are zero.
 void init_shard(const GroupLayout& layout, int rank, uint64_t seed, float* shard);
+// Elements [first, first + out.size()) of that shard: the values init_shard writes there.
+void init_shard_range(const GroupLayout& layout, int rank, uint64_t seed, size_t first, std::span<float> out);
 
 // Writes the weight-decay mask of rank `rank`'s shard: 1 where the element belongs to a
 // tensor with weight_decay, 0 elsewhere (including padding). Used to split a shard into

@@ -71,6 +71,18 @@ TEST(PartitionTest, ShardsConcatenateToTheSameModelForEveryWorldSize) {
   EXPECT_NE(std::memcmp(other.data() + w.offset, whole.data() + w.offset, 64), 0);
 }
 
+// A shard drawn in ranges of odd lengths is the shard drawn whole, on every rank.
+TEST(PartitionTest, AShardDrawnInRangesIsTheShardDrawnWhole) {
+  STRATA_ASSERT_OK_AND_ASSIGN(auto layout, layout_group(block_spec(), 5, 3));
+  for (int r = 0; r < 3; ++r) {
+    std::vector<float> whole(layout.shard_numel), parts(layout.shard_numel, -1.0f);
+    init_shard(layout, r, 99, whole.data());
+    for (size_t first = 0, length = 1; first < layout.shard_numel; first += length, length = length * 3 + 1)
+      init_shard_range(layout, r, 99, first, std::span<float>(parts).subspan(first, std::min(length, layout.shard_numel - first)));
+    ASSERT_EQ(parts, whole) << "rank " << r;
+  }
+}
+
 // A vocabulary padded inside the model: only TensorInit::rows rows are drawn, the rest
 // are zero, on every rank, whatever the world size; the drawn rows are those of the full init.
 TEST(PartitionTest, RowsPastTheInitsRowsAreZero) {
