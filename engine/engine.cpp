@@ -207,8 +207,8 @@ Status EngineImpl::initialize_group(GroupState& g, std::span<float> init) {
   const int id = g.layout.id;
   const bool loaded = static_cast<size_t>(id) < loaded_groups_.size() && loaded_groups_[static_cast<size_t>(id)];
   // Storage and zero moments; a frozen group is its parameters alone: no optimizer state.
-  STRATA_RETURN_IF_ERROR(shards_->allocate_group(id, nullptr));
-  if (g.layout.trainable) STRATA_RETURN_IF_ERROR(optimizer_stage_->initialize_group(id, nullptr));
+  STRATA_RETURN_IF_ERROR(shards_->allocate_group(id));
+  if (g.layout.trainable) STRATA_RETURN_IF_ERROR(optimizer_stage_->initialize_group(id));
   // The caller's load writes the master weights and the parameters.
   if (loaded) return {};
   ++initialized_groups_;

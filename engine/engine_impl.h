@@ -192,7 +192,7 @@ class EngineImpl final : public Engine {
   // Exact mode without clipping or loss scaling: group g's update of `step` starts as
   // soon as its gradients have landed.
   Status submit_early_update(int g, int64_t step);
-  // `init`: room for the largest shard's fp32 values.
+  // `init`: a buffer the group's initial fp32 values pass through, a chunk at a time.
   Status initialize_group(GroupState& g, std::span<float> init);
 
   Status create_param_fetcher();
@@ -250,6 +250,7 @@ class EngineImpl final : public Engine {
   // masters, and the step number the metrics give is kept.
   Status enter_stale_position();
   // The state access behind the whole-shard and ranged calls; `call` names the caller in errors.
+  Status check_whole_shard(int g, size_t elements, const char* call);
   Status read_state_part(int g, StateKind kind, size_t first, std::span<float> out, const char* call);
   Status write_state_part(int g, StateKind kind, size_t first, std::span<const float> in, const char* call);
   Status write_stale_parameters(int g, size_t first, std::span<const float> in, const char* call);

@@ -40,19 +40,22 @@ const char* state_kind_name(Engine::StateKind kind) {
   return "?";
 }
 
+// The whole-shard calls: a span of exactly shard_numel elements.
+Status EngineImpl::check_whole_shard(int g, size_t elements, const char* call) {
+  STRATA_RETURN_IF_ERROR(check_group(g, call));
+  const GroupLayout& layout = group(g).layout;
+  if (elements == layout.shard_numel) return {};
+  return InvalidArgumentError(std::string(call) + ": group " + layout.name + " has " + std::to_string(layout.shard_numel) +
+                              " elements per shard, the span has " + std::to_string(elements));
+}
+
 Status EngineImpl::read_state_shard(int g, StateKind kind, std::span<float> out) {
-  STRATA_RETURN_IF_ERROR(check_group(g, "read_state_shard"));
-  if (out.size() != group(g).layout.shard_numel)
-    return InvalidArgumentError("read_state_shard: group " + group(g).layout.name + " has " + std::to_string(group(g).layout.shard_numel) +
-                                " elements per shard, the span has " + std::to_string(out.size()));
+  STRATA_RETURN_IF_ERROR(check_whole_shard(g, out.size(), "read_state_shard"));
   return read_state_part(g, kind, 0, out, "read_state_shard");
 }
 
 Status EngineImpl::write_state_shard(int g, StateKind kind, std::span<const float> in) {
-  STRATA_RETURN_IF_ERROR(check_group(g, "write_state_shard"));
-  if (in.size() != group(g).layout.shard_numel)
-    return InvalidArgumentError("write_state_shard: group " + group(g).layout.name + " has " + std::to_string(group(g).layout.shard_numel) +
-                                " elements per shard, the span has " + std::to_string(in.size()));
+  STRATA_RETURN_IF_ERROR(check_whole_shard(g, in.size(), "write_state_shard"));
   return write_state_part(g, kind, 0, in, "write_state_shard");
 }
 

@@ -261,7 +261,7 @@ Status OptimizerStage::update_device_group(const OptimizerJob& job, int g) {
 
 // ----------------------------------------------------------------------------- state
 
-Status OptimizerStage::initialize_group(int g, const float* master) {
+Status OptimizerStage::initialize_group(int g) {
   const EngineOptions& o = *ctx_.options;
   const GroupLayout& layout = group_layout(g);
   GroupOptimizerState& s = groups_[static_cast<size_t>(g)];
@@ -272,8 +272,6 @@ Status OptimizerStage::initialize_group(int g, const float* master) {
     case Tier::kDevice: {
       STRATA_ASSIGN_OR_RETURN(s.device, ctx_.device->allocate(shard * 12, name + " optimizer state"));
       STRATA_RETURN_IF_ERROR(ctx_.device->memset_async(s.device.data(), 0, shard * 12, *ctx_.update_stream));
-      if (master != nullptr)
-        STRATA_RETURN_IF_ERROR(ctx_.device->copy_async(s.device.data(), master, shard * 4, CopyKind::kHostToDevice, *ctx_.update_stream));
       return ctx_.update_stream->synchronize();
     }
     case Tier::kNvme: {
@@ -284,7 +282,6 @@ Status OptimizerStage::initialize_group(int g, const float* master) {
       using Array = NvmeAdamState::Array;
       for (size_t first = 0; first < shard; first += chunk) {
         const size_t count = std::min(chunk, shard - first);
-        if (master != nullptr) STRATA_RETURN_IF_ERROR(ctx_.nvme_state->store_range(static_cast<size_t>(g), Array::kMaster, first, count, master + first));
         STRATA_RETURN_IF_ERROR(ctx_.nvme_state->store_range(static_cast<size_t>(g), Array::kExpAvg, first, count, zeros.data()));
         STRATA_RETURN_IF_ERROR(ctx_.nvme_state->store_range(static_cast<size_t>(g), Array::kExpAvgSq, first, count, zeros.data()));
       }
@@ -295,7 +292,6 @@ Status OptimizerStage::initialize_group(int g, const float* master) {
       STRATA_ASSIGN_OR_RETURN(s.master, ctx_.arena->allocate(shard * 4, name + " master"));
       STRATA_ASSIGN_OR_RETURN(s.exp_avg, ctx_.arena->allocate(shard * 4, name + " exp_avg"));
       STRATA_ASSIGN_OR_RETURN(s.exp_avg_sq, ctx_.arena->allocate(shard * 4, name + " exp_avg_sq"));
-      if (master != nullptr) std::memcpy(s.master.data(), master, shard * 4);
       std::memset(s.exp_avg.data(), 0, shard * 4);
       std::memset(s.exp_avg_sq.data(), 0, shard * 4);
       return {};

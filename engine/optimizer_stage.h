@@ -94,10 +94,10 @@ class OptimizerStage {
   void submit(OptimizerJob job);
   size_t queued() const;
 
-  // Group g's state when no job runs (the engine waits for that): initial values, and
-  // one kind at a time for checkpoints.
-  // (master null: only the moments are zeroed; a load writes the master).
-  Status initialize_group(int g, const float* master);
+  // Group g's state when no job runs (the engine waits for that): its storage with zero
+  // moments (the master is undefined until write_state() writes it: initial values or a
+  // load), and one kind at a time for checkpoints.
+  Status initialize_group(int g);
   // kind: kMaster, kExpAvg or kExpAvgSq; elements [first, first + size) of the shard (the
   // engine has checked the range).
   Status read_state(int g, StateKind kind, size_t first, std::span<float> out);

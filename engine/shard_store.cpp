@@ -4,7 +4,7 @@
 
 namespace strata::engine_internal {
 
-Status ShardStore::allocate_group(int g, const float* values) {
+Status ShardStore::allocate_group(int g) {
   const GroupLayout& layout = group_layout(g);
   Copies& state = copies_[static_cast<size_t>(g)];
   const size_t bytes = param_bytes(layout.shard_numel);
@@ -33,9 +33,6 @@ Status ShardStore::allocate_group(int g, const float* values) {
         break;
       }
     }
-    // A chunk at a time: staging in the parameter dtype stays bounded for a large group.
-    for (size_t first = 0; values != nullptr && first < layout.shard_numel; first += kStateChunkElements)
-      STRATA_RETURN_IF_ERROR(store_values(g, c, first, {values + first, std::min(kStateChunkElements, layout.shard_numel - first)}));
   }
   return {};
 }

@@ -53,8 +53,8 @@ class ShardStore {
   int copy_of(int g, int64_t version) const { return copies(g) == 1 ? 0 : static_cast<int>(version % 2); }
   size_t param_bytes(size_t elements) const { return elements * dtype_size(ctx_.options->param_dtype); }
 
-  // Allocates group g's copies and stores `values` (fp32) in each (null: nothing stored; a load follows).
-  Status allocate_group(int g, const float* values);
+  // Allocates group g's copies; their values are undefined until store_values() writes them.
+  Status allocate_group(int g);
   ParamSource source(int g, int64_t version);
   // The copy the optimizer writes in place: host_copy for the host tiers, device_copy for
   // the device tier (the device Adam); nullptr for the other tiers.

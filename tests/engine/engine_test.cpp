@@ -173,6 +173,14 @@ EngineRun run_engine(const EngineOptions& base, const RunSpec& spec) {
   return run;
 }
 
+// One rank with a 64 MiB device budget.
+StatusOr<std::unique_ptr<LocalCluster>> one_rank_cluster() {
+  LocalClusterOptions options;
+  options.world_size = 1;
+  options.device_budget_bytes = size_t{64} << 20;
+  return LocalCluster::create(options);
+}
+
 LinearStackConfig small_model() {
   LinearStackConfig model;
   model.features = 24;
@@ -231,10 +239,7 @@ TEST(EngineTest, GroupsDeclaredLoadedAreNotInitializedAndTakeTheLoadedValues) {
   testing::TempDir dir;
   for (Tier tier : {Tier::kPinned, Tier::kNvme}) {
     SCOPED_TRACE(std::string(tier_name(tier)));
-    LocalClusterOptions cluster_options;
-    cluster_options.world_size = 1;
-    cluster_options.device_budget_bytes = size_t{64} << 20;
-    STRATA_ASSERT_OK_AND_ASSIGN(auto cluster, LocalCluster::create(cluster_options));
+    STRATA_ASSERT_OK_AND_ASSIGN(auto cluster, one_rank_cluster());
     const auto specs = models::linear_stack_groups(small_model());
     auto start = [&](bool declare, std::unique_ptr<Engine>& engine) -> Status {
       EngineOptions options = fp32_options();
@@ -293,10 +298,7 @@ TEST(EngineTest, StateRangesMoveWhatWholeShardsMove) {
   model.layers = 1;
   for (Tier tier : {Tier::kPinned, Tier::kNvme}) {
     SCOPED_TRACE(std::string(tier_name(tier)));
-    LocalClusterOptions cluster_options;
-    cluster_options.world_size = 1;
-    cluster_options.device_budget_bytes = size_t{64} << 20;
-    STRATA_ASSERT_OK_AND_ASSIGN(auto cluster, LocalCluster::create(cluster_options));
+    STRATA_ASSERT_OK_AND_ASSIGN(auto cluster, one_rank_cluster());
     EngineOptions options = fp32_options();
     options.param_tier = tier;
     options.optimizer_tier = tier;

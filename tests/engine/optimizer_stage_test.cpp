@@ -55,8 +55,10 @@ class OptimizerStageTest : public StageTest {
     };
     STRATA_ASSERT_OK_AND_ASSIGN(stage_, OptimizerStage::create(context, std::move(hooks)));
     initial_ = ramp(shard(), 0.001f);
-    STRATA_ASSERT_OK(shards_->allocate_group(0, initial_.data()));
-    STRATA_ASSERT_OK(stage_->initialize_group(0, initial_.data()));
+    STRATA_ASSERT_OK(shards_->allocate_group(0));
+    for (int c = 0; c < shards_->copies(0); ++c) STRATA_ASSERT_OK(shards_->store_values(0, c, 0, initial_));
+    STRATA_ASSERT_OK(stage_->initialize_group(0));
+    STRATA_ASSERT_OK(stage_->write_state(0, StateKind::kMaster, 0, initial_));
     STRATA_ASSERT_OK(stage_->start());
   }
   void TearDown() override { release(); }

@@ -35,7 +35,10 @@ class ParamFetcherTest : public StageTest {
     comm_ = std::make_unique<SelfCommunicator>(*rig_->device);
     shards_ = std::make_unique<ShardStore>(ShardStoreContext{&rig_->options, rig_->device.get(), rig_->update.get(), rig_->arena.get(),
                                                              rig_->nvme.get(), &rig_->tracer, &rig_->layouts});
-    for (int g = 0; g < kGroups; ++g) STRATA_ASSERT_OK(shards_->allocate_group(g, values(g, 0).data()));
+    for (int g = 0; g < kGroups; ++g) {
+      STRATA_ASSERT_OK(shards_->allocate_group(g));
+      for (int c = 0; c < shards_->copies(g); ++c) STRATA_ASSERT_OK(shards_->store_values(g, c, 0, values(g, 0)));
+    }
     versions_ = std::make_unique<VersionBoard>(std::vector<bool>(kGroups, true));
     ParamFetcherContext context{&rig_->options,  &rig_->plan,  rig_->device.get(), rig_->h2d.get(),      rig_->gather.get(),
                                 rig_->compute.get(), comm_.get(), &rig_->tracer,     rig_->stream_trace.get(), &rig_->layouts,

@@ -37,6 +37,12 @@ class ShardStoreTest : public StageTest, public ::testing::WithParamInterface<Ti
   }
   void TearDown() override { store_.reset(); }
 
+  // Allocates group g and stores `values` in every copy.
+  Status allocate(int g, const std::vector<float>& values) {
+    STRATA_RETURN_IF_ERROR(store_->allocate_group(g));
+    for (int c = 0; c < store_->copies(g); ++c) STRATA_RETURN_IF_ERROR(store_->store_values(g, c, 0, values));
+    return {};
+  }
   std::vector<float> load(int g, int copy) {
     std::vector<float> out(rig_->layouts[static_cast<size_t>(g)].shard_numel, -1.0f);
     Status status = store_->load_values(g, copy, 0, out);
@@ -47,9 +53,9 @@ class ShardStoreTest : public StageTest, public ::testing::WithParamInterface<Ti
   std::unique_ptr<ShardStore> store_;
 };
 
-TEST_P(ShardStoreTest, ValuesStoredAtAllocationReadBackExactlyFromEveryCopy) {
+TEST_P(ShardStoreTest, ValuesStoredInEveryCopyReadBackExactly) {
   const std::vector<float> values = ramp(rig_->layouts[0].shard_numel, 0.25f);
-  STRATA_ASSERT_OK(store_->allocate_group(0, values.data()));
+  STRATA_ASSERT_OK(allocate(0, values));
   for (int c = 0; c < store_->copies(0); ++c) EXPECT_EQ(load(0, c), values) << "copy " << c;
 }
 
@@ -67,7 +73,7 @@ TEST_P(ShardStoreTest, DelayedModeKeepsTwoCopiesByVersionParityAndAFrozenGroupOn
 TEST_P(ShardStoreTest, AWriteChangesOnlyItsElementsOfItsCopy) {
   const size_t shard = rig_->layouts[0].shard_numel;
   std::vector<float> values = ramp(shard, 1.0f);
-  STRATA_ASSERT_OK(store_->allocate_group(0, values.data()));
+  STRATA_ASSERT_OK(allocate(0, values));
   const bool nvme = GetParam().tier == Tier::kNvme;
   const size_t begin = nvme ? 0 : 200;
   const size_t count = nvme ? shard : 100;
@@ -84,7 +90,7 @@ TEST_P(ShardStoreTest, AWriteChangesOnlyItsElementsOfItsCopy) {
 
 TEST_P(ShardStoreTest, AVersionsSourceIsInTheTiersFormAndOnlyHostTiersLendACopy) {
   const std::vector<float> values = ramp(rig_->layouts[0].shard_numel, 0.5f);
-  STRATA_ASSERT_OK(store_->allocate_group(0, values.data()));
+  STRATA_ASSERT_OK(allocate(0, values));
   const Tier tier = GetParam().tier;
   const ParamSource where = store_->source(0, 1);
   EXPECT_EQ(where.tier, tier);
@@ -102,7 +108,7 @@ TEST_P(ShardStoreTest, AVersionsSourceIsInTheTiersFormAndOnlyHostTiersLendACopy)
 // copy, or the device tier's on the CPU device (the rig's device); NVMe copies are staged.
 TEST_P(ShardStoreTest, CpuAdamWritesInPlaceWhereverTheCopyIsHostMemory) {
   const std::vector<float> values = ramp(rig_->layouts[0].shard_numel, 0.5f);
-  STRATA_ASSERT_OK(store_->allocate_group(0, values.data()));
+  STRATA_ASSERT_OK(allocate(0, values));
   const Tier tier = GetParam().tier;
   ASSERT_EQ(rig_->device->kind(), DeviceKind::kCpu);
   const int copy = store_->copies(0) - 1;
@@ -124,7 +130,7 @@ TEST_P(ShardStoreTest, BfloatParametersReadBackAsTheRoundedValues) {
   store_ = std::make_unique<ShardStore>(ShardStoreContext{&rig_->options, rig_->device.get(), rig_->update.get(), rig_->arena.get(),
                                                           rig_->nvme.get(), &rig_->tracer, &rig_->layouts});
   const std::vector<float> values = ramp(rig_->layouts[0].shard_numel, 0.1f);
-  STRATA_ASSERT_OK(store_->allocate_group(0, values.data()));
+  STRATA_ASSERT_OK(allocate(0, values));
   const std::vector<float> back = load(0, 0);
   for (size_t i = 0; i < values.size(); ++i) {
     uint16_t bits = 0;
